@@ -1,0 +1,117 @@
+# fp8moe build. One entry point for everything:
+#   make            all binaries into $(BUILD)/ (CPU always; CUDA when nvcc >= 12.9 is found)
+#   make test       CPU unit tests (CMocka), gradient check, then the same tests under ASan+UBSan
+#   make run        set up data and train the default job (configs/shakespeare.ini)
+#   make deps       install missing Debian/Ubuntu packages (as root) or say what is missing
+#   make test-gpu   build and run the GPU parity tests (needs an NVIDIA GPU)
+# Sources are found by wildcard so that a new file in a module directory needs no Makefile edit.
+# BUILD=dir puts every output under another directory (parallel builds, sanitizer builds).
+
+BUILD    ?= build
+CC       ?= gcc
+NVCC     ?= nvcc
+SANITIZE ?= 0
+
+PKGS     := inih hdf5-serial
+PKG_CFLAGS := $(shell pkg-config --cflags $(PKGS) 2>/dev/null)
+PKG_LIBS   := $(shell pkg-config --libs $(PKGS) 2>/dev/null)
+
+# -ffp-contract=off: the CPU path is the numerical reference (DESIGN.md section 4); no FMA contraction.
+CFLAGS   ?= -O2
+CFLAGS   += -std=c11 -D_GNU_SOURCE -Wall -Wextra -Werror -ffp-contract=off -fopenmp -g -I. $(PKG_CFLAGS)
+LDLIBS   += $(PKG_LIBS) -lm -fopenmp
+ifeq ($(SANITIZE),1)
+CFLAGS   += -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=all
+LDLIBS   += -fsanitize=address,undefined
+endif
+
+# ---------------------------------------------------------------------------- CUDA detection
+# CUDA >= 12.9 is needed for cuBLASLt's block-scaled FP8 (later issues); older toolkits build CPU-only.
+NVCC_VERSION := $(shell $(NVCC) --version 2>/dev/null | sed -n 's/.*release \([0-9]*\)\.\([0-9]*\).*/\1 \2/p')
+CUDA_OK := $(shell v="$(NVCC_VERSION)"; set -- $$v; [ -n "$$1" ] && [ $$1 -gt 12 -o \( $$1 -eq 12 -a $$2 -ge 9 \) ] && echo 1)
+ifeq ($(NO_CUDA),1)
+CUDA_OK :=
+endif
+ifeq ($(CUDA_OK),1)
+CUDA_HOME ?= $(patsubst %/bin/nvcc,%,$(shell which $(NVCC)))
+NVCCFLAGS ?= -O2 -arch=sm_90 -std=c++17 -I. -DFP8MOE_CUDA -Xcompiler -Wall,-Wextra,-Werror
+CFLAGS   += -DFP8MOE_CUDA -I$(CUDA_HOME)/include
+LDLIBS   += -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcudart -lcublasLt -lstdc++
+CUDA_SRC := $(wildcard kernels/cuda/*.cu)
+CUDA_WHY := CUDA $(NVCC_VERSION) found: building kernels/cuda
+else
+CUDA_SRC :=
+CUDA_WHY := building CPU-only: $(if $(NVCC_VERSION),nvcc $(NVCC_VERSION) is older than 12.9,no nvcc on PATH)$(if $(NO_CUDA), (NO_CUDA=1),)
+endif
+
+# ---------------------------------------------------------------------------- sources
+LIB_SRC  := $(wildcard kernels/*.c kernels/cpu/*.c train/*.c optim/*.c data/*.c parallel/*.c)
+LIB_SRC  := $(filter-out train/main.c,$(LIB_SRC))
+LIB_OBJ  := $(LIB_SRC:%.c=$(BUILD)/obj/%.o) $(CUDA_SRC:%.cu=$(BUILD)/obj/%.cu.o)
+# The same sources with real = double, for the gradient check (no CUDA in this build).
+DBL_SRC  := $(LIB_SRC)
+DBL_OBJ  := $(DBL_SRC:%.c=$(BUILD)/dobj/%.o)
+
+UNIT_SRC := $(filter-out tests/unit/test_gradcheck.c,$(wildcard tests/unit/test_*.c))
+UNIT_BIN := $(UNIT_SRC:tests/unit/%.c=$(BUILD)/tests/%)
+GPU_SRC  := $(wildcard tests/gpu/test_*.c)
+GPU_BIN  := $(if $(CUDA_OK),$(GPU_SRC:tests/gpu/%.c=$(BUILD)/tests/%))
+
+.PHONY: all test test-unit test-asan run deps test-gpu bench clean cuda-status
+all: cuda-status $(BUILD)/fp8moe $(BUILD)/gradcheck $(BUILD)/gradcheck_f32 $(UNIT_BIN) $(GPU_BIN)
+
+cuda-status:
+	@echo "fp8moe: $(CUDA_WHY)"
+
+$(BUILD)/obj/%.o: %.c
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -MMD -MP -c $< -o $@
+$(BUILD)/dobj/%.o: %.c
+	@mkdir -p $(dir $@)
+	$(CC) $(filter-out -DFP8MOE_CUDA,$(CFLAGS)) -DFP8MOE_REAL_DOUBLE -MMD -MP -c $< -o $@
+$(BUILD)/obj/%.cu.o: %.cu
+	@mkdir -p $(dir $@)
+	$(NVCC) $(NVCCFLAGS) -MMD -MP -c $< -o $@
+
+$(BUILD)/libfp8moe.a: $(LIB_OBJ)
+	@rm -f $@; ar rcs $@ $^
+$(BUILD)/libfp8moe_double.a: $(DBL_OBJ)
+	@rm -f $@; ar rcs $@ $^
+
+$(BUILD)/fp8moe: $(BUILD)/obj/train/main.o $(BUILD)/libfp8moe.a
+	$(CC) $(CFLAGS) $^ -o $@ $(LDLIBS)
+
+$(BUILD)/tests/%: tests/unit/%.c $(BUILD)/libfp8moe.a
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -Itests $< $(BUILD)/libfp8moe.a -o $@ $(LDLIBS) -lcmocka
+$(BUILD)/tests/test_gpu_%: tests/gpu/test_gpu_%.c $(BUILD)/libfp8moe.a
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -Itests $< $(BUILD)/libfp8moe.a -o $@ $(LDLIBS) -lcmocka
+$(BUILD)/gradcheck: tests/unit/test_gradcheck.c $(BUILD)/libfp8moe_double.a
+	$(CC) $(filter-out -DFP8MOE_CUDA,$(CFLAGS)) -DFP8MOE_REAL_DOUBLE -Itests $< $(BUILD)/libfp8moe_double.a -o $@ $(filter-out -lcudart -lcublasLt -lstdc++,$(LDLIBS)) -lcmocka
+$(BUILD)/gradcheck_f32: tests/unit/test_gradcheck.c $(BUILD)/libfp8moe.a
+	$(CC) $(CFLAGS) -Itests $< $(BUILD)/libfp8moe.a -o $@ $(LDLIBS) -lcmocka
+
+test: test-unit test-asan
+test-unit: all
+	@BUILD=$(BUILD) bash tests/run_unit.sh
+test-asan:
+	@$(MAKE) --no-print-directory BUILD=$(BUILD)/asan SANITIZE=1 NO_CUDA=1 CFLAGS=-O1 test-unit
+
+test-gpu:
+	bash tests/gpu/run.sh
+
+run: all
+	bash scripts/deps.sh --check
+	$(BUILD)/fp8moe train configs/shakespeare.ini
+
+deps:
+	bash scripts/deps.sh
+
+bench: all
+	bash tests/bench/run.sh
+
+clean:
+	rm -rf $(BUILD)
+
+-include $(shell find $(BUILD)/obj $(BUILD)/dobj -name '*.d' 2>/dev/null)

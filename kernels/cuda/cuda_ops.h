@@ -1,0 +1,24 @@
+/*
+ * cuda_ops.h - CUDA implementations behind kernels.h (one cuda_ function per op, same arguments
+ * without the Device; pointers are device pointers). Only built when FP8MOE_CUDA is defined.
+ */
+#ifndef FP8MOE_CUDA_OPS_H
+#define FP8MOE_CUDA_OPS_H
+
+#include "kernels/kernels.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+void cuda_rmsnorm_forward(real *out, real *rstd, const real *inp, const real *weight, int N, int C);
+void cuda_rmsnorm_backward(real *dinp, real *dweight, const real *dout, const real *inp, const real *weight, const real *rstd, int N, int C);
+void cuda_swiglu_forward(real *out, const real *a, const real *b, int64_t n);
+void cuda_swiglu_backward(real *da, real *db, const real *dout, const real *a, const real *b, int64_t n);
+void cuda_crossentropy_forward(real *losses, real *probs, const real *logits, const int *targets, int N, int V);
+void cuda_crossentropy_backward(real *dlogits, const real *probs, const int *targets, real dloss, int N, int V);
+void cuda_adamw_update(real *param, const real *grad, uint16_t *m, uint16_t *v, int64_t n, float lr, float beta1, float beta2, float eps, float weight_decay, float grad_scale, int t);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

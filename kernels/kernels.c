@@ -1,0 +1,175 @@
+/*
+ * kernels.c - dispatch of every kernels.h op to its CPU or CUDA implementation by Device.
+ * Ops that have no CUDA version yet stop with a message naming the op instead of silently running
+ * on the CPU (no silent fallbacks).
+ */
+#include "kernels/kernels.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "kernels/cpu/cpu_ops.h"
+#ifdef FP8MOE_CUDA
+#include "kernels/cuda/cuda_ops.h"
+#endif
+
+static void no_cuda_op(const char *op) {
+#ifdef FP8MOE_CUDA
+    fprintf(stderr, "fp8moe: op %s has no CUDA implementation yet (kernels/kernels.c)\n", op);
+#else
+    fprintf(stderr, "fp8moe: op %s asked for on a CUDA device, but this build has no CUDA "
+                    "(kernels/kernels.c); rebuild with CUDA >= 12.9 or use device = cpu\n", op);
+#endif
+    exit(1);
+}
+
+void matmul_forward(Device dev, real *out, const real *inp, const real *weight, int N, int C, int OC) {
+    if (dev != DEVICE_CPU) no_cuda_op("matmul_forward");
+    cpu_matmul_forward(out, inp, weight, N, C, OC);
+}
+
+void matmul_backward(Device dev, real *dinp, real *dweight, const real *dout, const real *inp, const real *weight, int N, int C, int OC) {
+    if (dev != DEVICE_CPU) no_cuda_op("matmul_backward");
+    cpu_matmul_backward(dinp, dweight, dout, inp, weight, N, C, OC);
+}
+
+void embedding_forward(Device dev, real *out, const int *tokens, const real *table, int N, int C) {
+    if (dev != DEVICE_CPU) no_cuda_op("embedding_forward");
+    cpu_embedding_forward(out, tokens, table, N, C);
+}
+
+void embedding_backward(Device dev, real *dtable, const real *dout, const int *tokens, int N, int C) {
+    if (dev != DEVICE_CPU) no_cuda_op("embedding_backward");
+    cpu_embedding_backward(dtable, dout, tokens, N, C);
+}
+
+void rmsnorm_forward(Device dev, real *out, real *rstd, const real *inp, const real *weight, int N, int C) {
+#ifdef FP8MOE_CUDA
+    if (dev == DEVICE_CUDA) { cuda_rmsnorm_forward(out, rstd, inp, weight, N, C); return; }
+#endif
+    if (dev != DEVICE_CPU) no_cuda_op("rmsnorm_forward");
+    cpu_rmsnorm_forward(out, rstd, inp, weight, N, C);
+}
+
+void rmsnorm_backward(Device dev, real *dinp, real *dweight, const real *dout, const real *inp, const real *weight, const real *rstd, int N, int C) {
+#ifdef FP8MOE_CUDA
+    if (dev == DEVICE_CUDA) { cuda_rmsnorm_backward(dinp, dweight, dout, inp, weight, rstd, N, C); return; }
+#endif
+    if (dev != DEVICE_CPU) no_cuda_op("rmsnorm_backward");
+    cpu_rmsnorm_backward(dinp, dweight, dout, inp, weight, rstd, N, C);
+}
+
+void rope_forward(Device dev, real *out, const real *inp, int B, int T, int H, int D, real theta) {
+    if (dev != DEVICE_CPU) no_cuda_op("rope_forward");
+    cpu_rope_forward(out, inp, B, T, H, D, theta);
+}
+
+void rope_backward(Device dev, real *dinp, const real *dout, int B, int T, int H, int D, real theta) {
+    if (dev != DEVICE_CPU) no_cuda_op("rope_backward");
+    cpu_rope_backward(dinp, dout, B, T, H, D, theta);
+}
+
+void attention_forward(Device dev, real *out, real *att, const real *q, const real *k, const real *v, int B, int T, int H, int Dqk, int Dv) {
+    if (dev != DEVICE_CPU) no_cuda_op("attention_forward");
+    cpu_attention_forward(out, att, q, k, v, B, T, H, Dqk, Dv);
+}
+
+void attention_backward(Device dev, real *dq, real *dk, real *dv, const real *dout, const real *att, const real *q, const real *k, const real *v, int B, int T, int H, int Dqk, int Dv) {
+    if (dev != DEVICE_CPU) no_cuda_op("attention_backward");
+    cpu_attention_backward(dq, dk, dv, dout, att, q, k, v, B, T, H, Dqk, Dv);
+}
+
+void swiglu_forward(Device dev, real *out, const real *a, const real *b, int64_t n) {
+#ifdef FP8MOE_CUDA
+    if (dev == DEVICE_CUDA) { cuda_swiglu_forward(out, a, b, n); return; }
+#endif
+    if (dev != DEVICE_CPU) no_cuda_op("swiglu_forward");
+    cpu_swiglu_forward(out, a, b, n);
+}
+
+void swiglu_backward(Device dev, real *da, real *db, const real *dout, const real *a, const real *b, int64_t n) {
+#ifdef FP8MOE_CUDA
+    if (dev == DEVICE_CUDA) { cuda_swiglu_backward(da, db, dout, a, b, n); return; }
+#endif
+    if (dev != DEVICE_CPU) no_cuda_op("swiglu_backward");
+    cpu_swiglu_backward(da, db, dout, a, b, n);
+}
+
+void crossentropy_forward(Device dev, real *losses, real *probs, const real *logits, const int *targets, int N, int V) {
+#ifdef FP8MOE_CUDA
+    if (dev == DEVICE_CUDA) { cuda_crossentropy_forward(losses, probs, logits, targets, N, V); return; }
+#endif
+    if (dev != DEVICE_CPU) no_cuda_op("crossentropy_forward");
+    cpu_crossentropy_forward(losses, probs, logits, targets, N, V);
+}
+
+void crossentropy_backward(Device dev, real *dlogits, const real *probs, const int *targets, real dloss, int N, int V) {
+#ifdef FP8MOE_CUDA
+    if (dev == DEVICE_CUDA) { cuda_crossentropy_backward(dlogits, probs, targets, dloss, N, V); return; }
+#endif
+    if (dev != DEVICE_CPU) no_cuda_op("crossentropy_backward");
+    cpu_crossentropy_backward(dlogits, probs, targets, dloss, N, V);
+}
+
+double sum_squares(Device dev, const real *x, int64_t n) {
+    if (dev != DEVICE_CPU) no_cuda_op("sum_squares");
+    return cpu_sum_squares(x, n);
+}
+
+void scale_inplace(Device dev, real *x, real s, int64_t n) {
+    if (dev != DEVICE_CPU) no_cuda_op("scale_inplace");
+    cpu_scale_inplace(x, s, n);
+}
+
+void add_inplace(Device dev, real *y, const real *x, int64_t n) {
+    if (dev != DEVICE_CPU) no_cuda_op("add_inplace");
+    cpu_add_inplace(y, x, n);
+}
+
+void router_forward(Device dev, int *topk_idx, real *topk_w, real *scores, const real *logits, const real *bias, int N, int E, int K, int n_groups, int n_limited, real route_scale, int freeze) {
+    if (dev != DEVICE_CPU) no_cuda_op("router_forward");
+    cpu_router_forward(topk_idx, topk_w, scores, logits, bias, N, E, K, n_groups, n_limited, route_scale, freeze);
+}
+
+void router_backward(Device dev, real *dlogits, const real *dtopk_w, const real *dscores, const int *topk_idx, const real *scores, int N, int E, int K, real route_scale) {
+    if (dev != DEVICE_CPU) no_cuda_op("router_backward");
+    cpu_router_backward(dlogits, dtopk_w, dscores, topk_idx, scores, N, E, K, route_scale);
+}
+
+real balance_loss_forward(Device dev, int *plain_topk, const real *scores, int B, int T, int E, int K, real alpha, int freeze) {
+    if (dev != DEVICE_CPU) no_cuda_op("balance_loss_forward");
+    return cpu_balance_loss_forward(plain_topk, scores, B, T, E, K, alpha, freeze);
+}
+
+void balance_loss_backward(Device dev, real *dscores, const int *plain_topk, const real *scores, int B, int T, int E, int K, real alpha, real dloss) {
+    if (dev != DEVICE_CPU) no_cuda_op("balance_loss_backward");
+    cpu_balance_loss_backward(dscores, plain_topk, scores, B, T, E, K, alpha, dloss);
+}
+
+void gather_rows(Device dev, real *out, const real *inp, const int *src_row, int n_rows, int C) {
+    if (dev != DEVICE_CPU) no_cuda_op("gather_rows");
+    cpu_gather_rows(out, inp, src_row, n_rows, C);
+}
+
+void moe_unpermute_backward(Device dev, real *dinp, const real *dseg, const int *slot_of, int N, int K, int C) {
+    if (dev != DEVICE_CPU) no_cuda_op("moe_unpermute_backward");
+    cpu_moe_unpermute_backward(dinp, dseg, slot_of, N, K, C);
+}
+
+void moe_combine_forward(Device dev, real *out, const real *expert_out, const int *slot_of, const real *topk_w, int N, int K, int C) {
+    if (dev != DEVICE_CPU) no_cuda_op("moe_combine_forward");
+    cpu_moe_combine_forward(out, expert_out, slot_of, topk_w, N, K, C);
+}
+
+void moe_combine_backward(Device dev, real *dexpert_out, real *dtopk_w, const real *dout, const real *expert_out, const int *slot_of, const real *topk_w, int N, int K, int C) {
+    if (dev != DEVICE_CPU) no_cuda_op("moe_combine_backward");
+    cpu_moe_combine_backward(dexpert_out, dtopk_w, dout, expert_out, slot_of, topk_w, N, K, C);
+}
+
+void adamw_update(Device dev, real *param, const real *grad, uint16_t *m, uint16_t *v, int64_t n, float lr, float beta1, float beta2, float eps, float weight_decay, float grad_scale, int t) {
+#ifdef FP8MOE_CUDA
+    if (dev == DEVICE_CUDA) { cuda_adamw_update(param, grad, m, v, n, lr, beta1, beta2, eps, weight_decay, grad_scale, t); return; }
+#endif
+    if (dev != DEVICE_CPU) no_cuda_op("adamw_update");
+    cpu_adamw_update(param, grad, m, v, n, lr, beta1, beta2, eps, weight_decay, grad_scale, t);
+}

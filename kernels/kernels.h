@@ -1,0 +1,174 @@
+/*
+ * kernels.h - the op interface of fp8moe.
+ *
+ * Every numerical op the model, optimizer and trainer run goes through these functions. Each takes
+ * the Device its pointers live on first and dispatches to kernels/cpu (the FP32 reference, which is
+ * what tests and CI run) or kernels/cuda (same function, same layouts, checked against the CPU op).
+ * The model code never touches a device pointer itself.
+ *
+ * Conventions, for every op below:
+ *  - `real` is float, or double when built with -DFP8MOE_REAL_DOUBLE (the gradient-check build;
+ *    that build has no CUDA). CUDA ops take float (real) pointers in the FP32 build.
+ *  - Shapes are given in the comment of each op, row-major, last index fastest. N = rows (tokens).
+ *  - Forward ops write their outputs. Backward ops ACCUMULATE (+=) into every gradient they produce
+ *    (dinp, dweight, ...), so residual branches and shared weights need no extra adds; the caller
+ *    zeroes gradient buffers. A NULL gradient pointer means "not needed" and is skipped.
+ *    Exceptions are named at the op (cross-entropy writes dlogits).
+ *  - Token id arrays are int32. A target of -1 means "no target here" (masked).
+ *  - Deterministic: no op uses floating-point atomics; reductions have a fixed order, so the same
+ *    inputs give bitwise-identical outputs regardless of thread count.
+ *  - Errors (e.g. a CUDA op asked for in a build without CUDA) stop the process with a message that
+ *    names the op, the file and the line.
+ */
+#ifndef FP8MOE_KERNELS_H
+#define FP8MOE_KERNELS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef FP8MOE_REAL_DOUBLE
+typedef double real;
+#else
+typedef float real;
+#endif
+
+typedef enum { DEVICE_CPU = 0, DEVICE_CUDA = 1 } Device;
+
+#define RMSNORM_EPS 1e-6
+
+// ---------------------------------------------------------------------------- device memory
+// Thin wrappers so model/optimizer code can allocate and move buffers without knowing the device.
+// They abort with file/line on failure. device_alloc returns zeroed memory.
+void *device_alloc(Device dev, size_t bytes);
+void device_free(Device dev, void *p);
+void device_memcpy_to_host(Device dev, void *dst_host, const void *src, size_t bytes);
+void device_memcpy_from_host(Device dev, void *dst, const void *src_host, size_t bytes);
+void device_memset_zero(Device dev, void *p, size_t bytes);
+int cuda_device_count(void); // 0 when built without CUDA or when no GPU is visible
+const char *device_name(Device dev);
+
+// ---------------------------------------------------------------------------- dense algebra
+// matmul (every Linear; DeepSeek-V3 Linears have no bias):
+//   inp (N, C), weight (OC, C) -> out (N, OC) = inp @ weight^T
+void matmul_forward(Device dev, real *out, const real *inp, const real *weight, int N, int C, int OC);
+// in the forward pass this was out = inp @ weight^T, so:
+//   dinp (N, C) += dout @ weight;   dweight (OC, C) += dout^T @ inp
+void matmul_backward(Device dev, real *dinp, real *dweight, const real *dout, const real *inp,
+                     const real *weight, int N, int C, int OC);
+
+// ---------------------------------------------------------------------------- embedding
+// tokens (N) int32 in [0, V), table (V, C) -> out (N, C)
+void embedding_forward(Device dev, real *out, const int *tokens, const real *table, int N, int C);
+// dtable (V, C) += scatter of dout (N, C) by tokens, rows added in token order (deterministic)
+void embedding_backward(Device dev, real *dtable, const real *dout, const int *tokens, int N, int C);
+
+// ---------------------------------------------------------------------------- RMSNorm
+// inp (N, C), weight (C) -> out (N, C) = inp * rstd * weight, rstd (N) = 1/sqrt(mean(inp^2) + 1e-6)
+void rmsnorm_forward(Device dev, real *out, real *rstd, const real *inp, const real *weight, int N, int C);
+// dinp (N, C) += ..., dweight (C) += ...   (rstd from the forward pass)
+void rmsnorm_backward(Device dev, real *dinp, real *dweight, const real *dout, const real *inp,
+                      const real *weight, const real *rstd, int N, int C);
+
+// ---------------------------------------------------------------------------- RoPE
+// Interleaved rotary embedding (DeepSeek's reference layout): pairs (x[2j], x[2j+1]) of each vector
+// are rotated by angle pos * theta^(-2j/D). x is (B, T, H, D) contiguous, position = t. D even.
+// out may alias inp.
+void rope_forward(Device dev, real *out, const real *inp, int B, int T, int H, int D, real theta);
+// the inverse rotation applied to the gradient: dinp (B,T,H,D) += R(-angle) dout. dinp must not alias dout.
+void rope_backward(Device dev, real *dinp, const real *dout, int B, int T, int H, int D, real theta);
+
+// ---------------------------------------------------------------------------- attention core
+// Causal softmax attention, per batch b and head h:
+//   q, k (B, T, H, Dqk), v (B, T, H, Dv) -> out (B, T, H, Dv),
+//   att (B, H, T, T) keeps the softmax probabilities for the backward pass (CPU reference only
+//   materialises them; entries above the diagonal are 0). Scale 1/sqrt(Dqk).
+void attention_forward(Device dev, real *out, real *att, const real *q, const real *k, const real *v,
+                       int B, int T, int H, int Dqk, int Dv);
+// dq, dk (B,T,H,Dqk) +=, dv (B,T,H,Dv) +=
+void attention_backward(Device dev, real *dq, real *dk, real *dv, const real *dout, const real *att,
+                        const real *q, const real *k, const real *v, int B, int T, int H, int Dqk, int Dv);
+
+// ---------------------------------------------------------------------------- SwiGLU
+// elementwise over n: out = silu(a) * b, silu(a) = a * sigmoid(a)   (a = w1 x, b = w3 x)
+void swiglu_forward(Device dev, real *out, const real *a, const real *b, int64_t n);
+// da += dout * b * silu'(a);  db += dout * silu(a)
+void swiglu_backward(Device dev, real *da, real *db, const real *dout, const real *a, const real *b, int64_t n);
+
+// ---------------------------------------------------------------------------- softmax cross-entropy
+// logits (N, V), targets (N) with -1 = masked -> losses (N) (0 where masked), probs (N, V).
+void crossentropy_forward(Device dev, real *losses, real *probs, const real *logits, const int *targets,
+                          int N, int V);
+// WRITES dlogits (N, V) = (probs - onehot(target)) * dloss for unmasked rows, 0 for masked rows.
+// dloss is the same for every row (e.g. loss_weight / n_valid for a mean).
+void crossentropy_backward(Device dev, real *dlogits, const real *probs, const int *targets, real dloss,
+                           int N, int V);
+
+// ---------------------------------------------------------------------------- reductions, helpers
+// sum of squares of x (n), accumulated in double in a fixed order; returned as double
+double sum_squares(Device dev, const real *x, int64_t n);
+void scale_inplace(Device dev, real *x, real s, int64_t n);
+// y (n) += x (n)
+void add_inplace(Device dev, real *y, const real *x, int64_t n);
+
+// ---------------------------------------------------------------------------- MoE routing
+// DeepSeek-V3 router (DESIGN.md section 3). logits (N, E) = x W_g^T (computed by matmul_forward).
+//   scores (N, E) = sigmoid(logits); biased = scores + bias (bias (E), only for selection)
+//   group score = sum of the top-2 biased scores in each of n_groups groups of E/n_groups experts,
+//   keep the top n_limited groups (ties: lower group index), others -inf;
+//   topk_idx (N, K) = top-K experts of the masked biased scores (ties: lower expert index),
+//   topk_w (N, K) = scores[idx] / sum_k scores[idx_k] * route_scale.
+// If freeze != 0, topk_idx is an INPUT (routing held fixed, for gradient checks) and only scores and
+// topk_w are recomputed.
+void router_forward(Device dev, int *topk_idx, real *topk_w, real *scores, const real *logits,
+                    const real *bias, int N, int E, int K, int n_groups, int n_limited, real route_scale,
+                    int freeze);
+// dlogits (N, E) += d/dlogits of (dtopk_w . topk_w) + (dscores . scores), through the sigmoid.
+// dscores may be NULL (no balance loss); it is the gradient wrt scores from the balance loss.
+void router_backward(Device dev, real *dlogits, const real *dtopk_w, const real *dscores,
+                     const int *topk_idx, const real *scores, int N, int E, int K, real route_scale);
+
+// Sequence-wise balance loss over B sequences of T tokens, scores (B*T, E):
+//   per sequence: L = alpha * sum_i f_i P_i, f_i = E/(K T) * #{t : i in plain top-K of scores_t},
+//   P_i = (1/T) sum_t scores_ti / sum_j scores_tj; returns the mean over the B sequences.
+// plain_topk (B*T, K) receives the plain top-K (unbiased, no group limit, ties to the lower index),
+// or is an input when freeze != 0.
+real balance_loss_forward(Device dev, int *plain_topk, const real *scores, int B, int T, int E, int K,
+                          real alpha, int freeze);
+// dscores (B*T, E) += dloss * d(returned loss)/d(scores), f held constant
+void balance_loss_backward(Device dev, real *dscores, const int *plain_topk, const real *scores, int B,
+                           int T, int E, int K, real alpha, real dloss);
+
+// ---------------------------------------------------------------------------- MoE token permutation
+// Contiguous per-expert segments. For topk_idx (N, K) over E experts:
+//   seg_offsets (E+1): segment e holds rows [seg_offsets[e], seg_offsets[e+1]) of the permuted buffer;
+//   seg_token (N*K): the source token of each permuted row; rows within a segment are in (t, k) order;
+//   slot_of (N*K): for each (t, k), the permuted row that holds it.
+// Host-side integer plan (the CUDA path will build it on the device).
+void moe_permute_plan(int *seg_offsets, int *seg_token, int *slot_of, const int *topk_idx, int N, int K,
+                      int E);
+// out (n_rows, C) = inp[src_row[r]] for each row r
+void gather_rows(Device dev, real *out, const real *inp, const int *src_row, int n_rows, int C);
+// Adjoint of gathering token rows into slots: dinp (N, C) += sum_k dseg[slot_of[t,k]], k in order.
+void moe_unpermute_backward(Device dev, real *dinp, const real *dseg, const int *slot_of, int N, int K, int C);
+// out (N, C) += sum_k topk_w[t,k] * expert_out[slot_of[t,k]]   (k in order)
+void moe_combine_forward(Device dev, real *out, const real *expert_out, const int *slot_of,
+                         const real *topk_w, int N, int K, int C);
+// dexpert_out (N*K, C) += topk_w * dout[t];  dtopk_w (N, K) += dot(dout[t], expert_out[slot])
+void moe_combine_backward(Device dev, real *dexpert_out, real *dtopk_w, const real *dout,
+                          const real *expert_out, const int *slot_of, const real *topk_w, int N, int K,
+                          int C);
+
+// ---------------------------------------------------------------------------- optimizer
+// AdamW on n elements with BF16 moments m, v (uint16 bit patterns, round-to-nearest-even on store).
+// step t >= 1 (bias correction). Update in FP32:
+//   m = b1 m + (1-b1) g; v = b2 v + (1-b2) g^2; mhat = m/(1-b1^t); vhat = v/(1-b2^t)
+//   p -= lr * (mhat / (sqrt(vhat) + eps) + wd * p)       (decoupled weight decay)
+// grad_scale multiplies g first (global-norm clipping factor).
+void adamw_update(Device dev, real *param, const real *grad, uint16_t *m, uint16_t *v, int64_t n, float lr,
+                  float beta1, float beta2, float eps, float weight_decay, float grad_scale, int t);
+
+// BF16 conversion, round-to-nearest-even (NaN stays NaN). Host helpers, used by CPU ops and tests.
+uint16_t float_to_bf16(float f);
+float bf16_to_float(uint16_t h);
+
+#endif

@@ -1,0 +1,130 @@
+/*
+ * config.h - the job: everything an INI job file (plus --set overrides) can say, resolved and checked.
+ *
+ * One plain struct per INI section. config_load() parses the file with libinih against a table of
+ * keys (type, range, default, doc); every key is documented in docs/config.md, which is checked
+ * against that table by a test. Errors stop with `file:line: section.key: what was expected`.
+ */
+#ifndef FP8MOE_CONFIG_H
+#define FP8MOE_CONFIG_H
+
+#include <stdint.h>
+#include <stdio.h>
+
+#define CONFIG_PATH_MAX 1024
+
+typedef struct {
+    int vocab_size;        // 256 for byte-level data, 50257 for GPT-2 shards
+    int dim;               // model width d
+    int n_layers;          // Transformer blocks in the main model
+    int n_dense_layers;    // first_k_dense_replace: blocks 0..n_dense_layers-1 use a dense FFN
+    int inter_dim;         // dense SwiGLU hidden width
+    int n_heads;
+    int q_lora_rank;       // 0 = no query compression (q = W_Q h)
+    int kv_lora_rank;
+    int qk_nope_head_dim;
+    int qk_rope_head_dim;
+    int v_head_dim;
+    double rope_theta;     // 10000
+    double init_std;       // std of the normal init of Linear and embedding weights
+} ModelConfig;
+
+typedef struct {
+    int n_routed_experts;      // E
+    int n_shared_experts;      // shared expert width = n_shared_experts * moe_inter_dim
+    int n_activated_experts;   // K, top-K per token
+    int n_expert_groups;
+    int n_limited_groups;      // groups a token may use (node-limited routing)
+    int moe_inter_dim;
+    double route_scale;
+    double bias_update_speed;  // gamma of the aux-loss-free bias update
+    double balance_loss_alpha; // alpha of the sequence-wise balance loss
+} MoeConfig;
+
+typedef struct {
+    int depth;           // D MTP modules (0 = off)
+    double loss_weight;  // lambda
+} MtpConfig;
+
+typedef enum { PRECISION_FP32 = 0, PRECISION_BF16 = 1, PRECISION_FP8 = 2 } PrecisionMode;
+typedef struct {
+    PrecisionMode mode;
+} PrecisionConfig;
+
+typedef struct {
+    int pp;  // pipeline stages
+    int ep;  // expert-parallel ranks
+    int dp;  // data-parallel ranks
+} ParallelConfig;
+
+typedef enum { LR_COSINE = 0, LR_WSD = 1 } LrSchedule;
+typedef struct {
+    double lr;            // peak learning rate
+    double min_lr;        // final learning rate of the decay
+    int warmup_steps;
+    LrSchedule schedule;
+    double decay_frac;    // wsd: fraction of steps spent in the final decay
+    double beta1, beta2, eps;
+    double weight_decay;
+    double grad_clip;     // max global grad norm; 0 = off
+} OptimConfig;
+
+typedef enum { DEVICE_SEL_AUTO = 0, DEVICE_SEL_CPU = 1, DEVICE_SEL_CUDA = 2 } DeviceSelect;
+typedef struct {
+    int steps;
+    int micro_batch_size;  // sequences per micro-batch
+    int seq_len;
+    int grad_accum;        // micro-batches per step
+    uint64_t seed;
+    DeviceSelect device;
+    int eval_every;        // steps between validation evaluations (0 = only at the end)
+    int eval_batches;      // micro-batches per evaluation; 0 = the whole validation split
+    int threads;           // OpenMP threads on the CPU; 0 = all cores
+} TrainConfig;
+
+typedef struct {
+    char text[CONFIG_PATH_MAX];      // comma-separated text files to prepare; empty = default text
+    char shards[CONFIG_PATH_MAX];    // directory of existing llm.c shards (overrides text)
+    char cache_dir[CONFIG_PATH_MAX]; // where prepared shards go
+} DataConfig;
+
+typedef struct {
+    char dir[CONFIG_PATH_MAX];       // run directory: weights.h5 and metrics.jsonl go here
+    int save_weights;                // save FP32 weights at the end and on Ctrl-C
+} CheckpointConfig;
+
+typedef struct {
+    int every;                       // print a step line every N steps
+    char jsonl[CONFIG_PATH_MAX];     // metrics file; empty = <checkpoint.dir>/metrics.jsonl
+} LogConfig;
+
+typedef struct {
+    char path[CONFIG_PATH_MAX];  // the job file it came from
+    ModelConfig model;
+    MoeConfig moe;
+    MtpConfig mtp;
+    PrecisionConfig precision;
+    ParallelConfig parallel;
+    OptimConfig optim;
+    TrainConfig train;
+    DataConfig data;
+    CheckpointConfig checkpoint;
+    LogConfig log;
+} Config;
+
+// Fill every key with its default (a valid config except for required keys).
+void config_defaults(Config *c);
+// Parse `path`, then apply `n_overrides` strings of the form "section.key=value" in order.
+// Returns 0 on success; on error writes one line `file:line: section.key: what was expected` (or
+// `--set section.key=...: ...` for overrides) into err and returns -1.
+int config_load(Config *c, const char *path, const char *const *overrides, int n_overrides, char *err,
+                size_t err_size);
+// Same as config_load but from a string (tests); `name` is used as the file name in errors.
+int config_load_string(Config *c, const char *name, const char *text, const char *const *overrides,
+                       int n_overrides, char *err, size_t err_size);
+// Print the resolved config as INI (every key, including defaults) to f.
+void config_print(const Config *c, FILE *f);
+// Print the key table as the Markdown reference (docs/config.md is generated from it and checked).
+void config_print_reference(FILE *f);
+
+#endif
