@@ -6,6 +6,7 @@
 #   make test-gpu   build and run the GPU parity tests (needs an NVIDIA GPU)
 # Sources are found by wildcard so that a new file in a module directory needs no Makefile edit.
 # BUILD=dir puts every output under another directory (parallel builds, sanitizer builds).
+# OPT sets the optimisation level; EXTRA_CFLAGS / EXTRA_LDLIBS add include and library paths.
 
 BUILD    ?= build
 CC       ?= gcc
@@ -17,9 +18,9 @@ PKG_CFLAGS := $(shell pkg-config --cflags $(PKGS) 2>/dev/null)
 PKG_LIBS   := $(shell pkg-config --libs $(PKGS) 2>/dev/null)
 
 # -ffp-contract=off: the CPU path is the numerical reference (DESIGN.md section 4); no FMA contraction.
-CFLAGS   ?= -O2
-CFLAGS   += -std=c11 -D_GNU_SOURCE -Wall -Wextra -Werror -ffp-contract=off -fopenmp -g -I. $(PKG_CFLAGS)
-LDLIBS   += $(PKG_LIBS) -lm -fopenmp
+OPT      ?= -O2
+CFLAGS   := $(OPT) $(EXTRA_CFLAGS) -std=c11 -D_GNU_SOURCE -Wall -Wextra -Werror -ffp-contract=off -fopenmp -g -I. $(PKG_CFLAGS)
+LDLIBS   := $(EXTRA_LDLIBS) $(PKG_LIBS) -lm -fopenmp
 ifeq ($(SANITIZE),1)
 CFLAGS   += -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=all
 LDLIBS   += -fsanitize=address,undefined
@@ -96,7 +97,7 @@ test: test-unit test-asan
 test-unit: all
 	@BUILD=$(BUILD) bash tests/run_unit.sh
 test-asan:
-	@$(MAKE) --no-print-directory BUILD=$(BUILD)/asan SANITIZE=1 NO_CUDA=1 CFLAGS=-O1 test-unit
+	@$(MAKE) --no-print-directory BUILD=$(BUILD)/asan SANITIZE=1 NO_CUDA=1 OPT=-O1 test-unit
 
 test-gpu:
 	bash tests/gpu/run.sh

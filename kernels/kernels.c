@@ -7,6 +7,7 @@
 
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "kernels/cpu/cpu_ops.h"
 #ifdef FP8MOE_CUDA
@@ -21,6 +22,16 @@ static void no_cuda_op(const char *op) {
                     "(kernels/kernels.c); rebuild with CUDA >= 12.9 or use device = cpu\n", op);
 #endif
     exit(1);
+}
+
+static double swiglu_backward_perturbation = 0;  // kernels_debug_perturb
+
+void kernels_debug_perturb(const char *op, double rel) {
+    if (op && strcmp(op, "swiglu_backward") != 0) {
+        fprintf(stderr, "fp8moe: kernels_debug_perturb supports only swiglu_backward, not %s\n", op);
+        exit(1);
+    }
+    swiglu_backward_perturbation = op ? rel : 0;
 }
 
 void matmul_forward(Device dev, real *out, const real *inp, const real *weight, int N, int C, int OC) {
@@ -92,7 +103,20 @@ void swiglu_backward(Device dev, real *da, real *db, const real *dout, const rea
     if (dev == DEVICE_CUDA) { cuda_swiglu_backward(da, db, dout, a, b, n); return; }
 #endif
     if (dev != DEVICE_CPU) no_cuda_op("swiglu_backward");
-    cpu_swiglu_backward(da, db, dout, a, b, n);
+    if (swiglu_backward_perturbation == 0) {
+        cpu_swiglu_backward(da, db, dout, a, b, n);
+        return;
+    }
+    real *ta = calloc((size_t)n, sizeof(real)), *tb = calloc((size_t)n, sizeof(real));
+    if (!ta || !tb) { fprintf(stderr, "fp8moe: out of memory (kernels_debug_perturb)\n"); exit(1); }
+    cpu_swiglu_backward(ta, tb, dout, a, b, n);
+    real f = (real)(1 + swiglu_backward_perturbation);
+    for (int64_t i = 0; i < n; i++) {
+        if (da) da[i] += f * ta[i];
+        if (db) db[i] += f * tb[i];
+    }
+    free(ta);
+    free(tb);
 }
 
 void crossentropy_forward(Device dev, real *losses, real *probs, const real *logits, const int *targets, int N, int V) {
@@ -124,6 +148,11 @@ void scale_inplace(Device dev, real *x, real s, int64_t n) {
 void add_inplace(Device dev, real *y, const real *x, int64_t n) {
     if (dev != DEVICE_CPU) no_cuda_op("add_inplace");
     cpu_add_inplace(y, x, n);
+}
+
+void copy_block(Device dev, real *dst, int dst_ld, const real *src, int src_ld, int rows, int cols, int accumulate) {
+    if (dev != DEVICE_CPU) no_cuda_op("copy_block");
+    cpu_copy_block(dst, dst_ld, src, src_ld, rows, cols, accumulate);
 }
 
 void router_forward(Device dev, int *topk_idx, real *topk_w, real *scores, const real *logits, const real *bias, int N, int E, int K, int n_groups, int n_limited, real route_scale, int freeze) {

@@ -109,6 +109,11 @@ double sum_squares(Device dev, const real *x, int64_t n);
 void scale_inplace(Device dev, real *x, real s, int64_t n);
 // y (n) += x (n)
 void add_inplace(Device dev, real *y, const real *x, int64_t n);
+// Copy a (rows, cols) block between row-strided buffers: dst[r*dst_ld + c] = src[r*src_ld + c], or
+// += when accumulate != 0 (the backward of a copy is an accumulating copy the other way).
+// Used to slice heads and the rope/nope parts of MLA vectors. Regions must not overlap.
+void copy_block(Device dev, real *dst, int dst_ld, const real *src, int src_ld, int rows, int cols,
+                int accumulate);
 
 // ---------------------------------------------------------------------------- MoE routing
 // DeepSeek-V3 router (DESIGN.md section 3). logits (N, E) = x W_g^T (computed by matmul_forward).
@@ -166,6 +171,11 @@ void moe_combine_backward(Device dev, real *dexpert_out, real *dtopk_w, const re
 // grad_scale multiplies g first (global-norm clipping factor).
 void adamw_update(Device dev, real *param, const real *grad, uint16_t *m, uint16_t *v, int64_t n, float lr,
                   float beta1, float beta2, float eps, float weight_decay, float grad_scale, int t);
+
+// Fault injection for the gradient check's negative control: scales what the named backward op adds
+// to its gradients by (1 + rel). NULL switches it off. Only "swiglu_backward" is supported; other
+// names stop the process. Never used in training.
+void kernels_debug_perturb(const char *op, double rel);
 
 // BF16 conversion, round-to-nearest-even (NaN stays NaN). Host helpers, used by CPU ops and tests.
 uint16_t float_to_bf16(float f);

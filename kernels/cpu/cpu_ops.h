@@ -23,6 +23,7 @@ void cpu_crossentropy_backward(real *dlogits, const real *probs, const int *targ
 double cpu_sum_squares(const real *x, int64_t n);
 void cpu_scale_inplace(real *x, real s, int64_t n);
 void cpu_add_inplace(real *y, const real *x, int64_t n);
+void cpu_copy_block(real *dst, int dst_ld, const real *src, int src_ld, int rows, int cols, int accumulate);
 void cpu_router_forward(int *topk_idx, real *topk_w, real *scores, const real *logits, const real *bias, int N, int E, int K, int n_groups, int n_limited, real route_scale, int freeze);
 void cpu_router_backward(real *dlogits, const real *dtopk_w, const real *dscores, const int *topk_idx, const real *scores, int N, int E, int K, real route_scale);
 real cpu_balance_loss_forward(int *plain_topk, const real *scores, int B, int T, int E, int K, real alpha, int freeze);

@@ -1,0 +1,367 @@
+/*
+ * prep.c - byte-level text -> llm.c shards and the SOURCE.txt stamp (interface and format in prep.h).
+ *
+ * The whole text is read into memory (byte-level corpora for this project are megabytes); shards are
+ * written from it in pieces of at most DATA_PREP_SHARD_TOKENS tokens.
+ */
+#include "data/prep.h"
+
+#include <errno.h>
+#include <inttypes.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "data/shard.h"
+
+static void set_err(char *err, size_t errsz, const char *fmt, ...) {
+    if (!err || errsz == 0) return;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(err, errsz, fmt, ap);
+    va_end(ap);
+}
+
+uint64_t data_fnv1a64(const void *data, size_t n, uint64_t h) {
+    const unsigned char *p = data;
+    for (size_t i = 0; i < n; i++) {
+        h ^= p[i];
+        h *= 0x100000001b3ULL;  // the 64-bit FNV prime
+    }
+    return h;
+}
+
+// ---------------------------------------------------------------------------- default text
+// Plain fortune files of Debian's `fortunes` and `fortunes-min` (1:1.99.1), sorted by strcmp.
+static const char *const fortune_names[] = {
+    "art", "ascii-art", "computers", "cookie", "debian", "definitions", "disclaimer", "drugs",
+    "education", "ethnic", "food", "fortunes", "goedel", "humorists", "kids", "knghtbrd", "law", "linux",
+    "linuxcookie", "literature", "love", "magic", "medicine", "men-women", "miscellaneous", "news",
+    "paradoxum", "people", "perl", "pets", "platitudes", "politics", "pratchett", "riddles", "science",
+    "songs-poems", "sports", "startrek", "tao", "translate-me", "wisdom", "work", "zippy",
+};
+#define N_FORTUNES ((int)(sizeof fortune_names / sizeof fortune_names[0]))
+#define DEFAULT_PATH_MAX 1024
+
+const char *const *data_default_text_in(const char *dir, int *n, char *err, size_t errsz) {
+    static char paths[N_FORTUNES][DEFAULT_PATH_MAX];
+    static const char *found[N_FORTUNES];
+    int count = 0;
+    for (int i = 0; i < N_FORTUNES; i++) {
+        int len = snprintf(paths[count], DEFAULT_PATH_MAX, "%s/%s", dir, fortune_names[i]);
+        struct stat st;
+        if (len < DEFAULT_PATH_MAX && stat(paths[count], &st) == 0 && S_ISREG(st.st_mode)) {
+            found[count] = paths[count];
+            count++;
+        }
+    }
+    *n = count;
+    if (count == 0) {
+        set_err(err, errsz,
+                "no text given (data.text is empty) and none of the English fortune files of Debian's "
+                "`fortunes` package exist under %s: run `apt-get install fortunes` (or `make deps`), or set "
+                "data.text to your own text files",
+                dir);
+        return NULL;
+    }
+    return found;
+}
+
+const char *const *data_default_text(int *n) { return data_default_text_in(DATA_FORTUNES_DIR, n, NULL, 0); }
+
+// ---------------------------------------------------------------------------- reading sources
+typedef struct {
+    unsigned char *bytes;  // all texts concatenated (NULL when only hashing)
+    int64_t total;
+    int64_t *sizes;        // per source
+    uint64_t *hashes;      // per source, FNV-1a 64 of its content
+} SourceText;
+
+static void source_free(SourceText *s) {
+    free(s->bytes);
+    free(s->sizes);
+    free(s->hashes);
+    memset(s, 0, sizeof *s);
+}
+
+// Read every source (keep_bytes: also keep the concatenated content). Returns 0 or -1 with err.
+static int read_sources(const char *const *paths, int n, int keep_bytes, SourceText *s, char *err,
+                        size_t errsz) {
+    memset(s, 0, sizeof *s);
+    s->sizes = calloc((size_t)n, sizeof *s->sizes);
+    s->hashes = calloc((size_t)n, sizeof *s->hashes);
+    if (!s->sizes || !s->hashes) {
+        set_err(err, errsz, "out of memory reading %d text files", n);
+        source_free(s);
+        return -1;
+    }
+    size_t cap = 0;
+    unsigned char chunk[1 << 16];
+    for (int i = 0; i < n; i++) {
+        if (strchr(paths[i], '\n')) {
+            set_err(err, errsz, "text file name contains a newline (cannot be recorded in %s): %s", DATA_PREP_STAMP,
+                    paths[i]);
+            source_free(s);
+            return -1;
+        }
+        FILE *f = fopen(paths[i], "rb");
+        if (!f) {
+            set_err(err, errsz, "%s: cannot read text file: %s", paths[i], strerror(errno));
+            source_free(s);
+            return -1;
+        }
+        uint64_t h = DATA_FNV1A64_INIT;
+        int64_t size = 0;
+        size_t got;
+        while ((got = fread(chunk, 1, sizeof chunk, f)) > 0) {
+            h = data_fnv1a64(chunk, got, h);
+            size += (int64_t)got;
+            if (keep_bytes) {
+                size_t need = (size_t)s->total + got;
+                if (need > cap) {
+                    size_t new_cap = cap ? cap : (1u << 20);
+                    while (new_cap < need) new_cap *= 2;
+                    unsigned char *nb = realloc(s->bytes, new_cap);
+                    if (!nb) {
+                        set_err(err, errsz, "%s: out of memory after %" PRId64 " bytes of text", paths[i], s->total);
+                        fclose(f);
+                        source_free(s);
+                        return -1;
+                    }
+                    s->bytes = nb;
+                    cap = new_cap;
+                }
+                memcpy(s->bytes + s->total, chunk, got);
+            }
+            s->total += (int64_t)got;
+        }
+        if (ferror(f)) {
+            set_err(err, errsz, "%s: cannot read text file: %s", paths[i], strerror(errno));
+            fclose(f);
+            source_free(s);
+            return -1;
+        }
+        fclose(f);
+        s->sizes[i] = size;
+        s->hashes[i] = h;
+    }
+    return 0;
+}
+
+// ---------------------------------------------------------------------------- layout of a prep
+// val = floor(total / 10), but at least 1 so both splits hold a token (hence total >= 2).
+static int64_t val_tokens_for(int64_t total) {
+    int64_t val = total / 10;
+    return val < 1 ? 1 : val;
+}
+static int64_t shards_for(int64_t tokens) {
+    int64_t k = (tokens + DATA_PREP_SHARD_TOKENS - 1) / DATA_PREP_SHARD_TOKENS;
+    return k < 1 ? 1 : k;
+}
+static char *join_path(const char *dir, const char *name) {
+    size_t dl = strlen(dir), nl = strlen(name);
+    char *p = malloc(dl + nl + 2);
+    if (!p) return NULL;
+    memcpy(p, dir, dl);
+    p[dl] = '/';
+    memcpy(p + dl + 1, name, nl + 1);
+    return p;
+}
+static char *shard_path(const char *dir, const char *split, int64_t index) {
+    char name[128];
+    snprintf(name, sizeof name, "%s_%s_%06" PRId64 ".bin", DATA_PREP_NAME, split, index);
+    return join_path(dir, name);
+}
+
+// The stamp's full text (malloc'd). Any change to the tokenisation must change the "format" line.
+static char *stamp_text(const char *const *paths, int n, const SourceText *s) {
+    int64_t val = val_tokens_for(s->total), train = s->total - val;
+    size_t cap = 512;
+    for (int i = 0; i < n; i++) cap += strlen(paths[i]) + 64;
+    char *t = malloc(cap);
+    if (!t) return NULL;
+    size_t len = (size_t)snprintf(t, cap,
+                                  "# fp8moe prep stamp: the shards in this directory hold these text files,\n"
+                                  "# concatenated in this order. Columns: bytes, FNV-1a 64 of the content, path.\n"
+                                  "format bytes-v1 vocab %d val last 10%% floor min 1\n"
+                                  "train %" PRId64 " tokens in %" PRId64 " shards\n"
+                                  "val %" PRId64 " tokens in %" PRId64 " shards\n",
+                                  DATA_PREP_VOCAB, train, shards_for(train), val, shards_for(val));
+    for (int i = 0; i < n; i++)
+        len += (size_t)snprintf(t + len, cap - len, "%" PRId64 " %016" PRIx64 " %s\n", s->sizes[i], s->hashes[i],
+                                paths[i]);
+    return t;
+}
+
+// mkdir -p
+static int make_dirs(const char *dir, char *err, size_t errsz) {
+    char *p = strdup(dir);
+    if (!p) {
+        set_err(err, errsz, "%s: out of memory", dir);
+        return -1;
+    }
+    size_t len = strlen(p);
+    for (size_t i = 1; i <= len; i++) {
+        if (p[i] != '/' && p[i] != '\0') continue;
+        char saved = p[i];
+        p[i] = '\0';
+        if (mkdir(p, 0777) != 0 && errno != EEXIST) {
+            set_err(err, errsz, "%s: cannot create directory %s: %s", dir, p, strerror(errno));
+            free(p);
+            return -1;
+        }
+        p[i] = saved;
+    }
+    struct stat st;
+    int ok = stat(dir, &st) == 0 && S_ISDIR(st.st_mode);
+    if (!ok) set_err(err, errsz, "%s: exists but is not a directory (expected the shard output directory)", dir);
+    free(p);
+    return ok ? 0 : -1;
+}
+
+// Write tokens [begin, begin+count) of the text as shards <split>_000000.. and remove stale
+// higher-numbered shards of the same split left by an earlier, larger prep.
+static int write_split(const char *dir, const char *split, const unsigned char *bytes, int64_t count,
+                       char *err, size_t errsz) {
+    int64_t n_shards = shards_for(count);
+    int64_t piece = count < DATA_PREP_SHARD_TOKENS ? count : DATA_PREP_SHARD_TOKENS;
+    uint16_t *tokens = malloc((size_t)(piece > 0 ? piece : 1) * sizeof(uint16_t));
+    if (!tokens) {
+        set_err(err, errsz, "%s: out of memory for %" PRId64 " tokens", dir, piece);
+        return -1;
+    }
+    for (int64_t k = 0; k < n_shards; k++) {
+        int64_t start = k * DATA_PREP_SHARD_TOKENS;
+        int64_t n = count - start < DATA_PREP_SHARD_TOKENS ? count - start : DATA_PREP_SHARD_TOKENS;
+        for (int64_t i = 0; i < n; i++) tokens[i] = bytes[start + i];  // byte-level: token = byte value
+        char *path = shard_path(dir, split, k);
+        int rc = path ? shard_write(path, tokens, n, err, errsz) : -1;
+        if (!path) set_err(err, errsz, "%s: out of memory", dir);
+        free(path);
+        if (rc != 0) {
+            free(tokens);
+            return -1;
+        }
+    }
+    free(tokens);
+    for (int64_t k = n_shards;; k++) {
+        char *path = shard_path(dir, split, k);
+        if (!path) break;
+        int gone = unlink(path) != 0;
+        free(path);
+        if (gone) break;
+    }
+    return 0;
+}
+
+// Write text to path via a temporary file and rename.
+static int write_text_atomic(const char *path, const char *text, char *err, size_t errsz) {
+    size_t tmp_len = strlen(path) + 32;
+    char *tmp = malloc(tmp_len);
+    if (!tmp) {
+        set_err(err, errsz, "%s: out of memory", path);
+        return -1;
+    }
+    snprintf(tmp, tmp_len, "%s.tmp.%ld", path, (long)getpid());
+    FILE *f = fopen(tmp, "w");
+    int ok = f != NULL;
+    if (ok) {
+        ok = fputs(text, f) >= 0 && fflush(f) == 0 && fsync(fileno(f)) == 0;
+        ok = (fclose(f) == 0) && ok;
+    }
+    if (ok) ok = rename(tmp, path) == 0;
+    if (!ok) {
+        set_err(err, errsz, "%s: cannot write: %s", path, strerror(errno));
+        unlink(tmp);
+    }
+    free(tmp);
+    return ok ? 0 : -1;
+}
+
+// ---------------------------------------------------------------------------- prep
+int data_prep(const char *const *text_paths, int n_paths, const char *out_dir, char *err, size_t errsz) {
+    if (n_paths == 0) {
+        text_paths = data_default_text_in(DATA_FORTUNES_DIR, &n_paths, err, errsz);
+        if (!text_paths) return -1;
+    }
+    SourceText s;
+    if (read_sources(text_paths, n_paths, 1, &s, err, errsz) != 0) return -1;
+    if (s.total < 2) {
+        set_err(err, errsz,
+                "%s%s: the text is %" PRId64 " bytes in total (%d file%s); need at least 2 (1 for training, 1 for "
+                "validation)",
+                text_paths[0], n_paths > 1 ? " ..." : "", s.total, n_paths, n_paths > 1 ? "s" : "");
+        source_free(&s);
+        return -1;
+    }
+    char *stamp = stamp_text(text_paths, n_paths, &s);
+    char *stamp_path = join_path(out_dir, DATA_PREP_STAMP);
+    int rc = -1;
+    if (!stamp || !stamp_path) {
+        set_err(err, errsz, "%s: out of memory", out_dir);
+        goto done;
+    }
+    if (make_dirs(out_dir, err, errsz) != 0) goto done;
+    if (unlink(stamp_path) != 0 && errno != ENOENT) {  // a crash below must not leave an old stamp
+        set_err(err, errsz, "%s: cannot remove the old stamp: %s", stamp_path, strerror(errno));
+        goto done;
+    }
+    int64_t val = val_tokens_for(s.total), train = s.total - val;
+    if (write_split(out_dir, "train", s.bytes, train, err, errsz) != 0) goto done;
+    if (write_split(out_dir, "val", s.bytes + train, val, err, errsz) != 0) goto done;
+    if (write_text_atomic(stamp_path, stamp, err, errsz) != 0) goto done;
+    rc = 0;
+done:
+    free(stamp);
+    free(stamp_path);
+    source_free(&s);
+    return rc;
+}
+
+// Each split's shards exist with the token counts the stamp implies.
+static int shards_match(const char *dir, const char *split, int64_t count) {
+    int64_t n_shards = shards_for(count);
+    for (int64_t k = 0; k < n_shards; k++) {
+        int64_t want = count - k * DATA_PREP_SHARD_TOKENS;
+        if (want > DATA_PREP_SHARD_TOKENS) want = DATA_PREP_SHARD_TOKENS;
+        char *path = shard_path(dir, split, k);
+        int64_t n = -1;
+        int ok = path && shard_open(path, &n, NULL, 0) == 0 && n == want;
+        free(path);
+        if (!ok) return 0;
+    }
+    return 1;
+}
+
+int data_prep_is_current(const char *const *text_paths, int n_paths, const char *out_dir) {
+    if (n_paths == 0) {
+        text_paths = data_default_text(&n_paths);
+        if (!text_paths) return 0;
+    }
+    SourceText s;
+    if (read_sources(text_paths, n_paths, 0, &s, NULL, 0) != 0) return 0;
+    int current = 0;
+    char *expected = stamp_text(text_paths, n_paths, &s);
+    char *stamp_path = join_path(out_dir, DATA_PREP_STAMP);
+    FILE *f = stamp_path ? fopen(stamp_path, "r") : NULL;
+    if (expected && f && s.total >= 2) {
+        size_t len = strlen(expected);
+        char *actual = malloc(len + 1);
+        // one byte more than expected is read, so a longer stamp does not compare equal
+        size_t got = actual ? fread(actual, 1, len + 1, f) : 0;
+        current = actual && got == len && memcmp(actual, expected, len) == 0;
+        free(actual);
+    }
+    if (f) fclose(f);
+    if (current) {
+        int64_t val = val_tokens_for(s.total);
+        current = shards_match(out_dir, "train", s.total - val) && shards_match(out_dir, "val", val);
+    }
+    free(expected);
+    free(stamp_path);
+    source_free(&s);
+    return current;
+}

@@ -1,0 +1,36 @@
+/*
+ * bf16.c - FP32 <-> BF16 conversion on the host (declared in kernels/kernels.h).
+ *
+ * BF16 is the top 16 bits of an IEEE-754 binary32: same sign and 8-bit exponent, 7 fraction bits.
+ * The optimizer stores AdamW moments in BF16 (DESIGN.md section 4), so this rounding is part of the
+ * numerical recipe: round-to-nearest, ties to even, done on the bit pattern so that it is exact for
+ * normals, subnormals and the overflow to infinity alike. The CUDA side uses __float2bfloat16_rn,
+ * which rounds the same way; tests compare the two bit for bit.
+ */
+#include "kernels/kernels.h"
+
+#include <string.h>
+
+// NaN keeps its sign and becomes a quiet NaN: truncating the payload could otherwise leave an
+// all-zero fraction, i.e. turn the NaN into an infinity.
+uint16_t float_to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7F800000u) == 0x7F800000u && (bits & 0x007FFFFFu) != 0) {
+        return (uint16_t)((bits >> 16) | 0x0040u);
+    }
+    // Round to nearest even on the 16 dropped bits: add 0x7FFF plus the lowest kept bit, so an exact
+    // tie (dropped bits = 0x8000) rounds up only when the kept part is odd. A carry out of the
+    // fraction bumps the exponent, which is the correct result (up to +inf for the largest finites);
+    // infinities have zero dropped bits and pass unchanged.
+    uint32_t lsb = (bits >> 16) & 1u;
+    bits += 0x7FFFu + lsb;
+    return (uint16_t)(bits >> 16);
+}
+
+float bf16_to_float(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}

@@ -1,0 +1,234 @@
+/*
+ * elementwise.c - CPU reference of the row-wise and element-wise ops of kernels.h: embedding lookup,
+ * RMSNorm, SwiGLU and interleaved RoPE, forward and backward.
+ *
+ * These are memory-bound and cheap next to the matmuls, so the code stays close to the maths: one
+ * OpenMP loop over rows (or elements), and where a gradient sums over rows (embedding table, RMSNorm
+ * weight) the loop is split over columns instead, so each gradient element is summed by one thread over
+ * the rows in order. Results are therefore bitwise identical for any thread count. Arithmetic is in
+ * `real` (tgmath picks expf/sqrtf in the FP32 build), except the RoPE angles, which are computed in
+ * double so that large positions keep their phase.
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <tgmath.h>
+
+#include "kernels/cpu/cpu_ops.h"
+
+// Below this many elements an op runs on the calling thread: waking the team would cost more.
+#define PARALLEL_MIN_ELEMENTS 16384
+// Column chunk for gradients that are reductions over rows (one thread owns a chunk of columns).
+#define COLUMN_CHUNK 64
+
+// ---------------------------------------------------------------------------- embedding
+// tokens (N) int32, table (V, C) -> out (N, C) = table[tokens[n]]. V is not passed, so only the lower
+// bound of a token id can be checked here; the data loader validates ids against the vocabulary.
+static void check_tokens(const char *op, const int *tokens, int N) {
+    for (int n = 0; n < N; n++) {
+        if (tokens[n] < 0) {
+            fprintf(stderr, "fp8moe: kernels/cpu/elementwise.c:%d: %s: token %d at row %d is negative; "
+                            "expected an id in [0, vocab_size)\n", __LINE__, op, tokens[n], n);
+            exit(1);
+        }
+    }
+}
+
+void cpu_embedding_forward(real *out, const int *tokens, const real *table, int N, int C) {
+    check_tokens("embedding_forward", tokens, N);
+#pragma omp parallel for schedule(static) if ((int64_t)N * C >= PARALLEL_MIN_ELEMENTS)
+    for (int n = 0; n < N; n++) {
+        const real *row = table + (size_t)tokens[n] * C;
+        real *o = out + (size_t)n * C;
+#pragma omp simd
+        for (int c = 0; c < C; c++) o[c] = row[c];
+    }
+}
+
+// In the forward pass this was out[n] = table[tokens[n]], so dtable[tokens[n]] += dout[n].
+// dtable (V, C), dout (N, C). Two rows may share a token, so threads split the columns, not the rows;
+// within a column chunk rows are added in token order n = 0..N-1.
+void cpu_embedding_backward(real *dtable, const real *dout, const int *tokens, int N, int C) {
+    if (!dtable) return;
+    check_tokens("embedding_backward", tokens, N);
+    const int n_chunks = (C + COLUMN_CHUNK - 1) / COLUMN_CHUNK;
+#pragma omp parallel for schedule(static) if ((int64_t)N * C >= PARALLEL_MIN_ELEMENTS)
+    for (int chunk = 0; chunk < n_chunks; chunk++) {
+        const int c0 = chunk * COLUMN_CHUNK;
+        const int c1 = c0 + COLUMN_CHUNK < C ? c0 + COLUMN_CHUNK : C;
+        for (int n = 0; n < N; n++) {
+            real *d = dtable + (size_t)tokens[n] * C;
+            const real *g = dout + (size_t)n * C;
+#pragma omp simd
+            for (int c = c0; c < c1; c++) d[c] += g[c];
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------- RMSNorm
+// inp (N, C), weight (C) -> out (N, C) = (inp * rstd) * weight, rstd (N) = 1 / sqrt(mean(inp^2) + eps).
+// The sum of squares runs over c in order in `real`.
+void cpu_rmsnorm_forward(real *out, real *rstd, const real *inp, const real *weight, int N, int C) {
+#pragma omp parallel for schedule(static) if ((int64_t)N * C >= PARALLEL_MIN_ELEMENTS)
+    for (int n = 0; n < N; n++) {
+        const real *x = inp + (size_t)n * C;
+        real *o = out + (size_t)n * C;
+        real sumsq = 0;
+        for (int c = 0; c < C; c++) sumsq += x[c] * x[c];
+        const real r = (real)1 / sqrt(sumsq / (real)C + (real)RMSNORM_EPS);
+#pragma omp simd
+        for (int c = 0; c < C; c++) o[c] = (x[c] * r) * weight[c];
+        rstd[n] = r;
+    }
+}
+
+// In the forward pass this was y_c = x_c * r * w_c with r = (mean(x^2) + eps)^(-1/2), and
+// dr/dx_c = -r^3 x_c / C, so:
+//   dweight_c += sum_n dout_nc * x_nc * r_n
+//   dinp_c    += r * (w_c dout_c - x_c * r^2 * (sum_j dout_j w_j x_j) / C)
+// dinp is parallel over rows; dweight over column chunks, each summing its rows in order into a local
+// buffer that is added to dweight once.
+void cpu_rmsnorm_backward(real *dinp, real *dweight, const real *dout, const real *inp, const real *weight,
+                          const real *rstd, int N, int C) {
+    const int parallel = (int64_t)N * C >= PARALLEL_MIN_ELEMENTS;
+    if (dinp) {
+#pragma omp parallel for schedule(static) if (parallel)
+        for (int n = 0; n < N; n++) {
+            const real *x = inp + (size_t)n * C;
+            const real *g = dout + (size_t)n * C;
+            real *dx = dinp + (size_t)n * C;
+            const real r = rstd[n];
+            real dot = 0; // sum_j dout_j w_j x_j
+            for (int c = 0; c < C; c++) dot += (g[c] * weight[c]) * x[c];
+            const real coef = (r * r) * (dot / (real)C);
+#pragma omp simd
+            for (int c = 0; c < C; c++) dx[c] += r * (g[c] * weight[c] - x[c] * coef);
+        }
+    }
+    if (dweight) {
+        const int n_chunks = (C + COLUMN_CHUNK - 1) / COLUMN_CHUNK;
+#pragma omp parallel for schedule(static) if (parallel)
+        for (int chunk = 0; chunk < n_chunks; chunk++) {
+            const int c0 = chunk * COLUMN_CHUNK;
+            const int width = c0 + COLUMN_CHUNK < C ? COLUMN_CHUNK : C - c0;
+            real sum[COLUMN_CHUNK] = {0};
+            for (int n = 0; n < N; n++) {
+                const real *x = inp + (size_t)n * C + c0;
+                const real *g = dout + (size_t)n * C + c0;
+                const real r = rstd[n];
+#pragma omp simd
+                for (int c = 0; c < width; c++) sum[c] += g[c] * (x[c] * r);
+            }
+            for (int c = 0; c < width; c++) dweight[c0 + c] += sum[c];
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------- SwiGLU
+// a, b (n) -> out (n) = silu(a) * b, silu(a) = a * sigmoid(a) = a / (1 + exp(-a)).
+void cpu_swiglu_forward(real *out, const real *a, const real *b, int64_t n) {
+#pragma omp parallel for schedule(static) if (n >= PARALLEL_MIN_ELEMENTS)
+    for (int64_t i = 0; i < n; i++) {
+        const real sig = (real)1 / ((real)1 + exp(-a[i]));
+        out[i] = (a[i] * sig) * b[i];
+    }
+}
+
+// In the forward pass this was out = silu(a) * b, so with s = sigmoid(a):
+//   db += dout * silu(a);   da += dout * b * silu'(a),  silu'(a) = s * (1 + a * (1 - s)).
+void cpu_swiglu_backward(real *da, real *db, const real *dout, const real *a, const real *b, int64_t n) {
+#pragma omp parallel for schedule(static) if (n >= PARALLEL_MIN_ELEMENTS)
+    for (int64_t i = 0; i < n; i++) {
+        const real sig = (real)1 / ((real)1 + exp(-a[i]));
+        if (da) da[i] += (dout[i] * b[i]) * (sig * ((real)1 + a[i] * ((real)1 - sig)));
+        if (db) db[i] += dout[i] * (a[i] * sig);
+    }
+}
+
+// ---------------------------------------------------------------------------- RoPE
+// cos/sin table (T, D/2) for angle t * theta^(-2j/D), computed in double and rounded once to `real`.
+// Shared by every batch row and head. Caller frees both.
+static void rope_table(real **cos_out, real **sin_out, int T, int D, real theta) {
+    const int half = D / 2;
+    real *cs = malloc(sizeof(real) * ((size_t)T * half + 1));
+    real *sn = malloc(sizeof(real) * ((size_t)T * half + 1));
+    if (!cs || !sn) {
+        fprintf(stderr, "fp8moe: kernels/cpu/elementwise.c:%d: out of memory for a RoPE table of %d x %d\n",
+                __LINE__, T, half);
+        exit(1);
+    }
+    for (int j = 0; j < half; j++) {
+        const double inv_freq = pow((double)theta, -2.0 * j / (double)D);
+        for (int t = 0; t < T; t++) {
+            const double angle = (double)t * inv_freq;
+            cs[(size_t)t * half + j] = (real)cos(angle);
+            sn[(size_t)t * half + j] = (real)sin(angle);
+        }
+    }
+    *cos_out = cs;
+    *sin_out = sn;
+}
+
+static void check_rope_dim(const char *op, int D) {
+    if (D % 2 != 0) {
+        fprintf(stderr, "fp8moe: kernels/cpu/elementwise.c:%d: %s: head dimension D = %d is odd; interleaved "
+                        "RoPE rotates pairs (x[2j], x[2j+1]) and needs an even D\n", __LINE__, op, D);
+        exit(1);
+    }
+}
+
+// inp, out (B, T, H, D), position = t: each pair (x0, x1) = (x[2j], x[2j+1]) becomes
+//   (x0 cos - x1 sin, x0 sin + x1 cos), i.e. the complex product (x0 + i x1) e^(i angle).
+// out may alias inp: each pair is read before it is written.
+void cpu_rope_forward(real *out, const real *inp, int B, int T, int H, int D, real theta) {
+    check_rope_dim("rope_forward", D);
+    const int half = D / 2;
+    real *cs, *sn;
+    rope_table(&cs, &sn, T, D, theta);
+#pragma omp parallel for schedule(static) if ((int64_t)B * T * H * D >= PARALLEL_MIN_ELEMENTS)
+    for (int64_t bt = 0; bt < (int64_t)B * T; bt++) {
+        const real *c = cs + (size_t)(bt % T) * half;
+        const real *s = sn + (size_t)(bt % T) * half;
+        for (int h = 0; h < H; h++) {
+            const real *x = inp + ((size_t)bt * H + h) * D;
+            real *o = out + ((size_t)bt * H + h) * D;
+            for (int j = 0; j < half; j++) {
+                const real x0 = x[2 * j], x1 = x[2 * j + 1];
+                o[2 * j] = x0 * c[j] - x1 * s[j];
+                o[2 * j + 1] = x0 * s[j] + x1 * c[j];
+            }
+        }
+    }
+    free(cs);
+    free(sn);
+}
+
+// The forward rotation R(angle) is orthogonal, so its adjoint is R(-angle):
+//   dinp[2j] += d0 cos + d1 sin;   dinp[2j+1] += -d0 sin + d1 cos.   dinp, dout (B, T, H, D).
+void cpu_rope_backward(real *dinp, const real *dout, int B, int T, int H, int D, real theta) {
+    if (!dinp) return;
+    check_rope_dim("rope_backward", D);
+    if (dinp == dout) {
+        fprintf(stderr, "fp8moe: kernels/cpu/elementwise.c:%d: rope_backward: dinp aliases dout; dinp is "
+                        "accumulated into and must be a separate buffer\n", __LINE__);
+        exit(1);
+    }
+    const int half = D / 2;
+    real *cs, *sn;
+    rope_table(&cs, &sn, T, D, theta);
+#pragma omp parallel for schedule(static) if ((int64_t)B * T * H * D >= PARALLEL_MIN_ELEMENTS)
+    for (int64_t bt = 0; bt < (int64_t)B * T; bt++) {
+        const real *c = cs + (size_t)(bt % T) * half;
+        const real *s = sn + (size_t)(bt % T) * half;
+        for (int h = 0; h < H; h++) {
+            const real *g = dout + ((size_t)bt * H + h) * D;
+            real *d = dinp + ((size_t)bt * H + h) * D;
+            for (int j = 0; j < half; j++) {
+                const real d0 = g[2 * j], d1 = g[2 * j + 1];
+                d[2 * j] += d0 * c[j] + d1 * s[j];
+                d[2 * j + 1] += d1 * c[j] - d0 * s[j];
+            }
+        }
+    }
+    free(cs);
+    free(sn);
+}

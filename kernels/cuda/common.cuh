@@ -1,0 +1,98 @@
+/*
+ * common.cuh - error checks and small launch helpers shared by kernels/device.c and the kernels/cuda .cu files.
+ *
+ * Every CUDA runtime call is wrapped in CUDA_CHECK, which stops the process with
+ *   "<file>:<line>: <the call as written> failed: <cudaGetErrorString> (<error name>)"
+ * so the happy path stays one line per call and every failure names where it happened.
+ * Kernel launches are followed by CUDA_CHECK_LAUNCH("kernel name"). Launches are asynchronous, so an
+ * error inside a kernel normally surfaces at the next synchronising call (a copy to the host); with
+ * FP8MOE_CUDA_SYNC=1 in the environment every launch is followed by cudaDeviceSynchronize and the error
+ * is reported at the kernel that caused it (tests/gpu/run.sh sets it; it costs speed, not results).
+ *
+ * This header is plain C outside the __CUDACC__ block, so device.c (compiled by gcc) can use it too.
+ * All ops run on the legacy default stream, so consecutive ops are ordered without extra syncs.
+ */
+#ifndef FP8MOE_CUDA_COMMON_CUH
+#define FP8MOE_CUDA_COMMON_CUH
+
+#include <stdio.h>
+#include <stdlib.h>
+
+#include <cuda_runtime.h>
+
+static inline void cuda_check_at(cudaError_t err, const char *call, const char *file, int line) {
+    if (err == cudaSuccess) return;
+    fprintf(stderr, "%s:%d: %s failed: %s (%s)\n", file, line, call, cudaGetErrorString(err),
+            cudaGetErrorName(err));
+    exit(1);
+}
+
+#define CUDA_CHECK(call) cuda_check_at((call), #call, __FILE__, __LINE__)
+
+// Reads FP8MOE_CUDA_SYNC once; 1 = synchronise after every launch to pin errors to their kernel.
+static inline int cuda_sync_after_launch(void) {
+    static int cached = -1;
+    if (cached < 0) {
+        const char *s = getenv("FP8MOE_CUDA_SYNC");
+        cached = (s != NULL && s[0] == '1');
+    }
+    return cached;
+}
+
+static inline void cuda_check_launch_at(const char *kernel, const char *file, int line) {
+    cuda_check_at(cudaGetLastError(), kernel, file, line);
+    if (cuda_sync_after_launch()) cuda_check_at(cudaDeviceSynchronize(), kernel, file, line);
+}
+
+#define CUDA_CHECK_LAUNCH(kernel_name) cuda_check_launch_at(kernel_name " launch", __FILE__, __LINE__)
+
+#ifdef __CUDACC__
+// ---------------------------------------------------------------------------- device helpers
+#include <stdint.h>
+
+// The CUDA ops take `real` pointers; they exist only in the FP32 build (the double build has no CUDA).
+static_assert(sizeof(real) == sizeof(float), "CUDA ops are built for real = float only");
+
+// Grid for grid-stride loops over n elements: enough blocks to fill the GPU, never more than needed.
+static inline unsigned int grid_for(int64_t n, int threads) {
+    int64_t blocks = (n + threads - 1) / threads;
+    const int64_t max_blocks = 132 * 32; // H200 has 132 SMs; grid-stride loops cover the rest
+    if (blocks > max_blocks) blocks = max_blocks;
+    if (blocks < 1) blocks = 1;
+    return (unsigned int)blocks;
+}
+
+// Butterfly reductions inside a warp. Every lane ends with the same value, bit for bit (float
+// addition is commutative, and every lane combines the same pairs at each level).
+__device__ inline float warp_sum(float v) {
+    for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+    return v;
+}
+__device__ inline float warp_max(float v) {
+    for (int offset = 16; offset > 0; offset >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
+    return v;
+}
+
+// Block-wide reductions; blockDim.x must be a multiple of 32 (at most 1024). Every thread gets the
+// result. The order (per-warp tree, then a tree over the warp partials) depends only on blockDim.x,
+// so a fixed launch configuration gives bitwise-identical sums on every run. `scratch` is a
+// __shared__ float[32]; it may be reused by consecutive calls (the first __syncthreads protects it).
+__device__ inline float block_sum(float v, float *scratch) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
+    v = warp_sum(v);
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    return warp_sum(lane < n_warps ? scratch[lane] : 0.0f);
+}
+__device__ inline float block_max(float v, float *scratch) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
+    v = warp_max(v);
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    return warp_max(lane < n_warps ? scratch[lane] : -INFINITY);
+}
+#endif // __CUDACC__
+
+#endif

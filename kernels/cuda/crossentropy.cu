@@ -1,0 +1,81 @@
+/*
+ * crossentropy.cu - CUDA softmax cross-entropy over the vocabulary (kernels.h: crossentropy_forward /
+ * crossentropy_backward), for the output head and the MTP heads. Same function as cpu_crossentropy_*;
+ * checked against it by tests/gpu.
+ *
+ * One block per row (token): V is large (50257 for GPT-2 text, 129280 for DeepSeek-V3), so each row
+ * is reduced by a whole block in a fixed tree order (deterministic, no atomics). Rows are indexed
+ * with int64 so N * V may exceed 2^31.
+ */
+#include "kernels/cuda/cuda_ops.h"
+#include "kernels/cuda/common.cuh"
+
+static const int CE_THREADS = 512;
+
+// ---------------------------------------------------------------------------- forward
+// logits (N, V), targets (N) int32 in [0, V) or -1 (masked) ->
+//   probs (N, V) = softmax of each row (written for masked rows too: it is the same function),
+//   losses (N) = -log probs[target] = (log(sum_j exp(x_j - max)) + max) - x_target; 0 where masked
+//   (from the sum, not the rounded probability, so it stays accurate when that probability is tiny).
+// A target outside [-1, V) makes that row's loss NaN, so a bad id shows up in the loss instead of
+// reading out of bounds.
+__global__ void crossentropy_forward_kernel(float *losses, float *probs, const float *logits, const int *targets,
+                                            int V) {
+    __shared__ float scratch[32];
+    const int64_t row = blockIdx.x;
+    const float *x = logits + row * V;
+    float *p = probs + row * V;
+
+    float max_x = -INFINITY;
+    for (int j = threadIdx.x; j < V; j += blockDim.x) max_x = fmaxf(max_x, x[j]);
+    max_x = block_max(max_x, scratch);
+
+    float sum_exp = 0.0f;
+    for (int j = threadIdx.x; j < V; j += blockDim.x) sum_exp = __fadd_rn(sum_exp, expf(__fsub_rn(x[j], max_x)));
+    sum_exp = block_sum(sum_exp, scratch);
+
+    for (int j = threadIdx.x; j < V; j += blockDim.x) p[j] = __fdiv_rn(expf(__fsub_rn(x[j], max_x)), sum_exp);
+
+    if (threadIdx.x == 0) {
+        const int t = targets[row];
+        float loss;
+        if (t == -1) loss = 0.0f;
+        else if (t < -1 || t >= V) loss = NAN;
+        else loss = __fsub_rn(__fadd_rn(logf(sum_exp), max_x), x[t]);
+        losses[row] = loss;
+    }
+}
+
+extern "C" void cuda_crossentropy_forward(real *losses, real *probs, const real *logits, const int *targets, int N,
+                                          int V) {
+    if (N <= 0 || V <= 0) return;
+    crossentropy_forward_kernel<<<N, CE_THREADS>>>(losses, probs, logits, targets, V);
+    CUDA_CHECK_LAUNCH("crossentropy_forward_kernel");
+}
+
+// ---------------------------------------------------------------------------- backward
+// In the forward pass this was loss = -log softmax(x)[target], so d loss / d x = probs - onehot(target).
+// WRITES (does not accumulate) dlogits (N, V) = (probs - onehot(target)) * dloss; 0 for masked rows.
+// One block per row so the row's target is read once.
+__global__ void crossentropy_backward_kernel(float *dlogits, const float *probs, const int *targets, float dloss,
+                                             int V) {
+    const int64_t row = blockIdx.x;
+    const float *p = probs + row * V;
+    float *d = dlogits + row * V;
+    const int t = targets[row];
+    if (t < 0) {
+        for (int j = threadIdx.x; j < V; j += blockDim.x) d[j] = 0.0f;
+        return;
+    }
+    for (int j = threadIdx.x; j < V; j += blockDim.x) {
+        const float indicator = j == t ? 1.0f : 0.0f;
+        d[j] = __fmul_rn(__fsub_rn(p[j], indicator), dloss);
+    }
+}
+
+extern "C" void cuda_crossentropy_backward(real *dlogits, const real *probs, const int *targets, real dloss, int N,
+                                           int V) {
+    if (N <= 0 || V <= 0) return;
+    crossentropy_backward_kernel<<<N, CE_THREADS>>>(dlogits, probs, targets, dloss, V);
+    CUDA_CHECK_LAUNCH("crossentropy_backward_kernel");
+}

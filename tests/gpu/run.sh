@@ -1,0 +1,161 @@
+#!/usr/bin/env bash
+# tests/gpu/run.sh - build fp8moe with CUDA and run the GPU parity tests ($BUILD/tests/test_gpu_*) and the
+# CPU unit tests, on a machine with an NVIDIA GPU (`make test-gpu` runs this). See docs/gpu.md.
+#
+# Environment:
+#   BUILD        build directory (default build-gpu)
+#   OUT          if set, everything printed is also logged to $OUT/gpu_tests.log
+#   FP8MOE_DEBS  folder of Debian .debs for libraries the machine lacks (default: ../shared/debs, then
+#                shared/debs); they are unpacked with `dpkg -x` into .debs/ (git-ignored), nothing is installed
+#   JOBS         parallel make jobs (default: number of CPUs)
+# Exit status 0 only if every GPU test and every CPU unit test passed. If libinih or HDF5 is missing, the
+# full build is impossible: the GPU tests are then built from kernels/ alone, the CPU unit tests are
+# skipped, and the run ends INCOMPLETE (exit 2) with the reason.
+set -u -o pipefail
+cd "$(dirname "$0")/../.."
+ROOT=$PWD
+BUILD=${BUILD:-build-gpu}
+JOBS=${JOBS:-$(nproc 2>/dev/null || echo 4)}
+if [ -n "${OUT:-}" ]; then
+  mkdir -p "$OUT"
+  exec > >(tee -a "$OUT/gpu_tests.log") 2>&1
+fi
+say() { echo "run.sh: $*"; }
+
+# ------------------------------------------------------------------------------ the machine
+say "$(date -u '+%Y-%m-%d %H:%M:%S UTC') on $(hostname) ($(uname -m)), repo $ROOT, BUILD=$BUILD"
+if command -v nvidia-smi >/dev/null 2>&1; then
+  nvidia-smi 2>&1 | head -n 12
+  nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv 2>&1
+else
+  say "WARNING: nvidia-smi not found: this does not look like an NVIDIA GPU machine; test_gpu_ops will fail"
+fi
+if ! command -v nvcc >/dev/null 2>&1 && [ -x /usr/local/cuda/bin/nvcc ]; then export PATH=/usr/local/cuda/bin:$PATH; fi
+if ! command -v nvcc >/dev/null 2>&1; then
+  say "FAIL: nvcc not found (not on PATH, not in /usr/local/cuda/bin): the Makefile would build CPU-only and no GPU test"
+  exit 1
+fi
+say "nvcc: $(nvcc --version | grep -i release)"
+CUDA_HOME=$(dirname "$(dirname "$(command -v nvcc)")")
+MULTIARCH=$(gcc -print-multiarch 2>/dev/null || true)
+MULTIARCH=${MULTIARCH:-x86_64-linux-gnu}
+
+# ------------------------------------------------------------------------------ libraries
+# CMocka (and anything else missing) from .debs: unpacked, never installed. The flags reach the Makefile
+# through the ENVIRONMENT: a CFLAGS=... on the make command line would replace the Makefile's own
+# `CFLAGS +=` flags instead of being extended by them.
+EXTRA_CFLAGS=""
+EXTRA_LIBS=""
+cmocka_links() {
+  printf '#include <stdarg.h>\n#include <stddef.h>\n#include <stdint.h>\n#include <setjmp.h>\n#include <cmocka.h>\nint main(void) { return 0; }\n' |
+    gcc -x c - $EXTRA_CFLAGS -o /dev/null $EXTRA_LIBS -lcmocka >/dev/null 2>&1
+}
+use_unpacked_debs() {
+  EXTRA_CFLAGS="-isystem $ROOT/.debs/usr/include"
+  EXTRA_LIBS="-L$ROOT/.debs/usr/lib/$MULTIARCH -Wl,-rpath,$ROOT/.debs/usr/lib/$MULTIARCH"
+  export PKG_CONFIG_PATH="$ROOT/.debs/usr/lib/$MULTIARCH/pkgconfig:$ROOT/.debs/usr/share/pkgconfig${PKG_CONFIG_PATH:+:$PKG_CONFIG_PATH}"
+  export LD_LIBRARY_PATH="$ROOT/.debs/usr/lib/$MULTIARCH${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+}
+if cmocka_links; then
+  say "cmocka: installed on this machine"
+else
+  if [ -f .debs/usr/include/cmocka.h ]; then
+    say "cmocka: not installed; using the copy already unpacked in .debs/"
+  else
+    DEBS=""
+    for d in "${FP8MOE_DEBS:-}" ../shared/debs shared/debs; do
+      if [ -n "$d" ] && ls "$d"/libcmocka*.deb >/dev/null 2>&1; then DEBS=$d; break; fi
+    done
+    if [ -z "$DEBS" ]; then
+      say "FAIL: cmocka is not installed and no libcmocka*.deb was found in \$FP8MOE_DEBS (${FP8MOE_DEBS:-unset}), ../shared/debs or shared/debs"
+      exit 1
+    fi
+    if ! command -v dpkg >/dev/null 2>&1; then
+      say "FAIL: cmocka is not installed and dpkg is missing, so the .debs in $DEBS cannot be unpacked"
+      exit 1
+    fi
+    mkdir -p .debs
+    for deb in "$DEBS"/*.deb; do
+      say "unpacking $deb into .debs/"
+      dpkg -x "$deb" .debs || { say "FAIL: dpkg -x $deb failed"; exit 1; }
+    done
+  fi
+  use_unpacked_debs
+  if ! cmocka_links; then
+    say "FAIL: cmocka from .debs/ does not link (headers in .debs/usr/include, library in .debs/usr/lib/$MULTIARCH?)"
+    exit 1
+  fi
+fi
+
+FULL_BUILD=1
+for pkg in inih hdf5-serial; do
+  if ! pkg-config --exists "$pkg" 2>/dev/null; then
+    say "MISSING: pkg-config does not know '$pkg' (Debian/Ubuntu: $([ "$pkg" = inih ] && echo libinih-dev || echo libhdf5-dev)). The full"
+    say "         build (config parser, checkpoints) needs it; put its .debs (and their library .debs) into \$FP8MOE_DEBS"
+    say "         or install it. Falling back to a kernels-only build of the GPU tests; CPU unit tests are skipped."
+    FULL_BUILD=0
+  fi
+done
+
+# ------------------------------------------------------------------------------ build
+mkdir -p "$BUILD/tests"
+build_kernels_only() {
+  # Mirrors the Makefile's flags for the objects the GPU tests need: kernels/*.c, kernels/cpu/*.c and
+  # kernels/cuda/*.cu (the library without train/ data/ optim/ parallel/, which need inih and HDF5).
+  local dir="$BUILD/kernels-only" cflags="-O2 -std=c11 -D_GNU_SOURCE -Wall -Wextra -Werror -ffp-contract=off -fopenmp -g -I. -DFP8MOE_CUDA -I$CUDA_HOME/include $EXTRA_CFLAGS"
+  mkdir -p "$dir"
+  local objs=() f o
+  for f in kernels/cuda/*.cu; do
+    o="$dir/$(basename "$f").o"
+    echo "nvcc $f"
+    nvcc -O2 -arch=sm_90 -std=c++17 -I. -DFP8MOE_CUDA -Xcompiler -Wall,-Wextra,-Werror -c "$f" -o "$o" || return 1
+    objs+=("$o")
+  done
+  for f in kernels/*.c kernels/cpu/*.c; do
+    o="$dir/$(basename "$f" .c).o"
+    echo "gcc $f"
+    gcc $cflags -c "$f" -o "$o" || return 1
+    objs+=("$o")
+  done
+  for f in tests/gpu/test_gpu_*.c; do
+    echo "gcc $f"
+    gcc $cflags -Itests "$f" "${objs[@]}" -o "$BUILD/tests/$(basename "$f" .c)" $EXTRA_LIBS \
+      -L"$CUDA_HOME/lib64" -Wl,-rpath,"$CUDA_HOME/lib64" -lcudart -lstdc++ -lcmocka -lm -fopenmp || return 1
+  done
+}
+
+if [ "$FULL_BUILD" = 1 ]; then
+  say "building: make -j$JOBS BUILD=$BUILD all (CFLAGS/LDLIBS extras from the environment: '${EXTRA_CFLAGS}' '${EXTRA_LIBS}')"
+  if ! CFLAGS="-O2 $EXTRA_CFLAGS" LDLIBS="$EXTRA_LIBS" make -j"$JOBS" BUILD="$BUILD" all; then
+    say "FULL BUILD FAILED (see the compiler output above); trying the kernels-only build so the GPU tests still run"
+    FULL_BUILD=0
+  fi
+fi
+if [ "$FULL_BUILD" = 0 ]; then
+  say "building the GPU tests from kernels/ only, into $BUILD/kernels-only"
+  if ! build_kernels_only; then say "FAIL: the kernels-only build failed (see above)"; exit 1; fi
+fi
+
+# ------------------------------------------------------------------------------ run
+export FP8MOE_CUDA_SYNC=1 # synchronise after each kernel: a CUDA error is reported at the kernel that caused it
+gpu_failed=0
+ran=0
+for t in "$BUILD"/tests/test_gpu_*; do
+  [ -x "$t" ] || continue
+  ran=$((ran + 1))
+  say "== $t"
+  if "$t"; then say "PASSED: $t"; else say "FAILED: $t"; gpu_failed=$((gpu_failed + 1)); fi
+done
+if [ "$ran" = 0 ]; then say "FAIL: no $BUILD/tests/test_gpu_* was built (was CUDA >= 12.9 detected? see 'fp8moe:' line of make)"; exit 1; fi
+
+unit_status="skipped (no full build)"
+unit_failed=0
+if [ "$FULL_BUILD" = 1 ]; then
+  say "== CPU unit tests (tests/run_unit.sh)"
+  if BUILD=$BUILD bash tests/run_unit.sh; then unit_status="passed"; else unit_status="FAILED"; unit_failed=1; fi
+fi
+
+say "SUMMARY: GPU tests: $((ran - gpu_failed))/$ran passed; CPU unit tests: $unit_status"
+if [ "$gpu_failed" -gt 0 ] || [ "$unit_failed" -gt 0 ]; then exit 1; fi
+if [ "$FULL_BUILD" = 0 ]; then say "INCOMPLETE: GPU tests passed, but the CPU unit tests did not run (see MISSING/FAILED above)"; exit 2; fi
+exit 0

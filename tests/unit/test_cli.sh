@@ -1,0 +1,100 @@
+#!/usr/bin/env bash
+# test_cli.sh - the fp8moe command line end to end: help and usage errors, the config error format,
+# a 3-step training run of configs/tiny.ini on tinyshakespeare (val_loss line, weights.h5,
+# metrics.jsonl) and sampling from the weights it wrote. The run uses one thread (train.threads=1,
+# which sample takes from the stored config): the tiny model's OpenMP regions are so short that on a
+# busy 2-core CI machine two threads mostly wait for each other.
+# Uses $FP8MOE_BUILD/fp8moe (default build/) and $FP8MOE_SHAKESPEARE (default
+# ../shared/data/tinyshakespeare.txt relative to the repo root). Run from the repository root.
+set -u
+BIN=${FP8MOE_BUILD:-build}/fp8moe
+TEXT=${FP8MOE_SHAKESPEARE:-../shared/data/tinyshakespeare.txt}
+TMP=$(mktemp -d /tmp/fp8moe_cli_XXXXXX)
+trap 'rm -rf "$TMP"' EXIT
+failures=0
+
+fail() { echo "FAIL: $*"; failures=$((failures + 1)); }
+pass() { echo "ok: $*"; }
+
+# run NAME EXPECTED_STATUS CMD...: runs CMD with stdout/stderr in $TMP/NAME.out/.err, checks the status
+run() {
+  local name=$1 want=$2; shift 2
+  "$@" >"$TMP/$name.out" 2>"$TMP/$name.err"
+  local got=$?
+  if [ "$got" -ne "$want" ]; then
+    fail "$name: exit status $got, expected $want"; sed 's/^/  | /' "$TMP/$name.err" | tail -5; return 1
+  fi
+  return 0
+}
+# has NAME FILE-SUFFIX PATTERN: grep -E for PATTERN in $TMP/NAME.FILE-SUFFIX
+has() { grep -Eq -- "$3" "$TMP/$1.$2" || { fail "$1: $2 lacks /$3/"; sed 's/^/  | /' "$TMP/$1.$2" | tail -5; return 1; }; }
+
+if [ ! -x "$BIN" ]; then echo "FAIL: $BIN not built"; exit 1; fi
+
+# ---- help and usage
+run help 0 "$BIN" --help && has help out 'fp8moe train JOB.ini' && has help out 'fp8moe sample' \
+  && has help out 'fp8moe prep' && has help out 'config-doc' && pass "--help exits 0 with usage"
+run help2 0 "$BIN" help && has help2 out 'Usage:' && pass "help exits 0"
+run help_train 0 "$BIN" help train && has help_train out 'fp8moe train JOB.ini' && pass "help train"
+run unknown 2 "$BIN" frobnicate && has unknown err "unknown command 'frobnicate'" && has unknown err 'Usage:' \
+  && pass "unknown command exits 2 naming it"
+run nocmd 2 "$BIN" && has nocmd err 'Usage:' && pass "no command exits 2 with usage"
+run train_noargs 2 "$BIN" train && has train_noargs err 'missing the job file' && pass "train without job exits 2"
+run train_badopt 2 "$BIN" train x.ini --frob && has train_badopt err 'unknown option --frob' && pass "train bad option"
+run sample_noprompt 2 "$BIN" sample w.h5 && has sample_noprompt err 'missing --prompt' && pass "sample without prompt"
+run sample_badsteps 2 "$BIN" sample w.h5 --prompt hi --steps many && has sample_badsteps err '--steps many' \
+  && pass "sample bad --steps"
+run prep_noout 2 "$BIN" prep --text a.txt && has prep_noout err 'missing --out' && pass "prep without --out"
+run configdoc 0 "$BIN" config-doc && has configdoc out 'n_routed_experts' && pass "config-doc prints the reference"
+
+# ---- config errors: `file:line: section.key: what was expected`, exit 2
+printf '[model]\ndim = 32\nbogus_key = 1\n' >"$TMP/bad.ini"
+run badkey 2 "$BIN" train "$TMP/bad.ini" && has badkey err "^$TMP/bad.ini:3: model\.bogus_key: " \
+  && pass "unknown key error names file:line: section.key"
+printf '[train]\nsteps = -4\n' >"$TMP/badval.ini"
+run badval 2 "$BIN" train "$TMP/badval.ini" && has badval err "^$TMP/badval.ini:2: train\.steps: " \
+  && pass "bad value error names file:line: section.key"
+run badset 2 "$BIN" train "$TMP/bad.ini" --set dim=3 && has badset err 'expected section.key=value' \
+  && pass "malformed --set"
+
+# ---- train 3 steps, then sample
+if [ ! -f configs/tiny.ini ]; then
+  echo "SKIP: configs/tiny.ini missing: training and sampling not tested"
+elif [ ! -f "$TEXT" ]; then
+  echo "SKIP: $TEXT missing (set FP8MOE_SHAKESPEARE): training and sampling not tested"
+else
+  RUN=$TMP/run
+  if run train 0 "$BIN" train configs/tiny.ini --set train.steps=3 --set "checkpoint.dir=$RUN" \
+       --set "data.text=$TEXT" --set "data.cache_dir=$TMP/cache" --set train.eval_every=2 \
+       --set train.threads=1; then
+    has train out '^\[model\]' && pass "train prints the resolved config"
+    has train out '^step 3/3 \| loss [0-9]+\.[0-9]{4} \| mtp [0-9.]+ \| bal [0-9.e+-]+ \| load max/mean [0-9.]+ \| lr [0-9.e+-]+ \| gnorm [0-9.]+ \| [0-9,]+ tok/s \| elapsed [0-9hms]+ \| eta [0-9hms]+$' \
+      && pass "step line format"
+    has train out '^eval step 2 \| val_loss=[0-9]+\.[0-9]{4} \|' && has train out '^eval step 3 \| val_loss=[0-9]+\.[0-9]{4} \|' \
+      && pass "val_loss= printed at eval_every and at the end"
+    [ -s "$RUN/weights.h5" ] && pass "weights.h5 written" || fail "no $RUN/weights.h5"
+    ls "$RUN" | grep -q tmp && fail "temporary weights file left in $RUN"
+    if [ -s "$RUN/metrics.jsonl" ]; then
+      n_step=$(grep -c '"type":"step"' "$RUN/metrics.jsonl"); n_eval=$(grep -c '"type":"eval"' "$RUN/metrics.jsonl")
+      [ "$n_step" -eq 3 ] && [ "$n_eval" -eq 2 ] && pass "metrics.jsonl has 3 step and 2 eval objects" \
+        || fail "metrics.jsonl has $n_step step and $n_eval eval objects, expected 3 and 2"
+      grep -q '"val_loss":[0-9]' "$RUN/metrics.jsonl" || fail "metrics.jsonl has no numeric val_loss"
+    else
+      fail "no $RUN/metrics.jsonl"
+    fi
+    if run sample 0 "$BIN" sample "$RUN/weights.h5" --prompt "ROMEO:" --steps 20 --seed 7; then
+      [ "$(head -c 6 "$TMP/sample.out")" = "ROMEO:" ] && pass "sample output starts with the prompt" \
+        || fail "sample output does not start with the prompt"
+      n=$(wc -c <"$TMP/sample.out")
+      [ "$n" -eq 27 ] && pass "sample prints prompt + 20 bytes + newline" || fail "sample printed $n bytes, expected 27"
+      run sample_again 0 "$BIN" sample "$RUN/weights.h5" --prompt "ROMEO:" --steps 20 --seed 7 \
+        && cmp -s "$TMP/sample.out" "$TMP/sample_again.out" && pass "same seed, same text" \
+        || fail "same seed gave different text"
+    fi
+    run sample_nothdf5 1 "$BIN" sample "$TMP/bad.ini" --prompt hi && has sample_nothdf5 err "$TMP/bad.ini: not an HDF5 file" \
+      && pass "sample on a non-HDF5 file names it"
+  fi
+fi
+
+if [ "$failures" -ne 0 ]; then echo "test_cli.sh: $failures failure(s)"; exit 1; fi
+echo "test_cli.sh: all passed"

@@ -1,0 +1,158 @@
+/*
+ * block.c - one pre-norm Transformer block: x += MLA(RMSNorm(x)); x += FFN(RMSNorm(x)), where FFN is
+ * the dense SwiGLU or the MoE layer. Also the allocation of the activations a block keeps and of the
+ * scratch gradients shared by the blocks of a chunk.
+ */
+#include "train/layers.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+
+// ---------------------------------------------------------------------------- allocation
+void *arena_alloc(ActsArena *a, size_t bytes) {
+    if (a->n == a->cap) {
+        a->cap = a->cap ? 2 * a->cap : 64;
+        a->ptrs = realloc(a->ptrs, (size_t)a->cap * sizeof(void *));
+        if (!a->ptrs) { fprintf(stderr, "fp8moe: out of host memory (train/block.c)\n"); exit(1); }
+    }
+    void *p = device_alloc(a->dev, bytes ? bytes : 1);
+    a->ptrs[a->n++] = p;
+    return p;
+}
+
+void arena_free_all(ActsArena *a) {
+    for (int i = 0; i < a->n; i++) device_free(a->dev, a->ptrs[i]);
+    free(a->ptrs);
+    a->ptrs = NULL;
+    a->n = a->cap = 0;
+}
+
+static void mla_acts_alloc(ActsArena *ar, MlaActs *a, const Dims *d) {
+    int N = d->N, NH = d->N * d->H;
+    if (d->qr > 0) {
+        a->cq = ARENA_REALS(ar, (int64_t)N * d->qr);
+        a->cq_rstd = ARENA_REALS(ar, N);
+        a->cqn = ARENA_REALS(ar, (int64_t)N * d->qr);
+    }
+    a->q = ARENA_REALS(ar, (int64_t)NH * d->dqk);
+    a->q_rope = ARENA_REALS(ar, (int64_t)NH * d->dr);
+    a->qf = ARENA_REALS(ar, (int64_t)NH * d->dqk);
+    a->kva = ARENA_REALS(ar, (int64_t)N * (d->kvr + d->dr));
+    a->ckv = ARENA_REALS(ar, (int64_t)N * d->kvr);
+    a->ckv_rstd = ARENA_REALS(ar, N);
+    a->ckvn = ARENA_REALS(ar, (int64_t)N * d->kvr);
+    a->k_rope_raw = ARENA_REALS(ar, (int64_t)N * d->dr);
+    a->k_rope = ARENA_REALS(ar, (int64_t)N * d->dr);
+    a->kv = ARENA_REALS(ar, (int64_t)NH * (d->dn + d->dv));
+    a->kf = ARENA_REALS(ar, (int64_t)NH * d->dqk);
+    a->v = ARENA_REALS(ar, (int64_t)NH * d->dv);
+    a->att = ARENA_REALS(ar, (int64_t)d->B * d->H * d->T * d->T);
+    a->o = ARENA_REALS(ar, (int64_t)NH * d->dv);
+}
+
+static void ffn_acts_alloc(ActsArena *ar, FfnActs *a, int64_t rows, int width) {
+    a->a = ARENA_REALS(ar, rows * width);
+    a->b = ARENA_REALS(ar, rows * width);
+    a->h = ARENA_REALS(ar, rows * width);
+}
+
+void block_acts_alloc(ActsArena *ar, BlockActs *a, const Dims *d, int is_moe) {
+    int N = d->N, D = d->D;
+    a->xn1 = ARENA_REALS(ar, (int64_t)N * D);
+    a->rstd1 = ARENA_REALS(ar, N);
+    mla_acts_alloc(ar, &a->mla, d);
+    a->x_mid = ARENA_REALS(ar, (int64_t)N * D);
+    a->xn2 = ARENA_REALS(ar, (int64_t)N * D);
+    a->rstd2 = ARENA_REALS(ar, N);
+    if (!is_moe) {
+        ffn_acts_alloc(ar, &a->ffn, N, d->inter);
+        return;
+    }
+    MoeActs *e = &a->moe;
+    int64_t NK = (int64_t)N * d->K;
+    e->logits = ARENA_REALS(ar, (int64_t)N * d->E);
+    e->scores = ARENA_REALS(ar, (int64_t)N * d->E);
+    e->topk_idx = ARENA_INTS(ar, NK);
+    e->topk_w = ARENA_REALS(ar, NK);
+    e->plain_topk = ARENA_INTS(ar, NK);
+    e->seg_offsets = ARENA_INTS(ar, d->E + 1);
+    e->seg_token = ARENA_INTS(ar, NK);
+    e->slot_of = ARENA_INTS(ar, NK);
+    e->xp = ARENA_REALS(ar, NK * D);
+    ffn_acts_alloc(ar, &e->experts, NK, d->I);
+    e->eout = ARENA_REALS(ar, NK * D);
+    ffn_acts_alloc(ar, &e->shared, N, d->shared_I);
+}
+
+void layer_scratch_alloc(ActsArena *ar, LayerScratch *s, const Dims *d, int has_moe) {
+    int64_t N = d->N, NH = (int64_t)d->N * d->H, NK = (int64_t)d->N * d->K;
+    s->d_xn = ARENA_REALS(ar, N * d->D);
+    s->d_mid = ARENA_REALS(ar, N * d->D);
+    if (d->qr > 0) {
+        s->d_cq = ARENA_REALS(ar, N * d->qr);
+        s->d_cqn = ARENA_REALS(ar, N * d->qr);
+    }
+    s->d_q = ARENA_REALS(ar, NH * d->dqk);
+    s->d_qf = ARENA_REALS(ar, NH * d->dqk);
+    s->d_q_rope = ARENA_REALS(ar, NH * d->dr);
+    s->d_q_rope_raw = ARENA_REALS(ar, NH * d->dr);
+    s->d_kva = ARENA_REALS(ar, N * (d->kvr + d->dr));
+    s->d_ckv = ARENA_REALS(ar, N * d->kvr);
+    s->d_ckvn = ARENA_REALS(ar, N * d->kvr);
+    s->d_k_rope = ARENA_REALS(ar, N * d->dr);
+    s->d_k_rope_raw = ARENA_REALS(ar, N * d->dr);
+    s->d_kv = ARENA_REALS(ar, NH * (d->dn + d->dv));
+    s->d_kf = ARENA_REALS(ar, NH * d->dqk);
+    s->d_v = ARENA_REALS(ar, NH * d->dv);
+    s->d_o = ARENA_REALS(ar, NH * d->dv);
+    int64_t ffn_elems = N * d->inter;
+    if (has_moe) {
+        if (N * d->shared_I > ffn_elems) ffn_elems = N * d->shared_I;
+        if (NK * d->I > ffn_elems) ffn_elems = NK * d->I;
+        s->d_logits = ARENA_REALS(ar, N * d->E);
+        s->d_scores = ARENA_REALS(ar, N * d->E);
+        s->d_topk_w = ARENA_REALS(ar, NK);
+        s->d_xp = ARENA_REALS(ar, NK * d->D);
+        s->d_eout = ARENA_REALS(ar, NK * d->D);
+    }
+    s->d_a = ARENA_REALS(ar, ffn_elems);
+    s->d_b = ARENA_REALS(ar, ffn_elems);
+    s->d_h = ARENA_REALS(ar, ffn_elems);
+}
+
+// ---------------------------------------------------------------------------- forward / backward
+void block_forward(Model *m, const BlockWeights *w, BlockActs *a, const Dims *d, const real *x_in,
+                   real *x_out) {
+    Device dev = m->dev;
+    int N = d->N, D = d->D;
+    a->x_in = (real *)x_in;
+    rmsnorm_forward(dev, a->xn1, a->rstd1, x_in, w->attn_norm, N, D);
+    mla_forward(m, &w->attn, &a->mla, d, a->xn1, a->x_mid);
+    add_inplace(dev, a->x_mid, x_in, (int64_t)N * D);
+    rmsnorm_forward(dev, a->xn2, a->rstd2, a->x_mid, w->ffn_norm, N, D);
+    if (w->is_moe)
+        moe_forward(m, w, &a->moe, d, a->xn2, x_out);
+    else
+        ffn_forward(dev, &w->ffn, &a->ffn, N, D, d->inter, a->xn2, x_out);
+    add_inplace(dev, x_out, a->x_mid, (int64_t)N * D);
+}
+
+void block_backward(Model *m, const BlockWeights *w, const BlockWeights *g, BlockActs *a, const Dims *d,
+                    LayerScratch *s, const real *d_x_out, real *d_x_in, real d_balance) {
+    Device dev = m->dev;
+    int N = d->N, D = d->D;
+    size_t bytes = (size_t)N * D * sizeof(real);
+    // forward was x_out = x_mid + FFN(RMSNorm(x_mid))
+    device_memset_zero(dev, s->d_xn, bytes);
+    if (w->is_moe)
+        moe_backward(m, w, g, &a->moe, d, s, a->xn2, d_x_out, s->d_xn, d_balance);
+    else
+        ffn_backward(dev, &w->ffn, &g->ffn, &a->ffn, s, N, D, d->inter, a->xn2, d_x_out, s->d_xn);
+    copy_block(dev, s->d_mid, D, d_x_out, D, N, D, 0);
+    rmsnorm_backward(dev, s->d_mid, g->ffn_norm, s->d_xn, a->x_mid, w->ffn_norm, a->rstd2, N, D);
+    // and x_mid = x_in + MLA(RMSNorm(x_in))
+    device_memset_zero(dev, s->d_xn, bytes);
+    mla_backward(m, &w->attn, &g->attn, &a->mla, d, s, a->xn1, s->d_mid, s->d_xn);
+    copy_block(dev, d_x_in, D, s->d_mid, D, N, D, 0);
+    rmsnorm_backward(dev, d_x_in, g->attn_norm, s->d_xn, a->x_in, w->attn_norm, a->rstd1, N, D);
+}

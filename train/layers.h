@@ -1,0 +1,120 @@
+/*
+ * layers.h - internal to train/: the activations each layer keeps for its backward pass and the
+ * per-layer forward/backward functions that model.c composes into blocks, chunks and MTP modules.
+ *
+ * N = B*T tokens of one micro-batch. Every layer reads its weights from a BlockWeights view and
+ * accumulates parameter gradients into the matching view of the gradient buffer. Backward functions
+ * take the gradient of the layer's output and ACCUMULATE into the gradient of its input (kernels.h
+ * convention); scratch gradients live in a LayerScratch shared by all blocks of a chunk and are zeroed
+ * by the layer that uses them.
+ */
+#ifndef FP8MOE_LAYERS_H
+#define FP8MOE_LAYERS_H
+
+#include "train/model.h"
+
+// Bump allocator for one ChunkActs: every buffer is zeroed device memory freed together.
+typedef struct {
+    Device dev;
+    void **ptrs;
+    int n, cap;
+} ActsArena;
+void *arena_alloc(ActsArena *a, size_t bytes);
+void arena_free_all(ActsArena *a);
+#define ARENA_REALS(arena, n) ((real *)arena_alloc((arena), (size_t)(n) * sizeof(real)))
+#define ARENA_INTS(arena, n) ((int *)arena_alloc((arena), (size_t)(n) * sizeof(int)))
+
+// Model shape numbers that every layer needs, derived once from the config.
+typedef struct {
+    int B, T, N;
+    int D, H, dn, dr, dv, dqk;  // dim, heads, qk_nope, qk_rope, v, qk = nope + rope
+    int qr, kvr;                // q_lora_rank, kv_lora_rank
+    int inter;                  // dense FFN width
+    int E, K, I, shared_I;      // experts, top-K, moe_inter_dim, shared expert width
+    int n_groups, n_limited;
+    real route_scale, rope_theta, balance_alpha;
+} Dims;
+Dims dims_from_config(const Config *c, int B, int T);
+
+// ---------------------------------------------------------------------------- MLA
+typedef struct {
+    real *cq, *cq_rstd, *cqn;      // (N, qr), (N), (N, qr)     q_lora_rank > 0 only
+    real *q;                       // (N, H*dqk) projection output, before RoPE
+    real *q_rope;                  // (N*H, dr) RoPE'd rope part of q
+    real *qf;                      // (N*H, dqk) = [q_nope ; RoPE(q_rope)] per head
+    real *kva;                     // (N, kvr + dr) = W_DKV x
+    real *ckv, *ckv_rstd, *ckvn;   // (N, kvr) compressed kv, its rstd, normalised
+    real *k_rope_raw, *k_rope;     // (N, dr) before / after RoPE, shared by all heads
+    real *kv;                      // (N, H*(dn+dv)) = W_UKV ckvn
+    real *kf;                      // (N*H, dqk) = [k_nope ; k_rope]
+    real *v;                       // (N*H, dv)
+    real *att;                     // (B, H, T, T) softmax probabilities
+    real *o;                       // (N, H*dv) attention output before W_O
+} MlaActs;
+
+// ---------------------------------------------------------------------------- FFN and MoE
+typedef struct { real *a, *b, *h; } FfnActs;  // a = w1 x, b = w3 x, h = silu(a) * b; (rows, width)
+
+typedef struct {
+    real *logits, *scores;    // (N, E)
+    int *topk_idx;            // (N, K) chosen experts (input when routing is frozen)
+    real *topk_w;             // (N, K) gate weights
+    int *plain_topk;          // (N, K) balance loss indicators (input when routing is frozen)
+    real balance_loss;
+    int *seg_offsets;         // (E+1)
+    int *seg_token;           // (N*K) source token of each permuted row
+    int *slot_of;             // (N*K) permuted row of each (t, k)
+    real *xp;                 // (N*K, D) permuted expert inputs
+    EpBuffers ep_buf;         // the local experts' rows after ep_dispatch
+    FfnActs experts;          // (N*K, I)
+    real *eout;               // (N*K, D) local expert outputs
+    const real *eout_perm;    // expert outputs back in this rank's permuted order (after ep_combine)
+    FfnActs shared;           // (N, shared_I)
+} MoeActs;
+
+typedef struct {
+    real *x_in;               // (N, D) block input (points into the chunk's residual stream)
+    real *xn1, *rstd1;        // attention RMSNorm
+    MlaActs mla;
+    real *x_mid;              // (N, D) after the attention residual
+    real *xn2, *rstd2;        // FFN RMSNorm
+    FfnActs ffn;              // dense
+    MoeActs moe;
+} BlockActs;
+
+// Scratch gradients for one block, reused block after block (sized for the largest block).
+typedef struct {
+    real *d_xn, *d_mid;                   // (N, D)
+    real *d_cq, *d_cqn, *d_q, *d_qf, *d_q_rope, *d_q_rope_raw;
+    real *d_kva, *d_ckv, *d_ckvn, *d_k_rope, *d_k_rope_raw, *d_kv, *d_kf, *d_v, *d_o;
+    real *d_a, *d_b, *d_h;                // dense FFN / shared expert, (N, max width)
+    real *d_logits, *d_scores, *d_topk_w; // router
+    real *d_xp, *d_ea, *d_eb, *d_eh, *d_eout;  // routed experts, (N*K, ...)
+} LayerScratch;
+
+void block_acts_alloc(ActsArena *arena, BlockActs *a, const Dims *d, int is_moe);
+void layer_scratch_alloc(ActsArena *arena, LayerScratch *s, const Dims *d, int has_moe);
+
+// x_out (N, D) = block(x_in); a->x_in is set to x_in.
+void block_forward(Model *m, const BlockWeights *w, BlockActs *a, const Dims *d, const real *x_in,
+                   real *x_out);
+// d_x_out (N, D) gradient of the block output -> d_x_in (N, D) overwritten with the input gradient
+// (may alias d_x_out). d_balance is the weight of the balance loss' gradient (0 = none).
+void block_backward(Model *m, const BlockWeights *w, const BlockWeights *g, BlockActs *a, const Dims *d,
+                    LayerScratch *s, const real *d_x_out, real *d_x_in, real d_balance);
+
+void mla_forward(Model *m, const MlaWeights *w, MlaActs *a, const Dims *d, const real *xn, real *out);
+void mla_backward(Model *m, const MlaWeights *w, const MlaWeights *g, MlaActs *a, const Dims *d,
+                  LayerScratch *s, const real *xn, const real *d_out, real *d_xn);
+
+void ffn_forward(Device dev, const FfnWeights *w, FfnActs *a, int rows, int D, int width, const real *x,
+                 real *out);
+void ffn_backward(Device dev, const FfnWeights *w, const FfnWeights *g, FfnActs *a, LayerScratch *s,
+                  int rows, int D, int width, const real *x, const real *d_out, real *d_x);
+
+// out (N, D) = shared(x) + sum_k w_k expert_k(x); routing per DESIGN.md section 3.
+void moe_forward(Model *m, const BlockWeights *w, MoeActs *a, const Dims *d, const real *x, real *out);
+void moe_backward(Model *m, const BlockWeights *w, const BlockWeights *g, MoeActs *a, const Dims *d,
+                  LayerScratch *s, const real *x, const real *d_out, real *d_x, real d_balance);
+
+#endif

@@ -1,0 +1,272 @@
+/*
+ * main.c - the fp8moe command line: train, prep, sample, config-doc, help.
+ *
+ * Only argument parsing lives here; each subcommand is one call into the library (trainer_run,
+ * data_prep, sample_run, config_print_reference). Exit status: 0 success, 1 a failure while running,
+ * 2 bad usage or an invalid job file / override (the message names the argument, file, line or key).
+ */
+#include <errno.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "data/prep.h"
+#include "train/config.h"
+#include "train/sample.h"
+#include "train/trainer.h"
+
+#define EXIT_USAGE 2
+
+static const char *const usage_train =
+    "  fp8moe train JOB.ini [--set section.key=value]...\n"
+    "      Train the job described by JOB.ini. Each --set overrides one key after the file is read,\n"
+    "      e.g. --set train.steps=100 --set checkpoint.dir=runs/try1. Prints the resolved config, a\n"
+    "      line per log.every steps and val_loss=... at each evaluation; writes\n"
+    "      <checkpoint.dir>/metrics.jsonl and <checkpoint.dir>/weights.h5. Ctrl-C stops after the\n"
+    "      current step and saves the weights; a second Ctrl-C quits at once.\n";
+static const char *const usage_prep =
+    "  fp8moe prep [--text FILE...] --out DIR\n"
+    "      Turn text files (concatenated in order; the last 10% is validation) into byte-level token\n"
+    "      shards in DIR. Without --text, the default text (Debian's fortunes) is used.\n";
+static const char *const usage_sample =
+    "  fp8moe sample WEIGHTS.h5 --prompt TEXT [--steps N] [--temperature X] [--seed S]\n"
+    "      Generate N bytes (default 400) after TEXT from a byte-level model trained by fp8moe train.\n"
+    "      temperature (default 0.8) > 0 samples, 0 takes the most likely byte; seed default 1337.\n";
+static const char *const usage_config_doc =
+    "  fp8moe config-doc\n"
+    "      Print the reference of every job-file key (Markdown, as docs/config.md).\n";
+
+static void print_usage(FILE *f) {
+    fprintf(f, "fp8moe - FP8 mixture-of-experts training (DeepSeek-V3 architecture)\n\nUsage:\n%s%s%s%s"
+               "  fp8moe help | --help\n      Show this text. `fp8moe help COMMAND` shows one command.\n",
+            usage_train, usage_prep, usage_sample, usage_config_doc);
+}
+
+// Prints "fp8moe CMD: message" and the command's usage to stderr; returns the usage exit status.
+static int usage_error(const char *cmd, const char *usage, const char *fmt, const char *arg) {
+    fprintf(stderr, "fp8moe %s: ", cmd);
+    fprintf(stderr, fmt, arg);
+    fprintf(stderr, "\nUsage:\n%s", usage);
+    return EXIT_USAGE;
+}
+
+static int is_help(const char *a) { return !strcmp(a, "--help") || !strcmp(a, "-h"); }
+
+// ---------------------------------------------------------------------------- train
+
+static int cmd_train(int argc, char **argv) {
+    const char *job = NULL;
+    const char **overrides = calloc((size_t)argc + 1, sizeof *overrides);
+    int n_overrides = 0;
+    if (!overrides) return 1;
+    int rc = EXIT_USAGE;
+    for (int i = 0; i < argc; i++) {
+        const char *a = argv[i];
+        if (is_help(a)) {
+            printf("Usage:\n%s", usage_train);
+            rc = 0;
+            goto done;
+        } else if (!strcmp(a, "--set")) {
+            if (i + 1 >= argc) {
+                rc = usage_error("train", usage_train, "%s needs a value: --set section.key=value", a);
+                goto done;
+            }
+            overrides[n_overrides++] = argv[++i];
+        } else if (!strncmp(a, "--set=", 6)) {
+            overrides[n_overrides++] = a + 6;
+        } else if (a[0] == '-' && a[1] != '\0') {
+            rc = usage_error("train", usage_train, "unknown option %s", a);
+            goto done;
+        } else if (job) {
+            rc = usage_error("train", usage_train, "one job file expected; got a second one: %s", a);
+            goto done;
+        } else {
+            job = a;
+        }
+    }
+    if (!job) {
+        rc = usage_error("train", usage_train, "missing the job file (JOB.ini)%s", "");
+        goto done;
+    }
+    for (int i = 0; i < n_overrides; i++)
+        if (!strchr(overrides[i], '=') || !strchr(overrides[i], '.')) {
+            rc = usage_error("train", usage_train, "--set %s: expected section.key=value", overrides[i]);
+            goto done;
+        }
+    Config *cfg = malloc(sizeof *cfg);
+    if (!cfg) {
+        rc = 1;
+        goto done;
+    }
+    char err[2048];
+    if (config_load(cfg, job, overrides, n_overrides, err, sizeof err) != 0) {
+        fprintf(stderr, "%s\n", err);
+        free(cfg);
+        goto done;  // rc = EXIT_USAGE: the job is invalid
+    }
+    rc = trainer_run(cfg);
+    free(cfg);
+done:
+    free(overrides);
+    return rc;
+}
+
+// ---------------------------------------------------------------------------- prep
+
+static int cmd_prep(int argc, char **argv) {
+    const char **texts = calloc((size_t)argc + 1, sizeof *texts);
+    int n_texts = 0;
+    const char *out = NULL;
+    if (!texts) return 1;
+    int rc = EXIT_USAGE;
+    for (int i = 0; i < argc; i++) {
+        const char *a = argv[i];
+        if (is_help(a)) {
+            printf("Usage:\n%s", usage_prep);
+            rc = 0;
+            goto done;
+        } else if (!strcmp(a, "--text")) {
+            int first = n_texts;
+            while (i + 1 < argc && strncmp(argv[i + 1], "--", 2) != 0) texts[n_texts++] = argv[++i];
+            if (n_texts == first) {
+                rc = usage_error("prep", usage_prep, "%s needs at least one FILE", a);
+                goto done;
+            }
+        } else if (!strcmp(a, "--out")) {
+            if (i + 1 >= argc) {
+                rc = usage_error("prep", usage_prep, "%s needs a directory", a);
+                goto done;
+            }
+            out = argv[++i];
+        } else {
+            rc = usage_error("prep", usage_prep, "unexpected argument %s", a);
+            goto done;
+        }
+    }
+    if (!out) {
+        rc = usage_error("prep", usage_prep, "missing --out DIR%s", "");
+        goto done;
+    }
+    char err[2048];
+    if (data_prep(texts, n_texts, out, err, sizeof err) != 0) {
+        fprintf(stderr, "fp8moe prep: %s\n", err);
+        rc = 1;
+        goto done;
+    }
+    printf("prepared %s into %s\n", n_texts ? "the text" : "the default text", out);
+    rc = 0;
+done:
+    free(texts);
+    return rc;
+}
+
+// ---------------------------------------------------------------------------- sample
+
+// Parses a whole-string integer in [lo, hi]; returns 0 or -1.
+static int parse_long(const char *s, long long lo, long long hi, long long *out) {
+    char *end;
+    errno = 0;
+    long long v = strtoll(s, &end, 10);
+    if (errno || end == s || *end || v < lo || v > hi) return -1;
+    *out = v;
+    return 0;
+}
+
+static int cmd_sample(int argc, char **argv) {
+    SampleOptions opt = {.weights_path = NULL, .prompt = NULL, .steps = 400, .temperature = 0.8, .seed = 1337};
+    for (int i = 0; i < argc; i++) {
+        const char *a = argv[i];
+        if (is_help(a)) {
+            printf("Usage:\n%s", usage_sample);
+            return 0;
+        }
+        int takes_value = !strcmp(a, "--prompt") || !strcmp(a, "--steps") || !strcmp(a, "--temperature") ||
+                          !strcmp(a, "--seed");
+        if (takes_value && i + 1 >= argc) return usage_error("sample", usage_sample, "%s needs a value", a);
+        const char *v = takes_value ? argv[i + 1] : NULL;
+        if (!strcmp(a, "--prompt")) {
+            opt.prompt = v;
+        } else if (!strcmp(a, "--steps")) {
+            long long n;
+            if (parse_long(v, 0, 100000000, &n) != 0)
+                return usage_error("sample", usage_sample, "--steps %s: expected an integer from 0 to 100000000", v);
+            opt.steps = (int)n;
+        } else if (!strcmp(a, "--temperature")) {
+            char *end;
+            errno = 0;
+            double x = strtod(v, &end);
+            if (errno || end == v || *end || !(x >= 0) || x > 1e6)
+                return usage_error("sample", usage_sample, "--temperature %s: expected a number >= 0", v);
+            opt.temperature = x;
+        } else if (!strcmp(a, "--seed")) {
+            char *end;
+            errno = 0;
+            unsigned long long x = strtoull(v, &end, 10);
+            if (errno || end == v || *end || v[0] == '-')
+                return usage_error("sample", usage_sample, "--seed %s: expected a non-negative integer", v);
+            opt.seed = x;
+        } else if (a[0] == '-' && a[1] != '\0') {
+            return usage_error("sample", usage_sample, "unknown option %s", a);
+        } else if (opt.weights_path) {
+            return usage_error("sample", usage_sample, "one weights file expected; got a second one: %s", a);
+        } else {
+            opt.weights_path = a;
+        }
+        if (takes_value) i++;
+    }
+    if (!opt.weights_path) return usage_error("sample", usage_sample, "missing the weights file (WEIGHTS.h5)%s", "");
+    if (!opt.prompt) return usage_error("sample", usage_sample, "missing --prompt TEXT%s", "");
+    if (!opt.prompt[0])
+        return usage_error("sample", usage_sample, "--prompt is empty; give at least one character%s", "");
+    char err[2048];
+    if (sample_run(&opt, stdout, err, sizeof err) != 0) {
+        fprintf(stderr, "fp8moe sample: %s\n", err);
+        return 1;
+    }
+    return 0;
+}
+
+// ---------------------------------------------------------------------------- dispatch
+
+int main(int argc, char **argv) {
+    if (argc < 2) {
+        fprintf(stderr, "fp8moe: missing a command\n");
+        print_usage(stderr);
+        return EXIT_USAGE;
+    }
+    const char *cmd = argv[1];
+    if (!strcmp(cmd, "train")) return cmd_train(argc - 2, argv + 2);
+    if (!strcmp(cmd, "prep")) return cmd_prep(argc - 2, argv + 2);
+    if (!strcmp(cmd, "sample")) return cmd_sample(argc - 2, argv + 2);
+    if (!strcmp(cmd, "config-doc")) {
+        if (argc > 2 && !is_help(argv[2]))
+            return usage_error("config-doc", usage_config_doc, "unexpected argument %s", argv[2]);
+        if (argc > 2) {
+            printf("Usage:\n%s", usage_config_doc);
+            return 0;
+        }
+        config_print_reference(stdout);
+        return 0;
+    }
+    if (!strcmp(cmd, "help") || is_help(cmd)) {
+        if (argc > 2) {
+            const char *topic = argv[2];
+            const char *u = !strcmp(topic, "train") ? usage_train : !strcmp(topic, "prep") ? usage_prep
+                          : !strcmp(topic, "sample") ? usage_sample : !strcmp(topic, "config-doc") ? usage_config_doc
+                          : NULL;
+            if (!u) {
+                fprintf(stderr, "fp8moe help: unknown command '%s'\n", topic);
+                print_usage(stderr);
+                return EXIT_USAGE;
+            }
+            printf("Usage:\n%s", u);
+            return 0;
+        }
+        print_usage(stdout);
+        return 0;
+    }
+    fprintf(stderr, "fp8moe: unknown command '%s' (expected train, prep, sample, config-doc or help)\n", cmd);
+    print_usage(stderr);
+    return EXIT_USAGE;
+}

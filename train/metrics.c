@@ -1,0 +1,119 @@
+/*
+ * metrics.c - step/eval log lines and the JSON Lines metrics file (see metrics.h).
+ *
+ * Plain snprintf formatting; numbers that are not finite print as "nan"/"inf" in the human line (so
+ * a diverging run is visible) and as null in JSON (which has no NaN).
+ */
+#include "train/metrics.h"
+
+#include <errno.h>
+#include <math.h>
+#include <string.h>
+
+// ---------------------------------------------------------------------------- human-readable pieces
+
+void format_duration(char *buf, size_t size, double seconds) {
+    if (!isfinite(seconds) || seconds < 0) {
+        snprintf(buf, size, "-");
+        return;
+    }
+    long s = (long)(seconds + 0.5);
+    if (s < 60) snprintf(buf, size, "%lds", s);
+    else if (s < 3600) snprintf(buf, size, "%ldm%02lds", s / 60, s % 60);
+    else snprintf(buf, size, "%ldh%02ldm", s / 3600, (s % 3600) / 60);
+}
+
+void format_thousands(char *buf, size_t size, double x) {
+    if (size == 0) return;
+    if (!isfinite(x) || x < 0) x = 0;
+    char digits[32];
+    snprintf(digits, sizeof digits, "%.0f", floor(x));
+    size_t n = strlen(digits), out = 0;
+    for (size_t i = 0; i < n && out + 1 < size; i++) {
+        // a comma before every group of three digits counted from the right, except at the start
+        if (i > 0 && (n - i) % 3 == 0) {
+            buf[out++] = ',';
+            if (out + 1 >= size) break;
+        }
+        buf[out++] = digits[i];
+    }
+    buf[out] = '\0';
+}
+
+void format_step_line(char *buf, size_t size, const StepMetrics *s) {
+    char mtp[48] = "", load[48] = "", tok[32], elapsed[32], eta[32];
+    if (s->has_mtp) snprintf(mtp, sizeof mtp, " | mtp %.4f", s->mtp);
+    if (s->has_moe) snprintf(load, sizeof load, " | load max/mean %.2f", s->load_max_mean);
+    format_thousands(tok, sizeof tok, s->tokens_per_s);
+    format_duration(elapsed, sizeof elapsed, s->elapsed_s);
+    format_duration(eta, sizeof eta, s->eta_s);
+    snprintf(buf, size,
+             "step %d/%d | loss %.4f%s | bal %.2e%s | lr %.2e | gnorm %.3f | %s tok/s | elapsed %s | eta %s",
+             s->step, s->total_steps, s->loss, mtp, s->balance, load, s->lr, s->grad_norm, tok, elapsed, eta);
+}
+
+void format_eval_line(char *buf, size_t size, const EvalMetrics *e) {
+    snprintf(buf, size, "eval step %d | val_loss=%.4f | %.1fs", e->step, e->val_loss, e->seconds);
+}
+
+// ---------------------------------------------------------------------------- JSON Lines
+
+int metrics_open(MetricsLog *log, const char *path, char *err, size_t err_size) {
+    memset(log, 0, sizeof *log);
+    snprintf(log->path, sizeof log->path, "%s", path);
+    log->f = fopen(path, "w");
+    if (!log->f) {
+        snprintf(err, err_size, "%s: cannot open the metrics file for writing: %s", path, strerror(errno));
+        return -1;
+    }
+    return 0;
+}
+
+// Appends `"key":value` to buf (JSON number, or null when not finite).
+static void json_number(char *buf, size_t size, const char *key, double x) {
+    size_t len = strlen(buf);
+    if (len >= size) return;
+    if (isfinite(x)) snprintf(buf + len, size - len, ",\"%s\":%.9g", key, x);
+    else snprintf(buf + len, size - len, ",\"%s\":null", key);
+}
+
+static int write_line(MetricsLog *log, const char *line, char *err, size_t err_size) {
+    if (!log->f) {
+        snprintf(err, err_size, "metrics file is not open");
+        return -1;
+    }
+    if (fprintf(log->f, "%s}\n", line) < 0 || fflush(log->f) != 0) {
+        snprintf(err, err_size, "%s: cannot write metrics: %s", log->path, strerror(errno));
+        return -1;
+    }
+    return 0;
+}
+
+int metrics_write_step(MetricsLog *log, const StepMetrics *s, char *err, size_t err_size) {
+    char line[1024];
+    snprintf(line, sizeof line, "{\"type\":\"step\",\"step\":%d,\"total_steps\":%d", s->step, s->total_steps);
+    json_number(line, sizeof line, "loss", s->loss);
+    if (s->has_mtp) json_number(line, sizeof line, "mtp_loss", s->mtp);
+    json_number(line, sizeof line, "balance_loss", s->balance);
+    if (s->has_moe) json_number(line, sizeof line, "load_max_mean", s->load_max_mean);
+    json_number(line, sizeof line, "lr", s->lr);
+    json_number(line, sizeof line, "grad_norm", s->grad_norm);
+    json_number(line, sizeof line, "tokens_per_s", s->tokens_per_s);
+    json_number(line, sizeof line, "elapsed_s", s->elapsed_s);
+    return write_line(log, line, err, err_size);
+}
+
+int metrics_write_eval(MetricsLog *log, const EvalMetrics *e, char *err, size_t err_size) {
+    char line[512];
+    snprintf(line, sizeof line, "{\"type\":\"eval\",\"step\":%d", e->step);
+    json_number(line, sizeof line, "val_loss", e->val_loss);
+    size_t len = strlen(line);
+    snprintf(line + len, sizeof line - len, ",\"tokens\":%lld", (long long)e->tokens);
+    json_number(line, sizeof line, "seconds", e->seconds);
+    return write_line(log, line, err, err_size);
+}
+
+void metrics_close(MetricsLog *log) {
+    if (log->f) fclose(log->f);
+    log->f = NULL;
+}

@@ -1,0 +1,586 @@
+/*
+ * model.c - the DeepSeek-V3 model: parameter table and flat buffers, initialisation, chunks, the output
+ * head with its cross-entropy, the multi-token-prediction modules, and the loss
+ *   L = L_main + (lambda / D) sum_k L_k + L_bal          (DESIGN.md section 3)
+ * Blocks themselves are in block.c (MLA in mla.c, FFN and MoE in moe.c).
+ */
+#include "train/model.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "train/layers.h"
+#include "train/rng.h"
+
+// ---------------------------------------------------------------------------- shapes
+Dims dims_from_config(const Config *c, int B, int T) {
+    Dims d;
+    memset(&d, 0, sizeof d);
+    d.B = B;
+    d.T = T;
+    d.N = B * T;
+    d.D = c->model.dim;
+    d.H = c->model.n_heads;
+    d.dn = c->model.qk_nope_head_dim;
+    d.dr = c->model.qk_rope_head_dim;
+    d.dv = c->model.v_head_dim;
+    d.dqk = d.dn + d.dr;
+    d.qr = c->model.q_lora_rank;
+    d.kvr = c->model.kv_lora_rank;
+    d.inter = c->model.inter_dim;
+    d.E = c->moe.n_routed_experts;
+    d.K = c->moe.n_activated_experts;
+    d.I = c->moe.moe_inter_dim;
+    d.shared_I = c->moe.n_shared_experts * c->moe.moe_inter_dim;
+    d.n_groups = c->moe.n_expert_groups;
+    d.n_limited = c->moe.n_limited_groups;
+    d.route_scale = (real)c->moe.route_scale;
+    d.rope_theta = (real)c->model.rope_theta;
+    d.balance_alpha = (real)c->moe.balance_loss_alpha;
+    return d;
+}
+
+// ---------------------------------------------------------------------------- parameter table
+// Built in two passes over the same description: non-expert tensors first, then routed-expert tensors,
+// so the expert part of the flat buffer is contiguous. Each entry remembers where its weight and
+// gradient pointers go; the pointers are bound once the buffers exist.
+typedef struct {
+    Model *m;
+    int expert_pass;   // 0: collect non-expert tensors, 1: expert tensors
+    int64_t offset;
+    int cap;
+    real ***wslots, ***gslots;  // per table entry: where to store the weight / gradient pointer
+    double *init_std;           // per entry; 0 = ones (norm weights)
+} TableBuilder;
+
+static void add_param(TableBuilder *tb, int is_expert, real **wslot, real **gslot, double init_std,
+                      int no_decay, int ndim, int s0, int s1, int s2, const char *fmt, ...)
+    __attribute__((format(printf, 11, 12)));
+
+#include <stdarg.h>
+static void add_param(TableBuilder *tb, int is_expert, real **wslot, real **gslot, double init_std,
+                      int no_decay, int ndim, int s0, int s1, int s2, const char *fmt, ...) {
+    if (is_expert != tb->expert_pass) return;
+    Model *m = tb->m;
+    if (m->n_params == tb->cap) {
+        tb->cap = tb->cap ? 2 * tb->cap : 256;
+        m->params = realloc(m->params, (size_t)tb->cap * sizeof(ParamInfo));
+        tb->wslots = realloc(tb->wslots, (size_t)tb->cap * sizeof(real **));
+        tb->gslots = realloc(tb->gslots, (size_t)tb->cap * sizeof(real **));
+        tb->init_std = realloc(tb->init_std, (size_t)tb->cap * sizeof(double));
+        if (!m->params || !tb->wslots || !tb->gslots || !tb->init_std) {
+            fprintf(stderr, "fp8moe: out of host memory building the parameter table\n");
+            exit(1);
+        }
+    }
+    ParamInfo *p = &m->params[m->n_params];
+    memset(p, 0, sizeof *p);
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(p->name, sizeof p->name, fmt, ap);
+    va_end(ap);
+    p->ndim = ndim;
+    p->shape[0] = s0;
+    p->shape[1] = s1;
+    p->shape[2] = s2;
+    p->numel = (int64_t)s0 * (ndim > 1 ? s1 : 1) * (ndim > 2 ? s2 : 1);
+    p->offset = tb->offset;
+    p->is_expert = is_expert;
+    p->no_decay = no_decay;
+    tb->wslots[m->n_params] = wslot;
+    tb->gslots[m->n_params] = gslot;
+    tb->init_std[m->n_params] = init_std;
+    tb->offset += p->numel;
+    m->n_params++;
+}
+
+// a Linear weight (out, in) / a norm weight (n)
+#define LINEAR(field, out_dim, in_dim, std, ...) \
+    add_param(tb, 0, &(w->field), &(g->field), (std), 0, 2, (out_dim), (in_dim), 0, __VA_ARGS__)
+#define NORM(field, n, ...) add_param(tb, 0, &(w->field), &(g->field), 0.0, 1, 1, (n), 0, 0, __VA_ARGS__)
+
+static void add_ffn(TableBuilder *tb, FfnWeights *w, FfnWeights *g, int D, int width, double std,
+                    double out_std, const char *prefix) {
+    LINEAR(w1, width, D, std, "%s.w1.weight", prefix);
+    LINEAR(w2, D, width, out_std, "%s.w2.weight", prefix);
+    LINEAR(w3, width, D, std, "%s.w3.weight", prefix);
+}
+
+static void add_block(TableBuilder *tb, BlockWeights *w, BlockWeights *g, const Config *c, const char *prefix) {
+    const ModelConfig *mc = &c->model;
+    int D = mc->dim, H = mc->n_heads, dqk = mc->qk_nope_head_dim + mc->qk_rope_head_dim;
+    double std = mc->init_std, out_std = mc->init_std / sqrt(2.0 * (mc->n_layers + c->mtp.depth));
+    char name[MODEL_NAME_MAX];
+    NORM(attn_norm, D, "%s.attn_norm.weight", prefix);
+    if (mc->q_lora_rank > 0) {
+        LINEAR(attn.wq_a, mc->q_lora_rank, D, std, "%s.attn.wq_a.weight", prefix);
+        NORM(attn.q_norm, mc->q_lora_rank, "%s.attn.q_norm.weight", prefix);
+        LINEAR(attn.wq_b, H * dqk, mc->q_lora_rank, std, "%s.attn.wq_b.weight", prefix);
+    } else {
+        LINEAR(attn.wq, H * dqk, D, std, "%s.attn.wq.weight", prefix);
+    }
+    LINEAR(attn.wkv_a, mc->kv_lora_rank + mc->qk_rope_head_dim, D, std, "%s.attn.wkv_a.weight", prefix);
+    NORM(attn.kv_norm, mc->kv_lora_rank, "%s.attn.kv_norm.weight", prefix);
+    LINEAR(attn.wkv_b, H * (mc->qk_nope_head_dim + mc->v_head_dim), mc->kv_lora_rank, std,
+           "%s.attn.wkv_b.weight", prefix);
+    LINEAR(attn.wo, D, H * mc->v_head_dim, out_std, "%s.attn.wo.weight", prefix);
+    NORM(ffn_norm, D, "%s.ffn_norm.weight", prefix);
+    if (!w->is_moe) {
+        snprintf(name, sizeof name, "%s.ffn", prefix);
+        add_ffn(tb, &w->ffn, &g->ffn, D, mc->inter_dim, std, out_std, name);
+        return;
+    }
+    const MoeConfig *e = &c->moe;
+    LINEAR(moe.gate, e->n_routed_experts, D, std, "%s.ffn.gate.weight", prefix);
+    snprintf(name, sizeof name, "%s.ffn.shared_experts", prefix);
+    add_ffn(tb, &w->moe.shared, &g->moe.shared, D, e->n_shared_experts * e->moe_inter_dim, std, out_std, name);
+    // Routed experts: one table entry per expert and matrix (names as in DeepSeek's checkpoints), laid out
+    // so that each matrix is stacked over experts; only expert 0's entry binds the stacked pointer.
+    int I = e->moe_inter_dim;
+    for (int which = 0; which < 3; which++) {
+        for (int x = 0; x < e->n_routed_experts; x++) {
+            real **ws = NULL, **gs = NULL;
+            if (x == 0) {
+                ws = which == 0 ? &w->moe.experts.w1 : which == 1 ? &w->moe.experts.w2 : &w->moe.experts.w3;
+                gs = which == 0 ? &g->moe.experts.w1 : which == 1 ? &g->moe.experts.w2 : &g->moe.experts.w3;
+            }
+            int out_dim = which == 1 ? D : I, in_dim = which == 1 ? I : D;
+            add_param(tb, 1, ws, gs, which == 1 ? out_std : std, 0, 2, out_dim, in_dim, 0,
+                      "%s.ffn.experts.%d.w%d.weight", prefix, x, which + 1);
+        }
+    }
+}
+
+static void build_table(TableBuilder *tb, const Config *c) {
+    Model *m = tb->m;
+    ModelWeights *w = &m->w, *g = &m->g;
+    const ModelConfig *mc = &c->model;
+    int D = mc->dim, V = mc->vocab_size;
+    char prefix[64];
+    LINEAR(embed, V, D, mc->init_std, "embed.weight");
+    for (int l = 0; l < mc->n_layers; l++) {
+        snprintf(prefix, sizeof prefix, "layers.%d", l);
+        add_block(tb, &w->blocks[l], &g->blocks[l], c, prefix);
+    }
+    NORM(norm, D, "norm.weight");
+    LINEAR(head, V, D, mc->init_std, "head.weight");
+    for (int k = 0; k < c->mtp.depth; k++) {
+        MtpWeights *mw = &w->mtp[k], *mg = &g->mtp[k];
+        snprintf(prefix, sizeof prefix, "mtp.%d", k);
+        add_param(tb, 0, &mw->enorm, &mg->enorm, 0.0, 1, 1, D, 0, 0, "%s.enorm.weight", prefix);
+        add_param(tb, 0, &mw->hnorm, &mg->hnorm, 0.0, 1, 1, D, 0, 0, "%s.hnorm.weight", prefix);
+        add_param(tb, 0, &mw->eh_proj, &mg->eh_proj, mc->init_std, 0, 2, D, 2 * D, 0, "%s.eh_proj.weight", prefix);
+        snprintf(prefix, sizeof prefix, "mtp.%d.block", k);
+        add_block(tb, &mw->block, &mg->block, c, prefix);
+        add_param(tb, 0, &mw->norm, &mg->norm, 0.0, 1, 1, D, 0, 0, "mtp.%d.norm.weight", k);
+    }
+}
+#undef LINEAR
+#undef NORM
+
+// ---------------------------------------------------------------------------- create / free
+static void init_weights(Model *m, const double *init_std) {
+    // Drawn on the host from a counter-based stream per tensor, so values do not depend on layout
+    // or thread count, then copied to the device.
+    uint64_t seed = m->cfg.train.seed;
+    for (int i = 0; i < m->n_params; i++) {
+        const ParamInfo *p = &m->params[i];
+        real *host = malloc((size_t)p->numel * sizeof(real));
+        if (!host) { fprintf(stderr, "fp8moe: out of host memory initialising %s\n", p->name); exit(1); }
+        uint64_t key = rng_key(seed, 0x5041524dULL /* "PARM" */, (uint64_t)i, 0);
+        for (int64_t j = 0; j < p->numel; j++)
+            host[j] = init_std[i] == 0.0 ? (real)1 : (real)(init_std[i] * rng_normal(key, (uint64_t)j));
+        device_memcpy_from_host(m->dev, m->weights + p->offset, host, (size_t)p->numel * sizeof(real));
+        free(host);
+    }
+}
+
+int model_create(Model *m, const Config *cfg, Device dev, int n_chunks, char *err, size_t err_size) {
+    memset(m, 0, sizeof *m);
+    m->cfg = *cfg;
+    m->dev = dev;
+    const ModelConfig *mc = &cfg->model;
+    int L = mc->n_layers, depth = cfg->mtp.depth;
+    if (n_chunks < 1 || n_chunks > L) {
+        snprintf(err, err_size, "cannot split %d layers into %d chunks", L, n_chunks);
+        return -1;
+    }
+    if (depth > MTP_MAX_DEPTH) {
+        snprintf(err, err_size, "mtp.depth = %d: at most %d supported", depth, MTP_MAX_DEPTH);
+        return -1;
+    }
+    int has_moe = L > mc->n_dense_layers;
+    m->w.blocks = calloc((size_t)L, sizeof(BlockWeights));
+    m->g.blocks = calloc((size_t)L, sizeof(BlockWeights));
+    m->w.mtp = calloc((size_t)depth + 1, sizeof(MtpWeights));
+    m->g.mtp = calloc((size_t)depth + 1, sizeof(MtpWeights));
+    for (int l = 0; l < L; l++) {
+        int moe = l >= mc->n_dense_layers;
+        m->w.blocks[l].is_moe = m->g.blocks[l].is_moe = moe;
+        m->w.blocks[l].moe_index = m->g.blocks[l].moe_index = moe ? m->n_moe_layers++ : -1;
+    }
+    for (int k = 0; k < depth; k++) {  // an MTP block is MoE when the model has MoE layers
+        BlockWeights *bw = &m->w.mtp[k].block, *bg = &m->g.mtp[k].block;
+        bw->is_moe = bg->is_moe = has_moe;
+        bw->moe_index = bg->moe_index = has_moe ? m->n_moe_layers++ : -1;
+    }
+
+    TableBuilder tb = {.m = m};
+    build_table(&tb, cfg);
+    m->n_dense_elems = tb.offset;
+    tb.expert_pass = 1;
+    build_table(&tb, cfg);
+    m->n_expert_elems = tb.offset - m->n_dense_elems;
+    int64_t total = tb.offset;
+    m->weights = device_alloc(dev, (size_t)total * sizeof(real));
+    m->grads = device_alloc(dev, (size_t)total * sizeof(real));
+    for (int i = 0; i < m->n_params; i++) {
+        if (tb.wslots[i]) *tb.wslots[i] = m->weights + m->params[i].offset;
+        if (tb.gslots[i]) *tb.gslots[i] = m->grads + m->params[i].offset;
+    }
+    init_weights(m, tb.init_std);
+    free(tb.wslots);
+    free(tb.gslots);
+    free(tb.init_std);
+
+    int E = cfg->moe.n_routed_experts;
+    m->router_bias = calloc((size_t)(m->n_moe_layers ? m->n_moe_layers : 1) * E, sizeof(real));
+    m->expert_load = calloc((size_t)(m->n_moe_layers ? m->n_moe_layers : 1) * E, sizeof(int64_t));
+    m->loss_weights.main = 1;
+    for (int k = 0; k < depth; k++) m->loss_weights.mtp[k] = (real)(cfg->mtp.loss_weight / depth);
+    m->loss_weights.balance = 1;
+
+    m->n_chunks = n_chunks;
+    m->chunks = calloc((size_t)n_chunks, sizeof(ChunkSpec));
+    for (int c = 0; c < n_chunks; c++) {
+        int first = (int)((int64_t)L * c / n_chunks), last = (int)((int64_t)L * (c + 1) / n_chunks);
+        m->chunks[c] = (ChunkSpec){first, last - first, c == 0, c == n_chunks - 1};
+    }
+    ep_group_init(&m->ep, comm_world_single(), E);
+    return 0;
+}
+
+void model_free(Model *m) {
+    device_free(m->dev, m->weights);
+    device_free(m->dev, m->grads);
+    free(m->params);
+    free(m->w.blocks);
+    free(m->g.blocks);
+    free(m->w.mtp);
+    free(m->g.mtp);
+    free(m->router_bias);
+    free(m->expert_load);
+    free(m->chunks);
+    memset(m, 0, sizeof *m);
+}
+
+int64_t model_num_params(const Model *m) { return m->n_dense_elems + m->n_expert_elems; }
+
+int64_t model_active_params(const Model *m) {
+    // A token passes through every non-expert tensor except the embedding table, and through K of the
+    // E routed experts of each MoE layer.
+    double active = 0;
+    const MoeConfig *e = &m->cfg.moe;
+    for (int i = 0; i < m->n_params; i++) {
+        const ParamInfo *p = &m->params[i];
+        if (strcmp(p->name, "embed.weight") == 0) continue;
+        active += p->is_expert ? (double)p->numel * e->n_activated_experts / e->n_routed_experts : (double)p->numel;
+    }
+    return (int64_t)llround(active);
+}
+
+const ParamInfo *model_find_param(const Model *m, const char *name) {
+    for (int i = 0; i < m->n_params; i++)
+        if (strcmp(m->params[i].name, name) == 0) return &m->params[i];
+    return NULL;
+}
+
+void model_zero_grads(Model *m) {
+    device_memset_zero(m->dev, m->grads, (size_t)model_num_params(m) * sizeof(real));
+}
+
+void model_zero_load(Model *m) {
+    memset(m->expert_load, 0, (size_t)m->n_moe_layers * m->cfg.moe.n_routed_experts * sizeof(int64_t));
+}
+
+// ---------------------------------------------------------------------------- activations
+typedef struct {
+    int *tok, *tgt;            // (N): input token t_{i+k} and target t_{i+k+1} (-1 = masked)
+    real *e, *en, *en_rstd;    // embedding of tok, its RMSNorm
+    real *hn, *hn_rstd;        // RMSNorm of the previous depth's hidden state
+    real *cat;                 // (N, 2D) = [en ; hn]
+    real *x0, *x1;             // block input (projection output) and output
+    BlockActs block;
+    real *ho, *ho_rstd;        // h^k = RMSNorm(x1)
+    real *logits, *probs, *losses;
+    real *d_h;                 // (N, D) gradient into h^k from depth k+1
+    int64_t n_valid;
+} MtpActs;
+
+struct ChunkActs {
+    ActsArena arena;
+    int chunk;
+    Dims d;
+    int V;                     // vocabulary size
+    int *inputs, *targets;     // (N) host copies of this micro-batch's tokens
+    real *resid;               // (n_blocks + 1, N, D) residual stream at block boundaries
+    BlockActs *blocks;
+    LayerScratch scratch;
+    real *d_cur;               // (N, D) gradient of the residual stream
+    // last chunk
+    real *hn, *hn_rstd;        // h^0 = final RMSNorm of the residual stream
+    real *logits, *probs, *losses;
+    real *d_hn, *d_logits, *d_tmp, *d_cat;  // (N, D), (N, V), (N, D), (N, 2D)
+    MtpActs *mtp;
+    LossTerms terms;
+};
+
+ChunkActs *chunk_acts_create(const Model *m, int chunk, int B, int T) {
+    ChunkActs *a = calloc(1, sizeof *a);
+    const ChunkSpec *cs = &m->chunks[chunk];
+    const Config *c = &m->cfg;
+    a->arena.dev = m->dev;
+    a->chunk = chunk;
+    a->d = dims_from_config(c, B, T);
+    a->V = c->model.vocab_size;
+    const Dims *d = &a->d;
+    ActsArena *ar = &a->arena;
+    int64_t N = d->N, D = d->D, V = c->model.vocab_size;
+    a->inputs = calloc((size_t)N, sizeof(int));
+    a->targets = calloc((size_t)N, sizeof(int));
+    a->resid = ARENA_REALS(ar, (cs->n_blocks + 1) * N * D);
+    a->blocks = calloc((size_t)cs->n_blocks, sizeof(BlockActs));
+    int has_moe = 0;
+    for (int i = 0; i < cs->n_blocks; i++) {
+        int moe = m->w.blocks[cs->first_block + i].is_moe;
+        has_moe |= moe;
+        block_acts_alloc(ar, &a->blocks[i], d, moe);
+    }
+    a->d_cur = ARENA_REALS(ar, N * D);
+    if (cs->has_head) {
+        a->hn = ARENA_REALS(ar, N * D);
+        a->hn_rstd = ARENA_REALS(ar, N);
+        a->logits = ARENA_REALS(ar, N * V);
+        a->probs = ARENA_REALS(ar, N * V);
+        a->losses = ARENA_REALS(ar, N);
+        a->d_hn = ARENA_REALS(ar, N * D);
+        a->d_logits = ARENA_REALS(ar, N * V);
+        a->d_tmp = ARENA_REALS(ar, N * D);
+        a->d_cat = ARENA_REALS(ar, 2 * N * D);
+        a->mtp = calloc((size_t)c->mtp.depth + 1, sizeof(MtpActs));
+        for (int k = 0; k < c->mtp.depth; k++) {
+            MtpActs *t = &a->mtp[k];
+            t->tok = calloc((size_t)N, sizeof(int));
+            t->tgt = calloc((size_t)N, sizeof(int));
+            t->e = ARENA_REALS(ar, N * D);
+            t->en = ARENA_REALS(ar, N * D);
+            t->en_rstd = ARENA_REALS(ar, N);
+            t->hn = ARENA_REALS(ar, N * D);
+            t->hn_rstd = ARENA_REALS(ar, N);
+            t->cat = ARENA_REALS(ar, 2 * N * D);
+            t->x0 = ARENA_REALS(ar, N * D);
+            t->x1 = ARENA_REALS(ar, N * D);
+            int moe = m->w.mtp[k].block.is_moe;
+            has_moe |= moe;
+            block_acts_alloc(ar, &t->block, d, moe);
+            t->ho = ARENA_REALS(ar, N * D);
+            t->ho_rstd = ARENA_REALS(ar, N);
+            t->logits = ARENA_REALS(ar, N * V);
+            t->probs = ARENA_REALS(ar, N * V);
+            t->losses = ARENA_REALS(ar, N);
+            t->d_h = ARENA_REALS(ar, N * D);
+        }
+    }
+    layer_scratch_alloc(ar, &a->scratch, d, has_moe);
+    return a;
+}
+
+void chunk_acts_free(ChunkActs *a) {
+    if (!a) return;
+    if (a->mtp) {
+        for (int k = 0; k < MTP_MAX_DEPTH && (a->mtp[k].tok || a->mtp[k].tgt); k++) {
+            free(a->mtp[k].tok);
+            free(a->mtp[k].tgt);
+        }
+    }
+    free(a->mtp);
+    free(a->blocks);
+    free(a->inputs);
+    free(a->targets);
+    arena_free_all(&a->arena);
+    free(a);
+}
+
+// ---------------------------------------------------------------------------- head and MTP
+// Mean cross-entropy of logits (N, V) against targets; fills losses/probs, returns the mean over valid rows.
+static double head_loss(Device dev, real *losses, real *probs, const real *logits, const int *targets, int N,
+                        int V, int64_t *n_valid) {
+    crossentropy_forward(dev, losses, probs, logits, targets, N, V);
+    real *host = malloc((size_t)N * sizeof(real));
+    device_memcpy_to_host(dev, host, losses, (size_t)N * sizeof(real));
+    double sum = 0;
+    int64_t n = 0;
+    for (int i = 0; i < N; i++) {
+        if (targets[i] < 0) continue;
+        sum += host[i];
+        n++;
+    }
+    free(host);
+    *n_valid = n;
+    return n ? sum / (double)n : 0.0;
+}
+
+// MTP depth k (1-based) at position i of a sequence takes token t_{i+k} as input and predicts t_{i+k+1}.
+// With targets[i] = t_{i+1}: t_{i+k} = targets[i+k-1] and t_{i+k+1} = targets[i+k], inside the sequence.
+// Positions whose input or target falls off the sequence are masked (input token 0, target -1); being the
+// last positions, they cannot influence valid ones through causal attention.
+static void mtp_tokens(int *tok, int *tgt, const int *targets, int B, int T, int k) {
+    for (int b = 0; b < B; b++) {
+        const int *row = targets + (int64_t)b * T;
+        for (int i = 0; i < T; i++) {
+            int in = i + k - 1 < T ? row[i + k - 1] : -1;
+            int out = i + k < T ? row[i + k] : -1;
+            tok[b * T + i] = in >= 0 ? in : 0;
+            tgt[b * T + i] = in >= 0 ? out : -1;
+        }
+    }
+}
+
+static double mtp_forward(Model *m, ChunkActs *a, int k) {
+    Device dev = m->dev;
+    const Dims *d = &a->d;
+    int N = d->N, D = d->D, V = m->cfg.model.vocab_size;
+    const MtpWeights *w = &m->w.mtp[k];
+    MtpActs *t = &a->mtp[k];
+    const real *h_prev = k == 0 ? a->hn : a->mtp[k - 1].ho;
+    mtp_tokens(t->tok, t->tgt, a->targets, d->B, d->T, k + 1);
+    embedding_forward(dev, t->e, t->tok, m->w.embed, N, D);
+    rmsnorm_forward(dev, t->en, t->en_rstd, t->e, w->enorm, N, D);
+    rmsnorm_forward(dev, t->hn, t->hn_rstd, h_prev, w->hnorm, N, D);
+    copy_block(dev, t->cat, 2 * D, t->en, D, N, D, 0);  // embedding first, as in released weights
+    copy_block(dev, t->cat + D, 2 * D, t->hn, D, N, D, 0);
+    matmul_forward(dev, t->x0, t->cat, w->eh_proj, N, 2 * D, D);
+    block_forward(m, &w->block, &t->block, d, t->x0, t->x1);
+    rmsnorm_forward(dev, t->ho, t->ho_rstd, t->x1, w->norm, N, D);
+    matmul_forward(dev, t->logits, t->ho, m->w.head, N, D, V);
+    return head_loss(dev, t->losses, t->probs, t->logits, t->tgt, N, V, &t->n_valid);
+}
+
+// Backward of MTP depth k: the gradient into h^{k-1} is added to d_h_prev.
+static void mtp_backward(Model *m, ChunkActs *a, int k, real *d_h_prev, real loss_scale) {
+    Device dev = m->dev;
+    const Dims *d = &a->d;
+    int N = d->N, D = d->D, V = m->cfg.model.vocab_size;
+    const MtpWeights *w = &m->w.mtp[k], *g = &m->g.mtp[k];
+    MtpActs *t = &a->mtp[k];
+    size_t bytes = (size_t)N * D * sizeof(real);
+    const real *h_prev = k == 0 ? a->hn : a->mtp[k - 1].ho;
+    // d h^k = (from this depth's head) + (from depth k+1, already in t->d_h)
+    real dloss = t->n_valid ? loss_scale * m->loss_weights.mtp[k] / (real)t->n_valid : 0;
+    crossentropy_backward(dev, a->d_logits, t->probs, t->tgt, dloss, N, V);
+    matmul_backward(dev, t->d_h, m->g.head, a->d_logits, t->ho, m->w.head, N, D, V);
+    device_memset_zero(dev, a->d_cur, bytes);
+    rmsnorm_backward(dev, a->d_cur, g->norm, t->d_h, t->x1, w->norm, t->ho_rstd, N, D);
+    block_backward(m, &w->block, &g->block, &t->block, d, &a->scratch, a->d_cur, a->d_cur,
+                   loss_scale * m->loss_weights.balance);
+    device_memset_zero(dev, a->d_cat, 2 * bytes);
+    matmul_backward(dev, a->d_cat, g->eh_proj, a->d_cur, t->cat, w->eh_proj, N, 2 * D, D);
+    // split d_cat = [d_en ; d_hn] and go back through the two norms
+    copy_block(dev, a->d_tmp, D, a->d_cat, 2 * D, N, D, 0);
+    device_memset_zero(dev, a->d_cur, bytes);
+    rmsnorm_backward(dev, a->d_cur, g->enorm, a->d_tmp, t->e, w->enorm, t->en_rstd, N, D);
+    embedding_backward(dev, m->g.embed, a->d_cur, t->tok, N, D);
+    copy_block(dev, a->d_tmp, D, a->d_cat + D, 2 * D, N, D, 0);
+    rmsnorm_backward(dev, d_h_prev, g->hnorm, a->d_tmp, h_prev, w->hnorm, t->hn_rstd, N, D);
+}
+
+// ---------------------------------------------------------------------------- chunk forward / backward
+static double block_balance(const BlockWeights *w, const BlockActs *a) {
+    return w->is_moe ? (double)a->moe.balance_loss : 0.0;
+}
+
+real chunk_forward(Model *m, int chunk, ChunkActs *a, const int *inputs, const int *targets,
+                   const real *in_hidden, real *out_hidden) {
+    Device dev = m->dev;
+    const ChunkSpec *cs = &m->chunks[chunk];
+    const Dims *d = &a->d;
+    int N = d->N, D = d->D, V = m->cfg.model.vocab_size;
+    size_t bytes = (size_t)N * D * sizeof(real);
+    memcpy(a->inputs, inputs, (size_t)N * sizeof(int));
+    memcpy(a->targets, targets, (size_t)N * sizeof(int));
+    memset(&a->terms, 0, sizeof a->terms);
+    if (cs->has_embedding)
+        embedding_forward(dev, a->resid, inputs, m->w.embed, N, D);
+    else
+        device_memcpy_from_host(dev, a->resid, in_hidden, bytes);  // host pointer in one process
+    double balance = 0;
+    for (int i = 0; i < cs->n_blocks; i++) {
+        const BlockWeights *w = &m->w.blocks[cs->first_block + i];
+        block_forward(m, w, &a->blocks[i], d, a->resid + (int64_t)i * N * D, a->resid + (int64_t)(i + 1) * N * D);
+        balance += block_balance(w, &a->blocks[i]);
+    }
+    real *x_last = a->resid + (int64_t)cs->n_blocks * N * D;
+    LossTerms *lt = &a->terms;
+    if (!cs->has_head) {
+        device_memcpy_to_host(dev, out_hidden, x_last, bytes);
+        lt->balance = balance;
+        return (real)(m->loss_weights.balance * balance);
+    }
+    rmsnorm_forward(dev, a->hn, a->hn_rstd, x_last, m->w.norm, N, D);
+    matmul_forward(dev, a->logits, a->hn, m->w.head, N, D, V);
+    lt->main = head_loss(dev, a->losses, a->probs, a->logits, targets, N, V, &lt->n_valid);
+    double total = m->loss_weights.main * lt->main;
+    int depth = m->cfg.mtp.depth;
+    for (int k = 0; k < depth; k++) {
+        lt->mtp[k] = mtp_forward(m, a, k);
+        balance += block_balance(&m->w.mtp[k].block, &a->mtp[k].block);
+        lt->mtp_mean += lt->mtp[k] / depth;
+        total += m->loss_weights.mtp[k] * lt->mtp[k];
+    }
+    lt->balance = balance;
+    total += m->loss_weights.balance * balance;
+    return (real)total;
+}
+
+void chunk_backward(Model *m, int chunk, ChunkActs *a, const real *dout_hidden, real *din_hidden,
+                    real loss_scale) {
+    Device dev = m->dev;
+    const ChunkSpec *cs = &m->chunks[chunk];
+    const Dims *d = &a->d;
+    int N = d->N, D = d->D, V = m->cfg.model.vocab_size;
+    size_t bytes = (size_t)N * D * sizeof(real);
+    real d_balance = loss_scale * m->loss_weights.balance;
+    if (cs->has_head) {
+        // MTP depths last to first: depth k+1 feeds the gradient of h^k to depth k
+        int depth = m->cfg.mtp.depth;
+        device_memset_zero(dev, a->d_hn, bytes);
+        for (int k = 0; k < depth; k++) device_memset_zero(dev, a->mtp[k].d_h, bytes);
+        for (int k = depth - 1; k >= 0; k--)
+            mtp_backward(m, a, k, k == 0 ? a->d_hn : a->mtp[k - 1].d_h, loss_scale);
+        real dloss = a->terms.n_valid ? loss_scale * m->loss_weights.main / (real)a->terms.n_valid : 0;
+        crossentropy_backward(dev, a->d_logits, a->probs, a->targets, dloss, N, V);
+        matmul_backward(dev, a->d_hn, m->g.head, a->d_logits, a->hn, m->w.head, N, D, V);
+        device_memset_zero(dev, a->d_cur, bytes);
+        rmsnorm_backward(dev, a->d_cur, m->g.norm, a->d_hn, a->resid + (int64_t)cs->n_blocks * N * D, m->w.norm,
+                         a->hn_rstd, N, D);
+    } else {
+        device_memcpy_from_host(dev, a->d_cur, dout_hidden, bytes);
+    }
+    for (int i = cs->n_blocks - 1; i >= 0; i--) {
+        int l = cs->first_block + i;
+        block_backward(m, &m->w.blocks[l], &m->g.blocks[l], &a->blocks[i], d, &a->scratch, a->d_cur, a->d_cur,
+                       d_balance);
+    }
+    if (cs->has_embedding)
+        embedding_backward(dev, m->g.embed, a->d_cur, a->inputs, N, D);
+    else
+        device_memcpy_to_host(dev, din_hidden, a->d_cur, bytes);
+}
+
+LossTerms chunk_losses(const ChunkActs *a) { return a->terms; }
+
+const real *chunk_probs_at(const ChunkActs *a, int b, int t) {
+    return a->probs ? a->probs + ((int64_t)b * a->d.T + t) * a->V : NULL;
+}

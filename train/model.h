@@ -1,0 +1,148 @@
+/*
+ * model.h - the DeepSeek-V3 model (DESIGN.md section 3) as a list of chunks, forward and backward.
+ *
+ * Parameters live in one flat buffer: the non-expert tensors first, then the routed-expert tensors, so
+ * reduction (DP for the first part, EDP for the second), clipping, AdamW and checkpoints are single
+ * calls over flat memory. A table (ParamInfo) names every tensor as in DeepSeek's reference code
+ * ("layers.3.attn.wq_a.weight") with its shape and offset; ModelWeights is a struct of pointers into
+ * the buffer filled once, and the same struct is filled for the gradient buffer.
+ *
+ * A chunk is a contiguous range of blocks; the first chunk also holds the embedding, the last one the
+ * final norm, the output head and the MTP modules. Pipeline schedules drive chunk_forward and
+ * chunk_backward one micro-batch at a time, each micro-batch with its own ChunkActs. In one process
+ * there is a single chunk holding everything.
+ */
+#ifndef FP8MOE_MODEL_H
+#define FP8MOE_MODEL_H
+
+#include <stdint.h>
+
+#include "kernels/kernels.h"
+#include "parallel/ep.h"
+#include "train/config.h"
+
+#define MODEL_NAME_MAX 96
+#define MTP_MAX_DEPTH 8
+
+typedef struct {
+    char name[MODEL_NAME_MAX];
+    int ndim;
+    int shape[3];
+    int64_t numel;
+    int64_t offset;   // element offset in the flat parameter buffer
+    int is_expert;    // a routed-expert tensor (second part of the buffer, reduced over EDP)
+    int no_decay;     // norms: no weight decay
+} ParamInfo;
+
+typedef struct { real *w1, *w2, *w3; } FfnWeights;  // SwiGLU: w2(silu(w1 x) * w3 x)
+typedef struct {
+    real *wq_a, *q_norm, *wq_b;  // q_lora_rank > 0
+    real *wq;                    // q_lora_rank == 0
+    real *wkv_a, *kv_norm, *wkv_b, *wo;
+} MlaWeights;
+typedef struct {
+    real *gate;          // (E, D) router
+    FfnWeights shared;   // n_shared * moe_inter_dim wide
+    FfnWeights experts;  // stacked over experts: w1, w3 (E, I, D), w2 (E, D, I)
+} MoeWeights;
+typedef struct {
+    int is_moe;
+    int moe_index;       // index of this MoE layer among all MoE layers (router bias, load counts)
+    real *attn_norm, *ffn_norm;
+    MlaWeights attn;
+    FfnWeights ffn;      // dense
+    MoeWeights moe;
+} BlockWeights;
+typedef struct {
+    real *enorm, *hnorm, *eh_proj, *norm;  // eh_proj (D, 2D): input [RMSNorm(emb) ; RMSNorm(h)]
+    BlockWeights block;
+} MtpWeights;
+typedef struct {
+    real *embed;         // (V, D)
+    real *norm;          // (D) final norm
+    real *head;          // (V, D) untied output head
+    BlockWeights *blocks;   // n_layers
+    MtpWeights *mtp;        // mtp depth
+} ModelWeights;
+
+typedef struct {
+    int first_block, n_blocks;  // blocks [first_block, first_block + n_blocks)
+    int has_embedding;          // the first chunk
+    int has_head;               // the last chunk: final norm, head, CE, MTP modules
+} ChunkSpec;
+
+// Which loss terms a backward pass differentiates and with which weights. The default is the training
+// objective L = L_main + (lambda/D) sum_k L_k + L_bal; gradient checks select one term at a time.
+typedef struct {
+    real main;
+    real mtp[MTP_MAX_DEPTH];
+    real balance;
+} LossWeights;
+
+typedef struct {
+    Config cfg;
+    Device dev;
+    ParamInfo *params;
+    int n_params;
+    int64_t n_dense_elems, n_expert_elems;  // the flat buffer is n_dense_elems + n_expert_elems long
+    real *weights;       // flat master weights
+    real *grads;         // flat gradients, same layout
+    ModelWeights w, g;   // pointer views into weights and grads
+    int n_moe_layers;    // MoE layers in the main model and the MTP modules
+    real *router_bias;   // (n_moe_layers, E): selection bias, updated by the balancer, not by gradients
+    int64_t *expert_load;  // (n_moe_layers, E): tokens routed to each expert since the last reset
+    int count_load;      // count expert load in forward passes (training, not eval)
+    int freeze_routing;  // reuse the routing stored in the ChunkActs (gradient checks)
+    LossWeights loss_weights;
+    ChunkSpec *chunks;
+    int n_chunks;
+    EpGroup ep;
+} Model;
+
+// Activations of one chunk for one micro-batch (B sequences of T tokens), kept for its backward pass.
+typedef struct ChunkActs ChunkActs;
+
+// Build the model for `cfg` on `dev` with n_chunks equal chunks (1 in one process) and initialise the
+// weights from cfg->train.seed. Returns 0, or -1 with a message in err.
+int model_create(Model *m, const Config *cfg, Device dev, int n_chunks, char *err, size_t err_size);
+void model_free(Model *m);
+int64_t model_num_params(const Model *m);
+// Parameters one token passes through (embedding lookup excluded): attention, dense FFN, shared and
+// top-K routed experts, router, head, MTP modules. Used for FLOPs accounting.
+int64_t model_active_params(const Model *m);
+const ParamInfo *model_find_param(const Model *m, const char *name);
+
+ChunkActs *chunk_acts_create(const Model *m, int chunk, int B, int T);
+void chunk_acts_free(ChunkActs *a);
+
+// Forward of one chunk for one micro-batch.
+//   inputs (B*T) token ids, targets (B*T) next-token ids (-1 = no target); every chunk gets them (the
+//   first for the embedding, the last for the losses and the MTP inputs).
+//   in_hidden (B*T, D): the previous chunk's output; NULL on the first chunk.
+//   out_hidden (B*T, D): this chunk's output for the next chunk; NULL on the last chunk.
+// Returns the weighted loss of this micro-batch on the last chunk (0 elsewhere).
+real chunk_forward(Model *m, int chunk, ChunkActs *a, const int *inputs, const int *targets,
+                   const real *in_hidden, real *out_hidden);
+// Backward of the same micro-batch: accumulates parameter gradients into m->grads.
+//   dout_hidden (B*T, D): gradient of this chunk's output (NULL on the last chunk).
+//   din_hidden (B*T, D): receives the gradient of in_hidden (NULL on the first chunk); overwritten.
+//   loss_scale multiplies every loss term's gradient (1/grad_accum for a mean over micro-batches).
+void chunk_backward(Model *m, int chunk, ChunkActs *a, const real *dout_hidden, real *din_hidden,
+                    real loss_scale);
+
+// Loss terms of the last forward pass of a last chunk (unweighted means over valid positions).
+typedef struct {
+    double main;                  // mean CE of the main head, nats per token
+    double mtp[MTP_MAX_DEPTH];    // mean CE of each MTP depth
+    double mtp_mean;              // mean over depths
+    double balance;               // sum over MoE layers of the sequence-wise balance loss
+    int64_t n_valid;              // positions with a main target
+} LossTerms;
+LossTerms chunk_losses(const ChunkActs *a);
+// Last-position probabilities (V) of sequence b from the last forward pass (sampling).
+const real *chunk_probs_at(const ChunkActs *a, int b, int t);
+
+void model_zero_grads(Model *m);
+void model_zero_load(Model *m);
+
+#endif

@@ -1,0 +1,121 @@
+/*
+ * moe.c - the FFN half of a block: the dense SwiGLU FFN and the DeepSeek-V3 MoE layer (router with
+ * group-limited top-K, shared expert, routed experts over contiguous per-expert segments, sequence-wise
+ * balance loss), forward and backward.
+ *
+ * The routed path is: router -> permute token rows into per-expert segments -> ep_dispatch (the seam
+ * where expert parallelism's all-to-all plugs in; the identity with one EP rank) -> local experts ->
+ * ep_combine -> weighted sum back into token order. Load counts for the aux-loss-free bias update are
+ * taken here, once per training forward pass.
+ */
+#include "train/layers.h"
+
+#include <string.h>
+
+// ---------------------------------------------------------------------------- dense SwiGLU
+// x (rows, D) -> out (rows, D) = w2 (silu(w1 x) * w3 x); w1, w3 (width, D), w2 (D, width)
+void ffn_forward(Device dev, const FfnWeights *w, FfnActs *a, int rows, int D, int width, const real *x,
+                 real *out) {
+    matmul_forward(dev, a->a, x, w->w1, rows, D, width);
+    matmul_forward(dev, a->b, x, w->w3, rows, D, width);
+    swiglu_forward(dev, a->h, a->a, a->b, (int64_t)rows * width);
+    matmul_forward(dev, out, a->h, w->w2, rows, width, D);
+}
+
+// d_out (rows, D) -> d_x (rows, D) +=, parameter grads +=
+void ffn_backward(Device dev, const FfnWeights *w, const FfnWeights *g, FfnActs *a, LayerScratch *s,
+                  int rows, int D, int width, const real *x, const real *d_out, real *d_x) {
+    size_t bytes = (size_t)rows * width * sizeof(real);
+    device_memset_zero(dev, s->d_h, bytes);
+    device_memset_zero(dev, s->d_a, bytes);
+    device_memset_zero(dev, s->d_b, bytes);
+    matmul_backward(dev, s->d_h, g->w2, d_out, a->h, w->w2, rows, width, D);
+    swiglu_backward(dev, s->d_a, s->d_b, s->d_h, a->a, a->b, (int64_t)rows * width);
+    matmul_backward(dev, d_x, g->w1, s->d_a, x, w->w1, rows, D, width);
+    matmul_backward(dev, d_x, g->w3, s->d_b, x, w->w3, rows, D, width);
+}
+
+// ---------------------------------------------------------------------------- routed experts
+// Run every local expert over its segment of rows. xs (rows, D) -> ys (rows, D); segment e of the
+// local experts is rows [offsets[e], offsets[e+1]). Expert weights are stacked (E_local, ...).
+static void experts_forward(Device dev, const FfnWeights *w, FfnActs *a, const int *offsets, int n_experts,
+                            int D, int I, const real *xs, real *ys) {
+    for (int e = 0; e < n_experts; e++) {
+        int r0 = offsets[e], n = offsets[e + 1] - offsets[e];
+        if (n == 0) continue;
+        FfnWeights we = {w->w1 + (int64_t)e * I * D, w->w2 + (int64_t)e * D * I, w->w3 + (int64_t)e * I * D};
+        FfnActs ae = {a->a + (int64_t)r0 * I, a->b + (int64_t)r0 * I, a->h + (int64_t)r0 * I};
+        ffn_forward(dev, &we, &ae, n, D, I, xs + (int64_t)r0 * D, ys + (int64_t)r0 * D);
+    }
+}
+
+static void experts_backward(Device dev, const FfnWeights *w, const FfnWeights *g, FfnActs *a,
+                             LayerScratch *s, const int *offsets, int n_experts, int D, int I,
+                             const real *xs, const real *d_ys, real *d_xs) {
+    for (int e = 0; e < n_experts; e++) {
+        int r0 = offsets[e], n = offsets[e + 1] - offsets[e];
+        if (n == 0) continue;
+        int64_t wo = (int64_t)e * I * D;
+        FfnWeights we = {w->w1 + wo, w->w2 + wo, w->w3 + wo};
+        FfnWeights ge = {g->w1 + wo, g->w2 + wo, g->w3 + wo};
+        FfnActs ae = {a->a + (int64_t)r0 * I, a->b + (int64_t)r0 * I, a->h + (int64_t)r0 * I};
+        ffn_backward(dev, &we, &ge, &ae, s, n, D, I, xs + (int64_t)r0 * D, d_ys + (int64_t)r0 * D,
+                     d_xs + (int64_t)r0 * D);
+    }
+}
+
+// ---------------------------------------------------------------------------- MoE layer
+void moe_forward(Model *m, const BlockWeights *w, MoeActs *a, const Dims *d, const real *x, real *out) {
+    Device dev = m->dev;
+    int N = d->N, E = d->E, K = d->K, D = d->D;
+    const real *bias = m->router_bias + (int64_t)w->moe_index * E;
+    matmul_forward(dev, a->logits, x, w->moe.gate, N, D, E);
+    router_forward(dev, a->topk_idx, a->topk_w, a->scores, a->logits, bias, N, E, K, d->n_groups, d->n_limited,
+                   d->route_scale, m->freeze_routing);
+    a->balance_loss = 0;
+    if (d->balance_alpha > 0)
+        a->balance_loss = balance_loss_forward(dev, a->plain_topk, a->scores, d->B, d->T, E, K, d->balance_alpha,
+                                               m->freeze_routing);
+    if (m->count_load) {  // aux-loss-free balancing counts the routed tokens of training passes only
+        int64_t *load = m->expert_load + (int64_t)w->moe_index * E;
+        for (int i = 0; i < N * K; i++) load[a->topk_idx[i]]++;
+    }
+    // shared expert writes out, routed experts are added on top
+    ffn_forward(dev, &w->moe.shared, &a->shared, N, D, d->shared_I, x, out);
+    moe_permute_plan(a->seg_offsets, a->seg_token, a->slot_of, a->topk_idx, N, K, E);
+    gather_rows(dev, a->xp, x, a->seg_token, N * K, D);
+    ep_dispatch(&m->ep, a->xp, a->seg_offsets, D, &a->ep_buf);
+    experts_forward(dev, &w->moe.experts, &a->experts, a->ep_buf.seg_offsets, m->ep.experts_per_rank, D, d->I,
+                    a->ep_buf.rows, a->eout);
+    a->eout_perm = ep_combine(&m->ep, &a->ep_buf, a->eout);
+    moe_combine_forward(dev, out, a->eout_perm, a->slot_of, a->topk_w, N, K, D);
+}
+
+void moe_backward(Model *m, const BlockWeights *w, const BlockWeights *g, MoeActs *a, const Dims *d,
+                  LayerScratch *s, const real *x, const real *d_out, real *d_x, real d_balance) {
+    Device dev = m->dev;
+    int N = d->N, E = d->E, K = d->K, D = d->D, NK = d->N * d->K;
+    size_t R = sizeof(real);
+    device_memset_zero(dev, s->d_eout, (size_t)NK * D * R);
+    device_memset_zero(dev, s->d_xp, (size_t)NK * D * R);
+    device_memset_zero(dev, s->d_topk_w, (size_t)N * K * R);
+    device_memset_zero(dev, s->d_logits, (size_t)N * E * R);
+    // out = shared(x) + sum_k w_k eout[slot(t,k)]
+    moe_combine_backward(dev, s->d_eout, s->d_topk_w, d_out, a->eout_perm, a->slot_of, a->topk_w, N, K, D);
+    const real *d_local_out = ep_combine_backward(&m->ep, &a->ep_buf, s->d_eout);
+    experts_backward(dev, &w->moe.experts, &g->moe.experts, &a->experts, s, a->ep_buf.seg_offsets,
+                     m->ep.experts_per_rank, D, d->I, a->ep_buf.rows, d_local_out, s->d_xp);
+    const real *d_perm = ep_dispatch_backward(&m->ep, &a->ep_buf, s->d_xp);
+    moe_unpermute_backward(dev, d_x, d_perm, a->slot_of, N, K, D);
+    ffn_backward(dev, &w->moe.shared, &g->moe.shared, &a->shared, s, N, D, d->shared_I, x, d_out, d_x);
+    // router: gate weights and, when the balance loss is on, its gradient through the scores
+    real *d_scores = NULL;
+    if (d->balance_alpha > 0 && d_balance != 0) {
+        device_memset_zero(dev, s->d_scores, (size_t)N * E * R);
+        balance_loss_backward(dev, s->d_scores, a->plain_topk, a->scores, d->B, d->T, E, K, d->balance_alpha,
+                              d_balance);
+        d_scores = s->d_scores;
+    }
+    router_backward(dev, s->d_logits, s->d_topk_w, d_scores, a->topk_idx, a->scores, N, E, K, d->route_scale);
+    matmul_backward(dev, d_x, g->moe.gate, s->d_logits, x, w->moe.gate, N, D, E);
+}

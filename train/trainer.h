@@ -1,0 +1,19 @@
+/*
+ * trainer.h - `fp8moe train`: one process, one chunk, the whole training loop of DESIGN.md section 2.
+ *
+ * trainer_run prepares the data (or uses data.shards), builds the model and AdamW, then runs
+ * train.steps optimizer steps of grad_accum micro-batches each, with global-norm clipping, the LR
+ * schedule, the aux-loss-free bias update, periodic validation, a log line per log.every steps and a
+ * JSON Lines metrics file. SIGINT/SIGTERM finish the current step, save the weights and return 0; a
+ * second signal exits at once (status 130).
+ */
+#ifndef FP8MOE_TRAINER_H
+#define FP8MOE_TRAINER_H
+
+#include "train/config.h"
+
+// Returns 0 on success (also after a requested stop), 1 on an error (already printed to stderr,
+// naming the file, key or step at fault).
+int trainer_run(const Config *cfg);
+
+#endif
