@@ -436,13 +436,13 @@ static double head_loss(Device dev, real *losses, real *probs, const real *logit
 // With targets[i] = t_{i+1}: t_{i+k} = targets[i+k-1] and t_{i+k+1} = targets[i+k], inside the sequence.
 // Positions whose input or target falls off the sequence are masked (input token 0, target -1); being the
 // last positions, they cannot influence valid ones through causal attention.
-static void mtp_tokens(int *tok, int *tgt, const int *targets, int B, int T, int k) {
+void model_mtp_tokens(int *tok, int *tgt, const int *targets, int B, int T, int k) {
     for (int b = 0; b < B; b++) {
         const int *row = targets + (int64_t)b * T;
         for (int i = 0; i < T; i++) {
             int in = i + k - 1 < T ? row[i + k - 1] : -1;
             int out = i + k < T ? row[i + k] : -1;
-            tok[b * T + i] = in >= 0 ? in : 0;
+            tok[b * T + i] = in >= 0 && out >= 0 ? in : 0;
             tgt[b * T + i] = in >= 0 ? out : -1;
         }
     }
@@ -455,7 +455,7 @@ static double mtp_forward(Model *m, ChunkActs *a, int k) {
     const MtpWeights *w = &m->w.mtp[k];
     MtpActs *t = &a->mtp[k];
     const real *h_prev = k == 0 ? a->hn : a->mtp[k - 1].ho;
-    mtp_tokens(t->tok, t->tgt, a->targets, d->B, d->T, k + 1);
+    model_mtp_tokens(t->tok, t->tgt, a->targets, d->B, d->T, k + 1);
     embedding_forward(dev, t->e, t->tok, m->w.embed, N, D);
     rmsnorm_forward(dev, t->en, t->en_rstd, t->e, w->enorm, N, D);
     rmsnorm_forward(dev, t->hn, t->hn_rstd, h_prev, w->hnorm, N, D);

@@ -142,6 +142,11 @@ LossTerms chunk_losses(const ChunkActs *a);
 // Last-position probabilities (V) of sequence b from the last forward pass (sampling).
 const real *chunk_probs_at(const ChunkActs *a, int b, int t);
 
+// MTP depth k (1-based) at position i takes t_{i+k} as input and predicts t_{i+k+1}. From the main
+// targets (B*T, targets[i] = t_{i+1}) fills tok (B*T) and tgt (B*T); positions whose target falls off the
+// sequence (the last k) get tgt = -1 and input token 0.
+void model_mtp_tokens(int *tok, int *tgt, const int *targets, int B, int T, int k);
+
 void model_zero_grads(Model *m);
 void model_zero_load(Model *m);
 

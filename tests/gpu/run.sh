@@ -6,7 +6,7 @@
 #   BUILD        build directory (default build-gpu)
 #   OUT          if set, everything printed is also logged to $OUT/gpu_tests.log
 #   FP8MOE_DEBS  folder of Debian .debs for libraries the machine lacks (default: ../shared/debs, then
-#                shared/debs); they are unpacked with `dpkg -x` into .debs/ (git-ignored), nothing is installed
+#                shared/debs, then .debs/pkgs); they are unpacked with `dpkg -x` into .debs/ (git-ignored), nothing is installed
 #   JOBS         parallel make jobs (default: number of CPUs)
 # Exit status 0 only if every GPU test and every CPU unit test passed. If libinih or HDF5 is missing, the
 # full build is impossible: the GPU tests are then built from kernels/ alone, the CPU unit tests are
@@ -41,9 +41,8 @@ MULTIARCH=$(gcc -print-multiarch 2>/dev/null || true)
 MULTIARCH=${MULTIARCH:-x86_64-linux-gnu}
 
 # ------------------------------------------------------------------------------ libraries
-# CMocka (and anything else missing) from .debs: unpacked, never installed. The flags reach the Makefile
-# through the ENVIRONMENT: a CFLAGS=... on the make command line would replace the Makefile's own
-# `CFLAGS +=` flags instead of being extended by them.
+# CMocka (and anything else missing) from .debs: unpacked, never installed. The include and library
+# paths reach the Makefile as EXTRA_CFLAGS / EXTRA_LDLIBS (it adds them to its own flags).
 EXTRA_CFLAGS=""
 EXTRA_LIBS=""
 cmocka_links() {
@@ -63,7 +62,7 @@ else
     say "cmocka: not installed; using the copy already unpacked in .debs/"
   else
     DEBS=""
-    for d in "${FP8MOE_DEBS:-}" ../shared/debs shared/debs; do
+    for d in "${FP8MOE_DEBS:-}" ../shared/debs shared/debs .debs/pkgs; do
       if [ -n "$d" ] && ls "$d"/libcmocka*.deb >/dev/null 2>&1; then DEBS=$d; break; fi
     done
     if [ -z "$DEBS" ]; then
@@ -125,8 +124,8 @@ build_kernels_only() {
 }
 
 if [ "$FULL_BUILD" = 1 ]; then
-  say "building: make -j$JOBS BUILD=$BUILD all (CFLAGS/LDLIBS extras from the environment: '${EXTRA_CFLAGS}' '${EXTRA_LIBS}')"
-  if ! CFLAGS="-O2 $EXTRA_CFLAGS" LDLIBS="$EXTRA_LIBS" make -j"$JOBS" BUILD="$BUILD" all; then
+  say "building: make -j$JOBS BUILD=$BUILD EXTRA_CFLAGS='$EXTRA_CFLAGS' EXTRA_LDLIBS='$EXTRA_LIBS' all"
+  if ! make -j"$JOBS" BUILD="$BUILD" EXTRA_CFLAGS="$EXTRA_CFLAGS" EXTRA_LDLIBS="$EXTRA_LIBS" all; then
     say "FULL BUILD FAILED (see the compiler output above); trying the kernels-only build so the GPU tests still run"
     FULL_BUILD=0
   fi

@@ -1,0 +1,218 @@
+/*
+ * test_model.c - model-level behaviour of the CPU reference: MTP target alignment, parameter table
+ * layout, chunk equivalence (the same micro-batch through one chunk or three gives the same loss and
+ * gradients, the property pipeline parallelism relies on), determinism across thread counts, load
+ * counting only when asked, and frozen routing.
+ */
+#include <math.h>
+#include <omp.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cmocka.h>
+
+#include "train/config.h"
+#include "train/model.h"
+#include "train/rng.h"
+
+enum { B = 2, T = 16 };
+
+static void load_tiny(Config *cfg) {
+    char err[1024];
+    const char *ov[] = {"train.seq_len=16", "train.micro_batch_size=2"};
+    int rc = config_load(cfg, "configs/tiny.ini", ov, 2, err, sizeof err);
+    if (rc != 0) fail_msg("%s", err);
+}
+
+static void random_batch(int *inputs, int *targets, uint64_t seed) {
+    uint64_t key = rng_key(seed, 1, 2, 3);
+    int row[T + 1];
+    for (int b = 0; b < B; b++) {
+        for (int t = 0; t <= T; t++) row[t] = (int)(rng_u64(key, (uint64_t)(b * 100 + t)) % 256);
+        for (int t = 0; t < T; t++) {
+            inputs[b * T + t] = row[t];
+            targets[b * T + t] = row[t + 1];
+        }
+    }
+}
+
+// Runs forward + backward of one micro-batch through all chunks; returns the loss.
+static double run_step(Model *m, const int *inputs, const int *targets) {
+    int D = m->cfg.model.dim;
+    real *h[2] = {calloc((size_t)B * T * D, sizeof(real)), calloc((size_t)B * T * D, sizeof(real))};
+    ChunkActs **acts = calloc((size_t)m->n_chunks, sizeof(ChunkActs *));
+    real **hidden = calloc((size_t)m->n_chunks, sizeof(real *));
+    double loss = 0;
+    model_zero_grads(m);
+    for (int c = 0; c < m->n_chunks; c++) {
+        acts[c] = chunk_acts_create(m, c, B, T);
+        hidden[c] = calloc((size_t)B * T * D, sizeof(real));
+        loss += chunk_forward(m, c, acts[c], inputs, targets, c ? hidden[c - 1] : NULL,
+                              c < m->n_chunks - 1 ? hidden[c] : NULL);
+    }
+    for (int c = m->n_chunks - 1; c >= 0; c--) {
+        real *din = c ? h[c % 2] : NULL;
+        chunk_backward(m, c, acts[c], c < m->n_chunks - 1 ? h[(c + 1) % 2] : NULL, din, 1);
+    }
+    for (int c = 0; c < m->n_chunks; c++) {
+        chunk_acts_free(acts[c]);
+        free(hidden[c]);
+    }
+    free(acts);
+    free(hidden);
+    free(h[0]);
+    free(h[1]);
+    return loss;
+}
+
+static void test_mtp_alignment(void **state) {
+    (void)state;
+    // two sequences of T=4; targets[i] = t_{i+1}: sequence 0 is t = 10 11 12 13 14, sequence 1 is 20..24
+    const int targets[8] = {11, 12, 13, 14, 21, 22, 23, 24};
+    int tok[8], tgt[8];
+    model_mtp_tokens(tok, tgt, targets, 2, 4, 1);
+    // depth 1 at position i: input t_{i+1}, target t_{i+2}; the last position is masked (input 0)
+    const int tok1[8] = {11, 12, 13, 0, 21, 22, 23, 0}, tgt1[8] = {12, 13, 14, -1, 22, 23, 24, -1};
+    assert_memory_equal(tok, tok1, sizeof tok);
+    assert_memory_equal(tgt, tgt1, sizeof tgt);
+    model_mtp_tokens(tok, tgt, targets, 2, 4, 2);
+    // depth 2: input t_{i+2}, target t_{i+3}; the last two positions are masked (input 0)
+    const int tok2[8] = {12, 13, 0, 0, 22, 23, 0, 0}, tgt2[8] = {13, 14, -1, -1, 23, 24, -1, -1};
+    assert_memory_equal(tok, tok2, sizeof tok);
+    assert_memory_equal(tgt, tgt2, sizeof tgt);
+}
+
+static void test_param_table(void **state) {
+    (void)state;
+    Config cfg;
+    load_tiny(&cfg);
+    Model m;
+    char err[256];
+    assert_int_equal(model_create(&m, &cfg, DEVICE_CPU, 1, err, sizeof err), 0);
+    // every tensor is in the buffer once: offsets are contiguous, non-expert tensors before expert ones
+    int64_t next = 0;
+    int seen_expert = 0;
+    for (int i = 0; i < m.n_params; i++) {
+        assert_int_equal(m.params[i].offset, next);
+        next += m.params[i].numel;
+        if (m.params[i].is_expert) seen_expert = 1;
+        else assert_false(seen_expert);
+    }
+    assert_int_equal(next, model_num_params(&m));
+    assert_int_equal(m.n_expert_elems, (int64_t)(cfg.model.n_layers - cfg.model.n_dense_layers + cfg.mtp.depth) *
+                                           cfg.moe.n_routed_experts * 3 * cfg.moe.moe_inter_dim * cfg.model.dim);
+    // shapes by hand for tiny.ini: wkv_a is (kv_lora_rank + qk_rope_head_dim, dim) = (20, 32)
+    const ParamInfo *p = model_find_param(&m, "layers.1.attn.wkv_a.weight");
+    assert_non_null(p);
+    assert_int_equal(p->shape[0], 20);
+    assert_int_equal(p->shape[1], 32);
+    p = model_find_param(&m, "mtp.0.eh_proj.weight");
+    assert_non_null(p);
+    assert_int_equal(p->shape[1], 64);
+    assert_non_null(model_find_param(&m, "layers.2.ffn.experts.7.w2.weight"));
+    assert_null(model_find_param(&m, "layers.0.ffn.gate.weight"));  // layer 0 is dense
+    assert_true(model_find_param(&m, "layers.1.ffn_norm.weight")->no_decay);
+    // the stacked expert pointer of layer 2 w2 is expert 0's table entry
+    assert_ptr_equal(m.w.blocks[2].moe.experts.w2, m.weights + model_find_param(&m, "layers.2.ffn.experts.0.w2.weight")->offset);
+    // active parameters: all but the embedding, with K/E of the routed experts
+    int64_t dense = m.n_dense_elems - (int64_t)cfg.model.vocab_size * cfg.model.dim;
+    int64_t routed = m.n_expert_elems * cfg.moe.n_activated_experts / cfg.moe.n_routed_experts;
+    assert_int_equal(model_active_params(&m), dense + routed);
+    model_free(&m);
+}
+
+static void test_chunk_equivalence(void **state) {
+    (void)state;
+    Config cfg;
+    load_tiny(&cfg);
+    int inputs[B * T], targets[B * T];
+    random_batch(inputs, targets, 5);
+    Model one, three;
+    char err[256];
+    assert_int_equal(model_create(&one, &cfg, DEVICE_CPU, 1, err, sizeof err), 0);
+    assert_int_equal(model_create(&three, &cfg, DEVICE_CPU, 3, err, sizeof err), 0);
+    assert_int_equal(three.chunks[1].n_blocks, 1);
+    double l1 = run_step(&one, inputs, targets);
+    double l3 = run_step(&three, inputs, targets);
+    // every gradient is the same arithmetic in the same order: bitwise equal, not just close. The
+    // returned loss adds the chunks' balance terms in another order, so it is equal to rounding.
+    assert_true(fabs(l1 - l3) <= 1e-6 * fabs(l1));
+    assert_memory_equal(one.grads, three.grads, (size_t)model_num_params(&one) * sizeof(real));
+    model_free(&one);
+    model_free(&three);
+}
+
+static void test_determinism_threads(void **state) {
+    (void)state;
+    Config cfg;
+    load_tiny(&cfg);
+    int inputs[B * T], targets[B * T];
+    random_batch(inputs, targets, 9);
+    Model m;
+    char err[256];
+    assert_int_equal(model_create(&m, &cfg, DEVICE_CPU, 1, err, sizeof err), 0);
+    size_t bytes = (size_t)model_num_params(&m) * sizeof(real);
+    real *g1 = malloc(bytes);
+    omp_set_num_threads(1);
+    double l1 = run_step(&m, inputs, targets);
+    memcpy(g1, m.grads, bytes);
+    omp_set_num_threads(3);
+    double l3 = run_step(&m, inputs, targets);
+    omp_set_num_threads(omp_get_num_procs());
+    assert_true(l1 == l3);
+    assert_memory_equal(g1, m.grads, bytes);
+    free(g1);
+    model_free(&m);
+}
+
+static void test_load_counting_and_freeze(void **state) {
+    (void)state;
+    Config cfg;
+    load_tiny(&cfg);
+    int inputs[B * T], targets[B * T];
+    random_batch(inputs, targets, 3);
+    Model m;
+    char err[256];
+    assert_int_equal(model_create(&m, &cfg, DEVICE_CPU, 1, err, sizeof err), 0);
+    ChunkActs *a = chunk_acts_create(&m, 0, B, T);
+    int E = cfg.moe.n_routed_experts, K = cfg.moe.n_activated_experts;
+    int64_t n_counts = (int64_t)m.n_moe_layers * E;
+    chunk_forward(&m, 0, a, inputs, targets, NULL, NULL);  // count_load is off: an eval pass
+    for (int64_t i = 0; i < n_counts; i++) assert_int_equal(m.expert_load[i], 0);
+    m.count_load = 1;
+    double loss = chunk_forward(&m, 0, a, inputs, targets, NULL, NULL);
+    for (int l = 0; l < m.n_moe_layers; l++) {  // every token is counted K times per MoE layer
+        int64_t total = 0;
+        for (int e = 0; e < E; e++) total += m.expert_load[l * E + e];
+        assert_int_equal(total, (int64_t)B * T * K);
+    }
+    // with routing frozen, a bias that would change the choices changes nothing
+    m.count_load = 0;
+    m.freeze_routing = 1;
+    for (int64_t i = 0; i < n_counts; i++) m.router_bias[i] = (real)(i % 3);
+    double frozen = chunk_forward(&m, 0, a, inputs, targets, NULL, NULL);
+    assert_true(loss == frozen);
+    m.freeze_routing = 0;
+    double moved = chunk_forward(&m, 0, a, inputs, targets, NULL, NULL);
+    assert_true(moved != loss);
+    LossTerms lt = chunk_losses(a);
+    assert_int_equal(lt.n_valid, B * T);
+    assert_true(lt.main > 4.0 && lt.main < 7.0);  // ~ln(256) = 5.55 at initialisation
+    chunk_acts_free(a);
+    model_free(&m);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_mtp_alignment),
+        cmocka_unit_test(test_param_table),
+        cmocka_unit_test(test_chunk_equivalence),
+        cmocka_unit_test(test_determinism_threads),
+        cmocka_unit_test(test_load_counting_and_freeze),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
