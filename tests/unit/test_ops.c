@@ -9,6 +9,8 @@
  * differences). Tolerances are derived from float rounding and stated at each check. Also covered:
  * accumulation into non-zero gradient buffers, NULL gradients, masked cross-entropy targets, a RoPE
  * case worked by hand, attention causality, and bitwise determinism across OpenMP thread counts.
+ * The file is longer than most because it carries its own double-precision reference of every op.
+ * Run with OPCHECK_VERBOSE=1 to print how much room each tolerance leaves.
  */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -147,7 +149,8 @@ static void ref_swiglu(double *out, const double *a, const double *b, int n) {
     for (int i = 0; i < n; i++) out[i] = a[i] * ref_sigmoid(a[i]) * b[i];
 }
 // d silu/da = s + a s (1 - s)
-static void ref_swiglu_backward(double *da, double *db, const double *dout, const double *a, const double *b, int n) {
+static void ref_swiglu_backward(double *da, double *db, const double *dout, const double *a, const double *b,
+                                int n) {
     for (int i = 0; i < n; i++) {
         const double s = ref_sigmoid(a[i]);
         da[i] = dout[i] * b[i] * (s + a[i] * s * (1.0 - s));
@@ -170,8 +173,8 @@ static void ref_rope(double *out, const double *inp, int B, int T, int H, int D,
 }
 
 #define AT(x, b, t, h, D) ((x) + ((((size_t)(b) * T + (t)) * H + (h)) * (D)))
-static void ref_attention(double *out, double *att, const double *q, const double *k, const double *v, int B, int T,
-                          int H, int Dqk, int Dv) {
+static void ref_attention(double *out, double *att, const double *q, const double *k, const double *v, int B,
+                          int T, int H, int Dqk, int Dv) {
     const double scale = 1.0 / sqrt((double)Dqk);
     double *score = malloc(sizeof(double) * T);
     for (int b = 0; b < B; b++)
@@ -232,7 +235,8 @@ static void ref_attention_backward(double *dq, double *dk, double *dv, const dou
     free(datt);
 }
 
-static void ref_crossentropy(double *losses, double *probs, const double *logits, const int *targets, int N, int V) {
+static void ref_crossentropy(double *losses, double *probs, const double *logits, const int *targets, int N,
+                             int V) {
     for (int n = 0; n < N; n++) {
         double mx = -INFINITY, sum = 0;
         for (int i = 0; i < V; i++) mx = fmax(mx, logits[n * V + i]);
@@ -361,7 +365,8 @@ static void test_embedding(void **state) {
     opcheck_fill_int(tokens, N, 302, 0, V - 1); // token V-1 never appears: its gradient row stays 0
     tokens[3] = tokens[11] = tokens[17] = 2;    // repeated tokens sum their rows
     cpu_embedding_forward(out, tokens, table, N, C);
-    for (int n = 0; n < N; n++) assert_memory_equal(out + (size_t)n * C, table + (size_t)tokens[n] * C, C * sizeof(real));
+    for (int n = 0; n < N; n++)
+        assert_memory_equal(out + (size_t)n * C, table + (size_t)tokens[n] * C, C * sizeof(real));
 
     real *dtable = ralloc((size_t)V * C);
     cpu_embedding_backward(dtable, dout, tokens, N, C);
@@ -394,7 +399,8 @@ static void test_embedding(void **state) {
     for (int n = 0; n < N; n++)
         for (int c = 0; c < C; c++)
             bound_acc[tokens[n] * C + c] += opcheck_gamma(count[tokens[n]] + 1) * fabs((double)dout[n * C + c]);
-    assert_true(opcheck_ratio_bound("embedding_backward accumulated", acc, want_acc, bound_acc, (size_t)V * C) <= 1.0);
+    assert_true(opcheck_ratio_bound("embedding_backward accumulated", acc, want_acc, bound_acc, (size_t)V * C) <=
+                1.0);
     tfree_all();
 }
 
@@ -557,7 +563,7 @@ static double rope_loss(void *ctx) {
     return ddot(r->out, r->dout, (size_t)r->B * r->T * r->H * r->D);
 }
 
-// Per-element bound for rotating pairs: 4 u (|x0| + |x1|) of the pair the element belongs to.
+// Per-element bound for rotated pairs: scale * u * (|x0| + |x1|) of the pair the element belongs to.
 static double *pair_bound(const double *x, size_t n, double scale) {
     double *bound = dalloc(n);
     for (size_t i = 0; i < n; i += 2) bound[i] = bound[i + 1] = scale * U * (fabs(x[i]) + fabs(x[i + 1])) + 1e-30;
