@@ -39,11 +39,12 @@ if [ ! -f "$root/include/cmocka.h" ] || [ ! -e "$libdir/libcmocka.so" ]; then
   exit 1
 fi
 
-# Environment, not make arguments: a CFLAGS=... argument would replace the Makefile's own flags.
+# The Makefile adds EXTRA_CFLAGS / EXTRA_LDLIBS to its own flags; exported, they also reach the
+# sub-makes of make test and make test-gpu.
 cat <<EOF
 fetch-cmocka-debs: CMocka unpacked into $root. Build and run the tests with:
-  export CFLAGS="-O2 -I$root/include"
-  export LDLIBS="-L$libdir -Wl,-rpath,$libdir"
+  export EXTRA_CFLAGS="-I$root/include"
+  export EXTRA_LDLIBS="-L$libdir -Wl,-rpath,$libdir"
   export LD_LIBRARY_PATH="$libdir\${LD_LIBRARY_PATH:+:\$LD_LIBRARY_PATH}"
 (these are this machine's absolute paths; after carrying .debs/ to another machine, run
  "bash scripts/fetch-cmocka-debs.sh .debs/pkgs" there for its paths)

@@ -8,6 +8,7 @@
 #   FP8MOE_DEBS  folder of Debian .debs for libraries the machine lacks (default: ../shared/debs, then
 #                shared/debs, then .debs/pkgs); they are unpacked with `dpkg -x` into .debs/ (git-ignored), nothing is installed
 #   JOBS         parallel make jobs (default: number of CPUs)
+#   EXTRA_CFLAGS, EXTRA_LDLIBS  passed on to make (the .debs paths are appended when they are used)
 # Exit status 0 only if every GPU test and every CPU unit test passed. If libinih or HDF5 is missing, the
 # full build is impossible: the GPU tests are then built from kernels/ alone, the CPU unit tests are
 # skipped, and the run ends INCOMPLETE (exit 2) with the reason.
@@ -43,15 +44,15 @@ MULTIARCH=${MULTIARCH:-x86_64-linux-gnu}
 # ------------------------------------------------------------------------------ libraries
 # CMocka (and anything else missing) from .debs: unpacked, never installed. The include and library
 # paths reach the Makefile as EXTRA_CFLAGS / EXTRA_LDLIBS (it adds them to its own flags).
-EXTRA_CFLAGS=""
-EXTRA_LIBS=""
+EXTRA_CFLAGS=${EXTRA_CFLAGS:-} # kept from the environment (e.g. as printed by scripts/fetch-cmocka-debs.sh)
+EXTRA_LIBS=${EXTRA_LDLIBS:-}
 cmocka_links() {
   printf '#include <stdarg.h>\n#include <stddef.h>\n#include <stdint.h>\n#include <setjmp.h>\n#include <cmocka.h>\nint main(void) { return 0; }\n' |
     gcc -x c - $EXTRA_CFLAGS -o /dev/null $EXTRA_LIBS -lcmocka >/dev/null 2>&1
 }
 use_unpacked_debs() {
-  EXTRA_CFLAGS="-isystem $ROOT/.debs/usr/include"
-  EXTRA_LIBS="-L$ROOT/.debs/usr/lib/$MULTIARCH -Wl,-rpath,$ROOT/.debs/usr/lib/$MULTIARCH"
+  EXTRA_CFLAGS="$EXTRA_CFLAGS -isystem $ROOT/.debs/usr/include"
+  EXTRA_LIBS="$EXTRA_LIBS -L$ROOT/.debs/usr/lib/$MULTIARCH -Wl,-rpath,$ROOT/.debs/usr/lib/$MULTIARCH"
   export PKG_CONFIG_PATH="$ROOT/.debs/usr/lib/$MULTIARCH/pkgconfig:$ROOT/.debs/usr/share/pkgconfig${PKG_CONFIG_PATH:+:$PKG_CONFIG_PATH}"
   export LD_LIBRARY_PATH="$ROOT/.debs/usr/lib/$MULTIARCH${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 }
