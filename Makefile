@@ -10,7 +10,8 @@
 
 BUILD    ?= build
 CC       ?= gcc
-NVCC     ?= nvcc
+# nvcc from PATH, else the CUDA toolkit's usual home
+NVCC     ?= $(or $(shell command -v nvcc 2>/dev/null),$(wildcard /usr/local/cuda/bin/nvcc),nvcc)
 SANITIZE ?= 0
 
 PKGS     := inih hdf5-serial
@@ -39,10 +40,10 @@ NVCCFLAGS ?= -O2 -arch=sm_90 -std=c++17 -I. -DFP8MOE_CUDA -Xcompiler -Wall,-Wext
 CFLAGS   += -DFP8MOE_CUDA -I$(CUDA_HOME)/include
 LDLIBS   += -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcudart -lcublasLt -lstdc++
 CUDA_SRC := $(wildcard kernels/cuda/*.cu)
-CUDA_WHY := CUDA $(NVCC_VERSION) found: building kernels/cuda
+CUDA_WHY := CUDA $(subst $() ,.,$(NVCC_VERSION)) found: building kernels/cuda
 else
 CUDA_SRC :=
-CUDA_WHY := building CPU-only: $(if $(NVCC_VERSION),nvcc $(NVCC_VERSION) is older than 12.9,no nvcc on PATH)$(if $(NO_CUDA), (NO_CUDA=1),)
+CUDA_WHY := building CPU-only: $(if $(NO_CUDA),NO_CUDA=1 was given,$(if $(NVCC_VERSION),nvcc $(subst $() ,.,$(NVCC_VERSION)) is older than 12.9,no nvcc on PATH))
 endif
 
 # ---------------------------------------------------------------------------- sources
@@ -55,11 +56,13 @@ DBL_OBJ  := $(DBL_SRC:%.c=$(BUILD)/dobj/%.o)
 
 UNIT_SRC := $(filter-out tests/unit/test_gradcheck.c,$(wildcard tests/unit/test_*.c))
 UNIT_BIN := $(UNIT_SRC:tests/unit/%.c=$(BUILD)/tests/%)
+BENCH_SRC := $(wildcard tests/bench/bench_*.c)
+BENCH_BIN := $(BENCH_SRC:tests/bench/%.c=$(BUILD)/bench/%)
 GPU_SRC  := $(wildcard tests/gpu/test_*.c)
 GPU_BIN  := $(if $(CUDA_OK),$(GPU_SRC:tests/gpu/%.c=$(BUILD)/tests/%))
 
 .PHONY: all test test-unit test-asan run deps test-gpu bench clean cuda-status
-all: cuda-status $(BUILD)/fp8moe $(BUILD)/gradcheck $(BUILD)/gradcheck_f32 $(UNIT_BIN) $(GPU_BIN)
+all: cuda-status $(BUILD)/fp8moe $(BUILD)/gradcheck $(BUILD)/gradcheck_f32 $(UNIT_BIN) $(GPU_BIN) $(BENCH_BIN)
 
 cuda-status:
 	@echo "fp8moe: $(CUDA_WHY)"
@@ -85,6 +88,9 @@ $(BUILD)/fp8moe: $(BUILD)/obj/train/main.o $(BUILD)/libfp8moe.a
 $(BUILD)/tests/%: tests/unit/%.c $(BUILD)/libfp8moe.a
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -Itests $< $(BUILD)/libfp8moe.a -o $@ $(LDLIBS) -lcmocka
+$(BUILD)/bench/%: tests/bench/%.c $(BUILD)/libfp8moe.a
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) $< $(BUILD)/libfp8moe.a -o $@ $(LDLIBS)
 $(BUILD)/tests/test_gpu_%: tests/gpu/test_gpu_%.c $(BUILD)/libfp8moe.a
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -Itests $< $(BUILD)/libfp8moe.a -o $@ $(LDLIBS) -lcmocka
@@ -93,7 +99,8 @@ $(BUILD)/gradcheck: tests/unit/test_gradcheck.c $(BUILD)/libfp8moe_double.a
 $(BUILD)/gradcheck_f32: tests/unit/test_gradcheck.c $(BUILD)/libfp8moe.a
 	$(CC) $(CFLAGS) -Itests $< $(BUILD)/libfp8moe.a -o $@ $(LDLIBS) -lcmocka
 
-test: test-unit test-asan
+test: test-unit
+	@$(MAKE) --no-print-directory test-asan
 test-unit: all
 	@BUILD=$(BUILD) bash tests/run_unit.sh
 test-asan:
@@ -110,7 +117,7 @@ deps:
 	bash scripts/deps.sh
 
 bench: all
-	bash tests/bench/run.sh
+	BUILD=$(BUILD) bash tests/bench/run.sh
 
 clean:
 	rm -rf $(BUILD)
