@@ -283,6 +283,18 @@ static int save_weights(const Run *r, const Config *cfg, char *path, size_t path
     return 0;
 }
 
+// A parallel layout is refused rather than silently run as one process. Returns -1 (message printed).
+static int check_parallel_layout(const Config *cfg) {
+    const ParallelConfig *p = &cfg->parallel;
+    if (p->pp * p->dp > 1 || p->ep > 1) {  // no silent single-process run of a parallel job
+        fprintf(stderr, "fp8moe: %s: parallel.pp = %d, parallel.dp = %d, parallel.ep = %d: this build runs one "
+                "process; expected 1 for each (pipeline, data and expert parallelism come in a later release)\n",
+                cfg->path, p->pp, p->dp, p->ep);
+        return -1;
+    }
+    return 0;
+}
+
 // Selects the device; prints the choice and why. Returns -1 (message printed) when it cannot run.
 static int pick_device(const Config *cfg, Device *dev) {
     switch (cfg->train.device) {
@@ -313,7 +325,7 @@ int trainer_run(const Config *cfg) {
     config_print(cfg, stdout);
     printf("\n");
     Device dev;
-    if (pick_device(cfg, &dev) != 0) return 1;
+    if (check_parallel_layout(cfg) != 0 || pick_device(cfg, &dev) != 0) return 1;
     if (cfg->train.threads > 0) omp_set_num_threads(cfg->train.threads);
     printf("threads: %d%s\n", omp_get_max_threads(), cfg->train.threads > 0 ? "" : " (OpenMP default)");
 
