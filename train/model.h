@@ -97,6 +97,9 @@ typedef struct {
     ChunkSpec *chunks;
     int n_chunks;
     EpGroup ep;
+    int64_t fp8_gemm_count;      // FP8 GEMMs run so far (precision = fp8), see train/linear.h
+    void *fp8_scratch;           // quantised operands of the current Linear (train/linear.c)
+    size_t fp8_scratch_bytes;
 } Model;
 
 // Activations of one chunk for one micro-batch (B sequences of T tokens), kept for its backward pass.
@@ -120,7 +123,8 @@ void chunk_acts_free(ChunkActs *a);
 //   first for the embedding, the last for the losses and the MTP inputs).
 //   in_hidden (B*T, D): the previous chunk's output; NULL on the first chunk.
 //   out_hidden (B*T, D): this chunk's output for the next chunk; NULL on the last chunk.
-// Returns the weighted loss of this micro-batch on the last chunk (0 elsewhere).
+// Returns this chunk's weighted loss terms: the balance loss of its blocks, plus on the last chunk the
+// main and MTP terms and the MTP blocks' balance loss; summed over chunks this is L.
 real chunk_forward(Model *m, int chunk, ChunkActs *a, const int *inputs, const int *targets,
                    const real *in_hidden, real *out_hidden);
 // Backward of the same micro-batch: accumulates parameter gradients into m->grads.
