@@ -102,7 +102,7 @@ $(BUILD)/gradcheck_f32: tests/unit/test_gradcheck.c $(BUILD)/libfp8moe.a
 test: test-unit
 	@$(MAKE) --no-print-directory test-asan
 test-unit: all
-	@BUILD=$(BUILD) bash tests/run_unit.sh
+	@BUILD=$(BUILD) FP8MOE_SANITIZE=$(SANITIZE) bash tests/run_unit.sh
 test-asan:
 	@$(MAKE) --no-print-directory BUILD=$(BUILD)/asan SANITIZE=1 NO_CUDA=1 OPT=-O1 test-unit
 

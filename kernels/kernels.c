@@ -202,3 +202,67 @@ void adamw_update(Device dev, real *param, const real *grad, uint16_t *m, uint16
     if (dev != DEVICE_CPU) no_cuda_op("adamw_update");
     cpu_adamw_update(param, grad, m, v, n, lr, beta1, beta2, eps, weight_decay, grad_scale, t);
 }
+
+int fp8_quantize_1x128(Device dev, uint8_t *q, float *s, const real *x, int rows, int K, char *err, size_t err_size) {
+#ifdef FP8MOE_CUDA
+    if (dev == DEVICE_CUDA) return cuda_fp8_quantize_1x128(q, s, x, rows, K, err, err_size);
+#endif
+    if (dev != DEVICE_CPU) no_cuda_op("fp8_quantize_1x128");
+    return cpu_fp8_quantize_1x128(q, s, x, rows, K, err, err_size);
+}
+
+int fp8_quantize_128x128(Device dev, uint8_t *q, uint8_t *qt, float *s, const real *w, int N, int K, char *err, size_t err_size) {
+#ifdef FP8MOE_CUDA
+    if (dev == DEVICE_CUDA) return cuda_fp8_quantize_128x128(q, qt, s, w, N, K, err, err_size);
+#endif
+    if (dev != DEVICE_CPU) no_cuda_op("fp8_quantize_128x128");
+    return cpu_fp8_quantize_128x128(q, qt, s, w, N, K, err, err_size);
+}
+
+int fp8_quantize_128x1_transposed(Device dev, uint8_t *q, float *s, const real *x, int T, int C, char *err, size_t err_size) {
+#ifdef FP8MOE_CUDA
+    if (dev == DEVICE_CUDA) return cuda_fp8_quantize_128x1_transposed(q, s, x, T, C, err, err_size);
+#endif
+    if (dev != DEVICE_CPU) no_cuda_op("fp8_quantize_128x1_transposed");
+    return cpu_fp8_quantize_128x1_transposed(q, s, x, T, C, err, err_size);
+}
+
+void fp8_gemm_fprop(Device dev, real *y, const uint8_t *qx, const float *sx, const uint8_t *qw, const float *sw, int T, int N, int K) {
+#ifdef FP8MOE_CUDA
+    if (dev == DEVICE_CUDA) { cuda_fp8_gemm_fprop(y, qx, sx, qw, sw, T, N, K); return; }
+#endif
+    if (dev != DEVICE_CPU) no_cuda_op("fp8_gemm_fprop");
+    cpu_fp8_gemm_fprop(y, qx, sx, qw, sw, T, N, K);
+}
+
+void fp8_gemm_dgrad(Device dev, real *dx, const uint8_t *qdy, const float *sdy, const uint8_t *qwt, const float *sw, int T, int N, int K) {
+#ifdef FP8MOE_CUDA
+    if (dev == DEVICE_CUDA) { cuda_fp8_gemm_dgrad(dx, qdy, sdy, qwt, sw, T, N, K); return; }
+#endif
+    if (dev != DEVICE_CPU) no_cuda_op("fp8_gemm_dgrad");
+    cpu_fp8_gemm_dgrad(dx, qdy, sdy, qwt, sw, T, N, K);
+}
+
+void fp8_gemm_wgrad(Device dev, real *dw, const uint8_t *qdyt, const float *sdyt, const uint8_t *qxt, const float *sxt, int T, int N, int K) {
+#ifdef FP8MOE_CUDA
+    if (dev == DEVICE_CUDA) { cuda_fp8_gemm_wgrad(dw, qdyt, sdyt, qxt, sxt, T, N, K); return; }
+#endif
+    if (dev != DEVICE_CPU) no_cuda_op("fp8_gemm_wgrad");
+    cpu_fp8_gemm_wgrad(dw, qdyt, sdyt, qxt, sxt, T, N, K);
+}
+
+void bf16_matmul_forward(Device dev, real *out, const real *inp, const real *weight, int N, int C, int OC) {
+#ifdef FP8MOE_CUDA
+    if (dev == DEVICE_CUDA) { cuda_bf16_matmul_forward(out, inp, weight, N, C, OC); return; }
+#endif
+    if (dev != DEVICE_CPU) no_cuda_op("bf16_matmul_forward");
+    cpu_bf16_matmul_forward(out, inp, weight, N, C, OC);
+}
+
+void bf16_matmul_backward(Device dev, real *dinp, real *dweight, const real *dout, const real *inp, const real *weight, int N, int C, int OC) {
+#ifdef FP8MOE_CUDA
+    if (dev == DEVICE_CUDA) { cuda_bf16_matmul_backward(dinp, dweight, dout, inp, weight, N, C, OC); return; }
+#endif
+    if (dev != DEVICE_CPU) no_cuda_op("bf16_matmul_backward");
+    cpu_bf16_matmul_backward(dinp, dweight, dout, inp, weight, N, C, OC);
+}

@@ -163,6 +163,64 @@ void moe_combine_backward(Device dev, real *dexpert_out, real *dtopk_w, const re
                           const real *expert_out, const int *slot_of, const real *topk_w, int N, int K,
                           int C);
 
+// ---------------------------------------------------------------------------- FP8 (E4M3) block scaling
+// DESIGN.md section 4. Every FP8 value is E4M3 (bias 7, max 448, no inf; 0x7F/0xFF are NaN), stored as
+// uint8_t bit patterns; scales are FP32. For a tile or block: amax over its valid elements,
+// s = amax / 448 in FP32 (s = 1 when amax = 0, or when amax / 448 underflows to 0), q = e4m3_rne_saturate(x / s)
+// by true FP32 division, on the FP32 value of x (real may be double); value = q * s. Negative zero and tiny
+// negatives encode as 0x80. Partial tiles and blocks are zero-padded (code 0x00). NaN/Inf input is an error:
+// the quantisers return -1, write nothing to q/s, and put a message naming the op and the first bad element
+// in row-major order ("row R, column C" of the input x) into err.
+//
+// Padded sizes: KB = ceil(K/128) K-blocks, Kp = 128*KB; KB4 = KB rounded up to a multiple of 4;
+// NB = ceil(N/128), Np = 128*NB; TB = ceil(T/128), Tp = 128*TB. Rows of activation operands are not
+// padded by the quantisers (per-expert segment padding is the caller's: rows to a multiple of 16 for
+// Fprop/Dgrad, T to a multiple of 128 for Wgrad).
+#define FP8_E4M3_MAX 448.0f
+#define FP8_TILE 128
+uint8_t fp8_e4m3_from_float(float x);  // round-to-nearest-even, saturating to +-448; NaN -> 0x7F
+float fp8_e4m3_to_float(uint8_t q);    // exact
+
+// 1x128 tiles along K (Fprop X, Dgrad dY): x (rows, K) -> q (rows, Kp), s (KB, rows) (outer-dimension
+// major, as cuBLASLt's VEC128_32F wants).
+int fp8_quantize_1x128(Device dev, uint8_t *q, float *s, const real *x, int rows, int K, char *err, size_t err_size);
+// 128x128 blocks of a weight: w (N, K) -> q (Np, Kp) and its transpose qt (Kp, Np) with the same blocks,
+// s (NB, KB4) K-major, K-block count padded to 4 (cuBLASLt BLK128x128_32F), padding entries kb >= KB are 1.0f;
+// the transpose's scale of block (kb, nb) is s[nb*KB4 + kb]. qt may be NULL when no Dgrad follows.
+int fp8_quantize_128x128(Device dev, uint8_t *q, uint8_t *qt, float *s, const real *w, int N, int K, char *err,
+                         size_t err_size);
+// 128x1 tiles along T (Wgrad operands X and dY), written transposed so T is the contraction axis:
+// x (T, C) -> q (C, Tp), s (TB, C).
+int fp8_quantize_128x1_transposed(Device dev, uint8_t *q, float *s, const real *x, int T, int C, char *err,
+                                  size_t err_size);
+
+// FP8 GEMMs, partial sums promoted to FP32 every 128 elements of the contraction axis (each 128-block's
+// sum, times its two scales, is added to an FP32 accumulator). M x N x K order: M output rows.
+// CPU reference arithmetic (docs/fp8.md): P = exact sum of the block's 128 products of E4M3 values,
+// acc = acc + ((float)P * s_a) * s_b in FP32, K-blocks in increasing order from acc = 0, where s_a is the
+// scale of the operand that gives the output row (X, dY, dY^T) and s_b the other's. CUDA matches this to
+// 2^-10 * sum_k |a_k s_a b_k s_b| (a_k, b_k the E4M3 values) plus the output rounding (DESIGN.md section 4),
+// not bit for bit.
+// Fprop  y (T, N) = X W^T:   qx, sx from fp8_quantize_1x128(x, T, K); qw, sw from fp8_quantize_128x128(w, N, K).
+//        y is written rounded to BF16 (stored as real).
+void fp8_gemm_fprop(Device dev, real *y, const uint8_t *qx, const float *sx, const uint8_t *qw, const float *sw,
+                    int T, int N, int K);
+// Dgrad  dx (T, K) = dY W:    qdy, sdy from fp8_quantize_1x128(dy, T, N); qwt, sw of the same weight blocks.
+//        dx is written rounded to BF16 (stored as real).
+void fp8_gemm_dgrad(Device dev, real *dx, const uint8_t *qdy, const float *sdy, const uint8_t *qwt,
+                    const float *sw, int T, int N, int K);
+// Wgrad  dw (N, K) += dY^T X: qdyt, sdyt from fp8_quantize_128x1_transposed(dy, T, N); qxt, sxt from
+//        fp8_quantize_128x1_transposed(x, T, K). FP32 result added to the FP32 gradient.
+void fp8_gemm_wgrad(Device dev, real *dw, const uint8_t *qdyt, const float *sdyt, const uint8_t *qxt,
+                    const float *sxt, int T, int N, int K);
+
+// BF16 baseline GEMMs: operands rounded to BF16 (RNE), products accumulated in FP32.
+//   bf16_matmul_forward: out (N, OC) = bf16(inp) bf16(weight)^T, written rounded to BF16.
+//   bf16_matmul_backward: dinp += bf16(bf16(dout) bf16(weight)); dweight += FP32 bf16(dout)^T bf16(inp).
+void bf16_matmul_forward(Device dev, real *out, const real *inp, const real *weight, int N, int C, int OC);
+void bf16_matmul_backward(Device dev, real *dinp, real *dweight, const real *dout, const real *inp,
+                          const real *weight, int N, int C, int OC);
+
 // ---------------------------------------------------------------------------- optimizer
 // AdamW on n elements with BF16 moments m, v (uint16 bit patterns, round-to-nearest-even on store).
 // step t >= 1 (bias correction). Update in FP32:

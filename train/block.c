@@ -133,7 +133,7 @@ void block_forward(Model *m, const BlockWeights *w, BlockActs *a, const Dims *d,
     if (w->is_moe)
         moe_forward(m, w, &a->moe, d, a->xn2, x_out);
     else
-        ffn_forward(dev, &w->ffn, &a->ffn, N, D, d->inter, a->xn2, x_out);
+        ffn_forward(m, &w->ffn, &a->ffn, N, D, d->inter, a->xn2, x_out);
     add_inplace(dev, x_out, a->x_mid, (int64_t)N * D);
 }
 
@@ -147,7 +147,7 @@ void block_backward(Model *m, const BlockWeights *w, const BlockWeights *g, Bloc
     if (w->is_moe)
         moe_backward(m, w, g, &a->moe, d, s, a->xn2, d_x_out, s->d_xn, d_balance);
     else
-        ffn_backward(dev, &w->ffn, &g->ffn, &a->ffn, s, N, D, d->inter, a->xn2, d_x_out, s->d_xn);
+        ffn_backward(m, &w->ffn, &g->ffn, &a->ffn, s, N, D, d->inter, a->xn2, d_x_out, s->d_xn);
     copy_block(dev, s->d_mid, D, d_x_out, D, N, D, 0);
     rmsnorm_backward(dev, s->d_mid, g->ffn_norm, s->d_xn, a->x_mid, w->ffn_norm, a->rstd2, N, D);
     // and x_mid = x_in + MLA(RMSNorm(x_in))

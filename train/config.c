@@ -117,7 +117,7 @@ static const ConfigKey key_table[] = {
     DBL(mtp, loss_weight, 0, 0, 10, 0, "0.3", "lambda: L = L_main + lambda / D * sum of the MTP losses + L_bal"),
 
     ENUM(precision, mode, PrecisionMode, precision_words, "fp32",
-         "fp32 reference, bf16 baseline or the fp8 recipe (this build: fp32 only)"),
+         "block Linears: fp32 reference, bf16 baseline, or fp8 (E4M3, 1x128 / 128x128 scaling, docs/fp8.md)"),
 
     INT(parallel, pp, 1, 4096, "1", "pipeline-parallel stages"),
     INT(parallel, ep, 1, 65536, "1", "expert-parallel ranks; divides dp and moe.n_routed_experts"),
@@ -668,12 +668,6 @@ static int check_config(ParseState *st) {
                  key_table[k].name);
             return -1;
         }
-    }
-    if (c->precision.mode != PRECISION_FP32) {
-        format_origin(st, KEY_INDEX(precision, mode), at, sizeof at);
-        fail(st, "%s: precision.mode = %s: not available in this build yet (only fp32)", at,
-             precision_words[c->precision.mode]);
-        return -1;
     }
     if (m->n_dense_layers > m->n_layers) {
         format_origin(st, KEY_INDEX(model, n_dense_layers), at, sizeof at);

@@ -107,9 +107,9 @@ void mla_forward(Model *m, const MlaWeights *w, MlaActs *a, const Dims *d, const
 void mla_backward(Model *m, const MlaWeights *w, const MlaWeights *g, MlaActs *a, const Dims *d,
                   LayerScratch *s, const real *xn, const real *d_out, real *d_xn);
 
-void ffn_forward(Device dev, const FfnWeights *w, FfnActs *a, int rows, int D, int width, const real *x,
+void ffn_forward(Model *m, const FfnWeights *w, FfnActs *a, int rows, int D, int width, const real *x,
                  real *out);
-void ffn_backward(Device dev, const FfnWeights *w, const FfnWeights *g, FfnActs *a, LayerScratch *s,
+void ffn_backward(Model *m, const FfnWeights *w, const FfnWeights *g, FfnActs *a, LayerScratch *s,
                   int rows, int D, int width, const real *x, const real *d_out, real *d_x);
 
 // out (N, D) = shared(x) + sum_k w_k expert_k(x); routing per DESIGN.md section 3.

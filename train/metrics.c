@@ -41,15 +41,16 @@ void format_thousands(char *buf, size_t size, double x) {
 }
 
 void format_step_line(char *buf, size_t size, const StepMetrics *s) {
-    char mtp[48] = "", load[48] = "", tok[32], elapsed[32], eta[32];
+    char mtp[48] = "", load[48] = "", fp8[48] = "", tok[32], elapsed[32], eta[32];
     if (s->has_mtp) snprintf(mtp, sizeof mtp, " | mtp %.4f", s->mtp);
+    if (s->has_fp8) snprintf(fp8, sizeof fp8, " | fp8 gemms %lld", (long long)s->fp8_gemms);
     if (s->has_moe) snprintf(load, sizeof load, " | load max/mean %.2f", s->load_max_mean);
     format_thousands(tok, sizeof tok, s->tokens_per_s);
     format_duration(elapsed, sizeof elapsed, s->elapsed_s);
     format_duration(eta, sizeof eta, s->eta_s);
     snprintf(buf, size,
-             "step %d/%d | loss %.4f%s | bal %.2e%s | lr %.2e | gnorm %.3f | %s tok/s | elapsed %s | eta %s",
-             s->step, s->total_steps, s->loss, mtp, s->balance, load, s->lr, s->grad_norm, tok, elapsed, eta);
+             "step %d/%d | loss %.4f%s | bal %.2e%s | lr %.2e | gnorm %.3f | %s tok/s | elapsed %s | eta %s%s",
+             s->step, s->total_steps, s->loss, mtp, s->balance, load, s->lr, s->grad_norm, tok, elapsed, eta, fp8);
 }
 
 void format_eval_line(char *buf, size_t size, const EvalMetrics *e) {
@@ -100,6 +101,10 @@ int metrics_write_step(MetricsLog *log, const StepMetrics *s, char *err, size_t 
     json_number(line, sizeof line, "grad_norm", s->grad_norm);
     json_number(line, sizeof line, "tokens_per_s", s->tokens_per_s);
     json_number(line, sizeof line, "elapsed_s", s->elapsed_s);
+    if (s->has_fp8) {
+        size_t len = strlen(line);
+        snprintf(line + len, sizeof line - len, ",\"fp8_gemms\":%lld", (long long)s->fp8_gemms);
+    }
     return write_line(log, line, err, err_size);
 }
 

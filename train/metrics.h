@@ -24,6 +24,8 @@ typedef struct {
     double tokens_per_s;
     double elapsed_s;            // wall time since training started
     double eta_s;                // estimated time to the last step
+    int has_fp8;                 // precision = fp8: fp8_gemms is meaningful
+    int64_t fp8_gemms;           // FP8 GEMMs run in this step (Fprop + Dgrad + Wgrad of every block Linear)
 } StepMetrics;
 
 typedef struct {
@@ -39,7 +41,8 @@ void format_duration(char *buf, size_t size, double seconds);
 void format_thousands(char *buf, size_t size, double x);
 
 // `step 12/1000 | loss 2.3456 | mtp 2.4567 | bal 1.02e-04 | load max/mean 1.23 | lr 1.00e-03 |
-//  gnorm 0.456 | 12,345 tok/s | elapsed 1m02s | eta 9m15s` (mtp and load parts only when present).
+//  gnorm 0.456 | 12,345 tok/s | elapsed 1m02s | eta 9m15s` (mtp and load parts only when present;
+//  `| fp8 gemms 540` at the end in fp8 mode).
 void format_step_line(char *buf, size_t size, const StepMetrics *s);
 // `eval step 100 | val_loss=1.9876 | 3.2s`
 void format_eval_line(char *buf, size_t size, const EvalMetrics *e);

@@ -9,17 +9,18 @@
  * training formulation, and absorption is an inference optimisation.
  */
 #include "train/layers.h"
+#include "train/linear.h"
 
 void mla_forward(Model *m, const MlaWeights *w, MlaActs *a, const Dims *d, const real *xn, real *out) {
     Device dev = m->dev;
     int N = d->N, H = d->H, dqk = d->dqk, NH = d->N * d->H;
     // queries
     if (d->qr > 0) {
-        matmul_forward(dev, a->cq, xn, w->wq_a, N, d->D, d->qr);
+        linear_forward(m, a->cq, xn, w->wq_a, N, d->D, d->qr);
         rmsnorm_forward(dev, a->cqn, a->cq_rstd, a->cq, w->q_norm, N, d->qr);
-        matmul_forward(dev, a->q, a->cqn, w->wq_b, N, d->qr, H * dqk);
+        linear_forward(m, a->q, a->cqn, w->wq_b, N, d->qr, H * dqk);
     } else {
-        matmul_forward(dev, a->q, xn, w->wq, N, d->D, H * dqk);
+        linear_forward(m, a->q, xn, w->wq, N, d->D, H * dqk);
     }
     // q viewed as (N*H, dqk): the rope part of every head gets rotated, the nope part is kept
     copy_block(dev, a->qf, dqk, a->q, dqk, NH, d->dn, 0);
@@ -28,20 +29,20 @@ void mla_forward(Model *m, const MlaWeights *w, MlaActs *a, const Dims *d, const
     copy_block(dev, a->qf + d->dn, dqk, a->q_rope, d->dr, NH, d->dr, 0);
     // keys and values through the compressed latent
     int kva_w = d->kvr + d->dr;
-    matmul_forward(dev, a->kva, xn, w->wkv_a, N, d->D, kva_w);
+    linear_forward(m, a->kva, xn, w->wkv_a, N, d->D, kva_w);
     copy_block(dev, a->ckv, d->kvr, a->kva, kva_w, N, d->kvr, 0);
     copy_block(dev, a->k_rope_raw, d->dr, a->kva + d->kvr, kva_w, N, d->dr, 0);
     rope_forward(dev, a->k_rope, a->k_rope_raw, d->B, d->T, 1, d->dr, d->rope_theta);
     rmsnorm_forward(dev, a->ckvn, a->ckv_rstd, a->ckv, w->kv_norm, N, d->kvr);
     int kv_w = d->dn + d->dv;
-    matmul_forward(dev, a->kv, a->ckvn, w->wkv_b, N, d->kvr, H * kv_w);
+    linear_forward(m, a->kv, a->ckvn, w->wkv_b, N, d->kvr, H * kv_w);
     copy_block(dev, a->kf, dqk, a->kv, kv_w, NH, d->dn, 0);
     for (int h = 0; h < H; h++)  // the single rope key is shared by every head
         copy_block(dev, a->kf + h * dqk + d->dn, H * dqk, a->k_rope, d->dr, N, d->dr, 0);
     copy_block(dev, a->v, d->dv, a->kv + d->dn, kv_w, NH, d->dv, 0);
     // attention core and output projection
     attention_forward(dev, a->o, a->att, a->qf, a->kf, a->v, d->B, d->T, H, dqk, d->dv);
-    matmul_forward(dev, out, a->o, w->wo, N, H * d->dv, d->D);
+    linear_forward(m, out, a->o, w->wo, N, H * d->dv, d->D);
 }
 
 void mla_backward(Model *m, const MlaWeights *w, const MlaWeights *g, MlaActs *a, const Dims *d,
@@ -64,7 +65,7 @@ void mla_backward(Model *m, const MlaWeights *w, const MlaWeights *g, MlaActs *a
     device_memset_zero(dev, s->d_q, (size_t)N * H * dqk * R);
 
     // forward was: out = o W_O^T, o = attention(qf, kf, v)
-    matmul_backward(dev, s->d_o, g->wo, d_out, a->o, w->wo, N, H * d->dv, d->D);
+    linear_backward(m, s->d_o, g->wo, d_out, a->o, w->wo, N, H * d->dv, d->D);
     attention_backward(dev, s->d_qf, s->d_kf, s->d_v, s->d_o, a->att, a->qf, a->kf, a->v, d->B, d->T, H, dqk,
                        d->dv);
     // kf and v were sliced out of kv (per head) and k_rope (shared): gather their gradients back
@@ -74,10 +75,10 @@ void mla_backward(Model *m, const MlaWeights *w, const MlaWeights *g, MlaActs *a
         copy_block(dev, s->d_k_rope, d->dr, s->d_kf + h * dqk + d->dn, H * dqk, N, d->dr, 1);
     rope_backward(dev, s->d_k_rope_raw, s->d_k_rope, d->B, d->T, 1, d->dr, d->rope_theta);
     copy_block(dev, s->d_kva + d->kvr, kva_w, s->d_k_rope_raw, d->dr, N, d->dr, 1);
-    matmul_backward(dev, s->d_ckvn, g->wkv_b, s->d_kv, a->ckvn, w->wkv_b, N, d->kvr, H * kv_w);
+    linear_backward(m, s->d_ckvn, g->wkv_b, s->d_kv, a->ckvn, w->wkv_b, N, d->kvr, H * kv_w);
     rmsnorm_backward(dev, s->d_ckv, g->kv_norm, s->d_ckvn, a->ckv, w->kv_norm, a->ckv_rstd, N, d->kvr);
     copy_block(dev, s->d_kva, kva_w, s->d_ckv, d->kvr, N, d->kvr, 1);
-    matmul_backward(dev, d_xn, g->wkv_a, s->d_kva, xn, w->wkv_a, N, d->D, kva_w);
+    linear_backward(m, d_xn, g->wkv_a, s->d_kva, xn, w->wkv_a, N, d->D, kva_w);
     // qf = [q_nope ; RoPE(q_rope)] per head; RoPE's backward wants contiguous rows, so the rope part of
     // d_qf is copied out, rotated back, and added into the rope part of d_q
     copy_block(dev, s->d_q, dqk, s->d_qf, dqk, NH, d->dn, 1);
@@ -87,10 +88,10 @@ void mla_backward(Model *m, const MlaWeights *w, const MlaWeights *g, MlaActs *a
     if (d->qr > 0) {
         device_memset_zero(dev, s->d_cqn, (size_t)N * d->qr * R);
         device_memset_zero(dev, s->d_cq, (size_t)N * d->qr * R);
-        matmul_backward(dev, s->d_cqn, g->wq_b, s->d_q, a->cqn, w->wq_b, N, d->qr, H * dqk);
+        linear_backward(m, s->d_cqn, g->wq_b, s->d_q, a->cqn, w->wq_b, N, d->qr, H * dqk);
         rmsnorm_backward(dev, s->d_cq, g->q_norm, s->d_cqn, a->cq, w->q_norm, a->cq_rstd, N, d->qr);
-        matmul_backward(dev, d_xn, g->wq_a, s->d_cq, xn, w->wq_a, N, d->D, d->qr);
+        linear_backward(m, d_xn, g->wq_a, s->d_cq, xn, w->wq_a, N, d->D, d->qr);
     } else {
-        matmul_backward(dev, d_xn, g->wq, s->d_q, xn, w->wq, N, d->D, H * dqk);
+        linear_backward(m, d_xn, g->wq, s->d_q, xn, w->wq, N, d->D, H * dqk);
     }
 }

@@ -12,6 +12,7 @@
 #include <string.h>
 
 #include "train/layers.h"
+#include "train/linear.h"
 #include "train/rng.h"
 
 // ---------------------------------------------------------------------------- shapes
@@ -263,6 +264,7 @@ int model_create(Model *m, const Config *cfg, Device dev, int n_chunks, char *er
 }
 
 void model_free(Model *m) {
+    linear_free_scratch(m);
     device_free(m->dev, m->weights);
     device_free(m->dev, m->grads);
     free(m->params);
@@ -461,7 +463,7 @@ static double mtp_forward(Model *m, ChunkActs *a, int k) {
     rmsnorm_forward(dev, t->hn, t->hn_rstd, h_prev, w->hnorm, N, D);
     copy_block(dev, t->cat, 2 * D, t->en, D, N, D, 0);  // embedding first, as in released weights
     copy_block(dev, t->cat + D, 2 * D, t->hn, D, N, D, 0);
-    matmul_forward(dev, t->x0, t->cat, w->eh_proj, N, 2 * D, D);
+    linear_forward(m, t->x0, t->cat, w->eh_proj, N, 2 * D, D);
     block_forward(m, &w->block, &t->block, d, t->x0, t->x1);
     rmsnorm_forward(dev, t->ho, t->ho_rstd, t->x1, w->norm, N, D);
     matmul_forward(dev, t->logits, t->ho, m->w.head, N, D, V);
@@ -486,7 +488,7 @@ static void mtp_backward(Model *m, ChunkActs *a, int k, real *d_h_prev, real los
     block_backward(m, &w->block, &g->block, &t->block, d, &a->scratch, a->d_cur, a->d_cur,
                    loss_scale * m->loss_weights.balance);
     device_memset_zero(dev, a->d_cat, 2 * bytes);
-    matmul_backward(dev, a->d_cat, g->eh_proj, a->d_cur, t->cat, w->eh_proj, N, 2 * D, D);
+    linear_backward(m, a->d_cat, g->eh_proj, a->d_cur, t->cat, w->eh_proj, N, 2 * D, D);
     // split d_cat = [d_en ; d_hn] and go back through the two norms
     copy_block(dev, a->d_tmp, D, a->d_cat, 2 * D, N, D, 0);
     device_memset_zero(dev, a->d_cur, bytes);

@@ -9,47 +9,49 @@
  * taken here, once per training forward pass.
  */
 #include "train/layers.h"
+#include "train/linear.h"
 
 #include <string.h>
 
 // ---------------------------------------------------------------------------- dense SwiGLU
 // x (rows, D) -> out (rows, D) = w2 (silu(w1 x) * w3 x); w1, w3 (width, D), w2 (D, width)
-void ffn_forward(Device dev, const FfnWeights *w, FfnActs *a, int rows, int D, int width, const real *x,
+void ffn_forward(Model *m, const FfnWeights *w, FfnActs *a, int rows, int D, int width, const real *x,
                  real *out) {
-    matmul_forward(dev, a->a, x, w->w1, rows, D, width);
-    matmul_forward(dev, a->b, x, w->w3, rows, D, width);
-    swiglu_forward(dev, a->h, a->a, a->b, (int64_t)rows * width);
-    matmul_forward(dev, out, a->h, w->w2, rows, width, D);
+    linear_forward(m, a->a, x, w->w1, rows, D, width);
+    linear_forward(m, a->b, x, w->w3, rows, D, width);
+    swiglu_forward(m->dev, a->h, a->a, a->b, (int64_t)rows * width);
+    linear_forward(m, out, a->h, w->w2, rows, width, D);
 }
 
 // d_out (rows, D) -> d_x (rows, D) +=, parameter grads +=
-void ffn_backward(Device dev, const FfnWeights *w, const FfnWeights *g, FfnActs *a, LayerScratch *s,
+void ffn_backward(Model *m, const FfnWeights *w, const FfnWeights *g, FfnActs *a, LayerScratch *s,
                   int rows, int D, int width, const real *x, const real *d_out, real *d_x) {
+    Device dev = m->dev;
     size_t bytes = (size_t)rows * width * sizeof(real);
     device_memset_zero(dev, s->d_h, bytes);
     device_memset_zero(dev, s->d_a, bytes);
     device_memset_zero(dev, s->d_b, bytes);
-    matmul_backward(dev, s->d_h, g->w2, d_out, a->h, w->w2, rows, width, D);
+    linear_backward(m, s->d_h, g->w2, d_out, a->h, w->w2, rows, width, D);
     swiglu_backward(dev, s->d_a, s->d_b, s->d_h, a->a, a->b, (int64_t)rows * width);
-    matmul_backward(dev, d_x, g->w1, s->d_a, x, w->w1, rows, D, width);
-    matmul_backward(dev, d_x, g->w3, s->d_b, x, w->w3, rows, D, width);
+    linear_backward(m, d_x, g->w1, s->d_a, x, w->w1, rows, D, width);
+    linear_backward(m, d_x, g->w3, s->d_b, x, w->w3, rows, D, width);
 }
 
 // ---------------------------------------------------------------------------- routed experts
 // Run every local expert over its segment of rows. xs (rows, D) -> ys (rows, D); segment e of the
 // local experts is rows [offsets[e], offsets[e+1]). Expert weights are stacked (E_local, ...).
-static void experts_forward(Device dev, const FfnWeights *w, FfnActs *a, const int *offsets, int n_experts,
+static void experts_forward(Model *m, const FfnWeights *w, FfnActs *a, const int *offsets, int n_experts,
                             int D, int I, const real *xs, real *ys) {
     for (int e = 0; e < n_experts; e++) {
         int r0 = offsets[e], n = offsets[e + 1] - offsets[e];
         if (n == 0) continue;
         FfnWeights we = {w->w1 + (int64_t)e * I * D, w->w2 + (int64_t)e * D * I, w->w3 + (int64_t)e * I * D};
         FfnActs ae = {a->a + (int64_t)r0 * I, a->b + (int64_t)r0 * I, a->h + (int64_t)r0 * I};
-        ffn_forward(dev, &we, &ae, n, D, I, xs + (int64_t)r0 * D, ys + (int64_t)r0 * D);
+        ffn_forward(m, &we, &ae, n, D, I, xs + (int64_t)r0 * D, ys + (int64_t)r0 * D);
     }
 }
 
-static void experts_backward(Device dev, const FfnWeights *w, const FfnWeights *g, FfnActs *a,
+static void experts_backward(Model *m, const FfnWeights *w, const FfnWeights *g, FfnActs *a,
                              LayerScratch *s, const int *offsets, int n_experts, int D, int I,
                              const real *xs, const real *d_ys, real *d_xs) {
     for (int e = 0; e < n_experts; e++) {
@@ -59,7 +61,7 @@ static void experts_backward(Device dev, const FfnWeights *w, const FfnWeights *
         FfnWeights we = {w->w1 + wo, w->w2 + wo, w->w3 + wo};
         FfnWeights ge = {g->w1 + wo, g->w2 + wo, g->w3 + wo};
         FfnActs ae = {a->a + (int64_t)r0 * I, a->b + (int64_t)r0 * I, a->h + (int64_t)r0 * I};
-        ffn_backward(dev, &we, &ge, &ae, s, n, D, I, xs + (int64_t)r0 * D, d_ys + (int64_t)r0 * D,
+        ffn_backward(m, &we, &ge, &ae, s, n, D, I, xs + (int64_t)r0 * D, d_ys + (int64_t)r0 * D,
                      d_xs + (int64_t)r0 * D);
     }
 }
@@ -81,11 +83,11 @@ void moe_forward(Model *m, const BlockWeights *w, MoeActs *a, const Dims *d, con
         for (int i = 0; i < N * K; i++) load[a->topk_idx[i]]++;
     }
     // shared expert writes out, routed experts are added on top
-    ffn_forward(dev, &w->moe.shared, &a->shared, N, D, d->shared_I, x, out);
+    ffn_forward(m, &w->moe.shared, &a->shared, N, D, d->shared_I, x, out);
     moe_permute_plan(a->seg_offsets, a->seg_token, a->slot_of, a->topk_idx, N, K, E);
     gather_rows(dev, a->xp, x, a->seg_token, N * K, D);
     ep_dispatch(&m->ep, a->xp, a->seg_offsets, D, &a->ep_buf);
-    experts_forward(dev, &w->moe.experts, &a->experts, a->ep_buf.seg_offsets, m->ep.experts_per_rank, D, d->I,
+    experts_forward(m, &w->moe.experts, &a->experts, a->ep_buf.seg_offsets, m->ep.experts_per_rank, D, d->I,
                     a->ep_buf.rows, a->eout);
     a->eout_perm = ep_combine(&m->ep, &a->ep_buf, a->eout);
     moe_combine_forward(dev, out, a->eout_perm, a->slot_of, a->topk_w, N, K, D);
@@ -103,11 +105,11 @@ void moe_backward(Model *m, const BlockWeights *w, const BlockWeights *g, MoeAct
     // out = shared(x) + sum_k w_k eout[slot(t,k)]
     moe_combine_backward(dev, s->d_eout, s->d_topk_w, d_out, a->eout_perm, a->slot_of, a->topk_w, N, K, D);
     const real *d_local_out = ep_combine_backward(&m->ep, &a->ep_buf, s->d_eout);
-    experts_backward(dev, &w->moe.experts, &g->moe.experts, &a->experts, s, a->ep_buf.seg_offsets,
+    experts_backward(m, &w->moe.experts, &g->moe.experts, &a->experts, s, a->ep_buf.seg_offsets,
                      m->ep.experts_per_rank, D, d->I, a->ep_buf.rows, d_local_out, s->d_xp);
     const real *d_perm = ep_dispatch_backward(&m->ep, &a->ep_buf, s->d_xp);
     moe_unpermute_backward(dev, d_x, d_perm, a->slot_of, N, K, D);
-    ffn_backward(dev, &w->moe.shared, &g->moe.shared, &a->shared, s, N, D, d->shared_I, x, d_out, d_x);
+    ffn_backward(m, &w->moe.shared, &g->moe.shared, &a->shared, s, N, D, d->shared_I, x, d_out, d_x);
     // router: gate weights and, when the balance loss is on, its gradient through the scores
     real *d_scores = NULL;
     if (d->balance_alpha > 0 && d_balance != 0) {

@@ -418,6 +418,7 @@ int trainer_run(const Config *cfg) {
         model_zero_grads(m);
         m->count_load = 1;
         double loss_sum = 0, mtp_sum = 0, bal_sum = 0;
+        const int64_t fp8_gemms_before = m->fp8_gemm_count;
         for (int mb = 0; mb < A; mb++) {
             if (loader_next(&r.train, r.batch.rows) != 0) {
                 fprintf(stderr, "fp8moe: step %d: the training loader returned no batch\n", s);
@@ -469,7 +470,9 @@ int trainer_run(const Config *cfg) {
                           .has_mtp = cfg->mtp.depth > 0, .mtp = mtp_sum / A, .balance = bal_sum / A,
                           .has_moe = m->n_moe_layers > 0, .load_max_mean = worst_load, .lr = lr,
                           .grad_norm = gnorm, .elapsed_s = t1 - t_start,
-                          .eta_s = train_s / s * (total_steps - s)};
+                          .eta_s = train_s / s * (total_steps - s),
+                          .has_fp8 = cfg->precision.mode == PRECISION_FP8,
+                          .fp8_gemms = m->fp8_gemm_count - fp8_gemms_before};
         sm.tokens_per_s = tokens_since_line / fmax(train_s - train_s_at_last_line, 1e-9);
         if (s % cfg->log.every == 0 || s == 1 || s == total_steps) {
             char line[512];

@@ -34,4 +34,21 @@ void cpu_moe_combine_forward(real *out, const real *expert_out, const int *slot_
 void cpu_moe_combine_backward(real *dexpert_out, real *dtopk_w, const real *dout, const real *expert_out, const int *slot_of, const real *topk_w, int N, int K, int C);
 void cpu_adamw_update(real *param, const real *grad, uint16_t *m, uint16_t *v, int64_t n, float lr, float beta1, float beta2, float eps, float weight_decay, float grad_scale, int t);
 
+// FP8 block scaling (kernels/cpu/fp8.c) and the BF16 baseline GEMMs (kernels/cpu/bf16_gemm.c).
+int cpu_fp8_quantize_1x128(uint8_t *q, float *s, const real *x, int rows, int K, char *err, size_t err_size);
+int cpu_fp8_quantize_128x128(uint8_t *q, uint8_t *qt, float *s, const real *w, int N, int K, char *err, size_t err_size);
+int cpu_fp8_quantize_128x1_transposed(uint8_t *q, float *s, const real *x, int T, int C, char *err, size_t err_size);
+void cpu_fp8_gemm_fprop(real *y, const uint8_t *qx, const float *sx, const uint8_t *qw, const float *sw, int T, int N, int K);
+void cpu_fp8_gemm_dgrad(real *dx, const uint8_t *qdy, const float *sdy, const uint8_t *qwt, const float *sw, int T, int N, int K);
+void cpu_fp8_gemm_wgrad(real *dw, const uint8_t *qdyt, const float *sdyt, const uint8_t *qxt, const float *sxt, int T, int N, int K);
+// One FP8 GEMM output element under a model of the tensor core's accumulator (docs/fp8.md, "why promotion
+// matters"): qa, qb (Kc) E4M3 along the contraction axis, Kc a multiple of 128, sa, sb (Kc/128) their
+// block scales. acc_bits > 0: after every addition the running sum (in double) is truncated towards zero
+// to acc_bits significant bits; 0: no truncation. promote != 0: the recipe (and what fp8_gemm_* compute
+// when acc_bits = 0): each block's sum, promoted to FP32, acc = acc + (P * sa) * sb; promote = 0: one
+// accumulator over all Kc of the products times sa * sb, rounded to FP32 at the end.
+float cpu_fp8_dot_emulated(const uint8_t *qa, const float *sa, const uint8_t *qb, const float *sb, int Kc, int acc_bits, int promote);
+void cpu_bf16_matmul_forward(real *out, const real *inp, const real *weight, int N, int C, int OC);
+void cpu_bf16_matmul_backward(real *dinp, real *dweight, const real *dout, const real *inp, const real *weight, int N, int C, int OC);
+
 #endif

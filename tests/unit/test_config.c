@@ -397,8 +397,6 @@ static void test_error_cross_key(void **state) {
                  "job.ini:3: optim.min_lr: 0.002 is more than optim.lr = 0.001 - expected at most optim.lr");
     expect_error("[mtp]\ndepth = 3\n[train]\nseq_len = 4\n", NULL, 0,
                  "job.ini:4: train.seq_len: 4 is too short for mtp.depth = 3 - expected at least 2 + mtp.depth = 5");
-    expect_error("[precision]\nmode = fp8\n", NULL, 0, "job.ini:2: precision.mode = fp8: not available in this build yet (only fp32)");
-    expect_error("[precision]\nmode = bf16\n", NULL, 0, "job.ini:2: precision.mode = bf16: not available in this build yet (only fp32)");
     // A key left at its default is blamed on the file as a whole (no line to point at).
     expect_error("[moe]\nn_routed_experts = 6\n", NULL, 0, "job.ini: moe.n_expert_groups: 4 does not divide moe.n_routed_experts = 6");
 }
@@ -434,8 +432,6 @@ static void test_overrides(void **state) {
     const char *newline[] = {"data.text=a\nb"};
     expect_error("", newline, 1, "--set data.text=a\\x0ab: data.text: \"a\\x0ab\" has a control character at position 2");
     // A cross-key error caused by an override points at that override.
-    const char *fp8[] = {"precision.mode=fp8"};
-    expect_error("[precision]\nmode = fp32\n", fp8, 1, "--set precision.mode=fp8: precision.mode = fp8: not available");
     const char *dense[] = {"model.n_dense_layers=9"};
     expect_error("", dense, 1, "--set model.n_dense_layers=9: model.n_dense_layers: 9 is more than model.n_layers = 2");
 }

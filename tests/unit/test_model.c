@@ -2,7 +2,7 @@
  * test_model.c - model-level behaviour of the CPU reference: MTP target alignment, parameter table
  * layout, chunk equivalence (the same micro-batch through one chunk or three gives the same loss and
  * gradients, the property pipeline parallelism relies on), determinism across thread counts, load
- * counting only when asked, and frozen routing.
+ * counting only when asked, frozen routing, and the FP8 GEMM count of fp8 mode.
  */
 #include <math.h>
 #include <omp.h>
@@ -206,6 +206,48 @@ static void test_load_counting_and_freeze(void **state) {
     model_free(&m);
 }
 
+// In fp8 mode every block Linear runs 3 FP8 GEMMs per micro-batch (Fprop, Dgrad, Wgrad), and nothing
+// else does. The expected count comes from the parameter table: every 2-D tensor except the embedding,
+// the output head and the routers is a block Linear; a routed expert's Linears run only when the
+// expert received tokens.
+static void test_fp8_gemm_count(void **state) {
+    (void)state;
+    Config cfg;
+    char err[1024];
+    const char *ov[] = {"train.seq_len=16", "train.micro_batch_size=2"};
+    if (config_load(&cfg, "configs/tiny-fp8.ini", ov, 2, err, sizeof err) != 0) fail_msg("%s", err);
+    assert_int_equal(cfg.precision.mode, PRECISION_FP8);
+    int inputs[B * T], targets[B * T];
+    random_batch(inputs, targets, 21);
+    Model m;
+    assert_int_equal(model_create(&m, &cfg, DEVICE_CPU, 1, err, sizeof err), 0);
+    m.count_load = 1;
+    run_step(&m, inputs, targets);
+    int E = cfg.moe.n_routed_experts;
+    int64_t linears = 0;
+    for (int i = 0; i < m.n_params; i++) {
+        const ParamInfo *p = &m.params[i];
+        if (p->ndim != 2 || strcmp(p->name, "embed.weight") == 0 || strcmp(p->name, "head.weight") == 0 ||
+            strstr(p->name, ".ffn.gate.weight"))
+            continue;
+        if (!p->is_expert) {
+            linears++;
+            continue;
+        }
+        // "<block>.ffn.experts.<e>.w<j>.weight": which MoE layer is the block's moe_index
+        const char *x = strstr(p->name, ".ffn.experts.");
+        int e = atoi(x + strlen(".ffn.experts."));
+        char block[MODEL_NAME_MAX];
+        snprintf(block, sizeof block, "%.*s", (int)(x - p->name), p->name);
+        int moe_index = strncmp(block, "mtp.", 4) == 0 ? m.w.mtp[atoi(block + 4)].block.moe_index
+                                                       : m.w.blocks[atoi(block + strlen("layers."))].moe_index;
+        if (m.expert_load[(int64_t)moe_index * E + e] > 0) linears++;
+    }
+    assert_true(linears > 20);
+    assert_int_equal(m.fp8_gemm_count, 3 * linears);
+    model_free(&m);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_mtp_alignment),
@@ -213,6 +255,7 @@ int main(void) {
         cmocka_unit_test(test_chunk_equivalence),
         cmocka_unit_test(test_determinism_threads),
         cmocka_unit_test(test_load_counting_and_freeze),
+        cmocka_unit_test(test_fp8_gemm_count),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

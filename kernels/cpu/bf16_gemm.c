@@ -1,0 +1,73 @@
+/*
+ * bf16_gemm.c - the BF16 baseline GEMMs (bf16_matmul_forward / bf16_matmul_backward in kernels.h):
+ * what every FP8 GEMM of the recipe becomes in precision = bf16 mode (DESIGN.md section 4).
+ *
+ * The operands are rounded to BF16 (round-to-nearest-even, float_to_bf16) into scratch copies and the
+ * product runs through the CPU reference matmul (kernels/cpu/matmul.c), which sums over the contraction
+ * axis in increasing order, one output element per thread. A product of two BF16 values (8 significant
+ * bits each) is exact in FP32, so in the FP32 build this is exactly "BF16 products, FP32 accumulation
+ * in a fixed order"; Fprop and Dgrad outputs are then rounded to BF16, Wgrad's FP32 sum is added to
+ * dweight. (In the gradient-check build, real = double, the accumulation is in double.)
+ */
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "kernels/cpu/cpu_ops.h"
+
+static real *alloc_or_die(size_t n, const char *what) {
+    real *p = malloc((n > 0 ? n : 1) * sizeof(real));
+    if (!p) {
+        fprintf(stderr, "fp8moe: kernels/cpu/bf16_gemm.c:%d: out of memory allocating %zu values for %s\n",
+                __LINE__, n, what);
+        exit(1);
+    }
+    return p;
+}
+
+static real bf16_round(real x) { return (real)bf16_to_float(float_to_bf16((float)x)); }
+
+// dst (n) = bf16(src); src may be NULL (operand not needed), then dst is NULL.
+static real *bf16_copy(const real *src, size_t n, const char *what) {
+    if (!src) return NULL;
+    real *dst = alloc_or_die(n, what);
+#pragma omp parallel for schedule(static) if (n > 65536)
+    for (size_t i = 0; i < n; i++) dst[i] = bf16_round(src[i]);
+    return dst;
+}
+
+// inp (N, C), weight (OC, C) -> out (N, OC) = bf16(bf16(inp) @ bf16(weight)^T).
+void cpu_bf16_matmul_forward(real *out, const real *inp, const real *weight, int N, int C, int OC) {
+    real *inp_b = bf16_copy(inp, (size_t)N * C, "BF16 copy of inp");
+    real *weight_b = bf16_copy(weight, (size_t)OC * C, "BF16 copy of weight");
+    cpu_matmul_forward(out, inp_b, weight_b, N, C, OC);
+    const size_t n = (size_t)N * OC;
+#pragma omp parallel for schedule(static) if (n > 65536)
+    for (size_t i = 0; i < n; i++) out[i] = bf16_round(out[i]);
+    free(inp_b);
+    free(weight_b);
+}
+
+// In the forward pass this was out = inp @ weight^T, so with all operands rounded to BF16:
+//   dinp (N, C)     += bf16(bf16(dout) @ bf16(weight))     (the BF16 Dgrad output is added once)
+//   dweight (OC, C) += bf16(dout)^T @ bf16(inp)            (FP32 sum over N, added once)
+void cpu_bf16_matmul_backward(real *dinp, real *dweight, const real *dout, const real *inp, const real *weight,
+                              int N, int C, int OC) {
+    real *dout_b = bf16_copy(dout, (size_t)N * OC, "BF16 copy of dout");
+    if (dinp) {
+        real *weight_b = bf16_copy(weight, (size_t)OC * C, "BF16 copy of weight");
+        real *dx = alloc_or_die((size_t)N * C, "BF16 Dgrad result");
+        const size_t n = (size_t)N * C;
+        for (size_t i = 0; i < n; i++) dx[i] = 0;
+        cpu_matmul_backward(dx, NULL, dout_b, NULL, weight_b, N, C, OC);  // dx = 0 + sum: the plain sum
+#pragma omp parallel for schedule(static) if (n > 65536)
+        for (size_t i = 0; i < n; i++) dinp[i] = dinp[i] + bf16_round(dx[i]);
+        free(dx);
+        free(weight_b);
+    }
+    if (dweight) {
+        real *inp_b = bf16_copy(inp, (size_t)N * C, "BF16 copy of inp");
+        cpu_matmul_backward(NULL, dweight, dout_b, inp_b, NULL, N, C, OC);
+        free(inp_b);
+    }
+    free(dout_b);
+}

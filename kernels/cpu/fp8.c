@@ -1,0 +1,501 @@
+/*
+ * fp8.c - the CPU reference of DeepSeek-V3's FP8 recipe (kernels.h "FP8 (E4M3) block scaling",
+ * DESIGN.md section 4, docs/fp8.md): bit-exact E4M3 conversion, the three block quantisers and the
+ * three block-scaled GEMMs (Fprop, Dgrad, Wgrad) with promotion of partial sums every 128 elements.
+ *
+ * What this file is for: the quantisers define the FP8 bits. The CUDA quantisers must produce the same
+ * q bytes and scales bit for bit, so every step here is one IEEE operation stated in the comments
+ * (FP32 amax, one FP32 division for the scale, one FP32 division per element, RNE to E4M3).
+ * The GEMMs define the reference arithmetic "each 128-block partial sum, times its two scales, added
+ * into an FP32 accumulator" with the block partial computed exactly; tensor cores sum inside a block
+ * with less precision, so CUDA agrees with these GEMMs to a stated tolerance, not bit for bit.
+ * The GEMMs also run inside CPU training (fp8 mode), so they decode the E4M3 operands once into
+ * double panels and use a register-blocked micro-kernel with OpenMP over output rows.
+ *
+ * Also here: cpu_fp8_dot_emulated, one GEMM output element under a model of a tensor core's limited
+ * accumulator, for the "why promotion matters" experiment (tests/unit/test_fp8_promotion.c). It shares
+ * the promotion step with the GEMMs.
+ */
+#include <float.h>
+#include <math.h>
+#include <stddef.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels/cpu/cpu_ops.h"
+
+// ---------------------------------------------------------------------------- E4M3 conversion
+// E4M3 (the "FN" variant): sign, 4 exponent bits with bias 7, 3 mantissa bits. Exponent field 1..15
+// is a normal 1.mmm * 2^(e-7); field 0 is a subnormal 0.mmm * 2^-6 = m * 2^-9. There is no infinity:
+// 0x7F and 0xFF (field 15, mantissa 7) are NaN, so the largest finite value is 0x7E = 1.75 * 2^8 = 448.
+//
+// The encoder works on the FP32 bit pattern only (exact, independent of the rounding mode) and is
+// branch-free integer code, so that the quantisers' loops vectorise (#pragma omp simd).
+
+// FP32 bit patterns of 448 (every |x| >= 448, infinities included, saturates to 448), of 2^-6 (the
+// smallest E4M3 normal) and of infinity. Positive floats order like their bit patterns.
+#define F32_BITS_448 0x43E00000u
+#define F32_BITS_2POW_M6 0x3C800000u
+#define F32_BITS_INF 0x7F800000u
+
+static inline uint8_t e4m3_encode(float x) {
+    uint32_t bits;
+    memcpy(&bits, &x, sizeof bits);
+    const uint32_t sign = (bits >> 24) & 0x80u;
+    const uint32_t mag = bits & 0x7FFFFFFFu;
+    // Normal result (|x| in [2^-6, 448)): keep 3 of the 23 fraction bits, adding 0x7FFFF plus the lowest
+    // kept bit so that the 20 dropped bits round to nearest, ties to even. A carry out of the fraction
+    // moves to the next binade, which is the correctly rounded value (it cannot pass 448: 448 is
+    // representable). Then (biased exponent << 3 | mantissa) = rounded >> 20, and rebiasing the exponent
+    // from 127 to 7 subtracts 120 << 3.
+    const uint32_t rounded = (mag + 0x7FFFFu + ((mag >> 20) & 1u)) & ~0xFFFFFu;
+    const uint32_t normal_code = (rounded >> 20) - (120u << 3);
+    // Subnormal result (|x| < 2^-6): the code m is |x| / 2^-9 rounded to an integer in 0..8 (8 = 2^-6 is
+    // code 0x08, the smallest normal, so the integer is the code): count the midpoints (2m + 1) * 2^-10
+    // that |x| lies above. At a midpoint the tie goes to the even code: strictly above for even m,
+    // at or above for odd m.
+    const uint32_t subnormal_code = (mag > 0x3A800000u) + (mag >= 0x3B400000u)   // 1 * 2^-10, 3 * 2^-10
+                                    + (mag > 0x3BA00000u) + (mag >= 0x3BE00000u) // 5, 7
+                                    + (mag > 0x3C100000u) + (mag >= 0x3C300000u) // 9, 11
+                                    + (mag > 0x3C500000u) + (mag >= 0x3C700000u); // 13, 15
+    uint32_t code = mag < F32_BITS_2POW_M6 ? subnormal_code : normal_code;
+    code = mag >= F32_BITS_448 ? 0x7Eu : code;  // saturate
+    code |= sign;
+    code = mag > F32_BITS_INF ? 0x7Fu : code;   // NaN (either sign) -> the positive NaN code
+    return (uint8_t)code;
+}
+
+uint8_t fp8_e4m3_from_float(float x) { return e4m3_encode(x); }
+
+float fp8_e4m3_to_float(uint8_t q) {
+    const int e = (q >> 3) & 15, m = q & 7;
+    float v;
+    if (e == 15 && m == 7) v = NAN;
+    else if (e == 0) v = ldexpf((float)m, -9);
+    else v = ldexpf((float)(8 + m), e - 10);         // 1.mmm * 2^(e-7) = (8 + m) * 2^(e-10)
+    return (q & 0x80) ? -v : v;
+}
+
+// ---------------------------------------------------------------------------- quantisers
+// The element a quantiser sees is (float)x: `real` may be double (gradient-check build), and the recipe
+// is defined on FP32 values. In the FP32 build the cast is the identity.
+
+static int ceil_div(int a, int b) { return (a + b - 1) / b; }
+
+// The scale of a tile from its amax: s = amax / 448, one FP32 division. s = 1 when amax = 0 (an
+// all-zero tile, e.g. padding) and also when amax is so small (< ~6e-43, an FP32 subnormal) that the
+// quotient underflows to 0; then every x / 1 is below the smallest E4M3 subnormal and encodes as 0,
+// where x / 0 would have produced NaN codes.
+static float scale_of_amax(float amax) {
+    const float s = amax / FP8_E4M3_MAX;
+    return s > 0.0f ? s : 1.0f;
+}
+
+// Checks that every element of x (rows, cols) is finite as an FP32 value (not NaN, not Inf, not a double
+// beyond the FP32 range). Returns 0 if so; else -1 with a message naming the first bad element in
+// row-major order. The common all-finite case is one vectorised pass.
+static int check_finite(const char *op, const real *x, int rows, int cols, char *err, size_t err_size) {
+    const int64_t n = (int64_t)rows * cols;
+    int bad = 0;
+#pragma omp parallel for simd reduction(| : bad) schedule(static) if (n > 65536)
+    for (int64_t i = 0; i < n; i++) bad |= !(fabsf((float)x[i]) <= FLT_MAX);
+    if (!bad) return 0;
+    for (int64_t i = 0; i < n; i++) {
+        if (fabsf((float)x[i]) <= FLT_MAX) continue;
+        if (err && err_size > 0) {
+            snprintf(err, err_size,
+                     "%s: input (%d x %d) has the non-finite value %g at row %d, column %d "
+                     "(expected finite values within the FP32 range)",
+                     op, rows, cols, (double)x[i], (int)(i / cols), (int)(i % cols));
+        }
+        break;
+    }
+    return -1;
+}
+
+// dst (n) = e4m3(src[i] / s): one FP32 division and one rounding per element.
+static inline void encode_scaled(uint8_t *dst, const real *src, int n, float s) {
+#pragma omp simd
+    for (int i = 0; i < n; i++) dst[i] = e4m3_encode((float)src[i] / s);
+}
+
+// max |x[i]| over finite values. Four running maxima, written as compares, let the compiler keep them in
+// vector registers (the result is the same in any order: max is exact).
+static inline float amax_of(const real *x, int n) {
+    float m[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    int i = 0;
+    for (; i + 4 <= n; i += 4) {
+        for (int j = 0; j < 4; j++) {
+            const float a = fabsf((float)x[i + j]);
+            m[j] = a > m[j] ? a : m[j];
+        }
+    }
+    for (; i < n; i++) {
+        const float a = fabsf((float)x[i]);
+        m[0] = a > m[0] ? a : m[0];
+    }
+    const float m01 = m[0] > m[1] ? m[0] : m[1], m23 = m[2] > m[3] ? m[2] : m[3];
+    return m01 > m23 ? m01 : m23;
+}
+
+// x (rows, K) -> q (rows, Kp), s (KB, rows): tile (r, kb) is x[r, 128 kb .. 128 kb + 127], its scale is
+// s[kb * rows + r] and q[r * Kp + k] = e4m3(x[r, k] / s) for k < K, 0 for K <= k < Kp.
+int cpu_fp8_quantize_1x128(uint8_t *q, float *s, const real *x, int rows, int K, char *err, size_t err_size) {
+    if (check_finite("fp8_quantize_1x128", x, rows, K, err, err_size)) return -1;
+    const int KB = ceil_div(K, FP8_TILE), Kp = KB * FP8_TILE;
+#pragma omp parallel for schedule(static) if ((double)rows * K > 16384.0)
+    for (int r = 0; r < rows; r++) {
+        const real *xr = x + (size_t)r * K;
+        uint8_t *qr = q + (size_t)r * Kp;
+        for (int kb = 0; kb < KB; kb++) {
+            const int k0 = kb * FP8_TILE, len = K - k0 < FP8_TILE ? K - k0 : FP8_TILE;
+            const float sc = scale_of_amax(amax_of(xr + k0, len));
+            s[(size_t)kb * rows + r] = sc;
+            encode_scaled(qr + k0, xr + k0, len, sc);
+            memset(qr + k0 + len, 0, (size_t)(FP8_TILE - len));
+        }
+    }
+    return 0;
+}
+
+// w (N, K) -> q (Np, Kp), qt (Kp, Np) (may be NULL), s (NB, KB4): block (nb, kb) covers rows
+// 128 nb .. 128 nb + 127 and columns 128 kb .. 128 kb + 127, scale s[nb * KB4 + kb];
+// q[n * Kp + k] = qt[k * Np + n] = e4m3(w[n, k] / s) inside w, 0 in the padding. The scales of the
+// padding blocks kb = KB .. KB4-1 are 1 (the scale of an all-zero block).
+int cpu_fp8_quantize_128x128(uint8_t *q, uint8_t *qt, float *s, const real *w, int N, int K, char *err,
+                             size_t err_size) {
+    if (check_finite("fp8_quantize_128x128", w, N, K, err, err_size)) return -1;
+    const int KB = ceil_div(K, FP8_TILE), KB4 = ceil_div(KB, 4) * 4, NB = ceil_div(N, FP8_TILE);
+    const size_t Kp = (size_t)KB * FP8_TILE, Np = (size_t)NB * FP8_TILE;
+#pragma omp parallel for schedule(static) if ((double)N * K > 16384.0)
+    for (int blk = 0; blk < NB * KB; blk++) {
+        const int nb = blk / KB, kb = blk % KB;
+        const int n0 = nb * FP8_TILE, rows = N - n0 < FP8_TILE ? N - n0 : FP8_TILE;
+        const int k0 = kb * FP8_TILE, len = K - k0 < FP8_TILE ? K - k0 : FP8_TILE;
+        float amax = 0.0f;
+        for (int i = 0; i < rows; i++) amax = fmaxf(amax, amax_of(w + (size_t)(n0 + i) * K + k0, len));
+        const float sc = scale_of_amax(amax);
+        s[(size_t)nb * KB4 + kb] = sc;
+        for (int i = 0; i < FP8_TILE; i++) {
+            uint8_t *qrow = q + (size_t)(n0 + i) * Kp + k0;
+            if (i < rows) {
+                encode_scaled(qrow, w + (size_t)(n0 + i) * K + k0, len, sc);
+                memset(qrow + len, 0, (size_t)(FP8_TILE - len));
+            } else {
+                memset(qrow, 0, FP8_TILE);
+            }
+            if (qt) {
+                for (int j = 0; j < FP8_TILE; j++) qt[(size_t)(k0 + j) * Np + n0 + i] = qrow[j];
+            }
+        }
+    }
+    for (int nb = 0; nb < NB; nb++) {
+        for (int kb = KB; kb < KB4; kb++) s[(size_t)nb * KB4 + kb] = 1.0f;
+    }
+    return 0;
+}
+
+// x (T, C) -> q (C, Tp), s (TB, C): tile (tb, c) is x[128 tb .. 128 tb + 127, c], its scale is
+// s[tb * C + c] and q[c * Tp + t] = e4m3(x[t, c] / s) for t < T, 0 for T <= t < Tp.
+int cpu_fp8_quantize_128x1_transposed(uint8_t *q, float *s, const real *x, int T, int C, char *err,
+                                      size_t err_size) {
+    if (check_finite("fp8_quantize_128x1_transposed", x, T, C, err, err_size)) return -1;
+    const int TB = ceil_div(T, FP8_TILE);
+    const size_t Tp = (size_t)TB * FP8_TILE;
+    // Work items are (T block, group of 64 columns): the rows of a block are read in memory order and
+    // the block is transposed through a small local tile.
+    enum { COLS = 64 };
+    const int CG = ceil_div(C, COLS);
+#pragma omp parallel for schedule(static) if ((double)T * C > 16384.0)
+    for (int item = 0; item < TB * CG; item++) {
+        const int tb = item / CG, c0 = (item % CG) * COLS, width = C - c0 < COLS ? C - c0 : COLS;
+        const int t0 = tb * FP8_TILE, t1 = t0 + FP8_TILE < T ? t0 + FP8_TILE : T;
+        float amax[COLS] = {0}, sc[COLS];
+        for (int t = t0; t < t1; t++) {
+            const real *xt = x + (size_t)t * C + c0;
+#pragma omp simd
+            for (int j = 0; j < width; j++) {
+                const float a = fabsf((float)xt[j]);
+                amax[j] = a > amax[j] ? a : amax[j];
+            }
+        }
+        for (int j = 0; j < width; j++) {
+            sc[j] = scale_of_amax(amax[j]);
+            s[(size_t)tb * C + c0 + j] = sc[j];
+        }
+        // Codes of the block, row by row (vectorised), then written out column by column so that each
+        // q row (one column of x) gets 128 contiguous bytes.
+        uint8_t codes[FP8_TILE][COLS];
+        for (int t = t0; t < t0 + FP8_TILE; t++) {
+            uint8_t *ct = codes[t - t0];
+            if (t < t1) {
+                const real *xt = x + (size_t)t * C + c0;
+#pragma omp simd
+                for (int j = 0; j < width; j++) ct[j] = e4m3_encode((float)xt[j] / sc[j]);
+            } else {
+                memset(ct, 0, COLS);
+            }
+        }
+        for (int j = 0; j < width; j++) {
+            uint8_t *qc = q + (size_t)(c0 + j) * Tp + t0;
+            for (int t = 0; t < FP8_TILE; t++) qc[t] = codes[t][j];
+        }
+    }
+    return 0;
+}
+
+// ---------------------------------------------------------------------------- promotion
+// Why a 128-block partial sum of E4M3 products is exact in double: every finite E4M3 value is an
+// integer multiple of 2^-9 (the subnormal step) of magnitude <= 448, i.e. i * 2^-9 with |i| <= 229376
+// < 2^18. A product of two is (i j) * 2^-18 with |i j| < 2^36 (its value is at most 448^2 = 200704), and
+// every partial sum of at most 128 products is an integer multiple of 2^-18 below 128 * 2^36 = 2^43 in
+// those units: at most 43 significant bits, representable in double (53 bits). Every addition is
+// therefore exact, in any order and with any vector width, and the block partial P is the
+// exact sum. (The same sums in FP32, 24 bits, are not exact in general.)
+//
+// The promotion step, shared by the GEMMs and the emulation below, is in this exact FP32 order:
+//   acc = acc + ((float)P * s_a) * s_b
+// (P rounded once to FP32, then one FP32 multiply by the scale of the operand that supplies the output
+// row, s_a, then one by the other operand's scale, s_b, then one FP32 add; acc starts at 0 and the
+// K-blocks are added in increasing order).
+static inline float fp8_promote(float acc, double block_partial, float sa, float sb) {
+    const float p = (float)block_partial;
+    return acc + (p * sa) * sb;
+}
+
+// v truncated (towards zero) to `bits` significant bits.
+static double truncate_significant_bits(double v, int bits) {
+    if (v == 0.0 || !isfinite(v)) return v;
+    int e;
+    const double m = frexp(v, &e);  // v = m * 2^e, 0.5 <= |m| < 1
+    return ldexp(trunc(ldexp(m, bits)), e - bits);
+}
+
+// Model of a tensor core's accumulator: acc = truncate(fl64(acc + p)) after every addition (bits = 0:
+// plain double accumulation, which is exact for unscaled E4M3 products within a 128-block).
+static double accumulate_limited(double acc, double p, int acc_bits) {
+    const double sum = acc + p;
+    return acc_bits > 0 ? truncate_significant_bits(sum, acc_bits) : sum;
+}
+
+float cpu_fp8_dot_emulated(const uint8_t *qa, const float *sa, const uint8_t *qb, const float *sb, int Kc,
+                           int acc_bits, int promote) {
+    const int KBc = Kc / FP8_TILE;
+    if (promote) {
+        float acc = 0.0f;
+        for (int kb = 0; kb < KBc; kb++) {
+            double partial = 0.0;
+            for (int k = kb * FP8_TILE; k < (kb + 1) * FP8_TILE; k++) {
+                const double p = (double)fp8_e4m3_to_float(qa[k]) * (double)fp8_e4m3_to_float(qb[k]);
+                partial = accumulate_limited(partial, p, acc_bits);
+            }
+            acc = fp8_promote(acc, partial, sa[kb], sb[kb]);
+        }
+        return acc;
+    }
+    // No promotion: one accumulator over the whole contraction axis; each product carries its scales
+    // (applied in double before it enters the accumulator), and the result is rounded to FP32 at the end.
+    double acc = 0.0;
+    for (int kb = 0; kb < KBc; kb++) {
+        const double scale = (double)sa[kb] * (double)sb[kb];
+        for (int k = kb * FP8_TILE; k < (kb + 1) * FP8_TILE; k++) {
+            const double p = (double)fp8_e4m3_to_float(qa[k]) * (double)fp8_e4m3_to_float(qb[k]);
+            acc = accumulate_limited(acc, p * scale, acc_bits);
+        }
+    }
+    return (float)acc;
+}
+
+// ---------------------------------------------------------------------------- block-scaled GEMM
+// The three GEMMs are one computation with both operands contiguous along the contraction axis
+// (cuBLASLt's "TN"): out[m][n] = sum over K-blocks kb of promote(P(m, n, kb), sa(m, kb), sb(n, kb)),
+//   A (M, Kc) E4M3 row-major, B (Ncols, Kc) E4M3 row-major, Kc a multiple of 128,
+//   sa (KBc, M): sa[kb * M + m];  sbx (KBc, Ncols): sbx[kb * Ncols + n] (block scales expanded per column).
+// Kernel shape: a panel of MR rows of A times a panel of NR columns of B, both decoded to double and
+// stored k-major, so one k step is a few vector loads, MR broadcasts and MR*NR multiplies and adds.
+// Because every block partial is exact (see "promotion"), the kernel may add in any order and with
+// any vector width: the AVX variant (picked at run time on x86 CPUs that have it, since the default
+// build targets plain x86-64) gives bit-identical results to the portable one.
+typedef double dvec2 __attribute__((vector_size(16)));
+#define MR 6
+#define NR 8
+#define PANEL_ALIGN 64
+
+typedef enum { OUT_WRITE_BF16, OUT_ADD_FP32 } OutMode;
+
+static void *alloc_or_die(size_t bytes, const char *what) {
+    size_t rounded = (bytes + PANEL_ALIGN - 1) / PANEL_ALIGN * PANEL_ALIGN;
+    void *p = aligned_alloc(PANEL_ALIGN, rounded > 0 ? rounded : PANEL_ALIGN);
+    if (!p) {
+        fprintf(stderr, "fp8moe: kernels/cpu/fp8.c:%d: out of memory allocating %zu bytes for %s\n", __LINE__,
+                bytes, what);
+        exit(1);
+    }
+    return p;
+}
+
+// dst[k * width + i] = value of src row (row0 + i) at column k, for i < rows; 0 for rows .. width-1.
+static void decode_panel(double *dst, const double *lut, const uint8_t *src, size_t ld, int row0, int rows,
+                         int width, int Kc) {
+    for (int i = 0; i < width; i++) {
+        if (i < rows) {
+            const uint8_t *s = src + (size_t)(row0 + i) * ld;
+            for (int k = 0; k < Kc; k++) dst[(size_t)k * width + i] = lut[s[k]];
+        } else {
+            for (int k = 0; k < Kc; k++) dst[(size_t)k * width + i] = 0.0;
+        }
+    }
+}
+
+// P[i][j0 .. j0+3] = sum over the 128 k of one block of ap[k][i] * bp[k][j0 .. j0+3], 16-byte vectors:
+// 12 accumulators fit the 16 registers of SSE2.
+static void block_micro_kernel_half(double P[MR][NR], const double *ap, const double *bp, int j0) {
+    dvec2 c00 = {0}, c01 = {0}, c10 = {0}, c11 = {0}, c20 = {0}, c21 = {0};
+    dvec2 c30 = {0}, c31 = {0}, c40 = {0}, c41 = {0}, c50 = {0}, c51 = {0};
+    for (int k = 0; k < FP8_TILE; k++) {
+        dvec2 b0, b1;
+        memcpy(&b0, bp + (size_t)k * NR + j0, sizeof b0);
+        memcpy(&b1, bp + (size_t)k * NR + j0 + 2, sizeof b1);
+        const double *a = ap + (size_t)k * MR;
+        c00 += b0 * a[0]; c01 += b1 * a[0];
+        c10 += b0 * a[1]; c11 += b1 * a[1];
+        c20 += b0 * a[2]; c21 += b1 * a[2];
+        c30 += b0 * a[3]; c31 += b1 * a[3];
+        c40 += b0 * a[4]; c41 += b1 * a[4];
+        c50 += b0 * a[5]; c51 += b1 * a[5];
+    }
+    const dvec2 c[MR][2] = {{c00, c01}, {c10, c11}, {c20, c21}, {c30, c31}, {c40, c41}, {c50, c51}};
+    for (int i = 0; i < MR; i++) memcpy(&P[i][j0], c[i], sizeof c[i]);
+}
+
+static void block_micro_kernel_portable(double P[MR][NR], const double *ap, const double *bp) {
+    block_micro_kernel_half(P, ap, bp, 0);
+    block_micro_kernel_half(P, ap, bp, NR / 2);
+}
+
+#if defined(__GNUC__) && defined(__x86_64__)
+#define HAVE_AVX_KERNEL 1
+typedef double dvec4 __attribute__((vector_size(32)));
+// The same block sums with 32-byte vectors: 12 accumulators of 4 doubles cover the whole 6 x 8 tile.
+__attribute__((target("avx"))) static void block_micro_kernel_avx(double P[MR][NR], const double *ap,
+                                                                  const double *bp) {
+    dvec4 c00 = {0}, c01 = {0}, c10 = {0}, c11 = {0}, c20 = {0}, c21 = {0};
+    dvec4 c30 = {0}, c31 = {0}, c40 = {0}, c41 = {0}, c50 = {0}, c51 = {0};
+    for (int k = 0; k < FP8_TILE; k++) {
+        dvec4 b0, b1;
+        memcpy(&b0, bp + (size_t)k * NR, sizeof b0);
+        memcpy(&b1, bp + (size_t)k * NR + 4, sizeof b1);
+        const double *a = ap + (size_t)k * MR;
+        c00 += b0 * a[0]; c01 += b1 * a[0];
+        c10 += b0 * a[1]; c11 += b1 * a[1];
+        c20 += b0 * a[2]; c21 += b1 * a[2];
+        c30 += b0 * a[3]; c31 += b1 * a[3];
+        c40 += b0 * a[4]; c41 += b1 * a[4];
+        c50 += b0 * a[5]; c51 += b1 * a[5];
+    }
+    const dvec4 c[MR][2] = {{c00, c01}, {c10, c11}, {c20, c21}, {c30, c31}, {c40, c41}, {c50, c51}};
+    for (int i = 0; i < MR; i++) memcpy(&P[i][0], c[i], sizeof c[i]);
+}
+#endif
+
+typedef void (*BlockKernel)(double P[MR][NR], const double *ap, const double *bp);
+
+static BlockKernel pick_block_kernel(void) {
+#ifdef HAVE_AVX_KERNEL
+    if (__builtin_cpu_supports("avx")) return block_micro_kernel_avx;
+#endif
+    return block_micro_kernel_portable;
+}
+
+// out (M, Ncols), row stride Ncols: written as BF16(acc) or added to (out += acc), see OutMode.
+// Every output element is computed by one thread in the fixed order above, so the result does not
+// depend on the thread count. OpenMP splits the row panels (output rows); B is decoded once up front.
+static void block_scaled_gemm(real *out, OutMode mode, const uint8_t *A, const float *sa, const uint8_t *B,
+                              const float *sbx, int M, int Ncols, int Kc) {
+    if (M <= 0 || Ncols <= 0) return;
+    double lut[256];
+    for (int v = 0; v < 256; v++) lut[v] = (double)fp8_e4m3_to_float((uint8_t)v);
+    const int KBc = Kc / FP8_TILE;
+    const int m_panels = ceil_div(M, MR), n_panels = ceil_div(Ncols, NR);
+    const BlockKernel block_kernel = pick_block_kernel();
+    double *bp = alloc_or_die((size_t)n_panels * NR * (size_t)Kc * sizeof(double), "decoded FP8 operand B");
+    const int parallel = (double)M * Ncols * Kc > 65536.0;
+#pragma omp parallel if (parallel)
+    {
+#pragma omp for schedule(static)
+        for (int q = 0; q < n_panels; q++) {
+            const int cols = Ncols - q * NR < NR ? Ncols - q * NR : NR;
+            decode_panel(bp + (size_t)q * NR * Kc, lut, B, (size_t)Kc, q * NR, cols, NR, Kc);
+        }
+        double *ap = alloc_or_die((size_t)MR * Kc * sizeof(double), "decoded FP8 operand A");
+#pragma omp for schedule(static)
+        for (int p = 0; p < m_panels; p++) {
+            const int m0 = p * MR, rows = M - m0 < MR ? M - m0 : MR;
+            decode_panel(ap, lut, A, (size_t)Kc, m0, rows, MR, Kc);
+            for (int q = 0; q < n_panels; q++) {
+                const int n0 = q * NR, cols = Ncols - n0 < NR ? Ncols - n0 : NR;
+                const double *bq = bp + (size_t)q * NR * Kc;
+                float acc[MR][NR] = {{0}};
+                double P[MR][NR];
+                for (int kb = 0; kb < KBc; kb++) {
+                    block_kernel(P, ap + (size_t)kb * FP8_TILE * MR, bq + (size_t)kb * FP8_TILE * NR);
+                    const float *sak = sa + (size_t)kb * M + m0, *sbk = sbx + (size_t)kb * Ncols + n0;
+                    for (int i = 0; i < rows; i++) {
+                        for (int j = 0; j < cols; j++) acc[i][j] = fp8_promote(acc[i][j], P[i][j], sak[i], sbk[j]);
+                    }
+                }
+                for (int i = 0; i < rows; i++) {
+                    real *o = out + (size_t)(m0 + i) * Ncols + n0;
+                    for (int j = 0; j < cols; j++) {
+                        if (mode == OUT_WRITE_BF16) o[j] = (real)bf16_to_float(float_to_bf16(acc[i][j]));
+                        else o[j] = o[j] + (real)acc[i][j];
+                    }
+                }
+            }
+        }
+        free(ap);
+    }
+    free(bp);
+}
+
+// ---------------------------------------------------------------------------- FP8 GEMMs
+// Fprop  y (T, N) = X W^T, written as BF16.
+//   qx (T, Kp), sx (KB, T) from fp8_quantize_1x128(x, T, K): A = qx, sa = sx;
+//   qw (Np, Kp), sw (NB, KB4) from fp8_quantize_128x128(w, N, K): B = the first N rows of qw,
+//   sb(n, kb) = sw[(n / 128) * KB4 + kb]. Contraction over Kp.
+void cpu_fp8_gemm_fprop(real *y, const uint8_t *qx, const float *sx, const uint8_t *qw, const float *sw, int T, int N,
+                        int K) {
+    const int KB = ceil_div(K, FP8_TILE), KB4 = ceil_div(KB, 4) * 4;
+    float *sbx = alloc_or_die((size_t)KB * N * sizeof(float), "expanded weight scales");
+    for (int kb = 0; kb < KB; kb++) {
+        for (int n = 0; n < N; n++) sbx[(size_t)kb * N + n] = sw[(size_t)(n / FP8_TILE) * KB4 + kb];
+    }
+    block_scaled_gemm(y, OUT_WRITE_BF16, qx, sx, qw, sbx, T, N, KB * FP8_TILE);
+    free(sbx);
+}
+
+// Dgrad  dx (T, K) = dY W, written as BF16 (in the forward pass this was y = X W^T, so dX = dY W).
+//   qdy (T, Np), sdy (NB, T) from fp8_quantize_1x128(dy, T, N): A = qdy, sa = sdy;
+//   qwt (Kp, Np) and sw (NB, KB4) of the same weight: B = the first K rows of qwt,
+//   sb(k, nb) = sw[nb * KB4 + k / 128]. Contraction over Np.
+void cpu_fp8_gemm_dgrad(real *dx, const uint8_t *qdy, const float *sdy, const uint8_t *qwt, const float *sw, int T,
+                        int N, int K) {
+    const int KB = ceil_div(K, FP8_TILE), KB4 = ceil_div(KB, 4) * 4, NB = ceil_div(N, FP8_TILE);
+    float *sbx = alloc_or_die((size_t)NB * K * sizeof(float), "expanded weight scales");
+    for (int nb = 0; nb < NB; nb++) {
+        for (int k = 0; k < K; k++) sbx[(size_t)nb * K + k] = sw[(size_t)nb * KB4 + k / FP8_TILE];
+    }
+    block_scaled_gemm(dx, OUT_WRITE_BF16, qdy, sdy, qwt, sbx, T, K, NB * FP8_TILE);
+    free(sbx);
+}
+
+// Wgrad  dw (N, K) += dY^T X in FP32 (each element: dw = dw + acc, once).
+//   qdyt (N, Tp), sdyt (TB, N) from fp8_quantize_128x1_transposed(dy, T, N): A = qdyt, sa = sdyt;
+//   qxt (K, Tp), sxt (TB, K) from fp8_quantize_128x1_transposed(x, T, K): B = qxt, sb = sxt.
+//   Contraction over Tp.
+void cpu_fp8_gemm_wgrad(real *dw, const uint8_t *qdyt, const float *sdyt, const uint8_t *qxt, const float *sxt, int T,
+                        int N, int K) {
+    const int TB = ceil_div(T, FP8_TILE);
+    block_scaled_gemm(dw, OUT_ADD_FP32, qdyt, sdyt, qxt, sxt, N, K, TB * FP8_TILE);
+}

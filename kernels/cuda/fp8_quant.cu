@@ -1,0 +1,305 @@
+/*
+ * fp8_quant.cu - CUDA FP8 (E4M3) block quantisers of DeepSeek-V3's recipe (kernels.h: fp8_quantize_1x128,
+ * fp8_quantize_128x128, fp8_quantize_128x1_transposed). They feed the cuBLASLt block-scaled GEMMs of
+ * gemm.cu and must produce BIT-IDENTICAL FP8 data and scales to the CPU reference (kernels/cpu/fp8.c),
+ * which tests/gpu/test_gpu_fp8.c checks.
+ *
+ * Why they match the CPU bit for bit: per tile, amax is a max (exact in any order), s = amax / 448 is one
+ * IEEE division (__fdiv_rn, no reciprocal), s = 1 when that is 0, and q = E4M3(x / s) is another IEEE
+ * division followed by the hardware conversion cvt.rn.satfinite.e4m3 (round-to-nearest-even, saturating
+ * to +-448, sign kept), the same function as fp8_e4m3_from_float. Elements outside the valid region
+ * (partial tiles, padding) are 0 and quantise to 0x00.
+ *
+ * NaN/Inf: a non-finite element is recorded by an integer atomicMin of its row-major index into a device
+ * word (an integer atomic that only finds the first bad element, never a floating-point one), which the
+ * host reads back after the kernel: that copy synchronises the default stream once per call (a few
+ * microseconds; the price of the kernels.h contract "return -1 with the first bad row and column").
+ * On error the outputs hold whatever the kernel wrote and must not be used.
+ *
+ * Memory traffic is the cost (read 4 bytes, write 1 or 2 bytes per element); every kernel reads and
+ * writes whole 128-byte lines: 1x128 with one warp per (row, 4 x 128 columns), 128x128 with one block per
+ * block (the transposed copy goes through shared memory), 128x1 with one block per 128 rows x 32 columns
+ * (transposed through shared memory, so each output row of 128 bytes is one coalesced store).
+ * Vector (float4) loads are used when the row length is a multiple of 4 and x is 16-byte aligned.
+ */
+#include <cuda_fp8.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "kernels/cuda/cuda_ops.h"
+#include "kernels/cuda/common.cuh"
+
+static const unsigned long long NO_BAD_ELEMENT = ~0ull;
+
+// ---------------------------------------------------------------------------- shared pieces
+// s = amax / 448, or 1 when that is 0 (amax = 0, or an amax so small that the quotient underflows: then
+// every x / 1 encodes as 0, where x / 0 would give NaN codes) - as the CPU's scale_of_amax.
+__device__ inline float fp8_scale_of(float amax) {
+    const float s = __fdiv_rn(amax, FP8_E4M3_MAX);
+    return s > 0.0f ? s : 1.0f;
+}
+
+__device__ inline uint32_t fp8_byte(float x, float s) {
+    return (uint32_t)__nv_cvt_float_to_fp8(__fdiv_rn(x, s), __NV_SATFINITE, __NV_E4M3);
+}
+
+// Four quantised values packed little-endian (element j in byte j), for one 4-byte store.
+__device__ inline uint32_t fp8_pack4(const float v[4], float s) {
+    return fp8_byte(v[0], s) | (fp8_byte(v[1], s) << 8) | (fp8_byte(v[2], s) << 16) | (fp8_byte(v[3], s) << 24);
+}
+
+// Records element `index` (row-major in the input) as non-finite; the smallest index wins.
+__device__ inline void note_if_bad(float v, unsigned long long index, unsigned long long *bad) {
+    if (!isfinite(v)) atomicMin(bad, index);
+}
+
+// Loads x[0..3] of a row of `len` valid elements starting at column `col`; missing ones are 0.
+template <bool VEC4>
+__device__ inline void load4(float v[4], const float *row, int col, int len) {
+    if (VEC4 && col + 3 < len) {
+        const float4 f = *reinterpret_cast<const float4 *>(row + col);
+        v[0] = f.x, v[1] = f.y, v[2] = f.z, v[3] = f.w;
+    } else {
+        for (int j = 0; j < 4; j++) v[j] = (col + j < len) ? row[col + j] : 0.0f;
+    }
+}
+
+// The per-process device word that the kernels report the first bad element into, and a pinned host
+// word to read it back with one small asynchronous copy. The word holds NO_BAD_ELEMENT between calls:
+// it is set once at allocation and reset only after a call that found a bad element.
+static unsigned long long *bad_word_device = NULL, *bad_word_host = NULL;
+
+static unsigned long long *bad_word(void) {
+    if (bad_word_device == NULL) {
+        CUDA_CHECK(cudaMalloc(&bad_word_device, sizeof *bad_word_device));
+        CUDA_CHECK(cudaMallocHost(&bad_word_host, sizeof *bad_word_host));
+        CUDA_CHECK(cudaMemset(bad_word_device, 0xFF, sizeof *bad_word_device)); // = NO_BAD_ELEMENT
+    }
+    return bad_word_device;
+}
+
+// After the kernel: 0 if every element was finite; else -1 and "op: tensor (rows, cols) has <value> at row r,
+// column c" in err. Waiting for the copy synchronises with the kernel.
+static int check_bad_word(const char *op, const char *tensor, const float *x, int rows, int cols, char *err,
+                          size_t err_size) {
+    CUDA_CHECK(cudaMemcpyAsync(bad_word_host, bad_word_device, sizeof *bad_word_host, cudaMemcpyDeviceToHost, 0));
+    CUDA_CHECK(cudaStreamSynchronize(0));
+    const unsigned long long index = *bad_word_host;
+    if (index == NO_BAD_ELEMENT) return 0;
+    CUDA_CHECK(cudaMemset(bad_word_device, 0xFF, sizeof *bad_word_device));
+    float value = 0.0f;
+    CUDA_CHECK(cudaMemcpy(&value, x + index, sizeof value, cudaMemcpyDeviceToHost));
+    if (err != NULL && err_size > 0)
+        snprintf(err, err_size, "%s: %s (%d, %d) has %g at row %lld, column %lld - expected finite values", op,
+                 tensor, rows, cols, (double)value, (long long)(index / (unsigned long long)cols),
+                 (long long)(index % (unsigned long long)cols));
+    return -1;
+}
+
+static int is_aligned(const void *p, size_t bytes) { return ((uintptr_t)p % bytes) == 0; }
+
+// Output pointers are written with 4-byte stores and later read by cuBLASLt, which needs 16 bytes.
+static void require_aligned16(const void *p, const char *op, const char *name) {
+    if (p != NULL && !is_aligned(p, 16)) {
+        fprintf(stderr, "%s:%d: %s: %s = %p is not 16-byte aligned - expected a 16-byte aligned device pointer "
+                        "(cuBLASLt FP8 operands need it)\n", __FILE__, __LINE__, op, name, p);
+        exit(1);
+    }
+}
+
+static inline int ceil_div(int a, int b) { return (a + b - 1) / b; }
+
+// ---------------------------------------------------------------------------- 1x128 along K
+// x (rows, K) -> q (rows, Kp), s (KB, rows). One warp per row and 4 consecutive K-blocks: lane l holds
+// columns 4l..4l+3 of each tile (all 4 tiles are loaded before the first reduction, so 2 KiB per warp
+// are in flight), amax is a warp max per tile, lane 0 writes the scales. A block is 8 warps = 8
+// consecutive rows, so the 8 scales of one K-block it writes are contiguous in s.
+static const int Q1X128_ROWS_PER_BLOCK = 8;
+static const int Q1X128_TILES_PER_WARP = 4;
+
+template <bool VEC4>
+__global__ void quantize_1x128_kernel(uint8_t *q, float *s, const float *x, int rows, int K, int KB,
+                                      unsigned long long *bad) {
+    const int lane = threadIdx.x & 31;
+    const int row = blockIdx.x * Q1X128_ROWS_PER_BLOCK + (threadIdx.x >> 5);
+    const int kb0 = blockIdx.y * Q1X128_TILES_PER_WARP;
+    if (row >= rows) return; // the whole warp leaves together
+    const float *xr = x + (int64_t)row * K;
+    float v[Q1X128_TILES_PER_WARP][4];
+    for (int i = 0; i < Q1X128_TILES_PER_WARP; i++) load4<VEC4>(v[i], xr, (kb0 + i) * FP8_TILE + lane * 4, K);
+    for (int i = 0; i < Q1X128_TILES_PER_WARP && kb0 + i < KB; i++) {
+        const int col = (kb0 + i) * FP8_TILE + lane * 4;
+        float a = 0.0f;
+        for (int j = 0; j < 4; j++) {
+            note_if_bad(v[i][j], (unsigned long long)row * K + col + j, bad);
+            a = fmaxf(a, fabsf(v[i][j]));
+        }
+        const float sc = fp8_scale_of(warp_max(a));
+        *reinterpret_cast<uint32_t *>(q + (int64_t)row * KB * FP8_TILE + col) = fp8_pack4(v[i], sc);
+        if (lane == 0) s[(int64_t)(kb0 + i) * rows + row] = sc;
+    }
+}
+
+extern "C" int cuda_fp8_quantize_1x128(uint8_t *q, float *s, const real *x, int rows, int K, char *err,
+                                       size_t err_size) {
+    if (rows <= 0 || K <= 0) return 0;
+    require_aligned16(q, "fp8_quantize_1x128", "q");
+    require_aligned16(s, "fp8_quantize_1x128", "s");
+    const int KB = ceil_div(K, FP8_TILE);
+    unsigned long long *bad = bad_word();
+    const dim3 grid((unsigned)ceil_div(rows, Q1X128_ROWS_PER_BLOCK), (unsigned)ceil_div(KB, Q1X128_TILES_PER_WARP));
+    const int threads = 32 * Q1X128_ROWS_PER_BLOCK;
+    if (K % 4 == 0 && is_aligned(x, 16)) quantize_1x128_kernel<true><<<grid, threads>>>(q, s, x, rows, K, KB, bad);
+    else quantize_1x128_kernel<false><<<grid, threads>>>(q, s, x, rows, K, KB, bad);
+    CUDA_CHECK_LAUNCH("quantize_1x128_kernel");
+    return check_bad_word("fp8_quantize_1x128", "x", x, rows, K, err, err_size);
+}
+
+// ---------------------------------------------------------------------------- 128x128 blocks (+ transpose)
+// w (N, K) -> q (Np, Kp), qt (Kp, Np), s (NB, KB4) with s[nb*KB4 + kb]; s[nb*KB4 + kb] for KB <= kb < KB4
+// is padding, written 1 (the scale of an all-zero block, as the CPU writes). One block of 512 threads per
+// 128x128 block: thread t holds columns 4*(t%32)..+3 of rows t/32 + 16p (p = 0..7), i.e. its 32 values
+// stay in registers between the block max and the quantisation (at most 64 registers, so two blocks,
+// 32 warps, fit on an SM and one block's loads overlap the other's arithmetic). qt is written from a
+// byte copy of the block in shared memory (row stride 129 bytes, so the column reads of the transpose
+// fall in different banks).
+#define Q128_THREADS 512
+static const int Q128_ROWS_PER_PASS = Q128_THREADS / 32;
+static const int Q128_PASSES = FP8_TILE / Q128_ROWS_PER_PASS; // 8 passes of 16 rows
+
+template <bool VEC4>
+__global__ void __launch_bounds__(Q128_THREADS, 2) quantize_128x128_kernel(uint8_t *q, uint8_t *qt, float *s, const float *w, int N, int K, int Np,
+                                        int Kp, int KB, int KB4, unsigned long long *bad) {
+    __shared__ float scratch[32];
+    __shared__ uint8_t tile[FP8_TILE][FP8_TILE + 1];
+    const int kb = blockIdx.x, nb = blockIdx.y;
+    const int c = (threadIdx.x & 31) * 4, r0 = threadIdx.x >> 5;
+    const int col = kb * FP8_TILE + c;
+
+    float v[Q128_PASSES][4];
+    float a = 0.0f;
+    for (int p = 0; p < Q128_PASSES; p++) {
+        const int row = nb * FP8_TILE + r0 + Q128_ROWS_PER_PASS * p;
+        if (row < N) {
+            load4<VEC4>(v[p], w + (int64_t)row * K, col, K);
+        } else {
+            for (int j = 0; j < 4; j++) v[p][j] = 0.0f;
+        }
+        for (int j = 0; j < 4; j++) {
+            if (row < N) note_if_bad(v[p][j], (unsigned long long)row * K + col + j, bad);
+            a = fmaxf(a, fabsf(v[p][j]));
+        }
+    }
+    const float sc = fp8_scale_of(block_max(a, scratch));
+
+    for (int p = 0; p < Q128_PASSES; p++) {
+        const int r = r0 + Q128_ROWS_PER_PASS * p;
+        const uint32_t packed = fp8_pack4(v[p], sc);
+        *reinterpret_cast<uint32_t *>(q + (int64_t)(nb * FP8_TILE + r) * Kp + col) = packed;
+        if (qt != NULL)
+            for (int j = 0; j < 4; j++) tile[r][c + j] = (uint8_t)(packed >> (8 * j));
+    }
+    if (threadIdx.x == 0) {
+        s[(int64_t)nb * KB4 + kb] = sc;
+        if (kb == KB - 1)
+            for (int k = KB; k < KB4; k++) s[(int64_t)nb * KB4 + k] = 1.0f;
+    }
+    if (qt == NULL) return;
+    __syncthreads();
+    // qt row kb*128 + kr holds the block's column kr: bytes tile[c..c+3][kr].
+    for (int p = 0; p < Q128_PASSES; p++) {
+        const int kr = r0 + Q128_ROWS_PER_PASS * p;
+        const uint32_t packed = (uint32_t)tile[c][kr] | ((uint32_t)tile[c + 1][kr] << 8) |
+                                ((uint32_t)tile[c + 2][kr] << 16) | ((uint32_t)tile[c + 3][kr] << 24);
+        *reinterpret_cast<uint32_t *>(qt + (int64_t)(kb * FP8_TILE + kr) * Np + nb * FP8_TILE + c) = packed;
+    }
+}
+
+extern "C" int cuda_fp8_quantize_128x128(uint8_t *q, uint8_t *qt, float *s, const real *w, int N, int K, char *err,
+                                         size_t err_size) {
+    if (N <= 0 || K <= 0) return 0;
+    require_aligned16(q, "fp8_quantize_128x128", "q");
+    require_aligned16(qt, "fp8_quantize_128x128", "qt");
+    require_aligned16(s, "fp8_quantize_128x128", "s");
+    const int KB = ceil_div(K, FP8_TILE), NB = ceil_div(N, FP8_TILE);
+    const int KB4 = (KB + 3) / 4 * 4;
+    unsigned long long *bad = bad_word();
+    const dim3 grid((unsigned)KB, (unsigned)NB);
+    if (K % 4 == 0 && is_aligned(w, 16))
+        quantize_128x128_kernel<true><<<grid, Q128_THREADS>>>(q, qt, s, w, N, K, NB * FP8_TILE, KB * FP8_TILE, KB,
+                                                              KB4, bad);
+    else
+        quantize_128x128_kernel<false><<<grid, Q128_THREADS>>>(q, qt, s, w, N, K, NB * FP8_TILE, KB * FP8_TILE, KB,
+                                                               KB4, bad);
+    CUDA_CHECK_LAUNCH("quantize_128x128_kernel");
+    return check_bad_word("fp8_quantize_128x128", "w", w, N, K, err, err_size);
+}
+
+// ---------------------------------------------------------------------------- 128x1 along T, transposed
+// x (T, C) -> q (C, Tp), s (TB, C). One block of 256 threads per 128 rows (t) x 32 columns (c): thread
+// t holds columns 4*(t%8)..+3 of rows t/8 + 32p (p = 0..3). Column maxima: per-thread partials into
+// shared memory, then 32 threads take the max over the 32 partials of one column. The quantised bytes
+// go to shared memory as [column][t] (row stride 132 bytes) so each output row q[c][t0..t0+127] is
+// written by one warp as 32 consecutive 4-byte words.
+static const int Q128X1_COLS = 32;
+static const int Q128X1_THREADS = 256;
+
+template <bool VEC4>
+__global__ void quantize_128x1_transposed_kernel(uint8_t *q, float *s, const float *x, int T, int C, int Tp,
+                                                 unsigned long long *bad) {
+    __shared__ float partial[32][Q128X1_COLS + 1];
+    __shared__ float col_scale[Q128X1_COLS];
+    __shared__ __align__(16) uint8_t tile[Q128X1_COLS][FP8_TILE + 4];
+    const int tb = blockIdx.y, c0 = blockIdx.x * Q128X1_COLS;
+    const int c = (threadIdx.x & 7) * 4, rg = threadIdx.x >> 3;
+
+    float v[4][4];
+    float a[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int p = 0; p < 4; p++) {
+        const int t = tb * FP8_TILE + rg + 32 * p;
+        if (t < T) {
+            load4<VEC4>(v[p], x + (int64_t)t * C, c0 + c, C);
+        } else {
+            for (int j = 0; j < 4; j++) v[p][j] = 0.0f;
+        }
+        for (int j = 0; j < 4; j++) {
+            if (t < T) note_if_bad(v[p][j], (unsigned long long)t * C + c0 + c + j, bad);
+            a[j] = fmaxf(a[j], fabsf(v[p][j]));
+        }
+    }
+    for (int j = 0; j < 4; j++) partial[rg][c + j] = a[j];
+    __syncthreads();
+    if (threadIdx.x < Q128X1_COLS) {
+        float m = 0.0f;
+        for (int g = 0; g < 32; g++) m = fmaxf(m, partial[g][threadIdx.x]);
+        const float sc = fp8_scale_of(m);
+        col_scale[threadIdx.x] = sc;
+        if (c0 + (int)threadIdx.x < C) s[(int64_t)tb * C + c0 + threadIdx.x] = sc;
+    }
+    __syncthreads();
+    for (int p = 0; p < 4; p++)
+        for (int j = 0; j < 4; j++) tile[c + j][rg + 32 * p] = (uint8_t)fp8_byte(v[p][j], col_scale[c + j]);
+    __syncthreads();
+    for (int i = threadIdx.x; i < Q128X1_COLS * (FP8_TILE / 4); i += Q128X1_THREADS) {
+        const int cc = i / (FP8_TILE / 4), word = i % (FP8_TILE / 4);
+        if (c0 + cc >= C) continue;
+        *reinterpret_cast<uint32_t *>(q + (int64_t)(c0 + cc) * Tp + tb * FP8_TILE + 4 * word) =
+            *reinterpret_cast<const uint32_t *>(&tile[cc][4 * word]);
+    }
+}
+
+extern "C" int cuda_fp8_quantize_128x1_transposed(uint8_t *q, float *s, const real *x, int T, int C, char *err,
+                                                  size_t err_size) {
+    if (T <= 0 || C <= 0) return 0;
+    require_aligned16(q, "fp8_quantize_128x1_transposed", "q");
+    require_aligned16(s, "fp8_quantize_128x1_transposed", "s");
+    const int TB = ceil_div(T, FP8_TILE), Tp = TB * FP8_TILE;
+    unsigned long long *bad = bad_word();
+    const dim3 grid((unsigned)ceil_div(C, Q128X1_COLS), (unsigned)TB);
+    if (C % 4 == 0 && is_aligned(x, 16))
+        quantize_128x1_transposed_kernel<true><<<grid, Q128X1_THREADS>>>(q, s, x, T, C, Tp, bad);
+    else
+        quantize_128x1_transposed_kernel<false><<<grid, Q128X1_THREADS>>>(q, s, x, T, C, Tp, bad);
+    CUDA_CHECK_LAUNCH("quantize_128x1_transposed_kernel");
+    return check_bad_word("fp8_quantize_128x1_transposed", "x", x, T, C, err, err_size);
+}

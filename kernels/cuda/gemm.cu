@@ -1,0 +1,480 @@
+/*
+ * gemm.cu - cuBLASLt GEMMs: DeepSeek-V3's block-scaled FP8 GEMMs (kernels.h: fp8_gemm_fprop, fp8_gemm_dgrad,
+ * fp8_gemm_wgrad) and the BF16 baseline (bf16_matmul_forward / bf16_matmul_backward), plus the BF16-output
+ * lower level of gemm.h. DESIGN.md section 4 has the recipe; tests/gpu/test_gpu_fp8.c checks every GEMM
+ * here against the CPU reference.
+ *
+ * cuBLASLt is column-major; a row-major (R, C) matrix is a column-major (C, R) one. So a row-major
+ * Y (T, N) = X W^T is computed as the column-major Y^T (N, T) = W X^T: cuBLASLt's A is our weight-like
+ * operand, B our token-like operand. On Hopper the block-scaled FP8 kernels need the "TN" layout (both
+ * operands contiguous along the contraction axis, which is what the quantisers write), M and N multiples
+ * of 4, and 16-byte aligned pointers. Scale layouts (cuBLASLt's, which the quantisers write):
+ *   VEC128_32F    (1x128 along the contraction axis) of an operand with R rows: [ceil(K/128)][R], i.e.
+ *                 outer-dimension-major;
+ *   BLK128x128_32F of an operand with R rows: [ceil(R/128)][KB4], contraction-block-major, the
+ *                 contraction-block count rounded up to a multiple of 4.
+ * BLK x VEC (Fprop, Dgrad) and VEC x VEC (Wgrad) are supported; BLK x BLK is not.
+ *
+ *   GEMM   cuBLASLt A (op T), scale      cuBLASLt B (op N), scale     m x n x k      D
+ *   Fprop  qw  (Np, Kp), BLK sw          qx  (T, Kp), VEC sx          Np x T x Kp    BF16 (T, Np)
+ *   Dgrad  qwt (Kp, Np), BLK swt         qdy (T, Np), VEC sdy         Kp x T x Np    BF16 (T, Kp)
+ *   Wgrad  qxt (K, Tp),  VEC sxt         qdyt (N, Tp), VEC sdyt       K x N x Tp     FP32 dw (N, K) +=
+ * Fprop and Dgrad run on the zero-padded sizes (Np, Kp multiples of 128) so any N, K work; T is the
+ * caller's segment length and must be a multiple of 16. Dgrad's weight is the transposed copy qwt,
+ * whose BLK scales cuBLASLt wants as [KB][NB4]; kernels.h keeps one scale array s (NB, KB4) for both
+ * copies, so Dgrad first writes the transposed scales into a small scratch buffer (NB x KB floats).
+ *
+ * Outputs: kernels.h's Fprop/Dgrad write `real` (float). cuBLASLt writes BF16 into a scratch buffer and a
+ * conversion kernel copies the valid columns to float: it reads 2 and writes 4 bytes per output element
+ * (about 4% of an 8192^3 FP8 GEMM's time, measured by `fp8moe bench gemm`); gemm.h's *_bf16 functions
+ * skip it for code that keeps activations in BF16. Wgrad writes FP32 with beta = 1 straight into the
+ * FP32 gradient (D = C = dw); when dw is not 16-byte aligned (a slice of a flat buffer) it goes to a
+ * scratch buffer and is added by a kernel (same FP32 sum, same bits).
+ *
+ * Runtime context: one per process (STYLE.md allows one): the cuBLASLt handle, a 32 MiB workspace, a
+ * cache of plans (descriptors, layouts and the heuristic's algorithm, keyed by everything that selects
+ * them, so a shape pays for the heuristic once) and scratch buffers grown on demand. All work runs on
+ * the default stream, so the reuse of scratch buffers between calls is ordered; not thread-safe (one
+ * host thread drives the GPU). The same algorithm for the same shape makes results bitwise
+ * reproducible (no atomics: split-K variants reduce in a fixed order through the workspace).
+ * Every cuBLASLt status is checked: a failure stops with file:line, the call, and the status name.
+ */
+#include <cublasLt.h>
+#include <cuda_bf16.h>
+#include <stdarg.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "kernels/cuda/cuda_ops.h"
+#include "kernels/cuda/common.cuh"
+#include "kernels/cuda/gemm.h"
+
+static void lt_check_at(cublasStatus_t status, const char *call, const char *file, int line) {
+    if (status == CUBLAS_STATUS_SUCCESS) return;
+    fprintf(stderr, "%s:%d: %s failed: %s (%s)\n", file, line, call, cublasLtGetStatusString(status),
+            cublasLtGetStatusName(status));
+    exit(1);
+}
+#define LT_CHECK(call) lt_check_at((call), #call, __FILE__, __LINE__)
+
+// Stops with "gemm.cu:<line>: <op>: <message>" for a call that breaks a documented precondition.
+static void gemm_fail(int line, const char *op, const char *fmt, ...) {
+    fprintf(stderr, "%s:%d: %s: ", __FILE__, line, op);
+    va_list args;
+    va_start(args, fmt);
+    vfprintf(stderr, fmt, args);
+    va_end(args);
+    fprintf(stderr, "\n");
+    exit(1);
+}
+
+static inline int ceil_div(int a, int b) { return (a + b - 1) / b; }
+static inline int round_up(int a, int b) { return ceil_div(a, b) * b; }
+
+// Largest power of two (at most 256) that divides the address: what cuBLASLt's heuristic may assume.
+static int alignment_of(const void *p) {
+    int a = 256;
+    while (a > 1 && (uintptr_t)p % (uintptr_t)a != 0) a >>= 1;
+    return a;
+}
+
+static void require_aligned16(const void *p, const char *op, const char *name) {
+    if (alignment_of(p) < 16) {
+        fprintf(stderr, "%s:%d: %s: %s = %p is not 16-byte aligned - expected a 16-byte aligned device pointer "
+                        "(cuBLASLt block-scaled FP8 GEMMs need it)\n", __FILE__, __LINE__, op, name, p);
+        exit(1);
+    }
+}
+
+// ---------------------------------------------------------------------------- runtime context
+static const size_t LT_WORKSPACE_BYTES = (size_t)32 << 20;
+static const int NO_SCALE = -1; // scale mode of non-FP8 operands
+
+// Everything that selects descriptors and an algorithm. Zero-initialised before filling (memcmp keys).
+typedef struct {
+    int a_type, b_type, d_type;         // cudaDataType_t; C has D's type
+    int op_a, op_b;                     // cublasOperation_t
+    int64_t m, n, k, lda, ldb, ldd;
+    int a_scale_mode, b_scale_mode;     // cublasLtMatmulMatrixScale_t, or NO_SCALE
+    int align_a, align_b, align_d;      // bytes
+} PlanKey;
+
+typedef struct {
+    PlanKey key;
+    cublasLtMatmulDesc_t desc;
+    cublasLtMatrixLayout_t a, b, d;
+    cublasLtMatmulAlgo_t algo;
+} Plan;
+
+typedef struct {
+    void *p;
+    size_t bytes;
+} Scratch;
+
+enum { MAX_PLANS = 256 };
+static struct {
+    cublasLtHandle_t handle;
+    void *workspace;
+    Plan plans[MAX_PLANS];
+    int n_plans;
+    Scratch out_bf16, out_f32, scale_t, operand_a, operand_b;
+} ctx;
+
+static void ctx_init(void) {
+    if (ctx.handle != NULL) return;
+    LT_CHECK(cublasLtCreate(&ctx.handle));
+    CUDA_CHECK(cudaMalloc(&ctx.workspace, LT_WORKSPACE_BYTES));
+}
+
+// A device buffer of at least `bytes`, kept between calls and grown on demand (cudaFree waits for
+// earlier work that may still use it).
+static void *scratch(Scratch *s, size_t bytes) {
+    if (bytes > s->bytes) {
+        if (s->p != NULL) CUDA_CHECK(cudaFree(s->p));
+        CUDA_CHECK(cudaMalloc(&s->p, bytes));
+        s->bytes = bytes;
+    }
+    return s->p;
+}
+
+static void plan_destroy(Plan *p) {
+    LT_CHECK(cublasLtMatrixLayoutDestroy(p->a));
+    LT_CHECK(cublasLtMatrixLayoutDestroy(p->b));
+    LT_CHECK(cublasLtMatrixLayoutDestroy(p->d));
+    LT_CHECK(cublasLtMatmulDescDestroy(p->desc));
+}
+
+// The block-scaled FP8 modes need their scale pointers set on the descriptor before the heuristic query
+// (it answers CUBLAS_STATUS_INVALID_VALUE otherwise), and again before each call (they change per call).
+static void set_scale_pointers(cublasLtMatmulDesc_t desc, const float *a_scale, const float *b_scale) {
+    LT_CHECK(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &a_scale, sizeof a_scale));
+    LT_CHECK(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &b_scale, sizeof b_scale));
+}
+
+static Plan *plan_for(const PlanKey *key, const float *a_scale, const float *b_scale, const char *op) {
+    for (int i = 0; i < ctx.n_plans; i++)
+        if (memcmp(&ctx.plans[i].key, key, sizeof *key) == 0) return &ctx.plans[i];
+    if (ctx.n_plans == MAX_PLANS) { // more shapes than any model has: start over
+        for (int i = 0; i < ctx.n_plans; i++) plan_destroy(&ctx.plans[i]);
+        ctx.n_plans = 0;
+    }
+    Plan *p = &ctx.plans[ctx.n_plans];
+    p->key = *key;
+    LT_CHECK(cublasLtMatmulDescCreate(&p->desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+    const int32_t op_a = key->op_a, op_b = key->op_b;
+    LT_CHECK(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_a, sizeof op_a));
+    LT_CHECK(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_b, sizeof op_b));
+    if (key->a_scale_mode != NO_SCALE) {
+        const int32_t mode_a = key->a_scale_mode, mode_b = key->b_scale_mode;
+        LT_CHECK(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &mode_a, sizeof mode_a));
+        LT_CHECK(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &mode_b, sizeof mode_b));
+        set_scale_pointers(p->desc, a_scale, b_scale);
+    }
+    // stored shapes: op(A) is m x k, op(B) is k x n
+    const int64_t a_rows = key->op_a == CUBLAS_OP_N ? key->m : key->k, a_cols = key->op_a == CUBLAS_OP_N ? key->k : key->m;
+    const int64_t b_rows = key->op_b == CUBLAS_OP_N ? key->k : key->n, b_cols = key->op_b == CUBLAS_OP_N ? key->n : key->k;
+    LT_CHECK(cublasLtMatrixLayoutCreate(&p->a, (cudaDataType_t)key->a_type, (uint64_t)a_rows, (uint64_t)a_cols, key->lda));
+    LT_CHECK(cublasLtMatrixLayoutCreate(&p->b, (cudaDataType_t)key->b_type, (uint64_t)b_rows, (uint64_t)b_cols, key->ldb));
+    LT_CHECK(cublasLtMatrixLayoutCreate(&p->d, (cudaDataType_t)key->d_type, (uint64_t)key->m, (uint64_t)key->n, key->ldd));
+
+    cublasLtMatmulPreference_t pref;
+    LT_CHECK(cublasLtMatmulPreferenceCreate(&pref));
+    const uint64_t ws = LT_WORKSPACE_BYTES;
+    const uint32_t al_a = (uint32_t)key->align_a, al_b = (uint32_t)key->align_b, al_d = (uint32_t)key->align_d;
+    LT_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws));
+    LT_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &al_a, sizeof al_a));
+    LT_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &al_b, sizeof al_b));
+    LT_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &al_d, sizeof al_d));
+    LT_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &al_d, sizeof al_d));
+    cublasLtMatmulHeuristicResult_t result;
+    memset(&result, 0, sizeof result);
+    int n_results = 0;
+    LT_CHECK(cublasLtMatmulAlgoGetHeuristic(ctx.handle, p->desc, p->a, p->b, p->d, p->d, pref, 1, &result, &n_results));
+    LT_CHECK(cublasLtMatmulPreferenceDestroy(pref));
+    if (n_results == 0) {
+        fprintf(stderr, "%s:%d: %s: cuBLASLt has no algorithm for m x n x k = %lld x %lld x %lld (types A %d B %d D %d, "
+                        "ops %d %d, ld %lld %lld %lld, scale modes %d %d, alignments %d %d %d) - expected a shape "
+                        "DESIGN.md section 4 lists as supported\n", __FILE__, __LINE__, op, (long long)key->m,
+                (long long)key->n, (long long)key->k, key->a_type, key->b_type, key->d_type, key->op_a, key->op_b,
+                (long long)key->lda, (long long)key->ldb, (long long)key->ldd, key->a_scale_mode, key->b_scale_mode,
+                key->align_a, key->align_b, key->align_d);
+        exit(1);
+    }
+    p->algo = result.algo;
+    ctx.n_plans++;
+    return p;
+}
+
+// D = A B (+ beta D) through the cached plan of `key`; a_scale/b_scale are the block-scale tensors (FP8).
+static void lt_matmul(PlanKey *key, const void *a, const void *b, void *d, const float *a_scale,
+                      const float *b_scale, float beta, const char *op) {
+    ctx_init();
+    key->align_a = alignment_of(a), key->align_b = alignment_of(b), key->align_d = alignment_of(d);
+    Plan *p = plan_for(key, a_scale, b_scale, op);
+    if (key->a_scale_mode != NO_SCALE) set_scale_pointers(p->desc, a_scale, b_scale);
+    const float alpha = 1.0f;
+    LT_CHECK(cublasLtMatmul(ctx.handle, p->desc, &alpha, a, p->a, b, p->b, &beta, d, p->d, d, p->d, &p->algo,
+                            ctx.workspace, LT_WORKSPACE_BYTES, 0));
+}
+
+static PlanKey fp8_key(int64_t m, int64_t n, int64_t k, int64_t lda, int64_t ldb, int64_t ldd, cudaDataType_t d_type,
+                       int a_scale_mode, int b_scale_mode) {
+    PlanKey key;
+    memset(&key, 0, sizeof key);
+    key.a_type = CUDA_R_8F_E4M3, key.b_type = CUDA_R_8F_E4M3, key.d_type = d_type;
+    key.op_a = CUBLAS_OP_T, key.op_b = CUBLAS_OP_N;
+    key.m = m, key.n = n, key.k = k, key.lda = lda, key.ldb = ldb, key.ldd = ldd;
+    key.a_scale_mode = a_scale_mode, key.b_scale_mode = b_scale_mode;
+    return key;
+}
+
+// ---------------------------------------------------------------------------- small kernels
+static const int ELEMENTWISE_THREADS = 256;
+
+// These are memory-bound: with VEC4 each thread moves 4 elements per step (16-byte FP32, 8-byte BF16
+// accesses); the callers pick it when the sizes are multiples of 4 and the pointers aligned.
+__device__ inline float bf16_bits_to_float(uint32_t bits16) { return __uint_as_float(bits16 << 16); }
+
+__device__ inline uint32_t bf16x2_bits(float lo, float hi) {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi); // .x = lo in the low half
+    return *reinterpret_cast<const uint32_t *>(&v);
+}
+
+// y (rows, cols) float = x (rows, ld) BF16, the valid columns of a padded GEMM output.
+template <bool VEC4>
+__global__ void bf16_to_float_rows_kernel(float *y, const uint16_t *x, int64_t rows, int cols, int ld) {
+    const int per = VEC4 ? 4 : 1;
+    const int64_t groups = cols / per, n = rows * groups;
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t r = i / groups, c = (i % groups) * per;
+        if (VEC4) {
+            const uint2 raw = *reinterpret_cast<const uint2 *>(x + r * ld + c);
+            *reinterpret_cast<float4 *>(y + r * cols + c) =
+                make_float4(bf16_bits_to_float(raw.x & 0xFFFFu), bf16_bits_to_float(raw.x >> 16),
+                            bf16_bits_to_float(raw.y & 0xFFFFu), bf16_bits_to_float(raw.y >> 16));
+        } else {
+            y[r * cols + c] = bf16_bits_to_float(x[r * ld + c]);
+        }
+    }
+}
+
+// y (n) += float(x (n)), x BF16: the BF16 baseline's "dinp += bf16(product)".
+template <bool VEC4>
+__global__ void add_bf16_kernel(float *y, const uint16_t *x, int64_t n) {
+    const int per = VEC4 ? 4 : 1;
+    for (int64_t i = (blockIdx.x * (int64_t)blockDim.x + threadIdx.x) * per; i < n;
+         i += (int64_t)gridDim.x * blockDim.x * per) {
+        if (VEC4) {
+            const uint2 raw = *reinterpret_cast<const uint2 *>(x + i);
+            float4 v = *reinterpret_cast<const float4 *>(y + i);
+            v.x = __fadd_rn(v.x, bf16_bits_to_float(raw.x & 0xFFFFu));
+            v.y = __fadd_rn(v.y, bf16_bits_to_float(raw.x >> 16));
+            v.z = __fadd_rn(v.z, bf16_bits_to_float(raw.y & 0xFFFFu));
+            v.w = __fadd_rn(v.w, bf16_bits_to_float(raw.y >> 16));
+            *reinterpret_cast<float4 *>(y + i) = v;
+        } else {
+            y[i] = __fadd_rn(y[i], bf16_bits_to_float(x[i]));
+        }
+    }
+}
+
+__global__ void add_float_kernel(float *y, const float *x, int64_t n) {
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
+        y[i] = __fadd_rn(y[i], x[i]);
+}
+
+// y (n) = BF16(x (n)), round-to-nearest-even.
+template <bool VEC4>
+__global__ void float_to_bf16_kernel(uint16_t *y, const float *x, int64_t n) {
+    const int per = VEC4 ? 4 : 1;
+    for (int64_t i = (blockIdx.x * (int64_t)blockDim.x + threadIdx.x) * per; i < n;
+         i += (int64_t)gridDim.x * blockDim.x * per) {
+        if (VEC4) {
+            const float4 v = *reinterpret_cast<const float4 *>(x + i);
+            *reinterpret_cast<uint2 *>(y + i) = make_uint2(bf16x2_bits(v.x, v.y), bf16x2_bits(v.z, v.w));
+        } else {
+            y[i] = (uint16_t)(bf16x2_bits(x[i], 0.0f) & 0xFFFFu);
+        }
+    }
+}
+
+// swt (KB, NB4)[kb][nb] = sw (NB, KB4)[nb][kb]; columns NB..NB4-1 are padding, 0.
+__global__ void transpose_block_scales_kernel(float *swt, const float *sw, int NB, int KB, int KB4, int NB4) {
+    const int64_t n = (int64_t)KB * NB4;
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
+        const int kb = (int)(i / NB4), nb = (int)(i % NB4);
+        swt[i] = nb < NB ? sw[(int64_t)nb * KB4 + kb] : 0.0f;
+    }
+}
+
+static int vec4_ok(int64_t a, const void *p16, const void *p8) {
+    return a % 4 == 0 && (uintptr_t)p16 % 16 == 0 && (uintptr_t)p8 % 8 == 0;
+}
+
+static void bf16_to_float_rows(float *y, const uint16_t *x, int64_t rows, int cols, int ld) {
+    const int64_t n = rows * cols;
+    if (n == 0) return;
+    if (vec4_ok(cols, y, x) && ld % 4 == 0)
+        bf16_to_float_rows_kernel<true><<<grid_for(n / 4, ELEMENTWISE_THREADS), ELEMENTWISE_THREADS>>>(y, x, rows, cols, ld);
+    else
+        bf16_to_float_rows_kernel<false><<<grid_for(n, ELEMENTWISE_THREADS), ELEMENTWISE_THREADS>>>(y, x, rows, cols, ld);
+    CUDA_CHECK_LAUNCH("bf16_to_float_rows_kernel");
+}
+
+static void add_bf16(float *y, const uint16_t *x, int64_t n) {
+    if (n == 0) return;
+    if (vec4_ok(n, y, x)) add_bf16_kernel<true><<<grid_for(n / 4, ELEMENTWISE_THREADS), ELEMENTWISE_THREADS>>>(y, x, n);
+    else add_bf16_kernel<false><<<grid_for(n, ELEMENTWISE_THREADS), ELEMENTWISE_THREADS>>>(y, x, n);
+    CUDA_CHECK_LAUNCH("add_bf16_kernel");
+}
+
+extern "C" void cuda_float_to_bf16(uint16_t *dst, const float *src, int64_t n) {
+    if (n <= 0) return;
+    if (vec4_ok(n, src, dst))
+        float_to_bf16_kernel<true><<<grid_for(n / 4, ELEMENTWISE_THREADS), ELEMENTWISE_THREADS>>>(dst, src, n);
+    else
+        float_to_bf16_kernel<false><<<grid_for(n, ELEMENTWISE_THREADS), ELEMENTWISE_THREADS>>>(dst, src, n);
+    CUDA_CHECK_LAUNCH("float_to_bf16_kernel");
+}
+
+// ---------------------------------------------------------------------------- FP8 GEMMs
+static void check_rows16(const char *op, int T) {
+    if (T % 16 != 0)
+        gemm_fail(__LINE__, op, "T = %d rows is not a multiple of 16 - expected per-expert segments padded with "
+                                "zero rows to a multiple of 16 (DESIGN.md section 4)", T);
+}
+
+extern "C" void cuda_fp8_gemm_fprop_bf16(uint16_t *y, const uint8_t *qx, const float *sx, const uint8_t *qw,
+                                         const float *sw, int T, int N, int K) {
+    static const char op[] = "fp8_gemm_fprop";
+    if (T <= 0 || N <= 0 || K <= 0) return;
+    check_rows16(op, T);
+    require_aligned16(qx, op, "qx"), require_aligned16(sx, op, "sx"), require_aligned16(qw, op, "qw");
+    require_aligned16(sw, op, "sw"), require_aligned16(y, op, "y");
+    const int Np = round_up(N, FP8_TILE), Kp = round_up(K, FP8_TILE);
+    PlanKey key = fp8_key(Np, T, Kp, Kp, Kp, Np, CUDA_R_16BF, CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F,
+                          CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F);
+    lt_matmul(&key, qw, qx, y, sw, sx, 0.0f, op);
+}
+
+extern "C" void cuda_fp8_gemm_dgrad_bf16(uint16_t *dx, const uint8_t *qdy, const float *sdy, const uint8_t *qwt,
+                                         const float *sw, int T, int N, int K) {
+    static const char op[] = "fp8_gemm_dgrad";
+    if (T <= 0 || N <= 0 || K <= 0) return;
+    check_rows16(op, T);
+    require_aligned16(qdy, op, "qdy"), require_aligned16(sdy, op, "sdy"), require_aligned16(qwt, op, "qwt");
+    require_aligned16(dx, op, "dx");
+    const int NB = ceil_div(N, FP8_TILE), KB = ceil_div(K, FP8_TILE);
+    const int Np = NB * FP8_TILE, Kp = KB * FP8_TILE, KB4 = round_up(KB, 4), NB4 = round_up(NB, 4);
+    ctx_init();
+    float *swt = (float *)scratch(&ctx.scale_t, sizeof(float) * (size_t)KB * NB4);
+    transpose_block_scales_kernel<<<grid_for((int64_t)KB * NB4, ELEMENTWISE_THREADS), ELEMENTWISE_THREADS>>>(
+        swt, sw, NB, KB, KB4, NB4);
+    CUDA_CHECK_LAUNCH("transpose_block_scales_kernel");
+    PlanKey key = fp8_key(Kp, T, Np, Np, Np, Kp, CUDA_R_16BF, CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F,
+                          CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F);
+    lt_matmul(&key, qwt, qdy, dx, swt, sdy, 0.0f, op);
+}
+
+extern "C" void cuda_fp8_gemm_fprop(real *y, const uint8_t *qx, const float *sx, const uint8_t *qw, const float *sw,
+                                    int T, int N, int K) {
+    if (T <= 0 || N <= 0) return;
+    const int Np = round_up(N, FP8_TILE);
+    ctx_init();
+    uint16_t *tmp = (uint16_t *)scratch(&ctx.out_bf16, sizeof(uint16_t) * (size_t)T * Np);
+    cuda_fp8_gemm_fprop_bf16(tmp, qx, sx, qw, sw, T, N, K);
+    bf16_to_float_rows(y, tmp, T, N, Np);
+}
+
+extern "C" void cuda_fp8_gemm_dgrad(real *dx, const uint8_t *qdy, const float *sdy, const uint8_t *qwt,
+                                    const float *sw, int T, int N, int K) {
+    if (T <= 0 || K <= 0) return;
+    const int Kp = round_up(K, FP8_TILE);
+    ctx_init();
+    uint16_t *tmp = (uint16_t *)scratch(&ctx.out_bf16, sizeof(uint16_t) * (size_t)T * Kp);
+    cuda_fp8_gemm_dgrad_bf16(tmp, qdy, sdy, qwt, sw, T, N, K);
+    bf16_to_float_rows(dx, tmp, T, K, Kp);
+}
+
+extern "C" void cuda_fp8_gemm_wgrad(real *dw, const uint8_t *qdyt, const float *sdyt, const uint8_t *qxt,
+                                    const float *sxt, int T, int N, int K) {
+    static const char op[] = "fp8_gemm_wgrad";
+    if (T <= 0 || N <= 0 || K <= 0) return;
+    if (N % 4 != 0 || K % 4 != 0)
+        gemm_fail(__LINE__, op, "dw (N, K) = (%d, %d) - expected N and K multiples of 4 (cuBLASLt block-scaled "
+                                "GEMM limit)", N, K);
+    require_aligned16(qdyt, op, "qdyt"), require_aligned16(sdyt, op, "sdyt"), require_aligned16(qxt, op, "qxt");
+    require_aligned16(sxt, op, "sxt");
+    const int Tp = round_up(T, FP8_TILE);
+    PlanKey key = fp8_key(K, N, Tp, Tp, Tp, K, CUDA_R_32F, CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F,
+                          CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F);
+    if (alignment_of(dw) >= 16) {
+        lt_matmul(&key, qxt, qdyt, dw, sxt, sdyt, 1.0f, op);
+        return;
+    }
+    ctx_init();
+    const int64_t n = (int64_t)N * K;
+    float *tmp = (float *)scratch(&ctx.out_f32, sizeof(float) * (size_t)n);
+    lt_matmul(&key, qxt, qdyt, tmp, sxt, sdyt, 0.0f, op);
+    add_float_kernel<<<grid_for(n, ELEMENTWISE_THREADS), ELEMENTWISE_THREADS>>>(dw, tmp, n);
+    CUDA_CHECK_LAUNCH("add_float_kernel");
+}
+
+// ---------------------------------------------------------------------------- BF16 GEMMs
+extern "C" void cuda_bf16_gemm(void *c, int c_fp32, float beta, const uint16_t *a, int a_trans, const uint16_t *b,
+                               int b_trans, int M, int N, int K) {
+    static const char op[] = "cuda_bf16_gemm";
+    if (M <= 0 || N <= 0) return;
+    if (!c_fp32 && beta != 0.0f)
+        gemm_fail(__LINE__, op, "beta = %g with a BF16 output (M, N, K = %d, %d, %d) - expected beta = 0 or an FP32 "
+                                "output", (double)beta, M, N, K);
+    if (K <= 0) { // empty contraction: C = beta C
+        if (beta == 0.0f) CUDA_CHECK(cudaMemset(c, 0, (size_t)M * N * (c_fp32 ? 4 : 2)));
+        return;
+    }
+    // column-major view: C^T (N, M) = op(B)^T (N, K) op(A)^T (K, M); cuBLASLt's A is our B
+    PlanKey key;
+    memset(&key, 0, sizeof key);
+    key.a_type = CUDA_R_16BF, key.b_type = CUDA_R_16BF, key.d_type = c_fp32 ? CUDA_R_32F : CUDA_R_16BF;
+    key.op_a = b_trans ? CUBLAS_OP_T : CUBLAS_OP_N, key.lda = b_trans ? K : N;
+    key.op_b = a_trans ? CUBLAS_OP_T : CUBLAS_OP_N, key.ldb = a_trans ? M : K;
+    key.m = N, key.n = M, key.k = K, key.ldd = N;
+    key.a_scale_mode = NO_SCALE, key.b_scale_mode = NO_SCALE;
+    lt_matmul(&key, b, a, c, NULL, NULL, beta, op);
+}
+
+// inp (N, C), weight (OC, C) -> out (N, OC) = bf16(bf16(inp) bf16(weight)^T), FP32 accumulation.
+extern "C" void cuda_bf16_matmul_forward(real *out, const real *inp, const real *weight, int N, int C, int OC) {
+    if (N <= 0 || OC <= 0) return;
+    ctx_init();
+    uint16_t *a = (uint16_t *)scratch(&ctx.operand_a, sizeof(uint16_t) * (size_t)N * C);
+    uint16_t *b = (uint16_t *)scratch(&ctx.operand_b, sizeof(uint16_t) * (size_t)OC * C);
+    uint16_t *o = (uint16_t *)scratch(&ctx.out_bf16, sizeof(uint16_t) * (size_t)N * OC);
+    cuda_float_to_bf16(a, inp, (int64_t)N * C);
+    cuda_float_to_bf16(b, weight, (int64_t)OC * C);
+    cuda_bf16_gemm(o, 0, 0.0f, a, 0, b, 1, N, OC, C);
+    bf16_to_float_rows(out, o, N, OC, OC);
+}
+
+// In the forward pass this was out = inp weight^T, so:
+//   dinp (N, C) += bf16(bf16(dout) bf16(weight));  dweight (OC, C) += FP32 bf16(dout)^T bf16(inp).
+extern "C" void cuda_bf16_matmul_backward(real *dinp, real *dweight, const real *dout, const real *inp,
+                                          const real *weight, int N, int C, int OC) {
+    if (N <= 0 || C <= 0 || OC <= 0 || (dinp == NULL && dweight == NULL)) return;
+    ctx_init();
+    uint16_t *g = (uint16_t *)scratch(&ctx.operand_a, sizeof(uint16_t) * (size_t)N * OC);
+    cuda_float_to_bf16(g, dout, (int64_t)N * OC);
+    if (dinp != NULL) {
+        uint16_t *w = (uint16_t *)scratch(&ctx.operand_b, sizeof(uint16_t) * (size_t)OC * C);
+        uint16_t *o = (uint16_t *)scratch(&ctx.out_bf16, sizeof(uint16_t) * (size_t)N * C);
+        cuda_float_to_bf16(w, weight, (int64_t)OC * C);
+        cuda_bf16_gemm(o, 0, 0.0f, g, 0, w, 0, N, C, OC);
+        const int64_t n = (int64_t)N * C;
+        add_bf16(dinp, o, n);
+    }
+    if (dweight != NULL) {
+        uint16_t *x = (uint16_t *)scratch(&ctx.operand_b, sizeof(uint16_t) * (size_t)N * C);
+        cuda_float_to_bf16(x, inp, (int64_t)N * C);
+        cuda_bf16_gemm(dweight, 1, 1.0f, g, 1, x, 0, OC, C, N);
+    }
+}

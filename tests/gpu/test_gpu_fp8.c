@@ -1,0 +1,728 @@
+/*
+ * test_gpu_fp8.c - CUDA vs CPU parity of DeepSeek-V3's FP8 recipe (kernels.h "FP8 (E4M3) block scaling"):
+ * the three quantisers, the three block-scaled cuBLASLt GEMMs (Fprop, Dgrad, Wgrad) and the BF16
+ * baseline GEMMs. Runs only on a machine with an NVIDIA GPU (tests/gpu/run.sh); with no visible GPU
+ * it FAILS, so a GPU job can never pass by testing nothing.
+ *
+ * Quantisers must be BIT-IDENTICAL to the CPU ones (DESIGN.md section 4): every q byte (padding
+ * included) and every scale (the 128x128 K-block padding included) is compared bit for bit, and both
+ * are also checked against the definition computed here (s = amax/448 over the tile's valid
+ * elements, |decode(q) - x/s| <= half an E4M3 step at that magnitude, sign kept, padding 0) with an
+ * E4M3 decoder written in this file. NaN/Inf inputs must return -1 naming the first bad element.
+ *
+ * GEMMs: tensor cores add FP8 products inside a 128-block with reduced precision, so the GPU agrees
+ * with the CPU per element within 2^-10 * sum_k |a_k s_a b_k s_b| (the products of the dequantised
+ * operands) plus the output's rounding: BF16 half an ulp of the value for Fprop/Dgrad (both sides round,
+ * so one ulp for GPU vs CPU), FP32 roundings of the accumulation and the final add for Wgrad. The
+ * reference is a double-precision sum computed here from the dequantised operands. BF16 GEMMs: exact
+ * products of BF16-rounded operands, FP32 accumulation in different orders: (2K + 16) u of the sum of
+ * |products| (u = 2^-24), plus the BF16 output rounding. Every GPU GEMM also runs twice: the results
+ * must be bitwise identical.
+ *
+ * Inputs are random and non-zero with magnitudes spread over many binades (so tiles have different
+ * scales and E4M3 subnormals and underflows occur); outputs are poisoned (NaN floats, 0xFF bytes)
+ * before each call, so an element a kernel does not write fails. Shapes include partial blocks
+ * (576 = 4.5 blocks of 128, K = 300), a token segment with zero padding rows, T not a multiple of 128
+ * (Wgrad's zero-padded T blocks) and a misaligned Wgrad output (the scratch-and-add path).
+ * One table row per check.
+ */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include <cmocka.h>
+
+#include <float.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels/kernels.h"
+#include "unit/opcheck.h"
+
+#define U_FP32 0x1p-24
+#define FP8_GEMM_REL 0x1p-10 // DESIGN.md section 4: tensor-core accumulation inside a 128-block
+
+static int ceil_div(int a, int b) { return (a + b - 1) / b; }
+
+// ---------------------------------------------------------------------------- buffers
+static void *xmalloc(size_t bytes) {
+    void *p = malloc(bytes > 0 ? bytes : 1);
+    if (p == NULL) {
+        fprintf(stderr, "%s:%d: malloc of %zu bytes failed\n", __FILE__, __LINE__, bytes);
+        exit(1);
+    }
+    return p;
+}
+static float *floats(int64_t n) { return xmalloc((size_t)n * sizeof(float)); }
+static double *doubles(int64_t n) { return xmalloc((size_t)n * sizeof(double)); }
+static void *gpu_copy_of(const void *host, size_t bytes) {
+    void *d = device_alloc(DEVICE_CUDA, bytes);
+    device_memcpy_from_host(DEVICE_CUDA, d, host, bytes);
+    return d;
+}
+static void *host_copy_of(const void *d, size_t bytes) {
+    void *h = xmalloc(bytes);
+    device_memcpy_to_host(DEVICE_CUDA, h, d, bytes);
+    return h;
+}
+// Host and device buffers filled with 0xFF bytes: NaN as float, NaN (0xFF) as E4M3.
+static void *host_poisoned(size_t bytes) {
+    void *h = xmalloc(bytes);
+    memset(h, 0xFF, bytes);
+    return h;
+}
+static void *gpu_poisoned(size_t bytes) {
+    void *h = host_poisoned(bytes);
+    void *d = gpu_copy_of(h, bytes);
+    free(h);
+    return d;
+}
+
+// x (n): random sign, |x| = 2^e with e uniform in [lo_exp, hi_exp): non-zero, many binades.
+static void fill_log_uniform(float *x, int64_t n, uint64_t seed, double lo_exp, double hi_exp) {
+    for (int64_t i = 0; i < n; i++) {
+        const double e = lo_exp + (hi_exp - lo_exp) * opcheck_uniform(seed, 2 * (uint64_t)i);
+        const double sign = opcheck_uniform(seed, 2 * (uint64_t)i + 1) < 0.5 ? -1.0 : 1.0;
+        x[i] = (float)(sign * exp2(e));
+    }
+}
+
+// ---------------------------------------------------------------------------- independent references
+// E4M3 decoder (bias 7, 3 mantissa bits, no infinity, 0x7F/0xFF NaN), written here, not taken from fp8.c.
+static double e4m3_value(uint8_t q) {
+    const int e = (q >> 3) & 15, m = q & 7;
+    double v;
+    if (e == 15 && m == 7) v = NAN;
+    else if (e == 0) v = ldexp((double)m, -9);
+    else v = ldexp(1.0 + m / 8.0, e - 7);
+    return (q & 0x80) ? -v : v;
+}
+
+// Half the spacing of E4M3 values around |v| (subnormal spacing 2^-9 below 2^-6).
+static double e4m3_half_step(double v) {
+    const double a = fabs(v);
+    const int e = a < 0x1p-6 ? -6 : (int)floor(log2(a));
+    return ldexp(1.0, e - 4);
+}
+
+// Half an ulp of BF16 (8 significant bits) at |v|; 0 for v = 0.
+static double bf16_half_ulp(double v) {
+    const double a = fabs(v);
+    if (a == 0.0) return 0.0;
+    return ldexp(1.0, (int)floor(log2(a)) - 8);
+}
+
+// Round-to-nearest-even to BF16, written here (finite inputs).
+static float bf16_round(float x) {
+    uint32_t b;
+    memcpy(&b, &x, sizeof b);
+    b = (b + 0x7FFFu + ((b >> 16) & 1u)) & 0xFFFF0000u;
+    float y;
+    memcpy(&y, &b, sizeof y);
+    return y;
+}
+
+// ---------------------------------------------------------------------------- quantisers
+typedef enum { Q_1X128, Q_128X128, Q_128X1T } QuantKind;
+static const char *const quant_names[] = {"quantize_1x128", "quantize_128x128", "quantize_128x1_T"};
+
+// The layout of one quantiser's outputs for an input of (rows, cols).
+typedef struct {
+    QuantKind kind;
+    int rows, cols;
+    int64_t q_bytes, qt_bytes, s_count;
+} QuantLayout;
+
+static QuantLayout quant_layout(QuantKind kind, int rows, int cols, int with_qt) {
+    QuantLayout L = {kind, rows, cols, 0, 0, 0};
+    const int KB = ceil_div(cols, FP8_TILE), Kp = KB * FP8_TILE;
+    if (kind == Q_1X128) {
+        L.q_bytes = (int64_t)rows * Kp, L.s_count = (int64_t)KB * rows;
+    } else if (kind == Q_128X128) {
+        const int NB = ceil_div(rows, FP8_TILE), KB4 = (KB + 3) / 4 * 4;
+        L.q_bytes = (int64_t)NB * FP8_TILE * Kp, L.s_count = (int64_t)NB * KB4;
+        L.qt_bytes = with_qt ? L.q_bytes : 0;
+    } else {
+        const int TB = ceil_div(rows, FP8_TILE);
+        L.q_bytes = (int64_t)cols * TB * FP8_TILE, L.s_count = (int64_t)TB * cols;
+    }
+    return L;
+}
+
+static int run_quantizer(Device dev, const QuantLayout *L, uint8_t *q, uint8_t *qt, float *s, const float *x,
+                         char *err, size_t err_size) {
+    switch (L->kind) {
+    case Q_1X128: return fp8_quantize_1x128(dev, q, s, x, L->rows, L->cols, err, err_size);
+    case Q_128X128: return fp8_quantize_128x128(dev, q, qt, s, x, L->rows, L->cols, err, err_size);
+    default: return fp8_quantize_128x1_transposed(dev, q, s, x, L->rows, L->cols, err, err_size);
+    }
+}
+
+// Checks q, qt, s against the definition for input x (rows, cols) and returns the worst
+// |decode(q) s^-1... | ratio (<= 1 passes); counts definition violations into *bad.
+// For element (r, c) of x: its tile's scale sc and its byte position(s) in q (and qt).
+static double check_definition(const QuantLayout *L, const uint8_t *q, const uint8_t *qt, const float *s,
+                               const float *x, int64_t *bad) {
+    const int rows = L->rows, cols = L->cols;
+    const int KB = ceil_div(cols, FP8_TILE), Kp = KB * FP8_TILE, KB4 = (KB + 3) / 4 * 4;
+    const int NB = ceil_div(rows, FP8_TILE), Np = NB * FP8_TILE, TB = ceil_div(rows, FP8_TILE), Tp = TB * FP8_TILE;
+    // tile amax, recomputed here
+    const int64_t n_tiles = L->s_count;
+    float *amax = floats(n_tiles);
+    for (int64_t i = 0; i < n_tiles; i++) amax[i] = 0.0f;
+    for (int r = 0; r < rows; r++)
+        for (int c = 0; c < cols; c++) {
+            int64_t t = L->kind == Q_1X128     ? (int64_t)(c / FP8_TILE) * rows + r
+                        : L->kind == Q_128X128 ? (int64_t)(r / FP8_TILE) * KB4 + c / FP8_TILE
+                                               : (int64_t)(r / FP8_TILE) * cols + c;
+            amax[t] = fmaxf(amax[t], fabsf(x[(int64_t)r * cols + c]));
+        }
+    *bad = 0;
+    for (int64_t t = 0; t < n_tiles; t++) {
+        const float want = amax[t] / FP8_E4M3_MAX > 0.0f ? amax[t] / FP8_E4M3_MAX : 1.0f;
+        if (memcmp(&want, &s[t], sizeof want) != 0) {
+            if (*bad < 3) printf("    scale [%lld]: got %.9g, want amax/448 = %.9g\n", (long long)t, s[t], want);
+            (*bad)++;
+        }
+    }
+    // every byte: valid elements within half a step, padding 0
+    double worst = 0.0;
+    uint8_t *seen = calloc((size_t)L->q_bytes, 1);
+    for (int r = 0; r < rows; r++)
+        for (int c = 0; c < cols; c++) {
+            int64_t at, at_t = -1, t;
+            if (L->kind == Q_1X128) at = (int64_t)r * Kp + c, t = (int64_t)(c / FP8_TILE) * rows + r;
+            else if (L->kind == Q_128X128)
+                at = (int64_t)r * Kp + c, at_t = (int64_t)c * Np + r, t = (int64_t)(r / FP8_TILE) * KB4 + c / FP8_TILE;
+            else at = (int64_t)c * Tp + r, t = (int64_t)(r / FP8_TILE) * cols + c;
+            seen[at] = 1;
+            const double target = (double)(x[(int64_t)r * cols + c] / s[t]); // the FP32 quotient
+            const double got = e4m3_value(q[at]);
+            const double ratio = fabs(got - target) / e4m3_half_step(target);
+            const int sign_ok = (q[at] & 0x80) == (x[(int64_t)r * cols + c] < 0 ? 0x80 : 0);
+            if (!(ratio <= worst)) worst = ratio;
+            if (!(ratio <= 1.0) || !sign_ok || (qt != NULL && qt[at_t] != q[at])) {
+                if (*bad < 3)
+                    printf("    x[%d][%d] = %.9g, s = %.9g: q byte 0x%02x = %.9g, x/s = %.9g%s\n", r, c,
+                           x[(int64_t)r * cols + c], s[t], q[at], got, target,
+                           qt != NULL && qt[at_t] != q[at] ? " (qt differs)" : "");
+                (*bad)++;
+            }
+        }
+    for (int64_t i = 0; i < L->q_bytes; i++)
+        if (!seen[i] && q[i] != 0) (*bad)++;
+    if (qt != NULL) {
+        int64_t pad_bad = 0;
+        for (int64_t k = 0; k < Kp; k++)
+            for (int64_t n = 0; n < Np; n++)
+                if ((k >= cols || n >= rows) && qt[k * Np + n] != 0) pad_bad++;
+        *bad += pad_bad;
+    }
+    free(seen);
+    free(amax);
+    return worst;
+}
+
+typedef struct {
+    QuantKind kind;
+    int rows, cols, with_qt;
+} QuantCase;
+
+static void test_quantizer(void **state) {
+    const QuantCase *qc = *state;
+    const QuantLayout L = quant_layout(qc->kind, qc->rows, qc->cols, qc->with_qt);
+    const int64_t n = (int64_t)qc->rows * qc->cols;
+    float *x = floats(n);
+    fill_log_uniform(x, n, 1000 + (uint64_t)qc->kind * 17 + (uint64_t)qc->rows, -16.0, 4.0);
+    char err[256] = "";
+
+    uint8_t *q_cpu = host_poisoned((size_t)L.q_bytes), *qt_cpu = qc->with_qt ? host_poisoned((size_t)L.qt_bytes) : NULL;
+    float *s_cpu = host_poisoned((size_t)L.s_count * sizeof(float));
+    assert_int_equal(run_quantizer(DEVICE_CPU, &L, q_cpu, qt_cpu, s_cpu, x, err, sizeof err), 0);
+
+    float *x_d = gpu_copy_of(x, (size_t)n * sizeof(float));
+    uint8_t *q_d = gpu_poisoned((size_t)L.q_bytes), *qt_d = qc->with_qt ? gpu_poisoned((size_t)L.qt_bytes) : NULL;
+    float *s_d = gpu_poisoned((size_t)L.s_count * sizeof(float));
+    assert_int_equal(run_quantizer(DEVICE_CUDA, &L, q_d, qt_d, s_d, x_d, err, sizeof err), 0);
+    uint8_t *q_gpu = host_copy_of(q_d, (size_t)L.q_bytes), *qt_gpu = qc->with_qt ? host_copy_of(qt_d, (size_t)L.qt_bytes) : NULL;
+    float *s_gpu = host_copy_of(s_d, (size_t)L.s_count * sizeof(float));
+
+    int64_t q_diff = 0, qt_diff = 0, s_diff = 0, first = -1;
+    for (int64_t i = 0; i < L.q_bytes; i++)
+        if (q_gpu[i] != q_cpu[i] && q_diff++ == 0) first = i;
+    for (int64_t i = 0; i < L.qt_bytes; i++) qt_diff += qt_gpu[i] != qt_cpu[i];
+    for (int64_t i = 0; i < L.s_count; i++) s_diff += memcmp(&s_gpu[i], &s_cpu[i], sizeof(float)) != 0;
+    int64_t bad_gpu, bad_cpu;
+    const double worst_gpu = check_definition(&L, q_gpu, qt_gpu, s_gpu, x, &bad_gpu);
+    const double worst_cpu = check_definition(&L, q_cpu, qt_cpu, s_cpu, x, &bad_cpu);
+    char shape[48];
+    snprintf(shape, sizeof shape, "%d x %d%s", qc->rows, qc->cols, qc->with_qt ? " +qt" : "");
+    const int pass = q_diff == 0 && qt_diff == 0 && s_diff == 0 && bad_gpu == 0 && bad_cpu == 0;
+    printf("%-18s %-16s %9lld %9lld %9lld %11.3f %11.3f %8lld %8lld  %s\n", quant_names[qc->kind], shape,
+           (long long)q_diff, (long long)qt_diff, (long long)s_diff, worst_gpu, worst_cpu, (long long)bad_gpu,
+           (long long)bad_cpu, pass ? "ok" : "FAIL");
+    if (q_diff > 0)
+        printf("    first differing q byte [%lld]: gpu 0x%02x, cpu 0x%02x\n", (long long)first, q_gpu[first], q_cpu[first]);
+    fflush(stdout);
+
+    device_free(DEVICE_CUDA, x_d), device_free(DEVICE_CUDA, q_d), device_free(DEVICE_CUDA, qt_d);
+    device_free(DEVICE_CUDA, s_d);
+    free(x), free(q_cpu), free(qt_cpu), free(s_cpu), free(q_gpu), free(qt_gpu), free(s_gpu);
+    assert_true(pass);
+}
+
+// NaN and Inf: every quantiser returns -1 on both devices and names the first bad element (row-major).
+static void test_quantizer_nonfinite(void **state) {
+    (void)state;
+    const int rows = 200, cols = 300;
+    const int64_t n = (int64_t)rows * cols;
+    float *x = floats(n);
+    fill_log_uniform(x, n, 77, -4.0, 2.0);
+    x[7 * cols + 3] = INFINITY;  // the later one
+    x[5 * cols + 17] = NAN;      // the first in row-major order
+    x[150 * cols + 299] = -INFINITY;
+    float *x_d = gpu_copy_of(x, (size_t)n * sizeof(float));
+    for (int k = 0; k < 3; k++) {
+        const QuantLayout L = quant_layout((QuantKind)k, rows, cols, 1);
+        uint8_t *q_d = gpu_poisoned((size_t)L.q_bytes), *qt_d = L.qt_bytes ? gpu_poisoned((size_t)L.qt_bytes) : NULL;
+        float *s_d = gpu_poisoned((size_t)L.s_count * sizeof(float));
+        uint8_t *q_h = host_poisoned((size_t)L.q_bytes), *qt_h = L.qt_bytes ? host_poisoned((size_t)L.qt_bytes) : NULL;
+        float *s_h = host_poisoned((size_t)L.s_count * sizeof(float));
+        char err_gpu[256] = "", err_cpu[256] = "";
+        const int rc_gpu = run_quantizer(DEVICE_CUDA, &L, q_d, qt_d, s_d, x_d, err_gpu, sizeof err_gpu);
+        const int rc_cpu = run_quantizer(DEVICE_CPU, &L, q_h, qt_h, s_h, x, err_cpu, sizeof err_cpu);
+        const int named = strstr(err_gpu, "row 5, column 17") != NULL && strstr(err_gpu, "nan") != NULL;
+        printf("%-18s %-16s rc gpu %d cpu %d; gpu: \"%s\"  %s\n", quant_names[k], "NaN at (5, 17)", rc_gpu, rc_cpu,
+               err_gpu, rc_gpu == -1 && rc_cpu == -1 && named ? "ok" : "FAIL");
+        fflush(stdout);
+        assert_int_equal(rc_gpu, -1);
+        assert_int_equal(rc_cpu, -1);
+        assert_true(named);
+        device_free(DEVICE_CUDA, q_d), device_free(DEVICE_CUDA, qt_d), device_free(DEVICE_CUDA, s_d);
+        free(q_h), free(qt_h), free(s_h);
+    }
+    // After an error the next call on finite data succeeds (the error word is reset per call).
+    fill_log_uniform(x, n, 78, -4.0, 2.0);
+    device_memcpy_from_host(DEVICE_CUDA, x_d, x, (size_t)n * sizeof(float));
+    const QuantLayout L = quant_layout(Q_1X128, rows, cols, 0);
+    uint8_t *q_d = gpu_poisoned((size_t)L.q_bytes);
+    float *s_d = gpu_poisoned((size_t)L.s_count * sizeof(float));
+    char err[256] = "";
+    assert_int_equal(fp8_quantize_1x128(DEVICE_CUDA, q_d, s_d, x_d, rows, cols, err, sizeof err), 0);
+    device_free(DEVICE_CUDA, q_d), device_free(DEVICE_CUDA, s_d), device_free(DEVICE_CUDA, x_d);
+    free(x);
+}
+
+// ---------------------------------------------------------------------------- GEMM comparison
+// Compares one output: |gpu - want| <= bound_f64[i] and |gpu - cpu| <= bound_par[i] for every i.
+// Prints a table row; returns 1 when both hold.
+static int check_gemm(const char *op, const char *shape, const float *gpu, const float *cpu, const double *want,
+                      const double *bound_f64, const double *bound_par, int64_t n) {
+    double e_gc = 0, e_gf = 0, e_cf = 0, max_abs = 0;
+    int64_t w_gc = 0, w_gf = 0, equal = 0;
+    for (int64_t i = 0; i < n; i++) {
+        double r = fabs((double)gpu[i] - cpu[i]) / bound_par[i];
+        if (!(r <= e_gc)) e_gc = isnan(r) ? INFINITY : r, w_gc = i;
+        r = fabs((double)gpu[i] - want[i]) / bound_f64[i];
+        if (!(r <= e_gf)) e_gf = isnan(r) ? INFINITY : r, w_gf = i;
+        r = fabs((double)cpu[i] - want[i]) / bound_f64[i];
+        if (!(r <= e_cf)) e_cf = isnan(r) ? INFINITY : r;
+        const double d = fabs((double)gpu[i] - cpu[i]);
+        if (!(d <= max_abs)) max_abs = d;
+        equal += memcmp(&gpu[i], &cpu[i], sizeof(float)) == 0;
+    }
+    const int pass = e_gc <= 1.0 && e_gf <= 1.0;
+    printf("%-16s %-22s %10.3e %12.3f %12.3f %12.3f %8.2f%%  %s\n", op, shape, max_abs, e_gc, e_gf, e_cf,
+           100.0 * (double)equal / (double)n, pass ? "ok" : "FAIL");
+    if (!pass) {
+        const int64_t w = e_gc > 1.0 ? w_gc : w_gf;
+        printf("    worst [%lld]: gpu %.9g cpu %.9g f64 %.12g; bounds f64 %.3g, gpu-cpu %.3g\n", (long long)w, gpu[w],
+               cpu[w], want[w], bound_f64[w], bound_par[w]);
+    }
+    fflush(stdout);
+    return pass;
+}
+
+static int check_repeat(const char *op, const char *shape, const float *a, const float *b, int64_t n) {
+    int64_t differ = 0;
+    for (int64_t i = 0; i < n; i++) differ += memcmp(&a[i], &b[i], sizeof(float)) != 0;
+    printf("%-16s %-22s %s\n", op, shape, differ == 0 ? "second run bitwise equal: ok" : "second run DIFFERS: FAIL");
+    fflush(stdout);
+    return differ == 0;
+}
+
+// A quantised operand on both devices: CPU and GPU outputs must agree bit for bit (checked here too, so
+// the GEMM comparison below is about the GEMMs alone) and the host copy serves the f64 reference.
+typedef struct {
+    uint8_t *q, *qt;  // host (CPU results)
+    float *s;
+    uint8_t *q_d, *qt_d;  // device (GPU results)
+    float *s_d;
+} Quantised;
+
+static Quantised quantise_both(QuantKind kind, const float *x, int rows, int cols, int with_qt) {
+    const QuantLayout L = quant_layout(kind, rows, cols, with_qt);
+    Quantised Q;
+    char err[256] = "";
+    Q.q = host_poisoned((size_t)L.q_bytes), Q.qt = with_qt ? host_poisoned((size_t)L.qt_bytes) : NULL;
+    Q.s = host_poisoned((size_t)L.s_count * sizeof(float));
+    assert_int_equal(run_quantizer(DEVICE_CPU, &L, Q.q, Q.qt, Q.s, x, err, sizeof err), 0);
+    float *x_d = gpu_copy_of(x, (size_t)rows * cols * sizeof(float));
+    Q.q_d = gpu_poisoned((size_t)L.q_bytes), Q.qt_d = with_qt ? gpu_poisoned((size_t)L.qt_bytes) : NULL;
+    Q.s_d = gpu_poisoned((size_t)L.s_count * sizeof(float));
+    assert_int_equal(run_quantizer(DEVICE_CUDA, &L, Q.q_d, Q.qt_d, Q.s_d, x_d, err, sizeof err), 0);
+    device_free(DEVICE_CUDA, x_d);
+    uint8_t *q = host_copy_of(Q.q_d, (size_t)L.q_bytes);
+    float *s = host_copy_of(Q.s_d, (size_t)L.s_count * sizeof(float));
+    assert_memory_equal(q, Q.q, (size_t)L.q_bytes);
+    assert_memory_equal(s, Q.s, (size_t)L.s_count * sizeof(float));
+    if (with_qt) {
+        uint8_t *qt = host_copy_of(Q.qt_d, (size_t)L.qt_bytes);
+        assert_memory_equal(qt, Q.qt, (size_t)L.qt_bytes);
+        free(qt);
+    }
+    free(q), free(s);
+    return Q;
+}
+
+static void quantised_free(Quantised *Q) {
+    free(Q->q), free(Q->qt), free(Q->s);
+    device_free(DEVICE_CUDA, Q->q_d), device_free(DEVICE_CUDA, Q->qt_d), device_free(DEVICE_CUDA, Q->s_d);
+}
+
+// Dequantised operands as double: a 1x128 operand (rows, cols) and a 128x128 operand (rows, cols).
+static double *dequant_1x128(const Quantised *Q, int rows, int cols) {
+    const int Kp = ceil_div(cols, FP8_TILE) * FP8_TILE;
+    double *v = doubles((int64_t)rows * cols);
+    for (int r = 0; r < rows; r++)
+        for (int c = 0; c < cols; c++)
+            v[(int64_t)r * cols + c] = e4m3_value(Q->q[(int64_t)r * Kp + c]) * Q->s[(int64_t)(c / FP8_TILE) * rows + r];
+    return v;
+}
+static double *dequant_128x128(const Quantised *Q, int rows, int cols) {
+    const int KB = ceil_div(cols, FP8_TILE), Kp = KB * FP8_TILE, KB4 = (KB + 3) / 4 * 4;
+    double *v = doubles((int64_t)rows * cols);
+    for (int r = 0; r < rows; r++)
+        for (int c = 0; c < cols; c++)
+            v[(int64_t)r * cols + c] =
+                e4m3_value(Q->q[(int64_t)r * Kp + c]) * Q->s[(int64_t)(r / FP8_TILE) * KB4 + c / FP8_TILE];
+    return v;
+}
+// 128x1 transposed operand of x (T, C): returns the dequantised x (T, C).
+static double *dequant_128x1t(const Quantised *Q, int T, int C) {
+    const int Tp = ceil_div(T, FP8_TILE) * FP8_TILE;
+    double *v = doubles((int64_t)T * C);
+    for (int t = 0; t < T; t++)
+        for (int c = 0; c < C; c++)
+            v[(int64_t)t * C + c] = e4m3_value(Q->q[(int64_t)c * Tp + t]) * Q->s[(int64_t)(t / FP8_TILE) * C + c];
+    return v;
+}
+
+// out (M, N) = sum_k a[m][k] b[n][k] for a (M, K), b (N, K); abs_sum (M, N) = sum_k |a b|. In double,
+// which holds these sums to far below the tolerances.
+static void ref_gemm(double *out, double *abs_sum, const double *a, const double *b, int M, int N, int K) {
+    for (int m = 0; m < M; m++)
+        for (int n = 0; n < N; n++) {
+            const double *ar = a + (int64_t)m * K, *br = b + (int64_t)n * K;
+            double sum = 0, abs = 0;
+            for (int k = 0; k < K; k++) {
+                const double p = ar[k] * br[k];
+                sum += p, abs += fabs(p);
+            }
+            out[(int64_t)m * N + n] = sum, abs_sum[(int64_t)m * N + n] = abs;
+        }
+}
+
+// a (rows, cols) -> a new (cols, rows)
+static double *transposed(const double *a, int rows, int cols) {
+    double *t = doubles((int64_t)rows * cols);
+    for (int r = 0; r < rows; r++)
+        for (int c = 0; c < cols; c++) t[(int64_t)c * rows + r] = a[(int64_t)r * cols + c];
+    return t;
+}
+
+static void print_gemm_header(void) {
+    printf("\n%-16s %-22s %10s %12s %12s %12s %9s\n", "GEMM", "M x N x K", "max|g-c|", "(g-c)/bound",
+           "(g-f64)/bnd", "(c-f64)/bnd", "bitwise");
+}
+
+// ---------------------------------------------------------------------------- FP8 GEMMs
+typedef enum { G_FPROP, G_DGRAD, G_WGRAD } GemmKind;
+
+typedef struct {
+    GemmKind kind;
+    int T, N, K;
+    int zero_rows;      // Fprop: the last zero_rows of X are segment padding (0)
+    int misaligned_out; // Wgrad: dw at a 4-byte (not 16-byte) aligned address
+} GemmCase;
+
+static void test_fp8_gemm(void **state) {
+    const GemmCase *gc = *state;
+    const int T = gc->T, N = gc->N, K = gc->K;
+    int M_out, N_out, K_contr; // the GEMM as M x N x K
+    int64_t n_out;
+    float *init = NULL; // Wgrad's initial dw
+    double *want, *abs_sum;
+    float *out_cpu, *out_gpu, *out_gpu2;
+    const char *name = gc->kind == G_FPROP ? "fp8 Fprop" : gc->kind == G_DGRAD ? "fp8 Dgrad" : "fp8 Wgrad";
+    uint64_t seed = 5000 + (uint64_t)gc->kind * 100 + (uint64_t)T;
+
+    if (gc->kind == G_FPROP) {
+        // y (T, N) = X (T, K) W (N, K)^T
+        M_out = T, N_out = N, K_contr = K, n_out = (int64_t)T * N;
+        float *x = floats((int64_t)T * K), *w = floats((int64_t)N * K);
+        fill_log_uniform(x, (int64_t)T * K, seed, -6.0, 2.0);
+        fill_log_uniform(w, (int64_t)N * K, seed + 1, -8.0, 0.0);
+        for (int64_t i = (int64_t)(T - gc->zero_rows) * K; i < (int64_t)T * K; i++) x[i] = 0.0f;
+        Quantised qx = quantise_both(Q_1X128, x, T, K, 0), qw = quantise_both(Q_128X128, w, N, K, 0);
+        out_cpu = host_poisoned((size_t)n_out * sizeof(float));
+        fp8_gemm_fprop(DEVICE_CPU, out_cpu, qx.q, qx.s, qw.q, qw.s, T, N, K);
+        float *y_d = gpu_poisoned((size_t)n_out * sizeof(float));
+        fp8_gemm_fprop(DEVICE_CUDA, y_d, qx.q_d, qx.s_d, qw.q_d, qw.s_d, T, N, K);
+        out_gpu = host_copy_of(y_d, (size_t)n_out * sizeof(float));
+        fp8_gemm_fprop(DEVICE_CUDA, y_d, qx.q_d, qx.s_d, qw.q_d, qw.s_d, T, N, K);
+        out_gpu2 = host_copy_of(y_d, (size_t)n_out * sizeof(float));
+        double *xd = dequant_1x128(&qx, T, K), *wd = dequant_128x128(&qw, N, K);
+        want = doubles(n_out), abs_sum = doubles(n_out);
+        ref_gemm(want, abs_sum, xd, wd, T, N, K);
+        free(xd), free(wd), free(x), free(w);
+        quantised_free(&qx), quantised_free(&qw);
+        device_free(DEVICE_CUDA, y_d);
+    } else if (gc->kind == G_DGRAD) {
+        // dx (T, K) = dY (T, N) W (N, K)
+        M_out = T, N_out = K, K_contr = N, n_out = (int64_t)T * K;
+        float *dy = floats((int64_t)T * N), *w = floats((int64_t)N * K);
+        fill_log_uniform(dy, (int64_t)T * N, seed, -10.0, -2.0);
+        fill_log_uniform(w, (int64_t)N * K, seed + 1, -8.0, 0.0);
+        Quantised qdy = quantise_both(Q_1X128, dy, T, N, 0), qw = quantise_both(Q_128X128, w, N, K, 1);
+        out_cpu = host_poisoned((size_t)n_out * sizeof(float));
+        fp8_gemm_dgrad(DEVICE_CPU, out_cpu, qdy.q, qdy.s, qw.qt, qw.s, T, N, K);
+        float *dx_d = gpu_poisoned((size_t)n_out * sizeof(float));
+        fp8_gemm_dgrad(DEVICE_CUDA, dx_d, qdy.q_d, qdy.s_d, qw.qt_d, qw.s_d, T, N, K);
+        out_gpu = host_copy_of(dx_d, (size_t)n_out * sizeof(float));
+        fp8_gemm_dgrad(DEVICE_CUDA, dx_d, qdy.q_d, qdy.s_d, qw.qt_d, qw.s_d, T, N, K);
+        out_gpu2 = host_copy_of(dx_d, (size_t)n_out * sizeof(float));
+        double *dyd = dequant_1x128(&qdy, T, N), *wd = dequant_128x128(&qw, N, K);
+        want = doubles(n_out), abs_sum = doubles(n_out);
+        double *wt = transposed(wd, N, K);
+        ref_gemm(want, abs_sum, dyd, wt, T, K, N);
+        free(dyd), free(wd), free(wt), free(dy), free(w);
+        quantised_free(&qdy), quantised_free(&qw);
+        device_free(DEVICE_CUDA, dx_d);
+    } else {
+        // dw (N, K) += dY (T, N)^T X (T, K)
+        M_out = N, N_out = K, K_contr = T, n_out = (int64_t)N * K;
+        float *dy = floats((int64_t)T * N), *x = floats((int64_t)T * K);
+        fill_log_uniform(dy, (int64_t)T * N, seed, -10.0, -2.0);
+        fill_log_uniform(x, (int64_t)T * K, seed + 1, -6.0, 2.0);
+        init = floats(n_out);
+        fill_log_uniform(init, n_out, seed + 2, -4.0, 2.0);
+        Quantised qdy = quantise_both(Q_128X1T, dy, T, N, 0), qx = quantise_both(Q_128X1T, x, T, K, 0);
+        out_cpu = floats(n_out);
+        memcpy(out_cpu, init, (size_t)n_out * sizeof(float));
+        fp8_gemm_wgrad(DEVICE_CPU, out_cpu, qdy.q, qdy.s, qx.q, qx.s, T, N, K);
+        const int off = gc->misaligned_out ? 1 : 0;
+        float *dw_base = device_alloc(DEVICE_CUDA, (size_t)(n_out + off) * sizeof(float));
+        float *dw_d = dw_base + off;
+        out_gpu = floats(n_out), out_gpu2 = floats(n_out);
+        for (int rep = 0; rep < 2; rep++) {
+            device_memcpy_from_host(DEVICE_CUDA, dw_d, init, (size_t)n_out * sizeof(float));
+            fp8_gemm_wgrad(DEVICE_CUDA, dw_d, qdy.q_d, qdy.s_d, qx.q_d, qx.s_d, T, N, K);
+            device_memcpy_to_host(DEVICE_CUDA, rep == 0 ? out_gpu : out_gpu2, dw_d, (size_t)n_out * sizeof(float));
+        }
+        double *dyd = dequant_128x1t(&qdy, T, N), *xd = dequant_128x1t(&qx, T, K);
+        want = doubles(n_out), abs_sum = doubles(n_out);
+        double *dyt = transposed(dyd, T, N), *xt = transposed(xd, T, K);
+        ref_gemm(want, abs_sum, dyt, xt, N, K, T);
+        for (int64_t i = 0; i < n_out; i++) want[i] += init[i];
+        free(dyd), free(xd), free(dyt), free(xt), free(dy), free(x);
+        quantised_free(&qdy), quantised_free(&qx);
+        device_free(DEVICE_CUDA, dw_base);
+    }
+
+    // Tolerances (see the file comment). Fprop/Dgrad: each side rounds to BF16 once.
+    double *bound_f64 = doubles(n_out), *bound_par = doubles(n_out);
+    for (int64_t i = 0; i < n_out; i++) {
+        const double big = fmax(fabs(want[i]), fmax(fabs((double)out_gpu[i]), fabs((double)out_cpu[i])));
+        if (gc->kind == G_WGRAD) {
+            // FP32 promotion every 128 (one rounding per K-block) and the final add into dw
+            const double fp32 = (ceil_div(K_contr, FP8_TILE) + 2) * U_FP32 * (abs_sum[i] + fabs((double)init[i]));
+            bound_f64[i] = FP8_GEMM_REL * abs_sum[i] + fp32 + FLT_MIN;
+            bound_par[i] = FP8_GEMM_REL * abs_sum[i] + 2 * fp32 + FLT_MIN;
+        } else {
+            bound_f64[i] = FP8_GEMM_REL * abs_sum[i] + bf16_half_ulp(big) + FLT_MIN;
+            bound_par[i] = FP8_GEMM_REL * abs_sum[i] + 2 * bf16_half_ulp(big) + FLT_MIN;
+        }
+    }
+    char shape[64];
+    snprintf(shape, sizeof shape, "%d x %d x %d%s%s", M_out, N_out, K_contr, gc->zero_rows ? " pad" : "",
+             gc->misaligned_out ? " +4B" : "");
+    int pass = check_gemm(name, shape, out_gpu, out_cpu, want, bound_f64, bound_par, n_out);
+    pass &= check_repeat(name, shape, out_gpu, out_gpu2, n_out);
+    if (gc->kind == G_FPROP && gc->zero_rows > 0) {
+        // padding rows of the segment produce exact zeros
+        int zeros = 1;
+        for (int64_t i = (int64_t)(T - gc->zero_rows) * N; i < n_out; i++) zeros &= out_gpu[i] == 0.0f;
+        printf("%-16s %-22s padding rows of y are 0: %s\n", name, shape, zeros ? "ok" : "FAIL");
+        pass &= zeros;
+    }
+    free(bound_f64), free(bound_par), free(want), free(abs_sum), free(init);
+    free(out_cpu), free(out_gpu), free(out_gpu2);
+    assert_true(pass);
+}
+
+// ---------------------------------------------------------------------------- BF16 GEMMs
+typedef struct {
+    int N, C, OC;
+} Bf16Case;
+
+static void test_bf16_matmul(void **state) {
+    const Bf16Case *bc = *state;
+    const int N = bc->N, C = bc->C, OC = bc->OC;
+    const int64_t n_in = (int64_t)N * C, n_w = (int64_t)OC * C, n_out = (int64_t)N * OC;
+    float *inp = floats(n_in), *w = floats(n_w), *dout = floats(n_out), *dinp0 = floats(n_in), *dw0 = floats(n_w);
+    fill_log_uniform(inp, n_in, 9001, -6.0, 2.0);
+    fill_log_uniform(w, n_w, 9002, -8.0, 0.0);
+    fill_log_uniform(dout, n_out, 9003, -10.0, -2.0);
+    fill_log_uniform(dinp0, n_in, 9004, -8.0, -2.0);
+    fill_log_uniform(dw0, n_w, 9005, -4.0, 2.0);
+    // BF16-rounded operands in double for the references
+    double *ib = doubles(n_in), *wb = doubles(n_w), *gb = doubles(n_out);
+    for (int64_t i = 0; i < n_in; i++) ib[i] = bf16_round(inp[i]);
+    for (int64_t i = 0; i < n_w; i++) wb[i] = bf16_round(w[i]);
+    for (int64_t i = 0; i < n_out; i++) gb[i] = bf16_round(dout[i]);
+
+    float *inp_d = gpu_copy_of(inp, (size_t)n_in * 4), *w_d = gpu_copy_of(w, (size_t)n_w * 4);
+    float *dout_d = gpu_copy_of(dout, (size_t)n_out * 4);
+    char shape[64];
+    int pass = 1;
+
+    // forward: out (N, OC)
+    {
+        float *cpu = host_poisoned((size_t)n_out * 4), *out_d = gpu_poisoned((size_t)n_out * 4);
+        bf16_matmul_forward(DEVICE_CPU, cpu, inp, w, N, C, OC);
+        bf16_matmul_forward(DEVICE_CUDA, out_d, inp_d, w_d, N, C, OC);
+        float *gpu = host_copy_of(out_d, (size_t)n_out * 4);
+        bf16_matmul_forward(DEVICE_CUDA, out_d, inp_d, w_d, N, C, OC);
+        float *gpu2 = host_copy_of(out_d, (size_t)n_out * 4);
+        double *want = doubles(n_out), *abs_sum = doubles(n_out), *bf = doubles(n_out), *bp = doubles(n_out);
+        ref_gemm(want, abs_sum, ib, wb, N, OC, C);
+        for (int64_t i = 0; i < n_out; i++) {
+            const double big = fmax(fabs(want[i]), fmax(fabs((double)gpu[i]), fabs((double)cpu[i])));
+            bf[i] = (2.0 * C + 16) * U_FP32 * abs_sum[i] + bf16_half_ulp(big) + FLT_MIN;
+            bp[i] = (4.0 * C + 32) * U_FP32 * abs_sum[i] + 2 * bf16_half_ulp(big) + FLT_MIN;
+        }
+        snprintf(shape, sizeof shape, "%d x %d x %d", N, OC, C);
+        pass &= check_gemm("bf16 forward", shape, gpu, cpu, want, bf, bp, n_out);
+        pass &= check_repeat("bf16 forward", shape, gpu, gpu2, n_out);
+        free(cpu), free(gpu), free(gpu2), free(want), free(abs_sum), free(bf), free(bp);
+        device_free(DEVICE_CUDA, out_d);
+    }
+    // backward: dinp (N, C) += bf16(dout W); dweight (OC, C) += dout^T inp
+    {
+        float *dinp_c = floats(n_in), *dw_c = floats(n_w);
+        memcpy(dinp_c, dinp0, (size_t)n_in * 4), memcpy(dw_c, dw0, (size_t)n_w * 4);
+        bf16_matmul_backward(DEVICE_CPU, dinp_c, dw_c, dout, inp, w, N, C, OC);
+        float *dinp_g[2], *dw_g[2];
+        float *dinp_d = device_alloc(DEVICE_CUDA, (size_t)n_in * 4), *dw_d = device_alloc(DEVICE_CUDA, (size_t)n_w * 4);
+        for (int rep = 0; rep < 2; rep++) {
+            device_memcpy_from_host(DEVICE_CUDA, dinp_d, dinp0, (size_t)n_in * 4);
+            device_memcpy_from_host(DEVICE_CUDA, dw_d, dw0, (size_t)n_w * 4);
+            bf16_matmul_backward(DEVICE_CUDA, dinp_d, dw_d, dout_d, inp_d, w_d, N, C, OC);
+            dinp_g[rep] = host_copy_of(dinp_d, (size_t)n_in * 4), dw_g[rep] = host_copy_of(dw_d, (size_t)n_w * 4);
+        }
+        // dinp: the sum over OC rounded to BF16, then one FP32 add to dinp0
+        double *want = doubles(n_in), *abs_sum = doubles(n_in), *bf = doubles(n_in), *bp = doubles(n_in);
+        double *wbt = transposed(wb, OC, C);
+        ref_gemm(want, abs_sum, gb, wbt, N, C, OC);
+        free(wbt);
+        for (int64_t i = 0; i < n_in; i++) {
+            const double sum = fabs(want[i]) * (1 + 0x1p-7) + (2.0 * OC + 16) * U_FP32 * abs_sum[i];
+            want[i] += dinp0[i];
+            const double fp32_add = 2 * U_FP32 * (fabs(want[i]) + sum);
+            bf[i] = (2.0 * OC + 16) * U_FP32 * abs_sum[i] + bf16_half_ulp(sum) * 2 + fp32_add + FLT_MIN;
+            bp[i] = 2 * bf[i];
+        }
+        snprintf(shape, sizeof shape, "%d x %d x %d", N, C, OC);
+        pass &= check_gemm("bf16 dinp", shape, dinp_g[0], dinp_c, want, bf, bp, n_in);
+        pass &= check_repeat("bf16 dinp", shape, dinp_g[0], dinp_g[1], n_in);
+        free(want), free(abs_sum), free(bf), free(bp);
+        // dweight: FP32 sum over N added to dw0
+        want = doubles(n_w), abs_sum = doubles(n_w), bf = doubles(n_w), bp = doubles(n_w);
+        double *gbt = transposed(gb, N, OC), *ibt = transposed(ib, N, C);
+        ref_gemm(want, abs_sum, gbt, ibt, OC, C, N);
+        free(gbt), free(ibt);
+        for (int64_t i = 0; i < n_w; i++) {
+            want[i] += dw0[i];
+            bf[i] = (2.0 * N + 16) * U_FP32 * (abs_sum[i] + fabs((double)dw0[i])) + FLT_MIN;
+            bp[i] = 2 * bf[i];
+        }
+        snprintf(shape, sizeof shape, "%d x %d x %d", OC, C, N);
+        pass &= check_gemm("bf16 dweight", shape, dw_g[0], dw_c, want, bf, bp, n_w);
+        pass &= check_repeat("bf16 dweight", shape, dw_g[0], dw_g[1], n_w);
+        free(want), free(abs_sum), free(bf), free(bp);
+        free(dinp_c), free(dw_c);
+        for (int rep = 0; rep < 2; rep++) free(dinp_g[rep]), free(dw_g[rep]);
+        device_free(DEVICE_CUDA, dinp_d), device_free(DEVICE_CUDA, dw_d);
+    }
+    device_free(DEVICE_CUDA, inp_d), device_free(DEVICE_CUDA, w_d), device_free(DEVICE_CUDA, dout_d);
+    free(inp), free(w), free(dout), free(dinp0), free(dw0), free(ib), free(wb), free(gb);
+    assert_true(pass);
+}
+
+// ---------------------------------------------------------------------------- main
+static int print_quant_header(void **state) {
+    (void)state;
+    printf("\n%-18s %-16s %9s %9s %9s %11s %11s %8s %8s\n", "quantiser", "rows x cols", "q differ", "qt differ",
+           "s differ", "gpu |q-x/s|", "cpu |q-x/s|", "gpu bad", "cpu bad");
+    printf("%-18s %-16s %9s %9s %9s %11s %11s %8s %8s\n", "", "", "(bytes)", "(bytes)", "(scales)", "/half step",
+           "/half step", "(defn)", "(defn)");
+    return 0;
+}
+static int print_gemm_header_setup(void **state) {
+    (void)state;
+    print_gemm_header();
+    return 0;
+}
+
+int main(void) {
+    if (cuda_device_count() == 0) {
+        fprintf(stderr, "test_gpu_fp8: FAIL: cuda_device_count() == 0: no CUDA device visible (or a build "
+                        "without CUDA). These are GPU parity tests: run them on an NVIDIA machine with "
+                        "tests/gpu/run.sh.\n");
+        return 1;
+    }
+    static QuantCase q_a = {Q_1X128, 576, 300, 0}, q_b = {Q_1X128, 130, 1024, 0}, q_c = {Q_1X128, 33, 130, 0};
+    static QuantCase q_d = {Q_128X128, 576, 300, 1}, q_e = {Q_128X128, 256, 1024, 0}, q_f = {Q_128X128, 100, 2100, 1};
+    static QuantCase q_g = {Q_128X1T, 300, 576, 0}, q_h = {Q_128X1T, 200, 300, 0}, q_i = {Q_128X1T, 1000, 70, 0};
+    static GemmCase f_a = {G_FPROP, 256, 576, 300, 0, 0}, f_b = {G_FPROP, 208, 256, 1024, 8, 0};
+    static GemmCase f_c = {G_FPROP, 16, 2048, 512, 0, 0};
+    static GemmCase d_a = {G_DGRAD, 256, 576, 300, 0, 0}, d_b = {G_DGRAD, 128, 1024, 512, 0, 0};
+    static GemmCase w_a = {G_WGRAD, 300, 576, 300, 0, 0}, w_b = {G_WGRAD, 1000, 256, 512, 0, 1};
+    static Bf16Case b_a = {256, 300, 576}, b_b = {128, 512, 1024};
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test_prestate_setup_teardown(test_quantizer, print_quant_header, NULL, &q_a),
+        cmocka_unit_test_prestate(test_quantizer, &q_b),
+        cmocka_unit_test_prestate(test_quantizer, &q_c),
+        cmocka_unit_test_prestate(test_quantizer, &q_d),
+        cmocka_unit_test_prestate(test_quantizer, &q_e),
+        cmocka_unit_test_prestate(test_quantizer, &q_f),
+        cmocka_unit_test_prestate(test_quantizer, &q_g),
+        cmocka_unit_test_prestate(test_quantizer, &q_h),
+        cmocka_unit_test_prestate(test_quantizer, &q_i),
+        cmocka_unit_test(test_quantizer_nonfinite),
+        cmocka_unit_test_prestate_setup_teardown(test_fp8_gemm, print_gemm_header_setup, NULL, &f_a),
+        cmocka_unit_test_prestate(test_fp8_gemm, &f_b),
+        cmocka_unit_test_prestate(test_fp8_gemm, &f_c),
+        cmocka_unit_test_prestate(test_fp8_gemm, &d_a),
+        cmocka_unit_test_prestate(test_fp8_gemm, &d_b),
+        cmocka_unit_test_prestate(test_fp8_gemm, &w_a),
+        cmocka_unit_test_prestate(test_fp8_gemm, &w_b),
+        cmocka_unit_test_prestate(test_bf16_matmul, &b_a),
+        cmocka_unit_test_prestate(test_bf16_matmul, &b_b),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}

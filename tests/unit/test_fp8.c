@@ -1,0 +1,687 @@
+/*
+ * test_fp8.c - unit tests of the FP8 recipe's CPU reference (kernels/cpu/fp8.c) and of the BF16
+ * baseline GEMMs (kernels/cpu/bf16_gemm.c), FP32 build.
+ *
+ * Everything is checked against references written here from the definitions, not against the code
+ * under test: E4M3 values come from the format's formula and rounding is a nearest-value search over
+ * that table; the quantisers are re-implemented in double; every GEMM is compared (1) bit for bit with
+ * a plain scalar loop of the documented FP32 arithmetic, (2) with the exact (double) product of the same
+ * quantised operands, to the FP32 accumulation bound, and (3) with the unquantised FP64 product, to the
+ * error E4M3 quantisation allows. The bounds are derived at each check and in docs/fp8.md.
+ * Run with OPCHECK_VERBOSE=1 to see how much room each bound leaves.
+ */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include <cmocka.h>
+#include <float.h>
+#include <math.h>
+#include <omp.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels/cpu/cpu_ops.h"
+#include "opcheck.h"
+
+#define U32 0x1p-24  // FP32 unit roundoff
+#define U_BF16 0x1p-8  // BF16 unit roundoff (8 significant bits): |bf16(x) - x| <= 2^-8 |bf16(x)|
+
+// ---------------------------------------------------------------------------- allocation
+static void *tracked[256];
+static int n_tracked;
+
+static void *talloc(size_t bytes) {
+    void *p = calloc(1, bytes > 0 ? bytes : 1);
+    assert_non_null(p);
+    assert_true(n_tracked < (int)(sizeof(tracked) / sizeof(tracked[0])));
+    tracked[n_tracked++] = p;
+    return p;
+}
+static real *ralloc(size_t n) { return talloc(n * sizeof(real)); }
+static double *dalloc(size_t n) { return talloc(n * sizeof(double)); }
+static float *falloc(size_t n) { return talloc(n * sizeof(float)); }
+static uint8_t *balloc(size_t n) { return talloc(n); }
+static void tfree_all(void) {
+    for (int i = 0; i < n_tracked; i++) free(tracked[i]);
+    n_tracked = 0;
+}
+
+static int ceil_div(int a, int b) { return (a + b - 1) / b; }
+static uint32_t float_bits(float f) {
+    uint32_t b;
+    memcpy(&b, &f, sizeof b);
+    return b;
+}
+
+// ---------------------------------------------------------------------------- independent E4M3 reference
+// Value of an E4M3 code from the format's definition: sign bit, exponent field e (bias 7), mantissa m;
+// e = 0: m * 2^-9; e = 15, m = 7: NaN; else (1 + m/8) * 2^(e - 7).
+static double ref_e4m3_value(int code) {
+    const int e = (code >> 3) & 15, m = code & 7;
+    double v;
+    if (e == 15 && m == 7) v = NAN;
+    else if (e == 0) v = m / 512.0;
+    else v = (1.0 + m / 8.0) * pow(2.0, e - 7);
+    return (code & 0x80) ? -v : v;
+}
+
+// Round v to E4M3: nearest finite value, ties to the even code (even mantissa), saturating at 448; NaN ->
+// 0x7F. The non-negative finite values are codes 0..126 in increasing order; binary search the last one
+// <= |v|, then compare the distances to it and to the next one (both differences are exact in double
+// for the float-derived inputs used here, or far from a tie).
+static uint8_t ref_e4m3_round(double v) {
+    if (isnan(v)) return 0x7F;
+    const uint8_t sign = signbit(v) ? 0x80 : 0;
+    const double a = fabs(v);
+    if (a >= 448.0) return sign | 0x7E;
+    int lo = 0, hi = 126;  // value(lo) <= a < value(hi + ...) invariant on the search range
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) / 2;
+        if (ref_e4m3_value(mid) <= a) lo = mid;
+        else hi = mid - 1;
+    }
+    const double below = ref_e4m3_value(lo), above = ref_e4m3_value(lo + 1);
+    const double d_below = a - below, d_above = above - a;
+    int code = lo;
+    if (d_above < d_below || (d_above == d_below && (lo & 1))) code = lo + 1;
+    return sign | (uint8_t)code;
+}
+
+// Quantise one tile as DESIGN.md section 4 says, in double where double is exact: xf are the FP32 values
+// of the tile. amax = max |xf|; s = FP32(amax / 448) (a double quotient rounded to float is the correctly
+// rounded FP32 quotient: 53 >= 2 * 24 + 2), s = 1 when that is 0; q = e4m3(FP32(xf / s)).
+static float ref_quantize_tile(uint8_t *q, const double *xf, int n) {
+    double amax = 0;
+    for (int i = 0; i < n; i++) amax = fmax(amax, fabs(xf[i]));
+    float s = (float)(amax / 448.0);
+    if (s == 0.0f) s = 1.0f;
+    for (int i = 0; i < n; i++) q[i] = ref_e4m3_round((double)(float)(xf[i] / (double)s));
+    return s;
+}
+
+// x (n) random and never zero with a wide range of magnitudes: sign * (1 + u) * 2^(e + shift(i)), e
+// uniform in [lo_exp, hi_exp]. Within a tile that spans about 2^-20 .. 2, so quotients x / s cover
+// E4M3 normals, subnormals and values that round to zero.
+static void fill_wide(real *x, size_t n, uint64_t seed, double lo_exp, double hi_exp) {
+    for (size_t i = 0; i < n; i++) {
+        const double u = opcheck_uniform(seed, 3 * i);
+        const double e = lo_exp + (hi_exp - lo_exp) * opcheck_uniform(seed, 3 * i + 1);
+        const double sign = opcheck_uniform(seed, 3 * i + 2) < 0.5 ? -1.0 : 1.0;
+        x[i] = (real)(sign * (1.0 + u) * exp2(e));
+    }
+}
+
+// Number of non-zero subnormal codes (exponent field 0) among n codes: the GEMM tests use data whose
+// range within a tile reaches E4M3's subnormals, so the error bound's subnormal terms are exercised.
+static size_t count_subnormal_codes(const uint8_t *q, size_t n) {
+    size_t count = 0;
+    for (size_t i = 0; i < n; i++) count += (q[i] & 0x78) == 0 && (q[i] & 0x07) != 0;
+    return count;
+}
+
+// ---------------------------------------------------------------------------- E4M3 conversion
+static void test_e4m3_all_codes(void **state) {
+    (void)state;
+    int nan_codes = 0;
+    for (int code = 0; code < 256; code++) {
+        const float v = fp8_e4m3_to_float((uint8_t)code);
+        const double want = ref_e4m3_value(code);
+        if (isnan(want)) {
+            assert_true(code == 0x7F || code == 0xFF);
+            assert_true(isnan(v));
+            nan_codes++;
+            continue;
+        }
+        // decode is exact (compared as bits, so -0 must be -0) and encode(decode(code)) gives the code back
+        assert_int_equal(float_bits(v), float_bits((float)want));
+        assert_int_equal(fp8_e4m3_from_float(v), code);
+    }
+    assert_int_equal(nan_codes, 2);
+    assert_int_equal(fp8_e4m3_from_float(0.0f), 0x00);
+    assert_int_equal(fp8_e4m3_from_float(-0.0f), 0x80);
+    assert_true(fp8_e4m3_to_float(0x7E) == 448.0f && fp8_e4m3_to_float(0x01) == 0x1p-9f);
+}
+
+static void test_e4m3_ties_to_even(void **state) {
+    (void)state;
+    // Hand-worked: (input, code). A tie goes to the even mantissa; just off a tie goes to the nearer value.
+    const struct { float x; uint8_t code; } cases[] = {
+        {1.0625f, 0x38},       // between 1.0 (0x38, m=0) and 1.125 (0x39): tie -> 1.0
+        {1.1875f, 0x3A},       // between 1.125 (0x39, m=1) and 1.25 (0x3A): tie -> 1.25
+        {nextafterf(1.0625f, 2.0f), 0x39}, {nextafterf(1.1875f, 0.0f), 0x39},
+        {1.9375f, 0x40},       // between 1.875 (0x3F, m=7) and 2.0 (0x40): tie -> 2.0, carry into the exponent
+        {272.0f, 0x78},        // 2^8 binade: between 256 (0x78) and 288 (0x79) -> 256
+        {304.0f, 0x7A},        // between 288 (0x79) and 320 (0x7A) -> 320
+        {432.0f, 0x7E},        // between 416 (0x7D) and 448 (0x7E) -> 448
+        {232.0f, 0x76},        // between 224 (0x76) and 240 (0x77) -> 224
+        {0x1.1p-6f, 0x08},     // smallest normal binade: between 2^-6 (0x08) and 1.125 * 2^-6 (0x09) -> 0x08
+        {0x1.3p-6f, 0x0A},     // between 0x09 and 0x0A -> 0x0A
+        {0x1p-10f, 0x00},      // half the smallest subnormal: tie between 0 and 2^-9 -> 0
+        {nextafterf(0x1p-10f, 1.0f), 0x01},
+        {3 * 0x1p-10f, 0x02},  // between 1 * 2^-9 and 2 * 2^-9 -> 2
+        {5 * 0x1p-10f, 0x02},  // between 2 and 3 -> 2
+        {7 * 0x1p-10f, 0x04},  // between 3 and 4 -> 4
+        {13 * 0x1p-10f, 0x06}, // between 6 and 7 -> 6
+        {15 * 0x1p-10f, 0x08}, // between 7 * 2^-9 (0x07) and 2^-6 (0x08) -> 0x08
+        {0x1p-40f, 0x00}, {0x1p-149f, 0x00},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        assert_int_equal(fp8_e4m3_from_float(cases[i].x), cases[i].code);
+        assert_int_equal(fp8_e4m3_from_float(-cases[i].x), cases[i].code | 0x80);
+        assert_int_equal(ref_e4m3_round(cases[i].x), cases[i].code);  // the reference agrees with the hand work
+    }
+}
+
+static void test_e4m3_saturation(void **state) {
+    (void)state;
+    const float big[] = {448.0f, 449.0f, 463.9f, 464.0f, 480.0f, 1000.0f, 1e30f, FLT_MAX, INFINITY};
+    for (size_t i = 0; i < sizeof big / sizeof big[0]; i++) {
+        assert_int_equal(fp8_e4m3_from_float(big[i]), 0x7E);
+        assert_int_equal(fp8_e4m3_from_float(-big[i]), 0xFE);
+    }
+    assert_int_equal(fp8_e4m3_from_float(nextafterf(448.0f, 0.0f)), 0x7E);
+    assert_int_equal(fp8_e4m3_from_float(NAN), 0x7F);
+    assert_int_equal(fp8_e4m3_from_float(-NAN), 0x7F);
+}
+
+// Random FP32 values over the whole E4M3 range and beyond (|x| from 2^-14 to 2^10), plus random bit
+// patterns of every exponent, against the nearest-value search.
+static void test_e4m3_random_against_search(void **state) {
+    (void)state;
+    for (uint64_t i = 0; i < 200000; i++) {
+        const double e = -14.0 + 24.0 * opcheck_uniform(11, 2 * i);
+        const double sign = opcheck_uniform(11, 2 * i + 1) < 0.5 ? -1 : 1;
+        const float x = (float)(sign * exp2(e));
+        if (fp8_e4m3_from_float(x) != ref_e4m3_round(x)) fail_msg("x = %a: got 0x%02X, want 0x%02X", (double)x,
+                                                                    fp8_e4m3_from_float(x), ref_e4m3_round(x));
+        const uint32_t bits = (uint32_t)(opcheck_mix64(i ^ 0x5EEDull) >> 32);
+        float y;
+        memcpy(&y, &bits, sizeof y);
+        if (fp8_e4m3_from_float(y) != ref_e4m3_round(y)) fail_msg("bits 0x%08X: got 0x%02X, want 0x%02X", bits,
+                                                                    fp8_e4m3_from_float(y), ref_e4m3_round(y));
+    }
+}
+
+// ---------------------------------------------------------------------------- quantisers
+// 1x128: x (rows, K) -> q (rows, Kp), s (KB, rows). 37 rows, K = 300 (2 full tiles + 44), one all-zero tile.
+static void test_quantize_1x128(void **state) {
+    (void)state;
+    const int rows = 37, K = 300, KB = ceil_div(K, 128), Kp = KB * 128;
+    real *x = ralloc((size_t)rows * K);
+    fill_wide(x, (size_t)rows * K, 21, -20, 1);
+    for (int r = 0; r < rows; r++) {  // a different scale for every row: 2^-30 .. 2^30
+        for (int k = 0; k < K; k++) x[(size_t)r * K + k] *= (real)exp2((r * 7) % 61 - 30);
+    }
+    for (int k = 128; k < 256; k++) x[(size_t)4 * K + k] = 0;  // tile (row 4, kb 1) is all zero
+    uint8_t *q = balloc((size_t)rows * Kp);
+    float *s = falloc((size_t)KB * rows);
+    memset(q, 0xAA, (size_t)rows * Kp);
+    char err[256] = "";
+    assert_int_equal(fp8_quantize_1x128(DEVICE_CPU, q, s, x, rows, K, err, sizeof err), 0);
+
+    double xf[128];
+    uint8_t qref[128];
+    for (int r = 0; r < rows; r++) {
+        for (int kb = 0; kb < KB; kb++) {
+            const int n = K - kb * 128 < 128 ? K - kb * 128 : 128;
+            for (int i = 0; i < n; i++) xf[i] = (double)(float)x[(size_t)r * K + kb * 128 + i];
+            const float sref = ref_quantize_tile(qref, xf, n);
+            assert_int_equal(float_bits(s[(size_t)kb * rows + r]), float_bits(sref));
+            assert_memory_equal(q + (size_t)r * Kp + kb * 128, qref, (size_t)n);
+            for (int i = n; i < 128; i++) assert_int_equal(q[(size_t)r * Kp + kb * 128 + i], 0);  // padding
+        }
+    }
+    // the data reach every kind of code: subnormals, and non-zero inputs that round to +-0
+    size_t rounded_to_zero = 0;
+    for (int r = 0; r < rows; r++) {
+        for (int k = 0; k < K; k++) rounded_to_zero += x[(size_t)r * K + k] != 0 && (q[(size_t)r * Kp + k] & 0x7F) == 0;
+    }
+    assert_true(rounded_to_zero > 0 && count_subnormal_codes(q, (size_t)rows * Kp) > 0);
+    assert_true(s[1 * rows + 4] == 1.0f);  // the all-zero tile: scale 1, codes 0
+    for (int k = 128; k < 256; k++) assert_int_equal(q[(size_t)4 * Kp + k], 0);
+    tfree_all();
+}
+
+// 128x128: w (N, K) -> q (Np, Kp), qt (Kp, Np), s (NB, KB4). N = 576 (4.5 blocks, as W_DKV), K = 300,
+// so KB = 3 and KB4 = 4: one padding scale per block row. Block (1, 2) is all zero.
+static void test_quantize_128x128(void **state) {
+    (void)state;
+    const int N = 576, K = 300, KB = ceil_div(K, 128), KB4 = 4, NB = ceil_div(N, 128), Kp = KB * 128, Np = NB * 128;
+    real *w = ralloc((size_t)N * K);
+    fill_wide(w, (size_t)N * K, 22, -20, 1);
+    for (int n = 0; n < N; n++) {  // each block row at its own scale
+        for (int k = 0; k < K; k++) w[(size_t)n * K + k] *= (real)exp2(10 * (n / 128) - 20);
+    }
+    for (int n = 128; n < 256; n++) {
+        for (int k = 256; k < K; k++) w[(size_t)n * K + k] = 0;
+    }
+    uint8_t *q = balloc((size_t)Np * Kp), *qt = balloc((size_t)Np * Kp);
+    float *s = falloc((size_t)NB * KB4);
+    memset(q, 0xAA, (size_t)Np * Kp);
+    memset(qt, 0xAA, (size_t)Np * Kp);
+    char err[256] = "";
+    assert_int_equal(fp8_quantize_128x128(DEVICE_CPU, q, qt, s, w, N, K, err, sizeof err), 0);
+
+    double *xf = dalloc(128 * 128);
+    uint8_t *qref = balloc(128 * 128);
+    for (int nb = 0; nb < NB; nb++) {
+        for (int kb = 0; kb < KB; kb++) {
+            const int rows = N - nb * 128 < 128 ? N - nb * 128 : 128, cols = K - kb * 128 < 128 ? K - kb * 128 : 128;
+            for (int i = 0; i < rows; i++) {
+                const real *wrow = w + (size_t)(nb * 128 + i) * K + kb * 128;
+                for (int j = 0; j < cols; j++) xf[i * cols + j] = (double)(float)wrow[j];
+            }
+            const float sref = ref_quantize_tile(qref, xf, rows * cols);
+            assert_int_equal(float_bits(s[(size_t)nb * KB4 + kb]), float_bits(sref));
+            for (int i = 0; i < 128; i++) {
+                for (int j = 0; j < 128; j++) {
+                    const size_t n = (size_t)nb * 128 + i, k = (size_t)kb * 128 + j;
+                    const uint8_t want = (i < rows && j < cols) ? qref[i * cols + j] : 0;
+                    assert_int_equal(q[n * Kp + k], want);
+                    assert_int_equal(qt[k * Np + n], want);
+                }
+            }
+        }
+        assert_true(s[(size_t)nb * KB4 + 3] == 1.0f);  // the K-block padding to a multiple of 4
+    }
+    assert_true(s[1 * KB4 + 2] == 1.0f);
+    // qt may be NULL (no Dgrad follows): q and s are the same
+    uint8_t *q2 = balloc((size_t)Np * Kp);
+    float *s2 = falloc((size_t)NB * KB4);
+    assert_int_equal(fp8_quantize_128x128(DEVICE_CPU, q2, NULL, s2, w, N, K, err, sizeof err), 0);
+    assert_memory_equal(q2, q, (size_t)Np * Kp);
+    assert_memory_equal(s2, s, (size_t)NB * KB4 * sizeof(float));
+    tfree_all();
+}
+
+// 128x1 transposed: x (T, C) -> q (C, Tp), s (TB, C). T = 300 (2 full T-blocks + 44), C = 200;
+// column 7 is zero in T-block 1.
+static void test_quantize_128x1_transposed(void **state) {
+    (void)state;
+    const int T = 300, C = 200, TB = ceil_div(T, 128), Tp = TB * 128;
+    real *x = ralloc((size_t)T * C);
+    fill_wide(x, (size_t)T * C, 23, -20, 1);
+    for (int t = 0; t < T; t++) {  // each column at its own scale
+        for (int c = 0; c < C; c++) x[(size_t)t * C + c] *= (real)exp2((c * 13) % 61 - 30);
+    }
+    for (int t = 128; t < 256; t++) x[(size_t)t * C + 7] = 0;
+    uint8_t *q = balloc((size_t)C * Tp);
+    float *s = falloc((size_t)TB * C);
+    memset(q, 0xAA, (size_t)C * Tp);
+    char err[256] = "";
+    assert_int_equal(fp8_quantize_128x1_transposed(DEVICE_CPU, q, s, x, T, C, err, sizeof err), 0);
+
+    double xf[128];
+    uint8_t qref[128];
+    for (int c = 0; c < C; c++) {
+        for (int tb = 0; tb < TB; tb++) {
+            const int n = T - tb * 128 < 128 ? T - tb * 128 : 128;
+            for (int i = 0; i < n; i++) xf[i] = (double)(float)x[(size_t)(tb * 128 + i) * C + c];
+            const float sref = ref_quantize_tile(qref, xf, n);
+            assert_int_equal(float_bits(s[(size_t)tb * C + c]), float_bits(sref));
+            assert_memory_equal(q + (size_t)c * Tp + tb * 128, qref, (size_t)n);
+            for (int i = n; i < 128; i++) assert_int_equal(q[(size_t)c * Tp + tb * 128 + i], 0);
+        }
+    }
+    assert_true(s[1 * C + 7] == 1.0f);
+    for (int t = 128; t < 256; t++) assert_int_equal(q[(size_t)7 * Tp + t], 0);
+    tfree_all();
+}
+
+// NaN or Inf input: return -1, an error that names the first bad element (row-major order) by row and
+// column of the input, and no output written.
+typedef int (*QuantizeFn)(uint8_t *q, float *s, const real *x, int rows, int cols, char *err, size_t err_size);
+static int quantize_1x128_fn(uint8_t *q, float *s, const real *x, int rows, int cols, char *err, size_t n) {
+    return fp8_quantize_1x128(DEVICE_CPU, q, s, x, rows, cols, err, n);
+}
+static int quantize_128x128_fn(uint8_t *q, float *s, const real *x, int rows, int cols, char *err, size_t n) {
+    return fp8_quantize_128x128(DEVICE_CPU, q, q + 512 * 512, s, x, rows, cols, err, n);
+}
+static int quantize_128x1_fn(uint8_t *q, float *s, const real *x, int rows, int cols, char *err, size_t n) {
+    return fp8_quantize_128x1_transposed(DEVICE_CPU, q, s, x, rows, cols, err, n);
+}
+
+static void test_quantize_rejects_non_finite(void **state) {
+    (void)state;
+    const QuantizeFn fns[] = {quantize_1x128_fn, quantize_128x128_fn, quantize_128x1_fn};
+    const char *names[] = {"fp8_quantize_1x128", "fp8_quantize_128x128", "fp8_quantize_128x1_transposed"};
+    const int rows = 150, cols = 260;
+    real *x = ralloc((size_t)rows * cols);
+    uint8_t *q = balloc(2 * 512 * 512);
+    float *s = falloc(4096);
+    for (int f = 0; f < 3; f++) {
+        const struct { int r, c; real v; int r2, c2; real v2; } bad[] = {
+            {5, 17, (real)NAN, 9, 3, (real)INFINITY},    // the first in row-major order is reported
+            {149, 259, (real)-INFINITY, -1, -1, 0},
+            {0, 0, (real)INFINITY, 0, 200, (real)NAN},
+        };
+        for (size_t b = 0; b < sizeof bad / sizeof bad[0]; b++) {
+            opcheck_fill_nonzero(x, (size_t)rows * cols, 31, 0.1, 1.0);
+            x[(size_t)bad[b].r * cols + bad[b].c] = bad[b].v;
+            if (bad[b].r2 >= 0) x[(size_t)bad[b].r2 * cols + bad[b].c2] = bad[b].v2;
+            memset(q, 0xAA, 2 * 512 * 512);
+            memset(s, 0xAA, 4096 * sizeof(float));
+            char err[256] = "", want[64];
+            assert_int_equal(fns[f](q, s, x, rows, cols, err, sizeof err), -1);
+            snprintf(want, sizeof want, "row %d, column %d", bad[b].r, bad[b].c);
+            if (!strstr(err, want) || !strstr(err, names[f])) {
+                fail_msg("error \"%s\" should name %s and %s", err, names[f], want);
+            }
+            for (size_t i = 0; i < 2 * 512 * 512; i++) assert_int_equal(q[i], 0xAA);
+            for (size_t i = 0; i < 4096; i++) assert_int_equal(float_bits(s[i]), 0xAAAAAAAAu);
+        }
+    }
+    tfree_all();
+}
+
+// ---------------------------------------------------------------------------- GEMMs
+// The checks shared by the three GEMMs, for one output element. The element is
+//   out = sum over K-blocks kb of P_kb * sa_kb * sb_kb   (P_kb the exact block sum of decoded codes)
+// and the GEMM's documented FP32 arithmetic is acc = acc + ((float)P_kb * sa_kb) * sb_kb from acc = 0.
+//  (1) "order": got equals that loop, written out here (then BF16-rounded for Fprop and Dgrad).
+//  (2) "exact": |got - ref| <= (KB + 3) u S + out_round, ref = sum P sa sb in double, S = sum |P sa sb|:
+//      each term carries three FP32 roundings ((1+u)^3 - 1 <= 3.0001 u relative) and the KB - 1 sequential
+//      additions add gamma_{KB-1} sum |terms| (Higham 3.1); (KB + 3) u covers both. out_round = 2^-8 |got|
+//      for a BF16 output (RNE to 8 significant bits), 0 for FP32.
+//  (3) "unquantised": |got - sum_k a_k b_k| <= Q + (KB + 3) u S + out_round with the quantisation bound
+//      Q = sum_k (2e + e^2)|a_k b_k| + (1 + e)(|a_k| beta_k + |b_k| alpha_k) + alpha_k beta_k,
+//      e = 2^-4 + 2^-24 + 2^-28, alpha = s_a 2^-10, beta = s_b 2^-10 (docs/fp8.md derives it: each
+//      dequantised value q s is within e |x| + s 2^-10 of x).
+#define QUANT_EPS (0x1p-4 + 0x1p-24 + 0x1p-28)
+
+typedef struct {
+    double worst_order, worst_exact, worst_unquantised;  // ratios |diff| / bound (order: 0 or 1 mismatch)
+    double max_rel_unquantised;                          // max |got - exact| / sum |a b| (reported)
+} GemmChecks;
+
+typedef struct {
+    double P[64], sa[64], sb[64];                  // per K-block
+    double exact, abs_sum, quant_bound;             // unquantised sum, sum |a b|, Q
+    int KB;
+} Element;
+
+static void element_add_pair(Element *e, int kb, uint8_t qa, uint8_t qb, double a, double b, double sa,
+                             double sb) {
+    e->P[kb] += ref_e4m3_value(qa) * ref_e4m3_value(qb);  // exact: see kernels/cpu/fp8.c "promotion"
+    e->sa[kb] = sa;
+    e->sb[kb] = sb;
+    const double alpha = sa * 0x1p-10, beta = sb * 0x1p-10;
+    e->exact += a * b;
+    e->abs_sum += fabs(a * b);
+    e->quant_bound += (2 * QUANT_EPS + QUANT_EPS * QUANT_EPS) * fabs(a * b) +
+                      (1 + QUANT_EPS) * (fabs(a) * beta + fabs(b) * alpha) + alpha * beta;
+}
+
+static void element_check(GemmChecks *c, const Element *e, double got, int bf16_out) {
+    float acc = 0.0f;
+    double ref = 0, S = 0;
+    for (int kb = 0; kb < e->KB; kb++) {
+        acc = acc + ((float)e->P[kb] * (float)e->sa[kb]) * (float)e->sb[kb];
+        ref += e->P[kb] * e->sa[kb] * e->sb[kb];
+        S += fabs(e->P[kb]) * e->sa[kb] * e->sb[kb];
+    }
+    const double order = bf16_out ? (double)bf16_to_float(float_to_bf16(acc)) : (double)acc;
+    if (float_bits((float)got) != float_bits((float)order)) c->worst_order = fmax(c->worst_order, 1.0);
+    const double out_round = bf16_out ? U_BF16 * fabs(got) : 0.0;
+    const double fp32_bound = (e->KB + 3) * U32 * S;
+    c->worst_exact = fmax(c->worst_exact, fabs(got - ref) / (fp32_bound + out_round + 1e-300));
+    const double b3 = e->quant_bound + fp32_bound + out_round;
+    c->worst_unquantised = fmax(c->worst_unquantised, fabs(got - e->exact) / b3);
+    c->max_rel_unquantised = fmax(c->max_rel_unquantised, fabs(got - e->exact) / e->abs_sum);
+}
+
+static void report_checks(const char *what, const GemmChecks *c) {
+    char line[128];
+    snprintf(line, sizeof line, "%s: same-order mismatch", what);
+    opcheck_report(line, c->worst_order);
+    snprintf(line, sizeof line, "%s: vs exact on quantised", what);
+    opcheck_report(line, c->worst_exact);
+    snprintf(line, sizeof line, "%s: vs unquantised FP64", what);
+    opcheck_report(line, c->worst_unquantised);
+    if (getenv("OPCHECK_VERBOSE")) {
+        fprintf(stderr, "  %-44s max |err| / sum|ab| = %.3g\n", what, c->max_rel_unquantised);
+    }
+    assert_true(c->worst_order == 0.0);
+    assert_true(c->worst_exact <= 1.0);
+    assert_true(c->worst_unquantised <= 1.0);
+}
+
+enum { G_T = 48, G_N = 200, G_K = 300 };
+
+static void test_gemm_fprop(void **state) {
+    (void)state;
+    const int T = G_T, N = G_N, K = G_K, KB = ceil_div(K, 128), KB4 = ceil_div(KB, 4) * 4, NB = ceil_div(N, 128);
+    const int Kp = KB * 128, Np = NB * 128;
+    real *x = ralloc((size_t)T * K), *w = ralloc((size_t)N * K), *y = ralloc((size_t)T * N);
+    fill_wide(x, (size_t)T * K, 41, -20, 1);
+    fill_wide(w, (size_t)N * K, 42, -20, -4);
+    uint8_t *qx = balloc((size_t)T * Kp), *qw = balloc((size_t)Np * Kp);
+    float *sx = falloc((size_t)KB * T), *sw = falloc((size_t)NB * KB4);
+    char err[256];
+    assert_int_equal(fp8_quantize_1x128(DEVICE_CPU, qx, sx, x, T, K, err, sizeof err), 0);
+    assert_int_equal(fp8_quantize_128x128(DEVICE_CPU, qw, NULL, sw, w, N, K, err, sizeof err), 0);
+    fp8_gemm_fprop(DEVICE_CPU, y, qx, sx, qw, sw, T, N, K);
+    assert_true(count_subnormal_codes(qx, (size_t)T * Kp) > 0 && count_subnormal_codes(qw, (size_t)Np * Kp) > 0);
+
+    GemmChecks c = {0};
+    for (int t = 0; t < T; t++) {
+        for (int n = 0; n < N; n++) {
+            Element e = {.KB = KB};
+            for (int k = 0; k < K; k++) {
+                const int kb = k / 128;
+                element_add_pair(&e, kb, qx[(size_t)t * Kp + k], qw[(size_t)n * Kp + k], (double)x[(size_t)t * K + k],
+                                 (double)w[(size_t)n * K + k], sx[(size_t)kb * T + t],
+                                 sw[(size_t)(n / 128) * KB4 + kb]);
+            }
+            element_check(&c, &e, (double)y[(size_t)t * N + n], 1);
+        }
+    }
+    report_checks("fp8_gemm_fprop", &c);
+    tfree_all();
+}
+
+static void test_gemm_dgrad(void **state) {
+    (void)state;
+    // dx (T, K) = dY (T, N) W (N, K); the contraction is over N = 200 (two N-blocks, the second partial)
+    const int T = G_T, N = G_N, K = G_K, KB = ceil_div(K, 128), KB4 = ceil_div(KB, 4) * 4, NB = ceil_div(N, 128);
+    const int Kp = KB * 128, Np = NB * 128;
+    real *dy = ralloc((size_t)T * N), *w = ralloc((size_t)N * K), *dx = ralloc((size_t)T * K);
+    fill_wide(dy, (size_t)T * N, 43, -24, -6);
+    fill_wide(w, (size_t)N * K, 44, -20, -4);
+    uint8_t *qdy = balloc((size_t)T * Np), *qw = balloc((size_t)Np * Kp), *qwt = balloc((size_t)Np * Kp);
+    float *sdy = falloc((size_t)NB * T), *sw = falloc((size_t)NB * KB4);
+    char err[256];
+    assert_int_equal(fp8_quantize_1x128(DEVICE_CPU, qdy, sdy, dy, T, N, err, sizeof err), 0);
+    assert_int_equal(fp8_quantize_128x128(DEVICE_CPU, qw, qwt, sw, w, N, K, err, sizeof err), 0);
+    fp8_gemm_dgrad(DEVICE_CPU, dx, qdy, sdy, qwt, sw, T, N, K);
+    assert_true(count_subnormal_codes(qdy, (size_t)T * Np) > 0);
+
+    GemmChecks c = {0};
+    for (int t = 0; t < T; t++) {
+        for (int k = 0; k < K; k++) {
+            Element e = {.KB = NB};
+            for (int n = 0; n < N; n++) {
+                const int nb = n / 128;
+                // the weight's codes read from q (not qt), so this also checks that qt is q transposed
+                element_add_pair(&e, nb, qdy[(size_t)t * Np + n], qw[(size_t)n * Kp + k], (double)dy[(size_t)t * N + n],
+                                 (double)w[(size_t)n * K + k], sdy[(size_t)nb * T + t], sw[(size_t)nb * KB4 + k / 128]);
+            }
+            element_check(&c, &e, (double)dx[(size_t)t * K + k], 1);
+        }
+    }
+    report_checks("fp8_gemm_dgrad", &c);
+    tfree_all();
+}
+
+static void test_gemm_wgrad(void **state) {
+    (void)state;
+    // dw (N, K) += dY^T (N, T) X (T, K); the contraction is over T = 300 (three T-blocks, the last partial)
+    const int T = 300, N = 72, K = 200, TB = ceil_div(T, 128), Tp = TB * 128;
+    real *dy = ralloc((size_t)T * N), *x = ralloc((size_t)T * K), *dw = ralloc((size_t)N * K);
+    real *g = ralloc((size_t)N * K), *dw_acc = ralloc((size_t)N * K);
+    fill_wide(dy, (size_t)T * N, 45, -24, -6);
+    fill_wide(x, (size_t)T * K, 46, -20, 1);
+    opcheck_fill_nonzero(g, (size_t)N * K, 47, 0.01, 1.0);
+    uint8_t *qdyt = balloc((size_t)N * Tp), *qxt = balloc((size_t)K * Tp);
+    float *sdyt = falloc((size_t)TB * N), *sxt = falloc((size_t)TB * K);
+    char err[256];
+    assert_int_equal(fp8_quantize_128x1_transposed(DEVICE_CPU, qdyt, sdyt, dy, T, N, err, sizeof err), 0);
+    assert_int_equal(fp8_quantize_128x1_transposed(DEVICE_CPU, qxt, sxt, x, T, K, err, sizeof err), 0);
+    fp8_gemm_wgrad(DEVICE_CPU, dw, qdyt, sdyt, qxt, sxt, T, N, K);  // dw was zero: dw = 0 + acc = acc
+    assert_true(count_subnormal_codes(qdyt, (size_t)N * Tp) > 0 && count_subnormal_codes(qxt, (size_t)K * Tp) > 0);
+
+    GemmChecks c = {0};
+    for (int n = 0; n < N; n++) {
+        for (int k = 0; k < K; k++) {
+            Element e = {.KB = TB};
+            for (int t = 0; t < T; t++) {
+                const int tb = t / 128;
+                element_add_pair(&e, tb, qdyt[(size_t)n * Tp + t], qxt[(size_t)k * Tp + t],
+                                 (double)dy[(size_t)t * N + n], (double)x[(size_t)t * K + k], sdyt[(size_t)tb * N + n],
+                                 sxt[(size_t)tb * K + k]);
+            }
+            element_check(&c, &e, (double)dw[(size_t)n * K + k], 0);
+        }
+    }
+    report_checks("fp8_gemm_wgrad", &c);
+    // Accumulation: on a non-zero gradient the FP32 result is added once, dw = g + acc.
+    memcpy(dw_acc, g, (size_t)N * K * sizeof(real));
+    fp8_gemm_wgrad(DEVICE_CPU, dw_acc, qdyt, sdyt, qxt, sxt, T, N, K);
+    for (size_t i = 0; i < (size_t)N * K; i++) assert_int_equal(float_bits(dw_acc[i]), float_bits(g[i] + dw[i]));
+    tfree_all();
+}
+
+// Bitwise identical results for 1, 2 and 3 threads (each output element has one owner and one order).
+static void test_gemm_deterministic_across_threads(void **state) {
+    (void)state;
+    const int T = 96, N = 256, K = 384, KB = 3, KB4 = 4, NB = 2, Kp = 384, Np = 256;
+    real *x = ralloc((size_t)T * K), *w = ralloc((size_t)N * K), *dy = ralloc((size_t)T * N);
+    opcheck_fill_nonzero(x, (size_t)T * K, 51, 0.01, 1.0);
+    opcheck_fill_nonzero(w, (size_t)N * K, 52, 0.01, 1.0);
+    opcheck_fill_nonzero(dy, (size_t)T * N, 53, 0.01, 1.0);
+    uint8_t *qx = balloc((size_t)T * Kp), *qw = balloc((size_t)Np * Kp), *qwt = balloc((size_t)Np * Kp);
+    uint8_t *qdy = balloc((size_t)T * Np);
+    float *sx = falloc((size_t)KB * T), *sw = falloc((size_t)NB * KB4), *sdy = falloc((size_t)NB * T);
+    char err[256];
+    assert_int_equal(fp8_quantize_1x128(DEVICE_CPU, qx, sx, x, T, K, err, sizeof err), 0);
+    assert_int_equal(fp8_quantize_128x128(DEVICE_CPU, qw, qwt, sw, w, N, K, err, sizeof err), 0);
+    assert_int_equal(fp8_quantize_1x128(DEVICE_CPU, qdy, sdy, dy, T, N, err, sizeof err), 0);
+    real *y[3], *dx[3];
+    const int saved = omp_get_max_threads();
+    for (int i = 0; i < 3; i++) {
+        omp_set_num_threads(i + 1);
+        y[i] = ralloc((size_t)T * N);
+        dx[i] = ralloc((size_t)T * K);
+        fp8_gemm_fprop(DEVICE_CPU, y[i], qx, sx, qw, sw, T, N, K);
+        fp8_gemm_dgrad(DEVICE_CPU, dx[i], qdy, sdy, qwt, sw, T, N, K);
+    }
+    omp_set_num_threads(saved);
+    for (int i = 1; i < 3; i++) {
+        assert_memory_equal(y[i], y[0], (size_t)T * N * sizeof(real));
+        assert_memory_equal(dx[i], dx[0], (size_t)T * K * sizeof(real));
+    }
+    tfree_all();
+}
+
+// ---------------------------------------------------------------------------- BF16 baseline GEMMs
+// Reference: operands rounded to BF16, products exact, the sum in double. The op sums BF16 products
+// (exact in FP32) in FP32 in order: |acc - ref| <= gamma_{n-1} sum |a b| (Higham 3.1, the first addition
+// to 0 is exact); BF16 outputs add 2^-8 |got|.
+static double bf(real v) { return (double)bf16_to_float(float_to_bf16((float)v)); }
+
+static void check_bf16_output(const char *what, const real *got, const double *ref, const double *abs_sum, size_t n,
+                              int terms, int bf16_out) {
+    double worst = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (bf16_out) assert_true(bf((double)got[i]) == (double)got[i]);  // a BF16 value
+        const double bound = opcheck_gamma(terms - 1) * abs_sum[i] + (bf16_out ? U_BF16 * fabs((double)got[i]) : 0);
+        worst = fmax(worst, fabs((double)got[i] - ref[i]) / (bound + 1e-300));
+    }
+    opcheck_report(what, worst);
+    assert_true(worst <= 1.0);
+}
+
+static void test_bf16_matmul(void **state) {
+    (void)state;
+    const int N = 33, C = 70, OC = 50;
+    real *inp = ralloc((size_t)N * C), *w = ralloc((size_t)OC * C), *dout = ralloc((size_t)N * OC);
+    real *out = ralloc((size_t)N * OC), *dinp = ralloc((size_t)N * C), *dw = ralloc((size_t)OC * C);
+    real *g1 = ralloc((size_t)N * C), *g2 = ralloc((size_t)OC * C);
+    real *dinp_acc = ralloc((size_t)N * C), *dw_acc = ralloc((size_t)OC * C);
+    opcheck_fill_nonzero(inp, (size_t)N * C, 61, 0.01, 2.0);
+    opcheck_fill_nonzero(w, (size_t)OC * C, 62, 0.01, 1.0);
+    opcheck_fill_nonzero(dout, (size_t)N * OC, 63, 0.01, 1.0);
+    opcheck_fill_nonzero(g1, (size_t)N * C, 64, 0.01, 1.0);
+    opcheck_fill_nonzero(g2, (size_t)OC * C, 65, 0.01, 1.0);
+    bf16_matmul_forward(DEVICE_CPU, out, inp, w, N, C, OC);
+    bf16_matmul_backward(DEVICE_CPU, dinp, dw, dout, inp, w, N, C, OC);
+
+    double *ref = dalloc((size_t)N * C * 4), *abs_sum = dalloc((size_t)N * C * 4);
+    for (int i = 0; i < N; i++) {  // out (N, OC) = inp w^T
+        for (int o = 0; o < OC; o++) {
+            double s = 0, a = 0;
+            for (int c = 0; c < C; c++) {
+                const double p = bf(inp[(size_t)i * C + c]) * bf(w[(size_t)o * C + c]);
+                s += p;
+                a += fabs(p);
+            }
+            ref[(size_t)i * OC + o] = s;
+            abs_sum[(size_t)i * OC + o] = a;
+        }
+    }
+    check_bf16_output("bf16_matmul_forward", out, ref, abs_sum, (size_t)N * OC, C, 1);
+    for (int i = 0; i < N; i++) {  // dinp (N, C) = dout w
+        for (int c = 0; c < C; c++) {
+            double s = 0, a = 0;
+            for (int o = 0; o < OC; o++) {
+                const double p = bf(dout[(size_t)i * OC + o]) * bf(w[(size_t)o * C + c]);
+                s += p;
+                a += fabs(p);
+            }
+            ref[(size_t)i * C + c] = s;
+            abs_sum[(size_t)i * C + c] = a;
+        }
+    }
+    check_bf16_output("bf16_matmul_backward dinp", dinp, ref, abs_sum, (size_t)N * C, OC, 1);
+    for (int o = 0; o < OC; o++) {  // dweight (OC, C) = dout^T inp, FP32
+        for (int c = 0; c < C; c++) {
+            double s = 0, a = 0;
+            for (int i = 0; i < N; i++) {
+                const double p = bf(dout[(size_t)i * OC + o]) * bf(inp[(size_t)i * C + c]);
+                s += p;
+                a += fabs(p);
+            }
+            ref[(size_t)o * C + c] = s;
+            abs_sum[(size_t)o * C + c] = a;
+        }
+    }
+    check_bf16_output("bf16_matmul_backward dweight", dw, ref, abs_sum, (size_t)OC * C, N, 0);
+    // Both gradients accumulate: the fresh result is added once to what the buffer held.
+    memcpy(dinp_acc, g1, (size_t)N * C * sizeof(real));
+    memcpy(dw_acc, g2, (size_t)OC * C * sizeof(real));
+    bf16_matmul_backward(DEVICE_CPU, dinp_acc, dw_acc, dout, inp, w, N, C, OC);
+    for (size_t i = 0; i < (size_t)N * C; i++) assert_int_equal(float_bits(dinp_acc[i]), float_bits(g1[i] + dinp[i]));
+    for (size_t i = 0; i < (size_t)OC * C; i++) assert_int_equal(float_bits(dw_acc[i]), float_bits(g2[i] + dw[i]));
+    tfree_all();
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_e4m3_all_codes),
+        cmocka_unit_test(test_e4m3_ties_to_even),
+        cmocka_unit_test(test_e4m3_saturation),
+        cmocka_unit_test(test_e4m3_random_against_search),
+        cmocka_unit_test(test_quantize_1x128),
+        cmocka_unit_test(test_quantize_128x128),
+        cmocka_unit_test(test_quantize_128x1_transposed),
+        cmocka_unit_test(test_quantize_rejects_non_finite),
+        cmocka_unit_test(test_gemm_fprop),
+        cmocka_unit_test(test_gemm_dgrad),
+        cmocka_unit_test(test_gemm_wgrad),
+        cmocka_unit_test(test_gemm_deterministic_across_threads),
+        cmocka_unit_test(test_bf16_matmul),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}

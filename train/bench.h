@@ -1,0 +1,15 @@
+/*
+ * bench.h - benchmark subcommands of the fp8moe CLI (`fp8moe bench ...`). Each takes the arguments
+ * after its own name and returns the process exit status (0 ok, 1 failure, 2 bad usage).
+ */
+#ifndef FP8MOE_BENCH_H
+#define FP8MOE_BENCH_H
+
+// `fp8moe bench gemm [JOB.ini] [--runs N] [--warmup N]`: FP8 (block-scaled cuBLASLt) and BF16 GEMM
+// throughput on the GPU at fixed shapes and at the Linear shapes of JOB.ini (default
+// configs/bench-1gpu.ini), GEMM alone, with quantisation, and through kernels.h; plus quantiser
+// bandwidth against a device-to-device copy. train/bench_gemm.c.
+int bench_gemm_main(int argc, char **argv);
+extern const char *const bench_gemm_usage;
+
+#endif

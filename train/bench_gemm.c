@@ -1,0 +1,430 @@
+/*
+ * bench_gemm.c - `fp8moe bench gemm`: how fast the GEMMs of DeepSeek-V3's FP8 recipe run on this GPU,
+ * next to the BF16 baseline, at fixed shapes (8192^3, 4096x7168x2048, 4096x2048x7168) and at every
+ * Linear shape of a job file (default configs/bench-1gpu.ini), plus the quantisers' bandwidth against
+ * a device-to-device copy. Results go to docs/gpu.md by hand, with date and machine.
+ *
+ * Every row is one GEMM written M x N x K: an (M, N) output and a contraction of length K;
+ * TFLOPS = 2 M N K / time. Fprop y = X W^T is T x out x in, Dgrad dX = dY W is T x in x out, Wgrad
+ * dW += dY^T X is out x in x T. Columns:
+ *   fp8 gemm    the cuBLASLt block-scaled GEMM alone (operands already quantised; Fprop/Dgrad write
+ *               BF16, gemm.h's *_bf16; Wgrad adds FP32 into dW);
+ *   fp8 +quant  plus quantising the activation-side operand(s) from FP32 through kernels.h: X (1x128)
+ *               for Fprop, dY (1x128) for Dgrad, dY and X (128x1, transposed) for Wgrad. Weights are
+ *               quantised once per optimizer step (128x128 + transpose), so they are not in this column;
+ *               each kernels.h quantiser call also waits for its NaN/Inf check (a device-to-host copy);
+ *   fp8 api     the kernels.h path the model uses now: +quant and the FP32 (`real`) output of Fprop/Dgrad
+ *               (the BF16 -> FP32 conversion kernel); for Wgrad the same as +quant;
+ *   bf16 gemm   cuBLASLt BF16 x BF16 -> BF16 (Wgrad: -> FP32 +=) with FP32 accumulation, operands in BF16;
+ *   bf16 +conv  plus rounding the activation-side operand(s) from FP32 to BF16;
+ *   bf16 api    bf16_matmul_forward / bf16_matmul_backward of kernels.h (FP32 in and out).
+ * Timing: CUDA events around each of `runs` back-to-back calls (default 50) after `warmup` calls
+ * (default 5); the median is reported. Inputs are random (uniform in [-1, 1)).
+ */
+#include "train/bench.h"
+
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels/kernels.h"
+#include "train/config.h"
+
+const char *const bench_gemm_usage =
+    "  fp8moe bench gemm [JOB.ini] [--runs N] [--warmup N]\n"
+    "      GPU GEMM throughput: FP8 block-scaled (cuBLASLt) and BF16, GEMM alone, with quantisation and\n"
+    "      through kernels.h, at 8192^3, 4096x7168x2048, 4096x2048x7168 and the Linear shapes of JOB.ini\n"
+    "      (default configs/bench-1gpu.ini); then quantiser bandwidth vs a device-to-device copy.\n"
+    "      Median of N (default 50) timed runs after the warm-up (default 5). Needs a CUDA build and a GPU.\n";
+
+#ifndef FP8MOE_CUDA
+int bench_gemm_main(int argc, char **argv) {
+    (void)argc, (void)argv;
+    fprintf(stderr, "fp8moe bench gemm: this build has no CUDA (train/bench_gemm.c) - expected a build with "
+                    "CUDA >= 12.9 (see docs/gpu.md)\n");
+    return 1;
+}
+#else
+
+#include <cublasLt.h>
+#include <cuda_runtime.h>
+
+#include "kernels/cuda/gemm.h"
+
+#define BENCH_CHECK(call)                                                                                   \
+    do {                                                                                                    \
+        cudaError_t e_ = (call);                                                                            \
+        if (e_ != cudaSuccess) {                                                                            \
+            fprintf(stderr, "%s:%d: %s failed: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_));   \
+            exit(1);                                                                                        \
+        }                                                                                                   \
+    } while (0)
+
+typedef enum { OP_FPROP, OP_DGRAD, OP_WGRAD } GemmOp;
+static const char *const op_names[] = {"Fprop", "Dgrad", "Wgrad"};
+
+typedef struct {
+    char name[40];
+    GemmOp op;
+    int M, N, K;  // output (M, N), contraction K
+} GemmRow;
+
+enum { MAX_ROWS = 96 };
+
+static int ceil128(int x) { return (x + 127) / 128 * 128; }
+
+// ---------------------------------------------------------------------------- buffers
+// One set of device buffers, sized for the largest row, reused by every row.
+typedef struct {
+    float *src;          // random FP32 operands (every operand reads a prefix; they may alias: read-only)
+    float *out;          // FP32 outputs (Fprop/Dgrad real output, Wgrad dW)
+    uint16_t *out_bf16;  // BF16 outputs
+    uint16_t *bf_a, *bf_b;
+    uint8_t *q_a, *q_b, *q_bt;
+    float *s_a, *s_b;
+} Buffers;
+
+static void *dalloc(size_t bytes) {
+    void *p = NULL;
+    BENCH_CHECK(cudaMalloc(&p, bytes > 0 ? bytes : 16));
+    return p;
+}
+
+// Deterministic uniform [-1, 1) noise, generated on the host (OpenMP) and copied once.
+static void fill_random(float *d, size_t n) {
+    float *h = malloc(n * sizeof(float));
+    if (h == NULL) {
+        fprintf(stderr, "%s:%d: out of host memory (%zu floats)\n", __FILE__, __LINE__, n);
+        exit(1);
+    }
+#pragma omp parallel for schedule(static)
+    for (size_t i = 0; i < n; i++) {
+        uint64_t z = (uint64_t)i * 0x9E3779B97F4A7C15ull + 12345;
+        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+        z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+        z ^= z >> 31;
+        h[i] = (float)((double)(z >> 11) * 0x1p-52 - 1.0);
+    }
+    BENCH_CHECK(cudaMemcpy(d, h, n * sizeof(float), cudaMemcpyHostToDevice));
+    free(h);
+}
+
+// ---------------------------------------------------------------------------- timing
+typedef struct {
+    int runs, warmup;
+    cudaEvent_t *ev;
+} Timer;
+
+static int cmp_float(const void *a, const void *b) {
+    const float x = *(const float *)a, y = *(const float *)b;
+    return (x > y) - (x < y);
+}
+
+typedef void (*BenchFn)(const GemmRow *row, Buffers *B);
+
+// Median milliseconds of one call of fn over t->runs back-to-back calls.
+static double median_ms(const Timer *t, BenchFn fn, const GemmRow *row, Buffers *B) {
+    for (int i = 0; i < t->warmup; i++) fn(row, B);
+    BENCH_CHECK(cudaEventRecord(t->ev[0], 0));
+    for (int i = 0; i < t->runs; i++) {
+        fn(row, B);
+        BENCH_CHECK(cudaEventRecord(t->ev[i + 1], 0));
+    }
+    BENCH_CHECK(cudaEventSynchronize(t->ev[t->runs]));
+    BENCH_CHECK(cudaGetLastError());
+    float *ms = malloc(sizeof(float) * (size_t)t->runs);
+    for (int i = 0; i < t->runs; i++) BENCH_CHECK(cudaEventElapsedTime(&ms[i], t->ev[i], t->ev[i + 1]));
+    qsort(ms, (size_t)t->runs, sizeof(float), cmp_float);
+    const double median = t->runs % 2 ? ms[t->runs / 2] : 0.5 * (ms[t->runs / 2 - 1] + ms[t->runs / 2]);
+    free(ms);
+    return median;
+}
+
+// ---------------------------------------------------------------------------- the timed operations
+// kernels.h arguments of each op for a row M x N x K:
+//   Fprop  T = M, N = N, K = K        x (T, K), w (N, K)        -> y (T, N)
+//   Dgrad  T = M, N = K, K = N        dy (T, K_row), w (K_row, N_row) -> dx (T, N_row)
+//   Wgrad  T = K, N = M, K = N        dy (T, M), x (T, N)        -> dw (M, N)
+static void quantise_or_die(int rc, const char *what, const char *err) {
+    if (rc != 0) {
+        fprintf(stderr, "fp8moe bench gemm: quantising %s failed: %s\n", what, err);
+        exit(1);
+    }
+}
+
+static void fp8_quantise_activations(const GemmRow *r, Buffers *B) {
+    char err[256];
+    if (r->op == OP_FPROP) {
+        quantise_or_die(fp8_quantize_1x128(DEVICE_CUDA, B->q_a, B->s_a, B->src, r->M, r->K, err, sizeof err), "X", err);
+    } else if (r->op == OP_DGRAD) {
+        quantise_or_die(fp8_quantize_1x128(DEVICE_CUDA, B->q_a, B->s_a, B->src, r->M, r->K, err, sizeof err), "dY", err);
+    } else {
+        quantise_or_die(fp8_quantize_128x1_transposed(DEVICE_CUDA, B->q_a, B->s_a, B->src, r->K, r->M, err, sizeof err),
+                        "dY", err);
+        quantise_or_die(fp8_quantize_128x1_transposed(DEVICE_CUDA, B->q_b, B->s_b, B->src, r->K, r->N, err, sizeof err),
+                        "X", err);
+    }
+}
+
+// The weight side, once per row (untimed): 128x128 blocks of W and their transpose.
+static void fp8_quantise_weights(const GemmRow *r, Buffers *B) {
+    char err[256];
+    if (r->op == OP_FPROP)
+        quantise_or_die(fp8_quantize_128x128(DEVICE_CUDA, B->q_b, NULL, B->s_b, B->src, r->N, r->K, err, sizeof err), "W", err);
+    else if (r->op == OP_DGRAD)
+        quantise_or_die(fp8_quantize_128x128(DEVICE_CUDA, B->q_b, B->q_bt, B->s_b, B->src, r->K, r->N, err, sizeof err), "W", err);
+}
+
+static void fp8_gemm_only(const GemmRow *r, Buffers *B) {
+    if (r->op == OP_FPROP) cuda_fp8_gemm_fprop_bf16(B->out_bf16, B->q_a, B->s_a, B->q_b, B->s_b, r->M, r->N, r->K);
+    else if (r->op == OP_DGRAD) cuda_fp8_gemm_dgrad_bf16(B->out_bf16, B->q_a, B->s_a, B->q_bt, B->s_b, r->M, r->K, r->N);
+    else fp8_gemm_wgrad(DEVICE_CUDA, B->out, B->q_a, B->s_a, B->q_b, B->s_b, r->K, r->M, r->N);
+}
+
+static void fp8_quant_gemm(const GemmRow *r, Buffers *B) {
+    fp8_quantise_activations(r, B);
+    fp8_gemm_only(r, B);
+}
+
+static void fp8_api(const GemmRow *r, Buffers *B) {
+    fp8_quantise_activations(r, B);
+    if (r->op == OP_FPROP) fp8_gemm_fprop(DEVICE_CUDA, B->out, B->q_a, B->s_a, B->q_b, B->s_b, r->M, r->N, r->K);
+    else if (r->op == OP_DGRAD) fp8_gemm_dgrad(DEVICE_CUDA, B->out, B->q_a, B->s_a, B->q_bt, B->s_b, r->M, r->K, r->N);
+    else fp8_gemm_wgrad(DEVICE_CUDA, B->out, B->q_a, B->s_a, B->q_b, B->s_b, r->K, r->M, r->N);
+}
+
+// BF16 operands (bf_a: the activation side, bf_b: the other), as cuda_bf16_gemm wants them:
+//   Fprop a = X (M, K), b = W (N, K) transposed;  Dgrad a = dY (M, K), b = W (K, N);
+//   Wgrad a = dY (K, M) transposed, b = X (K, N), FP32 output += .
+static void bf16_convert_activations(const GemmRow *r, Buffers *B) {
+    cuda_float_to_bf16(B->bf_a, B->src, (int64_t)r->M * r->K);
+    if (r->op == OP_WGRAD) cuda_float_to_bf16(B->bf_b, B->src, (int64_t)r->K * r->N);
+}
+
+static void bf16_gemm_only(const GemmRow *r, Buffers *B) {
+    if (r->op == OP_FPROP) cuda_bf16_gemm(B->out_bf16, 0, 0.0f, B->bf_a, 0, B->bf_b, 1, r->M, r->N, r->K);
+    else if (r->op == OP_DGRAD) cuda_bf16_gemm(B->out_bf16, 0, 0.0f, B->bf_a, 0, B->bf_b, 0, r->M, r->N, r->K);
+    else cuda_bf16_gemm(B->out, 1, 1.0f, B->bf_a, 1, B->bf_b, 0, r->M, r->N, r->K);
+}
+
+static void bf16_convert_gemm(const GemmRow *r, Buffers *B) {
+    bf16_convert_activations(r, B);
+    bf16_gemm_only(r, B);
+}
+
+static void bf16_api(const GemmRow *r, Buffers *B) {
+    if (r->op == OP_FPROP) bf16_matmul_forward(DEVICE_CUDA, B->out, B->src, B->src, r->M, r->K, r->N);
+    else if (r->op == OP_DGRAD) bf16_matmul_backward(DEVICE_CUDA, B->out, NULL, B->src, NULL, B->src, r->M, r->N, r->K);
+    else bf16_matmul_backward(DEVICE_CUDA, NULL, B->out, B->src, B->src, NULL, r->K, r->N, r->M);
+}
+
+// ---------------------------------------------------------------------------- shapes
+static void add_row(GemmRow *rows, int *n, const char *name, GemmOp op, int M, int N, int K) {
+    if (*n >= MAX_ROWS || M <= 0 || N <= 0 || K <= 0) return;
+    GemmRow *r = &rows[(*n)++];
+    snprintf(r->name, sizeof r->name, "%s", name);
+    r->op = op, r->M = M, r->N = N, r->K = K;
+}
+
+// The three GEMMs of a Linear (in -> out) over T tokens.
+static void add_linear(GemmRow *rows, int *n, const char *name, int T, int in, int out) {
+    add_row(rows, n, name, OP_FPROP, T, out, in);
+    add_row(rows, n, name, OP_DGRAD, T, in, out);
+    add_row(rows, n, name, OP_WGRAD, out, in, T);
+}
+
+// Every FP8 Linear of the job's blocks (DESIGN.md section 3): MLA projections, dense FFN, shared and
+// routed experts (T * top-k / E tokens each on average, rounded up to 16), MTP projection.
+static void add_job_linears(GemmRow *rows, int *n, const Config *c) {
+    const ModelConfig *m = &c->model;
+    const MoeConfig *e = &c->moe;
+    const int T = c->train.micro_batch_size * c->train.seq_len, d = m->dim, H = m->n_heads;
+    const int qk = m->qk_nope_head_dim + m->qk_rope_head_dim;
+    if (m->q_lora_rank > 0) {
+        add_linear(rows, n, "mla W_DQ", T, d, m->q_lora_rank);
+        add_linear(rows, n, "mla W_UQ", T, m->q_lora_rank, H * qk);
+    } else {
+        add_linear(rows, n, "mla W_Q", T, d, H * qk);
+    }
+    add_linear(rows, n, "mla W_DKV", T, d, m->kv_lora_rank + m->qk_rope_head_dim);
+    add_linear(rows, n, "mla W_UKV", T, m->kv_lora_rank, H * (m->qk_nope_head_dim + m->v_head_dim));
+    add_linear(rows, n, "mla W_O", T, H * m->v_head_dim, d);
+    if (m->n_dense_layers > 0) {
+        add_linear(rows, n, "dense w1,w3", T, d, m->inter_dim);
+        add_linear(rows, n, "dense w2", T, m->inter_dim, d);
+    }
+    if (m->n_dense_layers < m->n_layers && e->n_routed_experts > 0) {
+        const int shared = e->n_shared_experts * e->moe_inter_dim;
+        if (shared > 0) {
+            add_linear(rows, n, "shared w1,w3", T, d, shared);
+            add_linear(rows, n, "shared w2", T, shared, d);
+        }
+        const int64_t routed = (int64_t)T * e->n_activated_experts / e->n_routed_experts;
+        const int Te = (int)((routed + 15) / 16 * 16);
+        add_linear(rows, n, "expert w1,w3", Te, d, e->moe_inter_dim);
+        add_linear(rows, n, "expert w2", Te, e->moe_inter_dim, d);
+    }
+    if (c->mtp.depth > 0) add_linear(rows, n, "mtp proj", T, 2 * d, d);
+}
+
+// ---------------------------------------------------------------------------- quantiser bandwidth
+static void bench_quantisers(const Timer *t, Buffers *B, int R, int C) {
+    const double elems = (double)R * C;
+    char err[256];
+    float ms[5];
+    cudaEvent_t *ev = t->ev;
+    for (int k = 0; k < 5; k++) {
+        for (int rep = -t->warmup; rep < t->runs; rep++) {
+            if (rep == 0) BENCH_CHECK(cudaEventRecord(ev[0], 0));
+            int rc = 0;
+            switch (k) {
+            case 0: BENCH_CHECK(cudaMemcpy(B->out, B->src, (size_t)R * C * sizeof(float), cudaMemcpyDeviceToDevice)); break;
+            case 1: rc = fp8_quantize_1x128(DEVICE_CUDA, B->q_a, B->s_a, B->src, R, C, err, sizeof err); break;
+            case 2: rc = fp8_quantize_128x128(DEVICE_CUDA, B->q_b, NULL, B->s_b, B->src, R, C, err, sizeof err); break;
+            case 3: rc = fp8_quantize_128x128(DEVICE_CUDA, B->q_b, B->q_bt, B->s_b, B->src, R, C, err, sizeof err); break;
+            default: rc = fp8_quantize_128x1_transposed(DEVICE_CUDA, B->q_a, B->s_a, B->src, R, C, err, sizeof err); break;
+            }
+            quantise_or_die(rc, "the bandwidth input", err);
+            if (rep >= 0) BENCH_CHECK(cudaEventRecord(ev[rep + 1], 0));
+        }
+        BENCH_CHECK(cudaEventSynchronize(ev[t->runs]));
+        float *v = malloc(sizeof(float) * (size_t)t->runs);
+        for (int i = 0; i < t->runs; i++) BENCH_CHECK(cudaEventElapsedTime(&v[i], ev[i], ev[i + 1]));
+        qsort(v, (size_t)t->runs, sizeof(float), cmp_float);
+        ms[k] = v[t->runs / 2];
+        free(v);
+    }
+    // bytes moved: read 4 per element; write 4 (copy), 1 (+1 for the transpose) + scales
+    const double bytes[5] = {8 * elems, 5 * elems + 4 * elems / 128, 5 * elems + 4 * elems / 16384,
+                             6 * elems + 4 * elems / 16384, 5 * elems + 4 * elems / 128};
+    const char *names[5] = {"cudaMemcpy D2D (FP32)", "quantize_1x128", "quantize_128x128", "quantize_128x128 +qt",
+                            "quantize_128x1_T"};
+    printf("\nquantisers, input %d x %d FP32 (GB/s = bytes read + written / median time; kernels.h calls, each\n"
+           "including its NaN/Inf check's device-to-host copy)\n", R, C);
+    printf("%-24s %10s %10s %10s\n", "", "ms", "GB/s", "vs copy");
+    const double copy_gbs = bytes[0] / (ms[0] * 1e-3) * 1e-9;
+    for (int k = 0; k < 5; k++) {
+        const double gbs = bytes[k] / (ms[k] * 1e-3) * 1e-9;
+        printf("%-24s %10.4f %10.1f %9.0f%%\n", names[k], ms[k], gbs, 100.0 * gbs / copy_gbs);
+    }
+}
+
+// ---------------------------------------------------------------------------- main
+int bench_gemm_main(int argc, char **argv) {
+    const char *job = "configs/bench-1gpu.ini";
+    int runs = 50, warmup = 5, job_given = 0;
+    for (int i = 0; i < argc; i++) {
+        const char *a = argv[i];
+        if ((!strcmp(a, "--runs") || !strcmp(a, "--warmup")) && i + 1 < argc) {
+            char *end = NULL;
+            const long v = strtol(argv[++i], &end, 10);
+            if (end == argv[i] || *end != '\0' || v < 1 || v > 100000) {
+                fprintf(stderr, "fp8moe bench gemm: %s %s: expected an integer in [1, 100000]\nUsage:\n%s", a, argv[i],
+                        bench_gemm_usage);
+                return 2;
+            }
+            if (!strcmp(a, "--runs")) runs = (int)v;
+            else warmup = (int)v;
+        } else if (a[0] != '-' && !job_given) {
+            job = a, job_given = 1;
+        } else {
+            fprintf(stderr, "fp8moe bench gemm: unexpected argument %s\nUsage:\n%s", a, bench_gemm_usage);
+            return 2;
+        }
+    }
+    Config cfg;
+    char err[512];
+    if (config_load(&cfg, job, NULL, 0, err, sizeof err) != 0) {
+        fprintf(stderr, "fp8moe bench gemm: %s\n", err);
+        return 2;
+    }
+    if (cuda_device_count() == 0) {
+        fprintf(stderr, "fp8moe bench gemm: no CUDA device visible - expected a GPU (this benchmark times GPU GEMMs)\n");
+        return 1;
+    }
+
+    GemmRow rows[MAX_ROWS];
+    int n_rows = 0;
+    const int fixed[3][3] = {{8192, 8192, 8192}, {4096, 7168, 2048}, {4096, 2048, 7168}};
+    for (int s = 0; s < 3; s++)
+        for (int op = 0; op < 3; op++) {
+            char name[40];
+            snprintf(name, sizeof name, "%dx%dx%d", fixed[s][0], fixed[s][1], fixed[s][2]);
+            add_row(rows, &n_rows, name, (GemmOp)op, fixed[s][0], fixed[s][1], fixed[s][2]);
+        }
+    const int n_fixed = n_rows;
+    add_job_linears(rows, &n_rows, &cfg);
+
+    // sizes: activation side (M, K) [Wgrad: (K, M)], other side (N, K) [Dgrad, Wgrad: (K, N)], output (M, N),
+    // padded to 128 in every dimension (quantised operands and BF16 outputs are padded)
+    size_t side_a = 0, side_b = 0, side_out = 0;
+    for (int i = 0; i < n_rows; i++) {
+        const size_t Mp = (size_t)ceil128(rows[i].M), Np = (size_t)ceil128(rows[i].N), Kp = (size_t)ceil128(rows[i].K);
+        if (Mp * Kp > side_a) side_a = Mp * Kp;
+        if (Np * Kp > side_b) side_b = Np * Kp;
+        if (Mp * Np > side_out) side_out = Mp * Np;
+    }
+    // the quantiser inputs: 8192 x 8192 and the job's (T, dim) activations
+    const size_t quant_R = 8192, quant_C = 8192;
+    const size_t job_T = (size_t)cfg.train.micro_batch_size * cfg.train.seq_len, job_C = (size_t)cfg.model.dim;
+    const size_t quant_n[2] = {quant_R * quant_C, (size_t)ceil128((int)job_T) * (size_t)ceil128((int)job_C)};
+    for (int k = 0; k < 2; k++) {
+        if (quant_n[k] > side_a) side_a = quant_n[k];
+        if (quant_n[k] > side_b) side_b = quant_n[k];
+        if (quant_n[k] > side_out) side_out = quant_n[k];
+    }
+    const size_t src_n = side_a > side_b ? side_a : side_b;
+    Buffers B;
+    B.src = dalloc(src_n * sizeof(float));
+    B.out = dalloc(side_out * sizeof(float));
+    B.out_bf16 = dalloc(side_out * sizeof(uint16_t));
+    B.bf_a = dalloc(side_a * sizeof(uint16_t)), B.bf_b = dalloc(side_b * sizeof(uint16_t));
+    B.q_a = dalloc(side_a), B.q_b = dalloc(side_b), B.q_bt = dalloc(side_b);
+    B.s_a = dalloc((side_a / 128 + 4096) * sizeof(float)), B.s_b = dalloc((side_b / 128 + 4096) * sizeof(float));
+    fill_random(B.src, src_n);
+    BENCH_CHECK(cudaMemset(B.out, 0, side_out * sizeof(float)));
+
+    Timer t = {runs, warmup, malloc(sizeof(cudaEvent_t) * (size_t)(runs + 1))};
+    for (int i = 0; i <= runs; i++) BENCH_CHECK(cudaEventCreate(&t.ev[i]));
+
+    struct cudaDeviceProp prop;
+    int dev = 0;
+    BENCH_CHECK(cudaGetDevice(&dev));
+    BENCH_CHECK(cudaGetDeviceProperties(&prop, dev));
+    printf("fp8moe bench gemm: %s (%d SMs), cuBLASLt %zu, job %s (T = %d tokens per micro-batch)\n", prop.name,
+           prop.multiProcessorCount, cublasLtGetVersion(), job, cfg.train.micro_batch_size * cfg.train.seq_len);
+    printf("M x N x K = (M, N) output, contraction K; TFLOPS = 2MNK / median time of %d runs after %d warm-up "
+           "(CUDA events)\n", runs, warmup);
+    printf("fp8: block-scaled E4M3 (1x128 activations, 128x128 weights; Wgrad 1x128 along T), FP32 accumulation "
+           "promoted every 128\n\n");
+    printf("%-14s %-5s %20s | %9s %9s %9s | %9s %9s %9s | %7s %9s\n", "shape", "op", "M x N x K", "fp8 gemm",
+           "fp8+quant", "fp8 api", "bf16 gemm", "bf16+conv", "bf16 api", "fp8/bf16", "fp8 ms");
+    for (int i = 0; i < n_rows; i++) {
+        const GemmRow *r = &rows[i];
+        if (i == n_fixed) printf("-- Linear layers of %s --\n", job);
+        fp8_quantise_weights(r, &B);
+        fp8_quantise_activations(r, &B);
+        cuda_float_to_bf16(B.bf_a, B.src, (int64_t)r->M * r->K);
+        cuda_float_to_bf16(B.bf_b, B.src, (int64_t)r->N * r->K);
+        const double flop = 2.0 * r->M * r->N * r->K;
+        const double ms[6] = {median_ms(&t, fp8_gemm_only, r, &B), median_ms(&t, fp8_quant_gemm, r, &B),
+                              median_ms(&t, fp8_api, r, &B), median_ms(&t, bf16_gemm_only, r, &B),
+                              median_ms(&t, bf16_convert_gemm, r, &B), median_ms(&t, bf16_api, r, &B)};
+        char shape[32];
+        snprintf(shape, sizeof shape, "%d x %d x %d", r->M, r->N, r->K);
+        printf("%-14s %-5s %20s |", r->name, op_names[r->op], shape);
+        for (int k = 0; k < 6; k++) printf(" %9.1f%s", flop / (ms[k] * 1e-3) * 1e-12, k == 2 ? " |" : "");
+        printf(" | %6.2fx %9.4f\n", ms[3] / ms[0], ms[0]);
+        fflush(stdout);
+    }
+    bench_quantisers(&t, &B, (int)quant_R, (int)quant_C);
+    bench_quantisers(&t, &B, (int)job_T, (int)job_C);
+
+    for (int i = 0; i <= runs; i++) BENCH_CHECK(cudaEventDestroy(t.ev[i]));
+    free(t.ev);
+    void *bufs[] = {B.src, B.out, B.out_bf16, B.bf_a, B.bf_b, B.q_a, B.q_b, B.q_bt, B.s_a, B.s_b};
+    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) BENCH_CHECK(cudaFree(bufs[i]));
+    return 0;
+}
+#endif

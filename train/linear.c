@@ -1,0 +1,119 @@
+/*
+ * linear.c - block Linear layers in the precision mode of the job (see linear.h). In fp8 mode every
+ * call quantises its operands afresh (activations per call; the weight per call too, which keeps the
+ * CPU reference simple: the weight's 128x128 blocks are a pure function of the FP32 master weight, so
+ * quantising once per step would give identical bits).
+ */
+#include "train/linear.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+
+// Scratch for quantised operands, grown on demand and kept with the model (no allocation per call
+// once the largest shape has been seen).
+static void *scratch_take(Model *m, size_t *used, size_t bytes) {
+    size_t aligned = (bytes + 63) & ~(size_t)63;
+    if (*used + aligned > m->fp8_scratch_bytes) {  // scratch_reserve was given the total beforehand
+        fprintf(stderr, "fp8moe: train/linear.c: internal error: FP8 scratch too small\n");
+        exit(1);
+    }
+    void *p = (char *)m->fp8_scratch + *used;
+    *used += aligned;
+    return p;
+}
+
+static void scratch_reserve(Model *m, size_t bytes) {
+    if (bytes <= m->fp8_scratch_bytes) return;
+    device_free(m->dev, m->fp8_scratch);
+    m->fp8_scratch = device_alloc(m->dev, bytes);
+    m->fp8_scratch_bytes = bytes;
+}
+
+static int ceil_div(int a, int b) { return (a + b - 1) / b; }
+static size_t pad_bytes(size_t bytes) { return (bytes + 63) & ~(size_t)63; }
+
+static void check_quantised(int rc, const char *what, const char *err) {
+    if (rc == 0) return;
+    fprintf(stderr, "fp8moe: FP8 quantisation of %s failed: %s\n", what, err);
+    exit(1);
+}
+
+void linear_forward(Model *m, real *out, const real *inp, const real *weight, int N, int C, int OC) {
+    switch (m->cfg.precision.mode) {
+    case PRECISION_FP32:
+        matmul_forward(m->dev, out, inp, weight, N, C, OC);
+        return;
+    case PRECISION_BF16:
+        bf16_matmul_forward(m->dev, out, inp, weight, N, C, OC);
+        return;
+    case PRECISION_FP8: break;
+    }
+    int KB = ceil_div(C, FP8_TILE), KB4 = ceil_div(KB, 4) * 4, NB = ceil_div(OC, FP8_TILE);
+    size_t Kp = (size_t)KB * FP8_TILE, Np = (size_t)NB * FP8_TILE;
+    scratch_reserve(m, pad_bytes((size_t)N * Kp) + pad_bytes((size_t)KB * N * sizeof(float)) + pad_bytes(Np * Kp) +
+                           pad_bytes((size_t)NB * KB4 * sizeof(float)));
+    size_t used = 0;
+    uint8_t *qx = scratch_take(m, &used, (size_t)N * Kp);
+    float *sx = scratch_take(m, &used, (size_t)KB * N * sizeof(float));
+    uint8_t *qw = scratch_take(m, &used, Np * Kp);
+    float *sw = scratch_take(m, &used, (size_t)NB * KB4 * sizeof(float));
+    char err[256];
+    check_quantised(fp8_quantize_1x128(m->dev, qx, sx, inp, N, C, err, sizeof err), "an activation (Fprop X)", err);
+    check_quantised(fp8_quantize_128x128(m->dev, qw, NULL, sw, weight, OC, C, err, sizeof err), "a weight", err);
+    fp8_gemm_fprop(m->dev, out, qx, sx, qw, sw, N, OC, C);
+    m->fp8_gemm_count++;
+}
+
+void linear_backward(Model *m, real *dinp, real *dweight, const real *dout, const real *inp, const real *weight,
+                     int N, int C, int OC) {
+    switch (m->cfg.precision.mode) {
+    case PRECISION_FP32:
+        matmul_backward(m->dev, dinp, dweight, dout, inp, weight, N, C, OC);
+        return;
+    case PRECISION_BF16:
+        bf16_matmul_backward(m->dev, dinp, dweight, dout, inp, weight, N, C, OC);
+        return;
+    case PRECISION_FP8: break;
+    }
+    // Dgrad: dY in 1x128 tiles along OC, W's 128x128 blocks transposed; the BF16 result is added to dinp.
+    // Wgrad: dY and X in 128x1 tiles along the N tokens, written transposed so N is the contraction axis.
+    int KB = ceil_div(C, FP8_TILE), KB4 = ceil_div(KB, 4) * 4, NB = ceil_div(OC, FP8_TILE), TB = ceil_div(N, FP8_TILE);
+    size_t Kp = (size_t)KB * FP8_TILE, Np = (size_t)NB * FP8_TILE, Tp = (size_t)TB * FP8_TILE;
+    scratch_reserve(m, pad_bytes((size_t)N * Np) + pad_bytes((size_t)NB * N * sizeof(float)) + 2 * pad_bytes(Np * Kp) +
+                           pad_bytes((size_t)NB * KB4 * sizeof(float)) + pad_bytes((size_t)N * C * sizeof(real)) +
+                           pad_bytes((size_t)OC * Tp) + pad_bytes((size_t)TB * OC * sizeof(float)) +
+                           pad_bytes((size_t)C * Tp) + pad_bytes((size_t)TB * C * sizeof(float)));
+    size_t used = 0;
+    uint8_t *qdy = scratch_take(m, &used, (size_t)N * Np);
+    float *sdy = scratch_take(m, &used, (size_t)NB * N * sizeof(float));
+    uint8_t *qw = scratch_take(m, &used, Np * Kp);
+    uint8_t *qwt = scratch_take(m, &used, Np * Kp);
+    float *sw = scratch_take(m, &used, (size_t)NB * KB4 * sizeof(float));
+    real *dx = scratch_take(m, &used, (size_t)N * C * sizeof(real));
+    uint8_t *qdyt = scratch_take(m, &used, (size_t)OC * Tp);
+    float *sdyt = scratch_take(m, &used, (size_t)TB * OC * sizeof(float));
+    uint8_t *qxt = scratch_take(m, &used, (size_t)C * Tp);
+    float *sxt = scratch_take(m, &used, (size_t)TB * C * sizeof(float));
+    char err[256];
+    if (dinp) {
+        check_quantised(fp8_quantize_1x128(m->dev, qdy, sdy, dout, N, OC, err, sizeof err), "a gradient (Dgrad dY)", err);
+        check_quantised(fp8_quantize_128x128(m->dev, qw, qwt, sw, weight, OC, C, err, sizeof err), "a weight", err);
+        fp8_gemm_dgrad(m->dev, dx, qdy, sdy, qwt, sw, N, OC, C);
+        add_inplace(m->dev, dinp, dx, (int64_t)N * C);
+        m->fp8_gemm_count++;
+    }
+    if (dweight) {
+        check_quantised(fp8_quantize_128x1_transposed(m->dev, qdyt, sdyt, dout, N, OC, err, sizeof err),
+                        "a gradient (Wgrad dY)", err);
+        check_quantised(fp8_quantize_128x1_transposed(m->dev, qxt, sxt, inp, N, C, err, sizeof err),
+                        "an activation (Wgrad X)", err);
+        fp8_gemm_wgrad(m->dev, dweight, qdyt, sdyt, qxt, sxt, N, OC, C);
+        m->fp8_gemm_count++;
+    }
+}
+
+void linear_free_scratch(Model *m) {
+    device_free(m->dev, m->fp8_scratch);
+    m->fp8_scratch = NULL;
+    m->fp8_scratch_bytes = 0;
+}

@@ -1,0 +1,26 @@
+/*
+ * linear.h - the Linear layers inside Transformer blocks, in the job's precision mode
+ * (DESIGN.md section 4): MLA projections, dense FFN, shared and routed experts, MTP projection.
+ *
+ *   fp32: the FP32 reference matmul.
+ *   bf16: operands rounded to BF16, FP32 accumulation, BF16 outputs (the convergence baseline).
+ *   fp8:  E4M3 with 1x128 activation tiles and 128x128 weight blocks, partial sums promoted to FP32
+ *         every 128 elements: Fprop Y = X W^T, Dgrad dX = dY W (dY in 1x128 tiles, the same W blocks
+ *         transposed), Wgrad dW += dY^T X (X and dY in 128x1 tiles along the tokens).
+ * The embedding, output head, router, norms, attention core and losses never come through here.
+ * Each FP8 GEMM run is counted in Model.fp8_gemm_count (3 per Linear per micro-batch: Fprop, Dgrad,
+ * Wgrad), so the trainer can report it and a test can check that every block Linear is covered.
+ */
+#ifndef FP8MOE_LINEAR_H
+#define FP8MOE_LINEAR_H
+
+#include "train/model.h"
+
+// inp (N, C), weight (OC, C) -> out (N, OC) = inp @ weight^T
+void linear_forward(Model *m, real *out, const real *inp, const real *weight, int N, int C, int OC);
+// dinp (N, C) += dout @ weight; dweight (OC, C) += dout^T @ inp   (either may be NULL)
+void linear_backward(Model *m, real *dinp, real *dweight, const real *dout, const real *inp, const real *weight,
+                     int N, int C, int OC);
+void linear_free_scratch(Model *m);
+
+#endif
