@@ -80,14 +80,25 @@ void rope_backward(Device dev, real *dinp, const real *dout, int B, int T, int H
     cpu_rope_backward(dinp, dout, B, T, H, D, theta);
 }
 
-void attention_forward(Device dev, real *out, real *att, const real *q, const real *k, const real *v, int B, int T, int H, int Dqk, int Dv) {
-    if (dev != DEVICE_CPU) no_cuda_op("attention_forward");
-    cpu_attention_forward(out, att, q, k, v, B, T, H, Dqk, Dv);
+int64_t attention_state_elems(Device dev, int B, int T, int H) {
+    if (dev == DEVICE_CUDA) return (int64_t)B * H * T;
+    return (int64_t)B * H * T * T;
 }
 
-void attention_backward(Device dev, real *dq, real *dk, real *dv, const real *dout, const real *att, const real *q, const real *k, const real *v, int B, int T, int H, int Dqk, int Dv) {
+void attention_forward(Device dev, real *out, real *state, const real *q, const real *k, const real *v, int B, int T, int H, int Dqk, int Dv) {
+#ifdef FP8MOE_CUDA
+    if (dev == DEVICE_CUDA) { cuda_attention_forward(out, state, q, k, v, B, T, H, Dqk, Dv); return; }
+#endif
+    if (dev != DEVICE_CPU) no_cuda_op("attention_forward");
+    cpu_attention_forward(out, state, q, k, v, B, T, H, Dqk, Dv);
+}
+
+void attention_backward(Device dev, real *dq, real *dk, real *dv, const real *dout, const real *state, const real *q, const real *k, const real *v, int B, int T, int H, int Dqk, int Dv) {
+#ifdef FP8MOE_CUDA
+    if (dev == DEVICE_CUDA) { cuda_attention_backward(dq, dk, dv, dout, state, q, k, v, B, T, H, Dqk, Dv); return; }
+#endif
     if (dev != DEVICE_CPU) no_cuda_op("attention_backward");
-    cpu_attention_backward(dq, dk, dv, dout, att, q, k, v, B, T, H, Dqk, Dv);
+    cpu_attention_backward(dq, dk, dv, dout, state, q, k, v, B, T, H, Dqk, Dv);
 }
 
 void swiglu_forward(Device dev, real *out, const real *a, const real *b, int64_t n) {

@@ -80,12 +80,23 @@ void rope_backward(Device dev, real *dinp, const real *dout, int B, int T, int H
 // ---------------------------------------------------------------------------- attention core
 // Causal softmax attention, per batch b and head h:
 //   q, k (B, T, H, Dqk), v (B, T, H, Dv) -> out (B, T, H, Dv),
-//   att (B, H, T, T) keeps the softmax probabilities for the backward pass (CPU reference only
-//   materialises them; entries above the diagonal are 0). Scale 1/sqrt(Dqk).
-void attention_forward(Device dev, real *out, real *att, const real *q, const real *k, const real *v,
+//   out[t] = sum_{t2 <= t} softmax_t2(scale q[t] . k[t2]) v[t2], scale = 1/sqrt(Dqk).
+// `state` is the backward state: written by attention_forward, read by attention_backward on the same
+// q, k, v. Its size and contents depend on the device; allocate attention_state_elems(dev, B, T, H) reals:
+//   DEVICE_CPU  (B, H, T, T): the softmax probabilities state[b,h,t,t2] (the reference materialises
+//               them; entries above the diagonal are 0).
+//   DEVICE_CUDA (B, H, T): FP32 log-sum-exp of each query row, state[b,h,t] = log sum_{t2 <= t}
+//               exp(scale q[t] . k[t2]) (natural log, scores from BF16-rounded q and k); the backward
+//               recomputes the probabilities from it (flash-style, T x T is never stored).
+// CUDA numerics: q, k, v (and dout in the backward) are rounded to BF16 and multiplied on tensor cores
+// with FP32 accumulation; softmax statistics are FP32; probabilities and score gradients are rounded to
+// BF16 as inputs of the second product. CUDA results agree with the CPU to the BF16 tolerances stated in
+// tests/gpu/test_gpu_attention.c, not to FP32 rounding. Head dims 1..256 on CUDA.
+int64_t attention_state_elems(Device dev, int B, int T, int H);
+void attention_forward(Device dev, real *out, real *state, const real *q, const real *k, const real *v,
                        int B, int T, int H, int Dqk, int Dv);
-// dq, dk (B,T,H,Dqk) +=, dv (B,T,H,Dv) +=
-void attention_backward(Device dev, real *dq, real *dk, real *dv, const real *dout, const real *att,
+// dq, dk (B,T,H,Dqk) +=, dv (B,T,H,Dv) +=; state from attention_forward.
+void attention_backward(Device dev, real *dq, real *dk, real *dv, const real *dout, const real *state,
                         const real *q, const real *k, const real *v, int B, int T, int H, int Dqk, int Dv);
 
 // ---------------------------------------------------------------------------- SwiGLU

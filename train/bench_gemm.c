@@ -19,7 +19,10 @@
  *   bf16 +conv  plus rounding the activation-side operand(s) from FP32 to BF16;
  *   bf16 api    bf16_matmul_forward / bf16_matmul_backward of kernels.h (FP32 in and out).
  * Timing: CUDA events around each of `runs` back-to-back calls (default 50) after `warmup` calls
- * (default 5); the median is reported. Inputs are random (uniform in [-1, 1)).
+ * (default 5); the median is reported. Inputs are random (uniform in [-1, 1)), the two operands of a
+ * GEMM different. An H200 running dense FP8 GEMMs back to back reaches its power limit and lowers its
+ * clock, so sustained numbers (the default) are up to ~10% below those of a GPU that was idle a moment
+ * before; --idle-ms N sleeps N ms before each measurement to show the latter (docs/gpu.md has both).
  */
 #include "train/bench.h"
 
@@ -27,16 +30,19 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "kernels/kernels.h"
 #include "train/config.h"
 
 const char *const bench_gemm_usage =
-    "  fp8moe bench gemm [JOB.ini] [--runs N] [--warmup N]\n"
+    "  fp8moe bench gemm [JOB.ini] [--runs N] [--warmup N] [--idle-ms N] [--fixed-only]\n"
     "      GPU GEMM throughput: FP8 block-scaled (cuBLASLt) and BF16, GEMM alone, with quantisation and\n"
     "      through kernels.h, at 8192^3, 4096x7168x2048, 4096x2048x7168 and the Linear shapes of JOB.ini\n"
     "      (default configs/bench-1gpu.ini); then quantiser bandwidth vs a device-to-device copy.\n"
-    "      Median of N (default 50) timed runs after the warm-up (default 5). Needs a CUDA build and a GPU.\n";
+    "      Median of N (default 50) timed runs after the warm-up (default 5). --idle-ms N: leave the GPU idle\n"
+    "      N ms before each measurement (default 0: back to back, the GPU at its sustained power and clock).\n"
+    "      --fixed-only: only the fixed shapes. Needs a CUDA build and a GPU.\n";
 
 #ifndef FP8MOE_CUDA
 int bench_gemm_main(int argc, char **argv) {
@@ -77,7 +83,8 @@ static int ceil128(int x) { return (x + 127) / 128 * 128; }
 // ---------------------------------------------------------------------------- buffers
 // One set of device buffers, sized for the largest row, reused by every row.
 typedef struct {
-    float *src;          // random FP32 operands (every operand reads a prefix; they may alias: read-only)
+    float *src;          // random FP32 activation-side operands (each reads a prefix)
+    float *src_b;        // random FP32 other operands (weights; Wgrad's X), different values
     float *out;          // FP32 outputs (Fprop/Dgrad real output, Wgrad dW)
     uint16_t *out_bf16;  // BF16 outputs
     uint16_t *bf_a, *bf_b;
@@ -92,7 +99,7 @@ static void *dalloc(size_t bytes) {
 }
 
 // Deterministic uniform [-1, 1) noise, generated on the host (OpenMP) and copied once.
-static void fill_random(float *d, size_t n) {
+static void fill_random(float *d, size_t n, uint64_t seed) {
     float *h = malloc(n * sizeof(float));
     if (h == NULL) {
         fprintf(stderr, "%s:%d: out of host memory (%zu floats)\n", __FILE__, __LINE__, n);
@@ -100,7 +107,7 @@ static void fill_random(float *d, size_t n) {
     }
 #pragma omp parallel for schedule(static)
     for (size_t i = 0; i < n; i++) {
-        uint64_t z = (uint64_t)i * 0x9E3779B97F4A7C15ull + 12345;
+        uint64_t z = (uint64_t)i * 0x9E3779B97F4A7C15ull + seed;
         z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
         z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
         z ^= z >> 31;
@@ -112,9 +119,17 @@ static void fill_random(float *d, size_t n) {
 
 // ---------------------------------------------------------------------------- timing
 typedef struct {
-    int runs, warmup;
+    int runs, warmup, idle_ms;
     cudaEvent_t *ev;
 } Timer;
+
+// Waits for the GPU, then leaves it idle for t->idle_ms (power and clock recover; see the file comment).
+static void idle(const Timer *t) {
+    if (t->idle_ms <= 0) return;
+    BENCH_CHECK(cudaDeviceSynchronize());
+    const struct timespec ts = {t->idle_ms / 1000, (long)(t->idle_ms % 1000) * 1000000L};
+    nanosleep(&ts, NULL);
+}
 
 static int cmp_float(const void *a, const void *b) {
     const float x = *(const float *)a, y = *(const float *)b;
@@ -125,6 +140,7 @@ typedef void (*BenchFn)(const GemmRow *row, Buffers *B);
 
 // Median milliseconds of one call of fn over t->runs back-to-back calls.
 static double median_ms(const Timer *t, BenchFn fn, const GemmRow *row, Buffers *B) {
+    idle(t);
     for (int i = 0; i < t->warmup; i++) fn(row, B);
     BENCH_CHECK(cudaEventRecord(t->ev[0], 0));
     for (int i = 0; i < t->runs; i++) {
@@ -162,7 +178,7 @@ static void fp8_quantise_activations(const GemmRow *r, Buffers *B) {
     } else {
         quantise_or_die(fp8_quantize_128x1_transposed(DEVICE_CUDA, B->q_a, B->s_a, B->src, r->K, r->M, err, sizeof err),
                         "dY", err);
-        quantise_or_die(fp8_quantize_128x1_transposed(DEVICE_CUDA, B->q_b, B->s_b, B->src, r->K, r->N, err, sizeof err),
+        quantise_or_die(fp8_quantize_128x1_transposed(DEVICE_CUDA, B->q_b, B->s_b, B->src_b, r->K, r->N, err, sizeof err),
                         "X", err);
     }
 }
@@ -171,9 +187,9 @@ static void fp8_quantise_activations(const GemmRow *r, Buffers *B) {
 static void fp8_quantise_weights(const GemmRow *r, Buffers *B) {
     char err[256];
     if (r->op == OP_FPROP)
-        quantise_or_die(fp8_quantize_128x128(DEVICE_CUDA, B->q_b, NULL, B->s_b, B->src, r->N, r->K, err, sizeof err), "W", err);
+        quantise_or_die(fp8_quantize_128x128(DEVICE_CUDA, B->q_b, NULL, B->s_b, B->src_b, r->N, r->K, err, sizeof err), "W", err);
     else if (r->op == OP_DGRAD)
-        quantise_or_die(fp8_quantize_128x128(DEVICE_CUDA, B->q_b, B->q_bt, B->s_b, B->src, r->K, r->N, err, sizeof err), "W", err);
+        quantise_or_die(fp8_quantize_128x128(DEVICE_CUDA, B->q_b, B->q_bt, B->s_b, B->src_b, r->K, r->N, err, sizeof err), "W", err);
 }
 
 static void fp8_gemm_only(const GemmRow *r, Buffers *B) {
@@ -199,7 +215,7 @@ static void fp8_api(const GemmRow *r, Buffers *B) {
 //   Wgrad a = dY (K, M) transposed, b = X (K, N), FP32 output += .
 static void bf16_convert_activations(const GemmRow *r, Buffers *B) {
     cuda_float_to_bf16(B->bf_a, B->src, (int64_t)r->M * r->K);
-    if (r->op == OP_WGRAD) cuda_float_to_bf16(B->bf_b, B->src, (int64_t)r->K * r->N);
+    if (r->op == OP_WGRAD) cuda_float_to_bf16(B->bf_b, B->src_b, (int64_t)r->K * r->N);
 }
 
 static void bf16_gemm_only(const GemmRow *r, Buffers *B) {
@@ -214,9 +230,9 @@ static void bf16_convert_gemm(const GemmRow *r, Buffers *B) {
 }
 
 static void bf16_api(const GemmRow *r, Buffers *B) {
-    if (r->op == OP_FPROP) bf16_matmul_forward(DEVICE_CUDA, B->out, B->src, B->src, r->M, r->K, r->N);
-    else if (r->op == OP_DGRAD) bf16_matmul_backward(DEVICE_CUDA, B->out, NULL, B->src, NULL, B->src, r->M, r->N, r->K);
-    else bf16_matmul_backward(DEVICE_CUDA, NULL, B->out, B->src, B->src, NULL, r->K, r->N, r->M);
+    if (r->op == OP_FPROP) bf16_matmul_forward(DEVICE_CUDA, B->out, B->src, B->src_b, r->M, r->K, r->N);
+    else if (r->op == OP_DGRAD) bf16_matmul_backward(DEVICE_CUDA, B->out, NULL, B->src, NULL, B->src_b, r->M, r->N, r->K);
+    else bf16_matmul_backward(DEVICE_CUDA, NULL, B->out, B->src, B->src_b, NULL, r->K, r->N, r->M);
 }
 
 // ---------------------------------------------------------------------------- shapes
@@ -313,10 +329,12 @@ static void bench_quantisers(const Timer *t, Buffers *B, int R, int C) {
 // ---------------------------------------------------------------------------- main
 int bench_gemm_main(int argc, char **argv) {
     const char *job = "configs/bench-1gpu.ini";
-    int runs = 50, warmup = 5, job_given = 0;
+    int runs = 50, warmup = 5, idle_ms = 0, fixed_only = 0, job_given = 0;
     for (int i = 0; i < argc; i++) {
         const char *a = argv[i];
-        if ((!strcmp(a, "--runs") || !strcmp(a, "--warmup")) && i + 1 < argc) {
+        if (!strcmp(a, "--fixed-only")) {
+            fixed_only = 1;
+        } else if ((!strcmp(a, "--runs") || !strcmp(a, "--warmup") || !strcmp(a, "--idle-ms")) && i + 1 < argc) {
             char *end = NULL;
             const long v = strtol(argv[++i], &end, 10);
             if (end == argv[i] || *end != '\0' || v < 1 || v > 100000) {
@@ -325,7 +343,8 @@ int bench_gemm_main(int argc, char **argv) {
                 return 2;
             }
             if (!strcmp(a, "--runs")) runs = (int)v;
-            else warmup = (int)v;
+            else if (!strcmp(a, "--warmup")) warmup = (int)v;
+            else idle_ms = (int)v;
         } else if (a[0] != '-' && !job_given) {
             job = a, job_given = 1;
         } else {
@@ -354,7 +373,7 @@ int bench_gemm_main(int argc, char **argv) {
             add_row(rows, &n_rows, name, (GemmOp)op, fixed[s][0], fixed[s][1], fixed[s][2]);
         }
     const int n_fixed = n_rows;
-    add_job_linears(rows, &n_rows, &cfg);
+    if (!fixed_only) add_job_linears(rows, &n_rows, &cfg);
 
     // sizes: activation side (M, K) [Wgrad: (K, M)], other side (N, K) [Dgrad, Wgrad: (K, N)], output (M, N),
     // padded to 128 in every dimension (quantised operands and BF16 outputs are padded)
@@ -374,18 +393,18 @@ int bench_gemm_main(int argc, char **argv) {
         if (quant_n[k] > side_b) side_b = quant_n[k];
         if (quant_n[k] > side_out) side_out = quant_n[k];
     }
-    const size_t src_n = side_a > side_b ? side_a : side_b;
     Buffers B;
-    B.src = dalloc(src_n * sizeof(float));
+    B.src = dalloc(side_a * sizeof(float)), B.src_b = dalloc(side_b * sizeof(float));
     B.out = dalloc(side_out * sizeof(float));
     B.out_bf16 = dalloc(side_out * sizeof(uint16_t));
     B.bf_a = dalloc(side_a * sizeof(uint16_t)), B.bf_b = dalloc(side_b * sizeof(uint16_t));
     B.q_a = dalloc(side_a), B.q_b = dalloc(side_b), B.q_bt = dalloc(side_b);
     B.s_a = dalloc((side_a / 128 + 4096) * sizeof(float)), B.s_b = dalloc((side_b / 128 + 4096) * sizeof(float));
-    fill_random(B.src, src_n);
+    fill_random(B.src, side_a, 12345);
+    fill_random(B.src_b, side_b, 67890);
     BENCH_CHECK(cudaMemset(B.out, 0, side_out * sizeof(float)));
 
-    Timer t = {runs, warmup, malloc(sizeof(cudaEvent_t) * (size_t)(runs + 1))};
+    Timer t = {runs, warmup, idle_ms, malloc(sizeof(cudaEvent_t) * (size_t)(runs + 1))};
     for (int i = 0; i <= runs; i++) BENCH_CHECK(cudaEventCreate(&t.ev[i]));
 
     struct cudaDeviceProp prop;
@@ -395,7 +414,8 @@ int bench_gemm_main(int argc, char **argv) {
     printf("fp8moe bench gemm: %s (%d SMs), cuBLASLt %zu, job %s (T = %d tokens per micro-batch)\n", prop.name,
            prop.multiProcessorCount, cublasLtGetVersion(), job, cfg.train.micro_batch_size * cfg.train.seq_len);
     printf("M x N x K = (M, N) output, contraction K; TFLOPS = 2MNK / median time of %d runs after %d warm-up "
-           "(CUDA events)\n", runs, warmup);
+           "(CUDA events); %s\n", runs, warmup, idle_ms > 0 ? "GPU idle before each measurement" : "back to back");
+    if (idle_ms > 0) printf("idle %d ms before each measurement\n", idle_ms);
     printf("fp8: block-scaled E4M3 (1x128 activations, 128x128 weights; Wgrad 1x128 along T), FP32 accumulation "
            "promoted every 128\n\n");
     printf("%-14s %-5s %20s | %9s %9s %9s | %9s %9s %9s | %7s %9s\n", "shape", "op", "M x N x K", "fp8 gemm",
@@ -406,7 +426,7 @@ int bench_gemm_main(int argc, char **argv) {
         fp8_quantise_weights(r, &B);
         fp8_quantise_activations(r, &B);
         cuda_float_to_bf16(B.bf_a, B.src, (int64_t)r->M * r->K);
-        cuda_float_to_bf16(B.bf_b, B.src, (int64_t)r->N * r->K);
+        cuda_float_to_bf16(B.bf_b, B.src_b, (int64_t)r->N * r->K);
         const double flop = 2.0 * r->M * r->N * r->K;
         const double ms[6] = {median_ms(&t, fp8_gemm_only, r, &B), median_ms(&t, fp8_quant_gemm, r, &B),
                               median_ms(&t, fp8_api, r, &B), median_ms(&t, bf16_gemm_only, r, &B),
@@ -418,12 +438,14 @@ int bench_gemm_main(int argc, char **argv) {
         printf(" | %6.2fx %9.4f\n", ms[3] / ms[0], ms[0]);
         fflush(stdout);
     }
-    bench_quantisers(&t, &B, (int)quant_R, (int)quant_C);
-    bench_quantisers(&t, &B, (int)job_T, (int)job_C);
+    if (!fixed_only) {
+        bench_quantisers(&t, &B, (int)quant_R, (int)quant_C);
+        bench_quantisers(&t, &B, (int)job_T, (int)job_C);
+    }
 
     for (int i = 0; i <= runs; i++) BENCH_CHECK(cudaEventDestroy(t.ev[i]));
     free(t.ev);
-    void *bufs[] = {B.src, B.out, B.out_bf16, B.bf_a, B.bf_b, B.q_a, B.q_b, B.q_bt, B.s_a, B.s_b};
+    void *bufs[] = {B.src, B.src_b, B.out, B.out_bf16, B.bf_a, B.bf_b, B.q_a, B.q_b, B.q_bt, B.s_a, B.s_b};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) BENCH_CHECK(cudaFree(bufs[i]));
     return 0;
 }

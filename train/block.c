@@ -7,6 +7,7 @@
 
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 // ---------------------------------------------------------------------------- allocation
 void *arena_alloc(ActsArena *a, size_t bytes) {
@@ -22,9 +23,19 @@ void *arena_alloc(ActsArena *a, size_t bytes) {
 
 void arena_free_all(ActsArena *a) {
     for (int i = 0; i < a->n; i++) device_free(a->dev, a->ptrs[i]);
+    for (int i = 0; i < a->n_host; i++) free(a->host_ptrs[i]);
     free(a->ptrs);
-    a->ptrs = NULL;
-    a->n = a->cap = 0;
+    free(a->host_ptrs);
+    memset(a, 0, sizeof *a);
+}
+
+// Host-side integer buffers of the same lifetime (copies of small device results the host loops over).
+static int *host_ints(ActsArena *a, int64_t n) {
+    a->host_ptrs = realloc(a->host_ptrs, (size_t)(a->n_host + 1) * sizeof(void *));
+    int *p = calloc((size_t)(n ? n : 1), sizeof(int));
+    if (!a->host_ptrs || !p) { fprintf(stderr, "fp8moe: out of host memory (train/block.c)\n"); exit(1); }
+    a->host_ptrs[a->n_host++] = p;
+    return p;
 }
 
 static void mla_acts_alloc(ActsArena *ar, MlaActs *a, const Dims *d) {
@@ -76,6 +87,8 @@ void block_acts_alloc(ActsArena *ar, BlockActs *a, const Dims *d, int is_moe) {
     e->topk_w = ARENA_REALS(ar, NK);
     e->plain_topk = ARENA_INTS(ar, NK);
     e->seg_offsets = ARENA_INTS(ar, d->E + 1);
+    e->seg_offsets_host = host_ints(ar, d->E + 1);
+    e->topk_host = host_ints(ar, NK);
     e->seg_token = ARENA_INTS(ar, NK);
     e->slot_of = ARENA_INTS(ar, NK);
     e->xp = ARENA_REALS(ar, NK * D);

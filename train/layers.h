@@ -18,6 +18,8 @@ typedef struct {
     Device dev;
     void **ptrs;
     int n, cap;
+    void **host_ptrs;  // host buffers freed with the arena
+    int n_host;
 } ActsArena;
 void *arena_alloc(ActsArena *a, size_t bytes);
 void arena_free_all(ActsArena *a);
@@ -61,7 +63,9 @@ typedef struct {
     real *topk_w;             // (N, K) gate weights
     int *plain_topk;          // (N, K) balance loss indicators (input when routing is frozen)
     real balance_loss;
-    int *seg_offsets;         // (E+1)
+    int *seg_offsets;         // (E+1) on the device
+    int *seg_offsets_host;    // (E+1) host copy: the expert loop and the EP seam run on the host
+    int *topk_host;           // (N, K) host copy of topk_idx for the load counts
     int *seg_token;           // (N*K) source token of each permuted row
     int *slot_of;             // (N*K) permuted row of each (t, k)
     real *xp;                 // (N*K, D) permuted expert inputs

@@ -49,8 +49,10 @@ void format_step_line(char *buf, size_t size, const StepMetrics *s) {
     format_duration(elapsed, sizeof elapsed, s->elapsed_s);
     format_duration(eta, sizeof eta, s->eta_s);
     snprintf(buf, size,
-             "step %d/%d | loss %.4f%s | bal %.2e%s | lr %.2e | gnorm %.3f | %s tok/s | elapsed %s | eta %s%s",
-             s->step, s->total_steps, s->loss, mtp, s->balance, load, s->lr, s->grad_norm, tok, elapsed, eta, fp8);
+             "step %d/%d | loss %.4f%s | bal %.2e%s | lr %.2e | gnorm %.3f | %s tok/s | %.3g TFLOPS | elapsed %s | "
+             "eta %s%s",
+             s->step, s->total_steps, s->loss, mtp, s->balance, load, s->lr, s->grad_norm, tok, s->model_tflops, elapsed,
+             eta, fp8);
 }
 
 void format_eval_line(char *buf, size_t size, const EvalMetrics *e) {
@@ -100,6 +102,7 @@ int metrics_write_step(MetricsLog *log, const StepMetrics *s, char *err, size_t 
     json_number(line, sizeof line, "lr", s->lr);
     json_number(line, sizeof line, "grad_norm", s->grad_norm);
     json_number(line, sizeof line, "tokens_per_s", s->tokens_per_s);
+    json_number(line, sizeof line, "model_tflops", s->model_tflops);
     json_number(line, sizeof line, "elapsed_s", s->elapsed_s);
     if (s->has_fp8) {
         size_t len = strlen(line);

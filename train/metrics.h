@@ -22,6 +22,7 @@ typedef struct {
     double lr;
     double grad_norm;            // global L2 norm before clipping
     double tokens_per_s;
+    double model_tflops;         // tokens_per_s x model FLOPs per token (model_flops_per_token), per device
     double elapsed_s;            // wall time since training started
     double eta_s;                // estimated time to the last step
     int has_fp8;                 // precision = fp8: fp8_gemms is meaningful
@@ -41,7 +42,7 @@ void format_duration(char *buf, size_t size, double seconds);
 void format_thousands(char *buf, size_t size, double x);
 
 // `step 12/1000 | loss 2.3456 | mtp 2.4567 | bal 1.02e-04 | load max/mean 1.23 | lr 1.00e-03 |
-//  gnorm 0.456 | 12,345 tok/s | elapsed 1m02s | eta 9m15s` (mtp and load parts only when present;
+//  gnorm 0.456 | 12,345 tok/s | 0.041 TFLOPS | elapsed 1m02s | eta 9m15s` (mtp and load parts only when present;
 //  `| fp8 gemms 540` at the end in fp8 mode).
 void format_step_line(char *buf, size_t size, const StepMetrics *s);
 // `eval step 100 | val_loss=1.9876 | 3.2s`

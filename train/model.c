@@ -11,6 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "optim/bias_balance.h"
 #include "train/layers.h"
 #include "train/linear.h"
 #include "train/rng.h"
@@ -247,7 +248,7 @@ int model_create(Model *m, const Config *cfg, Device dev, int n_chunks, char *er
     free(tb.init_std);
 
     int E = cfg->moe.n_routed_experts;
-    m->router_bias = calloc((size_t)(m->n_moe_layers ? m->n_moe_layers : 1) * E, sizeof(real));
+    m->router_bias = device_alloc(dev, (size_t)(m->n_moe_layers ? m->n_moe_layers : 1) * E * sizeof(real));
     m->expert_load = calloc((size_t)(m->n_moe_layers ? m->n_moe_layers : 1) * E, sizeof(int64_t));
     m->loss_weights.main = 1;
     for (int k = 0; k < depth; k++) m->loss_weights.mtp[k] = (real)(cfg->mtp.loss_weight / depth);
@@ -272,7 +273,7 @@ void model_free(Model *m) {
     free(m->g.blocks);
     free(m->w.mtp);
     free(m->g.mtp);
-    free(m->router_bias);
+    device_free(m->dev, m->router_bias);
     free(m->expert_load);
     free(m->chunks);
     memset(m, 0, sizeof *m);
@@ -307,9 +308,37 @@ void model_zero_load(Model *m) {
     memset(m->expert_load, 0, (size_t)m->n_moe_layers * m->cfg.moe.n_routed_experts * sizeof(int64_t));
 }
 
+double model_update_router_bias(Model *m) {
+    int E = m->cfg.moe.n_routed_experts;
+    size_t bytes = (size_t)m->n_moe_layers * E * sizeof(real);
+    if (m->n_moe_layers == 0) return 0;
+    real *bias = malloc(bytes);  // E x layers values: the update runs on the host
+    if (!bias) { fprintf(stderr, "fp8moe: out of host memory (router bias update)\n"); exit(1); }
+    device_memcpy_to_host(m->dev, bias, m->router_bias, bytes);
+    double worst = 0;
+    for (int l = 0; l < m->n_moe_layers; l++) {
+        const int64_t *counts = m->expert_load + (int64_t)l * E;
+        double ratio = max_mean_load(counts, E);
+        if (ratio > worst) worst = ratio;
+        bias_update(bias + (int64_t)l * E, counts, E, m->cfg.moe.bias_update_speed);
+    }
+    device_memcpy_from_host(m->dev, m->router_bias, bias, bytes);
+    free(bias);
+    model_zero_load(m);
+    return worst;
+}
+
+double model_flops_per_token(const Model *m, int T) {
+    const ModelConfig *c = &m->cfg.model;
+    double attention = 6.0 * c->n_layers * c->n_heads * (double)T *
+                       (c->qk_nope_head_dim + c->qk_rope_head_dim + c->v_head_dim) / 2.0;
+    return 6.0 * (double)model_active_params(m) + attention;
+}
+
 // ---------------------------------------------------------------------------- activations
 typedef struct {
-    int *tok, *tgt;            // (N): input token t_{i+k} and target t_{i+k+1} (-1 = masked)
+    int *tok, *tgt;            // (N) host: input token t_{i+k} and target t_{i+k+1} (-1 = masked)
+    int *d_tok, *d_tgt;        // the same on the device
     real *e, *en, *en_rstd;    // embedding of tok, its RMSNorm
     real *hn, *hn_rstd;        // RMSNorm of the previous depth's hidden state
     real *cat;                 // (N, 2D) = [en ; hn]
@@ -326,7 +355,8 @@ struct ChunkActs {
     int chunk;
     Dims d;
     int V;                     // vocabulary size
-    int *inputs, *targets;     // (N) host copies of this micro-batch's tokens
+    int *targets;              // (N) host copy of this micro-batch's targets (loss counts, MTP tokens)
+    int *d_inputs, *d_targets; // the micro-batch's tokens on the device
     real *resid;               // (n_blocks + 1, N, D) residual stream at block boundaries
     BlockActs *blocks;
     LayerScratch scratch;
@@ -350,8 +380,9 @@ ChunkActs *chunk_acts_create(const Model *m, int chunk, int B, int T) {
     const Dims *d = &a->d;
     ActsArena *ar = &a->arena;
     int64_t N = d->N, D = d->D, V = c->model.vocab_size;
-    a->inputs = calloc((size_t)N, sizeof(int));
     a->targets = calloc((size_t)N, sizeof(int));
+    a->d_inputs = ARENA_INTS(ar, N);
+    a->d_targets = ARENA_INTS(ar, N);
     a->resid = ARENA_REALS(ar, (cs->n_blocks + 1) * N * D);
     a->blocks = calloc((size_t)cs->n_blocks, sizeof(BlockActs));
     int has_moe = 0;
@@ -376,6 +407,8 @@ ChunkActs *chunk_acts_create(const Model *m, int chunk, int B, int T) {
             MtpActs *t = &a->mtp[k];
             t->tok = calloc((size_t)N, sizeof(int));
             t->tgt = calloc((size_t)N, sizeof(int));
+            t->d_tok = ARENA_INTS(ar, N);
+            t->d_tgt = ARENA_INTS(ar, N);
             t->e = ARENA_REALS(ar, N * D);
             t->en = ARENA_REALS(ar, N * D);
             t->en_rstd = ARENA_REALS(ar, N);
@@ -409,17 +442,17 @@ void chunk_acts_free(ChunkActs *a) {
     }
     free(a->mtp);
     free(a->blocks);
-    free(a->inputs);
     free(a->targets);
     arena_free_all(&a->arena);
     free(a);
 }
 
 // ---------------------------------------------------------------------------- head and MTP
-// Mean cross-entropy of logits (N, V) against targets; fills losses/probs, returns the mean over valid rows.
-static double head_loss(Device dev, real *losses, real *probs, const real *logits, const int *targets, int N,
-                        int V, int64_t *n_valid) {
-    crossentropy_forward(dev, losses, probs, logits, targets, N, V);
+// Mean cross-entropy of logits (N, V) against targets (d_targets on the device, the same on the host);
+// fills losses/probs, returns the mean over valid rows.
+static double head_loss(Device dev, real *losses, real *probs, const real *logits, const int *d_targets,
+                        const int *targets, int N, int V, int64_t *n_valid) {
+    crossentropy_forward(dev, losses, probs, logits, d_targets, N, V);
     real *host = malloc((size_t)N * sizeof(real));
     device_memcpy_to_host(dev, host, losses, (size_t)N * sizeof(real));
     double sum = 0;
@@ -458,7 +491,9 @@ static double mtp_forward(Model *m, ChunkActs *a, int k) {
     MtpActs *t = &a->mtp[k];
     const real *h_prev = k == 0 ? a->hn : a->mtp[k - 1].ho;
     model_mtp_tokens(t->tok, t->tgt, a->targets, d->B, d->T, k + 1);
-    embedding_forward(dev, t->e, t->tok, m->w.embed, N, D);
+    device_memcpy_from_host(dev, t->d_tok, t->tok, (size_t)N * sizeof(int));
+    device_memcpy_from_host(dev, t->d_tgt, t->tgt, (size_t)N * sizeof(int));
+    embedding_forward(dev, t->e, t->d_tok, m->w.embed, N, D);
     rmsnorm_forward(dev, t->en, t->en_rstd, t->e, w->enorm, N, D);
     rmsnorm_forward(dev, t->hn, t->hn_rstd, h_prev, w->hnorm, N, D);
     copy_block(dev, t->cat, 2 * D, t->en, D, N, D, 0);  // embedding first, as in released weights
@@ -467,7 +502,7 @@ static double mtp_forward(Model *m, ChunkActs *a, int k) {
     block_forward(m, &w->block, &t->block, d, t->x0, t->x1);
     rmsnorm_forward(dev, t->ho, t->ho_rstd, t->x1, w->norm, N, D);
     matmul_forward(dev, t->logits, t->ho, m->w.head, N, D, V);
-    return head_loss(dev, t->losses, t->probs, t->logits, t->tgt, N, V, &t->n_valid);
+    return head_loss(dev, t->losses, t->probs, t->logits, t->d_tgt, t->tgt, N, V, &t->n_valid);
 }
 
 // Backward of MTP depth k: the gradient into h^{k-1} is added to d_h_prev.
@@ -481,7 +516,7 @@ static void mtp_backward(Model *m, ChunkActs *a, int k, real *d_h_prev, real los
     const real *h_prev = k == 0 ? a->hn : a->mtp[k - 1].ho;
     // d h^k = (from this depth's head) + (from depth k+1, already in t->d_h)
     real dloss = t->n_valid ? loss_scale * m->loss_weights.mtp[k] / (real)t->n_valid : 0;
-    crossentropy_backward(dev, a->d_logits, t->probs, t->tgt, dloss, N, V);
+    crossentropy_backward(dev, a->d_logits, t->probs, t->d_tgt, dloss, N, V);
     matmul_backward(dev, t->d_h, m->g.head, a->d_logits, t->ho, m->w.head, N, D, V);
     device_memset_zero(dev, a->d_cur, bytes);
     rmsnorm_backward(dev, a->d_cur, g->norm, t->d_h, t->x1, w->norm, t->ho_rstd, N, D);
@@ -493,7 +528,7 @@ static void mtp_backward(Model *m, ChunkActs *a, int k, real *d_h_prev, real los
     copy_block(dev, a->d_tmp, D, a->d_cat, 2 * D, N, D, 0);
     device_memset_zero(dev, a->d_cur, bytes);
     rmsnorm_backward(dev, a->d_cur, g->enorm, a->d_tmp, t->e, w->enorm, t->en_rstd, N, D);
-    embedding_backward(dev, m->g.embed, a->d_cur, t->tok, N, D);
+    embedding_backward(dev, m->g.embed, a->d_cur, t->d_tok, N, D);
     copy_block(dev, a->d_tmp, D, a->d_cat + D, 2 * D, N, D, 0);
     rmsnorm_backward(dev, d_h_prev, g->hnorm, a->d_tmp, h_prev, w->hnorm, t->hn_rstd, N, D);
 }
@@ -510,11 +545,12 @@ real chunk_forward(Model *m, int chunk, ChunkActs *a, const int *inputs, const i
     const Dims *d = &a->d;
     int N = d->N, D = d->D, V = m->cfg.model.vocab_size;
     size_t bytes = (size_t)N * D * sizeof(real);
-    memcpy(a->inputs, inputs, (size_t)N * sizeof(int));
     memcpy(a->targets, targets, (size_t)N * sizeof(int));
+    device_memcpy_from_host(dev, a->d_inputs, inputs, (size_t)N * sizeof(int));
+    device_memcpy_from_host(dev, a->d_targets, targets, (size_t)N * sizeof(int));
     memset(&a->terms, 0, sizeof a->terms);
     if (cs->has_embedding)
-        embedding_forward(dev, a->resid, inputs, m->w.embed, N, D);
+        embedding_forward(dev, a->resid, a->d_inputs, m->w.embed, N, D);
     else
         device_memcpy_from_host(dev, a->resid, in_hidden, bytes);  // host pointer in one process
     double balance = 0;
@@ -532,7 +568,7 @@ real chunk_forward(Model *m, int chunk, ChunkActs *a, const int *inputs, const i
     }
     rmsnorm_forward(dev, a->hn, a->hn_rstd, x_last, m->w.norm, N, D);
     matmul_forward(dev, a->logits, a->hn, m->w.head, N, D, V);
-    lt->main = head_loss(dev, a->losses, a->probs, a->logits, targets, N, V, &lt->n_valid);
+    lt->main = head_loss(dev, a->losses, a->probs, a->logits, a->d_targets, targets, N, V, &lt->n_valid);
     double total = m->loss_weights.main * lt->main;
     int depth = m->cfg.mtp.depth;
     for (int k = 0; k < depth; k++) {
@@ -562,7 +598,7 @@ void chunk_backward(Model *m, int chunk, ChunkActs *a, const real *dout_hidden, 
         for (int k = depth - 1; k >= 0; k--)
             mtp_backward(m, a, k, k == 0 ? a->d_hn : a->mtp[k - 1].d_h, loss_scale);
         real dloss = a->terms.n_valid ? loss_scale * m->loss_weights.main / (real)a->terms.n_valid : 0;
-        crossentropy_backward(dev, a->d_logits, a->probs, a->targets, dloss, N, V);
+        crossentropy_backward(dev, a->d_logits, a->probs, a->d_targets, dloss, N, V);
         matmul_backward(dev, a->d_hn, m->g.head, a->d_logits, a->hn, m->w.head, N, D, V);
         device_memset_zero(dev, a->d_cur, bytes);
         rmsnorm_backward(dev, a->d_cur, m->g.norm, a->d_hn, a->resid + (int64_t)cs->n_blocks * N * D, m->w.norm,
@@ -576,7 +612,7 @@ void chunk_backward(Model *m, int chunk, ChunkActs *a, const real *dout_hidden, 
                        d_balance);
     }
     if (cs->has_embedding)
-        embedding_backward(dev, m->g.embed, a->d_cur, a->inputs, N, D);
+        embedding_backward(dev, m->g.embed, a->d_cur, a->d_inputs, N, D);
     else
         device_memcpy_to_host(dev, din_hidden, a->d_cur, bytes);
 }

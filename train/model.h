@@ -89,8 +89,8 @@ typedef struct {
     real *grads;         // flat gradients, same layout
     ModelWeights w, g;   // pointer views into weights and grads
     int n_moe_layers;    // MoE layers in the main model and the MTP modules
-    real *router_bias;   // (n_moe_layers, E): selection bias, updated by the balancer, not by gradients
-    int64_t *expert_load;  // (n_moe_layers, E): tokens routed to each expert since the last reset
+    real *router_bias;   // (n_moe_layers, E) on dev: selection bias, updated by the balancer, not by gradients
+    int64_t *expert_load;  // (n_moe_layers, E) on the host: tokens routed to each expert since the last reset
     int count_load;      // count expert load in forward passes (training, not eval)
     int freeze_routing;  // reuse the routing stored in the ChunkActs (gradient checks)
     LossWeights loss_weights;
@@ -153,5 +153,12 @@ void model_mtp_tokens(int *tok, int *tgt, const int *targets, int B, int T, int 
 
 void model_zero_grads(Model *m);
 void model_zero_load(Model *m);
+// End of a training step: the aux-loss-free bias update of every MoE layer from the step's expert load
+// (b_i += gamma * sign(mean load - load_i), gamma = moe.bias_update_speed), then the load counts are
+// reset. Returns the worst layer's max/mean load of the step (0 without MoE layers).
+double model_update_router_bias(Model *m);
+// Model FLOPs per token for throughput accounting (docs/model.md): 6 x active parameters plus causal
+// attention 6 x layers x heads x T x (qk_head_dim + v_head_dim) / 2 over the main model's layers.
+double model_flops_per_token(const Model *m, int T);
 
 #endif

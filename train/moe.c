@@ -80,13 +80,15 @@ void moe_forward(Model *m, const BlockWeights *w, MoeActs *a, const Dims *d, con
                                                m->freeze_routing);
     if (m->count_load) {  // aux-loss-free balancing counts the routed tokens of training passes only
         int64_t *load = m->expert_load + (int64_t)w->moe_index * E;
-        for (int i = 0; i < N * K; i++) load[a->topk_idx[i]]++;
+        device_memcpy_to_host(dev, a->topk_host, a->topk_idx, (size_t)N * K * sizeof(int));
+        for (int i = 0; i < N * K; i++) load[a->topk_host[i]]++;
     }
     // shared expert writes out, routed experts are added on top
     ffn_forward(m, &w->moe.shared, &a->shared, N, D, d->shared_I, x, out);
     moe_permute_plan(a->seg_offsets, a->seg_token, a->slot_of, a->topk_idx, N, K, E);
+    device_memcpy_to_host(dev, a->seg_offsets_host, a->seg_offsets, (size_t)(E + 1) * sizeof(int));
     gather_rows(dev, a->xp, x, a->seg_token, N * K, D);
-    ep_dispatch(&m->ep, a->xp, a->seg_offsets, D, &a->ep_buf);
+    ep_dispatch(&m->ep, a->xp, a->seg_offsets_host, D, &a->ep_buf);
     experts_forward(m, &w->moe.experts, &a->experts, a->ep_buf.seg_offsets, m->ep.experts_per_rank, D, d->I,
                     a->ep_buf.rows, a->eout);
     a->eout_perm = ep_combine(&m->ep, &a->ep_buf, a->eout);

@@ -403,7 +403,7 @@ int trainer_run(const Config *cfg) {
     r.signals_set = 1;
 
     // ---- steps
-    const int E = cfg->moe.n_routed_experts;
+    const double flops_per_token = model_flops_per_token(m, T);
     const int64_t tokens_per_step = (int64_t)A * B * T;
     const double t_start = now_s();
     double train_s = 0, train_s_at_last_line = 0;
@@ -453,14 +453,7 @@ int trainer_run(const Config *cfg) {
         const float scale = clip_scale(gnorm, cfg->optim.grad_clip);
         const double lr = lr_at(&cfg->optim, step, total_steps);
         adamw_step(&r.opt, m->weights, m->grads, r.groups, n_groups, (float)lr, scale, s);
-        double worst_load = 0;
-        for (int l = 0; l < m->n_moe_layers; l++) {
-            const int64_t *counts = m->expert_load + (int64_t)l * E;
-            double ratio = max_mean_load(counts, E);
-            if (ratio > worst_load) worst_load = ratio;
-            bias_update(m->router_bias + (int64_t)l * E, counts, E, cfg->moe.bias_update_speed);
-        }
-        model_zero_load(m);
+        const double worst_load = model_update_router_bias(m);
         step = s;
         const double t1 = now_s();
         train_s += t1 - t0;
@@ -474,6 +467,7 @@ int trainer_run(const Config *cfg) {
                           .has_fp8 = cfg->precision.mode == PRECISION_FP8,
                           .fp8_gemms = m->fp8_gemm_count - fp8_gemms_before};
         sm.tokens_per_s = tokens_since_line / fmax(train_s - train_s_at_last_line, 1e-9);
+        sm.model_tflops = sm.tokens_per_s * flops_per_token * 1e-12;
         if (s % cfg->log.every == 0 || s == 1 || s == total_steps) {
             char line[512];
             format_step_line(line, sizeof line, &sm);

@@ -224,7 +224,8 @@ int weights_save(const Model *m, const char *path, char *err, size_t err_size) {
     for (int l = 0; l < m->n_moe_layers; l++) {
         char name[MODEL_NAME_MAX + 8];
         weights_router_bias_name(m, l, name, sizeof name);
-        for (int e = 0; e < E; e++) stage[e] = (float)m->router_bias[(int64_t)l * E + e];
+        device_memcpy_to_host(m->dev, host, m->router_bias + (int64_t)l * E, (size_t)E * sizeof *host);
+        for (int e = 0; e < E; e++) stage[e] = (float)host[e];
         if (write_dataset(file, tmp, name, 1, &E, stage, err, err_size) != 0) goto done;
     }
     if (!(text = config_text(&m->cfg))) {
@@ -380,7 +381,8 @@ int weights_load(Model *m, const char *path, char *err, size_t err_size) {
         char name[MODEL_NAME_MAX + 8];
         weights_router_bias_name(m, l, name, sizeof name);
         if (read_dataset(file, path, name, 1, &E, stage, err, err_size) != 0) goto done;
-        for (int e = 0; e < E; e++) m->router_bias[(int64_t)l * E + e] = (real)stage[e];
+        for (int e = 0; e < E; e++) host[e] = (real)stage[e];
+        device_memcpy_from_host(m->dev, m->router_bias + (int64_t)l * E, host, (size_t)E * sizeof *host);
     }
     if (check_no_unknown_datasets(m, file, path, err, err_size) != 0) goto done;
     rc = 0;

@@ -1,7 +1,9 @@
 /*
  * attention.c - CPU reference of the causal softmax attention core (attention_forward / _backward in
  * kernels.h): out = softmax(q k^T / sqrt(Dqk), causal) v per batch row and head, with the probabilities
- * materialised in att (B, H, T, T) for the backward pass.
+ * materialised in att (B, H, T, T) for the backward pass. att is the CPU form of kernels.h's backward
+ * "state" (attention_state_elems(DEVICE_CPU, ...) = B*H*T*T); the CUDA op keeps only a (B, H, T)
+ * log-sum-exp per query row and recomputes the probabilities (kernels/cuda/attention.cu).
  *
  * Each (b, h) pair is independent and writes only its own slices of out, att, dq, dk and dv, so OpenMP
  * splits over (b, h) and every output element is computed by one thread in a fixed order (sums over

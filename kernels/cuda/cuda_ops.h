@@ -28,6 +28,10 @@ void cuda_fp8_gemm_wgrad(real *dw, const uint8_t *qdyt, const float *sdyt, const
 void cuda_bf16_matmul_forward(real *out, const real *inp, const real *weight, int N, int C, int OC);
 void cuda_bf16_matmul_backward(real *dinp, real *dweight, const real *dout, const real *inp, const real *weight, int N, int C, int OC);
 
+// Causal attention core, flash-style (kernels/cuda/attention.cu); state = lse (B, H, T), see kernels.h.
+void cuda_attention_forward(real *out, real *state, const real *q, const real *k, const real *v, int B, int T, int H, int Dqk, int Dv);
+void cuda_attention_backward(real *dq, real *dk, real *dv, const real *dout, const real *state, const real *q, const real *k, const real *v, int B, int T, int H, int Dqk, int Dv);
+
 #ifdef __cplusplus
 }
 #endif

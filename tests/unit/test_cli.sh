@@ -70,7 +70,7 @@ else
        --set "data.text=$TEXT" --set "data.cache_dir=$TMP/cache" --set train.eval_every=2 \
        --set train.threads=1; then
     has train out '^\[model\]' && pass "train prints the resolved config"
-    has train out '^step 3/3 \| loss [0-9]+\.[0-9]{4} \| mtp [0-9.]+ \| bal [0-9.e+-]+ \| load max/mean [0-9.]+ \| lr [0-9.e+-]+ \| gnorm [0-9.]+ \| [0-9,]+ tok/s \| elapsed [0-9hms]+ \| eta [0-9hms]+$' \
+    has train out '^step 3/3 \| loss [0-9]+\.[0-9]{4} \| mtp [0-9.]+ \| bal [0-9.e+-]+ \| load max/mean [0-9.]+ \| lr [0-9.e+-]+ \| gnorm [0-9.]+ \| [0-9,]+ tok/s \| [0-9.e+-]+ TFLOPS \| elapsed [0-9hms]+ \| eta [0-9hms]+$' \
       && pass "step line format"
     has train out '^eval step 2 \| val_loss=[0-9]+\.[0-9]{4} \|' && has train out '^eval step 3 \| val_loss=[0-9]+\.[0-9]{4} \|' \
       && pass "val_loss= printed at eval_every and at the end"
