@@ -22,7 +22,7 @@
  * (default 5); the median is reported. Inputs are random (uniform in [-1, 1)), the two operands of a
  * GEMM different. An H200 running dense FP8 GEMMs back to back reaches its power limit and lowers its
  * clock, so sustained numbers (the default) are up to ~10% below those of a GPU that was idle a moment
- * before; --idle-ms N sleeps N ms before each measurement to show the latter (docs/gpu.md has both).
+ * before; --idle-ms N sleeps N ms before each measurement to show the latter (see docs/gpu.md).
  */
 #include "train/bench.h"
 

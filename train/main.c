@@ -1,5 +1,5 @@
 /*
- * main.c - the fp8moe command line: train, prep, sample, config-doc, help.
+ * main.c - the fp8moe command line: train, prep, sample, bench, config-doc, help.
  *
  * Only argument parsing lives here; each subcommand is one call into the library (trainer_run,
  * data_prep, sample_run, config_print_reference). Exit status: 0 success, 1 a failure while running,
@@ -12,6 +12,7 @@
 #include <string.h>
 
 #include "data/prep.h"
+#include "train/bench.h"
 #include "train/config.h"
 #include "train/sample.h"
 #include "train/trainer.h"
@@ -38,9 +39,9 @@ static const char *const usage_config_doc =
     "      Print the reference of every job-file key (Markdown, as docs/config.md).\n";
 
 static void print_usage(FILE *f) {
-    fprintf(f, "fp8moe - FP8 mixture-of-experts training (DeepSeek-V3 architecture)\n\nUsage:\n%s%s%s%s"
+    fprintf(f, "fp8moe - FP8 mixture-of-experts training (DeepSeek-V3 architecture)\n\nUsage:\n%s%s%s%s%s"
                "  fp8moe help | --help\n      Show this text. `fp8moe help COMMAND` shows one command.\n",
-            usage_train, usage_prep, usage_sample, usage_config_doc);
+            usage_train, usage_prep, usage_sample, usage_config_doc, bench_gemm_usage);
 }
 
 // Prints "fp8moe CMD: message" and the command's usage to stderr; returns the usage exit status.
@@ -239,6 +240,11 @@ int main(int argc, char **argv) {
     if (!strcmp(cmd, "train")) return cmd_train(argc - 2, argv + 2);
     if (!strcmp(cmd, "prep")) return cmd_prep(argc - 2, argv + 2);
     if (!strcmp(cmd, "sample")) return cmd_sample(argc - 2, argv + 2);
+    if (!strcmp(cmd, "bench")) {
+        if (argc > 2 && !strcmp(argv[2], "gemm")) return bench_gemm_main(argc - 3, argv + 3);
+        fprintf(stderr, "fp8moe bench: expected a benchmark name (gemm)\n\nUsage:\n%s", bench_gemm_usage);
+        return EXIT_USAGE;
+    }
     if (!strcmp(cmd, "config-doc")) {
         if (argc > 2 && !is_help(argv[2]))
             return usage_error("config-doc", usage_config_doc, "unexpected argument %s", argv[2]);
@@ -254,7 +260,7 @@ int main(int argc, char **argv) {
             const char *topic = argv[2];
             const char *u = !strcmp(topic, "train") ? usage_train : !strcmp(topic, "prep") ? usage_prep
                           : !strcmp(topic, "sample") ? usage_sample : !strcmp(topic, "config-doc") ? usage_config_doc
-                          : NULL;
+                          : !strcmp(topic, "bench") ? bench_gemm_usage : NULL;
             if (!u) {
                 fprintf(stderr, "fp8moe help: unknown command '%s'\n", topic);
                 print_usage(stderr);
@@ -266,7 +272,7 @@ int main(int argc, char **argv) {
         print_usage(stdout);
         return 0;
     }
-    fprintf(stderr, "fp8moe: unknown command '%s' (expected train, prep, sample, config-doc or help)\n", cmd);
+    fprintf(stderr, "fp8moe: unknown command '%s' (expected train, prep, sample, bench, config-doc or help)\n", cmd);
     print_usage(stderr);
     return EXIT_USAGE;
 }

@@ -168,8 +168,9 @@ static const int Q128_ROWS_PER_PASS = Q128_THREADS / 32;
 static const int Q128_PASSES = FP8_TILE / Q128_ROWS_PER_PASS; // 8 passes of 16 rows
 
 template <bool VEC4>
-__global__ void __launch_bounds__(Q128_THREADS, 2) quantize_128x128_kernel(uint8_t *q, uint8_t *qt, float *s, const float *w, int N, int K, int Np,
-                                        int Kp, int KB, int KB4, unsigned long long *bad) {
+__global__ void __launch_bounds__(Q128_THREADS, 2)
+    quantize_128x128_kernel(uint8_t *q, uint8_t *qt, float *s, const float *w, int N, int K, int Np, int Kp, int KB,
+                            int KB4, unsigned long long *bad) {
     __shared__ float scratch[32];
     __shared__ uint8_t tile[FP8_TILE][FP8_TILE + 1];
     const int kb = blockIdx.x, nb = blockIdx.y;
@@ -237,18 +238,17 @@ extern "C" int cuda_fp8_quantize_128x128(uint8_t *q, uint8_t *qt, float *s, cons
 
 // ---------------------------------------------------------------------------- 128x1 along T, transposed
 // x (T, C) -> q (C, Tp), s (TB, C). One block of 256 threads per 128 rows (t) x 32 columns (c): thread
-// t holds columns 4*(t%8)..+3 of rows t/8 + 32p (p = 0..3). Column maxima: per thread over its 4 rows,
-// then across the 4 lanes of a warp that share columns (shuffles), then 32 threads take the max over the
-// 8 warps' partials in shared memory (max is exact, so the order does not matter). The quantised bytes
+// t holds columns 4*(t%8)..+3 of rows t/8 + 32p (p = 0..3). Column maxima: per-thread partials into
+// shared memory, then 32 threads take the max over the 32 partials of one column. The quantised bytes
 // go to shared memory as [column][t] (row stride 132 bytes) so each output row q[c][t0..t0+127] is
 // written by one warp as 32 consecutive 4-byte words.
 static const int Q128X1_COLS = 32;
-#define Q128X1_THREADS 256
+static const int Q128X1_THREADS = 256;
 
 template <bool VEC4>
 __global__ void quantize_128x1_transposed_kernel(uint8_t *q, float *s, const float *x, int T, int C, int Tp,
                                                  unsigned long long *bad) {
-    __shared__ float partial[Q128X1_THREADS / 32][Q128X1_COLS + 1];
+    __shared__ float partial[32][Q128X1_COLS + 1];
     __shared__ float col_scale[Q128X1_COLS];
     __shared__ __align__(16) uint8_t tile[Q128X1_COLS][FP8_TILE + 4];
     const int tb = blockIdx.y, c0 = blockIdx.x * Q128X1_COLS;
@@ -268,17 +268,11 @@ __global__ void quantize_128x1_transposed_kernel(uint8_t *q, float *s, const flo
             a[j] = fmaxf(a[j], fabsf(v[p][j]));
         }
     }
-    // lanes l, l^8, l^16, l^24 hold the same columns
-    for (int j = 0; j < 4; j++) {
-        a[j] = fmaxf(a[j], __shfl_xor_sync(0xffffffffu, a[j], 8));
-        a[j] = fmaxf(a[j], __shfl_xor_sync(0xffffffffu, a[j], 16));
-    }
-    if ((threadIdx.x & 31) < 8)
-        for (int j = 0; j < 4; j++) partial[threadIdx.x >> 5][c + j] = a[j];
+    for (int j = 0; j < 4; j++) partial[rg][c + j] = a[j];
     __syncthreads();
     if (threadIdx.x < Q128X1_COLS) {
         float m = 0.0f;
-        for (int g = 0; g < Q128X1_THREADS / 32; g++) m = fmaxf(m, partial[g][threadIdx.x]);
+        for (int g = 0; g < 32; g++) m = fmaxf(m, partial[g][threadIdx.x]);
         const float sc = fp8_scale_of(m);
         col_scale[threadIdx.x] = sc;
         if (c0 + (int)threadIdx.x < C) s[(int64_t)tb * C + c0 + threadIdx.x] = sc;

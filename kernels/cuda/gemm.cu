@@ -26,10 +26,11 @@
  *
  * Outputs: kernels.h's Fprop/Dgrad write `real` (float). cuBLASLt writes BF16 into a scratch buffer and a
  * conversion kernel copies the valid columns to float: it reads 2 and writes 4 bytes per output element
- * (about 4% of an 8192^3 FP8 GEMM's time, measured by `fp8moe bench gemm`); gemm.h's *_bf16 functions
- * skip it for code that keeps activations in BF16. Wgrad writes FP32 with beta = 1 straight into the
- * FP32 gradient (D = C = dw); when dw is not 16-byte aligned (a slice of a flat buffer) it goes to a
- * scratch buffer and is added by a kernel (same FP32 sum, same bits).
+ * (0.09 ms for an 8192 x 8192 output, 11% of the 8192^3 FP8 Fprop, measured by `fp8moe bench gemm`);
+ * gemm.h's *_bf16 functions skip it for code that keeps activations in BF16 (a later issue).
+ * Wgrad writes FP32 with beta = 1 straight into the FP32 gradient (D = C = dw); when dw is not 16-byte
+ * aligned (a slice of a flat buffer) it goes to a scratch buffer and is added by a kernel (same FP32 sum,
+ * same bits).
  *
  * Runtime context: one per process (STYLE.md allows one): the cuBLASLt handle, a 32 MiB workspace, a
  * cache of plans (descriptors, layouts and the heuristic's algorithm, keyed by everything that selects
