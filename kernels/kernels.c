@@ -35,21 +35,33 @@ void kernels_debug_perturb(const char *op, double rel) {
 }
 
 void matmul_forward(Device dev, real *out, const real *inp, const real *weight, int N, int C, int OC) {
+#ifdef FP8MOE_CUDA
+    if (dev == DEVICE_CUDA) { cuda_matmul_forward(out, inp, weight, N, C, OC); return; }
+#endif
     if (dev != DEVICE_CPU) no_cuda_op("matmul_forward");
     cpu_matmul_forward(out, inp, weight, N, C, OC);
 }
 
 void matmul_backward(Device dev, real *dinp, real *dweight, const real *dout, const real *inp, const real *weight, int N, int C, int OC) {
+#ifdef FP8MOE_CUDA
+    if (dev == DEVICE_CUDA) { cuda_matmul_backward(dinp, dweight, dout, inp, weight, N, C, OC); return; }
+#endif
     if (dev != DEVICE_CPU) no_cuda_op("matmul_backward");
     cpu_matmul_backward(dinp, dweight, dout, inp, weight, N, C, OC);
 }
 
 void embedding_forward(Device dev, real *out, const int *tokens, const real *table, int N, int C) {
+#ifdef FP8MOE_CUDA
+    if (dev == DEVICE_CUDA) { cuda_embedding_forward(out, tokens, table, N, C); return; }
+#endif
     if (dev != DEVICE_CPU) no_cuda_op("embedding_forward");
     cpu_embedding_forward(out, tokens, table, N, C);
 }
 
 void embedding_backward(Device dev, real *dtable, const real *dout, const int *tokens, int N, int C) {
+#ifdef FP8MOE_CUDA
+    if (dev == DEVICE_CUDA) { cuda_embedding_backward(dtable, dout, tokens, N, C); return; }
+#endif
     if (dev != DEVICE_CPU) no_cuda_op("embedding_backward");
     cpu_embedding_backward(dtable, dout, tokens, N, C);
 }
@@ -71,11 +83,17 @@ void rmsnorm_backward(Device dev, real *dinp, real *dweight, const real *dout, c
 }
 
 void rope_forward(Device dev, real *out, const real *inp, int B, int T, int H, int D, real theta) {
+#ifdef FP8MOE_CUDA
+    if (dev == DEVICE_CUDA) { cuda_rope_forward(out, inp, B, T, H, D, theta); return; }
+#endif
     if (dev != DEVICE_CPU) no_cuda_op("rope_forward");
     cpu_rope_forward(out, inp, B, T, H, D, theta);
 }
 
 void rope_backward(Device dev, real *dinp, const real *dout, int B, int T, int H, int D, real theta) {
+#ifdef FP8MOE_CUDA
+    if (dev == DEVICE_CUDA) { cuda_rope_backward(dinp, dout, B, T, H, D, theta); return; }
+#endif
     if (dev != DEVICE_CPU) no_cuda_op("rope_backward");
     cpu_rope_backward(dinp, dout, B, T, H, D, theta);
 }
@@ -147,61 +165,105 @@ void crossentropy_backward(Device dev, real *dlogits, const real *probs, const i
 }
 
 double sum_squares(Device dev, const real *x, int64_t n) {
+#ifdef FP8MOE_CUDA
+    if (dev == DEVICE_CUDA) return cuda_sum_squares(x, n);
+#endif
     if (dev != DEVICE_CPU) no_cuda_op("sum_squares");
     return cpu_sum_squares(x, n);
 }
 
 void scale_inplace(Device dev, real *x, real s, int64_t n) {
+#ifdef FP8MOE_CUDA
+    if (dev == DEVICE_CUDA) { cuda_scale_inplace(x, s, n); return; }
+#endif
     if (dev != DEVICE_CPU) no_cuda_op("scale_inplace");
     cpu_scale_inplace(x, s, n);
 }
 
 void add_inplace(Device dev, real *y, const real *x, int64_t n) {
+#ifdef FP8MOE_CUDA
+    if (dev == DEVICE_CUDA) { cuda_add_inplace(y, x, n); return; }
+#endif
     if (dev != DEVICE_CPU) no_cuda_op("add_inplace");
     cpu_add_inplace(y, x, n);
 }
 
 void copy_block(Device dev, real *dst, int dst_ld, const real *src, int src_ld, int rows, int cols, int accumulate) {
+#ifdef FP8MOE_CUDA
+    if (dev == DEVICE_CUDA) { cuda_copy_block(dst, dst_ld, src, src_ld, rows, cols, accumulate); return; }
+#endif
     if (dev != DEVICE_CPU) no_cuda_op("copy_block");
     cpu_copy_block(dst, dst_ld, src, src_ld, rows, cols, accumulate);
 }
 
 void router_forward(Device dev, int *topk_idx, real *topk_w, real *scores, const real *logits, const real *bias, int N, int E, int K, int n_groups, int n_limited, real route_scale, int freeze) {
+#ifdef FP8MOE_CUDA
+    if (dev == DEVICE_CUDA) { cuda_router_forward(topk_idx, topk_w, scores, logits, bias, N, E, K, n_groups, n_limited, route_scale, freeze); return; }
+#endif
     if (dev != DEVICE_CPU) no_cuda_op("router_forward");
     cpu_router_forward(topk_idx, topk_w, scores, logits, bias, N, E, K, n_groups, n_limited, route_scale, freeze);
 }
 
 void router_backward(Device dev, real *dlogits, const real *dtopk_w, const real *dscores, const int *topk_idx, const real *scores, int N, int E, int K, real route_scale) {
+#ifdef FP8MOE_CUDA
+    if (dev == DEVICE_CUDA) { cuda_router_backward(dlogits, dtopk_w, dscores, topk_idx, scores, N, E, K, route_scale); return; }
+#endif
     if (dev != DEVICE_CPU) no_cuda_op("router_backward");
     cpu_router_backward(dlogits, dtopk_w, dscores, topk_idx, scores, N, E, K, route_scale);
 }
 
 real balance_loss_forward(Device dev, int *plain_topk, const real *scores, int B, int T, int E, int K, real alpha, int freeze) {
+#ifdef FP8MOE_CUDA
+    if (dev == DEVICE_CUDA) return cuda_balance_loss_forward(plain_topk, scores, B, T, E, K, alpha, freeze);
+#endif
     if (dev != DEVICE_CPU) no_cuda_op("balance_loss_forward");
     return cpu_balance_loss_forward(plain_topk, scores, B, T, E, K, alpha, freeze);
 }
 
 void balance_loss_backward(Device dev, real *dscores, const int *plain_topk, const real *scores, int B, int T, int E, int K, real alpha, real dloss) {
+#ifdef FP8MOE_CUDA
+    if (dev == DEVICE_CUDA) { cuda_balance_loss_backward(dscores, plain_topk, scores, B, T, E, K, alpha, dloss); return; }
+#endif
     if (dev != DEVICE_CPU) no_cuda_op("balance_loss_backward");
     cpu_balance_loss_backward(dscores, plain_topk, scores, B, T, E, K, alpha, dloss);
 }
 
+void moe_permute_plan_device(Device dev, int *seg_offsets, int *seg_token, int *slot_of, const int *topk_idx, int N, int K, int E) {
+#ifdef FP8MOE_CUDA
+    if (dev == DEVICE_CUDA) { cuda_moe_permute_plan(seg_offsets, seg_token, slot_of, topk_idx, N, K, E); return; }
+#endif
+    if (dev != DEVICE_CPU) no_cuda_op("moe_permute_plan_device");
+    moe_permute_plan(seg_offsets, seg_token, slot_of, topk_idx, N, K, E);
+}
+
 void gather_rows(Device dev, real *out, const real *inp, const int *src_row, int n_rows, int C) {
+#ifdef FP8MOE_CUDA
+    if (dev == DEVICE_CUDA) { cuda_gather_rows(out, inp, src_row, n_rows, C); return; }
+#endif
     if (dev != DEVICE_CPU) no_cuda_op("gather_rows");
     cpu_gather_rows(out, inp, src_row, n_rows, C);
 }
 
 void moe_unpermute_backward(Device dev, real *dinp, const real *dseg, const int *slot_of, int N, int K, int C) {
+#ifdef FP8MOE_CUDA
+    if (dev == DEVICE_CUDA) { cuda_moe_unpermute_backward(dinp, dseg, slot_of, N, K, C); return; }
+#endif
     if (dev != DEVICE_CPU) no_cuda_op("moe_unpermute_backward");
     cpu_moe_unpermute_backward(dinp, dseg, slot_of, N, K, C);
 }
 
 void moe_combine_forward(Device dev, real *out, const real *expert_out, const int *slot_of, const real *topk_w, int N, int K, int C) {
+#ifdef FP8MOE_CUDA
+    if (dev == DEVICE_CUDA) { cuda_moe_combine_forward(out, expert_out, slot_of, topk_w, N, K, C); return; }
+#endif
     if (dev != DEVICE_CPU) no_cuda_op("moe_combine_forward");
     cpu_moe_combine_forward(out, expert_out, slot_of, topk_w, N, K, C);
 }
 
 void moe_combine_backward(Device dev, real *dexpert_out, real *dtopk_w, const real *dout, const real *expert_out, const int *slot_of, const real *topk_w, int N, int K, int C) {
+#ifdef FP8MOE_CUDA
+    if (dev == DEVICE_CUDA) { cuda_moe_combine_backward(dexpert_out, dtopk_w, dout, expert_out, slot_of, topk_w, N, K, C); return; }
+#endif
     if (dev != DEVICE_CPU) no_cuda_op("moe_combine_backward");
     cpu_moe_combine_backward(dexpert_out, dtopk_w, dout, expert_out, slot_of, topk_w, N, K, C);
 }

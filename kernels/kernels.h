@@ -159,9 +159,15 @@ void balance_loss_backward(Device dev, real *dscores, const int *plain_topk, con
 //   seg_offsets (E+1): segment e holds rows [seg_offsets[e], seg_offsets[e+1]) of the permuted buffer;
 //   seg_token (N*K): the source token of each permuted row; rows within a segment are in (t, k) order;
 //   slot_of (N*K): for each (t, k), the permuted row that holds it.
-// Host-side integer plan (the CUDA path will build it on the device).
+// Host-side integer plan; moe_permute_plan_device below builds it where topk_idx lives.
 void moe_permute_plan(int *seg_offsets, int *seg_token, int *slot_of, const int *topk_idx, int N, int K,
                       int E);
+// The same plan where topk_idx lives: on DEVICE_CPU this is moe_permute_plan (host arrays); on DEVICE_CUDA
+// every array is a device array and the plan is built on the GPU, bitwise equal to the CPU plan (a stable
+// sort of the N*K slots by expert). The CUDA branch synchronises (it copies back an error flag: an expert
+// index outside [0, E) stops the process, as on the CPU); callers copy seg_offsets to the host anyway.
+void moe_permute_plan_device(Device dev, int *seg_offsets, int *seg_token, int *slot_of, const int *topk_idx,
+                             int N, int K, int E);
 // out (n_rows, C) = inp[src_row[r]] for each row r
 void gather_rows(Device dev, real *out, const real *inp, const int *src_row, int n_rows, int C);
 // Adjoint of gathering token rows into slots: dinp (N, C) += sum_k dseg[slot_of[t,k]], k in order.

@@ -57,7 +57,7 @@ static void mla_acts_alloc(ActsArena *ar, MlaActs *a, const Dims *d) {
     a->kv = ARENA_REALS(ar, (int64_t)NH * (d->dn + d->dv));
     a->kf = ARENA_REALS(ar, (int64_t)NH * d->dqk);
     a->v = ARENA_REALS(ar, (int64_t)NH * d->dv);
-    a->att = ARENA_REALS(ar, (int64_t)d->B * d->H * d->T * d->T);
+    a->att = ARENA_REALS(ar, attention_state_elems(ar->dev, d->B, d->T, d->H));
     a->o = ARENA_REALS(ar, (int64_t)NH * d->dv);
 }
 

@@ -50,7 +50,7 @@ typedef struct {
     real *kv;                      // (N, H*(dn+dv)) = W_UKV ckvn
     real *kf;                      // (N*H, dqk) = [k_nope ; k_rope]
     real *v;                       // (N*H, dv)
-    real *att;                     // (B, H, T, T) softmax probabilities
+    real *att;                     // attention backward state: attention_state_elems(dev, B, T, H) reals
     real *o;                       // (N, H*dv) attention output before W_O
 } MlaActs;
 

@@ -85,7 +85,7 @@ void moe_forward(Model *m, const BlockWeights *w, MoeActs *a, const Dims *d, con
     }
     // shared expert writes out, routed experts are added on top
     ffn_forward(m, &w->moe.shared, &a->shared, N, D, d->shared_I, x, out);
-    moe_permute_plan(a->seg_offsets, a->seg_token, a->slot_of, a->topk_idx, N, K, E);
+    moe_permute_plan_device(dev, a->seg_offsets, a->seg_token, a->slot_of, a->topk_idx, N, K, E);
     device_memcpy_to_host(dev, a->seg_offsets_host, a->seg_offsets, (size_t)(E + 1) * sizeof(int));
     gather_rows(dev, a->xp, x, a->seg_token, N * K, D);
     ep_dispatch(&m->ep, a->xp, a->seg_offsets_host, D, &a->ep_buf);

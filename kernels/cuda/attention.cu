@@ -69,7 +69,8 @@ constexpr int HEAD_DIM_MAX = 256;
 __device__ __forceinline__ uint32_t load_u32(const bf16 *p) { return *reinterpret_cast<const uint32_t *>(p); }
 
 __device__ __forceinline__ uint32_t pack_u16(const bf16 *lo, const bf16 *hi) {
-    return (uint32_t)*reinterpret_cast<const uint16_t *>(lo) | ((uint32_t)*reinterpret_cast<const uint16_t *>(hi) << 16);
+    const uint32_t l = *reinterpret_cast<const uint16_t *>(lo), h = *reinterpret_cast<const uint16_t *>(hi);
+    return l | (h << 16);
 }
 
 // Two floats rounded to BF16 (RNE) in one register, lo in the low half.
@@ -511,7 +512,8 @@ template <int ACC_CAP>
 static void launch_dkv(float *dk, float *dv, const float *dout, const float *lse, const float *rowdot, const float *q,
                        const float *k, const float *v, int B, int T, int H, int Dqk, int Dv) {
     const int DQP = pad16(Dqk), DVP = pad16(Dv);
-    const size_t smem = sizeof(float) * (size_t)TILE * (P_LD + 2) + sizeof(bf16) * (size_t)TILE * (2 * (DQP + 8) + 2 * (DVP + 8));
+    const size_t smem = sizeof(float) * (size_t)TILE * (P_LD + 2)  // Ps, lse_s, D_s
+                        + sizeof(bf16) * (size_t)TILE * (2 * (DQP + 8) + 2 * (DVP + 8));
     allow_smem(attention_backward_dkv_kernel<ACC_CAP>, smem);
     const dim3 grid((unsigned)((T + TILE - 1) / TILE), (unsigned)H, (unsigned)B);
     attention_backward_dkv_kernel<ACC_CAP><<<grid, DKV_THREADS, smem>>>(dk, dv, dout, lse, rowdot, q, k, v, T, H, Dqk,

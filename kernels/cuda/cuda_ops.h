@@ -32,6 +32,29 @@ void cuda_bf16_matmul_backward(real *dinp, real *dweight, const real *dout, cons
 void cuda_attention_forward(real *out, real *state, const real *q, const real *k, const real *v, int B, int T, int H, int Dqk, int Dv);
 void cuda_attention_backward(real *dq, real *dk, real *dv, const real *dout, const real *state, const real *q, const real *k, const real *v, int B, int T, int H, int Dqk, int Dv);
 
+// Model glue ops (kernels/cuda/elementwise.cu), FP32 matmul (kernels/cuda/matmul.cu), MoE routing and
+// permutation (kernels/cuda/moe.cu). embedding_forward, router_forward, balance_loss_forward, the permute plan
+// and sum_squares copy a result or an error slot back to the host (they synchronise); see each file's comment.
+void cuda_embedding_forward(real *out, const int *tokens, const real *table, int N, int C);
+void cuda_embedding_backward(real *dtable, const real *dout, const int *tokens, int N, int C);
+void cuda_rope_forward(real *out, const real *inp, int B, int T, int H, int D, real theta);
+void cuda_rope_backward(real *dinp, const real *dout, int B, int T, int H, int D, real theta);
+void cuda_copy_block(real *dst, int dst_ld, const real *src, int src_ld, int rows, int cols, int accumulate);
+void cuda_add_inplace(real *y, const real *x, int64_t n);
+void cuda_scale_inplace(real *x, real s, int64_t n);
+double cuda_sum_squares(const real *x, int64_t n);
+void cuda_matmul_forward(real *out, const real *inp, const real *weight, int N, int C, int OC);
+void cuda_matmul_backward(real *dinp, real *dweight, const real *dout, const real *inp, const real *weight, int N, int C, int OC);
+void cuda_router_forward(int *topk_idx, real *topk_w, real *scores, const real *logits, const real *bias, int N, int E, int K, int n_groups, int n_limited, real route_scale, int freeze);
+void cuda_router_backward(real *dlogits, const real *dtopk_w, const real *dscores, const int *topk_idx, const real *scores, int N, int E, int K, real route_scale);
+real cuda_balance_loss_forward(int *plain_topk, const real *scores, int B, int T, int E, int K, real alpha, int freeze);
+void cuda_balance_loss_backward(real *dscores, const int *plain_topk, const real *scores, int B, int T, int E, int K, real alpha, real dloss);
+void cuda_moe_permute_plan(int *seg_offsets, int *seg_token, int *slot_of, const int *topk_idx, int N, int K, int E);
+void cuda_gather_rows(real *out, const real *inp, const int *src_row, int n_rows, int C);
+void cuda_moe_unpermute_backward(real *dinp, const real *dseg, const int *slot_of, int N, int K, int C);
+void cuda_moe_combine_forward(real *out, const real *expert_out, const int *slot_of, const real *topk_w, int N, int K, int C);
+void cuda_moe_combine_backward(real *dexpert_out, real *dtopk_w, const real *dout, const real *expert_out, const int *slot_of, const real *topk_w, int N, int K, int C);
+
 #ifdef __cplusplus
 }
 #endif

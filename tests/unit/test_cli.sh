@@ -56,6 +56,10 @@ run badval 2 "$BIN" train "$TMP/badval.ini" && has badval err "^$TMP/badval.ini:
   && pass "bad value error names file:line: section.key"
 run badset 2 "$BIN" train "$TMP/bad.ini" --set dim=3 && has badset err 'expected section.key=value' \
   && pass "malformed --set"
+if ! command -v nvidia-smi >/dev/null 2>&1; then
+  run nocuda 1 "$BIN" train configs/tiny.ini --set train.device=cuda && has nocuda err 'train.device = cuda, but' \
+    && pass "train.device = cuda without a GPU stops with the reason"
+fi
 run parallel 1 "$BIN" train configs/tiny.ini --set parallel.dp=2 && has parallel err 'parallel.dp = 2' \
   && has parallel err 'expected 1' && pass "a parallel layout is refused, not run as one process"
 
