@@ -231,6 +231,7 @@ static int cmd_sample(int argc, char **argv) {
 // ---------------------------------------------------------------------------- dispatch
 
 int main(int argc, char **argv) {
+    setvbuf(stdout, NULL, _IOLBF, 0);  // logs are read line by line (tail -f, a killed run keeps its lines)
     if (argc < 2) {
         fprintf(stderr, "fp8moe: missing a command\n");
         print_usage(stderr);

@@ -192,8 +192,11 @@ static void init_weights(Model *m, const double *init_std) {
         real *host = malloc((size_t)p->numel * sizeof(real));
         if (!host) { fprintf(stderr, "fp8moe: out of host memory initialising %s\n", p->name); exit(1); }
         uint64_t key = rng_key(seed, 0x5041524dULL /* "PARM" */, (uint64_t)i, 0);
-        for (int64_t j = 0; j < p->numel; j++)
-            host[j] = init_std[i] == 0.0 ? (real)1 : (real)(init_std[i] * rng_normal(key, (uint64_t)j));
+        double std = init_std[i];
+        // element j depends only on (key, j): threads change the speed (billions of draws for a large
+        // model), never the values
+        #pragma omp parallel for schedule(static) if (p->numel > 65536)
+        for (int64_t j = 0; j < p->numel; j++) host[j] = std == 0.0 ? (real)1 : (real)(std * rng_normal(key, (uint64_t)j));
         device_memcpy_from_host(m->dev, m->weights + p->offset, host, (size_t)p->numel * sizeof(real));
         free(host);
     }
