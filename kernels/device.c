@@ -33,6 +33,10 @@ static void bad_device(const char *fn, Device dev) {
     exit(1);
 }
 
+long long fp8moe_cuda_allocations = 0;  // see kernels/cuda/common.cuh
+
+int64_t device_allocation_count(void) { return fp8moe_cuda_allocations; }
+
 // Returns zeroed memory; NULL for 0 bytes on both devices (device_free(NULL) is a no-op).
 void *device_alloc(Device dev, size_t bytes) {
     if (bytes == 0) return NULL;
@@ -47,7 +51,7 @@ void *device_alloc(Device dev, size_t bytes) {
     if (dev != DEVICE_CUDA) bad_device("device_alloc", dev);
 #ifdef FP8MOE_CUDA
     void *p = NULL;
-    CUDA_CHECK(cudaMalloc(&p, bytes));
+    cuda_counted_malloc(&p, bytes, __FILE__, __LINE__);
     CUDA_CHECK(cudaMemset(p, 0, bytes));
     return p;
 #else

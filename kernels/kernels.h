@@ -45,6 +45,9 @@ void device_memcpy_to_host(Device dev, void *dst_host, const void *src, size_t b
 void device_memcpy_from_host(Device dev, void *dst, const void *src_host, size_t bytes);
 void device_memset_zero(Device dev, void *p, size_t bytes);
 int cuda_device_count(void); // 0 when built without CUDA or when no GPU is visible
+// cudaMalloc calls made so far by the process (device_alloc and the kernels' scratch caches); 0 on a
+// CPU-only build. The trainer checks that steps after the first allocate nothing.
+int64_t device_allocation_count(void);
 const char *device_name(Device dev);
 
 // ---------------------------------------------------------------------------- dense algebra

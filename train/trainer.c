@@ -416,6 +416,7 @@ int trainer_run(const Config *cfg) {
 
     // ---- steps
     const double flops_per_token = model_flops_per_token(m, T);
+    int64_t allocations_after_step1 = 0;
     const int64_t tokens_per_step = (int64_t)A * B * T;
     const double t_start = now_s();
     double train_s = 0, train_s_at_last_line = 0;
@@ -467,6 +468,7 @@ int trainer_run(const Config *cfg) {
         adamw_step(&r.opt, m->weights, m->grads, r.groups, n_groups, (float)lr, scale, s);
         const double worst_load = model_update_router_bias(m);
         step = s;
+        if (s == 1) allocations_after_step1 = device_allocation_count();
         const double t1 = now_s();
         train_s += t1 - t0;
         tokens_since_line += tokens_per_step;
@@ -526,6 +528,9 @@ int trainer_run(const Config *cfg) {
     char took[32];
     format_duration(took, sizeof took, now_s() - t_start);
     printf("done: %d steps in %s\n", step, took);
+    if (dev == DEVICE_CUDA && step > 1)  // every buffer should be sized by the first step (docs/gpu.md)
+        printf("device: %lld cudaMalloc calls after the first step (expected 0)\n",
+               (long long)(device_allocation_count() - allocations_after_step1));
     fflush(stdout);
     rc = 0;
 done:

@@ -523,17 +523,10 @@ static void launch_dkv(float *dk, float *dv, const float *dout, const float *lse
 
 // The process-wide scratch for D (B, H, T), grown on demand and kept; all ops run on the default stream,
 // so consecutive calls cannot overlap on it (as the rmsnorm.cu scratch).
-static float *rowdot_scratch = NULL;
-static size_t rowdot_scratch_floats = 0;
+static Scratch rowdot_scratch;
 
 static float *get_rowdot_scratch(size_t floats) {
-    if (floats > rowdot_scratch_floats) {
-        if (rowdot_scratch != NULL) CUDA_CHECK(cudaFree(rowdot_scratch));
-        rowdot_scratch = NULL;
-        CUDA_CHECK(cudaMalloc((void **)&rowdot_scratch, floats * sizeof(float)));
-        rowdot_scratch_floats = floats;
-    }
-    return rowdot_scratch;
+    return (float *)cuda_scratch(&rowdot_scratch, floats * sizeof(float));
 }
 
 // state = lse (B, H, T) from cuda_attention_forward on the same q, k, v.

@@ -29,6 +29,42 @@ static inline void cuda_check_at(cudaError_t err, const char *call, const char *
 
 #define CUDA_CHECK(call) cuda_check_at((call), #call, __FILE__, __LINE__)
 
+// ---------------------------------------------------------------------------- device allocations
+// Every cudaMalloc of the project goes through device_alloc (kernels/device.c) or cuda_scratch below,
+// and is counted, so the trainer can check that a step allocates nothing once the first step has
+// sized every buffer (device_allocation_count in kernels.h).
+#ifdef __cplusplus
+extern "C" {
+#endif
+extern long long fp8moe_cuda_allocations;  // defined in kernels/device.c
+#ifdef __cplusplus
+}
+#endif
+
+static inline void cuda_counted_malloc(void **p, size_t bytes, const char *file, int line) {
+    cuda_check_at(cudaMalloc(p, bytes), "cudaMalloc", file, line);
+    fp8moe_cuda_allocations++;
+}
+
+// A process-wide device buffer of at least `bytes`, kept between calls and grown on demand. All ops
+// run on the default stream, so reuse is ordered; cudaFree waits for earlier work that may still use it.
+typedef struct {
+    void *p;
+    size_t bytes;
+} Scratch;
+
+static inline void *cuda_scratch_at(Scratch *s, size_t bytes, const char *file, int line) {
+    if (bytes == 0) bytes = 1;
+    if (bytes > s->bytes) {
+        if (s->p != NULL) cuda_check_at(cudaFree(s->p), "cudaFree", file, line);
+        s->p = NULL;
+        cuda_counted_malloc(&s->p, bytes, file, line);
+        s->bytes = bytes;
+    }
+    return s->p;
+}
+#define cuda_scratch(s, bytes) cuda_scratch_at((s), (bytes), __FILE__, __LINE__)
+
 // Reads FP8MOE_CUDA_SYNC once; 1 = synchronise after every launch to pin errors to their kernel.
 static inline int cuda_sync_after_launch(void) {
     static int cached = -1;

@@ -47,23 +47,6 @@ static const int ELEMENTWISE_THREADS = 256;
     } while (0)
 
 // ---------------------------------------------------------------------------- scratch and error slots
-typedef struct {
-    void *p;
-    size_t bytes;
-} Scratch;
-
-// A device buffer of at least `bytes`, kept between calls (cudaFree waits for work that may still use it).
-static void *scratch_get(Scratch *s, size_t bytes) {
-    if (bytes == 0) bytes = 1;
-    if (bytes > s->bytes) {
-        if (s->p != NULL) CUDA_CHECK(cudaFree(s->p));
-        s->p = NULL;
-        CUDA_CHECK(cudaMalloc(&s->p, bytes));
-        s->bytes = bytes;
-    }
-    return s->p;
-}
-
 // One slot per kind of input error. A slot holds (row << 32) | (uint32)token of the first bad element, or
 // NO_ERROR; kernels lower it with an integer atomicMin, so the recorded element does not depend on timing.
 enum { ERR_EMBEDDING_FORWARD, ERR_EMBEDDING_BACKWARD, N_ERR_SLOTS };
@@ -73,7 +56,7 @@ static unsigned long long *err_slots = NULL;
 // The device slot of one kind, reset to NO_ERROR (ordered before the kernel that follows on the stream).
 static unsigned long long *err_slot_reset(int which) {
     if (err_slots == NULL) {
-        CUDA_CHECK(cudaMalloc((void **)&err_slots, sizeof(unsigned long long) * N_ERR_SLOTS));
+        cuda_counted_malloc((void **)&err_slots, sizeof(unsigned long long) * N_ERR_SLOTS, __FILE__, __LINE__);
         CUDA_CHECK(cudaMemset(err_slots, 0xFF, sizeof(unsigned long long) * N_ERR_SLOTS));
     }
     CUDA_CHECK(cudaMemset(err_slots + which, 0xFF, sizeof(unsigned long long)));
@@ -158,16 +141,16 @@ static Scratch emb_rows, emb_sorted_tokens, emb_sorted_rows, emb_sort_temp;
 extern "C" void cuda_embedding_backward(real *dtable, const real *dout, const int *tokens, int N, int C) {
     if (dtable == NULL || N <= 0 || C <= 0) return;
     unsigned long long *err = err_slot_reset(ERR_EMBEDDING_BACKWARD);
-    int *rows = (int *)scratch_get(&emb_rows, sizeof(int) * (size_t)N);
-    int *sorted_tokens = (int *)scratch_get(&emb_sorted_tokens, sizeof(int) * (size_t)N);
-    int *sorted_rows = (int *)scratch_get(&emb_sorted_rows, sizeof(int) * (size_t)N);
+    int *rows = (int *)cuda_scratch(&emb_rows, sizeof(int) * (size_t)N);
+    int *sorted_tokens = (int *)cuda_scratch(&emb_sorted_tokens, sizeof(int) * (size_t)N);
+    int *sorted_rows = (int *)cuda_scratch(&emb_sorted_rows, sizeof(int) * (size_t)N);
     iota_kernel<<<grid_for(N, ELEMENTWISE_THREADS), ELEMENTWISE_THREADS>>>(rows, N);
     CUDA_CHECK_LAUNCH("iota_kernel");
     // All 32 key bits: CUB orders signed ints correctly, so a negative (bad) token sorts before every valid
     // one and can never split a valid token's run.
     size_t temp_bytes = 0;
     CUDA_CHECK(cub::DeviceRadixSort::SortPairs(NULL, temp_bytes, tokens, sorted_tokens, rows, sorted_rows, N));
-    void *temp = scratch_get(&emb_sort_temp, temp_bytes);
+    void *temp = cuda_scratch(&emb_sort_temp, temp_bytes);
     CUDA_CHECK(cub::DeviceRadixSort::SortPairs(temp, temp_bytes, tokens, sorted_tokens, rows, sorted_rows, N));
     CUDA_CHECK_LAUNCH("cub::DeviceRadixSort::SortPairs (embedding_backward)");
     const dim3 grid((unsigned int)N, (unsigned int)((C + ELEMENTWISE_THREADS - 1) / ELEMENTWISE_THREADS));
@@ -206,7 +189,7 @@ static const float *rope_table(int T, int D, float theta) {
     if (2 * n > rope_cache.capacity_floats) {
         if (rope_cache.table != NULL) CUDA_CHECK(cudaFree(rope_cache.table));
         rope_cache.table = NULL;
-        CUDA_CHECK(cudaMalloc((void **)&rope_cache.table, sizeof(float) * 2 * n));
+        cuda_counted_malloc((void **)&rope_cache.table, sizeof(float) * 2 * n, __FILE__, __LINE__);
         rope_cache.capacity_floats = 2 * n;
     }
     // a pageable-memory copy on the legacy stream: ordered after earlier kernels that may read the old table
@@ -374,7 +357,7 @@ static Scratch sumsq_partials;
 extern "C" double cuda_sum_squares(const real *x, int64_t n) {
     if (n <= 0) return 0.0;
     const int64_t n_chunks = (n + SUM_SQUARES_CHUNK - 1) / SUM_SQUARES_CHUNK;
-    double *partial = (double *)scratch_get(&sumsq_partials, sizeof(double) * (size_t)(n_chunks + 1));
+    double *partial = (double *)cuda_scratch(&sumsq_partials, sizeof(double) * (size_t)(n_chunks + 1));
     double *total = partial + n_chunks;
     sum_squares_partial_kernel<<<(unsigned int)n_chunks, ELEMENTWISE_THREADS>>>(partial, x, n);
     CUDA_CHECK_LAUNCH("sum_squares_partial_kernel");

@@ -71,7 +71,7 @@ static unsigned long long *bad_word_device = NULL, *bad_word_host = NULL;
 
 static unsigned long long *bad_word(void) {
     if (bad_word_device == NULL) {
-        CUDA_CHECK(cudaMalloc(&bad_word_device, sizeof *bad_word_device));
+        cuda_counted_malloc((void **)&bad_word_device, sizeof *bad_word_device, __FILE__, __LINE__);
         CUDA_CHECK(cudaMallocHost(&bad_word_host, sizeof *bad_word_host));
         CUDA_CHECK(cudaMemset(bad_word_device, 0xFF, sizeof *bad_word_device)); // = NO_BAD_ELEMENT
     }

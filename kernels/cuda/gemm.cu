@@ -107,11 +107,6 @@ typedef struct {
     cublasLtMatmulAlgo_t algo;
 } Plan;
 
-typedef struct {
-    void *p;
-    size_t bytes;
-} Scratch;
-
 enum { MAX_PLANS = 256 };
 static struct {
     cublasLtHandle_t handle;
@@ -124,18 +119,7 @@ static struct {
 static void ctx_init(void) {
     if (ctx.handle != NULL) return;
     LT_CHECK(cublasLtCreate(&ctx.handle));
-    CUDA_CHECK(cudaMalloc(&ctx.workspace, LT_WORKSPACE_BYTES));
-}
-
-// A device buffer of at least `bytes`, kept between calls and grown on demand (cudaFree waits for
-// earlier work that may still use it).
-static void *scratch(Scratch *s, size_t bytes) {
-    if (bytes > s->bytes) {
-        if (s->p != NULL) CUDA_CHECK(cudaFree(s->p));
-        CUDA_CHECK(cudaMalloc(&s->p, bytes));
-        s->bytes = bytes;
-    }
-    return s->p;
+    cuda_counted_malloc(&ctx.workspace, LT_WORKSPACE_BYTES, __FILE__, __LINE__);
 }
 
 static void plan_destroy(Plan *p) {
@@ -368,7 +352,7 @@ extern "C" void cuda_fp8_gemm_dgrad_bf16(uint16_t *dx, const uint8_t *qdy, const
     const int NB = ceil_div(N, FP8_TILE), KB = ceil_div(K, FP8_TILE);
     const int Np = NB * FP8_TILE, Kp = KB * FP8_TILE, KB4 = round_up(KB, 4), NB4 = round_up(NB, 4);
     ctx_init();
-    float *swt = (float *)scratch(&ctx.scale_t, sizeof(float) * (size_t)KB * NB4);
+    float *swt = (float *)cuda_scratch(&ctx.scale_t, sizeof(float) * (size_t)KB * NB4);
     transpose_block_scales_kernel<<<grid_for((int64_t)KB * NB4, ELEMENTWISE_THREADS), ELEMENTWISE_THREADS>>>(
         swt, sw, NB, KB, KB4, NB4);
     CUDA_CHECK_LAUNCH("transpose_block_scales_kernel");
@@ -382,7 +366,7 @@ extern "C" void cuda_fp8_gemm_fprop(real *y, const uint8_t *qx, const float *sx,
     if (T <= 0 || N <= 0) return;
     const int Np = round_up(N, FP8_TILE);
     ctx_init();
-    uint16_t *tmp = (uint16_t *)scratch(&ctx.out_bf16, sizeof(uint16_t) * (size_t)T * Np);
+    uint16_t *tmp = (uint16_t *)cuda_scratch(&ctx.out_bf16, sizeof(uint16_t) * (size_t)T * Np);
     cuda_fp8_gemm_fprop_bf16(tmp, qx, sx, qw, sw, T, N, K);
     bf16_to_float_rows(y, tmp, T, N, Np);
 }
@@ -392,7 +376,7 @@ extern "C" void cuda_fp8_gemm_dgrad(real *dx, const uint8_t *qdy, const float *s
     if (T <= 0 || K <= 0) return;
     const int Kp = round_up(K, FP8_TILE);
     ctx_init();
-    uint16_t *tmp = (uint16_t *)scratch(&ctx.out_bf16, sizeof(uint16_t) * (size_t)T * Kp);
+    uint16_t *tmp = (uint16_t *)cuda_scratch(&ctx.out_bf16, sizeof(uint16_t) * (size_t)T * Kp);
     cuda_fp8_gemm_dgrad_bf16(tmp, qdy, sdy, qwt, sw, T, N, K);
     bf16_to_float_rows(dx, tmp, T, K, Kp);
 }
@@ -415,7 +399,7 @@ extern "C" void cuda_fp8_gemm_wgrad(real *dw, const uint8_t *qdyt, const float *
     }
     ctx_init();
     const int64_t n = (int64_t)N * K;
-    float *tmp = (float *)scratch(&ctx.out_f32, sizeof(float) * (size_t)n);
+    float *tmp = (float *)cuda_scratch(&ctx.out_f32, sizeof(float) * (size_t)n);
     lt_matmul(&key, qxt, qdyt, tmp, sxt, sdyt, 0.0f, op);
     add_float_kernel<<<grid_for(n, ELEMENTWISE_THREADS), ELEMENTWISE_THREADS>>>(dw, tmp, n);
     CUDA_CHECK_LAUNCH("add_float_kernel");
@@ -448,9 +432,9 @@ extern "C" void cuda_bf16_gemm(void *c, int c_fp32, float beta, const uint16_t *
 extern "C" void cuda_bf16_matmul_forward(real *out, const real *inp, const real *weight, int N, int C, int OC) {
     if (N <= 0 || OC <= 0) return;
     ctx_init();
-    uint16_t *a = (uint16_t *)scratch(&ctx.operand_a, sizeof(uint16_t) * (size_t)N * C);
-    uint16_t *b = (uint16_t *)scratch(&ctx.operand_b, sizeof(uint16_t) * (size_t)OC * C);
-    uint16_t *o = (uint16_t *)scratch(&ctx.out_bf16, sizeof(uint16_t) * (size_t)N * OC);
+    uint16_t *a = (uint16_t *)cuda_scratch(&ctx.operand_a, sizeof(uint16_t) * (size_t)N * C);
+    uint16_t *b = (uint16_t *)cuda_scratch(&ctx.operand_b, sizeof(uint16_t) * (size_t)OC * C);
+    uint16_t *o = (uint16_t *)cuda_scratch(&ctx.out_bf16, sizeof(uint16_t) * (size_t)N * OC);
     cuda_float_to_bf16(a, inp, (int64_t)N * C);
     cuda_float_to_bf16(b, weight, (int64_t)OC * C);
     cuda_bf16_gemm(o, 0, 0.0f, a, 0, b, 1, N, OC, C);
@@ -463,18 +447,18 @@ extern "C" void cuda_bf16_matmul_backward(real *dinp, real *dweight, const real 
                                           const real *weight, int N, int C, int OC) {
     if (N <= 0 || C <= 0 || OC <= 0 || (dinp == NULL && dweight == NULL)) return;
     ctx_init();
-    uint16_t *g = (uint16_t *)scratch(&ctx.operand_a, sizeof(uint16_t) * (size_t)N * OC);
+    uint16_t *g = (uint16_t *)cuda_scratch(&ctx.operand_a, sizeof(uint16_t) * (size_t)N * OC);
     cuda_float_to_bf16(g, dout, (int64_t)N * OC);
     if (dinp != NULL) {
-        uint16_t *w = (uint16_t *)scratch(&ctx.operand_b, sizeof(uint16_t) * (size_t)OC * C);
-        uint16_t *o = (uint16_t *)scratch(&ctx.out_bf16, sizeof(uint16_t) * (size_t)N * C);
+        uint16_t *w = (uint16_t *)cuda_scratch(&ctx.operand_b, sizeof(uint16_t) * (size_t)OC * C);
+        uint16_t *o = (uint16_t *)cuda_scratch(&ctx.out_bf16, sizeof(uint16_t) * (size_t)N * C);
         cuda_float_to_bf16(w, weight, (int64_t)OC * C);
         cuda_bf16_gemm(o, 0, 0.0f, g, 0, w, 0, N, C, OC);
         const int64_t n = (int64_t)N * C;
         add_bf16(dinp, o, n);
     }
     if (dweight != NULL) {
-        uint16_t *x = (uint16_t *)scratch(&ctx.operand_b, sizeof(uint16_t) * (size_t)N * C);
+        uint16_t *x = (uint16_t *)cuda_scratch(&ctx.operand_b, sizeof(uint16_t) * (size_t)N * C);
         cuda_float_to_bf16(x, inp, (int64_t)N * C);
         cuda_bf16_gemm(dweight, 1, 1.0f, g, 1, x, 0, OC, C, N);
     }

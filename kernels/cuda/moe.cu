@@ -65,23 +65,6 @@ static const size_t MAX_SHARED_BYTES = 48 * 1024;
     } while (0)
 
 // ---------------------------------------------------------------------------- scratch and error slots
-typedef struct {
-    void *p;
-    size_t bytes;
-} Scratch;
-
-// A device buffer of at least `bytes`, kept between calls (cudaFree waits for work that may still use it).
-static void *scratch_get(Scratch *s, size_t bytes) {
-    if (bytes == 0) bytes = 1;
-    if (bytes > s->bytes) {
-        if (s->p != NULL) CUDA_CHECK(cudaFree(s->p));
-        s->p = NULL;
-        CUDA_CHECK(cudaMalloc(&s->p, bytes));
-        s->bytes = bytes;
-    }
-    return s->p;
-}
-
 // One slot per kind of input error. A slot holds (index << 32) | (uint32)value of the first bad element
 // (smallest linear index into the op's input), or NO_ERROR.
 enum {
@@ -102,7 +85,7 @@ static int err_width[N_ERR_SLOTS], err_limit[N_ERR_SLOTS];
 // width: the row length that splits the recorded index into (row, column); limit: E, for the message.
 static unsigned long long *err_slot_reset(int which, int width, int limit) {
     if (err_slots == NULL) {
-        CUDA_CHECK(cudaMalloc((void **)&err_slots, sizeof(unsigned long long) * N_ERR_SLOTS));
+        cuda_counted_malloc((void **)&err_slots, sizeof(unsigned long long) * N_ERR_SLOTS, __FILE__, __LINE__);
         CUDA_CHECK(cudaMemset(err_slots, 0xFF, sizeof(unsigned long long) * N_ERR_SLOTS));
     }
     CUDA_CHECK(cudaMemset(err_slots + which, 0xFF, sizeof(unsigned long long)));
@@ -437,7 +420,7 @@ static void check_balance_shape(const char *op, int B, int T, int E, int K) {
 
 // Zeroed per-sequence expert counts (B, E) in scratch.
 static int *balance_counts(int B, int E) {
-    int *count = (int *)scratch_get(&bal_count, sizeof(int) * (size_t)B * E);
+    int *count = (int *)cuda_scratch(&bal_count, sizeof(int) * (size_t)B * E);
     CUDA_CHECK(cudaMemset(count, 0, sizeof(int) * (size_t)B * E));
     return count;
 }
@@ -456,7 +439,7 @@ extern "C" real cuda_balance_loss_forward(int *plain_topk, const real *scores, i
     int warps = (int)(MAX_SHARED_BYTES / warp_bytes);
     if (warps > WARPS_PER_BLOCK) warps = WARPS_PER_BLOCK;
     unsigned long long *err = err_slot_reset(ERR_BALANCE_FROZEN_INDEX, K, E);
-    double *row_sum = (double *)scratch_get(&bal_row_sum, sizeof(double) * (size_t)N);
+    double *row_sum = (double *)cuda_scratch(&bal_row_sum, sizeof(double) * (size_t)N);
     int *count = balance_counts(B, E);
     balance_topk_kernel<<<(unsigned int)((N + warps - 1) / warps), warps * 32, warps * warp_bytes>>>(
         plain_topk, row_sum, count, scores, N, T, E, K, freeze, warp_bytes, err);
@@ -464,8 +447,8 @@ extern "C" real cuda_balance_loss_forward(int *plain_topk, const real *scores, i
 
     const int n_chunks = (T + BALANCE_CHUNK - 1) / BALANCE_CHUNK;
     const int64_t n_partial = (int64_t)B * n_chunks * E;
-    double *partial = (double *)scratch_get(&bal_partial, sizeof(double) * (size_t)n_partial);
-    double *P = (double *)scratch_get(&bal_P, sizeof(double) * (size_t)B * E);
+    double *partial = (double *)cuda_scratch(&bal_partial, sizeof(double) * (size_t)n_partial);
+    double *P = (double *)cuda_scratch(&bal_P, sizeof(double) * (size_t)B * E);
     balance_partial_kernel<<<grid_for(n_partial, MOE_THREADS), MOE_THREADS>>>(partial, scores, row_sum, B, T, E,
                                                                               n_chunks, BALANCE_CHUNK);
     CUDA_CHECK_LAUNCH("balance_partial_kernel");
@@ -601,10 +584,10 @@ extern "C" void cuda_moe_permute_plan(int *seg_offsets, int *seg_token, int *slo
         return;
     }
     unsigned long long *err = err_slot_reset(ERR_PLAN_INDEX, K, E);
-    int *keys = (int *)scratch_get(&plan_keys, sizeof(int) * (size_t)n);
-    int *slots = (int *)scratch_get(&plan_slots, sizeof(int) * (size_t)n);
-    int *sorted_keys = (int *)scratch_get(&plan_sorted_keys, sizeof(int) * (size_t)n);
-    int *sorted_slots = (int *)scratch_get(&plan_sorted_slots, sizeof(int) * (size_t)n);
+    int *keys = (int *)cuda_scratch(&plan_keys, sizeof(int) * (size_t)n);
+    int *slots = (int *)cuda_scratch(&plan_slots, sizeof(int) * (size_t)n);
+    int *sorted_keys = (int *)cuda_scratch(&plan_sorted_keys, sizeof(int) * (size_t)n);
+    int *sorted_slots = (int *)cuda_scratch(&plan_sorted_slots, sizeof(int) * (size_t)n);
     plan_keys_kernel<<<grid_for(n, MOE_THREADS), MOE_THREADS>>>(keys, slots, topk_idx, n, E, err);
     CUDA_CHECK_LAUNCH("plan_keys_kernel");
     // sort by the low bits that hold 0..E-1 (keys are in range now); stable, so (t, k) order within an expert
@@ -612,7 +595,7 @@ extern "C" void cuda_moe_permute_plan(int *seg_offsets, int *seg_token, int *slo
     while (bits < 31 && (1 << bits) < E) bits++;
     size_t temp_bytes = 0;
     CUDA_CHECK(cub::DeviceRadixSort::SortPairs(NULL, temp_bytes, keys, sorted_keys, slots, sorted_slots, (int)n, 0, bits));
-    void *temp = scratch_get(&plan_sort_temp, temp_bytes);
+    void *temp = cuda_scratch(&plan_sort_temp, temp_bytes);
     CUDA_CHECK(cub::DeviceRadixSort::SortPairs(temp, temp_bytes, keys, sorted_keys, slots, sorted_slots, (int)n, 0, bits));
     CUDA_CHECK_LAUNCH("cub::DeviceRadixSort::SortPairs (moe_permute_plan)");
     plan_fill_kernel<<<grid_for(n, MOE_THREADS), MOE_THREADS>>>(seg_token, slot_of, sorted_slots, n, K);

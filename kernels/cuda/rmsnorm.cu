@@ -101,17 +101,10 @@ __global__ void rmsnorm_backward_dweight_finish_kernel(float *dweight, const flo
 }
 
 // The process-wide scratch for dweight partials (see the file comment).
-static float *dweight_scratch = NULL;
-static size_t dweight_scratch_floats = 0;
+static Scratch dweight_scratch;
 
 static float *get_dweight_scratch(size_t floats) {
-    if (floats > dweight_scratch_floats) {
-        if (dweight_scratch != NULL) CUDA_CHECK(cudaFree(dweight_scratch));
-        dweight_scratch = NULL;
-        CUDA_CHECK(cudaMalloc((void **)&dweight_scratch, floats * sizeof(float)));
-        dweight_scratch_floats = floats;
-    }
-    return dweight_scratch;
+    return (float *)cuda_scratch(&dweight_scratch, floats * sizeof(float));
 }
 
 extern "C" void cuda_rmsnorm_backward(real *dinp, real *dweight, const real *dout, const real *inp,
