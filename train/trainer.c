@@ -296,19 +296,28 @@ static int check_parallel_layout(const Config *cfg) {
 }
 
 // Selects the device; prints the choice and why. Returns -1 (message printed) when it cannot run.
-// train.device = cuda runs every op on the GPU (issue 4, being validated: docs/gpu.md); auto stays on the
-// CPU until that path has passed its GPU parity tests.
+// auto takes the GPU when this build has CUDA and a GPU is visible, else the CPU; cuda insists.
 static int pick_device(const Config *cfg, Device *dev) {
     *dev = DEVICE_CPU;
+    int gpus = cuda_device_count();
     switch (cfg->train.device) {
     case DEVICE_SEL_CPU:
         printf("device: cpu (train.device = cpu)\n");
         return 0;
     case DEVICE_SEL_AUTO:
-        printf("device: cpu (auto: the CUDA model path is still being validated; train.device = cuda selects it)\n");
+        if (gpus > 0) {
+            *dev = DEVICE_CUDA;
+            printf("device: cuda (auto: %d GPU%s visible, using GPU 0)\n", gpus, gpus == 1 ? "" : "s");
+        } else {
+#ifdef FP8MOE_CUDA
+            printf("device: cpu (auto: no CUDA device is visible)\n");
+#else
+            printf("device: cpu (auto: this build has no CUDA)\n");
+#endif
+        }
         return 0;
     case DEVICE_SEL_CUDA:
-        if (cuda_device_count() == 0) {
+        if (gpus == 0) {
             fprintf(stderr, "fp8moe: %s: train.device = cuda, but %s; set train.device = cpu or auto\n", cfg->path,
 #ifdef FP8MOE_CUDA
                     "no CUDA device is visible"
