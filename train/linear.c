@@ -11,6 +11,7 @@
 
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 // Scratch for quantised operands, grown on demand and kept with the model (no allocation per call
 // once the largest shape has been seen).
@@ -51,6 +52,40 @@ static void check_quantised(int rc, const char *what, const char *err) {
     exit(1);
 }
 
+// Scratch bytes of one Linear's Fprop and of its backward (Dgrad + Wgrad) at N rows: the sums of the
+// buffers the two functions below take, in the same order.
+static size_t fprop_bytes(int N, int C, int OC) {
+    int KB = ceil_div(C, FP8_TILE), KB4 = ceil_div(KB, 4) * 4, NB = ceil_div(OC, FP8_TILE), T16 = round_up(N, 16);
+    size_t Kp = (size_t)KB * FP8_TILE, Np = (size_t)NB * FP8_TILE, R = sizeof(real);
+    return pad_bytes((size_t)T16 * Kp) + pad_bytes((size_t)KB * T16 * sizeof(float)) + pad_bytes(Np * Kp) +
+           pad_bytes((size_t)NB * KB4 * sizeof(float)) + pad_bytes((size_t)T16 * C * R) + pad_bytes((size_t)T16 * OC * R);
+}
+
+static size_t backward_bytes(int N, int C, int OC) {
+    int KB = ceil_div(C, FP8_TILE), KB4 = ceil_div(KB, 4) * 4, NB = ceil_div(OC, FP8_TILE), TB = ceil_div(N, FP8_TILE);
+    int T16 = round_up(N, 16);
+    size_t Kp = (size_t)KB * FP8_TILE, Np = (size_t)NB * FP8_TILE, Tp = (size_t)TB * FP8_TILE, R = sizeof(real);
+    return pad_bytes((size_t)T16 * Np) + pad_bytes((size_t)NB * T16 * sizeof(float)) + 2 * pad_bytes(Np * Kp) +
+           pad_bytes((size_t)NB * KB4 * sizeof(float)) + pad_bytes((size_t)T16 * C * R) + pad_bytes((size_t)T16 * OC * R) +
+           pad_bytes((size_t)OC * Tp) + pad_bytes((size_t)TB * OC * sizeof(float)) + pad_bytes((size_t)C * Tp) +
+           pad_bytes((size_t)TB * C * sizeof(float));
+}
+
+void linear_reserve_scratch(Model *m, int rows) {
+    if (m->cfg.precision.mode != PRECISION_FP8) return;
+    size_t most = 0;
+    for (int i = 0; i < m->n_params; i++) {  // every block Linear: 2-D tensors but the embedding, head, routers
+        const ParamInfo *p = &m->params[i];
+        if (p->ndim != 2 || strcmp(p->name, "embed.weight") == 0 || strcmp(p->name, "head.weight") == 0 ||
+            strstr(p->name, ".ffn.gate.weight"))
+            continue;
+        size_t f = fprop_bytes(rows, p->shape[1], p->shape[0]), b = backward_bytes(rows, p->shape[1], p->shape[0]);
+        if (f > most) most = f;
+        if (b > most) most = b;
+    }
+    scratch_reserve(m, most);
+}
+
 void linear_forward(Model *m, real *out, const real *inp, const real *weight, int N, int C, int OC) {
     switch (m->cfg.precision.mode) {
     case PRECISION_FP32:
@@ -63,9 +98,7 @@ void linear_forward(Model *m, real *out, const real *inp, const real *weight, in
     }
     int KB = ceil_div(C, FP8_TILE), KB4 = ceil_div(KB, 4) * 4, NB = ceil_div(OC, FP8_TILE), T16 = round_up(N, 16);
     size_t Kp = (size_t)KB * FP8_TILE, Np = (size_t)NB * FP8_TILE, R = sizeof(real);
-    scratch_reserve(m, pad_bytes((size_t)T16 * Kp) + pad_bytes((size_t)KB * T16 * sizeof(float)) + pad_bytes(Np * Kp) +
-                           pad_bytes((size_t)NB * KB4 * sizeof(float)) + pad_bytes((size_t)T16 * C * R) +
-                           pad_bytes((size_t)T16 * OC * R));
+    scratch_reserve(m, fprop_bytes(N, C, OC));
     size_t used = 0;
     uint8_t *qx = scratch_take(m, &used, (size_t)T16 * Kp);
     float *sx = scratch_take(m, &used, (size_t)KB * T16 * sizeof(float));
@@ -99,11 +132,7 @@ void linear_backward(Model *m, real *dinp, real *dweight, const real *dout, cons
     int KB = ceil_div(C, FP8_TILE), KB4 = ceil_div(KB, 4) * 4, NB = ceil_div(OC, FP8_TILE), TB = ceil_div(N, FP8_TILE);
     int T16 = round_up(N, 16);
     size_t Kp = (size_t)KB * FP8_TILE, Np = (size_t)NB * FP8_TILE, Tp = (size_t)TB * FP8_TILE, R = sizeof(real);
-    scratch_reserve(m, pad_bytes((size_t)T16 * Np) + pad_bytes((size_t)NB * T16 * sizeof(float)) +
-                           2 * pad_bytes(Np * Kp) + pad_bytes((size_t)NB * KB4 * sizeof(float)) +
-                           pad_bytes((size_t)T16 * C * R) + pad_bytes((size_t)T16 * OC * R) + pad_bytes((size_t)OC * Tp) +
-                           pad_bytes((size_t)TB * OC * sizeof(float)) + pad_bytes((size_t)C * Tp) +
-                           pad_bytes((size_t)TB * C * sizeof(float)));
+    scratch_reserve(m, backward_bytes(N, C, OC));
     size_t used = 0;
     uint8_t *qdy = scratch_take(m, &used, (size_t)T16 * Np);
     float *sdy = scratch_take(m, &used, (size_t)NB * T16 * sizeof(float));

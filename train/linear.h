@@ -21,6 +21,9 @@ void linear_forward(Model *m, real *out, const real *inp, const real *weight, in
 // dinp (N, C) += dout @ weight; dweight (OC, C) += dout^T @ inp   (either may be NULL)
 void linear_backward(Model *m, real *dinp, real *dweight, const real *dout, const real *inp, const real *weight,
                      int N, int C, int OC);
+// Sizes the FP8 scratch for every block Linear at `rows` tokens (a micro-batch: no expert segment is
+// longer), so no step allocates device memory; a no-op outside fp8 mode.
+void linear_reserve_scratch(Model *m, int rows);
 void linear_free_scratch(Model *m);
 
 #endif

@@ -372,7 +372,7 @@ struct ChunkActs {
     LossTerms terms;
 };
 
-ChunkActs *chunk_acts_create(const Model *m, int chunk, int B, int T) {
+ChunkActs *chunk_acts_create(Model *m, int chunk, int B, int T) {
     ChunkActs *a = calloc(1, sizeof *a);
     const ChunkSpec *cs = &m->chunks[chunk];
     const Config *c = &m->cfg;
@@ -432,6 +432,7 @@ ChunkActs *chunk_acts_create(const Model *m, int chunk, int B, int T) {
         }
     }
     layer_scratch_alloc(ar, &a->scratch, d, has_moe);
+    linear_reserve_scratch(m, d->N);
     return a;
 }
 

@@ -115,7 +115,8 @@ int64_t model_num_params(const Model *m);
 int64_t model_active_params(const Model *m);
 const ParamInfo *model_find_param(const Model *m, const char *name);
 
-ChunkActs *chunk_acts_create(const Model *m, int chunk, int B, int T);
+// Also sizes the model's FP8 scratch for B*T tokens (train/linear.h), so steps allocate nothing.
+ChunkActs *chunk_acts_create(Model *m, int chunk, int B, int T);
 void chunk_acts_free(ChunkActs *a);
 
 // Forward of one chunk for one micro-batch.
