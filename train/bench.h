@@ -12,4 +12,10 @@
 int bench_gemm_main(int argc, char **argv);
 extern const char *const bench_gemm_usage;
 
+// `fp8moe bench step [JOB.ini] [--steps N] [--warmup N] [--set section.key=value]...`: training steps
+// of JOB.ini (default configs/bench-1gpu.ini) in fp8 and then bf16: tokens/s, model TFLOPS, peak
+// memory and a per-phase time breakdown (kernels/profile.h). train/bench_step.c.
+int bench_step_main(int argc, char **argv);
+extern const char *const bench_step_usage;
+
 #endif

@@ -9,6 +9,8 @@
  */
 #include "train/linear.h"
 
+#include "kernels/profile.h"
+
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -87,12 +89,15 @@ void linear_reserve_scratch(Model *m, int rows) {
 }
 
 void linear_forward(Model *m, real *out, const real *inp, const real *weight, int N, int C, int OC) {
+    profile_begin(PHASE_OTHER_GEMM);  // the caller may make it an expert GEMM (kernels/profile.h)
     switch (m->cfg.precision.mode) {
     case PRECISION_FP32:
         matmul_forward(m->dev, out, inp, weight, N, C, OC);
+        profile_end(PHASE_OTHER_GEMM);
         return;
     case PRECISION_BF16:
         bf16_matmul_forward(m->dev, out, inp, weight, N, C, OC);
+        profile_end(PHASE_OTHER_GEMM);
         return;
     case PRECISION_FP8: break;
     }
@@ -109,21 +114,27 @@ void linear_forward(Model *m, real *out, const real *inp, const real *weight, in
     const real *x = pad_rows(m, x_pad, inp, N, T16, C);
     real *y = T16 == N ? out : y_pad;
     char err[256];
+    profile_begin(PHASE_QUANTISE);
     check_quantised(fp8_quantize_1x128(m->dev, qx, sx, x, T16, C, err, sizeof err), "an activation (Fprop X)", err);
     check_quantised(fp8_quantize_128x128(m->dev, qw, NULL, sw, weight, OC, C, err, sizeof err), "a weight", err);
+    profile_end(PHASE_QUANTISE);
     fp8_gemm_fprop(m->dev, y, qx, sx, qw, sw, T16, OC, C);
     if (y != out) copy_block(m->dev, out, OC, y, OC, N, OC, 0);  // the first N rows are the valid ones
     m->fp8_gemm_count++;
+    profile_end(PHASE_OTHER_GEMM);
 }
 
 void linear_backward(Model *m, real *dinp, real *dweight, const real *dout, const real *inp, const real *weight,
                      int N, int C, int OC) {
+    profile_begin(PHASE_OTHER_GEMM);
     switch (m->cfg.precision.mode) {
     case PRECISION_FP32:
         matmul_backward(m->dev, dinp, dweight, dout, inp, weight, N, C, OC);
+        profile_end(PHASE_OTHER_GEMM);
         return;
     case PRECISION_BF16:
         bf16_matmul_backward(m->dev, dinp, dweight, dout, inp, weight, N, C, OC);
+        profile_end(PHASE_OTHER_GEMM);
         return;
     case PRECISION_FP8: break;
     }
@@ -148,20 +159,25 @@ void linear_backward(Model *m, real *dinp, real *dweight, const real *dout, cons
     char err[256];
     if (dinp) {
         const real *dy = pad_rows(m, dy_pad, dout, N, T16, OC);
+        profile_begin(PHASE_QUANTISE);
         check_quantised(fp8_quantize_1x128(m->dev, qdy, sdy, dy, T16, OC, err, sizeof err), "a gradient (Dgrad dY)", err);
         check_quantised(fp8_quantize_128x128(m->dev, qw, qwt, sw, weight, OC, C, err, sizeof err), "a weight", err);
+        profile_end(PHASE_QUANTISE);
         fp8_gemm_dgrad(m->dev, dx, qdy, sdy, qwt, sw, T16, OC, C);
         add_inplace(m->dev, dinp, dx, (int64_t)N * C);  // the first N rows are the valid ones
         m->fp8_gemm_count++;
     }
     if (dweight) {
+        profile_begin(PHASE_QUANTISE);
         check_quantised(fp8_quantize_128x1_transposed(m->dev, qdyt, sdyt, dout, N, OC, err, sizeof err),
                         "a gradient (Wgrad dY)", err);
         check_quantised(fp8_quantize_128x1_transposed(m->dev, qxt, sxt, inp, N, C, err, sizeof err),
                         "an activation (Wgrad X)", err);
+        profile_end(PHASE_QUANTISE);
         fp8_gemm_wgrad(m->dev, dweight, qdyt, sdyt, qxt, sxt, N, OC, C);
         m->fp8_gemm_count++;
     }
+    profile_end(PHASE_OTHER_GEMM);
 }
 
 void linear_free_scratch(Model *m) {

@@ -39,9 +39,9 @@ static const char *const usage_config_doc =
     "      Print the reference of every job-file key (Markdown, as docs/config.md).\n";
 
 static void print_usage(FILE *f) {
-    fprintf(f, "fp8moe - FP8 mixture-of-experts training (DeepSeek-V3 architecture)\n\nUsage:\n%s%s%s%s%s"
+    fprintf(f, "fp8moe - FP8 mixture-of-experts training (DeepSeek-V3 architecture)\n\nUsage:\n%s%s%s%s%s%s"
                "  fp8moe help | --help\n      Show this text. `fp8moe help COMMAND` shows one command.\n",
-            usage_train, usage_prep, usage_sample, usage_config_doc, bench_gemm_usage);
+            usage_train, usage_prep, usage_sample, usage_config_doc, bench_gemm_usage, bench_step_usage);
 }
 
 // Prints "fp8moe CMD: message" and the command's usage to stderr; returns the usage exit status.
@@ -243,7 +243,9 @@ int main(int argc, char **argv) {
     if (!strcmp(cmd, "sample")) return cmd_sample(argc - 2, argv + 2);
     if (!strcmp(cmd, "bench")) {
         if (argc > 2 && !strcmp(argv[2], "gemm")) return bench_gemm_main(argc - 3, argv + 3);
-        fprintf(stderr, "fp8moe bench: expected a benchmark name (gemm)\n\nUsage:\n%s", bench_gemm_usage);
+        if (argc > 2 && !strcmp(argv[2], "step")) return bench_step_main(argc - 3, argv + 3);
+        fprintf(stderr, "fp8moe bench: expected a benchmark name (gemm, step)\n\nUsage:\n%s%s", bench_gemm_usage,
+                bench_step_usage);
         return EXIT_USAGE;
     }
     if (!strcmp(cmd, "config-doc")) {
@@ -267,7 +269,7 @@ int main(int argc, char **argv) {
                 print_usage(stderr);
                 return EXIT_USAGE;
             }
-            printf("Usage:\n%s", u);
+            printf("Usage:\n%s%s", u, u == bench_gemm_usage ? bench_step_usage : "");
             return 0;
         }
         print_usage(stdout);

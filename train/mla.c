@@ -11,6 +11,8 @@
 #include "train/layers.h"
 #include "train/linear.h"
 
+#include "kernels/profile.h"
+
 void mla_forward(Model *m, const MlaWeights *w, MlaActs *a, const Dims *d, const real *xn, real *out) {
     Device dev = m->dev;
     int N = d->N, H = d->H, dqk = d->dqk, NH = d->N * d->H;
@@ -41,7 +43,9 @@ void mla_forward(Model *m, const MlaWeights *w, MlaActs *a, const Dims *d, const
         copy_block(dev, a->kf + h * dqk + d->dn, H * dqk, a->k_rope, d->dr, N, d->dr, 0);
     copy_block(dev, a->v, d->dv, a->kv + d->dn, kv_w, NH, d->dv, 0);
     // attention core and output projection
+    profile_begin(PHASE_ATTENTION);
     attention_forward(dev, a->o, a->att, a->qf, a->kf, a->v, d->B, d->T, H, dqk, d->dv);
+    profile_end(PHASE_ATTENTION);
     linear_forward(m, out, a->o, w->wo, N, H * d->dv, d->D);
 }
 
@@ -66,8 +70,10 @@ void mla_backward(Model *m, const MlaWeights *w, const MlaWeights *g, MlaActs *a
 
     // forward was: out = o W_O^T, o = attention(qf, kf, v)
     linear_backward(m, s->d_o, g->wo, d_out, a->o, w->wo, N, H * d->dv, d->D);
+    profile_begin(PHASE_ATTENTION);
     attention_backward(dev, s->d_qf, s->d_kf, s->d_v, s->d_o, a->att, a->qf, a->kf, a->v, d->B, d->T, H, dqk,
                        d->dv);
+    profile_end(PHASE_ATTENTION);
     // kf and v were sliced out of kv (per head) and k_rope (shared): gather their gradients back
     copy_block(dev, s->d_kv + d->dn, kv_w, s->d_v, d->dv, NH, d->dv, 1);
     copy_block(dev, s->d_kv, kv_w, s->d_kf, dqk, NH, d->dn, 1);

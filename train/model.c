@@ -11,6 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kernels/profile.h"
 #include "optim/bias_balance.h"
 #include "train/layers.h"
 #include "train/linear.h"
@@ -505,7 +506,9 @@ static double mtp_forward(Model *m, ChunkActs *a, int k) {
     linear_forward(m, t->x0, t->cat, w->eh_proj, N, 2 * D, D);
     block_forward(m, &w->block, &t->block, d, t->x0, t->x1);
     rmsnorm_forward(dev, t->ho, t->ho_rstd, t->x1, w->norm, N, D);
+    profile_begin(PHASE_OTHER_GEMM);
     matmul_forward(dev, t->logits, t->ho, m->w.head, N, D, V);
+    profile_end(PHASE_OTHER_GEMM);
     return head_loss(dev, t->losses, t->probs, t->logits, t->d_tgt, t->tgt, N, V, &t->n_valid);
 }
 
@@ -521,7 +524,9 @@ static void mtp_backward(Model *m, ChunkActs *a, int k, real *d_h_prev, real los
     // d h^k = (from this depth's head) + (from depth k+1, already in t->d_h)
     real dloss = t->n_valid ? loss_scale * m->loss_weights.mtp[k] / (real)t->n_valid : 0;
     crossentropy_backward(dev, a->d_logits, t->probs, t->d_tgt, dloss, N, V);
+    profile_begin(PHASE_OTHER_GEMM);
     matmul_backward(dev, t->d_h, m->g.head, a->d_logits, t->ho, m->w.head, N, D, V);
+    profile_end(PHASE_OTHER_GEMM);
     device_memset_zero(dev, a->d_cur, bytes);
     rmsnorm_backward(dev, a->d_cur, g->norm, t->d_h, t->x1, w->norm, t->ho_rstd, N, D);
     block_backward(m, &w->block, &g->block, &t->block, d, &a->scratch, a->d_cur, a->d_cur,
@@ -571,7 +576,9 @@ real chunk_forward(Model *m, int chunk, ChunkActs *a, const int *inputs, const i
         return (real)(m->loss_weights.balance * balance);
     }
     rmsnorm_forward(dev, a->hn, a->hn_rstd, x_last, m->w.norm, N, D);
+    profile_begin(PHASE_OTHER_GEMM);
     matmul_forward(dev, a->logits, a->hn, m->w.head, N, D, V);
+    profile_end(PHASE_OTHER_GEMM);
     lt->main = head_loss(dev, a->losses, a->probs, a->logits, a->d_targets, targets, N, V, &lt->n_valid);
     double total = m->loss_weights.main * lt->main;
     int depth = m->cfg.mtp.depth;
@@ -603,7 +610,9 @@ void chunk_backward(Model *m, int chunk, ChunkActs *a, const real *dout_hidden, 
             mtp_backward(m, a, k, k == 0 ? a->d_hn : a->mtp[k - 1].d_h, loss_scale);
         real dloss = a->terms.n_valid ? loss_scale * m->loss_weights.main / (real)a->terms.n_valid : 0;
         crossentropy_backward(dev, a->d_logits, a->probs, a->d_targets, dloss, N, V);
+        profile_begin(PHASE_OTHER_GEMM);
         matmul_backward(dev, a->d_hn, m->g.head, a->d_logits, a->hn, m->w.head, N, D, V);
+        profile_end(PHASE_OTHER_GEMM);
         device_memset_zero(dev, a->d_cur, bytes);
         rmsnorm_backward(dev, a->d_cur, m->g.norm, a->d_hn, a->resid + (int64_t)cs->n_blocks * N * D, m->w.norm,
                          a->hn_rstd, N, D);

@@ -11,6 +11,8 @@
 #include "train/layers.h"
 #include "train/linear.h"
 
+#include "kernels/profile.h"
+
 #include <string.h>
 
 // ---------------------------------------------------------------------------- dense SwiGLU
@@ -47,7 +49,9 @@ static void experts_forward(Model *m, const FfnWeights *w, FfnActs *a, const int
         if (n == 0) continue;
         FfnWeights we = {w->w1 + (int64_t)e * I * D, w->w2 + (int64_t)e * D * I, w->w3 + (int64_t)e * I * D};
         FfnActs ae = {a->a + (int64_t)r0 * I, a->b + (int64_t)r0 * I, a->h + (int64_t)r0 * I};
+        profile_begin(PHASE_EXPERT_GEMM);  // its Linears count as expert GEMMs (kernels/profile.h)
         ffn_forward(m, &we, &ae, n, D, I, xs + (int64_t)r0 * D, ys + (int64_t)r0 * D);
+        profile_end(PHASE_EXPERT_GEMM);
     }
 }
 
@@ -61,8 +65,10 @@ static void experts_backward(Model *m, const FfnWeights *w, const FfnWeights *g,
         FfnWeights we = {w->w1 + wo, w->w2 + wo, w->w3 + wo};
         FfnWeights ge = {g->w1 + wo, g->w2 + wo, g->w3 + wo};
         FfnActs ae = {a->a + (int64_t)r0 * I, a->b + (int64_t)r0 * I, a->h + (int64_t)r0 * I};
+        profile_begin(PHASE_EXPERT_GEMM);
         ffn_backward(m, &we, &ge, &ae, s, n, D, I, xs + (int64_t)r0 * D, d_ys + (int64_t)r0 * D,
                      d_xs + (int64_t)r0 * D);
+        profile_end(PHASE_EXPERT_GEMM);
     }
 }
 
@@ -71,7 +77,9 @@ void moe_forward(Model *m, const BlockWeights *w, MoeActs *a, const Dims *d, con
     Device dev = m->dev;
     int N = d->N, E = d->E, K = d->K, D = d->D;
     const real *bias = m->router_bias + (int64_t)w->moe_index * E;
+    profile_begin(PHASE_OTHER_GEMM);
     matmul_forward(dev, a->logits, x, w->moe.gate, N, D, E);
+    profile_end(PHASE_OTHER_GEMM);
     router_forward(dev, a->topk_idx, a->topk_w, a->scores, a->logits, bias, N, E, K, d->n_groups, d->n_limited,
                    d->route_scale, m->freeze_routing);
     a->balance_loss = 0;
@@ -85,14 +93,18 @@ void moe_forward(Model *m, const BlockWeights *w, MoeActs *a, const Dims *d, con
     }
     // shared expert writes out, routed experts are added on top
     ffn_forward(m, &w->moe.shared, &a->shared, N, D, d->shared_I, x, out);
+    profile_begin(PHASE_PERMUTE);
     moe_permute_plan_device(dev, a->seg_offsets, a->seg_token, a->slot_of, a->topk_idx, N, K, E);
     device_memcpy_to_host(dev, a->seg_offsets_host, a->seg_offsets, (size_t)(E + 1) * sizeof(int));
     gather_rows(dev, a->xp, x, a->seg_token, N * K, D);
+    profile_end(PHASE_PERMUTE);
     ep_dispatch(&m->ep, a->xp, a->seg_offsets_host, D, &a->ep_buf);
     experts_forward(m, &w->moe.experts, &a->experts, a->ep_buf.seg_offsets, m->ep.experts_per_rank, D, d->I,
                     a->ep_buf.rows, a->eout);
     a->eout_perm = ep_combine(&m->ep, &a->ep_buf, a->eout);
+    profile_begin(PHASE_PERMUTE);
     moe_combine_forward(dev, out, a->eout_perm, a->slot_of, a->topk_w, N, K, D);
+    profile_end(PHASE_PERMUTE);
 }
 
 void moe_backward(Model *m, const BlockWeights *w, const BlockWeights *g, MoeActs *a, const Dims *d,
@@ -105,12 +117,16 @@ void moe_backward(Model *m, const BlockWeights *w, const BlockWeights *g, MoeAct
     device_memset_zero(dev, s->d_topk_w, (size_t)N * K * R);
     device_memset_zero(dev, s->d_logits, (size_t)N * E * R);
     // out = shared(x) + sum_k w_k eout[slot(t,k)]
+    profile_begin(PHASE_PERMUTE);
     moe_combine_backward(dev, s->d_eout, s->d_topk_w, d_out, a->eout_perm, a->slot_of, a->topk_w, N, K, D);
+    profile_end(PHASE_PERMUTE);
     const real *d_local_out = ep_combine_backward(&m->ep, &a->ep_buf, s->d_eout);
     experts_backward(m, &w->moe.experts, &g->moe.experts, &a->experts, s, a->ep_buf.seg_offsets,
                      m->ep.experts_per_rank, D, d->I, a->ep_buf.rows, d_local_out, s->d_xp);
     const real *d_perm = ep_dispatch_backward(&m->ep, &a->ep_buf, s->d_xp);
+    profile_begin(PHASE_PERMUTE);
     moe_unpermute_backward(dev, d_x, d_perm, a->slot_of, N, K, D);
+    profile_end(PHASE_PERMUTE);
     ffn_backward(m, &w->moe.shared, &g->moe.shared, &a->shared, s, N, D, d->shared_I, x, d_out, d_x);
     // router: gate weights and, when the balance loss is on, its gradient through the scores
     real *d_scores = NULL;
@@ -121,5 +137,7 @@ void moe_backward(Model *m, const BlockWeights *w, const BlockWeights *g, MoeAct
         d_scores = s->d_scores;
     }
     router_backward(dev, s->d_logits, s->d_topk_w, d_scores, a->topk_idx, a->scores, N, E, K, d->route_scale);
+    profile_begin(PHASE_OTHER_GEMM);
     matmul_backward(dev, d_x, g->moe.gate, s->d_logits, x, w->moe.gate, N, D, E);
+    profile_end(PHASE_OTHER_GEMM);
 }

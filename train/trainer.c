@@ -118,7 +118,7 @@ static int split_text_list(const char *list, char *buf, size_t buf_size, const c
 
 // Picks the shard directory: data.shards as given, or the text files prepared (when not already
 // current) into data.cache_dir/<16 hex digits of FNV-1a over the path list>.
-static int prepare_data(const Config *cfg, char *shard_dir, size_t shard_dir_size, char *err, size_t err_size) {
+int trainer_prepare_data(const Config *cfg, char *shard_dir, size_t shard_dir_size, char *err, size_t err_size) {
     if (cfg->data.shards[0]) {
         snprintf(shard_dir, shard_dir_size, "%s", cfg->data.shards);
         printf("data: shards in %s (data.shards)\n", shard_dir);
@@ -297,7 +297,7 @@ static int check_parallel_layout(const Config *cfg) {
 
 // Selects the device; prints the choice and why. Returns -1 (message printed) when it cannot run.
 // auto takes the GPU when this build has CUDA and a GPU is visible, else the CPU; cuda insists.
-static int pick_device(const Config *cfg, Device *dev) {
+int trainer_pick_device(const Config *cfg, Device *dev) {
     *dev = DEVICE_CPU;
     int gpus = cuda_device_count();
     switch (cfg->train.device) {
@@ -346,13 +346,13 @@ int trainer_run(const Config *cfg) {
     config_print(cfg, stdout);
     printf("\n");
     Device dev;
-    if (check_parallel_layout(cfg) != 0 || pick_device(cfg, &dev) != 0) return 1;
+    if (check_parallel_layout(cfg) != 0 || trainer_pick_device(cfg, &dev) != 0) return 1;
     if (cfg->train.threads > 0) omp_set_num_threads(cfg->train.threads);
     printf("threads: %d%s\n", omp_get_max_threads(), cfg->train.threads > 0 ? "" : " (OpenMP default)");
 
     // ---- data
     char shard_dir[CONFIG_PATH_MAX + 32];
-    if (prepare_data(cfg, shard_dir, sizeof shard_dir, err, sizeof err) != 0) {
+    if (trainer_prepare_data(cfg, shard_dir, sizeof shard_dir, err, sizeof err) != 0) {
         fprintf(stderr, "fp8moe: data: %s\n", err);
         goto done;
     }

@@ -10,10 +10,18 @@
 #ifndef FP8MOE_TRAINER_H
 #define FP8MOE_TRAINER_H
 
+#include "kernels/kernels.h"
 #include "train/config.h"
 
 // Returns 0 on success (also after a requested stop), 1 on an error (already printed to stderr,
 // naming the file, key or step at fault).
 int trainer_run(const Config *cfg);
+
+// The setup steps of trainer_run, shared with `fp8moe bench step` (train/bench_step.c).
+// Puts the shard directory of cfg's data into shard_dir (data.shards, or data.text prepared into
+// data.cache_dir when not already current). Returns 0, or -1 with err set.
+int trainer_prepare_data(const Config *cfg, char *shard_dir, size_t shard_dir_size, char *err, size_t err_size);
+// Picks the device train.device asks for and prints the choice. Returns 0, or -1 (message printed).
+int trainer_pick_device(const Config *cfg, Device *dev);
 
 #endif

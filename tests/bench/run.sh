@@ -27,3 +27,7 @@ print(f"default job (configs/shakespeare.ini, 16 x 128 tokens/step): {tps:,.0f} 
       f"over steps {warm + 1}-{rows[-1]['step']} ({(t1 - t0) / (rows[-1]['step'] - warm):.3f} s/step)")
 PY
 grep -E "active|param" "$out/train.log" | head -3 || true
+# on a GPU machine: the training step in fp8 and bf16 with its phase breakdown (configs/bench-1gpu.ini)
+if nvidia-smi >/dev/null 2>&1; then
+  "$BUILD/fp8moe" bench step
+fi

@@ -102,5 +102,21 @@ else
   fi
 fi
 
+# ---- bench step: fp8 and bf16 tables with every phase, on the CPU, two timed steps
+if [ -f "$TEXT" ]; then
+  if run bench_step 0 "$BIN" bench step configs/tiny-fp8.ini --steps 2 --warmup 1 --set train.device=cpu \
+      --set train.threads=1 --set data.text="$TEXT" --set data.cache_dir="$TMP/prepared"; then
+    has bench_step out '^fp8: 2 steps' && has bench_step out '^bf16: 2 steps' && has bench_step out 'tokens/s +[0-9]+' \
+      && has bench_step out 'model TFLOPS +[0-9.]+' && has bench_step out 'peak memory +[0-9.]+ GiB' \
+      && has bench_step out '^fp8/bf16 tokens/s: [0-9.]+$' && pass "bench step prints the fp8 and bf16 tables"
+    for phase in attention 'expert GEMM' 'other GEMM' quantisation permute optimizer other; do
+      n=$(grep -Ec "^  $phase +[0-9.]+ +[0-9.]+%$" "$TMP/bench_step.out")
+      [ "$n" -eq 2 ] || fail "bench step: phase '$phase' has $n table rows, expected 2"
+    done
+  fi
+  run bench_step_bad 2 "$BIN" bench step configs/tiny-fp8.ini --steps 0 && has bench_step_bad err '--steps 0' \
+    && pass "bench step rejects --steps 0"
+fi
+
 if [ "$failures" -ne 0 ]; then echo "test_cli.sh: $failures failure(s)"; exit 1; fi
 echo "test_cli.sh: all passed"

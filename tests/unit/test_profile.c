@@ -1,0 +1,110 @@
+/*
+ * test_profile.c - the phase profiler (kernels/profile.h) on the CPU: off means all zeros; nested
+ * phases charge each interval to the innermost phase only, checked against busy-waits of known length
+ * measured by an independent clock (CLOCK_MONOTONIC); an other-GEMM phase inside an expert-GEMM phase
+ * is charged to the expert phase; collect resets the times.
+ */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <time.h>
+
+#include <cmocka.h>
+
+#include "kernels/profile.h"
+
+static double clock_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+// Spins for ms milliseconds of wall time (sleeping could overshoot by a scheduler tick).
+static void busy_wait_ms(double ms) {
+    double end = clock_s() + 1e-3 * ms;
+    volatile double sink = 0;
+    while (clock_s() < end) sink += 1.0;
+}
+
+static void test_off_gives_zeros(void **state) {
+    (void)state;
+    profile_enable(DEVICE_CPU, 0);
+    profile_begin(PHASE_ATTENTION);
+    busy_wait_ms(5);
+    profile_end(PHASE_ATTENTION);
+    double s[PHASE_COUNT];
+    for (int p = 0; p < PHASE_COUNT; p++) s[p] = 123.0;
+    profile_step_collect(s);
+    for (int p = 0; p < PHASE_COUNT; p++) assert_true(s[p] == 0.0);
+    assert_true(profile_peak_memory_bytes() == 0.0);
+}
+
+// expert GEMM [ 30 ms | quantisation 20 ms | 10 ms ], then attention 15 ms, with 10 ms outside any
+// phase: expert 40 ms (its quantisation excluded), quantisation 20 ms, attention 15 ms, the rest 0.
+static void test_nested_innermost(void **state) {
+    (void)state;
+    profile_enable(DEVICE_CPU, 1);
+    double t0 = clock_s();
+    profile_begin(PHASE_EXPERT_GEMM);
+    busy_wait_ms(30);
+    profile_begin(PHASE_QUANTISE);
+    busy_wait_ms(20);
+    profile_end(PHASE_QUANTISE);
+    busy_wait_ms(10);
+    profile_end(PHASE_EXPERT_GEMM);
+    busy_wait_ms(10);  // no phase open: charged to nobody
+    profile_begin(PHASE_ATTENTION);
+    busy_wait_ms(15);
+    profile_end(PHASE_ATTENTION);
+    double wall_ms = 1e3 * (clock_s() - t0);
+    double s[PHASE_COUNT];
+    profile_step_collect(s);
+    double ms[PHASE_COUNT], sum = 0;
+    for (int p = 0; p < PHASE_COUNT; p++) {
+        ms[p] = 1e3 * s[p];
+        sum += ms[p];
+    }
+    assert_true(ms[PHASE_EXPERT_GEMM] >= 0.8 * 40 && ms[PHASE_EXPERT_GEMM] < 40 + 0.8 * 20);  // excludes inner
+    assert_true(ms[PHASE_QUANTISE] >= 0.8 * 20 && ms[PHASE_QUANTISE] < 20 + 0.8 * 10);
+    assert_true(ms[PHASE_ATTENTION] >= 0.8 * 15 && ms[PHASE_ATTENTION] < 15 + 0.8 * 10);
+    assert_true(ms[PHASE_OTHER_GEMM] == 0 && ms[PHASE_PERMUTE] == 0 && ms[PHASE_OPTIMIZER] == 0);
+    assert_true(sum <= wall_ms - 0.8 * 10);  // the unmarked 10 ms is in no phase, nothing counted twice
+    assert_true(profile_peak_memory_bytes() > 0);  // peak RSS of this process
+    // collect reset the times
+    profile_step_collect(s);
+    for (int p = 0; p < PHASE_COUNT; p++) assert_true(s[p] == 0.0);
+    profile_enable(DEVICE_CPU, 0);
+}
+
+// linear.c opens an other-GEMM phase for every Linear; under moe.c's expert phase it is an expert GEMM.
+static void test_other_gemm_inside_expert(void **state) {
+    (void)state;
+    profile_enable(DEVICE_CPU, 1);
+    profile_begin(PHASE_OTHER_GEMM);
+    busy_wait_ms(10);
+    profile_end(PHASE_OTHER_GEMM);
+    profile_begin(PHASE_EXPERT_GEMM);
+    profile_begin(PHASE_OTHER_GEMM);
+    busy_wait_ms(20);
+    profile_begin(PHASE_QUANTISE);
+    busy_wait_ms(10);
+    profile_end(PHASE_QUANTISE);
+    profile_end(PHASE_OTHER_GEMM);
+    profile_end(PHASE_EXPERT_GEMM);
+    double s[PHASE_COUNT];
+    profile_step_collect(s);
+    assert_true(1e3 * s[PHASE_OTHER_GEMM] >= 0.8 * 10 && 1e3 * s[PHASE_OTHER_GEMM] < 10 + 0.8 * 20);
+    assert_true(1e3 * s[PHASE_EXPERT_GEMM] >= 0.8 * 20 && 1e3 * s[PHASE_EXPERT_GEMM] < 20 + 0.8 * 10);
+    assert_true(1e3 * s[PHASE_QUANTISE] >= 0.8 * 10 && 1e3 * s[PHASE_QUANTISE] < 10 + 0.8 * 10);
+    profile_enable(DEVICE_CPU, 0);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_off_gives_zeros),
+        cmocka_unit_test(test_nested_innermost),
+        cmocka_unit_test(test_other_gemm_inside_expert),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}

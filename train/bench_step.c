@@ -1,0 +1,264 @@
+/*
+ * bench_step.c - `fp8moe bench step`: the training step of a job timed end to end in fp8 and in bf16
+ * in one run, with tokens/s, model TFLOPS, peak memory and where the step's time goes (kernels/profile.h
+ * phases). It exists to answer "how much does the FP8 recipe buy on this job, and what is left".
+ *
+ * The step is the trainer's step (train/trainer.c) without its logging, evaluation and checkpoints:
+ * grad_accum micro-batches of chunk_forward + chunk_backward, the global gradient norm, AdamW, the
+ * expert-bias update. AdamW gets one parameter group over the whole flat buffer (weight decay
+ * everywhere): the same work per element as the trainer's groups, and a benchmark needs no exact
+ * decay mask. Steps before --warmup are run and discarded (first-step allocation, cuBLASLt heuristics).
+ */
+#include <math.h>
+#include <omp.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "data/loader.h"
+#include "kernels/profile.h"
+#include "optim/adamw.h"
+#include "optim/clip.h"
+#include "optim/lr_schedule.h"
+#include "train/bench.h"
+#include "train/model.h"
+#include "train/trainer.h"
+
+const char *const bench_step_usage =
+    "  fp8moe bench step [JOB.ini] [--steps N] [--warmup N] [--set section.key=value]...\n"
+    "      Time N training steps (default 10) of JOB.ini (default configs/bench-1gpu.ini) after N warm-up\n"
+    "      steps (default 3), in fp8 and then in bf16: tokens/s, model TFLOPS, peak memory and the ms per\n"
+    "      step of attention, expert GEMMs, other GEMMs, quantisation, MoE permute, optimizer and the rest.\n";
+
+typedef struct {
+    int steps;
+    int64_t tokens_per_step;
+    double flops_per_token;
+    double step_s;  // summed over the timed steps
+    double phase_s[PHASE_COUNT];
+    double peak_bytes;
+    Device dev;
+} StepBench;
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+// ---------------------------------------------------------------------------- one precision
+
+// Loads the job with precision.mode = mode appended to the user's overrides, runs warmup + steps
+// training steps with the profiler on, fills *out. Returns 0, 1 on a run error, 2 on an invalid job.
+static int bench_precision(const char *job, const char **overrides, int n_overrides, const char *mode, int steps,
+                           int warmup, StepBench *out) {
+    char err[2048];
+    char mode_set[64];
+    snprintf(mode_set, sizeof mode_set, "precision.mode=%s", mode);
+    overrides[n_overrides] = mode_set;  // the caller left one slot
+    Config *cfg = malloc(sizeof *cfg);
+    if (!cfg) return 1;
+    if (config_load(cfg, job, overrides, n_overrides + 1, err, sizeof err) != 0) {
+        fprintf(stderr, "%s\n", err);
+        free(cfg);
+        return 2;
+    }
+    int rc = 1;
+    Model model;
+    int model_ok = 0, loader_ok = 0, opt_ok = 0;
+    DataLoader loader;
+    AdamW opt;
+    ChunkActs *acts = NULL;
+    int *rows = NULL, *inputs = NULL, *targets = NULL;
+    const int B = cfg->train.micro_batch_size, T = cfg->train.seq_len, A = cfg->train.grad_accum;
+    Device dev;
+    printf("\n# bench step: precision %s\n", mode);
+    if (trainer_pick_device(cfg, &dev) != 0) goto done;
+    if (cfg->train.threads > 0) omp_set_num_threads(cfg->train.threads);
+    char shard_dir[CONFIG_PATH_MAX + 32];
+    if (trainer_prepare_data(cfg, shard_dir, sizeof shard_dir, err, sizeof err) != 0) {
+        fprintf(stderr, "fp8moe: data: %s\n", err);
+        goto done;
+    }
+    LoaderOptions lo = {.dir = shard_dir, .split = LOADER_TRAIN, .vocab_size = cfg->model.vocab_size, .B = B,
+                        .T = T, .seed = cfg->train.seed, .dp_rank = 0, .dp_size = 1};
+    if (loader_open(&loader, &lo, err, sizeof err) != 0) {
+        fprintf(stderr, "fp8moe: data: %s\n", err);
+        goto done;
+    }
+    loader_ok = 1;
+    if (model_create(&model, cfg, dev, 1, err, sizeof err) != 0) {
+        fprintf(stderr, "fp8moe: %s: model: %s\n", cfg->path, err);
+        goto done;
+    }
+    model_ok = 1;
+    Model *m = &model;
+    const int64_t n_elems = m->n_dense_elems + m->n_expert_elems;
+    adamw_init(&opt, dev, n_elems, &cfg->optim);
+    opt_ok = 1;
+    const ParamGroup all = {0, n_elems, 1};
+    acts = chunk_acts_create(m, 0, B, T);
+    rows = malloc((size_t)B * (T + 1) * sizeof *rows);
+    inputs = malloc((size_t)B * T * sizeof *inputs);
+    targets = malloc((size_t)B * T * sizeof *targets);
+    if (!acts || !rows || !inputs || !targets) {
+        fprintf(stderr, "fp8moe: out of memory for the activations of %d x %d tokens\n", B, T);
+        goto done;
+    }
+    *out = (StepBench){.steps = steps, .tokens_per_step = (int64_t)A * B * T,
+                       .flops_per_token = model_flops_per_token(m, T), .dev = dev};
+    printf("bench step: %lld parameters, %d x %d x %d tokens per step, %d warm-up + %d timed steps\n",
+           (long long)model_num_params(m), A, B, T, warmup, steps);
+    fflush(stdout);
+
+    profile_enable(dev, 1);
+    model_zero_load(m);
+    for (int step = 0; step < warmup + steps; step++) {
+        double phase_s[PHASE_COUNT];
+        profile_step_collect(phase_s);  // waits for the device: the step starts from idle
+        const double t0 = now_s();
+        model_zero_grads(m);
+        m->count_load = 1;
+        for (int mb = 0; mb < A; mb++) {
+            if (loader_next(&loader, rows) != 0) {
+                fprintf(stderr, "fp8moe: bench step %d: the training loader returned no batch\n", step + 1);
+                goto done;
+            }
+            for (int b = 0; b < B; b++)
+                for (int t = 0; t < T; t++) {
+                    inputs[b * T + t] = rows[b * (T + 1) + t];
+                    targets[b * T + t] = rows[b * (T + 1) + t + 1];
+                }
+            chunk_forward(m, 0, acts, inputs, targets, NULL, NULL);
+            chunk_backward(m, 0, acts, NULL, NULL, (real)(1.0 / A));
+        }
+        m->count_load = 0;
+        profile_begin(PHASE_OPTIMIZER);
+        const double gnorm = grad_global_norm(dev, m->grads, n_elems);
+        if (!isfinite(gnorm)) {
+            fprintf(stderr, "fp8moe: bench step %d (%s): the gradient norm is not finite (%g)\n", step + 1, mode,
+                    gnorm);
+            profile_end(PHASE_OPTIMIZER);
+            goto done;
+        }
+        const double lr = lr_at(&cfg->optim, step, warmup + steps);
+        adamw_step(&opt, m->weights, m->grads, &all, 1, (float)lr, clip_scale(gnorm, cfg->optim.grad_clip),
+                   step + 1);
+        profile_end(PHASE_OPTIMIZER);
+        model_update_router_bias(m);
+        profile_step_collect(phase_s);
+        const double t1 = now_s();
+        if (step < warmup) continue;
+        out->step_s += t1 - t0;
+        for (int p = 0; p < PHASE_COUNT; p++) out->phase_s[p] += phase_s[p];
+    }
+    out->peak_bytes = profile_peak_memory_bytes();
+    rc = 0;
+done:
+    profile_enable(dev, 0);
+    free(rows);
+    free(inputs);
+    free(targets);
+    if (acts) chunk_acts_free(acts);
+    if (opt_ok) adamw_free(&opt);
+    if (model_ok) model_free(&model);
+    if (loader_ok) loader_close(&loader);
+    free(cfg);
+    return rc;
+}
+
+// ---------------------------------------------------------------------------- report
+
+static double tokens_per_s(const StepBench *r) { return (double)r->tokens_per_step * r->steps / r->step_s; }
+static double gemm_s(const StepBench *r, int with_quantisation) {
+    return r->phase_s[PHASE_EXPERT_GEMM] + r->phase_s[PHASE_OTHER_GEMM] +
+           (with_quantisation ? r->phase_s[PHASE_QUANTISE] : 0);
+}
+
+static void print_table(const char *mode, const StepBench *r) {
+    const double tps = tokens_per_s(r), step_ms = 1e3 * r->step_s / r->steps;
+    printf("\n%s: %d steps, %.1f ms/step\n", mode, r->steps, step_ms);
+    printf("  %-14s %14.0f\n", "tokens/s", tps);
+    printf("  %-14s %14.3f\n", "model TFLOPS", tps * r->flops_per_token * 1e-12);
+    printf("  %-14s %14.2f GiB (%s)\n", "peak memory", r->peak_bytes / (1024.0 * 1024.0 * 1024.0),
+           r->dev == DEVICE_CUDA ? "GPU in use, cudaMemGetInfo" : "process peak RSS");
+    printf("  %-14s %14s %9s\n", "phase", "ms/step", "% step");
+    double sum_s = 0;
+    for (int p = 0; p < PHASE_COUNT; p++) {
+        sum_s += r->phase_s[p];
+        printf("  %-14s %14.3f %8.1f%%\n", profile_phase_name((Phase)p), 1e3 * r->phase_s[p] / r->steps,
+               100.0 * r->phase_s[p] / r->step_s);
+    }
+    printf("  %-14s %14.3f %8.1f%%\n", "other", 1e3 * (r->step_s - sum_s) / r->steps,
+           100.0 * (r->step_s - sum_s) / r->step_s);
+}
+
+// ---------------------------------------------------------------------------- command
+
+static int parse_count(const char *opt, const char *value, int min, int *out) {
+    char *end = NULL;
+    long v = value ? strtol(value, &end, 10) : 0;
+    if (!value || *end != '\0' || end == value || v < min || v > 1000000) {
+        fprintf(stderr, "fp8moe bench step: %s %s: expected an integer >= %d\n\nUsage:\n%s", opt,
+                value ? value : "(missing)", min, bench_step_usage);
+        return -1;
+    }
+    *out = (int)v;
+    return 0;
+}
+
+int bench_step_main(int argc, char **argv) {
+    const char *job = NULL;
+    int steps = 10, warmup = 3;
+    const char **overrides = calloc((size_t)argc + 2, sizeof *overrides);  // + precision.mode
+    int n_overrides = 0, rc = 2;
+    if (!overrides) return 1;
+    for (int i = 0; i < argc; i++) {
+        const char *a = argv[i];
+        if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
+            printf("Usage:\n%s", bench_step_usage);
+            rc = 0;
+            goto done;
+        } else if (!strcmp(a, "--steps") || !strcmp(a, "--warmup")) {
+            const char *v = i + 1 < argc ? argv[++i] : NULL;
+            if (parse_count(a, v, !strcmp(a, "--steps") ? 1 : 0, !strcmp(a, "--steps") ? &steps : &warmup) != 0)
+                goto done;
+        } else if (!strcmp(a, "--set")) {
+            if (i + 1 >= argc || !strchr(argv[i + 1], '=') || !strchr(argv[i + 1], '.')) {
+                fprintf(stderr, "fp8moe bench step: --set %s: expected section.key=value\n\nUsage:\n%s",
+                        i + 1 < argc ? argv[i + 1] : "(missing)", bench_step_usage);
+                goto done;
+            }
+            overrides[n_overrides++] = argv[++i];
+        } else if (a[0] == '-' && a[1] != '\0') {
+            fprintf(stderr, "fp8moe bench step: unknown option %s\n\nUsage:\n%s", a, bench_step_usage);
+            goto done;
+        } else if (job) {
+            fprintf(stderr, "fp8moe bench step: one job file expected; got a second one: %s\n\nUsage:\n%s", a,
+                    bench_step_usage);
+            goto done;
+        } else {
+            job = a;
+        }
+    }
+    if (!job) job = "configs/bench-1gpu.ini";
+    static const char *const modes[2] = {"fp8", "bf16"};
+    StepBench r[2];
+    for (int i = 0; i < 2; i++) {
+        rc = bench_precision(job, overrides, n_overrides, modes[i], steps, warmup, &r[i]);
+        if (rc != 0) goto done;
+    }
+    printf("\n# bench step: %s, %d timed steps after %d warm-up\n", job, steps, warmup);
+    for (int i = 0; i < 2; i++) print_table(modes[i], &r[i]);
+    printf("\nfp8/bf16 tokens/s: %.3f\n", tokens_per_s(&r[0]) / tokens_per_s(&r[1]));
+    const double g_bf16 = gemm_s(&r[1], 0);
+    if (g_bf16 > 0)
+        printf("GEMM time fp8 (expert + other GEMM + quantisation) / bf16 (expert + other GEMM): %.3f\n",
+               gemm_s(&r[0], 1) / g_bf16);
+    fflush(stdout);
+    rc = 0;
+done:
+    free(overrides);
+    return rc;
+}
