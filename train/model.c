@@ -360,6 +360,7 @@ struct ChunkActs {
     Dims d;
     int V;                     // vocabulary size
     int *targets;              // (N) host copy of this micro-batch's targets (loss counts, MTP tokens)
+    real *host_losses;         // (N) host copy of a head's per-row losses
     int *d_inputs, *d_targets; // the micro-batch's tokens on the device
     real *resid;               // (n_blocks + 1, N, D) residual stream at block boundaries
     BlockActs *blocks;
@@ -385,6 +386,7 @@ ChunkActs *chunk_acts_create(Model *m, int chunk, int B, int T) {
     ActsArena *ar = &a->arena;
     int64_t N = d->N, D = d->D, V = c->model.vocab_size;
     a->targets = calloc((size_t)N, sizeof(int));
+    a->host_losses = calloc((size_t)N, sizeof(real));
     a->d_inputs = ARENA_INTS(ar, N);
     a->d_targets = ARENA_INTS(ar, N);
     a->resid = ARENA_REALS(ar, (cs->n_blocks + 1) * N * D);
@@ -448,6 +450,7 @@ void chunk_acts_free(ChunkActs *a) {
     free(a->mtp);
     free(a->blocks);
     free(a->targets);
+    free(a->host_losses);
     arena_free_all(&a->arena);
     free(a);
 }
@@ -455,19 +458,18 @@ void chunk_acts_free(ChunkActs *a) {
 // ---------------------------------------------------------------------------- head and MTP
 // Mean cross-entropy of logits (N, V) against targets (d_targets on the device, the same on the host);
 // fills losses/probs, returns the mean over valid rows.
+// host_losses (N) is a host buffer the per-row losses are copied into.
 static double head_loss(Device dev, real *losses, real *probs, const real *logits, const int *d_targets,
-                        const int *targets, int N, int V, int64_t *n_valid) {
+                        const int *targets, int N, int V, real *host_losses, int64_t *n_valid) {
     crossentropy_forward(dev, losses, probs, logits, d_targets, N, V);
-    real *host = malloc((size_t)N * sizeof(real));
-    device_memcpy_to_host(dev, host, losses, (size_t)N * sizeof(real));
+    device_memcpy_to_host(dev, host_losses, losses, (size_t)N * sizeof(real));
     double sum = 0;
     int64_t n = 0;
     for (int i = 0; i < N; i++) {
         if (targets[i] < 0) continue;
-        sum += host[i];
+        sum += host_losses[i];
         n++;
     }
-    free(host);
     *n_valid = n;
     return n ? sum / (double)n : 0.0;
 }
@@ -509,7 +511,7 @@ static double mtp_forward(Model *m, ChunkActs *a, int k) {
     profile_begin(PHASE_OTHER_GEMM);
     matmul_forward(dev, t->logits, t->ho, m->w.head, N, D, V);
     profile_end(PHASE_OTHER_GEMM);
-    return head_loss(dev, t->losses, t->probs, t->logits, t->d_tgt, t->tgt, N, V, &t->n_valid);
+    return head_loss(dev, t->losses, t->probs, t->logits, t->d_tgt, t->tgt, N, V, a->host_losses, &t->n_valid);
 }
 
 // Backward of MTP depth k: the gradient into h^{k-1} is added to d_h_prev.
@@ -579,7 +581,8 @@ real chunk_forward(Model *m, int chunk, ChunkActs *a, const int *inputs, const i
     profile_begin(PHASE_OTHER_GEMM);
     matmul_forward(dev, a->logits, a->hn, m->w.head, N, D, V);
     profile_end(PHASE_OTHER_GEMM);
-    lt->main = head_loss(dev, a->losses, a->probs, a->logits, a->d_targets, targets, N, V, &lt->n_valid);
+    lt->main = head_loss(dev, a->losses, a->probs, a->logits, a->d_targets, targets, N, V, a->host_losses,
+                         &lt->n_valid);
     double total = m->loss_weights.main * lt->main;
     int depth = m->cfg.mtp.depth;
     for (int k = 0; k < depth; k++) {

@@ -188,6 +188,20 @@ static char *config_text(const Config *cfg) {
     return text;
 }
 
+// FP32 staging buffers (file side) and `real` buffers (model side) large enough for any one tensor.
+static int alloc_staging(const Model *m, const char *path, float **stage, real **host, char *err, size_t err_size) {
+    int64_t max_numel = m->cfg.moe.n_routed_experts;  // the router biases
+    for (int p = 0; p < m->n_params; p++)
+        if (m->params[p].numel > max_numel) max_numel = m->params[p].numel;
+    *stage = malloc((size_t)max_numel * sizeof **stage);
+    *host = malloc((size_t)max_numel * sizeof **host);
+    if (!*stage || !*host) {
+        snprintf(err, err_size, "%s: out of memory staging %lld values", path, (long long)max_numel);
+        return -1;
+    }
+    return 0;
+}
+
 int weights_save(const Model *m, const char *path, char *err, size_t err_size) {
     char tmp[CONFIG_PATH_MAX + 32];
     if (snprintf(tmp, sizeof tmp, "%s.tmp.%ld", path, (long)getpid()) >= (int)sizeof tmp) {
@@ -205,15 +219,7 @@ int weights_save(const Model *m, const char *path, char *err, size_t err_size) {
         snprintf(err, err_size, "%s: cannot create the file (does the directory exist and is it writable?)", tmp);
         goto done;
     }
-    int64_t max_numel = m->cfg.moe.n_routed_experts;
-    for (int p = 0; p < m->n_params; p++)
-        if (m->params[p].numel > max_numel) max_numel = m->params[p].numel;
-    stage = malloc((size_t)max_numel * sizeof *stage);
-    host = malloc((size_t)max_numel * sizeof *host);
-    if (!stage || !host) {
-        snprintf(err, err_size, "%s: out of memory staging %lld values", path, (long long)max_numel);
-        goto done;
-    }
+    if (alloc_staging(m, path, &stage, &host, err, err_size) != 0) goto done;
     for (int p = 0; p < m->n_params; p++) {
         const ParamInfo *pi = &m->params[p];
         device_memcpy_to_host(m->dev, host, m->weights + pi->offset, (size_t)pi->numel * sizeof *host);
@@ -361,15 +367,7 @@ int weights_load(Model *m, const char *path, char *err, size_t err_size) {
     real *host = NULL;
     hid_t file = open_for_reading(path, err, err_size);
     if (file < 0) goto done;
-    int64_t max_numel = m->cfg.moe.n_routed_experts;
-    for (int p = 0; p < m->n_params; p++)
-        if (m->params[p].numel > max_numel) max_numel = m->params[p].numel;
-    stage = malloc((size_t)max_numel * sizeof *stage);
-    host = malloc((size_t)max_numel * sizeof *host);
-    if (!stage || !host) {
-        snprintf(err, err_size, "%s: out of memory staging %lld values", path, (long long)max_numel);
-        goto done;
-    }
+    if (alloc_staging(m, path, &stage, &host, err, err_size) != 0) goto done;
     for (int p = 0; p < m->n_params; p++) {
         const ParamInfo *pi = &m->params[p];
         if (read_dataset(file, path, pi->name, pi->ndim, pi->shape, stage, err, err_size) != 0) goto done;
