@@ -276,6 +276,15 @@ void adamw_update(Device dev, real *param, const real *grad, uint16_t *m, uint16
     cpu_adamw_update(param, grad, m, v, n, lr, beta1, beta2, eps, weight_decay, grad_scale, t);
 }
 
+int fp8_check_finite(Device dev, char *err, size_t err_size) {
+#ifdef FP8MOE_CUDA
+    if (dev == DEVICE_CUDA) return cuda_fp8_check_finite(err, err_size);
+#endif
+    if (dev != DEVICE_CPU) no_cuda_op("fp8_check_finite");
+    (void)err, (void)err_size;
+    return 0;  // the CPU quantisers report at once
+}
+
 int fp8_quantize_1x128(Device dev, uint8_t *q, float *s, const real *x, int rows, int K, char *err, size_t err_size) {
 #ifdef FP8MOE_CUDA
     if (dev == DEVICE_CUDA) return cuda_fp8_quantize_1x128(q, s, x, rows, K, err, err_size);

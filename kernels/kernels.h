@@ -201,6 +201,15 @@ void moe_combine_backward(Device dev, real *dexpert_out, real *dtopk_w, const re
 uint8_t fp8_e4m3_from_float(float x);  // round-to-nearest-even, saturating to +-448; NaN -> 0x7F
 float fp8_e4m3_to_float(uint8_t q);    // exact
 
+// Non-finite input (NaN, Inf) is reported, never quantised. DEVICE_CPU: the quantiser returns -1 with "op:
+// tensor (rows, cols) has <value> at row r, column c" in err. DEVICE_CUDA: the quantiser does not wait for
+// its kernel (a wait per call stalled the GPU thousands of times a training step); it returns 0 and the
+// device records the first bad element of the first bad call, which fp8_check_finite reports (-1 and the
+// message, naming op, tensor, shape, row and column; it waits for the GPU). Outputs of a bad call must not
+// be used. The trainer checks once per step. (Exception: every 4096th CUDA call checks the ones before it
+// and may return their -1.) On DEVICE_CPU fp8_check_finite returns 0.
+int fp8_check_finite(Device dev, char *err, size_t err_size);
+
 // 1x128 tiles along K (Fprop X, Dgrad dY): x (rows, K) -> q (rows, Kp), s (KB, rows) (outer-dimension
 // major, as cuBLASLt's VEC128_32F wants).
 int fp8_quantize_1x128(Device dev, uint8_t *q, float *s, const real *x, int rows, int K, char *err, size_t err_size);

@@ -134,6 +134,11 @@ static int bench_precision(const char *job, const char **overrides, int n_overri
             chunk_backward(m, 0, acts, NULL, NULL, (real)(1.0 / A));
         }
         m->count_load = 0;
+        char fp8_err[512];
+        if (fp8_check_finite(dev, fp8_err, sizeof fp8_err) != 0) {
+            fprintf(stderr, "fp8moe: bench step %d (%s): %s\n", step + 1, mode, fp8_err);
+            goto done;
+        }
         profile_begin(PHASE_OPTIMIZER);
         const double gnorm = grad_global_norm(dev, m->grads, n_elems);
         if (!isfinite(gnorm)) {

@@ -466,6 +466,11 @@ int trainer_run(const Config *cfg) {
             bal_sum += lt.balance;
         }
         m->count_load = 0;
+        char fp8_err[512];
+        if (fp8_check_finite(dev, fp8_err, sizeof fp8_err) != 0) {  // deferred on the GPU (kernels.h)
+            fprintf(stderr, "fp8moe: step %d: FP8 quantisation met a non-finite value: %s; stopping\n", s, fp8_err);
+            goto done;
+        }
         const double gnorm = grad_global_norm(dev, m->grads, n_elems);
         if (!isfinite(gnorm)) {
             fprintf(stderr, "fp8moe: step %d: the gradient norm is not finite (%g) though the loss was %.4f; "

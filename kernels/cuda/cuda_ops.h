@@ -19,6 +19,7 @@ void cuda_crossentropy_backward(real *dlogits, const real *probs, const int *tar
 void cuda_adamw_update(real *param, const real *grad, uint16_t *m, uint16_t *v, int64_t n, float lr, float beta1, float beta2, float eps, float weight_decay, float grad_scale, int t);
 
 // FP8 block scaling and the BF16 baseline GEMMs (kernels/cuda/fp8_quant.cu, kernels/cuda/gemm.cu).
+int cuda_fp8_check_finite(char *err, size_t err_size);
 int cuda_fp8_quantize_1x128(uint8_t *q, float *s, const real *x, int rows, int K, char *err, size_t err_size);
 int cuda_fp8_quantize_128x128(uint8_t *q, uint8_t *qt, float *s, const real *w, int N, int K, char *err, size_t err_size);
 int cuda_fp8_quantize_128x1_transposed(uint8_t *q, float *s, const real *x, int T, int C, char *err, size_t err_size);

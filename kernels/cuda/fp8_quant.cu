@@ -10,10 +10,14 @@
  * to +-448, sign kept), the same function as fp8_e4m3_from_float. Elements outside the valid region
  * (partial tiles, padding) are 0 and quantise to 0x00.
  *
- * NaN/Inf: a non-finite element is recorded by an integer atomicMin of its row-major index into a device
- * word (an integer atomic that only finds the first bad element, never a floating-point one), which the
- * host reads back after the kernel: that copy synchronises the default stream once per call (a few
- * microseconds; the price of the kernels.h contract "return -1 with the first bad row and column").
+ * NaN/Inf: a non-finite element is recorded by an integer atomicMin of (call number << 40 | its
+ * row-major index) into one device word - an integer atomic that only finds the first bad element of the
+ * first bad call, never a floating-point one. The quantisers do NOT wait for it: a host wait per call
+ * synchronised the GPU thousands of times a training step (in the first step benchmark about a fifth of
+ * the fp8 step was the GPU idling in quantisation). cuda_fp8_check_finite copies the word back once (the
+ * trainer calls it once per step) and names the op, tensor, shape, row and column from a host log of the
+ * calls since the last check. The log holds FP8_CALL_LOG calls; the call that would overflow it checks
+ * first (one wait per FP8_CALL_LOG calls).
  * On error the outputs hold whatever the kernel wrote and must not be used.
  *
  * Memory traffic is the cost (read 4 bytes, write 1 or 2 bytes per element); every kernel reads and
@@ -48,9 +52,11 @@ __device__ inline uint32_t fp8_pack4(const float v[4], float s) {
     return fp8_byte(v[0], s) | (fp8_byte(v[1], s) << 8) | (fp8_byte(v[2], s) << 16) | (fp8_byte(v[3], s) << 24);
 }
 
-// Records element `index` (row-major in the input) as non-finite; the smallest index wins.
-__device__ inline void note_if_bad(float v, unsigned long long index, unsigned long long *bad) {
-    if (!isfinite(v)) atomicMin(bad, index);
+// Records element `index` (row-major in the input) of the call tagged `call` (call number << 40) as
+// non-finite; the smallest (call, index) wins.
+__device__ inline void note_if_bad(float v, unsigned long long index, unsigned long long call,
+                                   unsigned long long *bad) {
+    if (!isfinite(v)) atomicMin(bad, call | index);
 }
 
 // Loads x[0..3] of a row of `len` valid elements starting at column `col`; missing ones are 0.
@@ -65,9 +71,19 @@ __device__ inline void load4(float v[4], const float *row, int col, int len) {
 }
 
 // The per-process device word that the kernels report the first bad element into, and a pinned host
-// word to read it back with one small asynchronous copy. The word holds NO_BAD_ELEMENT between calls:
-// it is set once at allocation and reset only after a call that found a bad element.
+// word to read it back. The word holds NO_BAD_ELEMENT between checks: it is set once at allocation and
+// reset only after a check that found a bad element.
 static unsigned long long *bad_word_device = NULL, *bad_word_host = NULL;
+
+// What each call since the last check quantised, so a bad element can be named; calls[i] is call i.
+#define FP8_CALL_LOG 4096
+static const int CALL_SHIFT = 40; // element indices below 2^40, call numbers above
+typedef struct {
+    const char *op, *tensor;
+    int rows, cols;
+} QuantCall;
+static QuantCall calls[FP8_CALL_LOG];
+static int n_calls = 0;
 
 static unsigned long long *bad_word(void) {
     if (bad_word_device == NULL) {
@@ -78,22 +94,38 @@ static unsigned long long *bad_word(void) {
     return bad_word_device;
 }
 
-// After the kernel: 0 if every element was finite; else -1 and "op: tensor (rows, cols) has <value> at row r,
-// column c" in err. Waiting for the copy synchronises with the kernel.
-static int check_bad_word(const char *op, const char *tensor, const float *x, int rows, int cols, char *err,
-                          size_t err_size) {
+// Waits for the GPU, then 0 if every element quantised since the last check was finite; else -1 and
+// "op: tensor (rows, cols) has a non-finite value (NaN or Inf) at row r, column c" in err. Clears the log.
+extern "C" int cuda_fp8_check_finite(char *err, size_t err_size) {
+    if (bad_word_device == NULL) return 0;
     CUDA_CHECK(cudaMemcpyAsync(bad_word_host, bad_word_device, sizeof *bad_word_host, cudaMemcpyDeviceToHost, 0));
     CUDA_CHECK(cudaStreamSynchronize(0));
-    const unsigned long long index = *bad_word_host;
-    if (index == NO_BAD_ELEMENT) return 0;
+    const unsigned long long word = *bad_word_host;
+    const int logged = n_calls;
+    n_calls = 0;
+    if (word == NO_BAD_ELEMENT) return 0;
     CUDA_CHECK(cudaMemset(bad_word_device, 0xFF, sizeof *bad_word_device));
-    float value = 0.0f;
-    CUDA_CHECK(cudaMemcpy(&value, x + index, sizeof value, cudaMemcpyDeviceToHost));
-    if (err != NULL && err_size > 0)
-        snprintf(err, err_size, "%s: %s (%d, %d) has %g at row %lld, column %lld - expected finite values", op,
-                 tensor, rows, cols, (double)value, (long long)(index / (unsigned long long)cols),
-                 (long long)(index % (unsigned long long)cols));
+    const unsigned long long call = word >> CALL_SHIFT, index = word & ((1ull << CALL_SHIFT) - 1);
+    if (err == NULL || err_size == 0) return -1;
+    if ((int)call >= logged) {  // cannot happen unless the word was written outside these functions
+        snprintf(err, err_size, "fp8 quantisation: a non-finite value in call %llu of %d since the last check",
+                 call, logged);
+        return -1;
+    }
+    const QuantCall *c = &calls[call];
+    snprintf(err, err_size, "%s: %s (%d, %d) has a non-finite value (NaN or Inf) at row %lld, column %lld - "
+             "expected finite values", c->op, c->tensor, c->rows, c->cols,
+             (long long)(index / (unsigned long long)c->cols), (long long)(index % (unsigned long long)c->cols));
     return -1;
+}
+
+// Logs a call about to be launched and returns its tag (call number << 40) for the kernel. The call
+// that would overflow the log checks the earlier ones first; their error, if any, is its result (*rc).
+static unsigned long long log_call(const char *op, const char *tensor, int rows, int cols, int *rc, char *err,
+                                   size_t err_size) {
+    *rc = n_calls == FP8_CALL_LOG ? cuda_fp8_check_finite(err, err_size) : 0;
+    calls[n_calls] = (QuantCall){op, tensor, rows, cols};
+    return (unsigned long long)n_calls++ << CALL_SHIFT;
 }
 
 static int is_aligned(const void *p, size_t bytes) { return ((uintptr_t)p % bytes) == 0; }
@@ -119,7 +151,7 @@ static const int Q1X128_TILES_PER_WARP = 4;
 
 template <bool VEC4>
 __global__ void quantize_1x128_kernel(uint8_t *q, float *s, const float *x, int rows, int K, int KB,
-                                      unsigned long long *bad) {
+                                      unsigned long long call, unsigned long long *bad) {
     const int lane = threadIdx.x & 31;
     const int row = blockIdx.x * Q1X128_ROWS_PER_BLOCK + (threadIdx.x >> 5);
     const int kb0 = blockIdx.y * Q1X128_TILES_PER_WARP;
@@ -131,7 +163,7 @@ __global__ void quantize_1x128_kernel(uint8_t *q, float *s, const float *x, int 
         const int col = (kb0 + i) * FP8_TILE + lane * 4;
         float a = 0.0f;
         for (int j = 0; j < 4; j++) {
-            note_if_bad(v[i][j], (unsigned long long)row * K + col + j, bad);
+            note_if_bad(v[i][j], (unsigned long long)row * K + col + j, call, bad);
             a = fmaxf(a, fabsf(v[i][j]));
         }
         const float sc = fp8_scale_of(warp_max(a));
@@ -147,12 +179,14 @@ extern "C" int cuda_fp8_quantize_1x128(uint8_t *q, float *s, const real *x, int 
     require_aligned16(s, "fp8_quantize_1x128", "s");
     const int KB = ceil_div(K, FP8_TILE);
     unsigned long long *bad = bad_word();
+    int rc;
+    const unsigned long long call = log_call("fp8_quantize_1x128", "x", rows, K, &rc, err, err_size);
     const dim3 grid((unsigned)ceil_div(rows, Q1X128_ROWS_PER_BLOCK), (unsigned)ceil_div(KB, Q1X128_TILES_PER_WARP));
     const int threads = 32 * Q1X128_ROWS_PER_BLOCK;
-    if (K % 4 == 0 && is_aligned(x, 16)) quantize_1x128_kernel<true><<<grid, threads>>>(q, s, x, rows, K, KB, bad);
-    else quantize_1x128_kernel<false><<<grid, threads>>>(q, s, x, rows, K, KB, bad);
+    if (K % 4 == 0 && is_aligned(x, 16)) quantize_1x128_kernel<true><<<grid, threads>>>(q, s, x, rows, K, KB, call, bad);
+    else quantize_1x128_kernel<false><<<grid, threads>>>(q, s, x, rows, K, KB, call, bad);
     CUDA_CHECK_LAUNCH("quantize_1x128_kernel");
-    return check_bad_word("fp8_quantize_1x128", "x", x, rows, K, err, err_size);
+    return rc;
 }
 
 // ---------------------------------------------------------------------------- 128x128 blocks (+ transpose)
@@ -170,7 +204,7 @@ static const int Q128_PASSES = FP8_TILE / Q128_ROWS_PER_PASS; // 8 passes of 16 
 template <bool VEC4>
 __global__ void __launch_bounds__(Q128_THREADS, 2)
     quantize_128x128_kernel(uint8_t *q, uint8_t *qt, float *s, const float *w, int N, int K, int Np, int Kp, int KB,
-                            int KB4, unsigned long long *bad) {
+                            int KB4, unsigned long long call, unsigned long long *bad) {
     __shared__ float scratch[32];
     __shared__ uint8_t tile[FP8_TILE][FP8_TILE + 1];
     const int kb = blockIdx.x, nb = blockIdx.y;
@@ -187,7 +221,7 @@ __global__ void __launch_bounds__(Q128_THREADS, 2)
             for (int j = 0; j < 4; j++) v[p][j] = 0.0f;
         }
         for (int j = 0; j < 4; j++) {
-            if (row < N) note_if_bad(v[p][j], (unsigned long long)row * K + col + j, bad);
+            if (row < N) note_if_bad(v[p][j], (unsigned long long)row * K + col + j, call, bad);
             a = fmaxf(a, fabsf(v[p][j]));
         }
     }
@@ -225,15 +259,17 @@ extern "C" int cuda_fp8_quantize_128x128(uint8_t *q, uint8_t *qt, float *s, cons
     const int KB = ceil_div(K, FP8_TILE), NB = ceil_div(N, FP8_TILE);
     const int KB4 = (KB + 3) / 4 * 4;
     unsigned long long *bad = bad_word();
+    int rc;
+    const unsigned long long call = log_call("fp8_quantize_128x128", "w", N, K, &rc, err, err_size);
     const dim3 grid((unsigned)KB, (unsigned)NB);
     if (K % 4 == 0 && is_aligned(w, 16))
         quantize_128x128_kernel<true><<<grid, Q128_THREADS>>>(q, qt, s, w, N, K, NB * FP8_TILE, KB * FP8_TILE, KB,
-                                                              KB4, bad);
+                                                              KB4, call, bad);
     else
         quantize_128x128_kernel<false><<<grid, Q128_THREADS>>>(q, qt, s, w, N, K, NB * FP8_TILE, KB * FP8_TILE, KB,
-                                                               KB4, bad);
+                                                               KB4, call, bad);
     CUDA_CHECK_LAUNCH("quantize_128x128_kernel");
-    return check_bad_word("fp8_quantize_128x128", "w", w, N, K, err, err_size);
+    return rc;
 }
 
 // ---------------------------------------------------------------------------- 128x1 along T, transposed
@@ -247,7 +283,7 @@ static const int Q128X1_THREADS = 256;
 
 template <bool VEC4>
 __global__ void quantize_128x1_transposed_kernel(uint8_t *q, float *s, const float *x, int T, int C, int Tp,
-                                                 unsigned long long *bad) {
+                                                 unsigned long long call, unsigned long long *bad) {
     __shared__ float partial[32][Q128X1_COLS + 1];
     __shared__ float col_scale[Q128X1_COLS];
     __shared__ __align__(16) uint8_t tile[Q128X1_COLS][FP8_TILE + 4];
@@ -264,7 +300,7 @@ __global__ void quantize_128x1_transposed_kernel(uint8_t *q, float *s, const flo
             for (int j = 0; j < 4; j++) v[p][j] = 0.0f;
         }
         for (int j = 0; j < 4; j++) {
-            if (t < T) note_if_bad(v[p][j], (unsigned long long)t * C + c0 + c + j, bad);
+            if (t < T) note_if_bad(v[p][j], (unsigned long long)t * C + c0 + c + j, call, bad);
             a[j] = fmaxf(a[j], fabsf(v[p][j]));
         }
     }
@@ -296,11 +332,13 @@ extern "C" int cuda_fp8_quantize_128x1_transposed(uint8_t *q, float *s, const re
     require_aligned16(s, "fp8_quantize_128x1_transposed", "s");
     const int TB = ceil_div(T, FP8_TILE), Tp = TB * FP8_TILE;
     unsigned long long *bad = bad_word();
+    int rc;
+    const unsigned long long call = log_call("fp8_quantize_128x1_transposed", "x", T, C, &rc, err, err_size);
     const dim3 grid((unsigned)ceil_div(C, Q128X1_COLS), (unsigned)TB);
     if (C % 4 == 0 && is_aligned(x, 16))
-        quantize_128x1_transposed_kernel<true><<<grid, Q128X1_THREADS>>>(q, s, x, T, C, Tp, bad);
+        quantize_128x1_transposed_kernel<true><<<grid, Q128X1_THREADS>>>(q, s, x, T, C, Tp, call, bad);
     else
-        quantize_128x1_transposed_kernel<false><<<grid, Q128X1_THREADS>>>(q, s, x, T, C, Tp, bad);
+        quantize_128x1_transposed_kernel<false><<<grid, Q128X1_THREADS>>>(q, s, x, T, C, Tp, call, bad);
     CUDA_CHECK_LAUNCH("quantize_128x1_transposed_kernel");
-    return check_bad_word("fp8_quantize_128x1_transposed", "x", x, T, C, err, err_size);
+    return rc;
 }

@@ -128,6 +128,7 @@ static float bf16_round(float x) {
 // ---------------------------------------------------------------------------- quantisers
 typedef enum { Q_1X128, Q_128X128, Q_128X1T } QuantKind;
 static const char *const quant_names[] = {"quantize_1x128", "quantize_128x128", "quantize_128x1_T"};
+static const char *const quant_ops[] = {"fp8_quantize_1x128", "fp8_quantize_128x128", "fp8_quantize_128x1_transposed"};
 
 // The layout of one quantiser's outputs for an input of (rows, cols).
 typedef struct {
@@ -274,7 +275,9 @@ static void test_quantizer(void **state) {
     assert_true(pass);
 }
 
-// NaN and Inf: every quantiser returns -1 on both devices and names the first bad element (row-major).
+// NaN and Inf: every quantiser returns -1 on the CPU and names the first bad element (row-major); on the
+// GPU the call returns 0 and fp8_check_finite reports the same element (kernels.h: deferred check), after
+// a clean call of another quantiser that must not be blamed; a second check then finds nothing.
 static void test_quantizer_nonfinite(void **state) {
     (void)state;
     const int rows = 200, cols = 300;
@@ -285,6 +288,11 @@ static void test_quantizer_nonfinite(void **state) {
     x[5 * cols + 17] = NAN;      // the first in row-major order
     x[150 * cols + 299] = -INFINITY;
     float *x_d = gpu_copy_of(x, (size_t)n * sizeof(float));
+    float *clean_h = floats(64 * 256);  // finite, for the clean call before the bad one
+    fill_log_uniform(clean_h, 64 * 256, 78, -4.0, 2.0);
+    float *clean_x = gpu_copy_of(clean_h, sizeof(float) * 64 * 256);
+    uint8_t *clean_q = gpu_poisoned(256 * 256), *clean_qt = gpu_poisoned(256 * 256);
+    float *clean_s = gpu_poisoned(sizeof(float) * 256 * 4);
     for (int k = 0; k < 3; k++) {
         const QuantLayout L = quant_layout((QuantKind)k, rows, cols, 1);
         uint8_t *q_d = gpu_poisoned((size_t)L.q_bytes), *qt_d = L.qt_bytes ? gpu_poisoned((size_t)L.qt_bytes) : NULL;
@@ -292,19 +300,29 @@ static void test_quantizer_nonfinite(void **state) {
         uint8_t *q_h = host_poisoned((size_t)L.q_bytes), *qt_h = L.qt_bytes ? host_poisoned((size_t)L.qt_bytes) : NULL;
         float *s_h = host_poisoned((size_t)L.s_count * sizeof(float));
         char err_gpu[256] = "", err_cpu[256] = "";
-        const int rc_gpu = run_quantizer(DEVICE_CUDA, &L, q_d, qt_d, s_d, x_d, err_gpu, sizeof err_gpu);
+        const QuantLayout clean = quant_layout((QuantKind)((k + 1) % 3), 64, 256, 1);
+        const int rc_clean = run_quantizer(DEVICE_CUDA, &clean, clean_q, clean_qt, clean_s, clean_x, err_gpu,
+                                           sizeof err_gpu);
+        const int rc_call = run_quantizer(DEVICE_CUDA, &L, q_d, qt_d, s_d, x_d, err_gpu, sizeof err_gpu);
+        const int rc_gpu = fp8_check_finite(DEVICE_CUDA, err_gpu, sizeof err_gpu);
+        char err_again[256] = "";
+        const int rc_again = fp8_check_finite(DEVICE_CUDA, err_again, sizeof err_again);
         const int rc_cpu = run_quantizer(DEVICE_CPU, &L, q_h, qt_h, s_h, x, err_cpu, sizeof err_cpu);
-        const int named = strstr(err_gpu, "row 5, column 17") != NULL && strstr(err_gpu, "nan") != NULL;
+        const int named = strstr(err_gpu, "row 5, column 17") != NULL && strstr(err_gpu, quant_ops[k]) != NULL &&
+                          strstr(err_gpu, "(200, 300)") != NULL && strstr(err_cpu, "row 5, column 17") != NULL;
         printf("%-18s %-16s rc gpu %d cpu %d; gpu: \"%s\"  %s\n", quant_names[k], "NaN at (5, 17)", rc_gpu, rc_cpu,
                err_gpu, rc_gpu == -1 && rc_cpu == -1 && named ? "ok" : "FAIL");
         fflush(stdout);
+        assert_int_equal(rc_clean, 0);
+        assert_int_equal(rc_call, 0);
         assert_int_equal(rc_gpu, -1);
+        assert_int_equal(rc_again, 0);
         assert_int_equal(rc_cpu, -1);
         assert_true(named);
         device_free(DEVICE_CUDA, q_d), device_free(DEVICE_CUDA, qt_d), device_free(DEVICE_CUDA, s_d);
         free(q_h), free(qt_h), free(s_h);
     }
-    // After an error the next call on finite data succeeds (the error word is reset per call).
+    // After an error the next call on finite data is clean (the error word is reset by the check).
     fill_log_uniform(x, n, 78, -4.0, 2.0);
     device_memcpy_from_host(DEVICE_CUDA, x_d, x, (size_t)n * sizeof(float));
     const QuantLayout L = quant_layout(Q_1X128, rows, cols, 0);
@@ -312,8 +330,11 @@ static void test_quantizer_nonfinite(void **state) {
     float *s_d = gpu_poisoned((size_t)L.s_count * sizeof(float));
     char err[256] = "";
     assert_int_equal(fp8_quantize_1x128(DEVICE_CUDA, q_d, s_d, x_d, rows, cols, err, sizeof err), 0);
+    assert_int_equal(fp8_check_finite(DEVICE_CUDA, err, sizeof err), 0);
     device_free(DEVICE_CUDA, q_d), device_free(DEVICE_CUDA, s_d), device_free(DEVICE_CUDA, x_d);
-    free(x);
+    device_free(DEVICE_CUDA, clean_x), device_free(DEVICE_CUDA, clean_q), device_free(DEVICE_CUDA, clean_qt);
+    device_free(DEVICE_CUDA, clean_s);
+    free(x), free(clean_h);
 }
 
 // ---------------------------------------------------------------------------- GEMM comparison
