@@ -33,8 +33,15 @@
  * same bits).
  *
  * Runtime context: one per process (STYLE.md allows one): the cuBLASLt handle, a 32 MiB workspace, a
- * cache of plans (descriptors, layouts and the heuristic's algorithm, keyed by everything that selects
- * them, so a shape pays for the heuristic once) and scratch buffers grown on demand. All work runs on
+ * cache of plans (descriptors, layouts and the heuristic's algorithm) and scratch buffers grown on demand.
+ * The heuristic is asked about SIZE CLASSES, not exact sizes: m, n and k rounded up to 4 significant bits
+ * (1536 stays, 1600 -> 1664; at most 8 classes per octave). A routed expert's token count changes every
+ * step, so asking per exact shape meant a fresh heuristic query (tens of microseconds of host time) for
+ * most expert GEMMs of every step - and a cache flush when the shapes outgrew it. A new exact shape costs
+ * one cublasLtMatmulAlgoCheck of its class's algorithm (kept if supported, else the exact shape gets its
+ * own heuristic query); per call the plan's layouts get the exact rows, columns and leading dimensions
+ * (operands are packed: ld = stored rows). The algorithm is thus a function of the shape alone, never of
+ * which shapes came first, so a resumed run picks the same algorithms as an uninterrupted one. All work runs on
  * the default stream, so the reuse of scratch buffers between calls is ordered; not thread-safe (one
  * host thread drives the GPU). The same algorithm for the same shape makes results bitwise
  * reproducible (no atomics: split-K variants reduce in a fixed order through the workspace).
@@ -92,13 +99,45 @@ static const size_t LT_WORKSPACE_BYTES = (size_t)32 << 20;
 static const int NO_SCALE = -1; // scale mode of non-FP8 operands
 
 // Everything that selects descriptors and an algorithm. Zero-initialised before filling (memcmp keys).
+// m, n, k are the exact sizes of a call; the cache compares their size classes (size_class).
 typedef struct {
     int a_type, b_type, d_type;         // cudaDataType_t; C has D's type
     int op_a, op_b;                     // cublasOperation_t
-    int64_t m, n, k, lda, ldb, ldd;
+    int64_t m, n, k;                    // D is m x n (column-major), contraction k; operands packed
     int a_scale_mode, b_scale_mode;     // cublasLtMatmulMatrixScale_t, or NO_SCALE
     int align_a, align_b, align_d;      // bytes
 } PlanKey;
+
+// x rounded up to 4 significant bits: the plan cache's size class of a dimension.
+static int64_t size_class(int64_t x) {
+    int64_t unit = 1;
+    while ((x + unit - 1) / unit > 15) unit *= 2;
+    return (x + unit - 1) / unit * unit;
+}
+
+static PlanKey class_of(const PlanKey *key) {
+    PlanKey c = *key;
+    c.m = size_class(key->m), c.n = size_class(key->n), c.k = size_class(key->k);
+    return c;
+}
+
+// Stored shape of A (op(A) is m x k) and B (op(B) is k x n), column-major.
+static void stored_a(const PlanKey *key, uint64_t *rows, uint64_t *cols) {
+    *rows = (uint64_t)(key->op_a == CUBLAS_OP_N ? key->m : key->k);
+    *cols = (uint64_t)(key->op_a == CUBLAS_OP_N ? key->k : key->m);
+}
+static void stored_b(const PlanKey *key, uint64_t *rows, uint64_t *cols) {
+    *rows = (uint64_t)(key->op_b == CUBLAS_OP_N ? key->k : key->n);
+    *cols = (uint64_t)(key->op_b == CUBLAS_OP_N ? key->n : key->k);
+}
+
+// Gives a layout the rows, columns and (packed) leading dimension of one call.
+static void set_layout_shape(cublasLtMatrixLayout_t layout, uint64_t rows, uint64_t cols) {
+    const int64_t ld = (int64_t)rows;
+    LT_CHECK(cublasLtMatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_ROWS, &rows, sizeof rows));
+    LT_CHECK(cublasLtMatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_COLS, &cols, sizeof cols));
+    LT_CHECK(cublasLtMatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_LD, &ld, sizeof ld));
+}
 
 typedef struct {
     PlanKey key;
@@ -107,7 +146,7 @@ typedef struct {
     cublasLtMatmulAlgo_t algo;
 } Plan;
 
-enum { MAX_PLANS = 256 };
+enum { MAX_PLANS = 1024 };
 static struct {
     cublasLtHandle_t handle;
     void *workspace;
@@ -136,6 +175,7 @@ static void set_scale_pointers(cublasLtMatmulDesc_t desc, const float *a_scale, 
     LT_CHECK(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &b_scale, sizeof b_scale));
 }
 
+// The plan of key's sizes (created, with the heuristic asked about those sizes, when new).
 static Plan *plan_for(const PlanKey *key, const float *a_scale, const float *b_scale, const char *op) {
     for (int i = 0; i < ctx.n_plans; i++)
         if (memcmp(&ctx.plans[i].key, key, sizeof *key) == 0) return &ctx.plans[i];
@@ -155,12 +195,13 @@ static Plan *plan_for(const PlanKey *key, const float *a_scale, const float *b_s
         LT_CHECK(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &mode_b, sizeof mode_b));
         set_scale_pointers(p->desc, a_scale, b_scale);
     }
-    // stored shapes: op(A) is m x k, op(B) is k x n
-    const int64_t a_rows = key->op_a == CUBLAS_OP_N ? key->m : key->k, a_cols = key->op_a == CUBLAS_OP_N ? key->k : key->m;
-    const int64_t b_rows = key->op_b == CUBLAS_OP_N ? key->k : key->n, b_cols = key->op_b == CUBLAS_OP_N ? key->n : key->k;
-    LT_CHECK(cublasLtMatrixLayoutCreate(&p->a, (cudaDataType_t)key->a_type, (uint64_t)a_rows, (uint64_t)a_cols, key->lda));
-    LT_CHECK(cublasLtMatrixLayoutCreate(&p->b, (cudaDataType_t)key->b_type, (uint64_t)b_rows, (uint64_t)b_cols, key->ldb));
-    LT_CHECK(cublasLtMatrixLayoutCreate(&p->d, (cudaDataType_t)key->d_type, (uint64_t)key->m, (uint64_t)key->n, key->ldd));
+    uint64_t a_rows, a_cols, b_rows, b_cols;
+    stored_a(key, &a_rows, &a_cols);
+    stored_b(key, &b_rows, &b_cols);
+    LT_CHECK(cublasLtMatrixLayoutCreate(&p->a, (cudaDataType_t)key->a_type, a_rows, a_cols, (int64_t)a_rows));
+    LT_CHECK(cublasLtMatrixLayoutCreate(&p->b, (cudaDataType_t)key->b_type, b_rows, b_cols, (int64_t)b_rows));
+    LT_CHECK(cublasLtMatrixLayoutCreate(&p->d, (cudaDataType_t)key->d_type, (uint64_t)key->m, (uint64_t)key->n,
+                                        key->m));
 
     cublasLtMatmulPreference_t pref;
     LT_CHECK(cublasLtMatmulPreferenceCreate(&pref));
@@ -178,11 +219,10 @@ static Plan *plan_for(const PlanKey *key, const float *a_scale, const float *b_s
     LT_CHECK(cublasLtMatmulPreferenceDestroy(pref));
     if (n_results == 0) {
         fprintf(stderr, "%s:%d: %s: cuBLASLt has no algorithm for m x n x k = %lld x %lld x %lld (types A %d B %d D %d, "
-                        "ops %d %d, ld %lld %lld %lld, scale modes %d %d, alignments %d %d %d) - expected a shape "
-                        "DESIGN.md section 4 lists as supported\n", __FILE__, __LINE__, op, (long long)key->m,
-                (long long)key->n, (long long)key->k, key->a_type, key->b_type, key->d_type, key->op_a, key->op_b,
-                (long long)key->lda, (long long)key->ldb, (long long)key->ldd, key->a_scale_mode, key->b_scale_mode,
-                key->align_a, key->align_b, key->align_d);
+                        "ops %d %d, scale modes %d %d, alignments %d %d %d) - expected a shape DESIGN.md section 4 "
+                        "lists as supported\n", __FILE__, __LINE__, op, (long long)key->m, (long long)key->n,
+                (long long)key->k, key->a_type, key->b_type, key->d_type, key->op_a, key->op_b, key->a_scale_mode,
+                key->b_scale_mode, key->align_a, key->align_b, key->align_d);
         exit(1);
     }
     p->algo = result.algo;
@@ -191,24 +231,78 @@ static Plan *plan_for(const PlanKey *key, const float *a_scale, const float *b_s
 }
 
 // D = A B (+ beta D) through the cached plan of `key`; a_scale/b_scale are the block-scale tensors (FP8).
+// Exact call shapes seen so far -> the plan that runs them: the size class's plan when its algorithm
+// supports the exact shape (cublasLtMatmulAlgoCheck), else a plan of the exact shape. Either way a
+// function of the shape alone. Open addressing; cleared when 3/4 full (entries are recomputable).
+enum { SHAPE_SLOTS = 8192 };
+static struct {
+    PlanKey key[SHAPE_SLOTS];
+    Plan *plan[SHAPE_SLOTS];
+    int used;
+} shapes;
+
+static uint64_t key_hash(const PlanKey *key) {
+    const unsigned char *b = (const unsigned char *)key;
+    uint64_t h = 1469598103934665603ull;  // FNV-1a
+    for (size_t i = 0; i < sizeof *key; i++) h = (h ^ b[i]) * 1099511628211ull;
+    return h;
+}
+
+static void set_exact_shape(Plan *p, const PlanKey *key) {
+    uint64_t rows, cols;
+    stored_a(key, &rows, &cols);
+    set_layout_shape(p->a, rows, cols);
+    stored_b(key, &rows, &cols);
+    set_layout_shape(p->b, rows, cols);
+    set_layout_shape(p->d, (uint64_t)key->m, (uint64_t)key->n);
+}
+
+static Plan *plan_for_shape(const PlanKey *key, const float *a_scale, const float *b_scale, const char *op) {
+    size_t slot = (size_t)(key_hash(key) % SHAPE_SLOTS);
+    while (shapes.plan[slot] != NULL) {
+        if (memcmp(&shapes.key[slot], key, sizeof *key) == 0) return shapes.plan[slot];
+        slot = (slot + 1) % SHAPE_SLOTS;
+    }
+    const int n_plans_before = ctx.n_plans;
+    const PlanKey class_key = class_of(key);
+    Plan *p = plan_for(&class_key, a_scale, b_scale, op);
+    if (memcmp(&class_key, key, sizeof *key) != 0) {
+        set_exact_shape(p, key);
+        cublasLtMatmulHeuristicResult_t check;
+        memset(&check, 0, sizeof check);
+        const cublasStatus_t status = cublasLtMatmulAlgoCheck(ctx.handle, p->desc, p->a, p->b, p->d, p->d, &p->algo,
+                                                              &check);
+        if (status != CUBLAS_STATUS_SUCCESS || check.workspaceSize > LT_WORKSPACE_BYTES) p = plan_for(key, a_scale, b_scale, op);
+    }
+    if (ctx.n_plans < n_plans_before || shapes.used >= SHAPE_SLOTS * 3 / 4) {  // plans flushed, or table full
+        memset(&shapes, 0, sizeof shapes);
+        slot = (size_t)(key_hash(key) % SHAPE_SLOTS);
+    }
+    shapes.key[slot] = *key;
+    shapes.plan[slot] = p;
+    shapes.used++;
+    return p;
+}
+
+// D = A B (+ beta D) through the plan of key's shape; a_scale/b_scale are the block-scale tensors (FP8).
 static void lt_matmul(PlanKey *key, const void *a, const void *b, void *d, const float *a_scale,
                       const float *b_scale, float beta, const char *op) {
     ctx_init();
     key->align_a = alignment_of(a), key->align_b = alignment_of(b), key->align_d = alignment_of(d);
-    Plan *p = plan_for(key, a_scale, b_scale, op);
+    Plan *p = plan_for_shape(key, a_scale, b_scale, op);
     if (key->a_scale_mode != NO_SCALE) set_scale_pointers(p->desc, a_scale, b_scale);
+    set_exact_shape(p, key);
     const float alpha = 1.0f;
     LT_CHECK(cublasLtMatmul(ctx.handle, p->desc, &alpha, a, p->a, b, p->b, &beta, d, p->d, d, p->d, &p->algo,
                             ctx.workspace, LT_WORKSPACE_BYTES, 0));
 }
 
-static PlanKey fp8_key(int64_t m, int64_t n, int64_t k, int64_t lda, int64_t ldb, int64_t ldd, cudaDataType_t d_type,
-                       int a_scale_mode, int b_scale_mode) {
+static PlanKey fp8_key(int64_t m, int64_t n, int64_t k, cudaDataType_t d_type, int a_scale_mode, int b_scale_mode) {
     PlanKey key;
     memset(&key, 0, sizeof key);
     key.a_type = CUDA_R_8F_E4M3, key.b_type = CUDA_R_8F_E4M3, key.d_type = d_type;
     key.op_a = CUBLAS_OP_T, key.op_b = CUBLAS_OP_N;
-    key.m = m, key.n = n, key.k = k, key.lda = lda, key.ldb = ldb, key.ldd = ldd;
+    key.m = m, key.n = n, key.k = k;
     key.a_scale_mode = a_scale_mode, key.b_scale_mode = b_scale_mode;
     return key;
 }
@@ -337,7 +431,7 @@ extern "C" void cuda_fp8_gemm_fprop_bf16(uint16_t *y, const uint8_t *qx, const f
     require_aligned16(qx, op, "qx"), require_aligned16(sx, op, "sx"), require_aligned16(qw, op, "qw");
     require_aligned16(sw, op, "sw"), require_aligned16(y, op, "y");
     const int Np = round_up(N, FP8_TILE), Kp = round_up(K, FP8_TILE);
-    PlanKey key = fp8_key(Np, T, Kp, Kp, Kp, Np, CUDA_R_16BF, CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F,
+    PlanKey key = fp8_key(Np, T, Kp, CUDA_R_16BF, CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F,
                           CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F);
     lt_matmul(&key, qw, qx, y, sw, sx, 0.0f, op);
 }
@@ -356,7 +450,7 @@ extern "C" void cuda_fp8_gemm_dgrad_bf16(uint16_t *dx, const uint8_t *qdy, const
     transpose_block_scales_kernel<<<grid_for((int64_t)KB * NB4, ELEMENTWISE_THREADS), ELEMENTWISE_THREADS>>>(
         swt, sw, NB, KB, KB4, NB4);
     CUDA_CHECK_LAUNCH("transpose_block_scales_kernel");
-    PlanKey key = fp8_key(Kp, T, Np, Np, Np, Kp, CUDA_R_16BF, CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F,
+    PlanKey key = fp8_key(Kp, T, Np, CUDA_R_16BF, CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F,
                           CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F);
     lt_matmul(&key, qwt, qdy, dx, swt, sdy, 0.0f, op);
 }
@@ -391,7 +485,7 @@ extern "C" void cuda_fp8_gemm_wgrad(real *dw, const uint8_t *qdyt, const float *
     require_aligned16(qdyt, op, "qdyt"), require_aligned16(sdyt, op, "sdyt"), require_aligned16(qxt, op, "qxt");
     require_aligned16(sxt, op, "sxt");
     const int Tp = round_up(T, FP8_TILE);
-    PlanKey key = fp8_key(K, N, Tp, Tp, Tp, K, CUDA_R_32F, CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F,
+    PlanKey key = fp8_key(K, N, Tp, CUDA_R_32F, CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F,
                           CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F);
     if (alignment_of(dw) >= 16) {
         lt_matmul(&key, qxt, qdyt, dw, sxt, sdyt, 1.0f, op);
@@ -421,9 +515,9 @@ extern "C" void cuda_bf16_gemm(void *c, int c_fp32, float beta, const uint16_t *
     PlanKey key;
     memset(&key, 0, sizeof key);
     key.a_type = CUDA_R_16BF, key.b_type = CUDA_R_16BF, key.d_type = c_fp32 ? CUDA_R_32F : CUDA_R_16BF;
-    key.op_a = b_trans ? CUBLAS_OP_T : CUBLAS_OP_N, key.lda = b_trans ? K : N;
-    key.op_b = a_trans ? CUBLAS_OP_T : CUBLAS_OP_N, key.ldb = a_trans ? M : K;
-    key.m = N, key.n = M, key.k = K, key.ldd = N;
+    key.op_a = b_trans ? CUBLAS_OP_T : CUBLAS_OP_N;
+    key.op_b = a_trans ? CUBLAS_OP_T : CUBLAS_OP_N;
+    key.m = N, key.n = M, key.k = K;
     key.a_scale_mode = NO_SCALE, key.b_scale_mode = NO_SCALE;
     lt_matmul(&key, b, a, c, NULL, NULL, beta, op);
 }
