@@ -111,11 +111,12 @@ void attention_forward(Device dev, real *out, real *state, const real *q, const 
     cpu_attention_forward(out, state, q, k, v, B, T, H, Dqk, Dv);
 }
 
-void attention_backward(Device dev, real *dq, real *dk, real *dv, const real *dout, const real *state, const real *q, const real *k, const real *v, int B, int T, int H, int Dqk, int Dv) {
+void attention_backward(Device dev, real *dq, real *dk, real *dv, const real *dout, const real *out, const real *state, const real *q, const real *k, const real *v, int B, int T, int H, int Dqk, int Dv) {
 #ifdef FP8MOE_CUDA
-    if (dev == DEVICE_CUDA) { cuda_attention_backward(dq, dk, dv, dout, state, q, k, v, B, T, H, Dqk, Dv); return; }
+    if (dev == DEVICE_CUDA) { cuda_attention_backward(dq, dk, dv, dout, out, state, q, k, v, B, T, H, Dqk, Dv); return; }
 #endif
     if (dev != DEVICE_CPU) no_cuda_op("attention_backward");
+    (void)out;  // the CPU reference takes D from its stored probabilities (kernels/cpu/attention.c)
     cpu_attention_backward(dq, dk, dv, dout, state, q, k, v, B, T, H, Dqk, Dv);
 }
 

@@ -71,8 +71,8 @@ void mla_backward(Model *m, const MlaWeights *w, const MlaWeights *g, MlaActs *a
     // forward was: out = o W_O^T, o = attention(qf, kf, v)
     linear_backward(m, s->d_o, g->wo, d_out, a->o, w->wo, N, H * d->dv, d->D);
     profile_begin(PHASE_ATTENTION);
-    attention_backward(dev, s->d_qf, s->d_kf, s->d_v, s->d_o, a->att, a->qf, a->kf, a->v, d->B, d->T, H, dqk,
-                       d->dv);
+    attention_backward(dev, s->d_qf, s->d_kf, s->d_v, s->d_o, a->o, a->att, a->qf, a->kf, a->v, d->B, d->T, H,
+                       dqk, d->dv);
     profile_end(PHASE_ATTENTION);
     // kf and v were sliced out of kv (per head) and k_rope (shared): gather their gradients back
     copy_block(dev, s->d_kv + d->dn, kv_w, s->d_v, d->dv, NH, d->dv, 1);

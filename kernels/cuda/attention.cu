@@ -2,42 +2,78 @@
  * attention.cu - CUDA causal softmax attention core (kernels.h: attention_forward / attention_backward),
  * flash-style: the T x T score matrix of a head is never stored. Same function as the CPU reference
  * kernels/cpu/attention.c, checked against it (and a double-precision reference) by
- * tests/gpu/test_gpu_attention.c.
+ * tests/gpu/test_gpu_attention.c; timed by `fp8moe bench attention` (train/bench_attention.c).
  *
  * Numerics (DESIGN.md section 4: the attention core stays BF16/FP32): q, k, v and dout are rounded to
- * BF16 (round-to-nearest-even) when a tile is copied to shared memory; every product of two matrices
+ * BF16 (round-to-nearest-even) once per call by a conversion pre-pass; every product of two matrices
  * runs on the tensor cores (mma.sync m16n8k16, BF16 inputs, FP32 accumulation); the probabilities P
  * and the score gradients dS are rounded to BF16 only as MMA inputs; the softmax statistics (running
- * max m, running sum l, the log-sum-exp) and everything elementwise are FP32.
+ * max m, running sum l, the log-sum-exp) and everything elementwise are FP32. The softmax works in
+ * base 2: scores are scaled by scale * log2(e) and exponentiated with exp2f (the same function as
+ * exp of the natural-log scores, one FP32 rounding of the folded constant apart).
  *
  * Backward state: instead of the (B, H, T, T) probabilities of the CPU reference, the forward writes
- * lse (B, H, T), the FP32 log-sum-exp of each query row's scaled scores; the backward recomputes
- * P = exp(scale q k^T - lse) tile by tile.
+ * lse (B, H, T), the FP32 natural log-sum-exp of each query row's scaled scores; the backward
+ * recomputes P = exp2(scale log2(e) q k^T - lse log2(e)) tile by tile. attention_backward is also
+ * given the forward's output `out`, so D_i = sum_d dout_id out_id (the softmax backward's row term) is
+ * one row-dot pass instead of a recomputation of the forward.
  *
- * Tiling. Query and key tiles are 64 rows (TILE), aligned to multiples of 64, so query tile i needs key
- * tiles 0..i and key tile j is seen by query tiles j..last. A warp computes 16 rows of a tile product.
- * Head dims are padded with zeros to a multiple of 16 in shared memory (the MMA's k step); register
- * accumulators are sized by a compile-time capacity (64, 128, 192 or 256 columns, head_cap) so any head
- * dim from 1 to 256 runs, and 192 (DeepSeek-V3's 128 nope + 64 rope) wastes nothing.
+ * Pre-pass (one launch per call, plus one in the backward): q, k, v and dout are copied from FP32
+ * (B, T, H, D) into BF16 scratch in head-major layout (B, H, Tpad, DP): DP = D rounded up to 16 (the
+ * MMA's k step), Tpad = T rounded up to 128 (the largest tile), zeros in the padding. Every tile a
+ * kernel needs is then one contiguous block of BF16 rows, copied to shared memory with 16-byte cp.async
+ * and no bounds checks. The backward pre-pass also writes D and lse * log2(e) padded to (B, H, Tpad).
+ * The scratch is the counted grow-on-demand cuda_scratch of common.cuh (process-wide; all ops run on
+ * the default stream, so consecutive calls cannot overlap on it).
  *
  * Kernels (each output element is written by exactly one thread, sums in a fixed order, no atomics,
- * so every result is bitwise reproducible):
- *   forward   one block per (query tile, h, b): loop over key tiles up to the diagonal, S = scale Q K^T,
- *             online softmax, O += P V; writes out and lse. Its ROWDOT variant recomputes O the same
- *             way and writes D_i = sum_d dout_id O_id instead (see the backward).
- *   dq        one block per (query tile, h, b): loop over key tiles up to the diagonal, recompute P from
- *             lse, dP = dO V^T, dS = P (dP - D), dq += scale dS K.
- *   dkv       one block per (key tile, h, b): loop over query tiles from the diagonal on, recompute P and
- *             dP, dv += P^T dO, dk += scale dS^T Q.
+ * so every result is bitwise reproducible run to run):
+ *   forward   one block per (h, b, query tile of BM = 128 rows: 8 warps x 16 rows), the longest query
+ *             tiles launched first; loop over key tiles of 64 up to the diagonal: S = Q K^T, online
+ *             softmax, O += P V; writes out and lse.
+ *   dq        one block per (h, b, query tile of BM rows, 8 warps): loop over key tiles of 64 up to the
+ *             diagonal, recompute P from lse, dP = dO V^T, dS = P (dP - D), dq += scale dS K.
+ *             BM = 128, or 64 (4 warps) when Q, dO and two K/V buffers of 128 rows do not fit the
+ *             shared memory (padded head dims DQP + DVP above 432, e.g. 224/224 or 256/256).
+ *   dkv       one block per (h, b, key tile of 64 keys), 8 warps in two groups of 4 x 16 keys, loop
+ *             over query tiles of 64 from the diagonal on:
+ *               value group (warps 4..7): X = K Q^T (S^T), P^T = exp2(X - lse) -> registers and shared
+ *                                         Ps; dv += P^T dO
+ *               key group   (warps 0..3): X = V dO^T (dP^T); after a barrier reads P^T from Ps,
+ *                                         dS^T = P^T (dP^T - D); dk += (scale dS^T) Q
+ *             The groups do equal work (one product over Dqk, one over Dv), and each keeps one
+ *             accumulator (16 x max(Dqk, Dv) per warp), which keeps registers low enough for Dqk = 192.
+ *   Accumulators are register arrays sized by a compile-time capacity of the head dim (64, 128, 192 or
+ *   256 columns; dkv has one per group); a head dim below its capacity runs a predicated variant of the
+ *   second product. At Dqk = 192, Dv = 128 (ptxas, sm_90): forward 168 registers, dq 242, dkv 212, no
+ *   spills.
+ *   Warps skip key tiles that lie wholly above the diagonal for their 16 rows, and the causal mask is
+ *   applied only on tiles that cross the diagonal (or the end of the sequence).
+ *
+ * Pipelining: every main loop keeps two shared-memory buffers for the tiles it streams (K, V in the
+ * forward and dq kernels; Q, dO, lse, D in dkv). At the top of iteration i a thread waits for its own
+ * copies (cp.async.wait_group 0: tile i, issued one iteration earlier), then one __syncthreads makes
+ * every thread's copies visible AND proves every warp has finished iteration i - 1, whose buffer is the
+ * one tile i + 1 is then copied into while tile i is computed. So one barrier per iteration (two in
+ * dkv, whose groups exchange P^T through Ps), and the next tile's load overlaps the current tile's math.
+ *
+ * Shared memory (bytes, Dqk = 192 and Dv = 128, padded rows of DP + 8 BF16):
+ *   forward  Q 128 rows + 2 x (K 64 + V 64 rows)            = 137216  (1 block of 8 warps per SM)
+ *   dq       Q, dO 128 rows + 2 x (K 64 + V 64 rows)        = 172032
+ *   dkv      K, V 64 rows + 2 x (Q 64 + dO 64 rows) + Ps    = 147456
+ * At head dims 256/256 the forward needs 202752 and dkv 221184 bytes (an H200 allows 232448 per block);
+ * dq falls back to BM = 64 (202752).
+ *
  * Determinism costs work here: a single-pass backward would add each (query tile, key tile) pair's
  * dq contribution with atomics. With dq and dk/dv in separate kernels, each computing its outputs in a
  * fixed order, P = exp(S - lse) and dP are recomputed twice (once per kernel): 4 + 3 = 7 tile-products
- * instead of 5. And attention_backward is not given the forward's output O (kernels.h), so D needs O
- * again: the ROWDOT forward recomputes it, 2 more tile-products (9 in all, about 4.5 forwards). If O is
- * ever passed to the backward, D becomes one cheap row-dot kernel and the cost falls to 7.
+ * instead of 5 (1.4x the backward's MMA work). The old recomputation of O for D (2 more products) is
+ * gone now that the forward's output is passed in.
  *
- * Shared memory tiles are row-major with 8 BF16 of padding per row: the row stride in 32-bit words is
- * then 4 mod 8, so the 8 rows x 4 column pairs a warp reads for one MMA fragment hit 32 different banks.
+ * Shared memory tiles are row-major with 8 BF16 of padding per row: the row stride, 2 DP + 16 bytes, is
+ * an odd multiple of 16 bytes, so the 8 rows of 16 bytes that one 8 x 8 matrix of an ldmatrix reads
+ * fall in 8 different 16-byte bank groups (conflict-free), and every row starts 16-byte aligned for
+ * cp.async.
  *
  * MMA fragment layouts (PTX ISA, "Matrix Fragments for mma.m16n8k16 with floating point type"), for
  * lane = 4 g + t (g = lane / 4 the group, t = lane % 4 the thread in the group):
@@ -45,7 +81,12 @@
  *                     reg 3 = A[g+8][2t+8, 2t+9]         (two BF16 per register, lower k in the low half)
  *   B (16 x 8, col):  reg 0 = B[2t, 2t+1][g], reg 1 = B[2t+8, 2t+9][g]
  *   C (16 x 8, f32):  c0, c1 = C[g][2t, 2t+1], c2, c3 = C[g+8][2t, 2t+1]
- * So the C fragments of columns [16j, 16j+8) and [16j+8, 16j+16) of one product are, packed to BF16,
+ * Fragments come from shared memory with ldmatrix.x4: lane l gives the address of row (l % 16), column
+ * 8 (l / 16) of a 16 x 16 block; matrix i (register i) is then rows 8 (i % 2).., columns 8 (i / 2)..
+ * Read as A, that is the A fragment. For a B operand whose columns are the tile's rows (K in Q K^T) the
+ * registers of n-tile 0 are {0, 2} and of n-tile 1 {1, 3}; with .trans, for a B operand that is the tile
+ * itself (V in P V), {0, 1} and {2, 3}.
+ * The C fragments of columns [16j, 16j+8) and [16j+8, 16j+16) of one product are, packed to BF16,
  * exactly the A fragment of k = [16j, 16j+16) of the next product (pack_a_from_c): P and dS go from
  * the softmax straight into the next MMA without shared memory. Each row of C is held by the 4 lanes of
  * one group, so row reductions are two butterfly shuffles (xor 1, xor 2).
@@ -59,18 +100,42 @@
 
 typedef __nv_bfloat16 bf16;
 
-constexpr int TILE = 64;             // query and key rows per tile
-constexpr int FWD_THREADS = 128;     // forward and dq: 4 warps x 16 query rows
-constexpr int DKV_THREADS = 256;     // dkv: 8 warps, two groups of 4 x 16 key rows (see the dkv kernel)
-constexpr int P_LD = TILE + 4;       // row stride (floats) of the dkv kernel's probability tile
+constexpr int KT = 64;             // key rows per tile (forward, dq); query rows per tile and keys per block (dkv)
+constexpr int MAX_THREADS = 256;   // 8 warps
+constexpr int ROW_PAD = 8;         // BF16 of padding per shared-memory row (see the file comment)
+constexpr int T_ALIGN = 128;       // the scratch's rows are padded to a multiple of the largest tile
+constexpr int P_LD = KT + 4;       // row stride (floats) of the dkv kernel's probability tile
 constexpr int HEAD_DIM_MAX = 256;
+constexpr float LOG2E = 1.4426950408889634f;
+constexpr float LN2 = 0.6931471805599453f;
 
-// ---------------------------------------------------------------------------- MMA and fragments
-__device__ __forceinline__ uint32_t load_u32(const bf16 *p) { return *reinterpret_cast<const uint32_t *>(p); }
+// ---------------------------------------------------------------------------- PTX wrappers
+__device__ __forceinline__ uint32_t smem_addr(const void *p) { return (uint32_t)__cvta_generic_to_shared(p); }
 
-__device__ __forceinline__ uint32_t pack_u16(const bf16 *lo, const bf16 *hi) {
-    const uint32_t l = *reinterpret_cast<const uint16_t *>(lo), h = *reinterpret_cast<const uint16_t *>(hi);
-    return l | (h << 16);
+// 16 bytes global -> shared, asynchronous (completes at the next cp_async_wait_all of this thread).
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void *src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+
+__device__ __forceinline__ void ldsm_x4(uint32_t r[4], uint32_t addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+__device__ __forceinline__ void ldsm_x4_trans(uint32_t r[4], uint32_t addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+
+// c (16 x 8) += a (16 x 16) b (16 x 8), BF16 inputs, FP32 accumulation.
+__device__ __forceinline__ void mma_bf16(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+                 "{%8, %9}, {%0, %1, %2, %3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
 // Two floats rounded to BF16 (RNE) in one register, lo in the low half.
@@ -81,38 +146,6 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
     return u;
 }
 
-// c (16 x 8) += a (16 x 16) b (16 x 8), BF16 inputs, FP32 accumulation.
-__device__ __forceinline__ void mma_bf16(float c[4], const uint32_t a[4], const uint32_t b[2]) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-                 "{%8, %9}, {%0, %1, %2, %3};\n"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
-
-// A fragment of A[m][kk] = s[(m0 + m) * ld + k0 + kk] (a row-major tile, rows m0..m0+15, columns k0..k0+15).
-__device__ __forceinline__ void load_a(uint32_t a[4], const bf16 *s, int ld, int m0, int k0, int lane) {
-    const bf16 *p = s + (m0 + (lane >> 2)) * ld + k0 + 2 * (lane & 3);
-    a[0] = load_u32(p);
-    a[1] = load_u32(p + 8 * ld);
-    a[2] = load_u32(p + 8);
-    a[3] = load_u32(p + 8 * ld + 8);
-}
-
-// B fragment of B[kk][n] = s[(n0 + n) * ld + k0 + kk]: the tile's rows are B's columns (B = rows^T),
-// e.g. K in S = Q K^T.
-__device__ __forceinline__ void load_b_rows_as_cols(uint32_t b[2], const bf16 *s, int ld, int n0, int k0, int lane) {
-    const bf16 *p = s + (n0 + (lane >> 2)) * ld + k0 + 2 * (lane & 3);
-    b[0] = load_u32(p);
-    b[1] = load_u32(p + 8);
-}
-
-// B fragment of B[kk][n] = s[(k0 + kk) * ld + n0 + n]: the tile is B itself, e.g. V in O = P V.
-__device__ __forceinline__ void load_b_rows_as_rows(uint32_t b[2], const bf16 *s, int ld, int k0, int n0, int lane) {
-    const bf16 *p = s + (k0 + 2 * (lane & 3)) * ld + n0 + (lane >> 2);
-    b[0] = pack_u16(p, p + ld);
-    b[1] = pack_u16(p + 8 * ld, p + 9 * ld);
-}
-
 // The A fragment (k = [16j, 16j+16)) made of C fragments x[2j] (columns 16j..16j+7) and x[2j+1].
 __device__ __forceinline__ void pack_a_from_c(uint32_t a[4], const float lo[4], const float hi[4]) {
     a[0] = pack_bf16(lo[0], lo[1]);
@@ -121,55 +154,85 @@ __device__ __forceinline__ void pack_a_from_c(uint32_t a[4], const float lo[4], 
     a[3] = pack_bf16(hi[2], hi[3]);
 }
 
-// x (16 x 64) = a_rows (16 x DP) b_rows (64 x DP)^T: rows m0..m0+15 of tile `a` against all 64 rows of
-// tile `b`, both row-major with stride ld, summed over DP columns (a multiple of 16) in increasing order.
-// x[nt][e] is C element (row g or g+8, column 8 nt + 2t + e%2) of the warp's 16 x 64 result.
-__device__ __forceinline__ void warp_a_bt(float x[8][4], const bf16 *a, const bf16 *b, int ld, int DP, int m0,
-                                          int lane) {
+// Byte offset of this lane's ldmatrix row address inside a 16 x 16 block of a tile with row stride ld.
+__device__ __forceinline__ uint32_t ldsm_lane_offset(int ld, int lane) {
+    return (uint32_t)(((lane & 15) * ld + (lane >> 4) * 8) * 2);
+}
+
+// ---------------------------------------------------------------------------- warp-level products
+// x (16 x 64) = A (16 x DP) B^T: A = 16 rows of a row-major tile, B = 64 rows of another (same row
+// stride ld_bytes), summed over DP columns (a multiple of 16) in increasing order. a and b are the
+// tiles' ldmatrix addresses (first row, lane offset included). x[nt][e] is C element (row g or g+8,
+// column 8 nt + 2t + e%2).
+__device__ __forceinline__ void warp_abt(float x[8][4], uint32_t a, uint32_t b, int ld_bytes, int DP) {
 #pragma unroll
     for (int nt = 0; nt < 8; nt++) x[nt][0] = x[nt][1] = x[nt][2] = x[nt][3] = 0.0f;
+#pragma unroll 2
     for (int k0 = 0; k0 < DP; k0 += 16) {
         uint32_t af[4];
-        load_a(af, a, ld, m0, k0, lane);
+        ldsm_x4(af, a + k0 * 2);
 #pragma unroll
-        for (int nt = 0; nt < 8; nt++) {
-            uint32_t bfr[2];
-            load_b_rows_as_cols(bfr, b, ld, nt * 8, k0, lane);
-            mma_bf16(x[nt], af, bfr);
+        for (int np = 0; np < 4; np++) {
+            uint32_t r[4];
+            ldsm_x4(r, b + np * 16 * ld_bytes + k0 * 2);
+            mma_bf16(x[2 * np], af, r[0], r[2]);
+            mma_bf16(x[2 * np + 1], af, r[1], r[3]);
         }
     }
 }
 
-// acc (16 x NCAP) += x (16 x 64) tile (64 x DP): x in C layout (as warp_a_bt leaves it) becomes the A
-// operand, the row-major tile `s` (stride ld) the B operand; only the first DP columns (a multiple of 16,
-// at most NCAP) are computed. Sums over the 64 rows in increasing order.
-template <int NCAP>
-__device__ __forceinline__ void warp_c_times_tile(float acc[NCAP / 8][4], const float x[8][4], const bf16 *s, int ld,
-                                                  int DP, int lane) {
+// acc (16 x NCAP) += x (16 x 64) tile (64 x DP): x in C layout (as warp_abt leaves it) becomes the A
+// operand, the row-major tile (ldmatrix address s, row stride ld_bytes) the B operand; only the first DP
+// columns (a multiple of 16, at most NCAP) are computed. Each element sums the 64 rows in increasing order.
+// The B fragments of 4 column pairs are loaded before their 8 MMAs (and with FULL, DP == NCAP, nothing is
+// predicated): ptxas does not hoist a predicated ldmatrix above the MMAs, so one load per MMA pair would
+// expose the shared-memory latency on every pair.
+template <int NCAP, bool FULL>
+__device__ __forceinline__ void warp_c_times_tile_impl(float (*acc)[4], const float x[8][4], uint32_t s, int ld_bytes,
+                                                       int DP) {
 #pragma unroll
     for (int j = 0; j < 4; j++) {
         uint32_t af[4];
         pack_a_from_c(af, x[2 * j], x[2 * j + 1]);
 #pragma unroll
-        for (int nt = 0; nt < NCAP / 8; nt++) {
-            if (nt * 8 < DP) {
-                uint32_t bfr[2];
-                load_b_rows_as_rows(bfr, s, ld, 16 * j, nt * 8, lane);
-                mma_bf16(acc[nt], af, bfr);
+        for (int np0 = 0; np0 < NCAP / 16; np0 += 4) {
+            if (!FULL && np0 * 16 >= DP) break;
+            uint32_t r[4][4];
+#pragma unroll
+            for (int u = 0; u < 4; u++)
+                if (FULL || (np0 + u) * 16 < DP) ldsm_x4_trans(r[u], s + j * 16 * ld_bytes + (np0 + u) * 32);
+#pragma unroll
+            for (int u = 0; u < 4; u++) {
+                if (FULL || (np0 + u) * 16 < DP) {
+                    mma_bf16(acc[2 * (np0 + u)], af, r[u][0], r[u][1]);
+                    mma_bf16(acc[2 * (np0 + u) + 1], af, r[u][2], r[u][3]);
+                }
             }
         }
     }
 }
+// acc has at least NCAP / 8 rows of 4.
+template <int NCAP>
+__device__ __forceinline__ void warp_c_times_tile(float (*acc)[4], const float x[8][4], uint32_t s, int ld_bytes,
+                                                  int DP) {
+    if (DP == NCAP) warp_c_times_tile_impl<NCAP, true>(acc, x, s, ld_bytes, DP);
+    else warp_c_times_tile_impl<NCAP, false>(acc, x, s, ld_bytes, DP);
+}
 
-// Rows t0..t0+63 of head h of batch row b of x (B, T, H, D) -> tile (64, DP) in BF16, stride ld, zero
-// beyond row T and column D.
-__device__ void load_tile(bf16 *tile, int ld, const float *x, int b, int t0, int h, int T, int H, int D, int DP) {
-    for (int i = threadIdx.x; i < TILE * DP; i += blockDim.x) {
-        const int r = i / DP, c = i - r * DP, t = t0 + r;
-        float val = 0.0f;
-        if (t < T && c < D) val = x[(((int64_t)b * T + t) * H + h) * D + c];
-        tile[r * ld + c] = __float2bfloat16_rn(val);
+// rows x DP BF16 (contiguous rows of DP elements at g) -> shared tile s (row stride ld), by all threads.
+__device__ __forceinline__ void load_tile_async(bf16 *s, int ld, const bf16 *g, int rows, int DP) {
+    const int chunks = DP >> 3;  // 16-byte chunks per row
+    const uint32_t base = smem_addr(s);
+    for (int i = threadIdx.x; i < rows * chunks; i += blockDim.x) {
+        const int r = i / chunks, c = i - r * chunks;
+        cp_async16(base + (uint32_t)((r * ld + c * 8) * 2), g + (size_t)r * DP + c * 8);
     }
+}
+
+// KT floats (64, 16-byte aligned) -> shared, by threads [first, first + 16).
+__device__ __forceinline__ void load_row_stats_async(float *s, const float *g, int first) {
+    const int i = (int)threadIdx.x - first;
+    if (i >= 0 && i < KT / 4) cp_async16(smem_addr(s + 4 * i), g + 4 * i);
 }
 
 __device__ __forceinline__ float quad_max(float v) {
@@ -182,65 +245,199 @@ __device__ __forceinline__ float quad_sum(float v) {
     return v + __shfl_xor_sync(0xffffffffu, v, 2);
 }
 
+// dst[row, col] (op)= acc for the C fragments of a warp's 16 rows (row0 = its row g, row0 + 8 the row
+// g + 8): element (row, col) at dst + row * row_stride + col, only rows < n_rows and cols < n_cols.
+// ACCUMULATE adds (backward); otherwise acc / l of the row is written (forward).
+template <int NCAP, bool ACCUMULATE>
+__device__ __forceinline__ void store_rows(float *dst, size_t row_stride, int row0, int n_rows, int n_cols,
+                                           const float acc[NCAP / 8][4], float l0, float l1, int t) {
+    const bool pairs = ((n_cols | (int)row_stride) & 1) == 0 && ((uintptr_t)dst & 7) == 0;
+#pragma unroll
+    for (int half = 0; half < 2; half++) {
+        const int row = row0 + 8 * half;
+        if (row >= n_rows) continue;
+        float *p = dst + (size_t)row * row_stride;
+        const float l = half ? l1 : l0;
+#pragma unroll
+        for (int nt = 0; nt < NCAP / 8; nt++) {
+            const int col = nt * 8 + 2 * t;
+            if (col >= n_cols) continue;
+            float v0 = acc[nt][2 * half], v1 = acc[nt][2 * half + 1];
+            if (!ACCUMULATE) v0 = v0 / l, v1 = v1 / l;
+            if (pairs) {  // n_cols even, so col + 1 < n_cols
+                float2 *p2 = reinterpret_cast<float2 *>(p + col);
+                if (ACCUMULATE) {
+                    const float2 old = *p2;
+                    v0 += old.x, v1 += old.y;
+                }
+                *p2 = make_float2(v0, v1);
+            } else {
+                if (ACCUMULATE) v0 += p[col];
+                p[col] = v0;
+                if (col + 1 < n_cols) {
+                    if (ACCUMULATE) v1 += p[col + 1];
+                    p[col + 1] = v1;
+                }
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------- pre-pass kernels
+// One FP32 (B, T, H, D) tensor -> BF16 (B, H, Tpad, DP), zeros for t >= T and d >= D.
+struct ConvertJob {
+    const float *src;
+    bf16 *dst;
+    int D, DP, vec4;  // vec4: D % 4 == 0 and src 16-byte aligned, so rows can be read as float4
+};
+struct ConvertJobs {
+    ConvertJob job[3];
+    int n;
+};
+
+// Grid (chunks, H, B): each thread makes one 16-byte chunk (8 BF16) of row t of head h of batch row b
+// of every job.
+__global__ void attention_to_bf16_kernel(ConvertJobs jobs, int T, int Tpad, int H) {
+    const int h = blockIdx.y, b = blockIdx.z;
+    const int idx = blockIdx.x * blockDim.x + threadIdx.x;
+#pragma unroll
+    for (int j = 0; j < 3; j++) {
+        if (j >= jobs.n) break;
+        const ConvertJob J = jobs.job[j];
+        const int chunks = J.DP >> 3;
+        if (idx >= Tpad * chunks) continue;
+        const int t = idx / chunks, c0 = (idx - t * chunks) * 8;
+        float x[8];
+#pragma unroll
+        for (int i = 0; i < 8; i++) x[i] = 0.0f;
+        if (t < T) {
+            const float *src = J.src + (((size_t)b * T + t) * H + h) * J.D + c0;
+            if (J.vec4 && c0 + 8 <= J.D) {
+                const float4 lo = *reinterpret_cast<const float4 *>(src);
+                const float4 hi = *reinterpret_cast<const float4 *>(src + 4);
+                x[0] = lo.x, x[1] = lo.y, x[2] = lo.z, x[3] = lo.w, x[4] = hi.x, x[5] = hi.y, x[6] = hi.z, x[7] = hi.w;
+            } else {
+#pragma unroll
+                for (int i = 0; i < 8; i++)
+                    if (c0 + i < J.D) x[i] = src[i];
+            }
+        }
+        uint4 packed;
+        packed.x = pack_bf16(x[0], x[1]), packed.y = pack_bf16(x[2], x[3]);
+        packed.z = pack_bf16(x[4], x[5]), packed.w = pack_bf16(x[6], x[7]);
+        *reinterpret_cast<uint4 *>(J.dst + (((size_t)b * H + h) * Tpad + t) * J.DP + c0) = packed;
+    }
+}
+
+// Backward pre-pass, one warp per row t < Tpad of head h of batch row b (grid (Tpad / 8, H, B), 8 warps):
+//   dos (B, H, Tpad, DVP) = BF16(dout), zero padded;
+//   D (B, H, Tpad)    = sum_d BF16(dout_d) out_d  (each lane sums its columns d = lane, lane + 32, ... in
+//                       order, then a butterfly: a fixed order), 0 for t >= T;
+//   lse2 (B, H, Tpad) = lse * log2(e), 0 for t >= T.
+// D uses the BF16-rounded dout, the same values dP = dO V^T is computed from.
+__global__ void attention_backward_prep_kernel(bf16 *dos, float *Dg, float *lse2, const float *dout,
+                                               const float *out, const float *lse, int T, int Tpad, int H, int Dv,
+                                               int DVP) {
+    const int lane = threadIdx.x & 31;
+    const int t = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    const int h = blockIdx.y, b = blockIdx.z;
+    const size_t bh = (size_t)b * H + h;
+    bf16 *dst = dos + (bh * Tpad + t) * DVP;
+    float dot = 0.0f;
+    if (t < T) {
+        const size_t src = (((size_t)b * T + t) * H + h) * Dv;
+        for (int d = lane; d < DVP; d += 32) {
+            const bf16 g = __float2bfloat16_rn(d < Dv ? dout[src + d] : 0.0f);
+            dst[d] = g;
+            if (d < Dv) dot += __bfloat162float(g) * out[src + d];
+        }
+    } else {
+        for (int d = lane; d < DVP; d += 32) dst[d] = __float2bfloat16_rn(0.0f);
+    }
+    dot = warp_sum(dot);
+    if (lane == 0) {
+        Dg[bh * Tpad + t] = t < T ? dot : 0.0f;
+        lse2[bh * Tpad + t] = t < T ? lse[bh * T + t] * LOG2E : 0.0f;
+    }
+}
+
 // ---------------------------------------------------------------------------- forward
-// q, k (B, T, H, Dqk), v (B, T, H, Dv) -> out (B, T, H, Dv), lse (B, H, T). Grid (n_tiles, H, B), the
-// query tile reversed so the longest rows start first. Per key tile, for query row i and key j <= i:
-//   s_ij = scale q_i . k_j;  m_new = max(m, max_j s_ij);  alpha = exp(m - m_new)
-//   l = alpha l + sum_j exp(s_ij - m_new);   o = alpha o + sum_j bf16(exp(s_ij - m_new)) v_j
-// then out_i = o / l and lse_i = m + log(l). Every key tile has at least one unmasked key per row
-// (key tile kt <= query tile), so m is finite after the first tile and alpha is exp(-inf) = 0 there.
-// ROWDOT: instead of out and lse, write rowdot (B, H, T) = sum_d dout_id out_id (the backward's D).
-template <int DV_CAP, bool ROWDOT>
-__global__ void __launch_bounds__(FWD_THREADS)
-    attention_forward_kernel(float *out, float *lse, float *rowdot, const float *dout, const float *q,
-                             const float *k, const float *v, int T, int H, int Dqk, int Dv, int DQP, int DVP,
-                             float scale) {
+// qs, ks (B, H, Tpad, DQP), vs (B, H, Tpad, DVP) BF16 -> out (B, T, H, Dv), lse (B, H, T). Grid
+// (H, B, n_query_tiles), blockDim = 2 BM (BM / 16 warps), the query tile reversed so the longest rows
+// start first. Per key tile, for query row i and key j <= i (x in log2 units, c = scale log2(e)):
+//   x_ij = c q_i . k_j;  m_new = max(m, max_j x_ij);  alpha = exp2(m - m_new)
+//   l = alpha l + sum_j exp2(x_ij - m_new);   o = alpha o + sum_j bf16(exp2(x_ij - m_new)) v_j
+// then out_i = o / l and lse_i = (m + log2(l)) ln(2). Key tile 0 holds key 0, which every row sees, so m
+// is finite after it and alpha is exp2(-inf) = 0 there.
+template <int DV_CAP>
+__global__ void __launch_bounds__(MAX_THREADS)
+    attention_forward_kernel(float *out, float *lse, const bf16 *qs, const bf16 *ks, const bf16 *vs, int T, int Tpad,
+                             int H, int Dv, int DQP, int DVP, float scale_log2) {
     extern __shared__ __align__(16) unsigned char smem[];
-    const int ldq = DQP + 8, ldv = DVP + 8;
-    bf16 *Qs = reinterpret_cast<bf16 *>(smem), *Ks = Qs + TILE * ldq, *Vs = Ks + TILE * ldq;
+    const int BM = blockDim.x / 2, ldq = DQP + ROW_PAD, ldv = DVP + ROW_PAD;
+    // buffer 1 of K (V) follows buffer 0 at KT rows, so buffer i is at Ks + i * KT * ldq
+    bf16 *Qs = reinterpret_cast<bf16 *>(smem), *Ks = Qs + BM * ldq, *Vs = Ks + 2 * KT * ldq;
 
-    const int qt = gridDim.x - 1 - blockIdx.x, h = blockIdx.y, b = blockIdx.z;
-    const int q0 = qt * TILE;
+    const int h = blockIdx.x, b = blockIdx.y, qt = gridDim.z - 1 - blockIdx.z;
+    const int q0 = qt * BM;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int row0 = q0 + warp * 16 + g, row1 = row0 + 8;  // this thread's two query rows
+    const int wq0 = q0 + warp * 16;  // this warp's first query row
+    const int row0 = wq0 + g, row1 = row0 + 8;
+    const size_t bh = (size_t)b * H + h;
+    const bf16 *kg = ks + bh * Tpad * DQP, *vg = vs + bh * Tpad * DVP;
+    const int n_kt = (min(q0 + BM, T) - 1) / KT + 1;  // key tiles up to the block's last real row
 
-    load_tile(Qs, ldq, q, b, q0, h, T, H, Dqk, DQP);
+    load_tile_async(Qs, ldq, qs + (bh * Tpad + q0) * DQP, BM, DQP);
+    load_tile_async(Ks, ldq, kg, KT, DQP);
+    load_tile_async(Vs, ldv, vg, KT, DVP);
+    cp_async_commit();
+
+    const uint32_t q_addr = smem_addr(Qs + warp * 16 * ldq) + ldsm_lane_offset(ldq, lane);
+    const uint32_t k_addr = smem_addr(Ks) + ldsm_lane_offset(ldq, lane), k_buf_bytes = KT * ldq * 2;
+    const uint32_t v_addr = smem_addr(Vs) + ldsm_lane_offset(ldv, lane), v_buf_bytes = KT * ldv * 2;
+
     float o[DV_CAP / 8][4];
 #pragma unroll
     for (int nt = 0; nt < DV_CAP / 8; nt++) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.0f;
     float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;
 
-    for (int kt = 0; kt <= qt; kt++) {
-        const int k0 = kt * TILE;
-        __syncthreads();  // every warp is done with the previous K, V tiles
-        load_tile(Ks, ldq, k, b, k0, h, T, H, Dqk, DQP);
-        load_tile(Vs, ldv, v, b, k0, h, T, H, Dv, DVP);
-        __syncthreads();
+    for (int kt = 0; kt < n_kt; kt++) {
+        cp_async_wait_all();
+        __syncthreads();  // tile kt is in; every warp is done with tile kt - 1, whose buffers are refilled now
+        if (kt + 1 < n_kt) {
+            const int nb = (kt + 1) & 1;
+            load_tile_async(Ks + nb * KT * ldq, ldq, kg + (size_t)(kt + 1) * KT * DQP, KT, DQP);
+            load_tile_async(Vs + nb * KT * ldv, ldv, vg + (size_t)(kt + 1) * KT * DVP, KT, DVP);
+        }
+        cp_async_commit();
+        const int k0 = kt * KT;
+        if (k0 > wq0 + 15 || wq0 >= T) continue;  // every key of the tile is after every row of the warp
+        const uint32_t buf = kt & 1;
 
         float s[8][4];
-        warp_a_bt(s, Qs, Ks, ldq, DQP, warp * 16, lane);
+        warp_abt(s, q_addr, k_addr + buf * k_buf_bytes, ldq * 2, DQP);
+        const bool need_mask = k0 + KT - 1 > wq0;  // the tile crosses the diagonal of this warp's rows
         float mx0 = -INFINITY, mx1 = -INFINITY;
 #pragma unroll
         for (int nt = 0; nt < 8; nt++) {
 #pragma unroll
             for (int e = 0; e < 4; e++) {
-                const int key = k0 + nt * 8 + 2 * t + (e & 1), row = e < 2 ? row0 : row1;
-                float x = s[nt][e] * scale;
-                if (key > row || key >= T) x = -INFINITY;  // causal mask (and padding keys)
+                float x = s[nt][e] * scale_log2;
+                if (need_mask && k0 + nt * 8 + 2 * t + (e & 1) > (e < 2 ? row0 : row1)) x = -INFINITY;
                 s[nt][e] = x;
                 if (e < 2) mx0 = fmaxf(mx0, x);
                 else mx1 = fmaxf(mx1, x);
             }
         }
         const float mn0 = fmaxf(m0, quad_max(mx0)), mn1 = fmaxf(m1, quad_max(mx1));
-        const float alpha0 = expf(m0 - mn0), alpha1 = expf(m1 - mn1);
+        const float alpha0 = exp2f(m0 - mn0), alpha1 = exp2f(m1 - mn1);
         float sum0 = 0.0f, sum1 = 0.0f;
 #pragma unroll
         for (int nt = 0; nt < 8; nt++) {
-            s[nt][0] = expf(s[nt][0] - mn0);
-            s[nt][1] = expf(s[nt][1] - mn0);
-            s[nt][2] = expf(s[nt][2] - mn1);
-            s[nt][3] = expf(s[nt][3] - mn1);
+            s[nt][0] = exp2f(s[nt][0] - mn0);
+            s[nt][1] = exp2f(s[nt][1] - mn0);
+            s[nt][2] = exp2f(s[nt][2] - mn1);
+            s[nt][3] = exp2f(s[nt][3] - mn1);
             sum0 += s[nt][0] + s[nt][1];
             sum1 += s[nt][2] + s[nt][3];
         }
@@ -255,36 +452,12 @@ __global__ void __launch_bounds__(FWD_THREADS)
             o[nt][2] *= alpha1;
             o[nt][3] *= alpha1;
         }
-        warp_c_times_tile<DV_CAP>(o, s, Vs, ldv, DVP, lane);
+        warp_c_times_tile<DV_CAP>(o, s, v_addr + buf * v_buf_bytes, ldv * 2, DVP);
     }
 
-    float dot0 = 0.0f, dot1 = 0.0f;
-#pragma unroll
-    for (int nt = 0; nt < DV_CAP / 8; nt++) {
-#pragma unroll
-        for (int e = 0; e < 4; e++) {
-            const int col = nt * 8 + 2 * t + (e & 1), row = e < 2 ? row0 : row1;
-            if (row >= T || col >= Dv) continue;
-            const float val = o[nt][e] / (e < 2 ? l0 : l1);
-            const int64_t idx = (((int64_t)b * T + row) * H + h) * Dv + col;
-            if (ROWDOT) {
-                if (e < 2) dot0 += val * dout[idx];
-                else dot1 += val * dout[idx];
-            } else {
-                out[idx] = val;
-            }
-        }
-    }
-    const int64_t stat = ((int64_t)b * H + h) * T;  // (b, h) row of lse / rowdot
-    if (ROWDOT) {
-        dot0 = quad_sum(dot0);
-        dot1 = quad_sum(dot1);
-        if (t == 0 && row0 < T) rowdot[stat + row0] = dot0;
-        if (t == 0 && row1 < T) rowdot[stat + row1] = dot1;
-    } else {
-        if (t == 0 && row0 < T) lse[stat + row0] = m0 + logf(l0);
-        if (t == 0 && row1 < T) lse[stat + row1] = m1 + logf(l1);
-    }
+    store_rows<DV_CAP, false>(out + ((size_t)b * T * H + h) * Dv, (size_t)H * Dv, row0, T, Dv, o, l0, l1, t);
+    if (t == 0 && row0 < T) lse[bh * T + row0] = (m0 + log2f(l0)) * LN2;
+    if (t == 0 && row1 < T) lse[bh * T + row1] = (m1 + log2f(l1)) * LN2;
 }
 
 // ---------------------------------------------------------------------------- backward
@@ -292,158 +465,185 @@ __global__ void __launch_bounds__(FWD_THREADS)
 // (j <= i), so with g_i = dout_i:
 //   dP_ij = g_i . v_j;   D_i = sum_j P_ij dP_ij = g_i . out_i;   dS_ij = P_ij (dP_ij - D_i)
 //   dq_i += scale sum_j dS_ij k_j;   dk_j += scale sum_i dS_ij q_i;   dv_j += sum_i P_ij g_i
-// The kernels fold scale into dS before it is rounded to BF16 for the MMA.
+// P_ij = exp2(c q_i . k_j - lse2_i), c = scale log2(e), lse2 = lse log2(e) (the pre-pass). The kernels
+// fold scale into dS before it is rounded to BF16 for the MMA.
 
-// dq (B, T, H, Dqk) +=. Grid (n_tiles, H, B), query tiles reversed; 4 warps x 16 query rows.
+// dq (B, T, H, Dqk) +=. Grid (H, B, n_query_tiles), query tiles reversed; blockDim = 2 BM.
 template <int DQK_CAP>
-__global__ void __launch_bounds__(FWD_THREADS)
-    attention_backward_dq_kernel(float *dq, const float *dout, const float *lse, const float *rowdot,
-                                 const float *q, const float *k, const float *v, int T, int H, int Dqk, int Dv,
-                                 int DQP, int DVP, float scale) {
+__global__ void __launch_bounds__(MAX_THREADS)
+    attention_backward_dq_kernel(float *dq, const float *Dg, const float *lse2, const bf16 *qs, const bf16 *ks,
+                                 const bf16 *vs, const bf16 *dos, int T, int Tpad, int H, int Dqk, int DQP, int DVP,
+                                 float scale, float scale_log2) {
     extern __shared__ __align__(16) unsigned char smem[];
-    const int ldq = DQP + 8, ldv = DVP + 8;
-    bf16 *Qs = reinterpret_cast<bf16 *>(smem), *Ks = Qs + TILE * ldq, *dOs = Ks + TILE * ldq, *Vs = dOs + TILE * ldv;
+    const int BM = blockDim.x / 2, ldq = DQP + ROW_PAD, ldv = DVP + ROW_PAD;
+    bf16 *Qs = reinterpret_cast<bf16 *>(smem), *dOs = Qs + BM * ldq, *Ks = dOs + BM * ldv, *Vs = Ks + 2 * KT * ldq;
 
-    const int qt = gridDim.x - 1 - blockIdx.x, h = blockIdx.y, b = blockIdx.z;
-    const int q0 = qt * TILE;
+    const int h = blockIdx.x, b = blockIdx.y, qt = gridDim.z - 1 - blockIdx.z;
+    const int q0 = qt * BM;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int row0 = q0 + warp * 16 + g, row1 = row0 + 8;
-    const int64_t stat = ((int64_t)b * H + h) * T;
-    const float lse0 = row0 < T ? lse[stat + row0] : 0.0f, lse1 = row1 < T ? lse[stat + row1] : 0.0f;
-    const float D0 = row0 < T ? rowdot[stat + row0] : 0.0f, D1 = row1 < T ? rowdot[stat + row1] : 0.0f;
+    const int wq0 = q0 + warp * 16;
+    const int row0 = wq0 + g, row1 = row0 + 8;
+    const size_t bh = (size_t)b * H + h;
+    const bf16 *kg = ks + bh * Tpad * DQP, *vg = vs + bh * Tpad * DVP;
+    const int n_kt = (min(q0 + BM, T) - 1) / KT + 1;
+    // rows < Tpad always (the padded statistics are 0 beyond T)
+    const float lse0 = lse2[bh * Tpad + row0], lse1 = lse2[bh * Tpad + row1];
+    const float D0 = Dg[bh * Tpad + row0], D1 = Dg[bh * Tpad + row1];
 
-    load_tile(Qs, ldq, q, b, q0, h, T, H, Dqk, DQP);
-    load_tile(dOs, ldv, dout, b, q0, h, T, H, Dv, DVP);
+    load_tile_async(Qs, ldq, qs + (bh * Tpad + q0) * DQP, BM, DQP);
+    load_tile_async(dOs, ldv, dos + (bh * Tpad + q0) * DVP, BM, DVP);
+    load_tile_async(Ks, ldq, kg, KT, DQP);
+    load_tile_async(Vs, ldv, vg, KT, DVP);
+    cp_async_commit();
+
+    const uint32_t q_addr = smem_addr(Qs + warp * 16 * ldq) + ldsm_lane_offset(ldq, lane);
+    const uint32_t do_addr = smem_addr(dOs + warp * 16 * ldv) + ldsm_lane_offset(ldv, lane);
+    const uint32_t k_addr = smem_addr(Ks) + ldsm_lane_offset(ldq, lane), k_buf_bytes = KT * ldq * 2;
+    const uint32_t v_addr = smem_addr(Vs) + ldsm_lane_offset(ldv, lane), v_buf_bytes = KT * ldv * 2;
+
     float acc[DQK_CAP / 8][4];
 #pragma unroll
     for (int nt = 0; nt < DQK_CAP / 8; nt++) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
 
-    for (int kt = 0; kt <= qt; kt++) {
-        const int k0 = kt * TILE;
-        __syncthreads();
-        load_tile(Ks, ldq, k, b, k0, h, T, H, Dqk, DQP);
-        load_tile(Vs, ldv, v, b, k0, h, T, H, Dv, DVP);
-        __syncthreads();
+    for (int kt = 0; kt < n_kt; kt++) {
+        cp_async_wait_all();
+        __syncthreads();  // as in the forward
+        if (kt + 1 < n_kt) {
+            const int nb = (kt + 1) & 1;
+            load_tile_async(Ks + nb * KT * ldq, ldq, kg + (size_t)(kt + 1) * KT * DQP, KT, DQP);
+            load_tile_async(Vs + nb * KT * ldv, ldv, vg + (size_t)(kt + 1) * KT * DVP, KT, DVP);
+        }
+        cp_async_commit();
+        const int k0 = kt * KT;
+        if (k0 > wq0 + 15 || wq0 >= T) continue;
+        const uint32_t k_tile = k_addr + (kt & 1) * k_buf_bytes;
 
         float s[8][4], dp[8][4];
-        warp_a_bt(s, Qs, Ks, ldq, DQP, warp * 16, lane);    // S = Q K^T
-        warp_a_bt(dp, dOs, Vs, ldv, DVP, warp * 16, lane);  // dP = dO V^T
+        warp_abt(s, q_addr, k_tile, ldq * 2, DQP);                                 // S = Q K^T
+        warp_abt(dp, do_addr, v_addr + (kt & 1) * v_buf_bytes, ldv * 2, DVP);  // dP = dO V^T
+        const bool need_mask = k0 + KT - 1 > wq0;
 #pragma unroll
         for (int nt = 0; nt < 8; nt++) {
 #pragma unroll
             for (int e = 0; e < 4; e++) {
-                const int key = k0 + nt * 8 + 2 * t + (e & 1), row = e < 2 ? row0 : row1;
-                const float p = (key <= row && key < T) ? expf(s[nt][e] * scale - (e < 2 ? lse0 : lse1)) : 0.0f;
-                s[nt][e] = p * (dp[nt][e] - (e < 2 ? D0 : D1)) * scale;  // scale * dS
+                const bool lo = e < 2;
+                float p = exp2f(s[nt][e] * scale_log2 - (lo ? lse0 : lse1));
+                if (need_mask && k0 + nt * 8 + 2 * t + (e & 1) > (lo ? row0 : row1)) p = 0.0f;
+                s[nt][e] = p * (dp[nt][e] - (lo ? D0 : D1)) * scale;  // scale * dS
             }
         }
-        warp_c_times_tile<DQK_CAP>(acc, s, Ks, ldq, DQP, lane);  // dq += (scale dS) K
+        warp_c_times_tile<DQK_CAP>(acc, s, k_tile, ldq * 2, DQP);  // dq += (scale dS) K
     }
 
-#pragma unroll
-    for (int nt = 0; nt < DQK_CAP / 8; nt++) {
-#pragma unroll
-        for (int e = 0; e < 4; e++) {
-            const int col = nt * 8 + 2 * t + (e & 1), row = e < 2 ? row0 : row1;
-            if (row < T && col < Dqk) dq[(((int64_t)b * T + row) * H + h) * Dqk + col] += acc[nt][e];
-        }
-    }
+    store_rows<DQK_CAP, true>(dq + ((size_t)b * T * H + h) * Dqk, (size_t)H * Dqk, row0, T, Dqk, acc, 0.0f, 0.0f, t);
 }
 
-// dk (B, T, H, Dqk) +=, dv (B, T, H, Dv) += (either may be NULL). Grid (n_tiles, H, B), one key tile
-// per block, looping over query tiles from the diagonal on. 8 warps in two groups, each warp owning 16
-// keys of the tile over all 64 queries of a query tile (so each group covers the tile's 64 keys):
-//   value group (warps 4..7): x = K Q^T (S^T), P^T = exp(scale x - lse) -> registers and shared Ps;
-//                             dv += P^T dO
-//   key group   (warps 0..3): x = V dO^T (dP^T); after a barrier reads P^T from Ps,
-//                             dS^T = P^T (dP^T - D); dk += (scale dS^T) Q
-// The groups do equal work (one product over Dqk and one over Dv each), and each keeps only its own
-// accumulator (16 x max(Dqk, Dv) per warp, the same registers acc[] serve as dk or dv), which keeps
-// the register count low enough for Dqk = 192 without spilling.
-template <int ACC_CAP>
-__global__ void __launch_bounds__(DKV_THREADS)
-    attention_backward_dkv_kernel(float *dk, float *dv, const float *dout, const float *lse, const float *rowdot,
-                                  const float *q, const float *k, const float *v, int T, int H, int Dqk, int Dv,
-                                  int DQP, int DVP, float scale) {
+// dk (B, T, H, Dqk) +=, dv (B, T, H, Dv) += (either may be NULL). Grid (H, B, n_key_tiles), 256 threads:
+// one key tile per block (key tile 0, the longest loop, first), looping over query tiles from the
+// diagonal on; the two warp groups of the file comment. DK_CAP and DV_CAP are the register capacities of
+// Dqk and Dv; each warp's accumulator has the larger.
+template <int DK_CAP, int DV_CAP>
+__global__ void __launch_bounds__(MAX_THREADS)
+    attention_backward_dkv_kernel(float *dk, float *dv, const float *Dg, const float *lse2, const bf16 *qs,
+                                  const bf16 *ks, const bf16 *vs, const bf16 *dos, int T, int Tpad, int H, int Dqk,
+                                  int Dv, int DQP, int DVP, float scale, float scale_log2) {
     extern __shared__ __align__(16) unsigned char smem[];
-    const int ldq = DQP + 8, ldv = DVP + 8;
-    float *Ps = reinterpret_cast<float *>(smem);  // (TILE, P_LD): P^T of the current tile pair, [key][query]
-    float *lse_s = Ps + TILE * P_LD, *D_s = lse_s + TILE;
-    bf16 *Ks = reinterpret_cast<bf16 *>(D_s + TILE), *Qs = Ks + TILE * ldq, *Vs = Qs + TILE * ldq,
-         *dOs = Vs + TILE * ldv;
+    const int ldq = DQP + ROW_PAD, ldv = DVP + ROW_PAD;
+    // buffer i of Q (dO, lse_s, D_s) is at Qs + i * KT * ldq (dOs + i * KT * ldv, lse_s + i * KT, D_s + i * KT)
+    float *Ps = reinterpret_cast<float *>(smem);  // (KT, P_LD): P^T of the current tile pair, [key][query]
+    float *lse_s = Ps + KT * P_LD, *D_s = lse_s + 2 * KT;
+    bf16 *Ks = reinterpret_cast<bf16 *>(D_s + 2 * KT), *Vs = Ks + KT * ldq, *Qs = Vs + KT * ldv,
+         *dOs = Qs + 2 * KT * ldq;
 
-    const int kt = blockIdx.x, n_tiles = gridDim.x, h = blockIdx.y, b = blockIdx.z;
-    const int k0 = kt * TILE;
+    const int h = blockIdx.x, b = blockIdx.y, kt = blockIdx.z;
+    const int k0 = kt * KT;
+    const int n_iter = (T + KT - 1) / KT - kt;  // query tiles kt .. last
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const bool key_group = warp < 4;
     const int wrow = (warp & 3) * 16;  // first key of this warp within the tile
     const int key0 = k0 + wrow + g, key1 = key0 + 8;
-    const int64_t stat = ((int64_t)b * H + h) * T;
+    const size_t bh = (size_t)b * H + h;
+    const bf16 *qg = qs + bh * Tpad * DQP, *dog = dos + bh * Tpad * DVP;
+    const float *lse2g = lse2 + bh * Tpad, *Dgh = Dg + bh * Tpad;
 
-    // The key group's first product is V dO^T over Dv, then it multiplies by Q (Dqk columns out);
-    // the value group's is K Q^T over Dqk, then it multiplies by dO (Dv columns out).
-    const bf16 *xa = key_group ? Vs : Ks, *xb = key_group ? dOs : Qs, *ys = key_group ? Qs : dOs;
+    load_tile_async(Ks, ldq, ks + (bh * Tpad + k0) * DQP, KT, DQP);
+    load_tile_async(Vs, ldv, vs + (bh * Tpad + k0) * DVP, KT, DVP);
+    load_tile_async(Qs, ldq, qg + (size_t)k0 * DQP, KT, DQP);
+    load_tile_async(dOs, ldv, dog + (size_t)k0 * DVP, KT, DVP);
+    load_row_stats_async(lse_s, lse2g + k0, 0);
+    load_row_stats_async(D_s, Dgh + k0, 32);
+    cp_async_commit();
+
+    // Key group: first product V dO^T (over Dv), then times Q (Dqk columns out). Value group: K Q^T (over
+    // Dqk), then times dO (Dv columns out). x_* are the first product's operands, y_* the second's.
     const int x_ld = key_group ? ldv : ldq, x_dp = key_group ? DVP : DQP;
     const int y_ld = key_group ? ldq : ldv, y_dp = key_group ? DQP : DVP;
+    const uint32_t xa = smem_addr((key_group ? Vs : Ks) + wrow * x_ld) + ldsm_lane_offset(x_ld, lane);
+    const uint32_t xb = smem_addr(key_group ? dOs : Qs) + ldsm_lane_offset(x_ld, lane), xb_buf_bytes = KT * x_ld * 2;
+    const uint32_t ys = smem_addr(key_group ? Qs : dOs) + ldsm_lane_offset(y_ld, lane), ys_buf_bytes = KT * y_ld * 2;
+    // A group whose gradient is not wanted skips its products (the value group still makes P^T for dk).
+    const bool first_product = key_group ? dk != NULL : true;
+    const bool second_product = key_group ? dk != NULL : dv != NULL;
 
-    load_tile(Ks, ldq, k, b, k0, h, T, H, Dqk, DQP);
-    load_tile(Vs, ldv, v, b, k0, h, T, H, Dv, DVP);
+    constexpr int ACC_CAP = DK_CAP > DV_CAP ? DK_CAP : DV_CAP;
     float acc[ACC_CAP / 8][4];
 #pragma unroll
     for (int nt = 0; nt < ACC_CAP / 8; nt++) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
 
-    for (int qt = kt; qt < n_tiles; qt++) {
-        const int q0 = qt * TILE;
-        __syncthreads();  // every warp is done with the previous Q, dO, Ps, lse_s, D_s
-        load_tile(Qs, ldq, q, b, q0, h, T, H, Dqk, DQP);
-        load_tile(dOs, ldv, dout, b, q0, h, T, H, Dv, DVP);
-        for (int r = threadIdx.x; r < TILE; r += blockDim.x) {
-            const int row = q0 + r;
-            lse_s[r] = row < T ? lse[stat + row] : 0.0f;
-            D_s[r] = row < T ? rowdot[stat + row] : 0.0f;
+    for (int it = 0; it < n_iter; it++) {
+        cp_async_wait_all();
+        __syncthreads();  // tile it is in; every warp is done with tile it - 1 (its buffers and Ps)
+        if (it + 1 < n_iter) {
+            const int qn = k0 + (it + 1) * KT, nb = (it + 1) & 1;
+            load_tile_async(Qs + nb * KT * ldq, ldq, qg + (size_t)qn * DQP, KT, DQP);
+            load_tile_async(dOs + nb * KT * ldv, ldv, dog + (size_t)qn * DVP, KT, DVP);
+            load_row_stats_async(lse_s + nb * KT, lse2g + qn, 0);
+            load_row_stats_async(D_s + nb * KT, Dgh + qn, 32);
         }
-        __syncthreads();
+        cp_async_commit();
+        const int q0 = k0 + it * KT, buf = it & 1;
+        // the diagonal tile, or rows beyond T in the last tile
+        const bool need_mask = it == 0 || q0 + KT > T;
 
         float x[8][4];  // C element (key wrow+g or +8, query 8 nt + 2t + e%2 of the tile)
-        warp_a_bt(x, xa, xb, x_ld, x_dp, wrow, lane);
+        if (first_product) warp_abt(x, xa, xb + buf * xb_buf_bytes, x_ld * 2, x_dp);
         if (!key_group) {
+            const float *ls = lse_s + buf * KT;
 #pragma unroll
             for (int nt = 0; nt < 8; nt++) {
 #pragma unroll
                 for (int e = 0; e < 4; e++) {
-                    const int key = e < 2 ? key0 : key1, ql = nt * 8 + 2 * t + (e & 1), row = q0 + ql;
-                    const float p = (key <= row && row < T) ? expf(x[nt][e] * scale - lse_s[ql]) : 0.0f;
+                    const int ql = nt * 8 + 2 * t + (e & 1), row = q0 + ql;
+                    float p = exp2f(x[nt][e] * scale_log2 - ls[ql]);
+                    if (need_mask && ((e < 2 ? key0 : key1) > row || row >= T)) p = 0.0f;
                     x[nt][e] = p;
                     Ps[(wrow + g + (e < 2 ? 0 : 8)) * P_LD + ql] = p;
                 }
             }
         }
         __syncthreads();  // Ps complete
+        if (!second_product) continue;
         if (key_group) {
+            const float *Ds = D_s + buf * KT;
 #pragma unroll
             for (int nt = 0; nt < 8; nt++) {
 #pragma unroll
                 for (int e = 0; e < 4; e++) {
                     const int ql = nt * 8 + 2 * t + (e & 1);
                     const float p = Ps[(wrow + g + (e < 2 ? 0 : 8)) * P_LD + ql];
-                    x[nt][e] = p * (x[nt][e] - D_s[ql]) * scale;  // scale * dS^T
+                    x[nt][e] = p * (x[nt][e] - Ds[ql]) * scale;  // scale * dS^T
                 }
             }
         }
-        warp_c_times_tile<ACC_CAP>(acc, x, ys, y_ld, y_dp, lane);  // dk += (scale dS^T) Q, dv += P^T dO
+        // dk += (scale dS^T) Q, dv += P^T dO
+        if (key_group) warp_c_times_tile<DK_CAP>(acc, x, ys + buf * ys_buf_bytes, y_ld * 2, y_dp);
+        else warp_c_times_tile<DV_CAP>(acc, x, ys + buf * ys_buf_bytes, y_ld * 2, y_dp);
     }
 
     float *grad = key_group ? dk : dv;
     const int D = key_group ? Dqk : Dv;
     if (grad == NULL) return;
-#pragma unroll
-    for (int nt = 0; nt < ACC_CAP / 8; nt++) {
-#pragma unroll
-        for (int e = 0; e < 4; e++) {
-            const int col = nt * 8 + 2 * t + (e & 1), key = e < 2 ? key0 : key1;
-            if (key < T && col < D) grad[(((int64_t)b * T + key) * H + h) * D + col] += acc[nt][e];
-        }
-    }
+    store_rows<ACC_CAP, true>(grad + ((size_t)b * T * H + h) * D, (size_t)H * D, key0, T, D, acc, 0.0f, 0.0f, t);
 }
 
 // ---------------------------------------------------------------------------- host side
@@ -452,40 +652,99 @@ static int head_cap(int D) { return D <= 64 ? 64 : D <= 128 ? 128 : D <= 192 ? 1
 static int pad16(int D) { return (D + 15) / 16 * 16; }
 
 static void check_shape(const char *op, int B, int T, int H, int Dqk, int Dv) {
-    if (Dqk < 1 || Dqk > HEAD_DIM_MAX || Dv < 1 || Dv > HEAD_DIM_MAX || H > 65535 || B > 65535) {
+    const int64_t max_t = (int64_t)65535 * KT;  // query/key tiles go in gridDim.z
+    if (Dqk < 1 || Dqk > HEAD_DIM_MAX || Dv < 1 || Dv > HEAD_DIM_MAX || H > 65535 || B > 65535 || T > max_t) {
         fprintf(stderr, "fp8moe: %s (kernels/cuda/attention.cu): got B = %d, T = %d, H = %d, Dqk = %d, Dv = %d; "
-                        "the CUDA attention core supports head dims 1 .. %d and B, H <= 65535\n",
-                op, B, T, H, Dqk, Dv, HEAD_DIM_MAX);
+                        "the CUDA attention core supports head dims 1 .. %d, B, H <= 65535 and T <= %lld\n",
+                op, B, T, H, Dqk, Dv, HEAD_DIM_MAX, (long long)max_t);
         exit(1);
     }
 }
 
-// Dynamic shared memory above 48 KiB must be allowed per kernel; H200 has up to 227 KiB per block.
-template <typename Kernel> static void allow_smem(Kernel kernel, size_t bytes) {
+// The opt-in shared memory per block of the current device (232448 bytes on an H200).
+static size_t smem_limit(void) {
+    int dev = 0, bytes = 0;
+    CUDA_CHECK(cudaGetDevice(&dev));
+    CUDA_CHECK(cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+    return (size_t)bytes;
+}
+
+// Dynamic shared memory above 48 KiB must be allowed per kernel.
+template <typename Kernel> static void allow_smem(Kernel kernel, size_t bytes, const char *name) {
+    if (bytes > smem_limit()) {
+        fprintf(stderr, "fp8moe: kernels/cuda/attention.cu: %s needs %zu bytes of shared memory per block; this "
+                        "GPU allows %zu (expected an H100/H200-class GPU)\n", name, bytes, smem_limit());
+        exit(1);
+    }
     CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes));
 }
 
-template <int DV_CAP, bool ROWDOT>
-static void launch_forward(float *out, float *lse, float *rowdot, const float *dout, const float *q, const float *k,
-                           const float *v, int B, int T, int H, int Dqk, int Dv) {
-    const int DQP = pad16(Dqk), DVP = pad16(Dv);
-    const size_t smem = sizeof(bf16) * (size_t)TILE * (2 * (DQP + 8) + (DVP + 8));
-    allow_smem(attention_forward_kernel<DV_CAP, ROWDOT>, smem);
-    const dim3 grid((unsigned)((T + TILE - 1) / TILE), (unsigned)H, (unsigned)B);
-    attention_forward_kernel<DV_CAP, ROWDOT><<<grid, FWD_THREADS, smem>>>(out, lse, rowdot, dout, q, k, v, T, H, Dqk,
-                                                                          Dv, DQP, DVP, 1.0f / sqrtf((float)Dqk));
-    CUDA_CHECK_LAUNCH("attention_forward_kernel");
+static size_t bf16_rows(int rows, int DP) { return sizeof(bf16) * (size_t)rows * (size_t)(DP + ROW_PAD); }
+static size_t forward_smem(int BM, int DQP, int DVP) {
+    return bf16_rows(BM, DQP) + 2 * (bf16_rows(KT, DQP) + bf16_rows(KT, DVP));
+}
+static size_t dq_smem(int BM, int DQP, int DVP) {
+    return bf16_rows(BM, DQP) + bf16_rows(BM, DVP) + 2 * (bf16_rows(KT, DQP) + bf16_rows(KT, DVP));
+}
+static size_t dkv_smem(int DQP, int DVP) {
+    return sizeof(float) * (size_t)KT * (P_LD + 4) + 3 * (bf16_rows(KT, DQP) + bf16_rows(KT, DVP));
+}
+// 128 query rows per block when they fit in shared memory, else 64.
+static int pick_bm(size_t (*smem)(int, int, int), int DQP, int DVP) {
+    return smem(128, DQP, DVP) <= smem_limit() ? 128 : 64;
 }
 
-template <bool ROWDOT>
-static void forward_any_dv(float *out, float *lse, float *rowdot, const float *dout, const float *q, const float *k,
-                           const float *v, int B, int T, int H, int Dqk, int Dv) {
-    switch (head_cap(Dv)) {
-    case 64: launch_forward<64, ROWDOT>(out, lse, rowdot, dout, q, k, v, B, T, H, Dqk, Dv); break;
-    case 128: launch_forward<128, ROWDOT>(out, lse, rowdot, dout, q, k, v, B, T, H, Dqk, Dv); break;
-    case 192: launch_forward<192, ROWDOT>(out, lse, rowdot, dout, q, k, v, B, T, H, Dqk, Dv); break;
-    default: launch_forward<256, ROWDOT>(out, lse, rowdot, dout, q, k, v, B, T, H, Dqk, Dv); break;
+// The BF16 copies of q, k, v, dout (B, H, Tpad, DP) and the backward's D and lse2 (B, H, Tpad).
+static Scratch bf16_scratch, stats_scratch;
+
+typedef struct {
+    int Tpad, DQP, DVP;
+    bf16 *q, *k, *v, *dout;
+    float *D, *lse2;
+} Staged;
+
+static Staged stage_inputs(const float *q, const float *k, const float *v, int B, int T, int H, int Dqk, int Dv,
+                           int with_stats) {
+    Staged s;
+    s.Tpad = (T + T_ALIGN - 1) / T_ALIGN * T_ALIGN, s.DQP = pad16(Dqk), s.DVP = pad16(Dv);
+    const size_t nq = (size_t)B * H * s.Tpad * s.DQP, nv = (size_t)B * H * s.Tpad * s.DVP;
+    // the forward asks for the backward's size too, so a training step grows the scratch only once
+    bf16 *base = (bf16 *)cuda_scratch(&bf16_scratch, sizeof(bf16) * (2 * nq + 2 * nv));
+    s.q = base, s.k = base + nq, s.v = base + 2 * nq, s.dout = base + 2 * nq + nv;
+    s.D = s.lse2 = NULL;
+    if (with_stats) {
+        const size_t ns = (size_t)B * H * s.Tpad;
+        s.D = (float *)cuda_scratch(&stats_scratch, sizeof(float) * 2 * ns);
+        s.lse2 = s.D + ns;
     }
+    ConvertJobs jobs;
+    const float *src[3] = {q, k, v};
+    bf16 *dst[3] = {s.q, s.k, s.v};
+    const int D[3] = {Dqk, Dqk, Dv};
+    int max_chunks = 0;
+    for (int j = 0; j < 3; j++) {
+        jobs.job[j].src = src[j], jobs.job[j].dst = dst[j], jobs.job[j].D = D[j], jobs.job[j].DP = pad16(D[j]);
+        jobs.job[j].vec4 = D[j] % 4 == 0 && (uintptr_t)src[j] % 16 == 0;
+        if (pad16(D[j]) / 8 > max_chunks) max_chunks = pad16(D[j]) / 8;
+    }
+    jobs.n = 3;
+    const int threads = 256;
+    const dim3 grid((unsigned)(((size_t)s.Tpad * max_chunks + threads - 1) / threads), (unsigned)H, (unsigned)B);
+    attention_to_bf16_kernel<<<grid, threads>>>(jobs, T, s.Tpad, H);
+    CUDA_CHECK_LAUNCH("attention_to_bf16_kernel");
+    return s;
+}
+
+template <int DV_CAP>
+static void launch_forward(float *out, float *lse, const Staged *s, int B, int T, int H, int Dqk, int Dv) {
+    const int BM = pick_bm(forward_smem, s->DQP, s->DVP);
+    const size_t smem = forward_smem(BM, s->DQP, s->DVP);
+    allow_smem(attention_forward_kernel<DV_CAP>, smem, "attention_forward_kernel");
+    const dim3 grid((unsigned)H, (unsigned)B, (unsigned)((T + BM - 1) / BM));
+    const float scale = 1.0f / sqrtf((float)Dqk);
+    attention_forward_kernel<DV_CAP><<<grid, 2 * BM, smem>>>(out, lse, s->q, s->k, s->v, T, s->Tpad, H, Dv, s->DQP,
+                                                             s->DVP, scale * LOG2E);
+    CUDA_CHECK_LAUNCH("attention_forward_kernel");
 }
 
 // state = lse (B, H, T), see kernels.h.
@@ -493,66 +752,74 @@ extern "C" void cuda_attention_forward(real *out, real *state, const real *q, co
                                        int T, int H, int Dqk, int Dv) {
     check_shape("attention_forward", B, T, H, Dqk, Dv);
     if (B <= 0 || T <= 0 || H <= 0) return;
-    forward_any_dv<false>(out, state, NULL, NULL, q, k, v, B, T, H, Dqk, Dv);
+    const Staged s = stage_inputs(q, k, v, B, T, H, Dqk, Dv, 0);
+    switch (head_cap(Dv)) {
+    case 64: launch_forward<64>(out, state, &s, B, T, H, Dqk, Dv); break;
+    case 128: launch_forward<128>(out, state, &s, B, T, H, Dqk, Dv); break;
+    case 192: launch_forward<192>(out, state, &s, B, T, H, Dqk, Dv); break;
+    default: launch_forward<256>(out, state, &s, B, T, H, Dqk, Dv); break;
+    }
 }
 
-template <int DQK_CAP>
-static void launch_dq(float *dq, const float *dout, const float *lse, const float *rowdot, const float *q,
-                      const float *k, const float *v, int B, int T, int H, int Dqk, int Dv) {
-    const int DQP = pad16(Dqk), DVP = pad16(Dv);
-    const size_t smem = sizeof(bf16) * (size_t)TILE * (2 * (DQP + 8) + 2 * (DVP + 8));
-    allow_smem(attention_backward_dq_kernel<DQK_CAP>, smem);
-    const dim3 grid((unsigned)((T + TILE - 1) / TILE), (unsigned)H, (unsigned)B);
-    attention_backward_dq_kernel<DQK_CAP><<<grid, FWD_THREADS, smem>>>(dq, dout, lse, rowdot, q, k, v, T, H, Dqk, Dv,
-                                                                       DQP, DVP, 1.0f / sqrtf((float)Dqk));
+template <int DQK_CAP> static void launch_dq(float *dq, const Staged *s, int B, int T, int H, int Dqk) {
+    const int BM = pick_bm(dq_smem, s->DQP, s->DVP);
+    const size_t smem = dq_smem(BM, s->DQP, s->DVP);
+    allow_smem(attention_backward_dq_kernel<DQK_CAP>, smem, "attention_backward_dq_kernel");
+    const dim3 grid((unsigned)H, (unsigned)B, (unsigned)((T + BM - 1) / BM));
+    const float scale = 1.0f / sqrtf((float)Dqk);
+    attention_backward_dq_kernel<DQK_CAP><<<grid, 2 * BM, smem>>>(dq, s->D, s->lse2, s->q, s->k, s->v, s->dout, T,
+                                                                  s->Tpad, H, Dqk, s->DQP, s->DVP, scale,
+                                                                  scale * LOG2E);
     CUDA_CHECK_LAUNCH("attention_backward_dq_kernel");
 }
 
-template <int ACC_CAP>
-static void launch_dkv(float *dk, float *dv, const float *dout, const float *lse, const float *rowdot, const float *q,
-                       const float *k, const float *v, int B, int T, int H, int Dqk, int Dv) {
-    const int DQP = pad16(Dqk), DVP = pad16(Dv);
-    const size_t smem = sizeof(float) * (size_t)TILE * (P_LD + 2)  // Ps, lse_s, D_s
-                        + sizeof(bf16) * (size_t)TILE * (2 * (DQP + 8) + 2 * (DVP + 8));
-    allow_smem(attention_backward_dkv_kernel<ACC_CAP>, smem);
-    const dim3 grid((unsigned)((T + TILE - 1) / TILE), (unsigned)H, (unsigned)B);
-    attention_backward_dkv_kernel<ACC_CAP><<<grid, DKV_THREADS, smem>>>(dk, dv, dout, lse, rowdot, q, k, v, T, H, Dqk,
-                                                                        Dv, DQP, DVP, 1.0f / sqrtf((float)Dqk));
+template <int DK_CAP, int DV_CAP>
+static void launch_dkv(float *dk, float *dv, const Staged *s, int B, int T, int H, int Dqk, int Dv) {
+    const size_t smem = dkv_smem(s->DQP, s->DVP);
+    allow_smem(attention_backward_dkv_kernel<DK_CAP, DV_CAP>, smem, "attention_backward_dkv_kernel");
+    const dim3 grid((unsigned)H, (unsigned)B, (unsigned)((T + KT - 1) / KT));
+    const float scale = 1.0f / sqrtf((float)Dqk);
+    attention_backward_dkv_kernel<DK_CAP, DV_CAP><<<grid, MAX_THREADS, smem>>>(
+        dk, dv, s->D, s->lse2, s->q, s->k, s->v, s->dout, T, s->Tpad, H, Dqk, Dv, s->DQP, s->DVP, scale, scale * LOG2E);
     CUDA_CHECK_LAUNCH("attention_backward_dkv_kernel");
 }
 
-// The process-wide scratch for D (B, H, T), grown on demand and kept; all ops run on the default stream,
-// so consecutive calls cannot overlap on it (as the rmsnorm.cu scratch).
-static Scratch rowdot_scratch;
-
-static float *get_rowdot_scratch(size_t floats) {
-    return (float *)cuda_scratch(&rowdot_scratch, floats * sizeof(float));
+template <int DK_CAP>
+static void launch_dkv_any_dv(float *dk, float *dv, const Staged *s, int B, int T, int H, int Dqk, int Dv) {
+    switch (head_cap(Dv)) {
+    case 64: launch_dkv<DK_CAP, 64>(dk, dv, s, B, T, H, Dqk, Dv); break;
+    case 128: launch_dkv<DK_CAP, 128>(dk, dv, s, B, T, H, Dqk, Dv); break;
+    case 192: launch_dkv<DK_CAP, 192>(dk, dv, s, B, T, H, Dqk, Dv); break;
+    default: launch_dkv<DK_CAP, 256>(dk, dv, s, B, T, H, Dqk, Dv); break;
+    }
 }
 
-// state = lse (B, H, T) from cuda_attention_forward on the same q, k, v.
-extern "C" void cuda_attention_backward(real *dq, real *dk, real *dv, const real *dout, const real *state,
-                                        const real *q, const real *k, const real *v, int B, int T, int H, int Dqk,
-                                        int Dv) {
+// out = the forward's output, state = lse (B, H, T), both from cuda_attention_forward on the same q, k, v.
+extern "C" void cuda_attention_backward(real *dq, real *dk, real *dv, const real *dout, const real *out,
+                                        const real *state, const real *q, const real *k, const real *v, int B, int T,
+                                        int H, int Dqk, int Dv) {
     check_shape("attention_backward", B, T, H, Dqk, Dv);
     if (B <= 0 || T <= 0 || H <= 0 || (dq == NULL && dk == NULL && dv == NULL)) return;
-    // D_i = dout_i . out_i, with out recomputed (attention_backward is not given it)
-    float *rowdot = get_rowdot_scratch((size_t)B * H * T);
-    forward_any_dv<true>(NULL, NULL, rowdot, dout, q, k, v, B, T, H, Dqk, Dv);
+    const Staged s = stage_inputs(q, k, v, B, T, H, Dqk, Dv, 1);
+    const int threads = 256;  // 8 rows (warps) per block; Tpad is a multiple of 8
+    const dim3 prep_grid((unsigned)(s.Tpad / 8), (unsigned)H, (unsigned)B);
+    attention_backward_prep_kernel<<<prep_grid, threads>>>(s.dout, s.D, s.lse2, dout, out, state, T, s.Tpad, H, Dv,
+                                                           s.DVP);
+    CUDA_CHECK_LAUNCH("attention_backward_prep_kernel");
     if (dq != NULL) {
         switch (head_cap(Dqk)) {
-        case 64: launch_dq<64>(dq, dout, state, rowdot, q, k, v, B, T, H, Dqk, Dv); break;
-        case 128: launch_dq<128>(dq, dout, state, rowdot, q, k, v, B, T, H, Dqk, Dv); break;
-        case 192: launch_dq<192>(dq, dout, state, rowdot, q, k, v, B, T, H, Dqk, Dv); break;
-        default: launch_dq<256>(dq, dout, state, rowdot, q, k, v, B, T, H, Dqk, Dv); break;
+        case 64: launch_dq<64>(dq, &s, B, T, H, Dqk); break;
+        case 128: launch_dq<128>(dq, &s, B, T, H, Dqk); break;
+        case 192: launch_dq<192>(dq, &s, B, T, H, Dqk); break;
+        default: launch_dq<256>(dq, &s, B, T, H, Dqk); break;
         }
     }
     if (dk != NULL || dv != NULL) {
-        const int cap = head_cap(Dqk > Dv ? Dqk : Dv);
-        switch (cap) {
-        case 64: launch_dkv<64>(dk, dv, dout, state, rowdot, q, k, v, B, T, H, Dqk, Dv); break;
-        case 128: launch_dkv<128>(dk, dv, dout, state, rowdot, q, k, v, B, T, H, Dqk, Dv); break;
-        case 192: launch_dkv<192>(dk, dv, dout, state, rowdot, q, k, v, B, T, H, Dqk, Dv); break;
-        default: launch_dkv<256>(dk, dv, dout, state, rowdot, q, k, v, B, T, H, Dqk, Dv); break;
+        switch (head_cap(Dqk)) {
+        case 64: launch_dkv_any_dv<64>(dk, dv, &s, B, T, H, Dqk, Dv); break;
+        case 128: launch_dkv_any_dv<128>(dk, dv, &s, B, T, H, Dqk, Dv); break;
+        case 192: launch_dkv_any_dv<192>(dk, dv, &s, B, T, H, Dqk, Dv); break;
+        default: launch_dkv_any_dv<256>(dk, dv, &s, B, T, H, Dqk, Dv); break;
         }
     }
 }

@@ -29,9 +29,10 @@ void cuda_fp8_gemm_wgrad(real *dw, const uint8_t *qdyt, const float *sdyt, const
 void cuda_bf16_matmul_forward(real *out, const real *inp, const real *weight, int N, int C, int OC);
 void cuda_bf16_matmul_backward(real *dinp, real *dweight, const real *dout, const real *inp, const real *weight, int N, int C, int OC);
 
-// Causal attention core, flash-style (kernels/cuda/attention.cu); state = lse (B, H, T), see kernels.h.
+// Causal attention core, flash-style (kernels/cuda/attention.cu); state = lse (B, H, T), see kernels.h;
+// the backward's out is the forward's output (B, T, H, Dv).
 void cuda_attention_forward(real *out, real *state, const real *q, const real *k, const real *v, int B, int T, int H, int Dqk, int Dv);
-void cuda_attention_backward(real *dq, real *dk, real *dv, const real *dout, const real *state, const real *q, const real *k, const real *v, int B, int T, int H, int Dqk, int Dv);
+void cuda_attention_backward(real *dq, real *dk, real *dv, const real *dout, const real *out, const real *state, const real *q, const real *k, const real *v, int B, int T, int H, int Dqk, int Dv);
 
 // Model glue ops (kernels/cuda/elementwise.cu), FP32 matmul (kernels/cuda/matmul.cu), MoE routing and
 // permutation (kernels/cuda/moe.cu). embedding_forward, router_forward, balance_loss_forward, the permute plan

@@ -32,7 +32,8 @@
  *   out:   eps_f = u_b (P rounded to BF16 for P V) + e_s(E_i) + e_sum(T) + 16u;  tol = 2 eps_f M
  *   lse:   tol = 2 (3 Dqk 2^-23 E_i + e_sum(T) + 16u (|lse| + 1))
  *   dv:    eps_b = u_b + 2 e_s(E_max) (score and lse) + e_sum(T + Dv) + 16u;  tol = 2 eps_b Mdv + 2u |dv|
- *   dq/dk: dS is within 2 eps_b A (p, dP, D = dout . out with out from the BF16 P, and dS rounded to BF16),
+ *   dq/dk: dS is within 2 eps_b A (p, dP, D = dout . out with dout rounded to BF16 and out the forward's
+ *          FP32 output, computed from the BF16 P; and dS rounded to BF16),
  *          tol = 2 (2 eps_b + e_sum(T)) Mdq + 2u |dq|  (same for dk)
  * GPU vs CPU adds the BF16 rounding of the inputs: scores move by at most 2 u_b E, so log p by 4 u_b E;
  * v (and dout) by u_b each: eps_in = 4 u_b E + u_b for out (E = E_i), 4 u_b E_max + 3 u_b for the
@@ -298,7 +299,7 @@ static void test_attention(void **state) {
     float *c_out = floats(nv), *c_att = floats(ns * T);
     float *c_dq = copy_floats(dq0, nq), *c_dk = copy_floats(dk0, nq), *c_dv = copy_floats(dv0, nv);
     attention_forward(DEVICE_CPU, c_out, c_att, q, k, v, B, T, H, Dqk, Dv);
-    attention_backward(DEVICE_CPU, c_dq, c_dk, c_dv, dout, c_att, q, k, v, B, T, H, Dqk, Dv);
+    attention_backward(DEVICE_CPU, c_dq, c_dk, c_dv, dout, c_out, c_att, q, k, v, B, T, H, Dqk, Dv);
 
     // f64 reference on the BF16-rounded inputs
     float *qr = floats(nq), *kr = floats(nq), *vr = floats(nv), *dor = floats(nv);
@@ -313,7 +314,7 @@ static void test_attention(void **state) {
     float *d_dout = gpu_copy_of(dout, nv), *d_out = gpu_nan_floats(nv), *d_state = gpu_nan_floats(ns + tail);
     float *d_dq = gpu_copy_of(dq0, nq), *d_dk = gpu_copy_of(dk0, nq), *d_dv = gpu_copy_of(dv0, nv);
     attention_forward(DEVICE_CUDA, d_out, d_state, d_q, d_k, d_v, B, T, H, Dqk, Dv);
-    attention_backward(DEVICE_CUDA, d_dq, d_dk, d_dv, d_dout, d_state, d_q, d_k, d_v, B, T, H, Dqk, Dv);
+    attention_backward(DEVICE_CUDA, d_dq, d_dk, d_dv, d_dout, d_out, d_state, d_q, d_k, d_v, B, T, H, Dqk, Dv);
     float *g_out = host_copy_of(d_out, nv), *g_state = host_copy_of(d_state, ns + tail);
     float *g_dq = host_copy_of(d_dq, nq), *g_dk = host_copy_of(d_dk, nq), *g_dv = host_copy_of(d_dv, nv);
 
@@ -367,7 +368,7 @@ static void test_attention(void **state) {
     float *d_out2 = gpu_nan_floats(nv), *d_state2 = gpu_nan_floats(ns);
     attention_forward(DEVICE_CUDA, d_out2, d_state2, d_q, d_k, d_v, B, T, H, Dqk, Dv);
     upload(d_dq, dq0, nq), upload(d_dk, dk0, nq), upload(d_dv, dv0, nv);
-    attention_backward(DEVICE_CUDA, d_dq, d_dk, d_dv, d_dout, d_state2, d_q, d_k, d_v, B, T, H, Dqk, Dv);
+    attention_backward(DEVICE_CUDA, d_dq, d_dk, d_dv, d_dout, d_out2, d_state2, d_q, d_k, d_v, B, T, H, Dqk, Dv);
     float *h_out2 = host_copy_of(d_out2, nv), *h_state2 = host_copy_of(d_state2, ns);
     float *h_dq2 = host_copy_of(d_dq, nq), *h_dk2 = host_copy_of(d_dk, nq), *h_dv2 = host_copy_of(d_dv, nv);
     ok &= check_bitwise(shape, "repeat: out", g_out, h_out2, nv);
@@ -378,9 +379,9 @@ static void test_attention(void **state) {
 
     // NULL gradients: the others are computed exactly as in the full call
     upload(d_dq, dq0, nq), upload(d_dk, dk0, nq), upload(d_dv, dv0, nv);
-    attention_backward(DEVICE_CUDA, d_dq, NULL, NULL, d_dout, d_state, d_q, d_k, d_v, B, T, H, Dqk, Dv);
-    attention_backward(DEVICE_CUDA, NULL, d_dk, NULL, d_dout, d_state, d_q, d_k, d_v, B, T, H, Dqk, Dv);
-    attention_backward(DEVICE_CUDA, NULL, NULL, d_dv, d_dout, d_state, d_q, d_k, d_v, B, T, H, Dqk, Dv);
+    attention_backward(DEVICE_CUDA, d_dq, NULL, NULL, d_dout, d_out, d_state, d_q, d_k, d_v, B, T, H, Dqk, Dv);
+    attention_backward(DEVICE_CUDA, NULL, d_dk, NULL, d_dout, d_out, d_state, d_q, d_k, d_v, B, T, H, Dqk, Dv);
+    attention_backward(DEVICE_CUDA, NULL, NULL, d_dv, d_dout, d_out, d_state, d_q, d_k, d_v, B, T, H, Dqk, Dv);
     float *h_dq3 = host_copy_of(d_dq, nq), *h_dk3 = host_copy_of(d_dk, nq), *h_dv3 = host_copy_of(d_dv, nv);
     ok &= check_bitwise(shape, "dq alone (dk = dv = NULL)", g_dq, h_dq3, nq);
     ok &= check_bitwise(shape, "dk alone (dq = dv = NULL)", g_dk, h_dk3, nq);
@@ -396,7 +397,7 @@ static void test_attention(void **state) {
         }
     upload(d_k, kp, nq), upload(d_v, vp, nv), upload(d_dq, dq0, nq);
     attention_forward(DEVICE_CUDA, d_out2, d_state2, d_q, d_k, d_v, B, T, H, Dqk, Dv);
-    attention_backward(DEVICE_CUDA, d_dq, NULL, NULL, d_dout, d_state2, d_q, d_k, d_v, B, T, H, Dqk, Dv);
+    attention_backward(DEVICE_CUDA, d_dq, NULL, NULL, d_dout, d_out2, d_state2, d_q, d_k, d_v, B, T, H, Dqk, Dv);
     float *h_out4 = host_copy_of(d_out2, nv), *h_state4 = host_copy_of(d_state2, ns), *h_dq4 = host_copy_of(d_dq, nq);
     char what[64];
     snprintf(what, sizeof what, "k,v at t*=%d changed: out", t_star);
@@ -422,11 +423,17 @@ static void test_attention(void **state) {
 }
 
 // ---------------------------------------------------------------------------- cases
-// Tiles are 64 rows; head dims are padded to 16 and accumulators sized 64/128/192/256. The shapes: one
-// partial tile with tiny odd head dims; several tiles with T not a multiple of 64; the model's head dims
-// (192 = 128 nope + 64 rope, Dv 128) over 8 tiles.
+// Query tiles are 128 rows in the forward and dq kernels (64 in dq when head dims are so large that 128
+// rows do not fit in shared memory, e.g. 256/256), key tiles 64 rows, dk/dv blocks 64 keys; head dims are
+// padded to 16 and accumulators sized 64/128/192/256. The shapes: one partial tile with tiny odd head
+// dims (most warps of the block beyond T); several tiles with T not a multiple of 64; odd head dims in the
+// 256 class with T = 129 (a second query tile of one row, and Dqk != Dv capacities in dk/dv); the
+// largest head dims (dq's 64-row fallback, full 256 accumulators); the model's head dims (192 = 128 nope
+// + 64 rope, Dv 128) over 4 query tiles of 128.
 static AttCase case_tiny = {2, 37, 3, 12, 8};
 static AttCase case_mid = {1, 200, 2, 48, 32};
+static AttCase case_odd = {3, 129, 2, 200, 72};
+static AttCase case_wide = {1, 300, 1, 256, 256};
 static AttCase case_model = {1, 512, 2, 192, 128};
 
 int main(void) {
@@ -448,6 +455,8 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_prestate(test_attention, &case_tiny),
         cmocka_unit_test_prestate(test_attention, &case_mid),
+        cmocka_unit_test_prestate(test_attention, &case_odd),
+        cmocka_unit_test_prestate(test_attention, &case_wide),
         cmocka_unit_test_prestate(test_attention, &case_model),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

@@ -118,5 +118,11 @@ if [ -f "$TEXT" ]; then
     && pass "bench step rejects --steps 0"
 fi
 
+# ---- bench attention: GPU only; without one (CI) it must say why and fail, not print numbers
+if ! nvidia-smi >/dev/null 2>&1; then
+  run bench_attention 1 "$BIN" bench attention && has bench_attention err 'CUDA' \
+    && pass "bench attention without a GPU says it needs CUDA"
+fi
+
 if [ "$failures" -ne 0 ]; then echo "test_cli.sh: $failures failure(s)"; exit 1; fi
 echo "test_cli.sh: all passed"

@@ -1,0 +1,250 @@
+/*
+ * bench_attention.c - `fp8moe bench attention`: how fast the CUDA causal attention core
+ * (kernels/cuda/attention.cu, through kernels.h's attention_forward / attention_backward) runs on this GPU,
+ * at the shape of configs/bench-1gpu.ini by default (B = 2 sequences of T = 2048, H = 16 heads,
+ * Dqk = 192 = 128 nope + 64 rope, Dv = 128). tests/gpu/attention_torch.py times PyTorch's
+ * scaled_dot_product_attention the same way, as the comparison point.
+ *
+ * FLOPs (the usual flash-attention convention, stated in the output): the causal forward is
+ * 2 B H (T (T + 1) / 2) (Dqk + Dv) (Q K^T and P V over the T (T + 1) / 2 unmasked pairs), the backward
+ * 2.5 times that (five products instead of two). The CUDA backward executes 7 tile products because it
+ * recomputes P and dP once more to stay atomic-free (attention.cu's file comment); that extra work is
+ * not counted, so its TFLOPS are comparable with other implementations'.
+ *
+ * Timing: CUDA events around each of `runs` back-to-back calls (default 20) after 3 warm-up calls; the
+ * median is reported, forward and backward separately. Each call includes the op's conversion pre-pass
+ * (FP32 (B, T, H, D) -> BF16 head-major) as the model pays it. Inputs are random (q in [-2, 2), k, v,
+ * dout in [-1, 1)), generated on the host once. After timing, forward and backward are run twice more
+ * and compared bitwise (the op's determinism), and the outputs checked to be finite.
+ */
+#include "train/bench.h"
+
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels/kernels.h"
+
+const char *const bench_attention_usage =
+    "  fp8moe bench attention [--B N] [--T N] [--H N] [--dqk N] [--dv N] [--runs N]\n"
+    "      GPU causal attention core (kernels.h attention_forward / attention_backward): median time and\n"
+    "      TFLOPS of the forward and of the backward over N runs (default 20) after 3 warm-up runs, then a\n"
+    "      bitwise repeatability check. Defaults: the shape of configs/bench-1gpu.ini, B = 2, T = 2048,\n"
+    "      H = 16, dqk = 192, dv = 128. Needs a CUDA build and a GPU.\n";
+
+#ifndef FP8MOE_CUDA
+int bench_attention_main(int argc, char **argv) {
+    (void)argc, (void)argv;
+    fprintf(stderr, "fp8moe bench attention: this build has no CUDA (train/bench_attention.c) - expected a build "
+                    "with CUDA >= 12.9 (see docs/gpu.md)\n");
+    return 1;
+}
+#else
+
+#include <cuda_runtime.h>
+
+#define BENCH_CHECK(call)                                                                                   \
+    do {                                                                                                    \
+        cudaError_t e_ = (call);                                                                            \
+        if (e_ != cudaSuccess) {                                                                            \
+            fprintf(stderr, "%s:%d: %s failed: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_));   \
+            exit(1);                                                                                        \
+        }                                                                                                   \
+    } while (0)
+
+enum { WARMUP = 3 };
+
+typedef struct {
+    int B, T, H, dqk, dv;
+    size_t nq, nv;                     // elements of q (k, dq, dk) and of v (out, dout, dv)
+    float *q, *k, *v, *dout, *out, *state, *dq, *dk, *dv_;
+} Problem;
+
+static float *host_floats(size_t n) {
+    float *h = malloc(n * sizeof(float));
+    if (h == NULL) {
+        fprintf(stderr, "%s:%d: out of host memory (%zu floats)\n", __FILE__, __LINE__, n);
+        exit(1);
+    }
+    return h;
+}
+
+// Deterministic uniform [-amp, amp) noise, generated on the host and copied once.
+static void fill_random(float *d, size_t n, uint64_t seed, float amp) {
+    float *h = host_floats(n);
+#pragma omp parallel for schedule(static)
+    for (size_t i = 0; i < n; i++) {
+        uint64_t z = (uint64_t)i * 0x9E3779B97F4A7C15ull + seed;
+        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+        z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+        z ^= z >> 31;
+        h[i] = amp * (float)((double)(z >> 11) * 0x1p-52 - 1.0);
+    }
+    device_memcpy_from_host(DEVICE_CUDA, d, h, n * sizeof(float));
+    free(h);
+}
+
+static void run_forward(Problem *p) {
+    attention_forward(DEVICE_CUDA, p->out, p->state, p->q, p->k, p->v, p->B, p->T, p->H, p->dqk, p->dv);
+}
+static void run_backward(Problem *p) {
+    attention_backward(DEVICE_CUDA, p->dq, p->dk, p->dv_, p->dout, p->out, p->state, p->q, p->k, p->v, p->B, p->T,
+                       p->H, p->dqk, p->dv);
+}
+
+static int cmp_float(const void *a, const void *b) {
+    const float x = *(const float *)a, y = *(const float *)b;
+    return (x > y) - (x < y);
+}
+
+// Median milliseconds of one call of fn over `runs` back-to-back calls after WARMUP calls.
+static double median_ms(void (*fn)(Problem *), Problem *p, int runs, cudaEvent_t *ev) {
+    for (int i = 0; i < WARMUP; i++) fn(p);
+    BENCH_CHECK(cudaEventRecord(ev[0], 0));
+    for (int i = 0; i < runs; i++) {
+        fn(p);
+        BENCH_CHECK(cudaEventRecord(ev[i + 1], 0));
+    }
+    BENCH_CHECK(cudaEventSynchronize(ev[runs]));
+    BENCH_CHECK(cudaGetLastError());
+    float *ms = host_floats((size_t)runs);
+    for (int i = 0; i < runs; i++) BENCH_CHECK(cudaEventElapsedTime(&ms[i], ev[i], ev[i + 1]));
+    qsort(ms, (size_t)runs, sizeof(float), cmp_float);
+    const double median = runs % 2 ? ms[runs / 2] : 0.5 * (ms[runs / 2 - 1] + ms[runs / 2]);
+    free(ms);
+    return median;
+}
+
+// Copies of the device buffers' contents, for the repeatability check.
+static float *snapshot(const float *d, size_t n) {
+    float *h = host_floats(n);
+    device_memcpy_to_host(DEVICE_CUDA, h, d, n * sizeof(float));
+    return h;
+}
+static int all_finite(const float *h, size_t n) {
+    for (size_t i = 0; i < n; i++)
+        if (!(h[i] - h[i] == 0.0f)) return 0;  // false for NaN and +-Inf
+    return 1;
+}
+
+// Forward and backward twice from the same state (gradients zeroed before each backward): bitwise equal?
+// Also reports whether every output is finite.
+static void check_repeatability(Problem *p, int *same, int *finite) {
+    const size_t ns = (size_t)p->B * p->H * p->T;
+    float *first[5], *second[5];
+    const size_t n[5] = {p->nv, p->nq, p->nq, p->nv, ns};
+    for (int rep = 0; rep < 2; rep++) {
+        float **snap = rep == 0 ? first : second;
+        run_forward(p);
+        device_memset_zero(DEVICE_CUDA, p->dq, p->nq * sizeof(float));
+        device_memset_zero(DEVICE_CUDA, p->dk, p->nq * sizeof(float));
+        device_memset_zero(DEVICE_CUDA, p->dv_, p->nv * sizeof(float));
+        run_backward(p);
+        const float *bufs[5] = {p->out, p->dq, p->dk, p->dv_, p->state};
+        for (int i = 0; i < 5; i++) snap[i] = snapshot(bufs[i], n[i]);
+    }
+    *same = 1, *finite = 1;
+    for (int i = 0; i < 5; i++) {
+        *same &= memcmp(first[i], second[i], n[i] * sizeof(float)) == 0;
+        *finite &= all_finite(first[i], n[i]);
+        free(first[i]), free(second[i]);
+    }
+}
+
+// "--name N" with N an integer in [lo, hi]; returns 0 and sets *out, or prints the error and returns -1.
+static int parse_int(const char *name, const char *text, long lo, long hi, int *out) {
+    char *end = NULL;
+    const long v = strtol(text, &end, 10);
+    if (end == text || *end != '\0' || v < lo || v > hi) {
+        fprintf(stderr, "fp8moe bench attention: %s %s: expected an integer in [%ld, %ld]\nUsage:\n%s", name, text, lo,
+                hi, bench_attention_usage);
+        return -1;
+    }
+    *out = (int)v;
+    return 0;
+}
+
+int bench_attention_main(int argc, char **argv) {
+    Problem p;
+    memset(&p, 0, sizeof p);
+    p.B = 2, p.T = 2048, p.H = 16, p.dqk = 192, p.dv = 128;
+    int runs = 20;
+    const char *names[] = {"--B", "--T", "--H", "--dqk", "--dv", "--runs"};
+    int *targets[] = {&p.B, &p.T, &p.H, &p.dqk, &p.dv, &runs};
+    const long lo[] = {1, 1, 1, 1, 1, 1}, hi[] = {65535, 1 << 20, 65535, 256, 256, 100000};
+    for (int i = 0; i < argc; i++) {
+        int matched = 0;
+        for (int j = 0; j < 6 && !matched; j++) {
+            if (strcmp(argv[i], names[j]) != 0) continue;
+            if (i + 1 >= argc) {
+                fprintf(stderr, "fp8moe bench attention: %s needs a value\nUsage:\n%s", names[j],
+                        bench_attention_usage);
+                return 2;
+            }
+            if (parse_int(names[j], argv[++i], lo[j], hi[j], targets[j]) != 0) return 2;
+            matched = 1;
+        }
+        if (!matched) {
+            fprintf(stderr, "fp8moe bench attention: unexpected argument %s\nUsage:\n%s", argv[i],
+                    bench_attention_usage);
+            return 2;
+        }
+    }
+    if (cuda_device_count() == 0) {
+        fprintf(stderr, "fp8moe bench attention: no CUDA device visible - expected a GPU (this benchmark times the "
+                        "CUDA attention kernels)\n");
+        return 1;
+    }
+
+    p.nq = (size_t)p.B * p.T * p.H * p.dqk, p.nv = (size_t)p.B * p.T * p.H * p.dv;
+    const size_t ns = (size_t)attention_state_elems(DEVICE_CUDA, p.B, p.T, p.H);
+    float **bufs[] = {&p.q, &p.k, &p.dq, &p.dk, &p.v, &p.dout, &p.out, &p.dv_};
+    for (int i = 0; i < 8; i++) *bufs[i] = device_alloc(DEVICE_CUDA, (i < 4 ? p.nq : p.nv) * sizeof(float));
+    p.state = device_alloc(DEVICE_CUDA, ns * sizeof(float));
+    fill_random(p.q, p.nq, 1, 2.0f);
+    fill_random(p.k, p.nq, 2, 1.0f);
+    fill_random(p.v, p.nv, 3, 1.0f);
+    fill_random(p.dout, p.nv, 4, 1.0f);
+
+    cudaEvent_t *ev = malloc(sizeof(cudaEvent_t) * (size_t)(runs + 1));
+    if (ev == NULL) {
+        fprintf(stderr, "%s:%d: out of host memory\n", __FILE__, __LINE__);
+        return 1;
+    }
+    for (int i = 0; i <= runs; i++) BENCH_CHECK(cudaEventCreate(&ev[i]));
+
+    struct cudaDeviceProp prop;
+    int dev = 0;
+    BENCH_CHECK(cudaGetDevice(&dev));
+    BENCH_CHECK(cudaGetDeviceProperties(&prop, dev));
+    const double fwd_flop = 2.0 * p.B * p.H * ((double)p.T * (p.T + 1) / 2.0) * (p.dqk + p.dv);
+    const double bwd_flop = 2.5 * fwd_flop;
+    printf("fp8moe bench attention: %s (%d SMs); causal, B = %d, T = %d, H = %d, dqk = %d, dv = %d; FP32 in and out, "
+           "BF16 tensor-core math\n", prop.name, prop.multiProcessorCount, p.B, p.T, p.H, p.dqk, p.dv);
+    printf("FLOPs: forward = 2 B H (T (T+1) / 2) (dqk + dv) = %.4g, backward = 2.5 x forward = %.4g (the extra "
+           "recomputation of the deterministic backward is not counted)\n", fwd_flop, bwd_flop);
+    printf("time: median of %d back-to-back runs after %d warm-up (CUDA events), each including the op's BF16 "
+           "conversion pre-pass\n\n", runs, WARMUP);
+
+    run_forward(&p);  // the backward needs out and state
+    const double fwd_ms = median_ms(run_forward, &p, runs, ev);
+    const double bwd_ms = median_ms(run_backward, &p, runs, ev);
+    int same = 0, finite = 0;
+    check_repeatability(&p, &same, &finite);
+
+    printf("%-10s %10s %10s\n", "pass", "ms", "TFLOPS");
+    printf("%-10s %10.3f %10.1f\n", "forward", fwd_ms, fwd_flop / (fwd_ms * 1e-3) * 1e-12);
+    printf("%-10s %10.3f %10.1f\n", "backward", bwd_ms, bwd_flop / (bwd_ms * 1e-3) * 1e-12);
+    printf("%-10s %10.3f %10.1f\n", "fwd+bwd", fwd_ms + bwd_ms,
+           (fwd_flop + bwd_flop) / ((fwd_ms + bwd_ms) * 1e-3) * 1e-12);
+    printf("\nrepeat (forward + backward twice): %s; outputs finite: %s\n",
+           same ? "bitwise identical" : "DIFFERENT (determinism broken)", finite ? "yes" : "NO");
+
+    for (int i = 0; i <= runs; i++) BENCH_CHECK(cudaEventDestroy(ev[i]));
+    free(ev);
+    for (int i = 0; i < 8; i++) device_free(DEVICE_CUDA, *bufs[i]);
+    device_free(DEVICE_CUDA, p.state);
+    return same && finite ? 0 : 1;
+}
+#endif
