@@ -114,6 +114,8 @@ void swiglu_backward(Device dev, real *da, real *db, const real *dout, const rea
 
 // ---------------------------------------------------------------------------- softmax cross-entropy
 // logits (N, V), targets (N) with -1 = masked -> losses (N) (0 where masked), probs (N, V).
+// probs may be logits (in place); so may dlogits be probs in the backward: the head keeps one (N, V)
+// buffer for logits, probabilities and their gradient.
 void crossentropy_forward(Device dev, real *losses, real *probs, const real *logits, const int *targets,
                           int N, int V);
 // WRITES dlogits (N, V) = (probs - onehot(target)) * dloss for unmasked rows, 0 for masked rows.

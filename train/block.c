@@ -38,45 +38,45 @@ static int *host_ints(ActsArena *a, int64_t n) {
     return p;
 }
 
-static void mla_acts_alloc(ActsArena *ar, MlaActs *a, const Dims *d) {
+static void mla_acts_alloc(ActsArena *ar, MlaActs *a, const Dims *d, const LayerScratch *s) {
     int N = d->N, NH = d->N * d->H;
     if (d->qr > 0) {
         a->cq = ARENA_REALS(ar, (int64_t)N * d->qr);
         a->cq_rstd = ARENA_REALS(ar, N);
         a->cqn = ARENA_REALS(ar, (int64_t)N * d->qr);
     }
-    a->q = ARENA_REALS(ar, (int64_t)NH * d->dqk);
-    a->q_rope = ARENA_REALS(ar, (int64_t)NH * d->dr);
+    a->q = s->t_q;
+    a->q_rope = s->t_q_rope;
     a->qf = ARENA_REALS(ar, (int64_t)NH * d->dqk);
-    a->kva = ARENA_REALS(ar, (int64_t)N * (d->kvr + d->dr));
+    a->kva = s->t_kva;
     a->ckv = ARENA_REALS(ar, (int64_t)N * d->kvr);
     a->ckv_rstd = ARENA_REALS(ar, N);
     a->ckvn = ARENA_REALS(ar, (int64_t)N * d->kvr);
-    a->k_rope_raw = ARENA_REALS(ar, (int64_t)N * d->dr);
-    a->k_rope = ARENA_REALS(ar, (int64_t)N * d->dr);
-    a->kv = ARENA_REALS(ar, (int64_t)NH * (d->dn + d->dv));
+    a->k_rope_raw = s->t_k_rope_raw;
+    a->k_rope = s->t_k_rope;
+    a->kv = s->t_kv;
     a->kf = ARENA_REALS(ar, (int64_t)NH * d->dqk);
     a->v = ARENA_REALS(ar, (int64_t)NH * d->dv);
     a->att = ARENA_REALS(ar, attention_state_elems(ar->dev, d->B, d->T, d->H));
     a->o = ARENA_REALS(ar, (int64_t)NH * d->dv);
 }
 
-static void ffn_acts_alloc(ActsArena *ar, FfnActs *a, int64_t rows, int width) {
+static void ffn_acts_alloc(ActsArena *ar, FfnActs *a, int64_t rows, int width, const LayerScratch *s) {
     a->a = ARENA_REALS(ar, rows * width);
     a->b = ARENA_REALS(ar, rows * width);
-    a->h = ARENA_REALS(ar, rows * width);
+    a->h = s->t_h;
 }
 
-void block_acts_alloc(ActsArena *ar, BlockActs *a, const Dims *d, int is_moe) {
+void block_acts_alloc(ActsArena *ar, BlockActs *a, const Dims *d, int is_moe, const LayerScratch *s) {
     int N = d->N, D = d->D;
     a->xn1 = ARENA_REALS(ar, (int64_t)N * D);
     a->rstd1 = ARENA_REALS(ar, N);
-    mla_acts_alloc(ar, &a->mla, d);
+    mla_acts_alloc(ar, &a->mla, d, s);
     a->x_mid = ARENA_REALS(ar, (int64_t)N * D);
     a->xn2 = ARENA_REALS(ar, (int64_t)N * D);
     a->rstd2 = ARENA_REALS(ar, N);
     if (!is_moe) {
-        ffn_acts_alloc(ar, &a->ffn, N, d->inter);
+        ffn_acts_alloc(ar, &a->ffn, N, d->inter, s);
         return;
     }
     MoeActs *e = &a->moe;
@@ -92,13 +92,19 @@ void block_acts_alloc(ActsArena *ar, BlockActs *a, const Dims *d, int is_moe) {
     e->seg_token = ARENA_INTS(ar, NK);
     e->slot_of = ARENA_INTS(ar, NK);
     e->xp = ARENA_REALS(ar, NK * D);
-    ffn_acts_alloc(ar, &e->experts, NK, d->I);
+    ffn_acts_alloc(ar, &e->experts, NK, d->I, s);
     e->eout = ARENA_REALS(ar, NK * D);
-    ffn_acts_alloc(ar, &e->shared, N, d->shared_I);
+    ffn_acts_alloc(ar, &e->shared, N, d->shared_I, s);
 }
 
 void layer_scratch_alloc(ActsArena *ar, LayerScratch *s, const Dims *d, int has_moe) {
     int64_t N = d->N, NH = (int64_t)d->N * d->H, NK = (int64_t)d->N * d->K;
+    s->t_q = ARENA_REALS(ar, NH * d->dqk);
+    s->t_q_rope = ARENA_REALS(ar, NH * d->dr);
+    s->t_kva = ARENA_REALS(ar, N * (d->kvr + d->dr));
+    s->t_k_rope_raw = ARENA_REALS(ar, N * d->dr);
+    s->t_k_rope = ARENA_REALS(ar, N * d->dr);
+    s->t_kv = ARENA_REALS(ar, NH * (d->dn + d->dv));
     s->d_xn = ARENA_REALS(ar, N * d->D);
     s->d_mid = ARENA_REALS(ar, N * d->D);
     if (d->qr > 0) {
@@ -128,6 +134,7 @@ void layer_scratch_alloc(ActsArena *ar, LayerScratch *s, const Dims *d, int has_
         s->d_xp = ARENA_REALS(ar, NK * d->D);
         s->d_eout = ARENA_REALS(ar, NK * d->D);
     }
+    s->t_h = ARENA_REALS(ar, ffn_elems);
     s->d_a = ARENA_REALS(ar, ffn_elems);
     s->d_b = ARENA_REALS(ar, ffn_elems);
     s->d_h = ARENA_REALS(ar, ffn_elems);

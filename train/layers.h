@@ -39,15 +39,17 @@ typedef struct {
 Dims dims_from_config(const Config *c, int B, int T);
 
 // ---------------------------------------------------------------------------- MLA
+// Pointers marked (transient) are needed only inside the forward pass: they point into the chunk's
+// LayerScratch (shared by all blocks), not into per-block storage (see layer_scratch_alloc).
 typedef struct {
     real *cq, *cq_rstd, *cqn;      // (N, qr), (N), (N, qr)     q_lora_rank > 0 only
-    real *q;                       // (N, H*dqk) projection output, before RoPE
-    real *q_rope;                  // (N*H, dr) RoPE'd rope part of q
+    real *q;                       // (N, H*dqk) projection output, before RoPE (transient)
+    real *q_rope;                  // (N*H, dr) RoPE'd rope part of q (transient)
     real *qf;                      // (N*H, dqk) = [q_nope ; RoPE(q_rope)] per head
-    real *kva;                     // (N, kvr + dr) = W_DKV x
+    real *kva;                     // (N, kvr + dr) = W_DKV x (transient)
     real *ckv, *ckv_rstd, *ckvn;   // (N, kvr) compressed kv, its rstd, normalised
-    real *k_rope_raw, *k_rope;     // (N, dr) before / after RoPE, shared by all heads
-    real *kv;                      // (N, H*(dn+dv)) = W_UKV ckvn
+    real *k_rope_raw, *k_rope;     // (N, dr) before / after RoPE, shared by all heads (transient)
+    real *kv;                      // (N, H*(dn+dv)) = W_UKV ckvn (transient)
     real *kf;                      // (N*H, dqk) = [k_nope ; k_rope]
     real *v;                       // (N*H, dv)
     real *att;                     // attention backward state: attention_state_elems(dev, B, T, H) reals
@@ -55,7 +57,9 @@ typedef struct {
 } MlaActs;
 
 // ---------------------------------------------------------------------------- FFN and MoE
-typedef struct { real *a, *b, *h; } FfnActs;  // a = w1 x, b = w3 x, h = silu(a) * b; (rows, width)
+// a = w1 x, b = w3 x (rows, width), kept for the backward; h = silu(a) * b (rows, width) is transient:
+// it points into the chunk's LayerScratch and ffn_backward recomputes it from a and b.
+typedef struct { real *a, *b, *h; } FfnActs;
 
 typedef struct {
     real *logits, *scores;    // (N, E)
@@ -86,8 +90,13 @@ typedef struct {
     MoeActs moe;
 } BlockActs;
 
-// Scratch gradients for one block, reused block after block (sized for the largest block).
+// Scratch for one chunk, reused block after block (sized for the largest block): the gradients of
+// the backward pass, and the forward pass's transients (t_*), which the blocks' activation structs
+// point at. A chunk's forward and backward never run at the same time, and each block consumes its
+// transients before the next block writes them.
 typedef struct {
+    real *t_q, *t_q_rope, *t_kva, *t_k_rope_raw, *t_k_rope, *t_kv;  // MlaActs' transients
+    real *t_h;                            // FfnActs' h, sized for the largest FFN (dense, shared, N*K x I)
     real *d_xn, *d_mid;                   // (N, D)
     real *d_cq, *d_cqn, *d_q, *d_qf, *d_q_rope, *d_q_rope_raw;
     real *d_kva, *d_ckv, *d_ckvn, *d_k_rope, *d_k_rope_raw, *d_kv, *d_kf, *d_v, *d_o;
@@ -96,8 +105,10 @@ typedef struct {
     real *d_xp, *d_ea, *d_eb, *d_eh, *d_eout;  // routed experts, (N*K, ...)
 } LayerScratch;
 
-void block_acts_alloc(ActsArena *arena, BlockActs *a, const Dims *d, int is_moe);
+// The chunk's scratch first (has_moe: any block of the chunk is a MoE block), then each block's
+// activations, whose transients point into it.
 void layer_scratch_alloc(ActsArena *arena, LayerScratch *s, const Dims *d, int has_moe);
+void block_acts_alloc(ActsArena *arena, BlockActs *a, const Dims *d, int is_moe, const LayerScratch *s);
 
 // x_out (N, D) = block(x_in); a->x_in is set to x_in.
 void block_forward(Model *m, const BlockWeights *w, BlockActs *a, const Dims *d, const real *x_in,

@@ -349,7 +349,7 @@ typedef struct {
     real *x0, *x1;             // block input (projection output) and output
     BlockActs block;
     real *ho, *ho_rstd;        // h^k = RMSNorm(x1)
-    real *logits, *probs, *losses;
+    real *logits, *probs, *losses;  // probs = logits, as in ChunkActs
     real *d_h;                 // (N, D) gradient into h^k from depth k+1
     int64_t n_valid;
 } MtpActs;
@@ -368,8 +368,9 @@ struct ChunkActs {
     real *d_cur;               // (N, D) gradient of the residual stream
     // last chunk
     real *hn, *hn_rstd;        // h^0 = final RMSNorm of the residual stream
-    real *logits, *probs, *losses;
-    real *d_hn, *d_logits, *d_tmp, *d_cat;  // (N, D), (N, V), (N, D), (N, 2D)
+    real *logits, *probs, *losses;  // probs = logits: one (N, V) buffer for logits, probabilities and
+                                    // their gradient (crossentropy works in place, kernels.h)
+    real *d_hn, *d_tmp, *d_cat;     // (N, D), (N, D), (N, 2D)
     MtpActs *mtp;
     LossTerms terms;
 };
@@ -391,21 +392,21 @@ ChunkActs *chunk_acts_create(Model *m, int chunk, int B, int T) {
     a->d_targets = ARENA_INTS(ar, N);
     a->resid = ARENA_REALS(ar, (cs->n_blocks + 1) * N * D);
     a->blocks = calloc((size_t)cs->n_blocks, sizeof(BlockActs));
-    int has_moe = 0;
-    for (int i = 0; i < cs->n_blocks; i++) {
-        int moe = m->w.blocks[cs->first_block + i].is_moe;
-        has_moe |= moe;
-        block_acts_alloc(ar, &a->blocks[i], d, moe);
-    }
+    int has_moe = 0;  // the scratch first: the blocks' forward transients point into it
+    for (int i = 0; i < cs->n_blocks; i++) has_moe |= m->w.blocks[cs->first_block + i].is_moe;
+    if (cs->has_head)
+        for (int k = 0; k < c->mtp.depth; k++) has_moe |= m->w.mtp[k].block.is_moe;
+    layer_scratch_alloc(ar, &a->scratch, d, has_moe);
+    for (int i = 0; i < cs->n_blocks; i++)
+        block_acts_alloc(ar, &a->blocks[i], d, m->w.blocks[cs->first_block + i].is_moe, &a->scratch);
     a->d_cur = ARENA_REALS(ar, N * D);
     if (cs->has_head) {
         a->hn = ARENA_REALS(ar, N * D);
         a->hn_rstd = ARENA_REALS(ar, N);
         a->logits = ARENA_REALS(ar, N * V);
-        a->probs = ARENA_REALS(ar, N * V);
+        a->probs = a->logits;
         a->losses = ARENA_REALS(ar, N);
         a->d_hn = ARENA_REALS(ar, N * D);
-        a->d_logits = ARENA_REALS(ar, N * V);
         a->d_tmp = ARENA_REALS(ar, N * D);
         a->d_cat = ARENA_REALS(ar, 2 * N * D);
         a->mtp = calloc((size_t)c->mtp.depth + 1, sizeof(MtpActs));
@@ -423,18 +424,15 @@ ChunkActs *chunk_acts_create(Model *m, int chunk, int B, int T) {
             t->cat = ARENA_REALS(ar, 2 * N * D);
             t->x0 = ARENA_REALS(ar, N * D);
             t->x1 = ARENA_REALS(ar, N * D);
-            int moe = m->w.mtp[k].block.is_moe;
-            has_moe |= moe;
-            block_acts_alloc(ar, &t->block, d, moe);
+            block_acts_alloc(ar, &t->block, d, m->w.mtp[k].block.is_moe, &a->scratch);
             t->ho = ARENA_REALS(ar, N * D);
             t->ho_rstd = ARENA_REALS(ar, N);
             t->logits = ARENA_REALS(ar, N * V);
-            t->probs = ARENA_REALS(ar, N * V);
+            t->probs = t->logits;
             t->losses = ARENA_REALS(ar, N);
             t->d_h = ARENA_REALS(ar, N * D);
         }
     }
-    layer_scratch_alloc(ar, &a->scratch, d, has_moe);
     linear_reserve_scratch(m, d->N);
     return a;
 }
@@ -453,6 +451,28 @@ void chunk_acts_free(ChunkActs *a) {
     free(a->host_losses);
     arena_free_all(&a->arena);
     free(a);
+}
+
+// The output head, logits (N, V) = h (N, D) head^T, shared by the main head and the MTP modules. It
+// stays out of FP8 (DESIGN.md section 4); in the bf16 and fp8 modes it is a BF16 GEMM with FP32
+// accumulation and BF16-rounded logits, as DeepSeek-V3 keeps it, and in fp32 mode the FP32 reference.
+// On an H200 the FP32 head (CUDA cores, no TF32) took 21 ms forward + 46 ms backward per 8192 tokens at
+// V = 32768, D = 2048: a quarter of the fp8 step of configs/bench-1gpu.ini.
+static void head_forward(Model *m, real *logits, const real *h, int N, int D, int V) {
+    profile_begin(PHASE_OTHER_GEMM);
+    if (m->cfg.precision.mode == PRECISION_FP32) matmul_forward(m->dev, logits, h, m->w.head, N, D, V);
+    else bf16_matmul_forward(m->dev, logits, h, m->w.head, N, D, V);
+    profile_end(PHASE_OTHER_GEMM);
+}
+
+// dh (N, D) +=, the head's gradient +=, from d_logits (N, V).
+static void head_backward(Model *m, real *dh, const real *d_logits, const real *h, int N, int D, int V) {
+    profile_begin(PHASE_OTHER_GEMM);
+    if (m->cfg.precision.mode == PRECISION_FP32)
+        matmul_backward(m->dev, dh, m->g.head, d_logits, h, m->w.head, N, D, V);
+    else
+        bf16_matmul_backward(m->dev, dh, m->g.head, d_logits, h, m->w.head, N, D, V);
+    profile_end(PHASE_OTHER_GEMM);
 }
 
 // ---------------------------------------------------------------------------- head and MTP
@@ -508,9 +528,7 @@ static double mtp_forward(Model *m, ChunkActs *a, int k) {
     linear_forward(m, t->x0, t->cat, w->eh_proj, N, 2 * D, D);
     block_forward(m, &w->block, &t->block, d, t->x0, t->x1);
     rmsnorm_forward(dev, t->ho, t->ho_rstd, t->x1, w->norm, N, D);
-    profile_begin(PHASE_OTHER_GEMM);
-    matmul_forward(dev, t->logits, t->ho, m->w.head, N, D, V);
-    profile_end(PHASE_OTHER_GEMM);
+    head_forward(m, t->logits, t->ho, N, D, V);
     return head_loss(dev, t->losses, t->probs, t->logits, t->d_tgt, t->tgt, N, V, a->host_losses, &t->n_valid);
 }
 
@@ -525,10 +543,8 @@ static void mtp_backward(Model *m, ChunkActs *a, int k, real *d_h_prev, real los
     const real *h_prev = k == 0 ? a->hn : a->mtp[k - 1].ho;
     // d h^k = (from this depth's head) + (from depth k+1, already in t->d_h)
     real dloss = t->n_valid ? loss_scale * m->loss_weights.mtp[k] / (real)t->n_valid : 0;
-    crossentropy_backward(dev, a->d_logits, t->probs, t->d_tgt, dloss, N, V);
-    profile_begin(PHASE_OTHER_GEMM);
-    matmul_backward(dev, t->d_h, m->g.head, a->d_logits, t->ho, m->w.head, N, D, V);
-    profile_end(PHASE_OTHER_GEMM);
+    crossentropy_backward(dev, t->probs, t->probs, t->d_tgt, dloss, N, V);  // in place: now d logits
+    head_backward(m, t->d_h, t->probs, t->ho, N, D, V);
     device_memset_zero(dev, a->d_cur, bytes);
     rmsnorm_backward(dev, a->d_cur, g->norm, t->d_h, t->x1, w->norm, t->ho_rstd, N, D);
     block_backward(m, &w->block, &g->block, &t->block, d, &a->scratch, a->d_cur, a->d_cur,
@@ -578,9 +594,7 @@ real chunk_forward(Model *m, int chunk, ChunkActs *a, const int *inputs, const i
         return (real)(m->loss_weights.balance * balance);
     }
     rmsnorm_forward(dev, a->hn, a->hn_rstd, x_last, m->w.norm, N, D);
-    profile_begin(PHASE_OTHER_GEMM);
-    matmul_forward(dev, a->logits, a->hn, m->w.head, N, D, V);
-    profile_end(PHASE_OTHER_GEMM);
+    head_forward(m, a->logits, a->hn, N, D, V);
     lt->main = head_loss(dev, a->losses, a->probs, a->logits, a->d_targets, targets, N, V, a->host_losses,
                          &lt->n_valid);
     double total = m->loss_weights.main * lt->main;
@@ -612,10 +626,8 @@ void chunk_backward(Model *m, int chunk, ChunkActs *a, const real *dout_hidden, 
         for (int k = depth - 1; k >= 0; k--)
             mtp_backward(m, a, k, k == 0 ? a->d_hn : a->mtp[k - 1].d_h, loss_scale);
         real dloss = a->terms.n_valid ? loss_scale * m->loss_weights.main / (real)a->terms.n_valid : 0;
-        crossentropy_backward(dev, a->d_logits, a->probs, a->d_targets, dloss, N, V);
-        profile_begin(PHASE_OTHER_GEMM);
-        matmul_backward(dev, a->d_hn, m->g.head, a->d_logits, a->hn, m->w.head, N, D, V);
-        profile_end(PHASE_OTHER_GEMM);
+        crossentropy_backward(dev, a->probs, a->probs, a->d_targets, dloss, N, V);  // in place: now d logits
+        head_backward(m, a->d_hn, a->probs, a->hn, N, D, V);
         device_memset_zero(dev, a->d_cur, bytes);
         rmsnorm_backward(dev, a->d_cur, m->g.norm, a->d_hn, a->resid + (int64_t)cs->n_blocks * N * D, m->w.norm,
                          a->hn_rstd, N, D);

@@ -144,7 +144,8 @@ typedef struct {
     int64_t n_valid;              // positions with a main target
 } LossTerms;
 LossTerms chunk_losses(const ChunkActs *a);
-// Last-position probabilities (V) of sequence b from the last forward pass (sampling).
+// Probabilities (V) of position t of sequence b from the last forward pass (sampling); a backward pass
+// overwrites them with their gradient.
 const real *chunk_probs_at(const ChunkActs *a, int b, int t);
 
 // MTP depth k (1-based) at position i takes t_{i+k} as input and predicts t_{i+k+1}. From the main

@@ -25,11 +25,13 @@ void ffn_forward(Model *m, const FfnWeights *w, FfnActs *a, int rows, int D, int
     linear_forward(m, out, a->h, w->w2, rows, width, D);
 }
 
-// d_out (rows, D) -> d_x (rows, D) +=, parameter grads +=
+// d_out (rows, D) -> d_x (rows, D) +=, parameter grads +=. h is recomputed from a and b (it is a
+// forward transient, see FfnActs): the same swiglu_forward on the same inputs, so the same bits.
 void ffn_backward(Model *m, const FfnWeights *w, const FfnWeights *g, FfnActs *a, LayerScratch *s,
                   int rows, int D, int width, const real *x, const real *d_out, real *d_x) {
     Device dev = m->dev;
     size_t bytes = (size_t)rows * width * sizeof(real);
+    swiglu_forward(dev, a->h, a->a, a->b, (int64_t)rows * width);
     device_memset_zero(dev, s->d_h, bytes);
     device_memset_zero(dev, s->d_a, bytes);
     device_memset_zero(dev, s->d_b, bytes);

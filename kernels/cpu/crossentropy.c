@@ -32,6 +32,8 @@ void cpu_crossentropy_forward(real *losses, real *probs, const real *logits, con
     for (int n = 0; n < N; n++) {
         const real *x = logits + (size_t)n * V;
         real *p = probs + (size_t)n * V;
+        const int target = targets[n];
+        const real x_target = target < 0 ? (real)0 : x[target];  // read before p (may alias x) is written
         real maxval = -INFINITY;
         for (int i = 0; i < V; i++) {
             if (x[i] > maxval) maxval = x[i];
@@ -44,8 +46,7 @@ void cpu_crossentropy_forward(real *losses, real *probs, const real *logits, con
             sum += p[i];
         }
         for (int i = 0; i < V; i++) p[i] = (real)(p[i] / sum);
-        const int target = targets[n];
-        losses[n] = target < 0 ? (real)0 : (real)((log(sum) + maxval) - x[target]);
+        losses[n] = target < 0 ? (real)0 : (real)((log(sum) + maxval) - x_target);
     }
 }
 
@@ -63,8 +64,9 @@ void cpu_crossentropy_backward(real *dlogits, const real *probs, const int *targ
             for (int i = 0; i < V; i++) d[i] = 0;
             continue;
         }
+        const real p_target = p[target];  // read before d (may alias p) is written
 #pragma omp simd
         for (int i = 0; i < V; i++) d[i] = p[i] * dloss;
-        d[target] = (p[target] - (real)1) * dloss;
+        d[target] = (p_target - (real)1) * dloss;
     }
 }

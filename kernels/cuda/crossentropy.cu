@@ -25,6 +25,10 @@ __global__ void crossentropy_forward_kernel(float *losses, float *probs, const f
     const int64_t row = blockIdx.x;
     const float *x = logits + row * V;
     float *p = probs + row * V;
+    // probs may alias logits: the target's logit is read before the barriers in block_max/block_sum,
+    // every other x[j] is read by the thread that later overwrites it
+    const int t = targets[row];
+    const float x_target = (threadIdx.x == 0 && t >= 0 && t < V) ? x[t] : 0.0f;
 
     float max_x = -INFINITY;
     for (int j = threadIdx.x; j < V; j += blockDim.x) max_x = fmaxf(max_x, x[j]);
@@ -37,11 +41,10 @@ __global__ void crossentropy_forward_kernel(float *losses, float *probs, const f
     for (int j = threadIdx.x; j < V; j += blockDim.x) p[j] = __fdiv_rn(expf(__fsub_rn(x[j], max_x)), sum_exp);
 
     if (threadIdx.x == 0) {
-        const int t = targets[row];
         float loss;
         if (t == -1) loss = 0.0f;
         else if (t < -1 || t >= V) loss = NAN;
-        else loss = __fsub_rn(__fadd_rn(logf(sum_exp), max_x), x[t]);
+        else loss = __fsub_rn(__fadd_rn(logf(sum_exp), max_x), x_target);
         losses[row] = loss;
     }
 }
@@ -56,7 +59,8 @@ extern "C" void cuda_crossentropy_forward(real *losses, real *probs, const real 
 // ---------------------------------------------------------------------------- backward
 // In the forward pass this was loss = -log softmax(x)[target], so d loss / d x = probs - onehot(target).
 // WRITES (does not accumulate) dlogits (N, V) = (probs - onehot(target)) * dloss; 0 for masked rows.
-// One block per row so the row's target is read once.
+// One block per row so the row's target is read once. dlogits may alias probs (each element is read and
+// written by the same thread).
 __global__ void crossentropy_backward_kernel(float *dlogits, const float *probs, const int *targets, float dloss,
                                              int V) {
     const int64_t row = blockIdx.x;

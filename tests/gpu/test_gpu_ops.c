@@ -487,6 +487,21 @@ static void test_crossentropy(void **state) {
     float *g_d = host_copy_of(d_d, NV);
     ok &= check_output("crossentropy_backward", shape, "dlogits", g_d, c_d, ref_d, sc_d, NV, tol_both(4 * U_FP32));
 
+    // in place (kernels.h: probs may be logits, dlogits may be probs): bitwise the out-of-place results
+    float *d_inplace = gpu_copy_of(logits, (size_t)NV * 4), *d_loss3 = gpu_nan_floats(N);
+    crossentropy_forward(DEVICE_CUDA, d_loss3, d_inplace, d_inplace, d_targets, N, V);
+    float *g_p3 = host_copy_of(d_inplace, NV), *g_loss3 = host_copy_of(d_loss3, N);
+    device_memcpy_from_host(DEVICE_CUDA, d_inplace, probs_in, (size_t)NV * 4);
+    crossentropy_backward(DEVICE_CUDA, d_inplace, d_inplace, d_targets, dloss, N, V);
+    float *g_d3 = host_copy_of(d_inplace, NV);
+    const int inplace_ok = memcmp(g_p3, g_p, (size_t)NV * 4) == 0 && memcmp(g_loss3, g_loss, (size_t)N * 4) == 0 &&
+                           memcmp(g_d3, g_d, (size_t)NV * 4) == 0;
+    printf("crossentropy %-14s in place (probs = logits, dlogits = probs) bitwise equal to out of place: %s\n", shape,
+           inplace_ok ? "ok" : "FAIL");
+    ok &= inplace_ok;
+    free(g_p3), free(g_loss3), free(g_d3);
+    device_free(DEVICE_CUDA, d_inplace), device_free(DEVICE_CUDA, d_loss3);
+
     float *host[] = {logits, c_loss, c_p, g_loss, g_p, g_loss2, g_p2, probs_in, c_d, g_d};
     for (size_t k = 0; k < sizeof host / sizeof host[0]; k++) free(host[k]);
     free(targets);

@@ -813,6 +813,16 @@ static void check_crossentropy(int N, int V, uint64_t seed) {
     assert_true(opcheck_ratio("crossentropy dlogits vs analytic", dlogits, ref_d, nl, atol, (V + 8) * U) <= 1.0);
     assert_true(opcheck_ratio("crossentropy dlogits vs fd", dlogits, fd, nl, atol, (V + 8) * U) <= 1.0);
     for (int i = 0; i < V; i++) assert_true(dlogits[1 * V + i] == 0 && dlogits[(size_t)(N - 1) * V + i] == 0);
+
+    // in place (kernels.h: probs may be logits, dlogits may be probs): bitwise the out-of-place results
+    real *inplace = ralloc(nl), *losses2 = ralloc(N);
+    memcpy(inplace, logits, nl * sizeof(real));
+    cpu_crossentropy_forward(losses2, inplace, inplace, targets, N, V);
+    assert_memory_equal(inplace, probs, nl * sizeof(real));
+    assert_memory_equal(losses2, losses, (size_t)N * sizeof(real));
+    cpu_crossentropy_backward(inplace, inplace, targets, dloss, N, V);
+    assert_memory_equal(inplace, dlogits, nl * sizeof(real));
+    free(inplace), free(losses2);
     tfree_all();
 }
 

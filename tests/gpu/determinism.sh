@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# tests/gpu/determinism.sh - issue 4's bitwise check at full size: the same job trained twice on the GPU
+# for STEPS steps (default 5) of configs/bench-1gpu.ini (as written: fp8, MTP depth 1, 4 x 4 x 2048
+# tokens per step) must log bitwise-identical losses and gradient norms. Needs $BUILD (default build-gpu).
+set -u -o pipefail
+cd "$(dirname "$0")/../.."
+BUILD=${BUILD:-build-gpu} STEPS=${STEPS:-5}
+L=$PWD/.debs/usr/lib/$(gcc -print-multiarch 2>/dev/null || echo x86_64-linux-gnu)
+[ -d "$L" ] && export LD_LIBRARY_PATH="$L${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+TMP=$(mktemp -d)
+for run in a b; do
+  "$BUILD/fp8moe" train configs/bench-1gpu.ini --set train.steps="$STEPS" --set train.eval_every=0 \
+    --set log.every=1 --set checkpoint.dir="$TMP/$run" "$@" \
+    --set data.text="${FP8MOE_SHAKESPEARE:-../shared/data/tinyshakespeare.txt}" > "$TMP/$run.log" 2>&1 \
+    || { echo "determinism: run $run failed:"; tail -5 "$TMP/$run.log"; exit 1; }
+  grep -E '^step ' "$TMP/$run.log" | tail -n "$STEPS"
+done
+python3 - "$TMP/a/metrics.jsonl" "$TMP/b/metrics.jsonl" "$STEPS" <<'PY'
+import json, sys
+def rows(p): return [json.loads(l) for l in open(p) if '"type":"step"' in l]
+a, b, n = rows(sys.argv[1]), rows(sys.argv[2]), int(sys.argv[3])
+keys = [k for k in ("loss", "mtp_loss", "balance_loss", "grad_norm", "load_max_mean") if k in a[0]]
+same = len(a) == len(b) == n and all(x[k] == y[k] for x, y in zip(a, b) for k in keys)
+print(f"determinism: {n} steps, fields {keys}: " + ("bitwise identical" if same else "DIFFERENT"))
+for x, y in zip(a, b):
+    if any(x[k] != y[k] for k in keys): print("  step", x["step"], {k: (x[k], y[k]) for k in keys})
+sys.exit(0 if same else 1)
+PY
