@@ -822,7 +822,7 @@ static void check_crossentropy(int N, int V, uint64_t seed) {
     assert_memory_equal(losses2, losses, (size_t)N * sizeof(real));
     cpu_crossentropy_backward(inplace, inplace, targets, dloss, N, V);
     assert_memory_equal(inplace, dlogits, nl * sizeof(real));
-    free(inplace), free(losses2);
+
     tfree_all();
 }
 
