@@ -91,7 +91,7 @@ void block_acts_alloc(ActsArena *ar, BlockActs *a, const Dims *d, int is_moe, co
     e->topk_host = host_ints(ar, NK);
     e->seg_token = ARENA_INTS(ar, NK);
     e->slot_of = ARENA_INTS(ar, NK);
-    e->xp = ARENA_REALS(ar, NK * D);
+    e->xp = s->t_xp;
     ffn_acts_alloc(ar, &e->experts, NK, d->I, s);
     e->eout = ARENA_REALS(ar, NK * D);
     ffn_acts_alloc(ar, &e->shared, N, d->shared_I, s);
@@ -131,6 +131,7 @@ void layer_scratch_alloc(ActsArena *ar, LayerScratch *s, const Dims *d, int has_
         s->d_logits = ARENA_REALS(ar, N * d->E);
         s->d_scores = ARENA_REALS(ar, N * d->E);
         s->d_topk_w = ARENA_REALS(ar, NK);
+        s->t_xp = ARENA_REALS(ar, NK * d->D);
         s->d_xp = ARENA_REALS(ar, NK * d->D);
         s->d_eout = ARENA_REALS(ar, NK * d->D);
     }

@@ -72,7 +72,7 @@ typedef struct {
     int *topk_host;           // (N, K) host copy of topk_idx for the load counts
     int *seg_token;           // (N*K) source token of each permuted row
     int *slot_of;             // (N*K) permuted row of each (t, k)
-    real *xp;                 // (N*K, D) permuted expert inputs
+    real *xp;                 // (N*K, D) permuted expert inputs (transient: re-gathered in the backward)
     EpBuffers ep_buf;         // the local experts' rows after ep_dispatch
     FfnActs experts;          // (N*K, I)
     real *eout;               // (N*K, D) local expert outputs
@@ -97,6 +97,7 @@ typedef struct {
 typedef struct {
     real *t_q, *t_q_rope, *t_kva, *t_k_rope_raw, *t_k_rope, *t_kv;  // MlaActs' transients
     real *t_h;                            // FfnActs' h, sized for the largest FFN (dense, shared, N*K x I)
+    real *t_xp;                           // MoeActs' xp (N*K, D), MoE chunks only
     real *d_xn, *d_mid;                   // (N, D)
     real *d_cq, *d_cqn, *d_q, *d_qf, *d_q_rope, *d_q_rope_raw;
     real *d_kva, *d_ckv, *d_ckvn, *d_k_rope, *d_k_rope_raw, *d_kv, *d_kf, *d_v, *d_o;

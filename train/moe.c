@@ -123,6 +123,14 @@ void moe_backward(Model *m, const BlockWeights *w, const BlockWeights *g, MoeAct
     moe_combine_backward(dev, s->d_eout, s->d_topk_w, d_out, a->eout_perm, a->slot_of, a->topk_w, N, K, D);
     profile_end(PHASE_PERMUTE);
     const real *d_local_out = ep_combine_backward(&m->ep, &a->ep_buf, s->d_eout);
+    // xp is a forward transient (the chunk's scratch, 4 x D bytes per routed row and layer): with one EP
+    // rank ep_buf.rows is xp, so the experts' inputs are gathered again, the same rows in the same order;
+    // with more ranks ep_buf keeps the rows it received.
+    if (m->ep.ep_size == 1) {
+        profile_begin(PHASE_PERMUTE);
+        gather_rows(dev, a->xp, x, a->seg_token, NK, D);
+        profile_end(PHASE_PERMUTE);
+    }
     experts_backward(m, &w->moe.experts, &g->moe.experts, &a->experts, s, a->ep_buf.seg_offsets,
                      m->ep.experts_per_rank, D, d->I, a->ep_buf.rows, d_local_out, s->d_xp);
     const real *d_perm = ep_dispatch_backward(&m->ep, &a->ep_buf, s->d_xp);
