@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # tests/gpu/determinism.sh - issue 4's bitwise check at full size: the same job trained twice on the GPU
-# for STEPS steps (default 5) of configs/bench-1gpu.ini (as written: fp8, MTP depth 1, 4 x 4 x 2048
+# for STEPS steps (default 5) of configs/bench-1gpu.ini (as written: fp8, MTP depth 1, 2 x 8 x 2048
 # tokens per step) must log bitwise-identical losses and gradient norms. Needs $BUILD (default build-gpu).
 set -u -o pipefail
 cd "$(dirname "$0")/../.."
