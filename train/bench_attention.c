@@ -42,16 +42,8 @@ int bench_attention_main(int argc, char **argv) {
 }
 #else
 
-#include <cuda_runtime.h>
+#include "train/bench_cuda.h"
 
-#define BENCH_CHECK(call)                                                                                   \
-    do {                                                                                                    \
-        cudaError_t e_ = (call);                                                                            \
-        if (e_ != cudaSuccess) {                                                                            \
-            fprintf(stderr, "%s:%d: %s failed: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_));   \
-            exit(1);                                                                                        \
-        }                                                                                                   \
-    } while (0)
 
 enum { WARMUP = 3 };
 

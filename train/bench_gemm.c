@@ -54,18 +54,10 @@ int bench_gemm_main(int argc, char **argv) {
 #else
 
 #include <cublasLt.h>
-#include <cuda_runtime.h>
+#include "train/bench_cuda.h"
 
 #include "kernels/cuda/gemm.h"
 
-#define BENCH_CHECK(call)                                                                                   \
-    do {                                                                                                    \
-        cudaError_t e_ = (call);                                                                            \
-        if (e_ != cudaSuccess) {                                                                            \
-            fprintf(stderr, "%s:%d: %s failed: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_));   \
-            exit(1);                                                                                        \
-        }                                                                                                   \
-    } while (0)
 
 typedef enum { OP_FPROP, OP_DGRAD, OP_WGRAD } GemmOp;
 static const char *const op_names[] = {"Fprop", "Dgrad", "Wgrad"};
