@@ -54,6 +54,7 @@
 #include <string.h>
 
 #include "kernels/kernels.h"
+#include "tests/gpu/gpucheck.h"
 #include "unit/opcheck.h"
 
 #define U_FP32 0x1p-24 // unit roundoff of FP32
@@ -437,18 +438,8 @@ static AttCase case_wide = {1, 300, 1, 256, 256};
 static AttCase case_model = {1, 512, 2, 192, 128};
 
 int main(void) {
-    const int n_gpu = cuda_device_count();
-    if (n_gpu == 0) {
-#ifdef FP8MOE_CUDA
-        const char *why = "this binary has CUDA, but the runtime sees no device (no GPU, no driver, or "
-                          "CUDA_VISIBLE_DEVICES hides it)";
-#else
-        const char *why = "this binary was built without CUDA (no FP8MOE_CUDA)";
-#endif
-        fprintf(stderr, "test_gpu_attention: FAIL: cuda_device_count() == 0: %s. These are GPU parity tests: "
-                        "run them on an NVIDIA machine with tests/gpu/run.sh.\n", why);
-        return 1;
-    }
+    const int n_gpu = gpucheck_devices("test_gpu_attention");
+    if (n_gpu == 0) return 1;
     printf("test_gpu_attention: %d CUDA device(s) visible; CUDA attention vs f64 on BF16-rounded inputs and vs "
            "the CPU op; u_b = 2^-8.\n", n_gpu);
     print_header();

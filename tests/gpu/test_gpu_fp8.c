@@ -40,6 +40,7 @@
 #include <string.h>
 
 #include "kernels/kernels.h"
+#include "tests/gpu/gpucheck.h"
 #include "unit/opcheck.h"
 
 #define U_FP32 0x1p-24
@@ -710,12 +711,7 @@ static int print_gemm_header_setup(void **state) {
 }
 
 int main(void) {
-    if (cuda_device_count() == 0) {
-        fprintf(stderr, "test_gpu_fp8: FAIL: cuda_device_count() == 0: no CUDA device visible (or a build "
-                        "without CUDA). These are GPU parity tests: run them on an NVIDIA machine with "
-                        "tests/gpu/run.sh.\n");
-        return 1;
-    }
+    if (gpucheck_devices("test_gpu_fp8") == 0) return 1;
     static QuantCase q_a = {Q_1X128, 576, 300, 0}, q_b = {Q_1X128, 130, 1024, 0}, q_c = {Q_1X128, 33, 130, 0};
     static QuantCase q_d = {Q_128X128, 576, 300, 1}, q_e = {Q_128X128, 256, 1024, 0}, q_f = {Q_128X128, 100, 2100, 1};
     static QuantCase q_g = {Q_128X1T, 300, 576, 0}, q_h = {Q_128X1T, 200, 300, 0}, q_i = {Q_128X1T, 1000, 70, 0};

@@ -36,6 +36,7 @@
 #include <string.h>
 
 #include "kernels/kernels.h"
+#include "tests/gpu/gpucheck.h"
 #include "unit/opcheck.h"
 
 #define U_FP32 0x1p-24 // unit roundoff of FP32
@@ -147,32 +148,6 @@ static void print_plain_row(const char *op, const char *shape, const char *outpu
     printf("%-22s %-26s %-9s %10s %9s %9s %9s %9s %9s %9s  %s\n", op, shape, output, "-", "-", "-", "-", "-", "-",
            bitwise, result);
     fflush(stdout);
-}
-
-// Largest |x[i] - y[i]| / scale[i] (y from y32, or y64 when y32 is NULL); a NaN counts as infinite.
-static double max_scaled_err(const float *x, const float *y32, const double *y64, const double *scale, int64_t n,
-                             int64_t *worst) {
-    double max_err = 0.0;
-    *worst = 0;
-    for (int64_t i = 0; i < n; i++) {
-        const double y = y32 != NULL ? (double)y32[i] : y64[i];
-        double err = fabs((double)x[i] - y) / fmax(scale[i], (double)FLT_MIN);
-        if (isnan(err)) err = INFINITY;
-        if (err > max_err) {
-            max_err = err;
-            *worst = i;
-        }
-    }
-    return max_err;
-}
-
-static int64_t count_nan(const float *x, int64_t n, int64_t *first) {
-    int64_t count = 0;
-    *first = -1;
-    for (int64_t i = 0; i < n; i++) {
-        if (isnan(x[i]) && count++ == 0) *first = i;
-    }
-    return count;
 }
 
 // Compares one float output, prints its table row, and on failure says which side is wrong and where.
@@ -1136,18 +1111,8 @@ static PermuteCase perm_a = {1000, 2, 8, 300, 0}, perm_b = {1000, 6, 32, 256, 0}
                    perm_empty = {0, 2, 8, 16, 0};
 
 int main(void) {
-    const int n_gpu = cuda_device_count();
-    if (n_gpu == 0) {
-#ifdef FP8MOE_CUDA
-        const char *why = "this binary has CUDA, but the runtime sees no device (no GPU, no driver, or "
-                          "CUDA_VISIBLE_DEVICES hides it)";
-#else
-        const char *why = "this binary was built without CUDA (no FP8MOE_CUDA)";
-#endif
-        fprintf(stderr, "test_gpu_model_ops: FAIL: cuda_device_count() == 0: %s. These are GPU parity tests: run "
-                        "them on an NVIDIA machine with tests/gpu/run.sh.\n", why);
-        return 1;
-    }
+    const int n_gpu = gpucheck_devices("test_gpu_model_ops");
+    if (n_gpu == 0) return 1;
     printf("test_gpu_model_ops: %d CUDA device(s) visible; comparing CUDA ops with the CPU reference and f64.\n"
            "err = |x - y| / scale per element (scale: size of what the element is computed from), max over "
            "elements; u = 2^-24 = %.3g.\n", n_gpu, U_FP32);
