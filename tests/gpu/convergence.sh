@@ -3,7 +3,9 @@
 # STEPS steps (default 300) on tinyshakespeare in fp8 and in bf16 with the same seed and data order;
 # passes when no step's loss is NaN/Inf and every 50-step mean training loss of the fp8 run is within
 # 1% of the bf16 run's. Extra arguments go to both runs (e.g. --set train.grad_accum=1 for a quicker,
-# smaller-batch run; say so when quoting the result). Needs $BUILD (default build-gpu).
+# smaller-batch run; say so when quoting the result). PARALLEL=1 runs fp8 on GPU 0 and bf16 on GPU 1 at
+# the same time (a 2-GPU machine: the job's full batch then fits one 10-minute call). Needs $BUILD
+# (default build-gpu).
 set -u -o pipefail
 cd "$(dirname "$0")/../.."
 BUILD=${BUILD:-build-gpu} STEPS=${STEPS:-300}
@@ -11,11 +13,23 @@ L=$PWD/.debs/usr/lib/$(gcc -print-multiarch 2>/dev/null || echo x86_64-linux-gnu
 [ -d "$L" ] && export LD_LIBRARY_PATH="$L${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 TMP=${OUT:-$(mktemp -d)}/convergence
 mkdir -p "$TMP"
+train_mode() {  # mode gpu extra-args...
+  local mode=$1 gpu=$2; shift 2
+  CUDA_VISIBLE_DEVICES=$gpu "$BUILD/fp8moe" train configs/bench-1gpu.ini --set precision.mode=$mode \
+    --set train.steps="$STEPS" --set train.eval_every=0 --set log.every=50 --set checkpoint.dir="$TMP/$mode" "$@" \
+    --set data.text="${FP8MOE_SHAKESPEARE:-../shared/data/tinyshakespeare.txt}" > "$TMP/$mode.log" 2>&1
+}
+if [ "${PARALLEL:-0}" = 1 ]; then
+  train_mode fp8 0 "$@" & p8=$!
+  train_mode bf16 1 "$@" & p16=$!
+  wait $p8; r8=$?; wait $p16; r16=$?
+else
+  train_mode fp8 "${CUDA_VISIBLE_DEVICES:-0}" "$@"; r8=$?
+  train_mode bf16 "${CUDA_VISIBLE_DEVICES:-0}" "$@"; r16=$?
+fi
 for mode in fp8 bf16; do
-  "$BUILD/fp8moe" train configs/bench-1gpu.ini --set precision.mode=$mode --set train.steps="$STEPS" \
-    --set train.eval_every=0 --set log.every=50 --set checkpoint.dir="$TMP/$mode" "$@" \
-    --set data.text="${FP8MOE_SHAKESPEARE:-../shared/data/tinyshakespeare.txt}" > "$TMP/$mode.log" 2>&1 \
-    || { echo "convergence: the $mode run failed:"; tail -5 "$TMP/$mode.log"; exit 1; }
+  rc=$r8; [ $mode = bf16 ] && rc=$r16
+  if [ "$rc" -ne 0 ]; then echo "convergence: the $mode run failed:"; tail -5 "$TMP/$mode.log"; exit 1; fi
   grep -E '^step ' "$TMP/$mode.log" | tail -n 7
 done
 python3 - "$TMP/fp8/metrics.jsonl" "$TMP/bf16/metrics.jsonl" "$STEPS" <<'PY'
