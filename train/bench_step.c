@@ -150,6 +150,7 @@ static int bench_precision(const char *job, const char **overrides, int n_overri
         const double lr = lr_at(&cfg->optim, step, warmup + steps);
         adamw_step(&opt, m->weights, m->grads, &all, 1, (float)lr, clip_scale(gnorm, cfg->optim.grad_clip),
                    step + 1);
+        model_weights_changed(m);
         profile_end(PHASE_OPTIMIZER);
         model_update_router_bias(m);
         profile_step_collect(phase_s);

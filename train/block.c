@@ -69,11 +69,11 @@ static void ffn_acts_alloc(ActsArena *ar, FfnActs *a, int64_t rows, int width, c
 
 void block_acts_alloc(ActsArena *ar, BlockActs *a, const Dims *d, int is_moe, const LayerScratch *s) {
     int N = d->N, D = d->D;
-    a->xn1 = ARENA_REALS(ar, (int64_t)N * D);
+    a->xn1 = s->t_xn;
     a->rstd1 = ARENA_REALS(ar, N);
     mla_acts_alloc(ar, &a->mla, d, s);
     a->x_mid = ARENA_REALS(ar, (int64_t)N * D);
-    a->xn2 = ARENA_REALS(ar, (int64_t)N * D);
+    a->xn2 = s->t_xn;
     a->rstd2 = ARENA_REALS(ar, N);
     if (!is_moe) {
         ffn_acts_alloc(ar, &a->ffn, N, d->inter, s);
@@ -99,6 +99,8 @@ void block_acts_alloc(ActsArena *ar, BlockActs *a, const Dims *d, int is_moe, co
 
 void layer_scratch_alloc(ActsArena *ar, LayerScratch *s, const Dims *d, int has_moe) {
     int64_t N = d->N, NH = (int64_t)d->N * d->H, NK = (int64_t)d->N * d->K;
+    s->t_xn = ARENA_REALS(ar, N * d->D);
+    s->t_rstd = ARENA_REALS(ar, N);
     s->t_q = ARENA_REALS(ar, NH * d->dqk);
     s->t_q_rope = ARENA_REALS(ar, NH * d->dr);
     s->t_kva = ARENA_REALS(ar, N * (d->kvr + d->dr));
@@ -163,7 +165,9 @@ void block_backward(Model *m, const BlockWeights *w, const BlockWeights *g, Bloc
     Device dev = m->dev;
     int N = d->N, D = d->D;
     size_t bytes = (size_t)N * D * sizeof(real);
-    // forward was x_out = x_mid + FFN(RMSNorm(x_mid))
+    // forward was x_out = x_mid + FFN(RMSNorm(x_mid)); RMSNorm(x_mid) is recomputed (a forward
+    // transient, see BlockActs): the same op on the same input, so the same bits
+    rmsnorm_forward(dev, a->xn2, s->t_rstd, a->x_mid, w->ffn_norm, N, D);
     device_memset_zero(dev, s->d_xn, bytes);
     if (w->is_moe)
         moe_backward(m, w, g, &a->moe, d, s, a->xn2, d_x_out, s->d_xn, d_balance);
@@ -172,6 +176,7 @@ void block_backward(Model *m, const BlockWeights *w, const BlockWeights *g, Bloc
     copy_block(dev, s->d_mid, D, d_x_out, D, N, D, 0);
     rmsnorm_backward(dev, s->d_mid, g->ffn_norm, s->d_xn, a->x_mid, w->ffn_norm, a->rstd2, N, D);
     // and x_mid = x_in + MLA(RMSNorm(x_in))
+    rmsnorm_forward(dev, a->xn1, s->t_rstd, a->x_in, w->attn_norm, N, D);
     device_memset_zero(dev, s->d_xn, bytes);
     mla_backward(m, &w->attn, &g->attn, &a->mla, d, s, a->xn1, s->d_mid, s->d_xn);
     copy_block(dev, d_x_in, D, s->d_mid, D, N, D, 0);

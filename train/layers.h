@@ -82,10 +82,10 @@ typedef struct {
 
 typedef struct {
     real *x_in;               // (N, D) block input (points into the chunk's residual stream)
-    real *xn1, *rstd1;        // attention RMSNorm
+    real *xn1, *rstd1;        // attention RMSNorm; xn1 is transient (recomputed from x_in in the backward)
     MlaActs mla;
     real *x_mid;              // (N, D) after the attention residual
-    real *xn2, *rstd2;        // FFN RMSNorm
+    real *xn2, *rstd2;        // FFN RMSNorm; xn2 is transient (recomputed from x_mid), the same buffer as xn1
     FfnActs ffn;              // dense
     MoeActs moe;
 } BlockActs;
@@ -95,6 +95,7 @@ typedef struct {
 // point at. A chunk's forward and backward never run at the same time, and each block consumes its
 // transients before the next block writes them.
 typedef struct {
+    real *t_xn, *t_rstd;                  // BlockActs' normalised inputs (N, D), and an rstd (N) to recompute them
     real *t_q, *t_q_rope, *t_kva, *t_k_rope_raw, *t_k_rope, *t_kv;  // MlaActs' transients
     real *t_h;                            // FfnActs' h, sized for the largest FFN (dense, shared, N*K x I)
     real *t_xp;                           // MoeActs' xp (N*K, D), MoE chunks only

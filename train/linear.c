@@ -1,8 +1,9 @@
 /*
  * linear.c - block Linear layers in the precision mode of the job (see linear.h). In fp8 mode every
- * call quantises its operands afresh (activations per call; the weight per call too, which keeps the
- * CPU reference simple: the weight's 128x128 blocks are a pure function of the FP32 master weight, so
- * quantising once per step would give identical bits). Fprop and Dgrad run on row counts padded with
+ * call quantises its activation operands afresh; a weight's 128x128 quantisation (q, its transpose and
+ * the scales) is a pure function of the FP32 master weight, so it is kept in a cache and recomputed only
+ * when the weights changed (model_weights_changed): once per Linear per optimizer step instead of twice
+ * per micro-batch, with the same bits. Fprop and Dgrad run on row counts padded with
  * zero rows to a multiple of 16 (DESIGN.md section 4: per-expert segments have any length, the GPU
  * GEMMs need multiples of 16); zero rows quantise to zero with scale 1 and change no valid output.
  * Wgrad's 128x1 quantiser pads the token axis to a multiple of 128 itself.
@@ -54,6 +55,102 @@ static void check_quantised(int rc, const char *what, const char *err) {
     exit(1);
 }
 
+// ---------------------------------------------------------------------------- FP8 weight cache
+typedef struct {
+    int64_t offset;   // of the weight (OC, C) in m->weights
+    int OC, C;
+    uint8_t *q, *qt;  // (Np, Kp) and its transpose (Kp, Np)
+    float *s;         // (NB, KB4), kernels.h fp8_quantize_128x128
+    int64_t version;  // the m->weights_version quantised (0: not yet)
+} CachedWeight;
+
+struct Fp8WeightCache {
+    CachedWeight *entries;  // one per block Linear weight, sorted by offset
+    int n;
+    void *buf;              // one device allocation holding every q, qt and s
+};
+
+// The block Linears: 2-D parameters except the embedding, the output head and the routers.
+static int is_block_linear(const ParamInfo *p) {
+    return p->ndim == 2 && strcmp(p->name, "embed.weight") != 0 && strcmp(p->name, "head.weight") != 0 &&
+           strstr(p->name, ".ffn.gate.weight") == NULL;
+}
+
+static int by_offset(const void *a, const void *b) {
+    const int64_t x = ((const CachedWeight *)a)->offset, y = ((const CachedWeight *)b)->offset;
+    return (x > y) - (x < y);
+}
+
+static void weight_cache_create(Model *m) {
+    struct Fp8WeightCache *c = calloc(1, sizeof *c);
+    int n = 0;
+    for (int i = 0; i < m->n_params; i++) n += is_block_linear(&m->params[i]);
+    c->entries = calloc((size_t)(n ? n : 1), sizeof *c->entries);
+    if (!c || !c->entries) {
+        fprintf(stderr, "fp8moe: train/linear.c: out of host memory for the FP8 weight cache\n");
+        exit(1);
+    }
+    size_t bytes = 0;
+    for (int i = 0; i < m->n_params; i++) {
+        const ParamInfo *p = &m->params[i];
+        if (!is_block_linear(p)) continue;
+        const int OC = p->shape[0], C = p->shape[1], NB = ceil_div(OC, FP8_TILE), KB = ceil_div(C, FP8_TILE);
+        const size_t q = pad_bytes((size_t)NB * KB * FP8_TILE * FP8_TILE);
+        c->entries[c->n++] = (CachedWeight){.offset = p->offset, .OC = OC, .C = C};
+        bytes += 2 * q + pad_bytes((size_t)NB * (ceil_div(KB, 4) * 4) * sizeof(float));
+    }
+    c->buf = device_alloc(m->dev, bytes ? bytes : 1);
+    char *at = c->buf;
+    for (int i = 0; i < c->n; i++) {
+        CachedWeight *e = &c->entries[i];
+        const int NB = ceil_div(e->OC, FP8_TILE), KB = ceil_div(e->C, FP8_TILE);
+        const size_t q = pad_bytes((size_t)NB * KB * FP8_TILE * FP8_TILE);
+        e->q = (uint8_t *)at, at += q;
+        e->qt = (uint8_t *)at, at += q;
+        e->s = (float *)at, at += pad_bytes((size_t)NB * (ceil_div(KB, 4) * 4) * sizeof(float));
+    }
+    qsort(c->entries, (size_t)c->n, sizeof *c->entries, by_offset);
+    m->fp8_weights = c;
+}
+
+// The cached quantisation of `weight` (OC, C), brought up to date with the weights first; NULL when the
+// weight is not a block Linear of this model (the caller then quantises into its scratch).
+static const CachedWeight *cached_weight(Model *m, const real *weight, int OC, int C) {
+    const struct Fp8WeightCache *c = m->fp8_weights;
+    const uintptr_t w = (uintptr_t)weight, lo = (uintptr_t)m->weights;
+    if (c == NULL || w < lo || w >= lo + (uintptr_t)(m->n_dense_elems + m->n_expert_elems) * sizeof(real))
+        return NULL;
+    const int64_t offset = weight - m->weights;
+    int a = 0, b = c->n - 1;
+    while (a <= b) {
+        const int mid = (a + b) / 2;
+        CachedWeight *e = &c->entries[mid];
+        if (e->offset < offset) a = mid + 1;
+        else if (e->offset > offset) b = mid - 1;
+        else {
+            if (e->OC != OC || e->C != C) return NULL;
+            if (e->version != m->weights_version) {
+                char err[256];
+                profile_begin(PHASE_QUANTISE);
+                check_quantised(fp8_quantize_128x128(m->dev, e->q, e->qt, e->s, weight, OC, C, err, sizeof err),
+                                "a weight", err);
+                profile_end(PHASE_QUANTISE);
+                e->version = m->weights_version;
+            }
+            return e;
+        }
+    }
+    return NULL;
+}
+
+static void weight_cache_free(Model *m) {
+    if (m->fp8_weights == NULL) return;
+    device_free(m->dev, m->fp8_weights->buf);
+    free(m->fp8_weights->entries);
+    free(m->fp8_weights);
+    m->fp8_weights = NULL;
+}
+
 // Scratch bytes of one Linear's Fprop and of its backward (Dgrad + Wgrad) at N rows: the sums of the
 // buffers the two functions below take, in the same order.
 static size_t fprop_bytes(int N, int C, int OC) {
@@ -75,12 +172,11 @@ static size_t backward_bytes(int N, int C, int OC) {
 
 void linear_reserve_scratch(Model *m, int rows) {
     if (m->cfg.precision.mode != PRECISION_FP8) return;
+    if (m->fp8_weights == NULL) weight_cache_create(m);
     size_t most = 0;
-    for (int i = 0; i < m->n_params; i++) {  // every block Linear: 2-D tensors but the embedding, head, routers
+    for (int i = 0; i < m->n_params; i++) {
         const ParamInfo *p = &m->params[i];
-        if (p->ndim != 2 || strcmp(p->name, "embed.weight") == 0 || strcmp(p->name, "head.weight") == 0 ||
-            strstr(p->name, ".ffn.gate.weight"))
-            continue;
+        if (!is_block_linear(p)) continue;
         size_t f = fprop_bytes(rows, p->shape[1], p->shape[0]), b = backward_bytes(rows, p->shape[1], p->shape[0]);
         if (f > most) most = f;
         if (b > most) most = b;
@@ -114,9 +210,11 @@ void linear_forward(Model *m, real *out, const real *inp, const real *weight, in
     const real *x = pad_rows(m, x_pad, inp, N, T16, C);
     real *y = T16 == N ? out : y_pad;
     char err[256];
+    const CachedWeight *cw = cached_weight(m, weight, OC, C);
     profile_begin(PHASE_QUANTISE);
     check_quantised(fp8_quantize_1x128(m->dev, qx, sx, x, T16, C, err, sizeof err), "an activation (Fprop X)", err);
-    check_quantised(fp8_quantize_128x128(m->dev, qw, NULL, sw, weight, OC, C, err, sizeof err), "a weight", err);
+    if (cw) qw = cw->q, sw = cw->s;
+    else check_quantised(fp8_quantize_128x128(m->dev, qw, NULL, sw, weight, OC, C, err, sizeof err), "a weight", err);
     profile_end(PHASE_QUANTISE);
     fp8_gemm_fprop(m->dev, y, qx, sx, qw, sw, T16, OC, C);
     if (y != out) copy_block(m->dev, out, OC, y, OC, N, OC, 0);  // the first N rows are the valid ones
@@ -159,9 +257,11 @@ void linear_backward(Model *m, real *dinp, real *dweight, const real *dout, cons
     char err[256];
     if (dinp) {
         const real *dy = pad_rows(m, dy_pad, dout, N, T16, OC);
+        const CachedWeight *cw = cached_weight(m, weight, OC, C);
         profile_begin(PHASE_QUANTISE);
         check_quantised(fp8_quantize_1x128(m->dev, qdy, sdy, dy, T16, OC, err, sizeof err), "a gradient (Dgrad dY)", err);
-        check_quantised(fp8_quantize_128x128(m->dev, qw, qwt, sw, weight, OC, C, err, sizeof err), "a weight", err);
+        if (cw) qwt = cw->qt, sw = cw->s;
+        else check_quantised(fp8_quantize_128x128(m->dev, qw, qwt, sw, weight, OC, C, err, sizeof err), "a weight", err);
         profile_end(PHASE_QUANTISE);
         fp8_gemm_dgrad(m->dev, dx, qdy, sdy, qwt, sw, T16, OC, C);
         add_inplace(m->dev, dinp, dx, (int64_t)N * C);  // the first N rows are the valid ones
@@ -181,6 +281,7 @@ void linear_backward(Model *m, real *dinp, real *dweight, const real *dout, cons
 }
 
 void linear_free_scratch(Model *m) {
+    weight_cache_free(m);
     device_free(m->dev, m->fp8_scratch);
     m->fp8_scratch = NULL;
     m->fp8_scratch_bytes = 0;

@@ -8,6 +8,7 @@
  *         every 128 elements: Fprop Y = X W^T, Dgrad dX = dY W (dY in 1x128 tiles, the same W blocks
  *         transposed), Wgrad dW += dY^T X (X and dY in 128x1 tiles along the tokens).
  * The embedding, output head, router, norms, attention core and losses never come through here.
+ * In fp8 mode the weights' quantisation is cached per weights version (model_weights_changed).
  * Each FP8 GEMM run is counted in Model.fp8_gemm_count (3 per Linear per micro-batch: Fprop, Dgrad,
  * Wgrad), so the trainer can report it and a test can check that every block Linear is covered.
  */

@@ -247,6 +247,7 @@ int model_create(Model *m, const Config *cfg, Device dev, int n_chunks, char *er
         if (tb.gslots[i]) *tb.gslots[i] = m->grads + m->params[i].offset;
     }
     init_weights(m, tb.init_std);
+    model_weights_changed(m);
     free(tb.wslots);
     free(tb.gslots);
     free(tb.init_std);
@@ -267,6 +268,8 @@ int model_create(Model *m, const Config *cfg, Device dev, int n_chunks, char *er
     ep_group_init(&m->ep, comm_world_single(), E);
     return 0;
 }
+
+void model_weights_changed(Model *m) { m->weights_version++; }
 
 void model_free(Model *m) {
     linear_free_scratch(m);

@@ -100,6 +100,8 @@ typedef struct {
     int64_t fp8_gemm_count;      // FP8 GEMMs run so far (precision = fp8), see train/linear.h
     void *fp8_scratch;           // quantised operands of the current Linear (train/linear.c)
     size_t fp8_scratch_bytes;
+    int64_t weights_version;     // bumped by model_weights_changed; the FP8 weight cache compares it
+    struct Fp8WeightCache *fp8_weights;  // 128x128-quantised block Linear weights (train/linear.c)
 } Model;
 
 // Activations of one chunk for one micro-batch (B sequences of T tokens), kept for its backward pass.
@@ -109,6 +111,10 @@ typedef struct ChunkActs ChunkActs;
 // weights from cfg->train.seed. Returns 0, or -1 with a message in err.
 int model_create(Model *m, const Config *cfg, Device dev, int n_chunks, char *err, size_t err_size);
 void model_free(Model *m);
+// Whoever writes m->weights (the optimizer step, a weights load) calls this afterwards: cached copies
+// derived from the weights (the FP8 128x128 quantisation, train/linear.c) are then recomputed at their
+// next use instead of reused.
+void model_weights_changed(Model *m);
 int64_t model_num_params(const Model *m);
 // Parameters one token passes through (embedding lookup excluded): attention, dense FFN, shared and
 // top-K routed experts, router, head, MTP modules. Used for FLOPs accounting.

@@ -480,6 +480,7 @@ int trainer_run(const Config *cfg) {
         const float scale = clip_scale(gnorm, cfg->optim.grad_clip);
         const double lr = lr_at(&cfg->optim, step, total_steps);
         adamw_step(&r.opt, m->weights, m->grads, r.groups, n_groups, (float)lr, scale, s);
+        model_weights_changed(m);
         const double worst_load = model_update_router_bias(m);
         step = s;
         if (s == 1) allocations_after_step1 = device_allocation_count();

@@ -374,6 +374,7 @@ int weights_load(Model *m, const char *path, char *err, size_t err_size) {
         for (int64_t i = 0; i < pi->numel; i++) host[i] = (real)stage[i];
         device_memcpy_from_host(m->dev, m->weights + pi->offset, host, (size_t)pi->numel * sizeof *host);
     }
+    model_weights_changed(m);
     int E = m->cfg.moe.n_routed_experts;
     for (int l = 0; l < m->n_moe_layers; l++) {
         char name[MODEL_NAME_MAX + 8];

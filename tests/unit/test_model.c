@@ -2,7 +2,7 @@
  * test_model.c - model-level behaviour of the CPU reference: MTP target alignment, parameter table
  * layout, chunk equivalence (the same micro-batch through one chunk or three gives the same loss and
  * gradients, the property pipeline parallelism relies on), determinism across thread counts, load
- * counting only when asked, frozen routing, and the FP8 GEMM count of fp8 mode.
+ * counting only when asked, frozen routing, the FP8 GEMM count of fp8 mode and its weight cache.
  */
 #include <math.h>
 #include <omp.h>
@@ -253,6 +253,40 @@ static void test_fp8_gemm_count(void **state) {
     model_free(&m);
 }
 
+// The FP8 weight cache (train/linear.c) keeps each block Linear's 128x128 quantisation until
+// model_weights_changed. After the weights change and the call, a model gives bitwise the loss and
+// gradients of a fresh model holding the same weights; without the call it keeps the stale quantisation
+// and does not (which shows that the cache is used at all).
+static void test_fp8_weight_cache(void **state) {
+    (void)state;
+    Config cfg;
+    char err[1024];
+    const char *ov[] = {"train.seq_len=16", "train.micro_batch_size=2"};
+    if (config_load(&cfg, "configs/tiny-fp8.ini", ov, 2, err, sizeof err) != 0) fail_msg("%s", err);
+    int inputs[B * T], targets[B * T];
+    random_batch(inputs, targets, 23);
+    Model a, fresh;
+    assert_int_equal(model_create(&a, &cfg, DEVICE_CPU, 1, err, sizeof err), 0);
+    run_step(&a, inputs, targets);  // fills the cache
+    const int64_t n = a.n_dense_elems + a.n_expert_elems;
+    for (int64_t i = 0; i < n; i++) a.weights[i] *= (real)1.01;  // every weight, the Linears' included
+    model_weights_changed(&a);
+    const double loss_a = run_step(&a, inputs, targets);
+    assert_int_equal(model_create(&fresh, &cfg, DEVICE_CPU, 1, err, sizeof err), 0);
+    memcpy(fresh.weights, a.weights, (size_t)n * sizeof(real));
+    model_weights_changed(&fresh);
+    const double loss_fresh = run_step(&fresh, inputs, targets);
+    assert_memory_equal(&loss_a, &loss_fresh, sizeof loss_a);
+    assert_memory_equal(a.grads, fresh.grads, (size_t)n * sizeof(real));
+    // negative control: weights changed again, the call left out
+    for (int64_t i = 0; i < n; i++) a.weights[i] *= (real)1.01, fresh.weights[i] *= (real)1.01;
+    model_weights_changed(&fresh);
+    const double stale = run_step(&a, inputs, targets), current = run_step(&fresh, inputs, targets);
+    assert_true(stale != current);
+    model_free(&a);
+    model_free(&fresh);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_mtp_alignment),
@@ -261,6 +295,7 @@ int main(void) {
         cmocka_unit_test(test_determinism_threads),
         cmocka_unit_test(test_load_counting_and_freeze),
         cmocka_unit_test(test_fp8_gemm_count),
+        cmocka_unit_test(test_fp8_weight_cache),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
