@@ -81,9 +81,7 @@ static int bench_precision(const char *job, const char **overrides, int n_overri
         fprintf(stderr, "fp8moe: data: %s\n", err);
         goto done;
     }
-    LoaderOptions lo = {.dir = shard_dir, .split = LOADER_TRAIN, .vocab_size = cfg->model.vocab_size, .B = B,
-                        .T = T, .seed = cfg->train.seed, .dp_rank = 0, .dp_size = 1};
-    if (loader_open(&loader, &lo, err, sizeof err) != 0) {
+    if (trainer_open_loader(cfg, shard_dir, LOADER_TRAIN, B, T, &loader, err, sizeof err) != 0) {
         fprintf(stderr, "fp8moe: data: %s\n", err);
         goto done;
     }
@@ -125,11 +123,7 @@ static int bench_precision(const char *job, const char **overrides, int n_overri
                 fprintf(stderr, "fp8moe: bench step %d: the training loader returned no batch\n", step + 1);
                 goto done;
             }
-            for (int b = 0; b < B; b++)
-                for (int t = 0; t < T; t++) {
-                    inputs[b * T + t] = rows[b * (T + 1) + t];
-                    targets[b * T + t] = rows[b * (T + 1) + t + 1];
-                }
+            trainer_split_batch(rows, rows, B, T, inputs, targets);
             chunk_forward(m, 0, acts, inputs, targets, NULL, NULL);
             chunk_backward(m, 0, acts, NULL, NULL, (real)(1.0 / A));
         }

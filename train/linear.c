@@ -113,13 +113,20 @@ static void weight_cache_create(Model *m) {
     m->fp8_weights = c;
 }
 
-// The cached quantisation of `weight` (OC, C), brought up to date with the weights first; NULL when the
-// weight is not a block Linear of this model (the caller then quantises into its scratch).
+// Stops the process: fp8 Linears are called only on the model's block Linear weights, after
+// chunk_acts_create built the cache (linear_reserve_scratch); anything else is a bug in the caller.
+_Noreturn static void not_cached(const real *weight, int OC, int C) {
+    fprintf(stderr, "fp8moe: train/linear.c: internal error: weight %p (%d x %d) is not a cached block Linear "
+                    "weight of the model (was chunk_acts_create called first?)\n", (const void *)weight, OC, C);
+    exit(1);
+}
+
+// The cached quantisation of `weight` (OC, C), brought up to date with the weights first.
 static const CachedWeight *cached_weight(Model *m, const real *weight, int OC, int C) {
     const struct Fp8WeightCache *c = m->fp8_weights;
     const uintptr_t w = (uintptr_t)weight, lo = (uintptr_t)m->weights;
     if (c == NULL || w < lo || w >= lo + (uintptr_t)(m->n_dense_elems + m->n_expert_elems) * sizeof(real))
-        return NULL;
+        not_cached(weight, OC, C);
     const int64_t offset = weight - m->weights;
     int a = 0, b = c->n - 1;
     while (a <= b) {
@@ -128,7 +135,7 @@ static const CachedWeight *cached_weight(Model *m, const real *weight, int OC, i
         if (e->offset < offset) a = mid + 1;
         else if (e->offset > offset) b = mid - 1;
         else {
-            if (e->OC != OC || e->C != C) return NULL;
+            if (e->OC != OC || e->C != C) not_cached(weight, OC, C);
             if (e->version != m->weights_version) {
                 char err[256];
                 profile_begin(PHASE_QUANTISE);
@@ -140,7 +147,7 @@ static const CachedWeight *cached_weight(Model *m, const real *weight, int OC, i
             return e;
         }
     }
-    return NULL;
+    not_cached(weight, OC, C);
 }
 
 static void weight_cache_free(Model *m) {
@@ -152,22 +159,20 @@ static void weight_cache_free(Model *m) {
 }
 
 // Scratch bytes of one Linear's Fprop and of its backward (Dgrad + Wgrad) at N rows: the sums of the
-// buffers the two functions below take, in the same order.
+// buffers the two functions below take, in the same order (the weight's operands are in the cache).
 static size_t fprop_bytes(int N, int C, int OC) {
-    int KB = ceil_div(C, FP8_TILE), KB4 = ceil_div(KB, 4) * 4, NB = ceil_div(OC, FP8_TILE), T16 = round_up(N, 16);
-    size_t Kp = (size_t)KB * FP8_TILE, Np = (size_t)NB * FP8_TILE, R = sizeof(real);
-    return pad_bytes((size_t)T16 * Kp) + pad_bytes((size_t)KB * T16 * sizeof(float)) + pad_bytes(Np * Kp) +
-           pad_bytes((size_t)NB * KB4 * sizeof(float)) + pad_bytes((size_t)T16 * C * R) + pad_bytes((size_t)T16 * OC * R);
+    int KB = ceil_div(C, FP8_TILE), T16 = round_up(N, 16);
+    size_t Kp = (size_t)KB * FP8_TILE, R = sizeof(real);
+    return pad_bytes((size_t)T16 * Kp) + pad_bytes((size_t)KB * T16 * sizeof(float)) + pad_bytes((size_t)T16 * C * R) +
+           pad_bytes((size_t)T16 * OC * R);
 }
 
 static size_t backward_bytes(int N, int C, int OC) {
-    int KB = ceil_div(C, FP8_TILE), KB4 = ceil_div(KB, 4) * 4, NB = ceil_div(OC, FP8_TILE), TB = ceil_div(N, FP8_TILE);
-    int T16 = round_up(N, 16);
-    size_t Kp = (size_t)KB * FP8_TILE, Np = (size_t)NB * FP8_TILE, Tp = (size_t)TB * FP8_TILE, R = sizeof(real);
-    return pad_bytes((size_t)T16 * Np) + pad_bytes((size_t)NB * T16 * sizeof(float)) + 2 * pad_bytes(Np * Kp) +
-           pad_bytes((size_t)NB * KB4 * sizeof(float)) + pad_bytes((size_t)T16 * C * R) + pad_bytes((size_t)T16 * OC * R) +
-           pad_bytes((size_t)OC * Tp) + pad_bytes((size_t)TB * OC * sizeof(float)) + pad_bytes((size_t)C * Tp) +
-           pad_bytes((size_t)TB * C * sizeof(float));
+    int NB = ceil_div(OC, FP8_TILE), TB = ceil_div(N, FP8_TILE), T16 = round_up(N, 16);
+    size_t Np = (size_t)NB * FP8_TILE, Tp = (size_t)TB * FP8_TILE, R = sizeof(real);
+    return pad_bytes((size_t)T16 * Np) + pad_bytes((size_t)NB * T16 * sizeof(float)) + pad_bytes((size_t)T16 * C * R) +
+           pad_bytes((size_t)T16 * OC * R) + pad_bytes((size_t)OC * Tp) + pad_bytes((size_t)TB * OC * sizeof(float)) +
+           pad_bytes((size_t)C * Tp) + pad_bytes((size_t)TB * C * sizeof(float));
 }
 
 void linear_reserve_scratch(Model *m, int rows) {
@@ -197,14 +202,12 @@ void linear_forward(Model *m, real *out, const real *inp, const real *weight, in
         return;
     case PRECISION_FP8: break;
     }
-    int KB = ceil_div(C, FP8_TILE), KB4 = ceil_div(KB, 4) * 4, NB = ceil_div(OC, FP8_TILE), T16 = round_up(N, 16);
-    size_t Kp = (size_t)KB * FP8_TILE, Np = (size_t)NB * FP8_TILE, R = sizeof(real);
+    int KB = ceil_div(C, FP8_TILE), T16 = round_up(N, 16);
+    size_t Kp = (size_t)KB * FP8_TILE, R = sizeof(real);
     scratch_reserve(m, fprop_bytes(N, C, OC));
     size_t used = 0;
     uint8_t *qx = scratch_take(m, &used, (size_t)T16 * Kp);
     float *sx = scratch_take(m, &used, (size_t)KB * T16 * sizeof(float));
-    uint8_t *qw = scratch_take(m, &used, Np * Kp);
-    float *sw = scratch_take(m, &used, (size_t)NB * KB4 * sizeof(float));
     real *x_pad = scratch_take(m, &used, (size_t)T16 * C * R);
     real *y_pad = scratch_take(m, &used, (size_t)T16 * OC * R);
     const real *x = pad_rows(m, x_pad, inp, N, T16, C);
@@ -213,10 +216,8 @@ void linear_forward(Model *m, real *out, const real *inp, const real *weight, in
     const CachedWeight *cw = cached_weight(m, weight, OC, C);
     profile_begin(PHASE_QUANTISE);
     check_quantised(fp8_quantize_1x128(m->dev, qx, sx, x, T16, C, err, sizeof err), "an activation (Fprop X)", err);
-    if (cw) qw = cw->q, sw = cw->s;
-    else check_quantised(fp8_quantize_128x128(m->dev, qw, NULL, sw, weight, OC, C, err, sizeof err), "a weight", err);
     profile_end(PHASE_QUANTISE);
-    fp8_gemm_fprop(m->dev, y, qx, sx, qw, sw, T16, OC, C);
+    fp8_gemm_fprop(m->dev, y, qx, sx, cw->q, cw->s, T16, OC, C);
     if (y != out) copy_block(m->dev, out, OC, y, OC, N, OC, 0);  // the first N rows are the valid ones
     m->fp8_gemm_count++;
     profile_end(PHASE_OTHER_GEMM);
@@ -238,16 +239,12 @@ void linear_backward(Model *m, real *dinp, real *dweight, const real *dout, cons
     }
     // Dgrad: dY in 1x128 tiles along OC, W's 128x128 blocks transposed; the BF16 result is added to dinp.
     // Wgrad: dY and X in 128x1 tiles along the N tokens, written transposed so N is the contraction axis.
-    int KB = ceil_div(C, FP8_TILE), KB4 = ceil_div(KB, 4) * 4, NB = ceil_div(OC, FP8_TILE), TB = ceil_div(N, FP8_TILE);
-    int T16 = round_up(N, 16);
-    size_t Kp = (size_t)KB * FP8_TILE, Np = (size_t)NB * FP8_TILE, Tp = (size_t)TB * FP8_TILE, R = sizeof(real);
+    int NB = ceil_div(OC, FP8_TILE), TB = ceil_div(N, FP8_TILE), T16 = round_up(N, 16);
+    size_t Np = (size_t)NB * FP8_TILE, Tp = (size_t)TB * FP8_TILE, R = sizeof(real);
     scratch_reserve(m, backward_bytes(N, C, OC));
     size_t used = 0;
     uint8_t *qdy = scratch_take(m, &used, (size_t)T16 * Np);
     float *sdy = scratch_take(m, &used, (size_t)NB * T16 * sizeof(float));
-    uint8_t *qw = scratch_take(m, &used, Np * Kp);
-    uint8_t *qwt = scratch_take(m, &used, Np * Kp);
-    float *sw = scratch_take(m, &used, (size_t)NB * KB4 * sizeof(float));
     real *dx = scratch_take(m, &used, (size_t)T16 * C * R);
     real *dy_pad = scratch_take(m, &used, (size_t)T16 * OC * R);
     uint8_t *qdyt = scratch_take(m, &used, (size_t)OC * Tp);
@@ -260,10 +257,8 @@ void linear_backward(Model *m, real *dinp, real *dweight, const real *dout, cons
         const CachedWeight *cw = cached_weight(m, weight, OC, C);
         profile_begin(PHASE_QUANTISE);
         check_quantised(fp8_quantize_1x128(m->dev, qdy, sdy, dy, T16, OC, err, sizeof err), "a gradient (Dgrad dY)", err);
-        if (cw) qwt = cw->qt, sw = cw->s;
-        else check_quantised(fp8_quantize_128x128(m->dev, qw, qwt, sw, weight, OC, C, err, sizeof err), "a weight", err);
         profile_end(PHASE_QUANTISE);
-        fp8_gemm_dgrad(m->dev, dx, qdy, sdy, qwt, sw, T16, OC, C);
+        fp8_gemm_dgrad(m->dev, dx, qdy, sdy, cw->qt, cw->s, T16, OC, C);
         add_inplace(m->dev, dinp, dx, (int64_t)N * C);  // the first N rows are the valid ones
         m->fp8_gemm_count++;
     }

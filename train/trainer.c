@@ -219,11 +219,7 @@ static EvalMetrics evaluate(Model *m, ChunkActs *acts, DataLoader *val, const Ba
         int64_t n_targets = 0;
         if (!loader_next_eval(val, bt->rows, bt->labels, &n_targets)) break;
         if (n_targets == 0) continue;  // pure padding rows
-        for (int b = 0; b < bt->B; b++)
-            for (int t = 0; t < bt->T; t++) {
-                bt->inputs[b * bt->T + t] = bt->rows[b * (bt->T + 1) + t];
-                bt->targets[b * bt->T + t] = bt->labels[b * (bt->T + 1) + t + 1];
-            }
+        trainer_split_batch(bt->rows, bt->labels, bt->B, bt->T, bt->inputs, bt->targets);
         chunk_forward(m, 0, acts, bt->inputs, bt->targets, NULL, NULL);
         LossTerms lt = chunk_losses(acts);
         loss_sum += lt.main * (double)lt.n_valid;
@@ -334,6 +330,21 @@ int trainer_pick_device(const Config *cfg, Device *dev) {
     return 0;
 }
 
+int trainer_open_loader(const Config *cfg, const char *shard_dir, LoaderSplit split, int B, int T, DataLoader *loader,
+                        char *err, size_t err_size) {
+    LoaderOptions lo = {.dir = shard_dir, .split = split, .vocab_size = cfg->model.vocab_size, .B = B, .T = T,
+                        .seed = cfg->train.seed, .dp_rank = 0, .dp_size = 1};
+    return loader_open(loader, &lo, err, err_size);
+}
+
+void trainer_split_batch(const int *rows, const int *labels, int B, int T, int *inputs, int *targets) {
+    for (int b = 0; b < B; b++)
+        for (int t = 0; t < T; t++) {
+            inputs[b * T + t] = rows[b * (T + 1) + t];
+            targets[b * T + t] = labels[b * (T + 1) + t + 1];
+        }
+}
+
 int trainer_run(const Config *cfg) {
     Run r;
     memset(&r, 0, sizeof r);
@@ -356,15 +367,12 @@ int trainer_run(const Config *cfg) {
         fprintf(stderr, "fp8moe: data: %s\n", err);
         goto done;
     }
-    LoaderOptions lo = {.dir = shard_dir, .split = LOADER_TRAIN, .vocab_size = cfg->model.vocab_size, .B = B,
-                        .T = T, .seed = cfg->train.seed, .dp_rank = 0, .dp_size = 1};
-    if (loader_open(&r.train, &lo, err, sizeof err) != 0) {
+    if (trainer_open_loader(cfg, shard_dir, LOADER_TRAIN, B, T, &r.train, err, sizeof err) != 0) {
         fprintf(stderr, "fp8moe: data: %s\n", err);
         goto done;
     }
     r.train_ok = 1;
-    lo.split = LOADER_VAL;
-    if (loader_open(&r.val, &lo, err, sizeof err) != 0) {
+    if (trainer_open_loader(cfg, shard_dir, LOADER_VAL, B, T, &r.val, err, sizeof err) != 0) {
         fprintf(stderr, "fp8moe: data: %s\n", err);
         goto done;
     }
@@ -446,11 +454,7 @@ int trainer_run(const Config *cfg) {
                 fprintf(stderr, "fp8moe: step %d: the training loader returned no batch\n", s);
                 goto done;
             }
-            for (int b = 0; b < B; b++)
-                for (int t = 0; t < T; t++) {
-                    r.batch.inputs[b * T + t] = r.batch.rows[b * (T + 1) + t];
-                    r.batch.targets[b * T + t] = r.batch.rows[b * (T + 1) + t + 1];
-                }
+            trainer_split_batch(r.batch.rows, r.batch.rows, B, T, r.batch.inputs, r.batch.targets);
             real weighted = chunk_forward(m, 0, r.acts, r.batch.inputs, r.batch.targets, NULL, NULL);
             LossTerms lt = chunk_losses(r.acts);
             if (!isfinite((double)weighted) || !isfinite(lt.main) || !isfinite(lt.mtp_mean) ||

@@ -7,8 +7,7 @@ set -u -o pipefail
 cd "$(dirname "$0")/../.."
 BUILD=${BUILD:-build-gpu}
 if [ -n "${OUT:-}" ]; then mkdir -p "$OUT"; exec > >(tee -a "$OUT/bench.log") 2>&1; fi
-L=$PWD/.debs/usr/lib/$(gcc -print-multiarch 2>/dev/null || echo x86_64-linux-gnu)
-[ -d "$L" ] && export LD_LIBRARY_PATH="$L${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+. tests/gpu/env.sh
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw,temperature.gpu --format=csv
 "$BUILD/fp8moe" bench step configs/bench-1gpu.ini --set mtp.depth=0 \
   --set data.text="${FP8MOE_SHAKESPEARE:-../shared/data/tinyshakespeare.txt}" "$@"

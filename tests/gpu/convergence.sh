@@ -9,8 +9,7 @@
 set -u -o pipefail
 cd "$(dirname "$0")/../.."
 BUILD=${BUILD:-build-gpu} STEPS=${STEPS:-300}
-L=$PWD/.debs/usr/lib/$(gcc -print-multiarch 2>/dev/null || echo x86_64-linux-gnu)
-[ -d "$L" ] && export LD_LIBRARY_PATH="$L${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+. tests/gpu/env.sh
 TMP=${OUT:-$(mktemp -d)}/convergence
 mkdir -p "$TMP"
 train_mode() {  # mode gpu extra-args...

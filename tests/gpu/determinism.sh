@@ -5,8 +5,7 @@
 set -u -o pipefail
 cd "$(dirname "$0")/../.."
 BUILD=${BUILD:-build-gpu} STEPS=${STEPS:-5}
-L=$PWD/.debs/usr/lib/$(gcc -print-multiarch 2>/dev/null || echo x86_64-linux-gnu)
-[ -d "$L" ] && export LD_LIBRARY_PATH="$L${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+. tests/gpu/env.sh
 TMP=$(mktemp -d)
 for run in a b; do
   "$BUILD/fp8moe" train configs/bench-1gpu.ini --set train.steps="$STEPS" --set train.eval_every=0 \

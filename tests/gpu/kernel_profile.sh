@@ -11,8 +11,7 @@ cd "$(dirname "$0")/../.."
 BUILD=${BUILD:-build-gpu}
 LAYERS=${LAYERS:-2} MB=${MB:-4} MODE=${MODE:-fp8}
 OUTDIR=${OUT:-/tmp}
-L=$PWD/.debs/usr/lib/$(gcc -print-multiarch 2>/dev/null || echo x86_64-linux-gnu)
-[ -d "$L" ] && export LD_LIBRARY_PATH="$L${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+. tests/gpu/env.sh
 NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -n 1)
 if [ -z "$NCU" ]; then echo "kernel_profile: ncu not found"; exit 1; fi
 csv=$OUTDIR/kernels_$MODE.csv
