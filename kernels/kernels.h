@@ -199,9 +199,11 @@ void moe_combine_backward(Device dev, real *dexpert_out, real *dtopk_w, const re
 // in row-major order ("row R, column C" of the input x) into err.
 //
 // Padded sizes: KB = ceil(K/128) K-blocks, Kp = 128*KB; KB4 = KB rounded up to a multiple of 4;
-// NB = ceil(N/128), Np = 128*NB; TB = ceil(T/128), Tp = 128*TB. Rows of activation operands are not
-// padded by the quantisers (per-expert segment padding is the caller's: rows to a multiple of 16 for
-// Fprop/Dgrad, T to a multiple of 128 for Wgrad).
+// NB = ceil(N/128), Np = 128*NB; TB = ceil(T/128), Tp = 128*TB; T16 = 16*ceil(T/16). The quantisers pad
+// the token axis themselves, so callers pass any length (a per-expert segment is just its rows): 1x128
+// operands have T16 rows (cuBLASLt's FP8 kernels want a multiple of 16), rows T..T16-1 code 0 with
+// scale 1; 128x1 operands have Tp columns, the padding coded 0. The GEMMs take the true T and touch
+// only the T valid output rows.
 #define FP8_E4M3_MAX 448.0f
 #define FP8_TILE 128
 uint8_t fp8_e4m3_from_float(float x);  // round-to-nearest-even, saturating to +-448; NaN -> 0x7F
@@ -216,8 +218,8 @@ float fp8_e4m3_to_float(uint8_t q);    // exact
 // and may return their -1.) On DEVICE_CPU fp8_check_finite returns 0.
 int fp8_check_finite(Device dev, char *err, size_t err_size);
 
-// 1x128 tiles along K (Fprop X, Dgrad dY): x (rows, K) -> q (rows, Kp), s (KB, rows) (outer-dimension
-// major, as cuBLASLt's VEC128_32F wants).
+// 1x128 tiles along K (Fprop X, Dgrad dY): x (rows, K) -> q (R16, Kp), s (KB, R16) with R16 =
+// 16*ceil(rows/16) (outer-dimension major, as cuBLASLt's VEC128_32F wants; rows >= `rows` are zero).
 int fp8_quantize_1x128(Device dev, uint8_t *q, float *s, const real *x, int rows, int K, char *err, size_t err_size);
 // 128x128 blocks of a weight: w (N, K) -> q (Np, Kp) and its transpose qt (Kp, Np) with the same blocks,
 // s (NB, KB4) K-major, K-block count padded to 4 (cuBLASLt BLK128x128_32F), padding entries kb >= KB are 1.0f;
@@ -240,8 +242,9 @@ int fp8_quantize_128x1_transposed(Device dev, uint8_t *q, float *s, const real *
 //        y is written rounded to BF16 (stored as real).
 void fp8_gemm_fprop(Device dev, real *y, const uint8_t *qx, const float *sx, const uint8_t *qw, const float *sw,
                     int T, int N, int K);
-// Dgrad  dx (T, K) = dY W:    qdy, sdy from fp8_quantize_1x128(dy, T, N); qwt, sw of the same weight blocks.
-//        dx is written rounded to BF16 (stored as real).
+// Dgrad  dx (T, K) += dY W:   qdy, sdy from fp8_quantize_1x128(dy, T, N); qwt, sw of the same weight blocks.
+//        The product is rounded to BF16 and added to dx (each element: dx = dx + bf16(acc), once), as a
+//        Linear's backward accumulates into its input gradient; clear dx first for the product alone.
 void fp8_gemm_dgrad(Device dev, real *dx, const uint8_t *qdy, const float *sdy, const uint8_t *qwt,
                     const float *sw, int T, int N, int K);
 // Wgrad  dw (N, K) += dY^T X: qdyt, sdyt from fp8_quantize_128x1_transposed(dy, T, N); qxt, sxt from

@@ -3,10 +3,9 @@
  * call quantises its activation operands afresh; a weight's 128x128 quantisation (q, its transpose and
  * the scales) is a pure function of the FP32 master weight, so it is kept in a cache and recomputed only
  * when the weights changed (model_weights_changed): once per Linear per optimizer step instead of twice
- * per micro-batch, with the same bits. Fprop and Dgrad run on row counts padded with
- * zero rows to a multiple of 16 (DESIGN.md section 4: per-expert segments have any length, the GPU
- * GEMMs need multiples of 16); zero rows quantise to zero with scale 1 and change no valid output.
- * Wgrad's 128x1 quantiser pads the token axis to a multiple of 128 itself.
+ * per micro-batch, with the same bits. Linears that share an input (the SwiGLU FFN's w1 and w3) quantise
+ * it once (linear_forward_shared / linear_backward_shared). Any row count works: the quantisers pad the
+ * token axis themselves (kernels.h), so expert segments are used where they lie, without copies.
  */
 #include "train/linear.h"
 
@@ -38,15 +37,6 @@ static void scratch_reserve(Model *m, size_t bytes) {
 
 static int ceil_div(int a, int b) { return (a + b - 1) / b; }
 static int round_up(int a, int b) { return ceil_div(a, b) * b; }
-
-// x (rows, C) -> the same rows followed by zero rows up to padded_rows, in `buf` (or x itself when
-// no padding is needed).
-static const real *pad_rows(Model *m, real *buf, const real *x, int rows, int padded_rows, int C) {
-    if (padded_rows == rows) return x;
-    copy_block(m->dev, buf, C, x, C, rows, C, 0);
-    device_memset_zero(m->dev, buf + (int64_t)rows * C, (size_t)(padded_rows - rows) * C * sizeof(real));
-    return buf;
-}
 static size_t pad_bytes(size_t bytes) { return (bytes + 63) & ~(size_t)63; }
 
 static void check_quantised(int rc, const char *what, const char *err) {
@@ -158,22 +148,48 @@ static void weight_cache_free(Model *m) {
     m->fp8_weights = NULL;
 }
 
-// Scratch bytes of one Linear's Fprop and of its backward (Dgrad + Wgrad) at N rows: the sums of the
-// buffers the two functions below take, in the same order (the weight's operands are in the cache).
-static size_t fprop_bytes(int N, int C, int OC) {
-    int KB = ceil_div(C, FP8_TILE), T16 = round_up(N, 16);
-    size_t Kp = (size_t)KB * FP8_TILE, R = sizeof(real);
-    return pad_bytes((size_t)T16 * Kp) + pad_bytes((size_t)KB * T16 * sizeof(float)) + pad_bytes((size_t)T16 * C * R) +
-           pad_bytes((size_t)T16 * OC * R);
+// ---------------------------------------------------------------------------- quantised operands
+typedef struct {
+    uint8_t *q;
+    float *s;
+} Fp8Operand;
+
+// Scratch bytes of the two activation layouts of an (N, C) operand: 1x128 tiles (Fprop X, Dgrad dY;
+// N padded to 16 rows by the quantiser) and 128x1 tiles transposed (Wgrad; N padded to 128).
+static size_t bytes_1x128(int N, int C) {
+    const int KB = ceil_div(C, FP8_TILE), T16 = round_up(N, 16);
+    return pad_bytes((size_t)T16 * KB * FP8_TILE) + pad_bytes((size_t)KB * T16 * sizeof(float));
+}
+static size_t bytes_128x1(int N, int C) {
+    const int TB = ceil_div(N, FP8_TILE);
+    return pad_bytes((size_t)C * TB * FP8_TILE) + pad_bytes((size_t)TB * C * sizeof(float));
 }
 
-static size_t backward_bytes(int N, int C, int OC) {
-    int NB = ceil_div(OC, FP8_TILE), TB = ceil_div(N, FP8_TILE), T16 = round_up(N, 16);
-    size_t Np = (size_t)NB * FP8_TILE, Tp = (size_t)TB * FP8_TILE, R = sizeof(real);
-    return pad_bytes((size_t)T16 * Np) + pad_bytes((size_t)NB * T16 * sizeof(float)) + pad_bytes((size_t)T16 * C * R) +
-           pad_bytes((size_t)T16 * OC * R) + pad_bytes((size_t)OC * Tp) + pad_bytes((size_t)TB * OC * sizeof(float)) +
-           pad_bytes((size_t)C * Tp) + pad_bytes((size_t)TB * C * sizeof(float));
+static Fp8Operand quantise_1x128(Model *m, size_t *used, const real *x, int N, int C, const char *what) {
+    const int KB = ceil_div(C, FP8_TILE), T16 = round_up(N, 16);
+    Fp8Operand o = {scratch_take(m, used, (size_t)T16 * KB * FP8_TILE),
+                    scratch_take(m, used, (size_t)KB * T16 * sizeof(float))};
+    char err[256];
+    profile_begin(PHASE_QUANTISE);
+    check_quantised(fp8_quantize_1x128(m->dev, o.q, o.s, x, N, C, err, sizeof err), what, err);
+    profile_end(PHASE_QUANTISE);
+    return o;
 }
+
+static Fp8Operand quantise_128x1(Model *m, size_t *used, const real *x, int N, int C, const char *what) {
+    const int TB = ceil_div(N, FP8_TILE);
+    Fp8Operand o = {scratch_take(m, used, (size_t)C * TB * FP8_TILE), scratch_take(m, used, (size_t)TB * C * sizeof(float))};
+    char err[256];
+    profile_begin(PHASE_QUANTISE);
+    check_quantised(fp8_quantize_128x1_transposed(m->dev, o.q, o.s, x, N, C, err, sizeof err), what, err);
+    profile_end(PHASE_QUANTISE);
+    return o;
+}
+
+// The most scratch one forward (the input's 1x128 operand) or one backward (dY in both layouts and X in
+// 128x1) of a Linear (OC, C) at N rows can hold at once; the weights' operands are in the cache.
+static size_t fprop_bytes(int N, int C) { return bytes_1x128(N, C); }
+static size_t backward_bytes(int N, int C, int OC) { return bytes_1x128(N, OC) + bytes_128x1(N, OC) + bytes_128x1(N, C); }
 
 void linear_reserve_scratch(Model *m, int rows) {
     if (m->cfg.precision.mode != PRECISION_FP8) return;
@@ -182,96 +198,84 @@ void linear_reserve_scratch(Model *m, int rows) {
     for (int i = 0; i < m->n_params; i++) {
         const ParamInfo *p = &m->params[i];
         if (!is_block_linear(p)) continue;
-        size_t f = fprop_bytes(rows, p->shape[1], p->shape[0]), b = backward_bytes(rows, p->shape[1], p->shape[0]);
+        size_t f = fprop_bytes(rows, p->shape[1]), b = backward_bytes(rows, p->shape[1], p->shape[0]);
         if (f > most) most = f;
         if (b > most) most = b;
     }
     scratch_reserve(m, most);
 }
 
-void linear_forward(Model *m, real *out, const real *inp, const real *weight, int N, int C, int OC) {
-    profile_begin(PHASE_OTHER_GEMM);  // the caller may make it an expert GEMM (kernels/profile.h)
-    switch (m->cfg.precision.mode) {
-    case PRECISION_FP32:
-        matmul_forward(m->dev, out, inp, weight, N, C, OC);
-        profile_end(PHASE_OTHER_GEMM);
-        return;
-    case PRECISION_BF16:
-        bf16_matmul_forward(m->dev, out, inp, weight, N, C, OC);
-        profile_end(PHASE_OTHER_GEMM);
-        return;
-    case PRECISION_FP8: break;
-    }
-    int KB = ceil_div(C, FP8_TILE), T16 = round_up(N, 16);
-    size_t Kp = (size_t)KB * FP8_TILE, R = sizeof(real);
-    scratch_reserve(m, fprop_bytes(N, C, OC));
+// fp8 Fprop of n_out Linears of the same input: the input is quantised once.
+static void fp8_forward(Model *m, int n_out, real *const *out, const real *inp, const real *const *weight, int N,
+                        int C, int OC) {
+    scratch_reserve(m, fprop_bytes(N, C));
     size_t used = 0;
-    uint8_t *qx = scratch_take(m, &used, (size_t)T16 * Kp);
-    float *sx = scratch_take(m, &used, (size_t)KB * T16 * sizeof(float));
-    real *x_pad = scratch_take(m, &used, (size_t)T16 * C * R);
-    real *y_pad = scratch_take(m, &used, (size_t)T16 * OC * R);
-    const real *x = pad_rows(m, x_pad, inp, N, T16, C);
-    real *y = T16 == N ? out : y_pad;
-    char err[256];
-    const CachedWeight *cw = cached_weight(m, weight, OC, C);
-    profile_begin(PHASE_QUANTISE);
-    check_quantised(fp8_quantize_1x128(m->dev, qx, sx, x, T16, C, err, sizeof err), "an activation (Fprop X)", err);
-    profile_end(PHASE_QUANTISE);
-    fp8_gemm_fprop(m->dev, y, qx, sx, cw->q, cw->s, T16, OC, C);
-    if (y != out) copy_block(m->dev, out, OC, y, OC, N, OC, 0);  // the first N rows are the valid ones
-    m->fp8_gemm_count++;
+    const Fp8Operand x = quantise_1x128(m, &used, inp, N, C, "an activation (Fprop X)");
+    for (int i = 0; i < n_out; i++) {
+        const CachedWeight *cw = cached_weight(m, weight[i], OC, C);
+        fp8_gemm_fprop(m->dev, out[i], x.q, x.s, cw->q, cw->s, N, OC, C);
+        m->fp8_gemm_count++;
+    }
+}
+
+// fp8 backward of n_out Linears of the same input, in order: Dgrad dinp += dY W (dY in 1x128 tiles along
+// OC, W's 128x128 blocks transposed), then Wgrad dW += dY^T X (dY and X in 128x1 tiles along the N
+// tokens, written transposed so N is the contraction axis); X's Wgrad operand is quantised once.
+static void fp8_backward(Model *m, int n_out, real *dinp, real *const *dweight, const real *const *dout,
+                         const real *inp, const real *const *weight, int N, int C, int OC) {
+    scratch_reserve(m, backward_bytes(N, C, OC));
+    size_t used = 0;
+    Fp8Operand xt = {NULL, NULL};
+    for (int i = 0; i < n_out; i++) {
+        if (dweight[i] && xt.q == NULL) xt = quantise_128x1(m, &used, inp, N, C, "an activation (Wgrad X)");
+    }
+    const size_t used_by_x = used;
+    for (int i = 0; i < n_out; i++) {
+        used = used_by_x;  // dY's operands of the previous Linear are consumed (one stream, in order)
+        if (dinp) {
+            const CachedWeight *cw = cached_weight(m, weight[i], OC, C);
+            const Fp8Operand dy = quantise_1x128(m, &used, dout[i], N, OC, "a gradient (Dgrad dY)");
+            fp8_gemm_dgrad(m->dev, dinp, dy.q, dy.s, cw->qt, cw->s, N, OC, C);
+            m->fp8_gemm_count++;
+        }
+        if (dweight[i]) {
+            const Fp8Operand dyt = quantise_128x1(m, &used, dout[i], N, OC, "a gradient (Wgrad dY)");
+            fp8_gemm_wgrad(m->dev, dweight[i], dyt.q, dyt.s, xt.q, xt.s, N, OC, C);
+            m->fp8_gemm_count++;
+        }
+    }
+}
+
+void linear_forward(Model *m, real *out, const real *inp, const real *weight, int N, int C, int OC) {
+    linear_forward_shared(m, 1, &out, inp, &weight, N, C, OC);
+}
+
+void linear_forward_shared(Model *m, int n_out, real *const *out, const real *inp, const real *const *weight, int N,
+                           int C, int OC) {
+    profile_begin(PHASE_OTHER_GEMM);  // the caller may make it an expert GEMM (kernels/profile.h)
+    for (int i = 0; i < n_out && m->cfg.precision.mode != PRECISION_FP8; i++) {
+        if (m->cfg.precision.mode == PRECISION_FP32) matmul_forward(m->dev, out[i], inp, weight[i], N, C, OC);
+        else bf16_matmul_forward(m->dev, out[i], inp, weight[i], N, C, OC);
+    }
+    if (m->cfg.precision.mode == PRECISION_FP8) fp8_forward(m, n_out, out, inp, weight, N, C, OC);
     profile_end(PHASE_OTHER_GEMM);
 }
 
 void linear_backward(Model *m, real *dinp, real *dweight, const real *dout, const real *inp, const real *weight,
                      int N, int C, int OC) {
+    linear_backward_shared(m, 1, dinp, &dweight, &dout, inp, &weight, N, C, OC);
+}
+
+void linear_backward_shared(Model *m, int n_out, real *dinp, real *const *dweight, const real *const *dout,
+                            const real *inp, const real *const *weight, int N, int C, int OC) {
     profile_begin(PHASE_OTHER_GEMM);
-    switch (m->cfg.precision.mode) {
-    case PRECISION_FP32:
-        matmul_backward(m->dev, dinp, dweight, dout, inp, weight, N, C, OC);
-        profile_end(PHASE_OTHER_GEMM);
-        return;
-    case PRECISION_BF16:
-        bf16_matmul_backward(m->dev, dinp, dweight, dout, inp, weight, N, C, OC);
-        profile_end(PHASE_OTHER_GEMM);
-        return;
-    case PRECISION_FP8: break;
+    for (int i = 0; i < n_out && m->cfg.precision.mode != PRECISION_FP8; i++) {
+        if (m->cfg.precision.mode == PRECISION_FP32)
+            matmul_backward(m->dev, dinp, dweight[i], dout[i], inp, weight[i], N, C, OC);
+        else
+            bf16_matmul_backward(m->dev, dinp, dweight[i], dout[i], inp, weight[i], N, C, OC);
     }
-    // Dgrad: dY in 1x128 tiles along OC, W's 128x128 blocks transposed; the BF16 result is added to dinp.
-    // Wgrad: dY and X in 128x1 tiles along the N tokens, written transposed so N is the contraction axis.
-    int NB = ceil_div(OC, FP8_TILE), TB = ceil_div(N, FP8_TILE), T16 = round_up(N, 16);
-    size_t Np = (size_t)NB * FP8_TILE, Tp = (size_t)TB * FP8_TILE, R = sizeof(real);
-    scratch_reserve(m, backward_bytes(N, C, OC));
-    size_t used = 0;
-    uint8_t *qdy = scratch_take(m, &used, (size_t)T16 * Np);
-    float *sdy = scratch_take(m, &used, (size_t)NB * T16 * sizeof(float));
-    real *dx = scratch_take(m, &used, (size_t)T16 * C * R);
-    real *dy_pad = scratch_take(m, &used, (size_t)T16 * OC * R);
-    uint8_t *qdyt = scratch_take(m, &used, (size_t)OC * Tp);
-    float *sdyt = scratch_take(m, &used, (size_t)TB * OC * sizeof(float));
-    uint8_t *qxt = scratch_take(m, &used, (size_t)C * Tp);
-    float *sxt = scratch_take(m, &used, (size_t)TB * C * sizeof(float));
-    char err[256];
-    if (dinp) {
-        const real *dy = pad_rows(m, dy_pad, dout, N, T16, OC);
-        const CachedWeight *cw = cached_weight(m, weight, OC, C);
-        profile_begin(PHASE_QUANTISE);
-        check_quantised(fp8_quantize_1x128(m->dev, qdy, sdy, dy, T16, OC, err, sizeof err), "a gradient (Dgrad dY)", err);
-        profile_end(PHASE_QUANTISE);
-        fp8_gemm_dgrad(m->dev, dx, qdy, sdy, cw->qt, cw->s, T16, OC, C);
-        add_inplace(m->dev, dinp, dx, (int64_t)N * C);  // the first N rows are the valid ones
-        m->fp8_gemm_count++;
-    }
-    if (dweight) {
-        profile_begin(PHASE_QUANTISE);
-        check_quantised(fp8_quantize_128x1_transposed(m->dev, qdyt, sdyt, dout, N, OC, err, sizeof err),
-                        "a gradient (Wgrad dY)", err);
-        check_quantised(fp8_quantize_128x1_transposed(m->dev, qxt, sxt, inp, N, C, err, sizeof err),
-                        "an activation (Wgrad X)", err);
-        profile_end(PHASE_QUANTISE);
-        fp8_gemm_wgrad(m->dev, dweight, qdyt, sdyt, qxt, sxt, N, OC, C);
-        m->fp8_gemm_count++;
-    }
+    if (m->cfg.precision.mode == PRECISION_FP8) fp8_backward(m, n_out, dinp, dweight, dout, inp, weight, N, C, OC);
     profile_end(PHASE_OTHER_GEMM);
 }
 

@@ -22,6 +22,14 @@ void linear_forward(Model *m, real *out, const real *inp, const real *weight, in
 // dinp (N, C) += dout @ weight; dweight (OC, C) += dout^T @ inp   (either may be NULL)
 void linear_backward(Model *m, real *dinp, real *dweight, const real *dout, const real *inp, const real *weight,
                      int N, int C, int OC);
+// n_out Linears of the same input inp (N, C), weights (OC, C) each: out[i] = inp @ weight[i]^T, and in the
+// backward dinp += sum_i dout[i] @ weight[i] (in order of i), dweight[i] += dout[i]^T @ inp (dweight[i]
+// may be NULL). The same numbers as n_out calls of the functions above; in fp8 mode the input is quantised
+// once instead of n_out times (the SwiGLU FFN's w1 and w3).
+void linear_forward_shared(Model *m, int n_out, real *const *out, const real *inp, const real *const *weight, int N,
+                           int C, int OC);
+void linear_backward_shared(Model *m, int n_out, real *dinp, real *const *dweight, const real *const *dout,
+                            const real *inp, const real *const *weight, int N, int C, int OC);
 // Sizes the FP8 scratch for every block Linear at `rows` tokens (a micro-batch: no expert segment is
 // longer), so no step allocates device memory; a no-op outside fp8 mode.
 void linear_reserve_scratch(Model *m, int rows);

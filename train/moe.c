@@ -19,8 +19,9 @@
 // x (rows, D) -> out (rows, D) = w2 (silu(w1 x) * w3 x); w1, w3 (width, D), w2 (D, width)
 void ffn_forward(Model *m, const FfnWeights *w, FfnActs *a, int rows, int D, int width, const real *x,
                  real *out) {
-    linear_forward(m, a->a, x, w->w1, rows, D, width);
-    linear_forward(m, a->b, x, w->w3, rows, D, width);
+    real *const ab[2] = {a->a, a->b};
+    const real *const w13[2] = {w->w1, w->w3};
+    linear_forward_shared(m, 2, ab, x, w13, rows, D, width);
     swiglu_forward(m->dev, a->h, a->a, a->b, (int64_t)rows * width);
     linear_forward(m, out, a->h, w->w2, rows, width, D);
 }
@@ -37,8 +38,9 @@ void ffn_backward(Model *m, const FfnWeights *w, const FfnWeights *g, FfnActs *a
     device_memset_zero(dev, s->d_b, bytes);
     linear_backward(m, s->d_h, g->w2, d_out, a->h, w->w2, rows, width, D);
     swiglu_backward(dev, s->d_a, s->d_b, s->d_h, a->a, a->b, (int64_t)rows * width);
-    linear_backward(m, d_x, g->w1, s->d_a, x, w->w1, rows, D, width);
-    linear_backward(m, d_x, g->w3, s->d_b, x, w->w3, rows, D, width);
+    real *const g13[2] = {g->w1, g->w3};
+    const real *const d_ab[2] = {s->d_a, s->d_b}, *const w13[2] = {w->w1, w->w3};
+    linear_backward_shared(m, 2, d_x, g13, d_ab, x, w13, rows, D, width);
 }
 
 // ---------------------------------------------------------------------------- routed experts

@@ -82,6 +82,7 @@ float fp8_e4m3_to_float(uint8_t q) {
 // is defined on FP32 values. In the FP32 build the cast is the identity.
 
 static int ceil_div(int a, int b) { return (a + b - 1) / b; }
+static int round_up16(int rows) { return ceil_div(rows, 16) * 16; }
 
 // The scale of a tile from its amax: s = amax / 448, one FP32 division. s = 1 when amax = 0 (an
 // all-zero tile, e.g. padding) and also when amax is so small (< ~6e-43, an FP32 subnormal) that the
@@ -139,11 +140,16 @@ static inline float amax_of(const real *x, int n) {
     return m01 > m23 ? m01 : m23;
 }
 
-// x (rows, K) -> q (rows, Kp), s (KB, rows): tile (r, kb) is x[r, 128 kb .. 128 kb + 127], its scale is
-// s[kb * rows + r] and q[r * Kp + k] = e4m3(x[r, k] / s) for k < K, 0 for K <= k < Kp.
+// x (rows, K) -> q (R16, Kp), s (KB, R16), R16 = rows rounded up to 16: tile (r, kb) is
+// x[r, 128 kb .. 128 kb + 127], its scale is s[kb * R16 + r] and q[r * Kp + k] = e4m3(x[r, k] / s) for
+// k < K, 0 for K <= k < Kp. The padding rows r >= rows are all-zero tiles: code 0, scale 1.
 int cpu_fp8_quantize_1x128(uint8_t *q, float *s, const real *x, int rows, int K, char *err, size_t err_size) {
     if (check_finite("fp8_quantize_1x128", x, rows, K, err, err_size)) return -1;
-    const int KB = ceil_div(K, FP8_TILE), Kp = KB * FP8_TILE;
+    const int KB = ceil_div(K, FP8_TILE), Kp = KB * FP8_TILE, R16 = round_up16(rows);
+    memset(q + (size_t)rows * Kp, 0, (size_t)(R16 - rows) * Kp);
+    for (int kb = 0; kb < KB; kb++) {
+        for (int r = rows; r < R16; r++) s[(size_t)kb * R16 + r] = 1.0f;
+    }
 #pragma omp parallel for schedule(static) if ((double)rows * K > 16384.0)
     for (int r = 0; r < rows; r++) {
         const real *xr = x + (size_t)r * K;
@@ -151,7 +157,7 @@ int cpu_fp8_quantize_1x128(uint8_t *q, float *s, const real *x, int rows, int K,
         for (int kb = 0; kb < KB; kb++) {
             const int k0 = kb * FP8_TILE, len = K - k0 < FP8_TILE ? K - k0 : FP8_TILE;
             const float sc = scale_of_amax(amax_of(xr + k0, len));
-            s[(size_t)kb * rows + r] = sc;
+            s[(size_t)kb * R16 + r] = sc;
             encode_scaled(qr + k0, xr + k0, len, sc);
             memset(qr + k0 + len, 0, (size_t)(FP8_TILE - len));
         }
@@ -322,7 +328,7 @@ typedef double dvec2 __attribute__((vector_size(16)));
 #define NR 8
 #define PANEL_ALIGN 64
 
-typedef enum { OUT_WRITE_BF16, OUT_ADD_FP32 } OutMode;
+typedef enum { OUT_WRITE_BF16, OUT_ADD_BF16, OUT_ADD_FP32 } OutMode;
 
 static void *alloc_or_die(size_t bytes, const char *what) {
     size_t rounded = (bytes + PANEL_ALIGN - 1) / PANEL_ALIGN * PANEL_ALIGN;
@@ -408,11 +414,12 @@ static BlockKernel pick_block_kernel(void) {
     return block_micro_kernel_portable;
 }
 
-// out (M, Ncols), row stride Ncols: written as BF16(acc) or added to (out += acc), see OutMode.
+// out (M, Ncols), row stride Ncols: written as BF16(acc) or added to (out += BF16(acc) or acc), see
+// OutMode. A's scales are sa[kb * sa_stride + m] (sa_stride >= M: the 1x128 operands have padded rows).
 // Every output element is computed by one thread in the fixed order above, so the result does not
 // depend on the thread count. OpenMP splits the row panels (output rows); B is decoded once up front.
-static void block_scaled_gemm(real *out, OutMode mode, const uint8_t *A, const float *sa, const uint8_t *B,
-                              const float *sbx, int M, int Ncols, int Kc) {
+static void block_scaled_gemm(real *out, OutMode mode, const uint8_t *A, const float *sa, int sa_stride,
+                              const uint8_t *B, const float *sbx, int M, int Ncols, int Kc) {
     if (M <= 0 || Ncols <= 0) return;
     double lut[256];
     for (int v = 0; v < 256; v++) lut[v] = (double)fp8_e4m3_to_float((uint8_t)v);
@@ -440,7 +447,7 @@ static void block_scaled_gemm(real *out, OutMode mode, const uint8_t *A, const f
                 double P[MR][NR];
                 for (int kb = 0; kb < KBc; kb++) {
                     block_kernel(P, ap + (size_t)kb * FP8_TILE * MR, bq + (size_t)kb * FP8_TILE * NR);
-                    const float *sak = sa + (size_t)kb * M + m0, *sbk = sbx + (size_t)kb * Ncols + n0;
+                    const float *sak = sa + (size_t)kb * sa_stride + m0, *sbk = sbx + (size_t)kb * Ncols + n0;
                     for (int i = 0; i < rows; i++) {
                         for (int j = 0; j < cols; j++) acc[i][j] = fp8_promote(acc[i][j], P[i][j], sak[i], sbk[j]);
                     }
@@ -449,6 +456,7 @@ static void block_scaled_gemm(real *out, OutMode mode, const uint8_t *A, const f
                     real *o = out + (size_t)(m0 + i) * Ncols + n0;
                     for (int j = 0; j < cols; j++) {
                         if (mode == OUT_WRITE_BF16) o[j] = (real)bf16_to_float(float_to_bf16(acc[i][j]));
+                        else if (mode == OUT_ADD_BF16) o[j] = o[j] + (real)bf16_to_float(float_to_bf16(acc[i][j]));
                         else o[j] = o[j] + (real)acc[i][j];
                     }
                 }
@@ -461,7 +469,7 @@ static void block_scaled_gemm(real *out, OutMode mode, const uint8_t *A, const f
 
 // ---------------------------------------------------------------------------- FP8 GEMMs
 // Fprop  y (T, N) = X W^T, written as BF16.
-//   qx (T, Kp), sx (KB, T) from fp8_quantize_1x128(x, T, K): A = qx, sa = sx;
+//   qx (T16, Kp), sx (KB, T16) from fp8_quantize_1x128(x, T, K): A = qx, sa = sx;
 //   qw (Np, Kp), sw (NB, KB4) from fp8_quantize_128x128(w, N, K): B = the first N rows of qw,
 //   sb(n, kb) = sw[(n / 128) * KB4 + kb]. Contraction over Kp.
 void cpu_fp8_gemm_fprop(real *y, const uint8_t *qx, const float *sx, const uint8_t *qw, const float *sw, int T, int N,
@@ -471,12 +479,12 @@ void cpu_fp8_gemm_fprop(real *y, const uint8_t *qx, const float *sx, const uint8
     for (int kb = 0; kb < KB; kb++) {
         for (int n = 0; n < N; n++) sbx[(size_t)kb * N + n] = sw[(size_t)(n / FP8_TILE) * KB4 + kb];
     }
-    block_scaled_gemm(y, OUT_WRITE_BF16, qx, sx, qw, sbx, T, N, KB * FP8_TILE);
+    block_scaled_gemm(y, OUT_WRITE_BF16, qx, sx, round_up16(T), qw, sbx, T, N, KB * FP8_TILE);
     free(sbx);
 }
 
-// Dgrad  dx (T, K) = dY W, written as BF16 (in the forward pass this was y = X W^T, so dX = dY W).
-//   qdy (T, Np), sdy (NB, T) from fp8_quantize_1x128(dy, T, N): A = qdy, sa = sdy;
+// Dgrad  dx (T, K) += dY W, the product rounded to BF16 (in the forward pass this was y = X W^T, so dX = dY W).
+//   qdy (T16, Np), sdy (NB, T16) from fp8_quantize_1x128(dy, T, N): A = qdy, sa = sdy;
 //   qwt (Kp, Np) and sw (NB, KB4) of the same weight: B = the first K rows of qwt,
 //   sb(k, nb) = sw[nb * KB4 + k / 128]. Contraction over Np.
 void cpu_fp8_gemm_dgrad(real *dx, const uint8_t *qdy, const float *sdy, const uint8_t *qwt, const float *sw, int T,
@@ -486,7 +494,7 @@ void cpu_fp8_gemm_dgrad(real *dx, const uint8_t *qdy, const float *sdy, const ui
     for (int nb = 0; nb < NB; nb++) {
         for (int k = 0; k < K; k++) sbx[(size_t)nb * K + k] = sw[(size_t)nb * KB4 + k / FP8_TILE];
     }
-    block_scaled_gemm(dx, OUT_WRITE_BF16, qdy, sdy, qwt, sbx, T, K, NB * FP8_TILE);
+    block_scaled_gemm(dx, OUT_ADD_BF16, qdy, sdy, round_up16(T), qwt, sbx, T, K, NB * FP8_TILE);
     free(sbx);
 }
 
@@ -497,5 +505,5 @@ void cpu_fp8_gemm_dgrad(real *dx, const uint8_t *qdy, const float *sdy, const ui
 void cpu_fp8_gemm_wgrad(real *dw, const uint8_t *qdyt, const float *sdyt, const uint8_t *qxt, const float *sxt, int T,
                         int N, int K) {
     const int TB = ceil_div(T, FP8_TILE);
-    block_scaled_gemm(dw, OUT_ADD_FP32, qdyt, sdyt, qxt, sxt, N, K, TB * FP8_TILE);
+    block_scaled_gemm(dw, OUT_ADD_FP32, qdyt, sdyt, N, qxt, sxt, N, K, TB * FP8_TILE);
 }

@@ -142,7 +142,8 @@ static void require_aligned16(const void *p, const char *op, const char *name) {
 static inline int ceil_div(int a, int b) { return (a + b - 1) / b; }
 
 // ---------------------------------------------------------------------------- 1x128 along K
-// x (rows, K) -> q (rows, Kp), s (KB, rows). One warp per row and 4 consecutive K-blocks: lane l holds
+// x (rows, K) -> q (R16, Kp), s (KB, R16), R16 = rows rounded up to 16; the padding rows are quantised as
+// zero rows (code 0, scale 1), so callers never copy a segment to pad it. One warp per row and 4 consecutive K-blocks: lane l holds
 // columns 4l..4l+3 of each tile (all 4 tiles are loaded before the first reduction, so 2 KiB per warp
 // are in flight), amax is a warp max per tile, lane 0 writes the scales. A block is 8 warps = 8
 // consecutive rows, so the 8 scales of one K-block it writes are contiguous in s.
@@ -150,15 +151,16 @@ static const int Q1X128_ROWS_PER_BLOCK = 8;
 static const int Q1X128_TILES_PER_WARP = 4;
 
 template <bool VEC4>
-__global__ void quantize_1x128_kernel(uint8_t *q, float *s, const float *x, int rows, int K, int KB,
+__global__ void quantize_1x128_kernel(uint8_t *q, float *s, const float *x, int rows, int R16, int K, int KB,
                                       unsigned long long call, unsigned long long *bad) {
     const int lane = threadIdx.x & 31;
     const int row = blockIdx.x * Q1X128_ROWS_PER_BLOCK + (threadIdx.x >> 5);
     const int kb0 = blockIdx.y * Q1X128_TILES_PER_WARP;
-    if (row >= rows) return; // the whole warp leaves together
+    if (row >= R16) return; // the whole warp leaves together
     const float *xr = x + (int64_t)row * K;
+    const int len = row < rows ? K : 0; // a padding row loads as zeros
     float v[Q1X128_TILES_PER_WARP][4];
-    for (int i = 0; i < Q1X128_TILES_PER_WARP; i++) load4<VEC4>(v[i], xr, (kb0 + i) * FP8_TILE + lane * 4, K);
+    for (int i = 0; i < Q1X128_TILES_PER_WARP; i++) load4<VEC4>(v[i], xr, (kb0 + i) * FP8_TILE + lane * 4, len);
     for (int i = 0; i < Q1X128_TILES_PER_WARP && kb0 + i < KB; i++) {
         const int col = (kb0 + i) * FP8_TILE + lane * 4;
         float a = 0.0f;
@@ -168,7 +170,7 @@ __global__ void quantize_1x128_kernel(uint8_t *q, float *s, const float *x, int 
         }
         const float sc = fp8_scale_of(warp_max(a));
         *reinterpret_cast<uint32_t *>(q + (int64_t)row * KB * FP8_TILE + col) = fp8_pack4(v[i], sc);
-        if (lane == 0) s[(int64_t)(kb0 + i) * rows + row] = sc;
+        if (lane == 0) s[(int64_t)(kb0 + i) * R16 + row] = sc;
     }
 }
 
@@ -177,14 +179,16 @@ extern "C" int cuda_fp8_quantize_1x128(uint8_t *q, float *s, const real *x, int 
     if (rows <= 0 || K <= 0) return 0;
     require_aligned16(q, "fp8_quantize_1x128", "q");
     require_aligned16(s, "fp8_quantize_1x128", "s");
-    const int KB = ceil_div(K, FP8_TILE);
+    const int KB = ceil_div(K, FP8_TILE), R16 = ceil_div(rows, 16) * 16;
     unsigned long long *bad = bad_word();
     int rc;
     const unsigned long long call = log_call("fp8_quantize_1x128", "x", rows, K, &rc, err, err_size);
-    const dim3 grid((unsigned)ceil_div(rows, Q1X128_ROWS_PER_BLOCK), (unsigned)ceil_div(KB, Q1X128_TILES_PER_WARP));
+    const dim3 grid((unsigned)ceil_div(R16, Q1X128_ROWS_PER_BLOCK), (unsigned)ceil_div(KB, Q1X128_TILES_PER_WARP));
     const int threads = 32 * Q1X128_ROWS_PER_BLOCK;
-    if (K % 4 == 0 && is_aligned(x, 16)) quantize_1x128_kernel<true><<<grid, threads>>>(q, s, x, rows, K, KB, call, bad);
-    else quantize_1x128_kernel<false><<<grid, threads>>>(q, s, x, rows, K, KB, call, bad);
+    if (K % 4 == 0 && is_aligned(x, 16))
+        quantize_1x128_kernel<true><<<grid, threads>>>(q, s, x, rows, R16, K, KB, call, bad);
+    else
+        quantize_1x128_kernel<false><<<grid, threads>>>(q, s, x, rows, R16, K, KB, call, bad);
     CUDA_CHECK_LAUNCH("quantize_1x128_kernel");
     return rc;
 }

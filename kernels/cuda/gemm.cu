@@ -16,16 +16,16 @@
  * BLK x VEC (Fprop, Dgrad) and VEC x VEC (Wgrad) are supported; BLK x BLK is not.
  *
  *   GEMM   cuBLASLt A (op T), scale      cuBLASLt B (op N), scale     m x n x k      D
- *   Fprop  qw  (Np, Kp), BLK sw          qx  (T, Kp), VEC sx          Np x T x Kp    BF16 (T, Np)
- *   Dgrad  qwt (Kp, Np), BLK swt         qdy (T, Np), VEC sdy         Kp x T x Np    BF16 (T, Kp)
+ *   Fprop  qw  (Np, Kp), BLK sw          qx  (T16, Kp), VEC sx        Np x T16 x Kp  BF16 (T16, Np)
+ *   Dgrad  qwt (Kp, Np), BLK swt         qdy (T16, Np), VEC sdy       Kp x T16 x Np  BF16 (T16, Kp)
  *   Wgrad  qxt (K, Tp),  VEC sxt         qdyt (N, Tp), VEC sdyt       K x N x Tp     FP32 dw (N, K) +=
- * Fprop and Dgrad run on the zero-padded sizes (Np, Kp multiples of 128) so any N, K work; T is the
- * caller's segment length and must be a multiple of 16. Dgrad's weight is the transposed copy qwt,
+ * Fprop and Dgrad run on the zero-padded sizes (Np, Kp multiples of 128, T16 = T rounded up to 16, the
+ * rows the 1x128 quantiser pads with zeros) so any N, K, T work. Dgrad's weight is the transposed copy qwt,
  * whose BLK scales cuBLASLt wants as [KB][NB4]; kernels.h keeps one scale array s (NB, KB4) for both
  * copies, so Dgrad first writes the transposed scales into a small scratch buffer (NB x KB floats).
  *
- * Outputs: kernels.h's Fprop/Dgrad write `real` (float). cuBLASLt writes BF16 into a scratch buffer and a
- * conversion kernel copies the valid columns to float: it reads 2 and writes 4 bytes per output element
+ * Outputs: kernels.h's Fprop writes and Dgrad adds into `real` (float). cuBLASLt writes BF16 into a scratch
+ * buffer and a conversion kernel copies (Dgrad: adds) the valid rows and columns to float: it reads 2 and writes 4 bytes per output element
  * (0.09 ms for an 8192 x 8192 output, 11% of the 8192^3 FP8 Fprop, measured by `fp8moe bench gemm`);
  * gemm.h's *_bf16 functions skip it for code that keeps activations in BF16 (a later issue).
  * Wgrad writes FP32 with beta = 1 straight into the FP32 gradient (D = C = dw); when dw is not 16-byte
@@ -319,8 +319,8 @@ __device__ inline uint32_t bf16x2_bits(float lo, float hi) {
     return *reinterpret_cast<const uint32_t *>(&v);
 }
 
-// y (rows, cols) float = x (rows, ld) BF16, the valid columns of a padded GEMM output.
-template <bool VEC4>
+// y (rows, cols) float = (or, with ADD, +=) x (rows, ld) BF16: the valid part of a padded GEMM output.
+template <bool VEC4, bool ADD>
 __global__ void bf16_to_float_rows_kernel(float *y, const uint16_t *x, int64_t rows, int cols, int ld) {
     const int per = VEC4 ? 4 : 1;
     const int64_t groups = cols / per, n = rows * groups;
@@ -328,31 +328,17 @@ __global__ void bf16_to_float_rows_kernel(float *y, const uint16_t *x, int64_t r
         const int64_t r = i / groups, c = (i % groups) * per;
         if (VEC4) {
             const uint2 raw = *reinterpret_cast<const uint2 *>(x + r * ld + c);
-            *reinterpret_cast<float4 *>(y + r * cols + c) =
-                make_float4(bf16_bits_to_float(raw.x & 0xFFFFu), bf16_bits_to_float(raw.x >> 16),
-                            bf16_bits_to_float(raw.y & 0xFFFFu), bf16_bits_to_float(raw.y >> 16));
+            float4 v = make_float4(bf16_bits_to_float(raw.x & 0xFFFFu), bf16_bits_to_float(raw.x >> 16),
+                                   bf16_bits_to_float(raw.y & 0xFFFFu), bf16_bits_to_float(raw.y >> 16));
+            float4 *out = reinterpret_cast<float4 *>(y + r * cols + c);
+            if (ADD) {
+                const float4 o = *out;
+                v.x = __fadd_rn(o.x, v.x), v.y = __fadd_rn(o.y, v.y), v.z = __fadd_rn(o.z, v.z), v.w = __fadd_rn(o.w, v.w);
+            }
+            *out = v;
         } else {
-            y[r * cols + c] = bf16_bits_to_float(x[r * ld + c]);
-        }
-    }
-}
-
-// y (n) += float(x (n)), x BF16: the BF16 baseline's "dinp += bf16(product)".
-template <bool VEC4>
-__global__ void add_bf16_kernel(float *y, const uint16_t *x, int64_t n) {
-    const int per = VEC4 ? 4 : 1;
-    for (int64_t i = (blockIdx.x * (int64_t)blockDim.x + threadIdx.x) * per; i < n;
-         i += (int64_t)gridDim.x * blockDim.x * per) {
-        if (VEC4) {
-            const uint2 raw = *reinterpret_cast<const uint2 *>(x + i);
-            float4 v = *reinterpret_cast<const float4 *>(y + i);
-            v.x = __fadd_rn(v.x, bf16_bits_to_float(raw.x & 0xFFFFu));
-            v.y = __fadd_rn(v.y, bf16_bits_to_float(raw.x >> 16));
-            v.z = __fadd_rn(v.z, bf16_bits_to_float(raw.y & 0xFFFFu));
-            v.w = __fadd_rn(v.w, bf16_bits_to_float(raw.y >> 16));
-            *reinterpret_cast<float4 *>(y + i) = v;
-        } else {
-            y[i] = __fadd_rn(y[i], bf16_bits_to_float(x[i]));
+            const float v = bf16_bits_to_float(x[r * ld + c]);
+            y[r * cols + c] = ADD ? __fadd_rn(y[r * cols + c], v) : v;
         }
     }
 }
@@ -390,21 +376,15 @@ static int vec4_ok(int64_t a, const void *p16, const void *p8) {
     return a % 4 == 0 && (uintptr_t)p16 % 16 == 0 && (uintptr_t)p8 % 8 == 0;
 }
 
+template <bool ADD>
 static void bf16_to_float_rows(float *y, const uint16_t *x, int64_t rows, int cols, int ld) {
     const int64_t n = rows * cols;
     if (n == 0) return;
     if (vec4_ok(cols, y, x) && ld % 4 == 0)
-        bf16_to_float_rows_kernel<true><<<grid_for(n / 4, ELEMENTWISE_THREADS), ELEMENTWISE_THREADS>>>(y, x, rows, cols, ld);
+        bf16_to_float_rows_kernel<true, ADD><<<grid_for(n / 4, ELEMENTWISE_THREADS), ELEMENTWISE_THREADS>>>(y, x, rows, cols, ld);
     else
-        bf16_to_float_rows_kernel<false><<<grid_for(n, ELEMENTWISE_THREADS), ELEMENTWISE_THREADS>>>(y, x, rows, cols, ld);
+        bf16_to_float_rows_kernel<false, ADD><<<grid_for(n, ELEMENTWISE_THREADS), ELEMENTWISE_THREADS>>>(y, x, rows, cols, ld);
     CUDA_CHECK_LAUNCH("bf16_to_float_rows_kernel");
-}
-
-static void add_bf16(float *y, const uint16_t *x, int64_t n) {
-    if (n == 0) return;
-    if (vec4_ok(n, y, x)) add_bf16_kernel<true><<<grid_for(n / 4, ELEMENTWISE_THREADS), ELEMENTWISE_THREADS>>>(y, x, n);
-    else add_bf16_kernel<false><<<grid_for(n, ELEMENTWISE_THREADS), ELEMENTWISE_THREADS>>>(y, x, n);
-    CUDA_CHECK_LAUNCH("add_bf16_kernel");
 }
 
 extern "C" void cuda_float_to_bf16(uint16_t *dst, const float *src, int64_t n) {
@@ -455,24 +435,26 @@ extern "C" void cuda_fp8_gemm_dgrad_bf16(uint16_t *dx, const uint8_t *qdy, const
     lt_matmul(&key, qwt, qdy, dx, swt, sdy, 0.0f, op);
 }
 
+// kernels.h's Fprop and Dgrad take any T: the quantised operands have T16 rows (the padding rows are
+// zero), the GEMM runs on all of them into BF16 scratch and the conversion keeps the T valid rows.
 extern "C" void cuda_fp8_gemm_fprop(real *y, const uint8_t *qx, const float *sx, const uint8_t *qw, const float *sw,
                                     int T, int N, int K) {
     if (T <= 0 || N <= 0) return;
-    const int Np = round_up(N, FP8_TILE);
+    const int Np = round_up(N, FP8_TILE), T16 = round_up(T, 16);
     ctx_init();
-    uint16_t *tmp = (uint16_t *)cuda_scratch(&ctx.out_bf16, sizeof(uint16_t) * (size_t)T * Np);
-    cuda_fp8_gemm_fprop_bf16(tmp, qx, sx, qw, sw, T, N, K);
-    bf16_to_float_rows(y, tmp, T, N, Np);
+    uint16_t *tmp = (uint16_t *)cuda_scratch(&ctx.out_bf16, sizeof(uint16_t) * (size_t)T16 * Np);
+    cuda_fp8_gemm_fprop_bf16(tmp, qx, sx, qw, sw, T16, N, K);
+    bf16_to_float_rows<false>(y, tmp, T, N, Np);
 }
 
 extern "C" void cuda_fp8_gemm_dgrad(real *dx, const uint8_t *qdy, const float *sdy, const uint8_t *qwt,
                                     const float *sw, int T, int N, int K) {
     if (T <= 0 || K <= 0) return;
-    const int Kp = round_up(K, FP8_TILE);
+    const int Kp = round_up(K, FP8_TILE), T16 = round_up(T, 16);
     ctx_init();
-    uint16_t *tmp = (uint16_t *)cuda_scratch(&ctx.out_bf16, sizeof(uint16_t) * (size_t)T * Kp);
-    cuda_fp8_gemm_dgrad_bf16(tmp, qdy, sdy, qwt, sw, T, N, K);
-    bf16_to_float_rows(dx, tmp, T, K, Kp);
+    uint16_t *tmp = (uint16_t *)cuda_scratch(&ctx.out_bf16, sizeof(uint16_t) * (size_t)T16 * Kp);
+    cuda_fp8_gemm_dgrad_bf16(tmp, qdy, sdy, qwt, sw, T16, N, K);
+    bf16_to_float_rows<true>(dx, tmp, T, K, Kp);
 }
 
 extern "C" void cuda_fp8_gemm_wgrad(real *dw, const uint8_t *qdyt, const float *sdyt, const uint8_t *qxt,
@@ -532,7 +514,7 @@ extern "C" void cuda_bf16_matmul_forward(real *out, const real *inp, const real 
     cuda_float_to_bf16(a, inp, (int64_t)N * C);
     cuda_float_to_bf16(b, weight, (int64_t)OC * C);
     cuda_bf16_gemm(o, 0, 0.0f, a, 0, b, 1, N, OC, C);
-    bf16_to_float_rows(out, o, N, OC, OC);
+    bf16_to_float_rows<false>(out, o, N, OC, OC);
 }
 
 // In the forward pass this was out = inp weight^T, so:
@@ -548,8 +530,7 @@ extern "C" void cuda_bf16_matmul_backward(real *dinp, real *dweight, const real 
         uint16_t *o = (uint16_t *)cuda_scratch(&ctx.out_bf16, sizeof(uint16_t) * (size_t)N * C);
         cuda_float_to_bf16(w, weight, (int64_t)OC * C);
         cuda_bf16_gemm(o, 0, 0.0f, g, 0, w, 0, N, C, OC);
-        const int64_t n = (int64_t)N * C;
-        add_bf16(dinp, o, n);
+        bf16_to_float_rows<true>(dinp, o, N, C, C);
     }
     if (dweight != NULL) {
         uint16_t *x = (uint16_t *)cuda_scratch(&ctx.operand_b, sizeof(uint16_t) * (size_t)N * C);

@@ -18,10 +18,11 @@ extern "C" {
 
 // FP8 Fprop with BF16 output, the GEMM alone: operands as for fp8_gemm_fprop (kernels.h);
 // y (T, Np) BF16, Np = 128 * ceil(N/128) (columns N..Np-1 come from the zero padding rows of qw: 0).
-// T must be a multiple of 16 (pad per-expert segments); pointers 16-byte aligned.
+// T must be a multiple of 16 (the row count of fp8_quantize_1x128's padded output); pointers 16-byte aligned.
 void cuda_fp8_gemm_fprop_bf16(uint16_t *y, const uint8_t *qx, const float *sx, const uint8_t *qw,
                               const float *sw, int T, int N, int K);
-// FP8 Dgrad with BF16 output: operands as for fp8_gemm_dgrad; dx (T, Kp) BF16, Kp = 128 * ceil(K/128).
+// FP8 Dgrad with BF16 output written (not added): operands as for fp8_gemm_dgrad; dx (T, Kp) BF16,
+// Kp = 128 * ceil(K/128), T a multiple of 16.
 void cuda_fp8_gemm_dgrad_bf16(uint16_t *dx, const uint8_t *qdy, const float *sdy, const uint8_t *qwt,
                               const float *sw, int T, int N, int K);
 

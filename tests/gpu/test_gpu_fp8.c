@@ -141,8 +141,9 @@ typedef struct {
 static QuantLayout quant_layout(QuantKind kind, int rows, int cols, int with_qt) {
     QuantLayout L = {kind, rows, cols, 0, 0, 0};
     const int KB = ceil_div(cols, FP8_TILE), Kp = KB * FP8_TILE;
-    if (kind == Q_1X128) {
-        L.q_bytes = (int64_t)rows * Kp, L.s_count = (int64_t)KB * rows;
+    if (kind == Q_1X128) {  // rows padded to 16 by the quantiser (zero rows, scale 1)
+        const int R16 = ceil_div(rows, 16) * 16;
+        L.q_bytes = (int64_t)R16 * Kp, L.s_count = (int64_t)KB * R16;
     } else if (kind == Q_128X128) {
         const int NB = ceil_div(rows, FP8_TILE), KB4 = (KB + 3) / 4 * 4;
         L.q_bytes = (int64_t)NB * FP8_TILE * Kp, L.s_count = (int64_t)NB * KB4;
@@ -171,13 +172,14 @@ static double check_definition(const QuantLayout *L, const uint8_t *q, const uin
     const int rows = L->rows, cols = L->cols;
     const int KB = ceil_div(cols, FP8_TILE), Kp = KB * FP8_TILE, KB4 = (KB + 3) / 4 * 4;
     const int NB = ceil_div(rows, FP8_TILE), Np = NB * FP8_TILE, TB = ceil_div(rows, FP8_TILE), Tp = TB * FP8_TILE;
+    const int R16 = ceil_div(rows, 16) * 16;
     // tile amax, recomputed here
     const int64_t n_tiles = L->s_count;
     float *amax = floats(n_tiles);
     for (int64_t i = 0; i < n_tiles; i++) amax[i] = 0.0f;
     for (int r = 0; r < rows; r++)
         for (int c = 0; c < cols; c++) {
-            int64_t t = L->kind == Q_1X128     ? (int64_t)(c / FP8_TILE) * rows + r
+            int64_t t = L->kind == Q_1X128     ? (int64_t)(c / FP8_TILE) * R16 + r
                         : L->kind == Q_128X128 ? (int64_t)(r / FP8_TILE) * KB4 + c / FP8_TILE
                                                : (int64_t)(r / FP8_TILE) * cols + c;
             amax[t] = fmaxf(amax[t], fabsf(x[(int64_t)r * cols + c]));
@@ -196,7 +198,7 @@ static double check_definition(const QuantLayout *L, const uint8_t *q, const uin
     for (int r = 0; r < rows; r++)
         for (int c = 0; c < cols; c++) {
             int64_t at, at_t = -1, t;
-            if (L->kind == Q_1X128) at = (int64_t)r * Kp + c, t = (int64_t)(c / FP8_TILE) * rows + r;
+            if (L->kind == Q_1X128) at = (int64_t)r * Kp + c, t = (int64_t)(c / FP8_TILE) * R16 + r;
             else if (L->kind == Q_128X128)
                 at = (int64_t)r * Kp + c, at_t = (int64_t)c * Np + r, t = (int64_t)(r / FP8_TILE) * KB4 + c / FP8_TILE;
             else at = (int64_t)c * Tp + r, t = (int64_t)(r / FP8_TILE) * cols + c;
@@ -417,11 +419,11 @@ static void quantised_free(Quantised *Q) {
 
 // Dequantised operands as double: a 1x128 operand (rows, cols) and a 128x128 operand (rows, cols).
 static double *dequant_1x128(const Quantised *Q, int rows, int cols) {
-    const int Kp = ceil_div(cols, FP8_TILE) * FP8_TILE;
+    const int Kp = ceil_div(cols, FP8_TILE) * FP8_TILE, R16 = ceil_div(rows, 16) * 16;
     double *v = doubles((int64_t)rows * cols);
     for (int r = 0; r < rows; r++)
         for (int c = 0; c < cols; c++)
-            v[(int64_t)r * cols + c] = e4m3_value(Q->q[(int64_t)r * Kp + c]) * Q->s[(int64_t)(c / FP8_TILE) * rows + r];
+            v[(int64_t)r * cols + c] = e4m3_value(Q->q[(int64_t)r * Kp + c]) * Q->s[(int64_t)(c / FP8_TILE) * R16 + r];
     return v;
 }
 static double *dequant_128x128(const Quantised *Q, int rows, int cols) {
@@ -502,11 +504,18 @@ static void test_fp8_gemm(void **state) {
         Quantised qx = quantise_both(Q_1X128, x, T, K, 0), qw = quantise_both(Q_128X128, w, N, K, 0);
         out_cpu = host_poisoned((size_t)n_out * sizeof(float));
         fp8_gemm_fprop(DEVICE_CPU, out_cpu, qx.q, qx.s, qw.q, qw.s, T, N, K);
-        float *y_d = gpu_poisoned((size_t)n_out * sizeof(float));
+        // one row past the output, poisoned: the GEMM runs on T16 rows but must write only T
+        float *y_d = gpu_poisoned((size_t)(n_out + N) * sizeof(float));
         fp8_gemm_fprop(DEVICE_CUDA, y_d, qx.q_d, qx.s_d, qw.q_d, qw.s_d, T, N, K);
         out_gpu = host_copy_of(y_d, (size_t)n_out * sizeof(float));
         fp8_gemm_fprop(DEVICE_CUDA, y_d, qx.q_d, qx.s_d, qw.q_d, qw.s_d, T, N, K);
         out_gpu2 = host_copy_of(y_d, (size_t)n_out * sizeof(float));
+        float *past = host_copy_of(y_d + n_out, (size_t)N * sizeof(float));
+        float *poison = host_poisoned((size_t)N * sizeof(float));
+        const int untouched = memcmp(past, poison, (size_t)N * sizeof(float)) == 0;
+        printf("%-16s %d x %d x %d: the row after y untouched: %s\n", name, T, N, K, untouched ? "ok" : "FAIL");
+        assert_true(untouched);
+        free(past), free(poison);
         double *xd = dequant_1x128(&qx, T, K), *wd = dequant_128x128(&qw, N, K);
         want = doubles(n_out), abs_sum = doubles(n_out);
         ref_gemm(want, abs_sum, xd, wd, T, N, K);
@@ -514,23 +523,36 @@ static void test_fp8_gemm(void **state) {
         quantised_free(&qx), quantised_free(&qw);
         device_free(DEVICE_CUDA, y_d);
     } else if (gc->kind == G_DGRAD) {
-        // dx (T, K) = dY (T, N) W (N, K)
+        // dx (T, K) += dY (T, N) W (N, K), onto a random dx (a Linear's backward accumulates)
         M_out = T, N_out = K, K_contr = N, n_out = (int64_t)T * K;
         float *dy = floats((int64_t)T * N), *w = floats((int64_t)N * K);
         fill_log_uniform(dy, (int64_t)T * N, seed, -10.0, -2.0);
         fill_log_uniform(w, (int64_t)N * K, seed + 1, -8.0, 0.0);
+        init = floats(n_out);
+        fill_log_uniform(init, n_out, seed + 2, -10.0, -2.0);
         Quantised qdy = quantise_both(Q_1X128, dy, T, N, 0), qw = quantise_both(Q_128X128, w, N, K, 1);
-        out_cpu = host_poisoned((size_t)n_out * sizeof(float));
+        out_cpu = floats(n_out);
+        memcpy(out_cpu, init, (size_t)n_out * sizeof(float));
         fp8_gemm_dgrad(DEVICE_CPU, out_cpu, qdy.q, qdy.s, qw.qt, qw.s, T, N, K);
-        float *dx_d = gpu_poisoned((size_t)n_out * sizeof(float));
-        fp8_gemm_dgrad(DEVICE_CUDA, dx_d, qdy.q_d, qdy.s_d, qw.qt_d, qw.s_d, T, N, K);
-        out_gpu = host_copy_of(dx_d, (size_t)n_out * sizeof(float));
-        fp8_gemm_dgrad(DEVICE_CUDA, dx_d, qdy.q_d, qdy.s_d, qw.qt_d, qw.s_d, T, N, K);
-        out_gpu2 = host_copy_of(dx_d, (size_t)n_out * sizeof(float));
+        // one row past the output, poisoned: the GEMM runs on T16 rows but must write only T
+        float *dx_d = gpu_poisoned((size_t)(n_out + K) * sizeof(float));
+        out_gpu = floats(n_out), out_gpu2 = floats(n_out);
+        for (int rep = 0; rep < 2; rep++) {
+            device_memcpy_from_host(DEVICE_CUDA, dx_d, init, (size_t)n_out * sizeof(float));
+            fp8_gemm_dgrad(DEVICE_CUDA, dx_d, qdy.q_d, qdy.s_d, qw.qt_d, qw.s_d, T, N, K);
+            device_memcpy_to_host(DEVICE_CUDA, rep == 0 ? out_gpu : out_gpu2, dx_d, (size_t)n_out * sizeof(float));
+        }
+        float *past = host_copy_of(dx_d + n_out, (size_t)K * sizeof(float));
+        float *poison = host_poisoned((size_t)K * sizeof(float));
+        const int untouched = memcmp(past, poison, (size_t)K * sizeof(float)) == 0;
+        printf("%-16s %d x %d x %d: the row after dx untouched: %s\n", name, T, K, N, untouched ? "ok" : "FAIL");
+        assert_true(untouched);
+        free(past), free(poison);
         double *dyd = dequant_1x128(&qdy, T, N), *wd = dequant_128x128(&qw, N, K);
         want = doubles(n_out), abs_sum = doubles(n_out);
         double *wt = transposed(wd, N, K);
         ref_gemm(want, abs_sum, dyd, wt, T, K, N);
+        for (int64_t i = 0; i < n_out; i++) want[i] += init[i];
         free(dyd), free(wd), free(wt), free(dy), free(w);
         quantised_free(&qdy), quantised_free(&qw);
         device_free(DEVICE_CUDA, dx_d);
@@ -575,8 +597,11 @@ static void test_fp8_gemm(void **state) {
             bound_f64[i] = FP8_GEMM_REL * abs_sum[i] + fp32 + FLT_MIN;
             bound_par[i] = FP8_GEMM_REL * abs_sum[i] + 2 * fp32 + FLT_MIN;
         } else {
-            bound_f64[i] = FP8_GEMM_REL * abs_sum[i] + bf16_half_ulp(big) + FLT_MIN;
-            bound_par[i] = FP8_GEMM_REL * abs_sum[i] + 2 * bf16_half_ulp(big) + FLT_MIN;
+            // Dgrad adds its BF16 product to init: the product is |out - init|, plus one FP32 rounding
+            const double prod = gc->kind == G_DGRAD ? fmax(fabs(want[i] - init[i]), fabs((double)out_gpu[i] - init[i])) : big;
+            const double add = gc->kind == G_DGRAD ? 2 * U_FP32 * (fabs((double)init[i]) + prod) : 0;
+            bound_f64[i] = FP8_GEMM_REL * abs_sum[i] + bf16_half_ulp(prod) + add + FLT_MIN;
+            bound_par[i] = FP8_GEMM_REL * abs_sum[i] + 2 * bf16_half_ulp(prod) + 2 * add + FLT_MIN;
         }
     }
     char shape[64];
@@ -716,8 +741,9 @@ int main(void) {
     static QuantCase q_d = {Q_128X128, 576, 300, 1}, q_e = {Q_128X128, 256, 1024, 0}, q_f = {Q_128X128, 100, 2100, 1};
     static QuantCase q_g = {Q_128X1T, 300, 576, 0}, q_h = {Q_128X1T, 200, 300, 0}, q_i = {Q_128X1T, 1000, 70, 0};
     static GemmCase f_a = {G_FPROP, 256, 576, 300, 0, 0}, f_b = {G_FPROP, 208, 256, 1024, 8, 0};
-    static GemmCase f_c = {G_FPROP, 16, 2048, 512, 0, 0};
+    static GemmCase f_c = {G_FPROP, 16, 2048, 512, 0, 0}, f_d = {G_FPROP, 45, 256, 384, 0, 0};
     static GemmCase d_a = {G_DGRAD, 256, 576, 300, 0, 0}, d_b = {G_DGRAD, 128, 1024, 512, 0, 0};
+    static GemmCase d_c = {G_DGRAD, 200, 640, 256, 0, 0};
     static GemmCase w_a = {G_WGRAD, 300, 576, 300, 0, 0}, w_b = {G_WGRAD, 1000, 256, 512, 0, 1};
     static Bf16Case b_a = {256, 300, 576}, b_b = {128, 512, 1024};
     const struct CMUnitTest tests[] = {
@@ -734,8 +760,10 @@ int main(void) {
         cmocka_unit_test_prestate_setup_teardown(test_fp8_gemm, print_gemm_header_setup, NULL, &f_a),
         cmocka_unit_test_prestate(test_fp8_gemm, &f_b),
         cmocka_unit_test_prestate(test_fp8_gemm, &f_c),
+        cmocka_unit_test_prestate(test_fp8_gemm, &f_d),
         cmocka_unit_test_prestate(test_fp8_gemm, &d_a),
         cmocka_unit_test_prestate(test_fp8_gemm, &d_b),
+        cmocka_unit_test_prestate(test_fp8_gemm, &d_c),
         cmocka_unit_test_prestate(test_fp8_gemm, &w_a),
         cmocka_unit_test_prestate(test_fp8_gemm, &w_b),
         cmocka_unit_test_prestate(test_bf16_matmul, &b_a),

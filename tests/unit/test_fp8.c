@@ -205,21 +205,27 @@ static void test_e4m3_random_against_search(void **state) {
 }
 
 // ---------------------------------------------------------------------------- quantisers
-// 1x128: x (rows, K) -> q (rows, Kp), s (KB, rows). 37 rows, K = 300 (2 full tiles + 44), one all-zero tile.
+// 1x128: x (rows, K) -> q (R16, Kp), s (KB, R16). 37 rows (R16 = 48: 11 padding rows), K = 300 (2 full
+// tiles + 44), one all-zero tile.
 static void test_quantize_1x128(void **state) {
     (void)state;
-    const int rows = 37, K = 300, KB = ceil_div(K, 128), Kp = KB * 128;
+    const int rows = 37, R16 = 48, K = 300, KB = ceil_div(K, 128), Kp = KB * 128;
     real *x = ralloc((size_t)rows * K);
     fill_wide(x, (size_t)rows * K, 21, -20, 1);
     for (int r = 0; r < rows; r++) {  // a different scale for every row: 2^-30 .. 2^30
         for (int k = 0; k < K; k++) x[(size_t)r * K + k] *= (real)exp2((r * 7) % 61 - 30);
     }
     for (int k = 128; k < 256; k++) x[(size_t)4 * K + k] = 0;  // tile (row 4, kb 1) is all zero
-    uint8_t *q = balloc((size_t)rows * Kp);
-    float *s = falloc((size_t)KB * rows);
-    memset(q, 0xAA, (size_t)rows * Kp);
+    uint8_t *q = balloc((size_t)R16 * Kp);
+    float *s = falloc((size_t)KB * R16);
+    memset(q, 0xAA, (size_t)R16 * Kp);
+    for (size_t i = 0; i < (size_t)KB * R16; i++) s[i] = -7.0f;
     char err[256] = "";
     assert_int_equal(fp8_quantize_1x128(DEVICE_CPU, q, s, x, rows, K, err, sizeof err), 0);
+    for (int r = rows; r < R16; r++) {  // the padding rows: code 0, scale 1
+        for (int k = 0; k < Kp; k++) assert_int_equal(q[(size_t)r * Kp + k], 0);
+        for (int kb = 0; kb < KB; kb++) assert_true(s[(size_t)kb * R16 + r] == 1.0f);
+    }
 
     double xf[128];
     uint8_t qref[128];
@@ -228,7 +234,7 @@ static void test_quantize_1x128(void **state) {
             const int n = K - kb * 128 < 128 ? K - kb * 128 : 128;
             for (int i = 0; i < n; i++) xf[i] = (double)(float)x[(size_t)r * K + kb * 128 + i];
             const float sref = ref_quantize_tile(qref, xf, n);
-            assert_int_equal(float_bits(s[(size_t)kb * rows + r]), float_bits(sref));
+            assert_int_equal(float_bits(s[(size_t)kb * R16 + r]), float_bits(sref));
             assert_memory_equal(q + (size_t)r * Kp + kb * 128, qref, (size_t)n);
             for (int i = n; i < 128; i++) assert_int_equal(q[(size_t)r * Kp + kb * 128 + i], 0);  // padding
         }
@@ -239,7 +245,7 @@ static void test_quantize_1x128(void **state) {
         for (int k = 0; k < K; k++) rounded_to_zero += x[(size_t)r * K + k] != 0 && (q[(size_t)r * Kp + k] & 0x7F) == 0;
     }
     assert_true(rounded_to_zero > 0 && count_subnormal_codes(q, (size_t)rows * Kp) > 0);
-    assert_true(s[1 * rows + 4] == 1.0f);  // the all-zero tile: scale 1, codes 0
+    assert_true(s[1 * R16 + 4] == 1.0f);  // the all-zero tile: scale 1, codes 0
     for (int k = 128; k < 256; k++) assert_int_equal(q[(size_t)4 * Kp + k], 0);
     tfree_all();
 }
@@ -448,17 +454,20 @@ static void report_checks(const char *what, const GemmChecks *c) {
     assert_true(c->worst_unquantised <= 1.0);
 }
 
-enum { G_T = 48, G_N = 200, G_K = 300 };
+// T = 45 rows: the 1x128 operands have 48 (three zero padding rows); the GEMMs write only the 45.
+enum { G_T = 45, G_T16 = 48, G_N = 200, G_K = 300 };
+static const real UNTOUCHED = (real)-12345.0;
 
 static void test_gemm_fprop(void **state) {
     (void)state;
     const int T = G_T, N = G_N, K = G_K, KB = ceil_div(K, 128), KB4 = ceil_div(KB, 4) * 4, NB = ceil_div(N, 128);
     const int Kp = KB * 128, Np = NB * 128;
-    real *x = ralloc((size_t)T * K), *w = ralloc((size_t)N * K), *y = ralloc((size_t)T * N);
+    real *x = ralloc((size_t)T * K), *w = ralloc((size_t)N * K), *y = ralloc((size_t)G_T16 * N);
     fill_wide(x, (size_t)T * K, 41, -20, 1);
     fill_wide(w, (size_t)N * K, 42, -20, -4);
-    uint8_t *qx = balloc((size_t)T * Kp), *qw = balloc((size_t)Np * Kp);
-    float *sx = falloc((size_t)KB * T), *sw = falloc((size_t)NB * KB4);
+    for (size_t i = 0; i < (size_t)G_T16 * N; i++) y[i] = UNTOUCHED;
+    uint8_t *qx = balloc((size_t)G_T16 * Kp), *qw = balloc((size_t)Np * Kp);
+    float *sx = falloc((size_t)KB * G_T16), *sw = falloc((size_t)NB * KB4);
     char err[256];
     assert_int_equal(fp8_quantize_1x128(DEVICE_CPU, qx, sx, x, T, K, err, sizeof err), 0);
     assert_int_equal(fp8_quantize_128x128(DEVICE_CPU, qw, NULL, sw, w, N, K, err, sizeof err), 0);
@@ -472,13 +481,14 @@ static void test_gemm_fprop(void **state) {
             for (int k = 0; k < K; k++) {
                 const int kb = k / 128;
                 element_add_pair(&e, kb, qx[(size_t)t * Kp + k], qw[(size_t)n * Kp + k], (double)x[(size_t)t * K + k],
-                                 (double)w[(size_t)n * K + k], sx[(size_t)kb * T + t],
+                                 (double)w[(size_t)n * K + k], sx[(size_t)kb * G_T16 + t],
                                  sw[(size_t)(n / 128) * KB4 + kb]);
             }
             element_check(&c, &e, (double)y[(size_t)t * N + n], 1);
         }
     }
     report_checks("fp8_gemm_fprop", &c);
+    for (size_t i = (size_t)T * N; i < (size_t)G_T16 * N; i++) assert_true(y[i] == UNTOUCHED);  // padding rows
     tfree_all();
 }
 
@@ -487,15 +497,18 @@ static void test_gemm_dgrad(void **state) {
     // dx (T, K) = dY (T, N) W (N, K); the contraction is over N = 200 (two N-blocks, the second partial)
     const int T = G_T, N = G_N, K = G_K, KB = ceil_div(K, 128), KB4 = ceil_div(KB, 4) * 4, NB = ceil_div(N, 128);
     const int Kp = KB * 128, Np = NB * 128;
-    real *dy = ralloc((size_t)T * N), *w = ralloc((size_t)N * K), *dx = ralloc((size_t)T * K);
+    real *dy = ralloc((size_t)T * N), *w = ralloc((size_t)N * K), *dx = ralloc((size_t)G_T16 * K);
+    real *g = ralloc((size_t)T * K), *dx_acc = ralloc((size_t)G_T16 * K);
     fill_wide(dy, (size_t)T * N, 43, -24, -6);
     fill_wide(w, (size_t)N * K, 44, -20, -4);
-    uint8_t *qdy = balloc((size_t)T * Np), *qw = balloc((size_t)Np * Kp), *qwt = balloc((size_t)Np * Kp);
-    float *sdy = falloc((size_t)NB * T), *sw = falloc((size_t)NB * KB4);
+    opcheck_fill_nonzero(g, (size_t)T * K, 48, 0.01, 1.0);
+    for (size_t i = (size_t)T * K; i < (size_t)G_T16 * K; i++) dx[i] = dx_acc[i] = UNTOUCHED;
+    uint8_t *qdy = balloc((size_t)G_T16 * Np), *qw = balloc((size_t)Np * Kp), *qwt = balloc((size_t)Np * Kp);
+    float *sdy = falloc((size_t)NB * G_T16), *sw = falloc((size_t)NB * KB4);
     char err[256];
     assert_int_equal(fp8_quantize_1x128(DEVICE_CPU, qdy, sdy, dy, T, N, err, sizeof err), 0);
     assert_int_equal(fp8_quantize_128x128(DEVICE_CPU, qw, qwt, sw, w, N, K, err, sizeof err), 0);
-    fp8_gemm_dgrad(DEVICE_CPU, dx, qdy, sdy, qwt, sw, T, N, K);
+    fp8_gemm_dgrad(DEVICE_CPU, dx, qdy, sdy, qwt, sw, T, N, K);  // dx was zero: dx = 0 + bf16(acc)
     assert_true(count_subnormal_codes(qdy, (size_t)T * Np) > 0);
 
     GemmChecks c = {0};
@@ -506,12 +519,18 @@ static void test_gemm_dgrad(void **state) {
                 const int nb = n / 128;
                 // the weight's codes read from q (not qt), so this also checks that qt is q transposed
                 element_add_pair(&e, nb, qdy[(size_t)t * Np + n], qw[(size_t)n * Kp + k], (double)dy[(size_t)t * N + n],
-                                 (double)w[(size_t)n * K + k], sdy[(size_t)nb * T + t], sw[(size_t)nb * KB4 + k / 128]);
+                                 (double)w[(size_t)n * K + k], sdy[(size_t)nb * G_T16 + t], sw[(size_t)nb * KB4 + k / 128]);
             }
             element_check(&c, &e, (double)dx[(size_t)t * K + k], 1);
         }
     }
     report_checks("fp8_gemm_dgrad", &c);
+    // Accumulation: on a non-zero gradient the BF16 product is added once, dx = g + bf16(acc); the
+    // padding rows are never written.
+    memcpy(dx_acc, g, (size_t)T * K * sizeof(real));
+    fp8_gemm_dgrad(DEVICE_CPU, dx_acc, qdy, sdy, qwt, sw, T, N, K);
+    for (size_t i = 0; i < (size_t)T * K; i++) assert_int_equal(float_bits(dx_acc[i]), float_bits(g[i] + dx[i]));
+    for (size_t i = (size_t)T * K; i < (size_t)G_T16 * K; i++) assert_true(dx[i] == UNTOUCHED && dx_acc[i] == UNTOUCHED);
     tfree_all();
 }
 
