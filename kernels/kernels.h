@@ -230,6 +230,11 @@ int fp8_quantize_128x128(Device dev, uint8_t *q, uint8_t *qt, float *s, const re
 // x (T, C) -> q (C, Tp), s (TB, C).
 int fp8_quantize_128x1_transposed(Device dev, uint8_t *q, float *s, const real *x, int T, int C, char *err,
                                   size_t err_size);
+// Both activation layouts of one operand (a gradient dY feeds Dgrad and Wgrad): q1, s1 as
+// fp8_quantize_1x128(x, T, C) and q2, s2 as fp8_quantize_128x1_transposed(x, T, C) write them, bit for
+// bit; the GPU reads x once instead of twice.
+int fp8_quantize_both_layouts(Device dev, uint8_t *q1, float *s1, uint8_t *q2, float *s2, const real *x, int T, int C,
+                              char *err, size_t err_size);
 
 // FP8 GEMMs, partial sums promoted to FP32 every 128 elements of the contraction axis (each 128-block's
 // sum, times its two scales, is added to an FP32 accumulator). M x N x K order: M output rows.

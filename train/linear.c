@@ -232,14 +232,29 @@ static void fp8_backward(Model *m, int n_out, real *dinp, real *const *dweight, 
     const size_t used_by_x = used;
     for (int i = 0; i < n_out; i++) {
         used = used_by_x;  // dY's operands of the previous Linear are consumed (one stream, in order)
+        Fp8Operand dy = {NULL, NULL}, dyt = {NULL, NULL};
+        if (dinp && dweight[i]) {  // both layouts of dY in one pass
+            const int NB = ceil_div(OC, FP8_TILE), T16 = round_up(N, 16), TB = ceil_div(N, FP8_TILE);
+            dy = (Fp8Operand){scratch_take(m, &used, (size_t)T16 * NB * FP8_TILE),
+                              scratch_take(m, &used, (size_t)NB * T16 * sizeof(float))};
+            dyt = (Fp8Operand){scratch_take(m, &used, (size_t)OC * TB * FP8_TILE),
+                               scratch_take(m, &used, (size_t)TB * OC * sizeof(float))};
+            char err[256];
+            profile_begin(PHASE_QUANTISE);
+            check_quantised(fp8_quantize_both_layouts(m->dev, dy.q, dy.s, dyt.q, dyt.s, dout[i], N, OC, err, sizeof err),
+                            "a gradient (Dgrad and Wgrad dY)", err);
+            profile_end(PHASE_QUANTISE);
+        } else if (dinp) {
+            dy = quantise_1x128(m, &used, dout[i], N, OC, "a gradient (Dgrad dY)");
+        } else if (dweight[i]) {
+            dyt = quantise_128x1(m, &used, dout[i], N, OC, "a gradient (Wgrad dY)");
+        }
         if (dinp) {
             const CachedWeight *cw = cached_weight(m, weight[i], OC, C);
-            const Fp8Operand dy = quantise_1x128(m, &used, dout[i], N, OC, "a gradient (Dgrad dY)");
             fp8_gemm_dgrad(m->dev, dinp, dy.q, dy.s, cw->qt, cw->s, N, OC, C);
             m->fp8_gemm_count++;
         }
         if (dweight[i]) {
-            const Fp8Operand dyt = quantise_128x1(m, &used, dout[i], N, OC, "a gradient (Wgrad dY)");
             fp8_gemm_wgrad(m->dev, dweight[i], dyt.q, dyt.s, xt.q, xt.s, N, OC, C);
             m->fp8_gemm_count++;
         }

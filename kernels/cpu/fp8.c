@@ -467,6 +467,16 @@ static void block_scaled_gemm(real *out, OutMode mode, const uint8_t *A, const f
     free(bp);
 }
 
+// Both activation layouts of x (T, C): the two quantisers above, the reference the GPU's one-pass kernel
+// matches bit for bit.
+int cpu_fp8_quantize_both_layouts(uint8_t *q1, float *s1, uint8_t *q2, float *s2, const real *x, int T, int C, char *err,
+                                  size_t err_size) {
+    if (check_finite("fp8_quantize_both_layouts", x, T, C, err, err_size)) return -1;
+    cpu_fp8_quantize_1x128(q1, s1, x, T, C, NULL, 0);
+    cpu_fp8_quantize_128x1_transposed(q2, s2, x, T, C, NULL, 0);
+    return 0;
+}
+
 // ---------------------------------------------------------------------------- FP8 GEMMs
 // Fprop  y (T, N) = X W^T, written as BF16.
 //   qx (T16, Kp), sx (KB, T16) from fp8_quantize_1x128(x, T, K): A = qx, sa = sx;

@@ -346,3 +346,86 @@ extern "C" int cuda_fp8_quantize_128x1_transposed(uint8_t *q, float *s, const re
     CUDA_CHECK_LAUNCH("quantize_128x1_transposed_kernel");
     return rc;
 }
+
+// ---------------------------------------------------------------------------- both activation layouts
+// x (T, C) -> the 1x128 operand q1 (R16, Kp), s1 (KB, R16) and the 128x1 transposed operand q2 (C, Tp),
+// s2 (TB, C) of the two kernels above, in one pass over x (a gradient dY feeds both Dgrad and Wgrad:
+// reading it once saves 4 of the 10 bytes moved per element). One block of 512 threads per 128 x 128
+// tile (rows tb, columns kb): thread t holds columns 4*(t%32)..+3 of rows t/32 + 16p (p = 0..7), so
+// warp w holds 8 whole rows (row maxima are warp maxima, as in the 1x128 kernel) and the column maxima
+// go through shared memory (as in the 128x1 kernel); the transposed bytes go out through a shared tile.
+#define QBOTH_THREADS 512
+static const int QBOTH_ROW_GROUPS = QBOTH_THREADS / 32;
+static const int QBOTH_PASSES = FP8_TILE / QBOTH_ROW_GROUPS; // 8 rows per thread
+
+template <bool VEC4>
+__global__ void __launch_bounds__(QBOTH_THREADS, 2)
+    quantize_both_kernel(uint8_t *q1, float *s1, uint8_t *q2, float *s2, const float *x, int T, int C, int R16,
+                         int Kp, int Tp, unsigned long long call, unsigned long long *bad) {
+    __shared__ float partial[QBOTH_ROW_GROUPS][FP8_TILE + 1];
+    __shared__ float col_scale[FP8_TILE];
+    __shared__ __align__(16) uint8_t tile[FP8_TILE][FP8_TILE + 4];
+    const int kb = blockIdx.x, tb = blockIdx.y;
+    const int lane = threadIdx.x & 31, c = lane * 4, rg = threadIdx.x >> 5;
+    const int col = kb * FP8_TILE + c;
+
+    float v[QBOTH_PASSES][4];
+    float a[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int p = 0; p < QBOTH_PASSES; p++) {
+        const int t = tb * FP8_TILE + rg + QBOTH_ROW_GROUPS * p;
+        load4<VEC4>(v[p], x + (int64_t)t * C, col, t < T ? C : 0); // rows past T load as zeros
+        for (int j = 0; j < 4; j++) {
+            if (t < T) note_if_bad(v[p][j], (unsigned long long)t * C + col + j, call, bad);
+            a[j] = fmaxf(a[j], fabsf(v[p][j]));
+        }
+        // 1x128: this warp holds all 128 columns of row t
+        float m = 0.0f;
+        for (int j = 0; j < 4; j++) m = fmaxf(m, fabsf(v[p][j]));
+        const float sc = fp8_scale_of(warp_max(m));
+        if (t < R16) {
+            *reinterpret_cast<uint32_t *>(q1 + (int64_t)t * Kp + col) = fp8_pack4(v[p], sc);
+            if (lane == 0) s1[(int64_t)kb * R16 + t] = sc;
+        }
+    }
+    // 128x1: column maxima over the 16 row groups
+    for (int j = 0; j < 4; j++) partial[rg][c + j] = a[j];
+    __syncthreads();
+    if (threadIdx.x < FP8_TILE) {
+        float m = 0.0f;
+        for (int g = 0; g < QBOTH_ROW_GROUPS; g++) m = fmaxf(m, partial[g][threadIdx.x]);
+        const float sc = fp8_scale_of(m);
+        col_scale[threadIdx.x] = sc;
+        if (kb * FP8_TILE + (int)threadIdx.x < C) s2[(int64_t)tb * C + kb * FP8_TILE + threadIdx.x] = sc;
+    }
+    __syncthreads();
+    for (int p = 0; p < QBOTH_PASSES; p++)
+        for (int j = 0; j < 4; j++) tile[c + j][rg + QBOTH_ROW_GROUPS * p] = (uint8_t)fp8_byte(v[p][j], col_scale[c + j]);
+    __syncthreads();
+    for (int i = threadIdx.x; i < FP8_TILE * (FP8_TILE / 4); i += QBOTH_THREADS) {
+        const int cc = i / (FP8_TILE / 4), word = i % (FP8_TILE / 4);
+        if (kb * FP8_TILE + cc >= C) continue;
+        *reinterpret_cast<uint32_t *>(q2 + (int64_t)(kb * FP8_TILE + cc) * Tp + tb * FP8_TILE + 4 * word) =
+            *reinterpret_cast<const uint32_t *>(&tile[cc][4 * word]);
+    }
+}
+
+extern "C" int cuda_fp8_quantize_both_layouts(uint8_t *q1, float *s1, uint8_t *q2, float *s2, const real *x, int T,
+                                              int C, char *err, size_t err_size) {
+    static const char op[] = "fp8_quantize_both_layouts";
+    if (T <= 0 || C <= 0) return 0;
+    require_aligned16(q1, op, "q1"), require_aligned16(s1, op, "s1");
+    require_aligned16(q2, op, "q2"), require_aligned16(s2, op, "s2");
+    const int KB = ceil_div(C, FP8_TILE), TB = ceil_div(T, FP8_TILE), R16 = ceil_div(T, 16) * 16;
+    unsigned long long *bad = bad_word();
+    int rc;
+    const unsigned long long call = log_call(op, "x", T, C, &rc, err, err_size);
+    const dim3 grid((unsigned)KB, (unsigned)TB);
+    if (C % 4 == 0 && is_aligned(x, 16))
+        quantize_both_kernel<true><<<grid, QBOTH_THREADS>>>(q1, s1, q2, s2, x, T, C, R16, KB * FP8_TILE,
+                                                            TB * FP8_TILE, call, bad);
+    else
+        quantize_both_kernel<false><<<grid, QBOTH_THREADS>>>(q1, s1, q2, s2, x, T, C, R16, KB * FP8_TILE,
+                                                             TB * FP8_TILE, call, bad);
+    CUDA_CHECK_LAUNCH("quantize_both_kernel");
+    return rc;
+}

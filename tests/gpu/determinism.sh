@@ -2,6 +2,7 @@
 # tests/gpu/determinism.sh - issue 4's bitwise check at full size: the same job trained twice on the GPU
 # for STEPS steps (default 5) of configs/bench-1gpu.ini (as written: fp8, MTP depth 1, 2 x 8 x 2048
 # tokens per step) must log bitwise-identical losses and gradient norms. Needs $BUILD (default build-gpu).
+# With OUT set, the first run's metrics.jsonl is kept as $OUT/determinism_metrics.jsonl.
 set -u -o pipefail
 cd "$(dirname "$0")/../.."
 BUILD=${BUILD:-build-gpu} STEPS=${STEPS:-5}
@@ -14,6 +15,7 @@ for run in a b; do
     || { echo "determinism: run $run failed:"; tail -5 "$TMP/$run.log"; exit 1; }
   grep -E '^step ' "$TMP/$run.log" | tail -n "$STEPS"
 done
+[ -n "${OUT:-}" ] && cp "$TMP/a/metrics.jsonl" "$OUT/determinism_metrics.jsonl"  # to compare with other builds
 python3 - "$TMP/a/metrics.jsonl" "$TMP/b/metrics.jsonl" "$STEPS" <<'PY'
 import json, sys
 def rows(p): return [json.loads(l) for l in open(p) if '"type":"step"' in l]

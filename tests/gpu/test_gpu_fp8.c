@@ -340,6 +340,46 @@ static void test_quantizer_nonfinite(void **state) {
     free(x), free(clean_h);
 }
 
+// fp8_quantize_both_layouts on the GPU (one pass over x) against the CPU's two separate quantisers: every
+// byte and scale of both operands, padding included, bit-identical. Shapes: partial row and column
+// blocks, T not a multiple of 16, and a width that is not a multiple of 4 (the scalar loads).
+typedef struct {
+    int T, C;
+} BothCase;
+
+static void test_quantize_both(void **state) {
+    const BothCase *bc = *state;
+    const int T = bc->T, C = bc->C;
+    const int64_t n = (int64_t)T * C;
+    float *x = floats(n);
+    fill_log_uniform(x, n, 3000 + (uint64_t)T, -16.0, 4.0);
+    const QuantLayout L1 = quant_layout(Q_1X128, T, C, 0), L2 = quant_layout(Q_128X1T, T, C, 0);
+    uint8_t *q1 = host_poisoned((size_t)L1.q_bytes), *q2 = host_poisoned((size_t)L2.q_bytes);
+    float *s1 = host_poisoned((size_t)L1.s_count * sizeof(float)), *s2 = host_poisoned((size_t)L2.s_count * sizeof(float));
+    char err[256] = "";
+    assert_int_equal(fp8_quantize_1x128(DEVICE_CPU, q1, s1, x, T, C, err, sizeof err), 0);
+    assert_int_equal(fp8_quantize_128x1_transposed(DEVICE_CPU, q2, s2, x, T, C, err, sizeof err), 0);
+    float *x_d = gpu_copy_of(x, (size_t)n * sizeof(float));
+    uint8_t *q1_d = gpu_poisoned((size_t)L1.q_bytes), *q2_d = gpu_poisoned((size_t)L2.q_bytes);
+    float *s1_d = gpu_poisoned((size_t)L1.s_count * sizeof(float)), *s2_d = gpu_poisoned((size_t)L2.s_count * sizeof(float));
+    assert_int_equal(fp8_quantize_both_layouts(DEVICE_CUDA, q1_d, s1_d, q2_d, s2_d, x_d, T, C, err, sizeof err), 0);
+    assert_int_equal(fp8_check_finite(DEVICE_CUDA, err, sizeof err), 0);
+    uint8_t *g1 = host_copy_of(q1_d, (size_t)L1.q_bytes), *g2 = host_copy_of(q2_d, (size_t)L2.q_bytes);
+    float *gs1 = host_copy_of(s1_d, (size_t)L1.s_count * sizeof(float)), *gs2 = host_copy_of(s2_d, (size_t)L2.s_count * sizeof(float));
+    int64_t d1 = 0, d2 = 0, ds1 = 0, ds2 = 0;
+    for (int64_t i = 0; i < L1.q_bytes; i++) d1 += g1[i] != q1[i];
+    for (int64_t i = 0; i < L2.q_bytes; i++) d2 += g2[i] != q2[i];
+    for (int64_t i = 0; i < L1.s_count; i++) ds1 += memcmp(&gs1[i], &s1[i], sizeof(float)) != 0;
+    for (int64_t i = 0; i < L2.s_count; i++) ds2 += memcmp(&gs2[i], &s2[i], sizeof(float)) != 0;
+    printf("%-18s %4d x %-9d differing from the CPU's two quantisers: 1x128 %lld bytes, %lld scales; "
+           "128x1 %lld bytes, %lld scales  %s\n", "quantize_both", T, C, (long long)d1, (long long)ds1, (long long)d2,
+           (long long)ds2, d1 + d2 + ds1 + ds2 == 0 ? "ok" : "FAIL");
+    assert_true(d1 + d2 + ds1 + ds2 == 0);
+    device_free(DEVICE_CUDA, x_d), device_free(DEVICE_CUDA, q1_d), device_free(DEVICE_CUDA, q2_d);
+    device_free(DEVICE_CUDA, s1_d), device_free(DEVICE_CUDA, s2_d);
+    free(x), free(q1), free(q2), free(s1), free(s2), free(g1), free(g2), free(gs1), free(gs2);
+}
+
 // ---------------------------------------------------------------------------- GEMM comparison
 // Compares one output: |gpu - want| <= bound_f64[i] and |gpu - cpu| <= bound_par[i] for every i.
 // Prints a table row; returns 1 when both hold.
@@ -745,6 +785,7 @@ int main(void) {
     static GemmCase d_a = {G_DGRAD, 256, 576, 300, 0, 0}, d_b = {G_DGRAD, 128, 1024, 512, 0, 0};
     static GemmCase d_c = {G_DGRAD, 200, 640, 256, 0, 0};
     static GemmCase w_a = {G_WGRAD, 300, 576, 300, 0, 0}, w_b = {G_WGRAD, 1000, 256, 512, 0, 1};
+    static BothCase both_a = {300, 576}, both_b = {45, 200}, both_c = {1000, 70}, both_d = {3072, 2048};
     static Bf16Case b_a = {256, 300, 576}, b_b = {128, 512, 1024};
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_prestate_setup_teardown(test_quantizer, print_quant_header, NULL, &q_a),
@@ -757,6 +798,10 @@ int main(void) {
         cmocka_unit_test_prestate(test_quantizer, &q_h),
         cmocka_unit_test_prestate(test_quantizer, &q_i),
         cmocka_unit_test(test_quantizer_nonfinite),
+        cmocka_unit_test_prestate(test_quantize_both, &both_a),
+        cmocka_unit_test_prestate(test_quantize_both, &both_b),
+        cmocka_unit_test_prestate(test_quantize_both, &both_c),
+        cmocka_unit_test_prestate(test_quantize_both, &both_d),
         cmocka_unit_test_prestate_setup_teardown(test_fp8_gemm, print_gemm_header_setup, NULL, &f_a),
         cmocka_unit_test_prestate(test_fp8_gemm, &f_b),
         cmocka_unit_test_prestate(test_fp8_gemm, &f_c),
