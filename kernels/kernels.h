@@ -235,6 +235,19 @@ int fp8_quantize_128x1_transposed(Device dev, uint8_t *q, float *s, const real *
 // bit; the GPU reads x once instead of twice.
 int fp8_quantize_both_layouts(Device dev, uint8_t *q1, float *s1, uint8_t *q2, float *s2, const real *x, int T, int C,
                               char *err, size_t err_size);
+// Grouped forms (the routed experts: every segment in one launch): segment g is rows [rows0[g], rows0[g+1])
+// of x (rows0 a host array of n_seg + 1 entries, rows0[0] = 0, non-decreasing; 1 <= n_seg <=
+// FP8_MAX_SEGMENTS) and gets the operand the plain quantiser would write for those rows, the segments'
+// operands one after another: with P16_g = sum_{h<g} 16*ceil(T_h/16) and TB_g = sum_{h<g} ceil(T_h/128),
+// segment g's 1x128 operand is at q + Kp*P16_g, scales at s + KB*P16_g; its 128x1 operand at
+// q + C*128*TB_g, scales at s + C*TB_g. Empty segments take no space. The same bits as the plain calls.
+#define FP8_MAX_SEGMENTS 256
+int fp8_quantize_1x128_grouped(Device dev, uint8_t *q, float *s, const real *x, int n_seg, const int *rows0, int K,
+                               char *err, size_t err_size);
+int fp8_quantize_128x1_transposed_grouped(Device dev, uint8_t *q, float *s, const real *x, int n_seg, const int *rows0,
+                                          int C, char *err, size_t err_size);
+int fp8_quantize_both_layouts_grouped(Device dev, uint8_t *q1, float *s1, uint8_t *q2, float *s2, const real *x,
+                                      int n_seg, const int *rows0, int C, char *err, size_t err_size);
 
 // FP8 GEMMs, partial sums promoted to FP32 every 128 elements of the contraction axis (each 128-block's
 // sum, times its two scales, is added to an FP32 accumulator). M x N x K order: M output rows.

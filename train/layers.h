@@ -102,9 +102,9 @@ typedef struct {
     real *d_xn, *d_mid;                   // (N, D)
     real *d_cq, *d_cqn, *d_q, *d_qf, *d_q_rope, *d_q_rope_raw;
     real *d_kva, *d_ckv, *d_ckvn, *d_k_rope, *d_k_rope_raw, *d_kv, *d_kf, *d_v, *d_o;
-    real *d_a, *d_b, *d_h;                // dense FFN / shared expert, (N, max width)
+    real *d_a, *d_b, *d_h;                // FFN gradients: dense / shared (N, width), all routed experts (N*K, I)
     real *d_logits, *d_scores, *d_topk_w; // router
-    real *d_xp, *d_ea, *d_eb, *d_eh, *d_eout;  // routed experts, (N*K, ...)
+    real *d_xp, *d_eout;                  // routed experts, (N*K, D)
 } LayerScratch;
 
 // The chunk's scratch first (has_moe: any block of the chunk is a MoE block), then each block's

@@ -3,9 +3,10 @@
  * call quantises its activation operands afresh; a weight's 128x128 quantisation (q, its transpose and
  * the scales) is a pure function of the FP32 master weight, so it is kept in a cache and recomputed only
  * when the weights changed (model_weights_changed): once per Linear per optimizer step instead of twice
- * per micro-batch, with the same bits. Linears that share an input (the SwiGLU FFN's w1 and w3) quantise
- * it once (linear_forward_shared / linear_backward_shared). Any row count works: the quantisers pad the
- * token axis themselves (kernels.h), so expert segments are used where they lie, without copies.
+ * per micro-batch, with the same bits. Activations are quantised once per call for every Linear that
+ * shares the input (the SwiGLU FFN's w1 and w3: linear_*_shared) and every group of rows (the routed
+ * experts: linear_*_grouped, one launch for all experts' segments, kernels.h's *_grouped layouts). Any
+ * row count works: the quantisers pad the token axis themselves, so segments are used where they lie.
  */
 #include "train/linear.h"
 
@@ -149,130 +150,191 @@ static void weight_cache_free(Model *m) {
 }
 
 // ---------------------------------------------------------------------------- quantised operands
+// Activation operands are quantised for all groups of a call at once (kernels.h's *_grouped layouts:
+// the groups' operands one after another, each padded to 16 rows for 1x128 and to 128-row tiles for
+// 128x1). A plain Linear is one group.
 typedef struct {
     uint8_t *q;
     float *s;
 } Fp8Operand;
 
-// Scratch bytes of the two activation layouts of an (N, C) operand: 1x128 tiles (Fprop X, Dgrad dY;
-// N padded to 16 rows by the quantiser) and 128x1 tiles transposed (Wgrad; N padded to 128).
-static size_t bytes_1x128(int N, int C) {
-    const int KB = ceil_div(C, FP8_TILE), T16 = round_up(N, 16);
-    return pad_bytes((size_t)T16 * KB * FP8_TILE) + pad_bytes((size_t)KB * T16 * sizeof(float));
-}
-static size_t bytes_128x1(int N, int C) {
-    const int TB = ceil_div(N, FP8_TILE);
-    return pad_bytes((size_t)C * TB * FP8_TILE) + pad_bytes((size_t)TB * C * sizeof(float));
+typedef struct {
+    int p16, tiles;  // rows of the groups' 1x128 operands, 128-row tiles of their 128x1 operands
+} GroupSizes;
+
+static GroupSizes group_sizes(int n_groups, const int *offsets) {
+    GroupSizes z = {0, 0};
+    for (int g = 0; g < n_groups; g++) {
+        const int n = offsets[g + 1] - offsets[g];
+        z.p16 += round_up(n, 16), z.tiles += ceil_div(n, FP8_TILE);
+    }
+    return z;
 }
 
-static Fp8Operand quantise_1x128(Model *m, size_t *used, const real *x, int N, int C, const char *what) {
-    const int KB = ceil_div(C, FP8_TILE), T16 = round_up(N, 16);
-    Fp8Operand o = {scratch_take(m, used, (size_t)T16 * KB * FP8_TILE),
-                    scratch_take(m, used, (size_t)KB * T16 * sizeof(float))};
-    char err[256];
-    profile_begin(PHASE_QUANTISE);
-    check_quantised(fp8_quantize_1x128(m->dev, o.q, o.s, x, N, C, err, sizeof err), what, err);
-    profile_end(PHASE_QUANTISE);
-    return o;
+static size_t bytes_1x128(int p16, int C) {
+    const int KB = ceil_div(C, FP8_TILE);
+    return pad_bytes((size_t)p16 * KB * FP8_TILE) + pad_bytes((size_t)KB * p16 * sizeof(float));
 }
-
-static Fp8Operand quantise_128x1(Model *m, size_t *used, const real *x, int N, int C, const char *what) {
-    const int TB = ceil_div(N, FP8_TILE);
-    Fp8Operand o = {scratch_take(m, used, (size_t)C * TB * FP8_TILE), scratch_take(m, used, (size_t)TB * C * sizeof(float))};
-    char err[256];
-    profile_begin(PHASE_QUANTISE);
-    check_quantised(fp8_quantize_128x1_transposed(m->dev, o.q, o.s, x, N, C, err, sizeof err), what, err);
-    profile_end(PHASE_QUANTISE);
-    return o;
+static size_t bytes_128x1(int tiles, int C) {
+    return pad_bytes((size_t)C * tiles * FP8_TILE) + pad_bytes((size_t)tiles * C * sizeof(float));
 }
-
 // The most scratch one forward (the input's 1x128 operand) or one backward (dY in both layouts and X in
-// 128x1) of a Linear (OC, C) at N rows can hold at once; the weights' operands are in the cache.
-static size_t fprop_bytes(int N, int C) { return bytes_1x128(N, C); }
-static size_t backward_bytes(int N, int C, int OC) { return bytes_1x128(N, OC) + bytes_128x1(N, OC) + bytes_128x1(N, C); }
+// 128x1) of a Linear (OC, C) holds at once; the weights' operands are in the cache.
+static size_t fprop_bytes(GroupSizes z, int C) { return bytes_1x128(z.p16, C); }
+static size_t backward_bytes(GroupSizes z, int C, int OC) {
+    return bytes_1x128(z.p16, OC) + bytes_128x1(z.tiles, OC) + bytes_128x1(z.tiles, C);
+}
+
+static Fp8Operand take_1x128(Model *m, size_t *used, GroupSizes z, int C) {
+    const int KB = ceil_div(C, FP8_TILE);
+    return (Fp8Operand){scratch_take(m, used, (size_t)z.p16 * KB * FP8_TILE),
+                        scratch_take(m, used, (size_t)KB * z.p16 * sizeof(float))};
+}
+static Fp8Operand take_128x1(Model *m, size_t *used, GroupSizes z, int C) {
+    return (Fp8Operand){scratch_take(m, used, (size_t)C * z.tiles * FP8_TILE),
+                        scratch_take(m, used, (size_t)z.tiles * C * sizeof(float))};
+}
 
 void linear_reserve_scratch(Model *m, int rows) {
     if (m->cfg.precision.mode != PRECISION_FP8) return;
     if (m->fp8_weights == NULL) weight_cache_create(m);
+    // a plain Linear runs on `rows` rows; the routed experts on rows x top-K rows in E_local groups, whose
+    // padding adds at most 15 rows (1x128) and one tile (128x1) per group
+    const GroupSizes plain = {round_up(rows, 16), ceil_div(rows, FP8_TILE)};
+    const int routed = rows * m->cfg.moe.n_activated_experts, groups = m->ep.experts_per_rank;
+    const GroupSizes experts = {round_up(routed, 16) + 15 * groups, ceil_div(routed, FP8_TILE) + groups};
     size_t most = 0;
     for (int i = 0; i < m->n_params; i++) {
         const ParamInfo *p = &m->params[i];
         if (!is_block_linear(p)) continue;
-        size_t f = fprop_bytes(rows, p->shape[1]), b = backward_bytes(rows, p->shape[1], p->shape[0]);
+        const GroupSizes z = strstr(p->name, ".ffn.experts.") ? experts : plain;
+        size_t f = fprop_bytes(z, p->shape[1]), b = backward_bytes(z, p->shape[1], p->shape[0]);
         if (f > most) most = f;
         if (b > most) most = b;
     }
     scratch_reserve(m, most);
 }
 
-// fp8 Fprop of n_out Linears of the same input: the input is quantised once.
-static void fp8_forward(Model *m, int n_out, real *const *out, const real *inp, const real *const *weight, int N,
-                        int C, int OC) {
-    scratch_reserve(m, fprop_bytes(N, C));
+// ---------------------------------------------------------------------------- fp8 Linears
+#define MAX_SHARED 4  // Linears of one input: 2 in the SwiGLU FFN
+
+_Noreturn static void too_many_shared(int n_out) {
+    fprintf(stderr, "fp8moe: train/linear.c: internal error: %d Linears share an input (at most %d)\n", n_out,
+            MAX_SHARED);
+    exit(1);
+}
+
+// fp8 Fprop: out[i] rows of group g = inp rows of g @ (slice g of weight[i])^T. The input is quantised
+// once, for every group and every weight.
+static void fp8_forward(Model *m, int n_groups, const int *offsets, int n_out, real *const *out, const real *inp,
+                        const real *const *weight, int C, int OC) {
+    const GroupSizes z = group_sizes(n_groups, offsets);
+    const int KB = ceil_div(C, FP8_TILE);
+    scratch_reserve(m, fprop_bytes(z, C));
     size_t used = 0;
-    const Fp8Operand x = quantise_1x128(m, &used, inp, N, C, "an activation (Fprop X)");
-    for (int i = 0; i < n_out; i++) {
-        const CachedWeight *cw = cached_weight(m, weight[i], OC, C);
-        fp8_gemm_fprop(m->dev, out[i], x.q, x.s, cw->q, cw->s, N, OC, C);
-        m->fp8_gemm_count++;
+    const Fp8Operand x = take_1x128(m, &used, z, C);
+    char err[256];
+    profile_begin(PHASE_QUANTISE);
+    check_quantised(fp8_quantize_1x128_grouped(m->dev, x.q, x.s, inp, n_groups, offsets, C, err, sizeof err),
+                    "an activation (Fprop X)", err);
+    profile_end(PHASE_QUANTISE);
+    for (int g = 0, p16 = 0; g < n_groups; g++) {
+        const int r0 = offsets[g], n = offsets[g + 1] - offsets[g];
+        if (n == 0) continue;
+        for (int i = 0; i < n_out; i++) {
+            const CachedWeight *cw = cached_weight(m, weight[i] + (int64_t)g * OC * C, OC, C);
+            fp8_gemm_fprop(m->dev, out[i] + (int64_t)r0 * OC, x.q + (size_t)p16 * KB * FP8_TILE, x.s + (size_t)KB * p16,
+                           cw->q, cw->s, n, OC, C);
+            m->fp8_gemm_count++;
+        }
+        p16 += round_up(n, 16);
     }
 }
 
-// fp8 backward of n_out Linears of the same input, in order: Dgrad dinp += dY W (dY in 1x128 tiles along
-// OC, W's 128x128 blocks transposed), then Wgrad dW += dY^T X (dY and X in 128x1 tiles along the N
-// tokens, written transposed so N is the contraction axis); X's Wgrad operand is quantised once.
-static void fp8_backward(Model *m, int n_out, real *dinp, real *const *dweight, const real *const *dout,
-                         const real *inp, const real *const *weight, int N, int C, int OC) {
-    scratch_reserve(m, backward_bytes(N, C, OC));
+// fp8 backward, Linear by Linear (in order of i) and group by group: Dgrad dinp += dY W (dY in 1x128
+// tiles along OC, W's 128x128 blocks transposed), Wgrad dW += dY^T X (dY and X in 128x1 tiles along
+// the tokens, written transposed so the tokens are the contraction axis). X's Wgrad operand is quantised
+// once; each dY once, into both layouts when both GEMMs need it.
+static void fp8_backward(Model *m, int n_groups, const int *offsets, int n_out, real *dinp, real *const *dweight,
+                         const real *const *dout, const real *inp, const real *const *weight, int C, int OC) {
+    const GroupSizes z = group_sizes(n_groups, offsets);
+    const int NB = ceil_div(OC, FP8_TILE);
+    scratch_reserve(m, backward_bytes(z, C, OC));
     size_t used = 0;
+    char err[256];
     Fp8Operand xt = {NULL, NULL};
-    for (int i = 0; i < n_out; i++) {
-        if (dweight[i] && xt.q == NULL) xt = quantise_128x1(m, &used, inp, N, C, "an activation (Wgrad X)");
+    for (int i = 0; i < n_out && xt.q == NULL; i++) {
+        if (dweight[i] == NULL) continue;
+        xt = take_128x1(m, &used, z, C);
+        profile_begin(PHASE_QUANTISE);
+        check_quantised(fp8_quantize_128x1_transposed_grouped(m->dev, xt.q, xt.s, inp, n_groups, offsets, C, err,
+                                                              sizeof err), "an activation (Wgrad X)", err);
+        profile_end(PHASE_QUANTISE);
     }
     const size_t used_by_x = used;
     for (int i = 0; i < n_out; i++) {
         used = used_by_x;  // dY's operands of the previous Linear are consumed (one stream, in order)
-        Fp8Operand dy = {NULL, NULL}, dyt = {NULL, NULL};
-        if (dinp && dweight[i]) {  // both layouts of dY in one pass
-            const int NB = ceil_div(OC, FP8_TILE), T16 = round_up(N, 16), TB = ceil_div(N, FP8_TILE);
-            dy = (Fp8Operand){scratch_take(m, &used, (size_t)T16 * NB * FP8_TILE),
-                              scratch_take(m, &used, (size_t)NB * T16 * sizeof(float))};
-            dyt = (Fp8Operand){scratch_take(m, &used, (size_t)OC * TB * FP8_TILE),
-                               scratch_take(m, &used, (size_t)TB * OC * sizeof(float))};
-            char err[256];
-            profile_begin(PHASE_QUANTISE);
-            check_quantised(fp8_quantize_both_layouts(m->dev, dy.q, dy.s, dyt.q, dyt.s, dout[i], N, OC, err, sizeof err),
-                            "a gradient (Dgrad and Wgrad dY)", err);
-            profile_end(PHASE_QUANTISE);
-        } else if (dinp) {
-            dy = quantise_1x128(m, &used, dout[i], N, OC, "a gradient (Dgrad dY)");
-        } else if (dweight[i]) {
-            dyt = quantise_128x1(m, &used, dout[i], N, OC, "a gradient (Wgrad dY)");
-        }
-        if (dinp) {
-            const CachedWeight *cw = cached_weight(m, weight[i], OC, C);
-            fp8_gemm_dgrad(m->dev, dinp, dy.q, dy.s, cw->qt, cw->s, N, OC, C);
-            m->fp8_gemm_count++;
-        }
-        if (dweight[i]) {
-            fp8_gemm_wgrad(m->dev, dweight[i], dyt.q, dyt.s, xt.q, xt.s, N, OC, C);
-            m->fp8_gemm_count++;
+        const Fp8Operand dy = dinp ? take_1x128(m, &used, z, OC) : (Fp8Operand){NULL, NULL};
+        const Fp8Operand dyt = dweight[i] ? take_128x1(m, &used, z, OC) : (Fp8Operand){NULL, NULL};
+        profile_begin(PHASE_QUANTISE);
+        if (dinp && dweight[i])
+            check_quantised(fp8_quantize_both_layouts_grouped(m->dev, dy.q, dy.s, dyt.q, dyt.s, dout[i], n_groups, offsets,
+                                                              OC, err, sizeof err), "a gradient (Dgrad and Wgrad dY)", err);
+        else if (dinp)
+            check_quantised(fp8_quantize_1x128_grouped(m->dev, dy.q, dy.s, dout[i], n_groups, offsets, OC, err, sizeof err),
+                            "a gradient (Dgrad dY)", err);
+        else if (dweight[i])
+            check_quantised(fp8_quantize_128x1_transposed_grouped(m->dev, dyt.q, dyt.s, dout[i], n_groups, offsets, OC,
+                                                                  err, sizeof err), "a gradient (Wgrad dY)", err);
+        profile_end(PHASE_QUANTISE);
+        for (int g = 0, p16 = 0, tiles = 0; g < n_groups; g++) {
+            const int r0 = offsets[g], n = offsets[g + 1] - offsets[g];
+            if (n == 0) continue;
+            const int64_t wo = (int64_t)g * OC * C;
+            if (dinp) {
+                const CachedWeight *cw = cached_weight(m, weight[i] + wo, OC, C);
+                fp8_gemm_dgrad(m->dev, dinp + (int64_t)r0 * C, dy.q + (size_t)p16 * NB * FP8_TILE, dy.s + (size_t)NB * p16,
+                               cw->qt, cw->s, n, OC, C);
+                m->fp8_gemm_count++;
+            }
+            if (dweight[i]) {
+                fp8_gemm_wgrad(m->dev, dweight[i] + wo, dyt.q + (size_t)OC * FP8_TILE * tiles, dyt.s + (size_t)OC * tiles,
+                               xt.q + (size_t)C * FP8_TILE * tiles, xt.s + (size_t)C * tiles, n, OC, C);
+                m->fp8_gemm_count++;
+            }
+            p16 += round_up(n, 16), tiles += ceil_div(n, FP8_TILE);
         }
     }
 }
 
+// ---------------------------------------------------------------------------- entry points (linear.h)
 void linear_forward(Model *m, real *out, const real *inp, const real *weight, int N, int C, int OC) {
     linear_forward_shared(m, 1, &out, inp, &weight, N, C, OC);
 }
 
 void linear_forward_shared(Model *m, int n_out, real *const *out, const real *inp, const real *const *weight, int N,
                            int C, int OC) {
+    const int offsets[2] = {0, N};
+    linear_forward_grouped(m, 1, offsets, n_out, out, inp, weight, C, OC);
+}
+
+void linear_forward_grouped(Model *m, int n_groups, const int *offsets, int n_out, real *const *out, const real *inp,
+                            const real *const *weight, int C, int OC) {
+    if (n_out > MAX_SHARED) too_many_shared(n_out);
     profile_begin(PHASE_OTHER_GEMM);  // the caller may make it an expert GEMM (kernels/profile.h)
-    for (int i = 0; i < n_out && m->cfg.precision.mode != PRECISION_FP8; i++) {
-        if (m->cfg.precision.mode == PRECISION_FP32) matmul_forward(m->dev, out[i], inp, weight[i], N, C, OC);
-        else bf16_matmul_forward(m->dev, out[i], inp, weight[i], N, C, OC);
+    if (m->cfg.precision.mode == PRECISION_FP8) {
+        fp8_forward(m, n_groups, offsets, n_out, out, inp, weight, C, OC);
+    } else {
+        for (int g = 0; g < n_groups; g++) {
+            const int r0 = offsets[g], n = offsets[g + 1] - offsets[g];
+            for (int i = 0; i < n_out && n > 0; i++) {
+                real *o = out[i] + (int64_t)r0 * OC;
+                const real *x = inp + (int64_t)r0 * C, *w = weight[i] + (int64_t)g * OC * C;
+                if (m->cfg.precision.mode == PRECISION_FP32) matmul_forward(m->dev, o, x, w, n, C, OC);
+                else bf16_matmul_forward(m->dev, o, x, w, n, C, OC);
+            }
+        }
     }
-    if (m->cfg.precision.mode == PRECISION_FP8) fp8_forward(m, n_out, out, inp, weight, N, C, OC);
     profile_end(PHASE_OTHER_GEMM);
 }
 
@@ -283,14 +345,28 @@ void linear_backward(Model *m, real *dinp, real *dweight, const real *dout, cons
 
 void linear_backward_shared(Model *m, int n_out, real *dinp, real *const *dweight, const real *const *dout,
                             const real *inp, const real *const *weight, int N, int C, int OC) {
+    const int offsets[2] = {0, N};
+    linear_backward_grouped(m, 1, offsets, n_out, dinp, dweight, dout, inp, weight, C, OC);
+}
+
+void linear_backward_grouped(Model *m, int n_groups, const int *offsets, int n_out, real *dinp, real *const *dweight,
+                             const real *const *dout, const real *inp, const real *const *weight, int C, int OC) {
+    if (n_out > MAX_SHARED) too_many_shared(n_out);
     profile_begin(PHASE_OTHER_GEMM);
-    for (int i = 0; i < n_out && m->cfg.precision.mode != PRECISION_FP8; i++) {
-        if (m->cfg.precision.mode == PRECISION_FP32)
-            matmul_backward(m->dev, dinp, dweight[i], dout[i], inp, weight[i], N, C, OC);
-        else
-            bf16_matmul_backward(m->dev, dinp, dweight[i], dout[i], inp, weight[i], N, C, OC);
+    if (m->cfg.precision.mode == PRECISION_FP8) {
+        fp8_backward(m, n_groups, offsets, n_out, dinp, dweight, dout, inp, weight, C, OC);
+    } else {
+        for (int g = 0; g < n_groups; g++) {
+            const int r0 = offsets[g], n = offsets[g + 1] - offsets[g];
+            for (int i = 0; i < n_out && n > 0; i++) {
+                const int64_t wo = (int64_t)g * OC * C;
+                real *di = dinp ? dinp + (int64_t)r0 * C : NULL, *dw = dweight[i] ? dweight[i] + wo : NULL;
+                const real *dy = dout[i] + (int64_t)r0 * OC, *x = inp + (int64_t)r0 * C, *w = weight[i] + wo;
+                if (m->cfg.precision.mode == PRECISION_FP32) matmul_backward(m->dev, di, dw, dy, x, w, n, C, OC);
+                else bf16_matmul_backward(m->dev, di, dw, dy, x, w, n, C, OC);
+            }
+        }
     }
-    if (m->cfg.precision.mode == PRECISION_FP8) fp8_backward(m, n_out, dinp, dweight, dout, inp, weight, N, C, OC);
     profile_end(PHASE_OTHER_GEMM);
 }
 

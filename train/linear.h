@@ -30,6 +30,14 @@ void linear_forward_shared(Model *m, int n_out, real *const *out, const real *in
                            int C, int OC);
 void linear_backward_shared(Model *m, int n_out, real *dinp, real *const *dweight, const real *const *dout,
                             const real *inp, const real *const *weight, int N, int C, int OC);
+// Grouped Linears (the routed experts): rows [offsets[g], offsets[g+1]) of inp (offsets[0] = 0) go through
+// weight g of each stacked weight[i] (n_groups, OC, C), into the same rows of out[i]; in the backward
+// dinp's rows get sum_i dout[i] W_i,g and dweight[i]'s slice g gets dout[i]^T inp over the group's rows.
+// The same numbers as the *_shared calls above group by group, in order; empty groups are skipped.
+void linear_forward_grouped(Model *m, int n_groups, const int *offsets, int n_out, real *const *out, const real *inp,
+                            const real *const *weight, int C, int OC);
+void linear_backward_grouped(Model *m, int n_groups, const int *offsets, int n_out, real *dinp, real *const *dweight,
+                             const real *const *dout, const real *inp, const real *const *weight, int C, int OC);
 // Sizes the FP8 scratch for every block Linear at `rows` tokens (a micro-batch: no expert segment is
 // longer), so no step allocates device memory; a no-op outside fp8 mode.
 void linear_reserve_scratch(Model *m, int rows);

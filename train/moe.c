@@ -44,36 +44,41 @@ void ffn_backward(Model *m, const FfnWeights *w, const FfnWeights *g, FfnActs *a
 }
 
 // ---------------------------------------------------------------------------- routed experts
-// Run every local expert over its segment of rows. xs (rows, D) -> ys (rows, D); segment e of the
-// local experts is rows [offsets[e], offsets[e+1]). Expert weights are stacked (E_local, ...).
+// Every local expert over its segment of rows, one phase at a time: each Linear runs for all experts
+// (linear_*_grouped), the SwiGLU and the memsets once over all rows. xs (rows, D) -> ys (rows, D); segment
+// e of the local experts is rows [offsets[e], offsets[e+1]), offsets[0] = 0. Expert weights are stacked
+// (E_local, ...). The same numbers as running the experts one after another: every op touches only its
+// own expert's rows and weights.
 static void experts_forward(Model *m, const FfnWeights *w, FfnActs *a, const int *offsets, int n_experts,
                             int D, int I, const real *xs, real *ys) {
-    for (int e = 0; e < n_experts; e++) {
-        int r0 = offsets[e], n = offsets[e + 1] - offsets[e];
-        if (n == 0) continue;
-        FfnWeights we = {w->w1 + (int64_t)e * I * D, w->w2 + (int64_t)e * D * I, w->w3 + (int64_t)e * I * D};
-        FfnActs ae = {a->a + (int64_t)r0 * I, a->b + (int64_t)r0 * I, a->h + (int64_t)r0 * I};
-        profile_begin(PHASE_EXPERT_GEMM);  // its Linears count as expert GEMMs (kernels/profile.h)
-        ffn_forward(m, &we, &ae, n, D, I, xs + (int64_t)r0 * D, ys + (int64_t)r0 * D);
-        profile_end(PHASE_EXPERT_GEMM);
-    }
+    const int64_t n = (int64_t)offsets[n_experts] * I;
+    real *const ab[2] = {a->a, a->b};
+    const real *const w13[2] = {w->w1, w->w3}, *const w2[1] = {w->w2};
+    profile_begin(PHASE_EXPERT_GEMM);  // its Linears count as expert GEMMs (kernels/profile.h)
+    linear_forward_grouped(m, n_experts, offsets, 2, ab, xs, w13, D, I);
+    swiglu_forward(m->dev, a->h, a->a, a->b, n);
+    linear_forward_grouped(m, n_experts, offsets, 1, &ys, a->h, w2, I, D);
+    profile_end(PHASE_EXPERT_GEMM);
 }
 
+// h is recomputed from a and b (a forward transient, see FfnActs), as in ffn_backward.
 static void experts_backward(Model *m, const FfnWeights *w, const FfnWeights *g, FfnActs *a,
                              LayerScratch *s, const int *offsets, int n_experts, int D, int I,
                              const real *xs, const real *d_ys, real *d_xs) {
-    for (int e = 0; e < n_experts; e++) {
-        int r0 = offsets[e], n = offsets[e + 1] - offsets[e];
-        if (n == 0) continue;
-        int64_t wo = (int64_t)e * I * D;
-        FfnWeights we = {w->w1 + wo, w->w2 + wo, w->w3 + wo};
-        FfnWeights ge = {g->w1 + wo, g->w2 + wo, g->w3 + wo};
-        FfnActs ae = {a->a + (int64_t)r0 * I, a->b + (int64_t)r0 * I, a->h + (int64_t)r0 * I};
-        profile_begin(PHASE_EXPERT_GEMM);
-        ffn_backward(m, &we, &ge, &ae, s, n, D, I, xs + (int64_t)r0 * D, d_ys + (int64_t)r0 * D,
-                     d_xs + (int64_t)r0 * D);
-        profile_end(PHASE_EXPERT_GEMM);
-    }
+    Device dev = m->dev;
+    const int64_t n = (int64_t)offsets[n_experts] * I;
+    real *const g13[2] = {g->w1, g->w3};
+    const real *const d_ab[2] = {s->d_a, s->d_b}, *const w13[2] = {w->w1, w->w3};
+    const real *const w2[1] = {w->w2};
+    profile_begin(PHASE_EXPERT_GEMM);
+    swiglu_forward(dev, a->h, a->a, a->b, n);
+    device_memset_zero(dev, s->d_h, (size_t)n * sizeof(real));
+    device_memset_zero(dev, s->d_a, (size_t)n * sizeof(real));
+    device_memset_zero(dev, s->d_b, (size_t)n * sizeof(real));
+    linear_backward_grouped(m, n_experts, offsets, 1, s->d_h, &g->w2, &d_ys, a->h, w2, I, D);
+    swiglu_backward(dev, s->d_a, s->d_b, s->d_h, a->a, a->b, n);
+    linear_backward_grouped(m, n_experts, offsets, 2, d_xs, g13, d_ab, xs, w13, D, I);
+    profile_end(PHASE_EXPERT_GEMM);
 }
 
 // ---------------------------------------------------------------------------- MoE layer

@@ -477,6 +477,57 @@ int cpu_fp8_quantize_both_layouts(uint8_t *q1, float *s1, uint8_t *q2, float *s2
     return 0;
 }
 
+// ---------------------------------------------------------------------------- grouped quantisers
+// kernels.h's *_grouped forms: the plain quantisers segment by segment, at the offsets kernels.h defines.
+static void check_segments(const char *op, int n, const int *rows0) {
+    int ok = n >= 1 && n <= FP8_MAX_SEGMENTS && rows0[0] == 0;
+    for (int g = 0; ok && g < n; g++) ok = rows0[g + 1] >= rows0[g];
+    if (!ok) {
+        fprintf(stderr, "fp8moe: %s: %d segments with rows0[0] = %d - expected 1 to %d segments, rows0[0] = 0 and "
+                        "rows0 non-decreasing\n", op, n, n >= 1 ? rows0[0] : 0, FP8_MAX_SEGMENTS);
+        exit(1);
+    }
+}
+
+int cpu_fp8_quantize_1x128_grouped(uint8_t *q, float *s, const real *x, int n, const int *rows0, int K, char *err,
+                                   size_t err_size) {
+    check_segments("fp8_quantize_1x128_grouped", n, rows0);
+    if (check_finite("fp8_quantize_1x128_grouped", x, rows0[n], K, err, err_size)) return -1;
+    const size_t KB = (size_t)ceil_div(K, FP8_TILE);
+    size_t p16 = 0;
+    for (int g = 0; g < n; g++) {
+        const int T = rows0[g + 1] - rows0[g];
+        if (T == 0) continue;
+        cpu_fp8_quantize_1x128(q + KB * FP8_TILE * p16, s + KB * p16, x + (size_t)rows0[g] * K, T, K, NULL, 0);
+        p16 += (size_t)round_up16(T);
+    }
+    return 0;
+}
+
+int cpu_fp8_quantize_128x1_transposed_grouped(uint8_t *q, float *s, const real *x, int n, const int *rows0, int C,
+                                              char *err, size_t err_size) {
+    check_segments("fp8_quantize_128x1_transposed_grouped", n, rows0);
+    if (check_finite("fp8_quantize_128x1_transposed_grouped", x, rows0[n], C, err, err_size)) return -1;
+    size_t tiles = 0;
+    for (int g = 0; g < n; g++) {
+        const int T = rows0[g + 1] - rows0[g];
+        if (T == 0) continue;
+        cpu_fp8_quantize_128x1_transposed(q + (size_t)C * FP8_TILE * tiles, s + (size_t)C * tiles,
+                                          x + (size_t)rows0[g] * C, T, C, NULL, 0);
+        tiles += (size_t)ceil_div(T, FP8_TILE);
+    }
+    return 0;
+}
+
+int cpu_fp8_quantize_both_layouts_grouped(uint8_t *q1, float *s1, uint8_t *q2, float *s2, const real *x, int n,
+                                          const int *rows0, int C, char *err, size_t err_size) {
+    check_segments("fp8_quantize_both_layouts_grouped", n, rows0);
+    if (check_finite("fp8_quantize_both_layouts_grouped", x, rows0[n], C, err, err_size)) return -1;
+    cpu_fp8_quantize_1x128_grouped(q1, s1, x, n, rows0, C, NULL, 0);
+    cpu_fp8_quantize_128x1_transposed_grouped(q2, s2, x, n, rows0, C, NULL, 0);
+    return 0;
+}
+
 // ---------------------------------------------------------------------------- FP8 GEMMs
 // Fprop  y (T, N) = X W^T, written as BF16.
 //   qx (T16, Kp), sx (KB, T16) from fp8_quantize_1x128(x, T, K): A = qx, sa = sx;

@@ -141,6 +141,51 @@ static void require_aligned16(const void *p, const char *op, const char *name) {
 
 static inline int ceil_div(int a, int b) { return (a + b - 1) / b; }
 
+// The segments of a call to an activation quantiser (the routed experts' segments in one launch; one
+// segment for the plain calls): segment g is rows [rows0[g], rows0[g+1]) of x, its 1x128 operand starts
+// at row p16[g] of q (every segment padded to a multiple of 16 rows) and its 128x1 operand at 128-row
+// tile tiles0[g] (kernels.h, the *_grouped layouts). Passed by value as a __grid_constant__ kernel
+// parameter (3 KB, read from the constant bank, no copy per thread).
+struct SegTable {
+    int n;
+    int rows0[FP8_MAX_SEGMENTS + 1], p16[FP8_MAX_SEGMENTS + 1], tiles0[FP8_MAX_SEGMENTS + 1];
+};
+
+static SegTable seg_table(const char *op, int n, const int *rows0) {
+    if (n < 1 || n > FP8_MAX_SEGMENTS) {
+        fprintf(stderr, "%s:%d: %s: %d segments - expected 1 to %d (FP8_MAX_SEGMENTS, kernels.h)\n", __FILE__, __LINE__,
+                op, n, FP8_MAX_SEGMENTS);
+        exit(1);
+    }
+    SegTable t;
+    t.n = n;
+    t.rows0[0] = t.p16[0] = t.tiles0[0] = 0;
+    for (int g = 0; g < n; g++) {
+        const int rows = rows0[g + 1] - rows0[g];
+        if (rows < 0 || rows0[0] != 0) {
+            fprintf(stderr, "%s:%d: %s: segment %d has rows %d..%d - expected rows0[0] = 0 and rows0 non-decreasing\n",
+                    __FILE__, __LINE__, op, g, rows0[g], rows0[g + 1]);
+            exit(1);
+        }
+        t.rows0[g + 1] = rows0[g + 1];
+        t.p16[g + 1] = t.p16[g] + ceil_div(rows, 16) * 16;
+        t.tiles0[g + 1] = t.tiles0[g] + ceil_div(rows, FP8_TILE);
+    }
+    return t;
+}
+
+// The segment holding position v of a prefix array (p16 or tiles0): the largest g < n with prefix[g] <= v.
+// Empty segments (prefix[g] == prefix[g + 1]) are never returned for a v below prefix[n].
+__device__ inline int segment_of(const int *prefix, int n, int v) {
+    int lo = 0, hi = n - 1;
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) / 2;
+        if (prefix[mid] <= v) lo = mid;
+        else hi = mid - 1;
+    }
+    return lo;
+}
+
 // ---------------------------------------------------------------------------- 1x128 along K
 // x (rows, K) -> q (R16, Kp), s (KB, R16), R16 = rows rounded up to 16; the padding rows are quantised as
 // zero rows (code 0, scale 1), so callers never copy a segment to pad it. One warp per row and 4 consecutive K-blocks: lane l holds
@@ -151,14 +196,17 @@ static const int Q1X128_ROWS_PER_BLOCK = 8;
 static const int Q1X128_TILES_PER_WARP = 4;
 
 template <bool VEC4>
-__global__ void quantize_1x128_kernel(uint8_t *q, float *s, const float *x, int rows, int R16, int K, int KB,
-                                      unsigned long long call, unsigned long long *bad) {
+__global__ void quantize_1x128_kernel(uint8_t *q, float *s, const float *x, const __grid_constant__ SegTable seg, int K,
+                                      int KB, unsigned long long call, unsigned long long *bad) {
     const int lane = threadIdx.x & 31;
-    const int row = blockIdx.x * Q1X128_ROWS_PER_BLOCK + (threadIdx.x >> 5);
+    const int prow = blockIdx.x * Q1X128_ROWS_PER_BLOCK + (threadIdx.x >> 5); // row of q, over all segments
     const int kb0 = blockIdx.y * Q1X128_TILES_PER_WARP;
-    if (row >= R16) return; // the whole warp leaves together
-    const float *xr = x + (int64_t)row * K;
-    const int len = row < rows ? K : 0; // a padding row loads as zeros
+    if (prow >= seg.p16[seg.n]) return; // the whole warp leaves together
+    const int g = segment_of(seg.p16, seg.n, prow);
+    const int r = prow - seg.p16[g], R16 = seg.p16[g + 1] - seg.p16[g];
+    const int64_t row = seg.rows0[g] + r; // in x
+    const int len = r < seg.rows0[g + 1] - seg.rows0[g] ? K : 0; // a padding row loads as zeros
+    const float *xr = x + (len ? row * K : 0);
     float v[Q1X128_TILES_PER_WARP][4];
     for (int i = 0; i < Q1X128_TILES_PER_WARP; i++) load4<VEC4>(v[i], xr, (kb0 + i) * FP8_TILE + lane * 4, len);
     for (int i = 0; i < Q1X128_TILES_PER_WARP && kb0 + i < KB; i++) {
@@ -169,28 +217,39 @@ __global__ void quantize_1x128_kernel(uint8_t *q, float *s, const float *x, int 
             a = fmaxf(a, fabsf(v[i][j]));
         }
         const float sc = fp8_scale_of(warp_max(a));
-        *reinterpret_cast<uint32_t *>(q + (int64_t)row * KB * FP8_TILE + col) = fp8_pack4(v[i], sc);
-        if (lane == 0) s[(int64_t)(kb0 + i) * R16 + row] = sc;
+        *reinterpret_cast<uint32_t *>(q + (int64_t)prow * KB * FP8_TILE + col) = fp8_pack4(v[i], sc);
+        if (lane == 0) s[(int64_t)KB * seg.p16[g] + (int64_t)(kb0 + i) * R16 + r] = sc;
     }
+}
+
+static int quantize_1x128_segments(const char *op, uint8_t *q, float *s, const real *x, int n, const int *rows0, int K,
+                                   char *err, size_t err_size) {
+    const SegTable seg = seg_table(op, n, rows0);
+    if (seg.p16[n] == 0 || K <= 0) return 0;
+    require_aligned16(q, op, "q");
+    require_aligned16(s, op, "s");
+    const int KB = ceil_div(K, FP8_TILE);
+    unsigned long long *bad = bad_word();
+    int rc;
+    const unsigned long long call = log_call(op, "x", rows0[n], K, &rc, err, err_size);
+    const dim3 grid((unsigned)ceil_div(seg.p16[n], Q1X128_ROWS_PER_BLOCK), (unsigned)ceil_div(KB, Q1X128_TILES_PER_WARP));
+    const int threads = 32 * Q1X128_ROWS_PER_BLOCK;
+    if (K % 4 == 0 && is_aligned(x, 16)) quantize_1x128_kernel<true><<<grid, threads>>>(q, s, x, seg, K, KB, call, bad);
+    else quantize_1x128_kernel<false><<<grid, threads>>>(q, s, x, seg, K, KB, call, bad);
+    CUDA_CHECK_LAUNCH("quantize_1x128_kernel");
+    return rc;
 }
 
 extern "C" int cuda_fp8_quantize_1x128(uint8_t *q, float *s, const real *x, int rows, int K, char *err,
                                        size_t err_size) {
-    if (rows <= 0 || K <= 0) return 0;
-    require_aligned16(q, "fp8_quantize_1x128", "q");
-    require_aligned16(s, "fp8_quantize_1x128", "s");
-    const int KB = ceil_div(K, FP8_TILE), R16 = ceil_div(rows, 16) * 16;
-    unsigned long long *bad = bad_word();
-    int rc;
-    const unsigned long long call = log_call("fp8_quantize_1x128", "x", rows, K, &rc, err, err_size);
-    const dim3 grid((unsigned)ceil_div(R16, Q1X128_ROWS_PER_BLOCK), (unsigned)ceil_div(KB, Q1X128_TILES_PER_WARP));
-    const int threads = 32 * Q1X128_ROWS_PER_BLOCK;
-    if (K % 4 == 0 && is_aligned(x, 16))
-        quantize_1x128_kernel<true><<<grid, threads>>>(q, s, x, rows, R16, K, KB, call, bad);
-    else
-        quantize_1x128_kernel<false><<<grid, threads>>>(q, s, x, rows, R16, K, KB, call, bad);
-    CUDA_CHECK_LAUNCH("quantize_1x128_kernel");
-    return rc;
+    if (rows <= 0) return 0;
+    const int rows0[2] = {0, rows};
+    return quantize_1x128_segments("fp8_quantize_1x128", q, s, x, 1, rows0, K, err, err_size);
+}
+
+extern "C" int cuda_fp8_quantize_1x128_grouped(uint8_t *q, float *s, const real *x, int n_seg, const int *rows0, int K,
+                                               char *err, size_t err_size) {
+    return quantize_1x128_segments("fp8_quantize_1x128_grouped", q, s, x, n_seg, rows0, K, err, err_size);
 }
 
 // ---------------------------------------------------------------------------- 128x128 blocks (+ transpose)
@@ -286,12 +345,18 @@ static const int Q128X1_COLS = 32;
 static const int Q128X1_THREADS = 256;
 
 template <bool VEC4>
-__global__ void quantize_128x1_transposed_kernel(uint8_t *q, float *s, const float *x, int T, int C, int Tp,
-                                                 unsigned long long call, unsigned long long *bad) {
+__global__ void quantize_128x1_transposed_kernel(uint8_t *q, float *s, const float *x,
+                                                 const __grid_constant__ SegTable seg, int C, unsigned long long call,
+                                                 unsigned long long *bad) {
     __shared__ float partial[32][Q128X1_COLS + 1];
     __shared__ float col_scale[Q128X1_COLS];
     __shared__ __align__(16) uint8_t tile[Q128X1_COLS][FP8_TILE + 4];
-    const int tb = blockIdx.y, c0 = blockIdx.x * Q128X1_COLS;
+    // this block's segment: its rows of x, its operand (C, Tp) and scales (TB, C)
+    const int g = segment_of(seg.tiles0, seg.n, blockIdx.y), tb = blockIdx.y - seg.tiles0[g];
+    const int T = seg.rows0[g + 1] - seg.rows0[g], Tp = (seg.tiles0[g + 1] - seg.tiles0[g]) * FP8_TILE;
+    const int64_t row0 = seg.rows0[g];
+    x += row0 * C, q += (int64_t)C * FP8_TILE * seg.tiles0[g], s += (int64_t)C * seg.tiles0[g];
+    const int c0 = blockIdx.x * Q128X1_COLS;
     const int c = (threadIdx.x & 7) * 4, rg = threadIdx.x >> 3;
 
     float v[4][4];
@@ -304,7 +369,7 @@ __global__ void quantize_128x1_transposed_kernel(uint8_t *q, float *s, const flo
             for (int j = 0; j < 4; j++) v[p][j] = 0.0f;
         }
         for (int j = 0; j < 4; j++) {
-            if (t < T) note_if_bad(v[p][j], (unsigned long long)t * C + c0 + c + j, call, bad);
+            if (t < T) note_if_bad(v[p][j], (unsigned long long)(row0 + t) * C + c0 + c + j, call, bad);
             a[j] = fmaxf(a[j], fabsf(v[p][j]));
         }
     }
@@ -312,7 +377,7 @@ __global__ void quantize_128x1_transposed_kernel(uint8_t *q, float *s, const flo
     __syncthreads();
     if (threadIdx.x < Q128X1_COLS) {
         float m = 0.0f;
-        for (int g = 0; g < 32; g++) m = fmaxf(m, partial[g][threadIdx.x]);
+        for (int grp = 0; grp < 32; grp++) m = fmaxf(m, partial[grp][threadIdx.x]);
         const float sc = fp8_scale_of(m);
         col_scale[threadIdx.x] = sc;
         if (c0 + (int)threadIdx.x < C) s[(int64_t)tb * C + c0 + threadIdx.x] = sc;
@@ -329,22 +394,34 @@ __global__ void quantize_128x1_transposed_kernel(uint8_t *q, float *s, const flo
     }
 }
 
-extern "C" int cuda_fp8_quantize_128x1_transposed(uint8_t *q, float *s, const real *x, int T, int C, char *err,
-                                                  size_t err_size) {
-    if (T <= 0 || C <= 0) return 0;
-    require_aligned16(q, "fp8_quantize_128x1_transposed", "q");
-    require_aligned16(s, "fp8_quantize_128x1_transposed", "s");
-    const int TB = ceil_div(T, FP8_TILE), Tp = TB * FP8_TILE;
+static int quantize_128x1_segments(const char *op, uint8_t *q, float *s, const real *x, int n, const int *rows0, int C,
+                                   char *err, size_t err_size) {
+    const SegTable seg = seg_table(op, n, rows0);
+    if (seg.tiles0[n] == 0 || C <= 0) return 0;
+    require_aligned16(q, op, "q");
+    require_aligned16(s, op, "s");
     unsigned long long *bad = bad_word();
     int rc;
-    const unsigned long long call = log_call("fp8_quantize_128x1_transposed", "x", T, C, &rc, err, err_size);
-    const dim3 grid((unsigned)ceil_div(C, Q128X1_COLS), (unsigned)TB);
+    const unsigned long long call = log_call(op, "x", rows0[n], C, &rc, err, err_size);
+    const dim3 grid((unsigned)ceil_div(C, Q128X1_COLS), (unsigned)seg.tiles0[n]);
     if (C % 4 == 0 && is_aligned(x, 16))
-        quantize_128x1_transposed_kernel<true><<<grid, Q128X1_THREADS>>>(q, s, x, T, C, Tp, call, bad);
+        quantize_128x1_transposed_kernel<true><<<grid, Q128X1_THREADS>>>(q, s, x, seg, C, call, bad);
     else
-        quantize_128x1_transposed_kernel<false><<<grid, Q128X1_THREADS>>>(q, s, x, T, C, Tp, call, bad);
+        quantize_128x1_transposed_kernel<false><<<grid, Q128X1_THREADS>>>(q, s, x, seg, C, call, bad);
     CUDA_CHECK_LAUNCH("quantize_128x1_transposed_kernel");
     return rc;
+}
+
+extern "C" int cuda_fp8_quantize_128x1_transposed(uint8_t *q, float *s, const real *x, int T, int C, char *err,
+                                                  size_t err_size) {
+    if (T <= 0) return 0;
+    const int rows0[2] = {0, T};
+    return quantize_128x1_segments("fp8_quantize_128x1_transposed", q, s, x, 1, rows0, C, err, err_size);
+}
+
+extern "C" int cuda_fp8_quantize_128x1_transposed_grouped(uint8_t *q, float *s, const real *x, int n_seg,
+                                                          const int *rows0, int C, char *err, size_t err_size) {
+    return quantize_128x1_segments("fp8_quantize_128x1_transposed_grouped", q, s, x, n_seg, rows0, C, err, err_size);
 }
 
 // ---------------------------------------------------------------------------- both activation layouts
@@ -360,12 +437,20 @@ static const int QBOTH_PASSES = FP8_TILE / QBOTH_ROW_GROUPS; // 8 rows per threa
 
 template <bool VEC4>
 __global__ void __launch_bounds__(QBOTH_THREADS, 2)
-    quantize_both_kernel(uint8_t *q1, float *s1, uint8_t *q2, float *s2, const float *x, int T, int C, int R16,
-                         int Kp, int Tp, unsigned long long call, unsigned long long *bad) {
+    quantize_both_kernel(uint8_t *q1, float *s1, uint8_t *q2, float *s2, const float *x,
+                         const __grid_constant__ SegTable seg, int C, int Kp, unsigned long long call,
+                         unsigned long long *bad) {
     __shared__ float partial[QBOTH_ROW_GROUPS][FP8_TILE + 1];
     __shared__ float col_scale[FP8_TILE];
     __shared__ __align__(16) uint8_t tile[FP8_TILE][FP8_TILE + 4];
-    const int kb = blockIdx.x, tb = blockIdx.y;
+    // this block's segment: its rows of x and its two operands
+    const int g = segment_of(seg.tiles0, seg.n, blockIdx.y), tb = blockIdx.y - seg.tiles0[g];
+    const int T = seg.rows0[g + 1] - seg.rows0[g], R16 = seg.p16[g + 1] - seg.p16[g];
+    const int Tp = (seg.tiles0[g + 1] - seg.tiles0[g]) * FP8_TILE, KB = Kp / FP8_TILE;
+    const int64_t row0 = seg.rows0[g];
+    x += row0 * C, q1 += (int64_t)Kp * seg.p16[g], s1 += (int64_t)KB * seg.p16[g];
+    q2 += (int64_t)C * FP8_TILE * seg.tiles0[g], s2 += (int64_t)C * seg.tiles0[g];
+    const int kb = blockIdx.x;
     const int lane = threadIdx.x & 31, c = lane * 4, rg = threadIdx.x >> 5;
     const int col = kb * FP8_TILE + c;
 
@@ -375,7 +460,7 @@ __global__ void __launch_bounds__(QBOTH_THREADS, 2)
         const int t = tb * FP8_TILE + rg + QBOTH_ROW_GROUPS * p;
         load4<VEC4>(v[p], x + (int64_t)t * C, col, t < T ? C : 0); // rows past T load as zeros
         for (int j = 0; j < 4; j++) {
-            if (t < T) note_if_bad(v[p][j], (unsigned long long)t * C + col + j, call, bad);
+            if (t < T) note_if_bad(v[p][j], (unsigned long long)(row0 + t) * C + col + j, call, bad);
             a[j] = fmaxf(a[j], fabsf(v[p][j]));
         }
         // 1x128: this warp holds all 128 columns of row t
@@ -392,7 +477,7 @@ __global__ void __launch_bounds__(QBOTH_THREADS, 2)
     __syncthreads();
     if (threadIdx.x < FP8_TILE) {
         float m = 0.0f;
-        for (int g = 0; g < QBOTH_ROW_GROUPS; g++) m = fmaxf(m, partial[g][threadIdx.x]);
+        for (int grp = 0; grp < QBOTH_ROW_GROUPS; grp++) m = fmaxf(m, partial[grp][threadIdx.x]);
         const float sc = fp8_scale_of(m);
         col_scale[threadIdx.x] = sc;
         if (kb * FP8_TILE + (int)threadIdx.x < C) s2[(int64_t)tb * C + kb * FP8_TILE + threadIdx.x] = sc;
@@ -409,23 +494,34 @@ __global__ void __launch_bounds__(QBOTH_THREADS, 2)
     }
 }
 
-extern "C" int cuda_fp8_quantize_both_layouts(uint8_t *q1, float *s1, uint8_t *q2, float *s2, const real *x, int T,
-                                              int C, char *err, size_t err_size) {
-    static const char op[] = "fp8_quantize_both_layouts";
-    if (T <= 0 || C <= 0) return 0;
+static int quantize_both_segments(const char *op, uint8_t *q1, float *s1, uint8_t *q2, float *s2, const real *x, int n,
+                                  const int *rows0, int C, char *err, size_t err_size) {
+    const SegTable seg = seg_table(op, n, rows0);
+    if (seg.tiles0[n] == 0 || C <= 0) return 0;
     require_aligned16(q1, op, "q1"), require_aligned16(s1, op, "s1");
     require_aligned16(q2, op, "q2"), require_aligned16(s2, op, "s2");
-    const int KB = ceil_div(C, FP8_TILE), TB = ceil_div(T, FP8_TILE), R16 = ceil_div(T, 16) * 16;
+    const int KB = ceil_div(C, FP8_TILE);
     unsigned long long *bad = bad_word();
     int rc;
-    const unsigned long long call = log_call(op, "x", T, C, &rc, err, err_size);
-    const dim3 grid((unsigned)KB, (unsigned)TB);
+    const unsigned long long call = log_call(op, "x", rows0[n], C, &rc, err, err_size);
+    const dim3 grid((unsigned)KB, (unsigned)seg.tiles0[n]);
     if (C % 4 == 0 && is_aligned(x, 16))
-        quantize_both_kernel<true><<<grid, QBOTH_THREADS>>>(q1, s1, q2, s2, x, T, C, R16, KB * FP8_TILE,
-                                                            TB * FP8_TILE, call, bad);
+        quantize_both_kernel<true><<<grid, QBOTH_THREADS>>>(q1, s1, q2, s2, x, seg, C, KB * FP8_TILE, call, bad);
     else
-        quantize_both_kernel<false><<<grid, QBOTH_THREADS>>>(q1, s1, q2, s2, x, T, C, R16, KB * FP8_TILE,
-                                                             TB * FP8_TILE, call, bad);
+        quantize_both_kernel<false><<<grid, QBOTH_THREADS>>>(q1, s1, q2, s2, x, seg, C, KB * FP8_TILE, call, bad);
     CUDA_CHECK_LAUNCH("quantize_both_kernel");
     return rc;
+}
+
+extern "C" int cuda_fp8_quantize_both_layouts(uint8_t *q1, float *s1, uint8_t *q2, float *s2, const real *x, int T,
+                                              int C, char *err, size_t err_size) {
+    if (T <= 0) return 0;
+    const int rows0[2] = {0, T};
+    return quantize_both_segments("fp8_quantize_both_layouts", q1, s1, q2, s2, x, 1, rows0, C, err, err_size);
+}
+
+extern "C" int cuda_fp8_quantize_both_layouts_grouped(uint8_t *q1, float *s1, uint8_t *q2, float *s2, const real *x,
+                                                      int n_seg, const int *rows0, int C, char *err, size_t err_size) {
+    return quantize_both_segments("fp8_quantize_both_layouts_grouped", q1, s1, q2, s2, x, n_seg, rows0, C, err,
+                                  err_size);
 }

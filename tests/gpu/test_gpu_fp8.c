@@ -380,6 +380,70 @@ static void test_quantize_both(void **state) {
     free(x), free(q1), free(q2), free(s1), free(s2), free(g1), free(g2), free(gs1), free(gs2);
 }
 
+// The grouped quantisers (the routed experts' segments in one launch) against the CPU's grouped ones,
+// which test_fp8 checks against the plain quantisers segment by segment: every byte and scale of the
+// 1x128, 128x1 and both-layouts outputs, padding included, bit-identical. Segment lists with empty
+// segments, lengths off 16 and 128, and an expert-like split of 3000 rows into 32 segments.
+typedef struct {
+    int n_seg, C, seed;
+} GroupedCase;
+
+static int count_diff(const void *a, const void *b, size_t bytes) {
+    const uint8_t *x = a, *y = b;
+    int d = 0;
+    for (size_t i = 0; i < bytes; i++) d += x[i] != y[i];
+    return d;
+}
+
+static void test_quantize_grouped(void **state) {
+    const GroupedCase *gc = *state;
+    const int n = gc->n_seg, C = gc->C, KB = ceil_div(C, FP8_TILE), Kp = KB * FP8_TILE;
+    int rows0[FP8_MAX_SEGMENTS + 1] = {0};
+    uint64_t r = 0x9E3779B97F4A7C15ull * (uint64_t)gc->seed;
+    for (int g = 0; g < n; g++) {  // lengths 0..190, every fifth segment empty
+        r = r * 6364136223846793005ull + 1442695040888963407ull;
+        rows0[g + 1] = rows0[g] + (g % 5 == 1 ? 0 : (int)((r >> 33) % 191));
+    }
+    int p16 = 0, tiles = 0;
+    for (int g = 0; g < n; g++) p16 += ceil_div(rows0[g + 1] - rows0[g], 16) * 16, tiles += ceil_div(rows0[g + 1] - rows0[g], FP8_TILE);
+    const int T = rows0[n];
+    const size_t b1 = (size_t)p16 * Kp, n1 = (size_t)KB * p16, b2 = (size_t)C * tiles * FP8_TILE, n2 = (size_t)tiles * C;
+    float *x = floats((int64_t)T * C);
+    fill_log_uniform(x, (int64_t)T * C, 4000 + (uint64_t)gc->seed, -16.0, 4.0);
+    float *x_d = gpu_copy_of(x, (size_t)T * C * sizeof(float));
+    char err[256] = "";
+    int diff[3] = {0, 0, 0};
+    for (int k = 0; k < 3; k++) {
+        uint8_t *q1 = host_poisoned(b1), *q2 = host_poisoned(b2);
+        float *s1 = host_poisoned(n1 * sizeof(float)), *s2 = host_poisoned(n2 * sizeof(float));
+        uint8_t *q1_d = gpu_poisoned(b1), *q2_d = gpu_poisoned(b2);
+        float *s1_d = gpu_poisoned(n1 * sizeof(float)), *s2_d = gpu_poisoned(n2 * sizeof(float));
+        if (k == 0) {
+            assert_int_equal(fp8_quantize_1x128_grouped(DEVICE_CPU, q1, s1, x, n, rows0, C, err, sizeof err), 0);
+            assert_int_equal(fp8_quantize_1x128_grouped(DEVICE_CUDA, q1_d, s1_d, x_d, n, rows0, C, err, sizeof err), 0);
+        } else if (k == 1) {
+            assert_int_equal(fp8_quantize_128x1_transposed_grouped(DEVICE_CPU, q2, s2, x, n, rows0, C, err, sizeof err), 0);
+            assert_int_equal(fp8_quantize_128x1_transposed_grouped(DEVICE_CUDA, q2_d, s2_d, x_d, n, rows0, C, err, sizeof err), 0);
+        } else {
+            assert_int_equal(fp8_quantize_both_layouts_grouped(DEVICE_CPU, q1, s1, q2, s2, x, n, rows0, C, err, sizeof err), 0);
+            assert_int_equal(fp8_quantize_both_layouts_grouped(DEVICE_CUDA, q1_d, s1_d, q2_d, s2_d, x_d, n, rows0, C, err,
+                                                               sizeof err), 0);
+        }
+        assert_int_equal(fp8_check_finite(DEVICE_CUDA, err, sizeof err), 0);
+        uint8_t *g1 = host_copy_of(q1_d, b1), *g2 = host_copy_of(q2_d, b2);
+        float *gs1 = host_copy_of(s1_d, n1 * sizeof(float)), *gs2 = host_copy_of(s2_d, n2 * sizeof(float));
+        if (k != 1) diff[k] += count_diff(g1, q1, b1) + count_diff(gs1, s1, n1 * sizeof(float));
+        if (k != 0) diff[k] += count_diff(g2, q2, b2) + count_diff(gs2, s2, n2 * sizeof(float));
+        device_free(DEVICE_CUDA, q1_d), device_free(DEVICE_CUDA, q2_d), device_free(DEVICE_CUDA, s1_d), device_free(DEVICE_CUDA, s2_d);
+        free(q1), free(q2), free(s1), free(s2), free(g1), free(g2), free(gs1), free(gs2);
+    }
+    printf("%-18s %2d segments, %4d rows x %-5d differing bytes vs CPU: 1x128 %d, 128x1 %d, both %d  %s\n",
+           "quantize_grouped", n, T, C, diff[0], diff[1], diff[2], diff[0] + diff[1] + diff[2] == 0 ? "ok" : "FAIL");
+    device_free(DEVICE_CUDA, x_d);
+    free(x);
+    assert_int_equal(diff[0] + diff[1] + diff[2], 0);
+}
+
 // ---------------------------------------------------------------------------- GEMM comparison
 // Compares one output: |gpu - want| <= bound_f64[i] and |gpu - cpu| <= bound_par[i] for every i.
 // Prints a table row; returns 1 when both hold.
@@ -787,6 +851,7 @@ int main(void) {
     static GemmCase d_c = {G_DGRAD, 200, 640, 256, 0, 0};
     static GemmCase w_a = {G_WGRAD, 300, 576, 300, 0, 0}, w_b = {G_WGRAD, 1000, 256, 512, 0, 1};
     static BothCase both_a = {300, 576}, both_b = {45, 200}, both_c = {1000, 70}, both_d = {3072, 2048};
+    static GroupedCase gr_a = {5, 300, 1}, gr_b = {32, 2048, 2}, gr_c = {32, 1024, 3}, gr_d = {7, 70, 4};
     static Bf16Case b_a = {256, 300, 576}, b_b = {128, 512, 1024};
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_prestate_setup_teardown(test_quantizer, print_quant_header, NULL, &q_a),
@@ -803,6 +868,10 @@ int main(void) {
         cmocka_unit_test_prestate(test_quantize_both, &both_b),
         cmocka_unit_test_prestate(test_quantize_both, &both_c),
         cmocka_unit_test_prestate(test_quantize_both, &both_d),
+        cmocka_unit_test_prestate(test_quantize_grouped, &gr_a),
+        cmocka_unit_test_prestate(test_quantize_grouped, &gr_b),
+        cmocka_unit_test_prestate(test_quantize_grouped, &gr_c),
+        cmocka_unit_test_prestate(test_quantize_grouped, &gr_d),
         cmocka_unit_test_prestate_setup_teardown(test_fp8_gemm, print_gemm_header_setup, NULL, &f_a),
         cmocka_unit_test_prestate(test_fp8_gemm, &f_b),
         cmocka_unit_test_prestate(test_fp8_gemm, &f_c),

@@ -336,6 +336,50 @@ static void test_quantize_128x1_transposed(void **state) {
     tfree_all();
 }
 
+// Grouped quantisers (kernels.h): segments of 37, 0, 163, 128 and 17 rows of x (C = 300) give, at the
+// offsets kernels.h defines, the bytes and scales of the plain quantisers run on each segment; the empty
+// segment takes no space, and both_layouts_grouped equals the other two.
+static void test_quantize_grouped(void **state) {
+    (void)state;
+    enum { NSEG = 5, C = 300, KB = 3, Kp = 384 };
+    const int rows0[NSEG + 1] = {0, 37, 37, 200, 328, 345}, T = rows0[NSEG];
+    int p16 = 0, tiles = 0;
+    for (int g = 0; g < NSEG; g++) {
+        p16 += ceil_div(rows0[g + 1] - rows0[g], 16) * 16, tiles += ceil_div(rows0[g + 1] - rows0[g], 128);
+    }
+    assert_int_equal(p16, 48 + 0 + 176 + 128 + 32);
+    assert_int_equal(tiles, 1 + 0 + 2 + 1 + 1);
+    real *x = ralloc((size_t)T * C);
+    fill_wide(x, (size_t)T * C, 24, -20, 1);
+    uint8_t *q1 = balloc((size_t)p16 * Kp), *q2 = balloc((size_t)C * tiles * 128);
+    uint8_t *b1 = balloc((size_t)p16 * Kp), *b2 = balloc((size_t)C * tiles * 128);
+    float *s1 = falloc((size_t)KB * p16), *s2 = falloc((size_t)tiles * C);
+    float *bs1 = falloc((size_t)KB * p16), *bs2 = falloc((size_t)tiles * C);
+    char err[256] = "";
+    assert_int_equal(fp8_quantize_1x128_grouped(DEVICE_CPU, q1, s1, x, NSEG, rows0, C, err, sizeof err), 0);
+    assert_int_equal(fp8_quantize_128x1_transposed_grouped(DEVICE_CPU, q2, s2, x, NSEG, rows0, C, err, sizeof err), 0);
+    assert_int_equal(fp8_quantize_both_layouts_grouped(DEVICE_CPU, b1, bs1, b2, bs2, x, NSEG, rows0, C, err, sizeof err),
+                     0);
+    assert_memory_equal(b1, q1, (size_t)p16 * Kp);
+    assert_memory_equal(bs1, s1, (size_t)KB * p16 * sizeof(float));
+    assert_memory_equal(b2, q2, (size_t)C * tiles * 128);
+    assert_memory_equal(bs2, s2, (size_t)tiles * C * sizeof(float));
+    for (int g = 0, at16 = 0, at128 = 0; g < NSEG; g++) {
+        const int n = rows0[g + 1] - rows0[g], n16 = ceil_div(n, 16) * 16, nt = ceil_div(n, 128);
+        if (n == 0) continue;
+        uint8_t *q = balloc((size_t)n16 * Kp), *qt = balloc((size_t)C * nt * 128);
+        float *s = falloc((size_t)KB * n16), *st = falloc((size_t)nt * C);
+        assert_int_equal(fp8_quantize_1x128(DEVICE_CPU, q, s, x + (size_t)rows0[g] * C, n, C, err, sizeof err), 0);
+        assert_int_equal(fp8_quantize_128x1_transposed(DEVICE_CPU, qt, st, x + (size_t)rows0[g] * C, n, C, err, sizeof err), 0);
+        assert_memory_equal(q1 + (size_t)at16 * Kp, q, (size_t)n16 * Kp);
+        assert_memory_equal(s1 + (size_t)KB * at16, s, (size_t)KB * n16 * sizeof(float));
+        assert_memory_equal(q2 + (size_t)C * 128 * at128, qt, (size_t)C * nt * 128);
+        assert_memory_equal(s2 + (size_t)C * at128, st, (size_t)nt * C * sizeof(float));
+        at16 += n16, at128 += nt;
+    }
+    tfree_all();
+}
+
 // NaN or Inf input: return -1, an error that names the first bad element (row-major order) by row and
 // column of the input, and no output written.
 typedef int (*QuantizeFn)(uint8_t *q, float *s, const real *x, int rows, int cols, char *err, size_t err_size);
@@ -695,6 +739,7 @@ int main(void) {
         cmocka_unit_test(test_quantize_1x128),
         cmocka_unit_test(test_quantize_128x128),
         cmocka_unit_test(test_quantize_128x1_transposed),
+        cmocka_unit_test(test_quantize_grouped),
         cmocka_unit_test(test_quantize_rejects_non_finite),
         cmocka_unit_test(test_gemm_fprop),
         cmocka_unit_test(test_gemm_dgrad),
