@@ -1,6 +1,8 @@
 /*
  * fp8_quant.cu - CUDA FP8 (E4M3) block quantisers of DeepSeek-V3's recipe (kernels.h: fp8_quantize_1x128,
- * fp8_quantize_128x128, fp8_quantize_128x1_transposed). They feed the cuBLASLt block-scaled GEMMs of
+ * fp8_quantize_128x128, fp8_quantize_128x1_transposed, fp8_quantize_both_layouts, and the activation
+ * quantisers' *_grouped forms, which run one launch over many segments through a segment table; the plain
+ * forms are one segment of the same kernels). They feed the cuBLASLt block-scaled GEMMs of
  * gemm.cu and must produce BIT-IDENTICAL FP8 data and scales to the CPU reference (kernels/cpu/fp8.c),
  * which tests/gpu/test_gpu_fp8.c checks.
  *
@@ -162,9 +164,9 @@ static SegTable seg_table(const char *op, int n, const int *rows0) {
     t.rows0[0] = t.p16[0] = t.tiles0[0] = 0;
     for (int g = 0; g < n; g++) {
         const int rows = rows0[g + 1] - rows0[g];
-        if (rows < 0 || rows0[0] != 0) {
-            fprintf(stderr, "%s:%d: %s: segment %d has rows %d..%d - expected rows0[0] = 0 and rows0 non-decreasing\n",
-                    __FILE__, __LINE__, op, g, rows0[g], rows0[g + 1]);
+        if (rows0[0] != 0 || rows < 0) {
+            fprintf(stderr, "%s:%d: %s: rows0[0] = %d, segment %d has rows %d..%d - expected rows0[0] = 0 and rows0 "
+                            "non-decreasing\n", __FILE__, __LINE__, op, rows0[0], g, rows0[g], rows0[g + 1]);
             exit(1);
         }
         t.rows0[g + 1] = rows0[g + 1];
