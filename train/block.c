@@ -88,7 +88,6 @@ void block_acts_alloc(ActsArena *ar, BlockActs *a, const Dims *d, int is_moe, co
     e->plain_topk = ARENA_INTS(ar, NK);
     e->seg_offsets = ARENA_INTS(ar, d->E + 1);
     e->seg_offsets_host = host_ints(ar, d->E + 1);
-    e->topk_host = host_ints(ar, NK);
     e->seg_token = ARENA_INTS(ar, NK);
     e->slot_of = ARENA_INTS(ar, NK);
     e->xp = s->t_xp;

@@ -69,7 +69,6 @@ typedef struct {
     real balance_loss;
     int *seg_offsets;         // (E+1) on the device
     int *seg_offsets_host;    // (E+1) host copy: the expert loop and the EP seam run on the host
-    int *topk_host;           // (N, K) host copy of topk_idx for the load counts
     int *seg_token;           // (N*K) source token of each permuted row
     int *slot_of;             // (N*K) permuted row of each (t, k)
     real *xp;                 // (N*K, D) permuted expert inputs (transient: re-gathered in the backward)

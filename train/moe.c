@@ -95,11 +95,6 @@ void moe_forward(Model *m, const BlockWeights *w, MoeActs *a, const Dims *d, con
     if (d->balance_alpha > 0)
         a->balance_loss = balance_loss_forward(dev, a->plain_topk, a->scores, d->B, d->T, E, K, d->balance_alpha,
                                                m->freeze_routing);
-    if (m->count_load) {  // aux-loss-free balancing counts the routed tokens of training passes only
-        int64_t *load = m->expert_load + (int64_t)w->moe_index * E;
-        device_memcpy_to_host(dev, a->topk_host, a->topk_idx, (size_t)N * K * sizeof(int));
-        for (int i = 0; i < N * K; i++) load[a->topk_host[i]]++;
-    }
     // shared expert writes out, routed experts are added on top
     ffn_forward(m, &w->moe.shared, &a->shared, N, D, d->shared_I, x, out);
     profile_begin(PHASE_PERMUTE);
@@ -107,6 +102,11 @@ void moe_forward(Model *m, const BlockWeights *w, MoeActs *a, const Dims *d, con
     device_memcpy_to_host(dev, a->seg_offsets_host, a->seg_offsets, (size_t)(E + 1) * sizeof(int));
     gather_rows(dev, a->xp, x, a->seg_token, N * K, D);
     profile_end(PHASE_PERMUTE);
+    if (m->count_load) {  // aux-loss-free balancing counts the routed tokens of training passes only:
+        // expert e's segment holds its (token, k) pairs, so its length is e's load (no copy of topk_idx)
+        int64_t *load = m->expert_load + (int64_t)w->moe_index * E;
+        for (int e = 0; e < E; e++) load[e] += a->seg_offsets_host[e + 1] - a->seg_offsets_host[e];
+    }
     ep_dispatch(&m->ep, a->xp, a->seg_offsets_host, D, &a->ep_buf);
     experts_forward(m, &w->moe.experts, &a->experts, a->ep_buf.seg_offsets, m->ep.experts_per_rank, D, d->I,
                     a->ep_buf.rows, a->eout);
