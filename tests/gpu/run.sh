@@ -10,6 +10,7 @@
 #   JOBS         parallel make jobs (default: number of CPUs)
 #   EXTRA_CFLAGS, EXTRA_LDLIBS  passed on to make (the .debs paths are appended when they are used)
 #   SKIP_CPU_TESTS=1  run only the GPU tests (the CPU unit tests are what CI runs anyway)
+#   BUILD_ONLY=1      build, then stop (exit 0 when the full build succeeded): tests/gpu/session.sh uses it
 # Exit status 0 only if every GPU test and every CPU unit test passed. If libinih or HDF5 is missing, the
 # full build is impossible: the GPU tests are then built from kernels/ alone, the CPU unit tests are
 # skipped, and the run ends INCOMPLETE (exit 2) with the reason.
@@ -135,6 +136,11 @@ fi
 if [ "$FULL_BUILD" = 0 ]; then
   say "building the GPU tests from kernels/ only, into $BUILD/kernels-only"
   if ! build_kernels_only; then say "FAIL: the kernels-only build failed (see above)"; exit 1; fi
+fi
+
+if [ "${BUILD_ONLY:-0}" = 1 ]; then
+  if [ "$FULL_BUILD" = 1 ]; then say "built $BUILD (BUILD_ONLY=1: no tests run)"; exit 0; fi
+  say "FAIL: only the kernels-only build succeeded; $BUILD/fp8moe was not built"; exit 1
 fi
 
 # ------------------------------------------------------------------------------ run
