@@ -15,6 +15,8 @@
  */
 #include "train/config.h"
 
+#include "kernels/kernels.h"  // FP8_MAX_SEGMENTS
+
 #include <errno.h>
 #include <ini.h>
 #include <math.h>
@@ -727,6 +729,15 @@ static int check_config(ParseState *st) {
         fail(st, "%s: parallel.ep: %d does not divide moe.n_routed_experts = %d - expected a divisor of "
                  "moe.n_routed_experts (experts are split evenly over an EP group)",
              at, p->ep, e->n_routed_experts);
+        return -1;
+    }
+    const int local_experts = e->n_routed_experts / p->ep;
+    if (c->precision.mode == PRECISION_FP8 && local_experts > FP8_MAX_SEGMENTS) {
+        format_origin(st, KEY_INDEX(moe, n_routed_experts), at, sizeof at);
+        fail(st, "%s: moe.n_routed_experts: %d experts over parallel.ep = %d ranks is %d per rank - expected at most "
+                 "%d per rank in fp8 mode (the grouped FP8 quantisers take one segment per local expert); raise "
+                 "parallel.ep",
+             at, e->n_routed_experts, p->ep, local_experts, FP8_MAX_SEGMENTS);
         return -1;
     }
     if (c->optim.min_lr > c->optim.lr) {

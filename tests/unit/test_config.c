@@ -393,6 +393,9 @@ static void test_error_cross_key(void **state) {
                  "job.ini:3: moe.n_activated_experts: 3 is more than the 2 experts in moe.n_limited_groups = 1 groups of 2");
     expect_error("[parallel]\ndp = 6\nep = 4\n", NULL, 0, "job.ini:3: parallel.ep: 4 does not divide parallel.dp = 6");
     expect_error("[parallel]\ndp = 6\nep = 3\n", NULL, 0, "job.ini:3: parallel.ep: 3 does not divide moe.n_routed_experts = 8");
+    expect_error("[moe]\nn_routed_experts = 512\n[precision]\nmode = fp8\n", NULL, 0,
+                 "job.ini:2: moe.n_routed_experts: 512 experts over parallel.ep = 1 ranks is 512 per rank - expected at "
+                 "most 256 per rank in fp8 mode");
     expect_error("[optim]\nlr = 0.001\nmin_lr = 0.002\n", NULL, 0,
                  "job.ini:3: optim.min_lr: 0.002 is more than optim.lr = 0.001 - expected at most optim.lr");
     expect_error("[mtp]\ndepth = 3\n[train]\nseq_len = 4\n", NULL, 0,
