@@ -25,7 +25,7 @@ void linear_backward(Model *m, real *dinp, real *dweight, const real *dout, cons
 // n_out Linears of the same input inp (N, C), weights (OC, C) each: out[i] = inp @ weight[i]^T, and in the
 // backward dinp += sum_i dout[i] @ weight[i] (in order of i), dweight[i] += dout[i]^T @ inp (dweight[i]
 // may be NULL). The same numbers as n_out calls of the functions above; in fp8 mode the input is quantised
-// once instead of n_out times (the SwiGLU FFN's w1 and w3).
+// once instead of n_out times (the SwiGLU FFN's w1 and w3). n_out is at most 4.
 void linear_forward_shared(Model *m, int n_out, real *const *out, const real *inp, const real *const *weight, int N,
                            int C, int OC);
 void linear_backward_shared(Model *m, int n_out, real *dinp, real *const *dweight, const real *const *dout,
@@ -38,8 +38,9 @@ void linear_forward_grouped(Model *m, int n_groups, const int *offsets, int n_ou
                             const real *const *weight, int C, int OC);
 void linear_backward_grouped(Model *m, int n_groups, const int *offsets, int n_out, real *dinp, real *const *dweight,
                              const real *const *dout, const real *inp, const real *const *weight, int C, int OC);
-// Sizes the FP8 scratch for every block Linear at `rows` tokens (a micro-batch: no expert segment is
-// longer), so no step allocates device memory; a no-op outside fp8 mode.
+// Sizes the FP8 scratch for every block Linear at `rows` tokens (a micro-batch) and for the routed experts'
+// grouped calls (rows x top-K rows over the local experts), so no step allocates device memory; a no-op
+// outside fp8 mode.
 void linear_reserve_scratch(Model *m, int rows);
 void linear_free_scratch(Model *m);
 
