@@ -5,6 +5,16 @@
 #ifndef FP8MOE_BENCH_H
 #define FP8MOE_BENCH_H
 
+#include <stdio.h>
+
+// What a GPU-only benchmark (`fp8moe bench NAME`, implemented in FILE) does in a build without CUDA: says
+// so and returns the failure status.
+static inline int bench_without_cuda(const char *name, const char *file) {
+    fprintf(stderr, "fp8moe bench %s: this build has no CUDA (%s) - expected a build with CUDA >= 12.9 (see "
+                    "docs/gpu.md)\n", name, file);
+    return 1;
+}
+
 // `fp8moe bench gemm [JOB.ini] [--runs N] [--warmup N]`: FP8 (block-scaled cuBLASLt) and BF16 GEMM
 // throughput on the GPU at fixed shapes and at the Linear shapes of JOB.ini (default
 // configs/bench-1gpu.ini), GEMM alone, with quantisation, and through kernels.h; plus quantiser

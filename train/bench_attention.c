@@ -36,9 +36,7 @@ const char *const bench_attention_usage =
 #ifndef FP8MOE_CUDA
 int bench_attention_main(int argc, char **argv) {
     (void)argc, (void)argv;
-    fprintf(stderr, "fp8moe bench attention: this build has no CUDA (train/bench_attention.c) - expected a build "
-                    "with CUDA >= 12.9 (see docs/gpu.md)\n");
-    return 1;
+    return bench_without_cuda("attention", __FILE__);
 }
 #else
 

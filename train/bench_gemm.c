@@ -47,9 +47,7 @@ const char *const bench_gemm_usage =
 #ifndef FP8MOE_CUDA
 int bench_gemm_main(int argc, char **argv) {
     (void)argc, (void)argv;
-    fprintf(stderr, "fp8moe bench gemm: this build has no CUDA (train/bench_gemm.c) - expected a build with "
-                    "CUDA >= 12.9 (see docs/gpu.md)\n");
-    return 1;
+    return bench_without_cuda("gemm", __FILE__);
 }
 #else
 

@@ -142,9 +142,9 @@ static inline float amax_of(const real *x, int n) {
 
 // x (rows, K) -> q (R16, Kp), s (KB, R16), R16 = rows rounded up to 16: tile (r, kb) is
 // x[r, 128 kb .. 128 kb + 127], its scale is s[kb * R16 + r] and q[r * Kp + k] = e4m3(x[r, k] / s) for
-// k < K, 0 for K <= k < Kp. The padding rows r >= rows are all-zero tiles: code 0, scale 1.
-int cpu_fp8_quantize_1x128(uint8_t *q, float *s, const real *x, int rows, int K, char *err, size_t err_size) {
-    if (check_finite("fp8_quantize_1x128", x, rows, K, err, err_size)) return -1;
+// k < K, 0 for K <= k < Kp. The padding rows r >= rows are all-zero tiles: code 0, scale 1. The input's
+// finiteness is the caller's check (the public quantisers below make it once per call).
+static void quantize_1x128_rows(uint8_t *q, float *s, const real *x, int rows, int K) {
     const int KB = ceil_div(K, FP8_TILE), Kp = KB * FP8_TILE, R16 = round_up16(rows);
     memset(q + (size_t)rows * Kp, 0, (size_t)(R16 - rows) * Kp);
     for (int kb = 0; kb < KB; kb++) {
@@ -162,6 +162,11 @@ int cpu_fp8_quantize_1x128(uint8_t *q, float *s, const real *x, int rows, int K,
             memset(qr + k0 + len, 0, (size_t)(FP8_TILE - len));
         }
     }
+}
+
+int cpu_fp8_quantize_1x128(uint8_t *q, float *s, const real *x, int rows, int K, char *err, size_t err_size) {
+    if (check_finite("fp8_quantize_1x128", x, rows, K, err, err_size)) return -1;
+    quantize_1x128_rows(q, s, x, rows, K);
     return 0;
 }
 
@@ -204,9 +209,7 @@ int cpu_fp8_quantize_128x128(uint8_t *q, uint8_t *qt, float *s, const real *w, i
 
 // x (T, C) -> q (C, Tp), s (TB, C): tile (tb, c) is x[128 tb .. 128 tb + 127, c], its scale is
 // s[tb * C + c] and q[c * Tp + t] = e4m3(x[t, c] / s) for t < T, 0 for T <= t < Tp.
-int cpu_fp8_quantize_128x1_transposed(uint8_t *q, float *s, const real *x, int T, int C, char *err,
-                                      size_t err_size) {
-    if (check_finite("fp8_quantize_128x1_transposed", x, T, C, err, err_size)) return -1;
+static void quantize_128x1_rows(uint8_t *q, float *s, const real *x, int T, int C) {
     const int TB = ceil_div(T, FP8_TILE);
     const size_t Tp = (size_t)TB * FP8_TILE;
     // Work items are (T block, group of 64 columns): the rows of a block are read in memory order and
@@ -248,6 +251,12 @@ int cpu_fp8_quantize_128x1_transposed(uint8_t *q, float *s, const real *x, int T
             for (int t = 0; t < FP8_TILE; t++) qc[t] = codes[t][j];
         }
     }
+}
+
+int cpu_fp8_quantize_128x1_transposed(uint8_t *q, float *s, const real *x, int T, int C, char *err,
+                                      size_t err_size) {
+    if (check_finite("fp8_quantize_128x1_transposed", x, T, C, err, err_size)) return -1;
+    quantize_128x1_rows(q, s, x, T, C);
     return 0;
 }
 
@@ -468,12 +477,12 @@ static void block_scaled_gemm(real *out, OutMode mode, const uint8_t *A, const f
 }
 
 // Both activation layouts of x (T, C): the two quantisers above, the reference the GPU's one-pass kernel
-// matches bit for bit.
+// matches bit for bit; the input is checked once.
 int cpu_fp8_quantize_both_layouts(uint8_t *q1, float *s1, uint8_t *q2, float *s2, const real *x, int T, int C, char *err,
                                   size_t err_size) {
     if (check_finite("fp8_quantize_both_layouts", x, T, C, err, err_size)) return -1;
-    cpu_fp8_quantize_1x128(q1, s1, x, T, C, NULL, 0);
-    cpu_fp8_quantize_128x1_transposed(q2, s2, x, T, C, NULL, 0);
+    quantize_1x128_rows(q1, s1, x, T, C);
+    quantize_128x1_rows(q2, s2, x, T, C);
     return 0;
 }
 
@@ -489,18 +498,33 @@ static void check_segments(const char *op, int n, const int *rows0) {
     }
 }
 
-int cpu_fp8_quantize_1x128_grouped(uint8_t *q, float *s, const real *x, int n, const int *rows0, int K, char *err,
-                                   size_t err_size) {
-    check_segments("fp8_quantize_1x128_grouped", n, rows0);
-    if (check_finite("fp8_quantize_1x128_grouped", x, rows0[n], K, err, err_size)) return -1;
+// The segments' operands one after another; the input is checked by the caller, once for all segments.
+static void quantize_1x128_segments(uint8_t *q, float *s, const real *x, int n, const int *rows0, int K) {
     const size_t KB = (size_t)ceil_div(K, FP8_TILE);
     size_t p16 = 0;
     for (int g = 0; g < n; g++) {
         const int T = rows0[g + 1] - rows0[g];
         if (T == 0) continue;
-        cpu_fp8_quantize_1x128(q + KB * FP8_TILE * p16, s + KB * p16, x + (size_t)rows0[g] * K, T, K, NULL, 0);
+        quantize_1x128_rows(q + KB * FP8_TILE * p16, s + KB * p16, x + (size_t)rows0[g] * K, T, K);
         p16 += (size_t)round_up16(T);
     }
+}
+
+static void quantize_128x1_segments(uint8_t *q, float *s, const real *x, int n, const int *rows0, int C) {
+    size_t tiles = 0;
+    for (int g = 0; g < n; g++) {
+        const int T = rows0[g + 1] - rows0[g];
+        if (T == 0) continue;
+        quantize_128x1_rows(q + (size_t)C * FP8_TILE * tiles, s + (size_t)C * tiles, x + (size_t)rows0[g] * C, T, C);
+        tiles += (size_t)ceil_div(T, FP8_TILE);
+    }
+}
+
+int cpu_fp8_quantize_1x128_grouped(uint8_t *q, float *s, const real *x, int n, const int *rows0, int K, char *err,
+                                   size_t err_size) {
+    check_segments("fp8_quantize_1x128_grouped", n, rows0);
+    if (check_finite("fp8_quantize_1x128_grouped", x, rows0[n], K, err, err_size)) return -1;
+    quantize_1x128_segments(q, s, x, n, rows0, K);
     return 0;
 }
 
@@ -508,14 +532,7 @@ int cpu_fp8_quantize_128x1_transposed_grouped(uint8_t *q, float *s, const real *
                                               char *err, size_t err_size) {
     check_segments("fp8_quantize_128x1_transposed_grouped", n, rows0);
     if (check_finite("fp8_quantize_128x1_transposed_grouped", x, rows0[n], C, err, err_size)) return -1;
-    size_t tiles = 0;
-    for (int g = 0; g < n; g++) {
-        const int T = rows0[g + 1] - rows0[g];
-        if (T == 0) continue;
-        cpu_fp8_quantize_128x1_transposed(q + (size_t)C * FP8_TILE * tiles, s + (size_t)C * tiles,
-                                          x + (size_t)rows0[g] * C, T, C, NULL, 0);
-        tiles += (size_t)ceil_div(T, FP8_TILE);
-    }
+    quantize_128x1_segments(q, s, x, n, rows0, C);
     return 0;
 }
 
@@ -523,8 +540,8 @@ int cpu_fp8_quantize_both_layouts_grouped(uint8_t *q1, float *s1, uint8_t *q2, f
                                           const int *rows0, int C, char *err, size_t err_size) {
     check_segments("fp8_quantize_both_layouts_grouped", n, rows0);
     if (check_finite("fp8_quantize_both_layouts_grouped", x, rows0[n], C, err, err_size)) return -1;
-    cpu_fp8_quantize_1x128_grouped(q1, s1, x, n, rows0, C, NULL, 0);
-    cpu_fp8_quantize_128x1_transposed_grouped(q2, s2, x, n, rows0, C, NULL, 0);
+    quantize_1x128_segments(q1, s1, x, n, rows0, C);
+    quantize_128x1_segments(q2, s2, x, n, rows0, C);
     return 0;
 }
 
