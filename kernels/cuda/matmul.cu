@@ -12,7 +12,8 @@
  * is given no workspace, which rules out split-K and stream-K (partial sums of one output element combined
  * across thread blocks, through the workspace or in place); each output element is then reduced inside one
  * thread block in a fixed order. The algorithm is chosen once per shape/alignment key and cached, so the same
- * call gives the same bits on every run.
+ * call gives the same bits on every run. Narrow weight gradients (the router gate's) are split over token
+ * chunks by this file instead, with a fixed-order sum of the chunks (dweight_in_chunks).
  *
  * Layouts: cuBLASLt is column-major; a row-major (R, C) matrix is a column-major (C, R) one. So
  *   forward  out (N, OC) = inp weight^T     is  out^T (OC, N)   = weight^T(op T) inp^T           m,n,k = OC, N, C
@@ -51,6 +52,7 @@ static int alignment_of(const void *p) {
 typedef struct {
     int op_a, op_b; // cublasOperation_t
     int64_t m, n, k, lda, ldb, ldd;
+    int64_t batch, stride_a, stride_b, stride_d; // batch = 0: one GEMM; else that many, strided (elements)
     int align_a, align_b, align_d; // bytes
 } SgemmKey;
 
@@ -95,6 +97,16 @@ static SgemmPlan *plan_for(const SgemmKey *key, const char *op) {
     LT_CHECK(cublasLtMatrixLayoutCreate(&p->a, CUDA_R_32F, (uint64_t)a_rows, (uint64_t)a_cols, key->lda));
     LT_CHECK(cublasLtMatrixLayoutCreate(&p->b, CUDA_R_32F, (uint64_t)b_rows, (uint64_t)b_cols, key->ldb));
     LT_CHECK(cublasLtMatrixLayoutCreate(&p->d, CUDA_R_32F, (uint64_t)key->m, (uint64_t)key->n, key->ldd));
+    if (key->batch > 0) {
+        const int32_t count = (int32_t)key->batch;
+        const cublasLtMatrixLayout_t layouts[3] = {p->a, p->b, p->d};
+        const int64_t strides[3] = {key->stride_a, key->stride_b, key->stride_d};
+        for (int i = 0; i < 3; i++) {
+            LT_CHECK(cublasLtMatrixLayoutSetAttribute(layouts[i], CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &count, sizeof count));
+            LT_CHECK(cublasLtMatrixLayoutSetAttribute(layouts[i], CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &strides[i],
+                                                      sizeof strides[i]));
+        }
+    }
 
     cublasLtMatmulPreference_t pref;
     LT_CHECK(cublasLtMatmulPreferenceCreate(&pref));
@@ -127,17 +139,65 @@ static SgemmPlan *plan_for(const SgemmKey *key, const char *op) {
     return p;
 }
 
-// Column-major D (m, n) = op(A) op(B) + beta D through the cached plan of this shape and alignment.
-static void sgemm_run(int op_a, int op_b, int64_t m, int64_t n, int64_t k, const float *a, int64_t lda, const float *b,
-                      int64_t ldb, float *d, int64_t ldd, float beta, const char *op) {
+// Column-major D (m, n) = op(A) op(B) + beta D through the cached plan of this shape and alignment; with
+// batch > 0, that many such GEMMs, operand i at a + i stride_a, b + i stride_b, d + i stride_d.
+static void sgemm_run_batched(int op_a, int op_b, int64_t m, int64_t n, int64_t k, const float *a, int64_t lda,
+                              const float *b, int64_t ldb, float *d, int64_t ldd, float beta, int64_t batch,
+                              int64_t stride_a, int64_t stride_b, int64_t stride_d, const char *op) {
     SgemmKey key;
     memset(&key, 0, sizeof key);
     key.op_a = op_a, key.op_b = op_b, key.m = m, key.n = n, key.k = k, key.lda = lda, key.ldb = ldb, key.ldd = ldd;
-    key.align_a = alignment_of(a), key.align_b = alignment_of(b), key.align_d = alignment_of(d);
+    key.batch = batch, key.stride_a = stride_a, key.stride_b = stride_b, key.stride_d = stride_d;
+    // every batch's operand must have the alignment the heuristic is told
+    key.align_a = alignment_of(a + stride_a), key.align_b = alignment_of(b + stride_b), key.align_d = alignment_of(d + stride_d);
+    if (alignment_of(a) < key.align_a) key.align_a = alignment_of(a);
+    if (alignment_of(b) < key.align_b) key.align_b = alignment_of(b);
+    if (alignment_of(d) < key.align_d) key.align_d = alignment_of(d);
     SgemmPlan *p = plan_for(&key, op);
     const float alpha = 1.0f;
     LT_CHECK(cublasLtMatmul(sgemm.handle, p->desc, &alpha, a, p->a, b, p->b, &beta, d, p->d, d, p->d, &p->algo, NULL,
                             0, 0));
+}
+
+static void sgemm_run(int op_a, int op_b, int64_t m, int64_t n, int64_t k, const float *a, int64_t lda, const float *b,
+                      int64_t ldb, float *d, int64_t ldd, float beta, const char *op) {
+    sgemm_run_batched(op_a, op_b, m, n, k, a, lda, b, ldb, d, ldd, beta, 0, 0, 0, 0, op);
+}
+
+// ---------------------------------------------------------------------------- narrow weight gradients
+// The router gate's weight gradient, (E, D) = 32 x 2048 from N = 16384 tokens, has few output tiles and a
+// long contraction: each tile's thread block runs through all N tokens while most SMs idle (0.57 ms for
+// 2 GFLOP on an H200, ncu, tests/gpu/kernel_profile.sh). Split-K would fill the GPU, but cuBLASLt's is ruled
+// out above. So the tokens are split here instead, a function of the shape alone: SPLIT_CHUNKS strided
+// GEMMs write partial gradients over consecutive token chunks (the last CHUNK_REMAINDER rows go to one more
+// partial), and one kernel adds them to the gradient in chunk order. Deterministic; the sum order differs
+// from one long contraction only as any blocking does (the parity test's FP32 tolerance).
+static const int64_t SPLIT_MAX_OUTPUT = (int64_t)1 << 18;  // at most this many gradient elements
+static const int64_t SPLIT_MIN_TOKENS = 4096;              // and at least this many tokens
+static const int SPLIT_CHUNKS = 16;
+static Scratch split_partials;
+
+__global__ void add_partials_kernel(float *dw, const float *partials, int n_partials, int64_t n) {
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
+        float acc = dw[i];
+        for (int s = 0; s < n_partials; s++) acc = __fadd_rn(acc, partials[(int64_t)s * n + i]);
+        dw[i] = acc;
+    }
+}
+
+// dweight (OC, C) += dout^T (OC, N) @ inp (N, C) in token chunks (column-major: dweight^T (C, OC)).
+static void dweight_in_chunks(real *dweight, const real *dout, const real *inp, int N, int C, int OC) {
+    const int64_t chunk = N / SPLIT_CHUNKS, rest = N - chunk * SPLIT_CHUNKS, n = (int64_t)C * OC;
+    const int n_partials = SPLIT_CHUNKS + (rest > 0);
+    float *partials = (float *)cuda_scratch(&split_partials, sizeof(float) * (size_t)n * n_partials);
+    sgemm_run_batched(CUBLAS_OP_N, CUBLAS_OP_T, C, OC, chunk, inp, C, dout, OC, partials, C, 0.0f, SPLIT_CHUNKS,
+                      chunk * C, chunk * OC, n, "matmul_backward (dweight, token chunks)");
+    if (rest > 0)
+        sgemm_run(CUBLAS_OP_N, CUBLAS_OP_T, C, OC, rest, inp + SPLIT_CHUNKS * chunk * C, C,
+                  dout + SPLIT_CHUNKS * chunk * OC, OC, partials + SPLIT_CHUNKS * n, C, 0.0f,
+                  "matmul_backward (dweight, last tokens)");
+    add_partials_kernel<<<grid_for(n, 256), 256>>>(dweight, partials, n_partials, n);
+    CUDA_CHECK_LAUNCH("add_partials_kernel");
 }
 
 // ---------------------------------------------------------------------------- ops
@@ -158,5 +218,7 @@ extern "C" void cuda_matmul_backward(real *dinp, real *dweight, const real *dout
                                      int N, int C, int OC) {
     if (N <= 0 || C <= 0 || OC <= 0) return; // every gradient is empty or receives an empty sum
     if (dinp != NULL) sgemm_run(CUBLAS_OP_N, CUBLAS_OP_N, C, N, OC, weight, C, dout, OC, dinp, C, 1.0f, "matmul_backward (dinp)");
-    if (dweight != NULL) sgemm_run(CUBLAS_OP_N, CUBLAS_OP_T, C, OC, N, inp, C, dout, OC, dweight, C, 1.0f, "matmul_backward (dweight)");
+    if (dweight == NULL) return;
+    if ((int64_t)C * OC <= SPLIT_MAX_OUTPUT && N >= SPLIT_MIN_TOKENS) dweight_in_chunks(dweight, dout, inp, N, C, OC);
+    else sgemm_run(CUBLAS_OP_N, CUBLAS_OP_T, C, OC, N, inp, C, dout, OC, dweight, C, 1.0f, "matmul_backward (dweight)");
 }

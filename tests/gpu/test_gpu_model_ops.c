@@ -1098,6 +1098,9 @@ static void test_permute(void **state) {
 // of 64 tokens (balance loss), 16384 elements (sum of squares). The shapes are not multiples of them.
 static MatmulCase mm_small = {37, 300, 129, 0}, mm_wide = {1, 7168, 3, 0}, mm_router = {1000, 300, 32, 0},
                   mm_square = {256, 512, 384, 0}, mm_c1 = {5, 1, 7, 0}, mm_unaligned = {37, 300, 129, 1};
+// N >= 4096 tokens and a narrow weight: the weight gradient goes through token chunks (kernels/cuda/matmul.cu),
+// with a short last chunk (4100 = 16 x 256 + 4) and, unaligned, through a plain leftover GEMM of 3 rows
+static MatmulCase mm_router_chunks = {4100, 256, 32, 0}, mm_router_chunks_unaligned = {4099, 300, 32, 1};
 static EmbeddingCase emb_small = {37, 300, 50}, emb_chars = {1000, 64, 7}, emb_one = {5, 1, 3},
                      emb_big = {2048, 256, 5000};
 static RopeCase rope_small = {2, 37, 3, 64}, rope_long = {1, 300, 1, 2}, rope_heads = {3, 129, 128, 64};
@@ -1124,6 +1127,8 @@ int main(void) {
         cmocka_unit_test_prestate(test_matmul, &mm_square),
         cmocka_unit_test_prestate(test_matmul, &mm_c1),
         cmocka_unit_test_prestate(test_matmul, &mm_unaligned),
+        cmocka_unit_test_prestate(test_matmul, &mm_router_chunks),
+        cmocka_unit_test_prestate(test_matmul, &mm_router_chunks_unaligned),
         cmocka_unit_test_prestate(test_embedding, &emb_small),
         cmocka_unit_test_prestate(test_embedding, &emb_chars),
         cmocka_unit_test_prestate(test_embedding, &emb_one),
