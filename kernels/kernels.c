@@ -12,6 +12,7 @@
 #include "kernels/cpu/cpu_ops.h"
 #ifdef FP8MOE_CUDA
 #include "kernels/cuda/cuda_ops.h"
+#include "kernels/cuda/gemm.h"
 #endif
 
 static void no_cuda_op(const char *op) {
@@ -197,6 +198,22 @@ void copy_block(Device dev, real *dst, int dst_ld, const real *src, int src_ld, 
     cpu_copy_block(dst, dst_ld, src, src_ld, rows, cols, accumulate);
 }
 
+void broadcast_rows(Device dev, real *dst, int dst_ld, const real *src, int src_ld, int rows, int cols, int repeat) {
+#ifdef FP8MOE_CUDA
+    if (dev == DEVICE_CUDA) { cuda_broadcast_rows(dst, dst_ld, src, src_ld, rows, cols, repeat); return; }
+#endif
+    if (dev != DEVICE_CPU) no_cuda_op("broadcast_rows");
+    cpu_broadcast_rows(dst, dst_ld, src, src_ld, rows, cols, repeat);
+}
+
+void sum_row_groups(Device dev, real *dst, int dst_ld, const real *src, int src_ld, int rows, int cols, int repeat) {
+#ifdef FP8MOE_CUDA
+    if (dev == DEVICE_CUDA) { cuda_sum_row_groups(dst, dst_ld, src, src_ld, rows, cols, repeat); return; }
+#endif
+    if (dev != DEVICE_CPU) no_cuda_op("sum_row_groups");
+    cpu_sum_row_groups(dst, dst_ld, src, src_ld, rows, cols, repeat);
+}
+
 void router_forward(Device dev, int *topk_idx, real *topk_w, real *scores, const real *logits, const real *bias, int N, int E, int K, int n_groups, int n_limited, real route_scale, int freeze) {
 #ifdef FP8MOE_CUDA
     if (dev == DEVICE_CUDA) { cuda_router_forward(topk_idx, topk_w, scores, logits, bias, N, E, K, n_groups, n_limited, route_scale, freeze); return; }
@@ -363,6 +380,24 @@ void fp8_gemm_dgrad(Device dev, real *dx, const uint8_t *qdy, const float *sdy, 
     cpu_fp8_gemm_dgrad(dx, qdy, sdy, qwt, sw, T, N, K);
 }
 
+void fp8_gemm_fprop_grouped(Device dev, real *y, const uint8_t *qx, const float *sx, const uint8_t *const *qw,
+                            const float *const *sw, int n_seg, const int *rows0, int N, int K) {
+#ifdef FP8MOE_CUDA
+    if (dev == DEVICE_CUDA) { cuda_fp8_gemm_fprop_grouped(y, qx, sx, qw, sw, n_seg, rows0, N, K); return; }
+#endif
+    if (dev != DEVICE_CPU) no_cuda_op("fp8_gemm_fprop_grouped");
+    cpu_fp8_gemm_fprop_grouped(y, qx, sx, qw, sw, n_seg, rows0, N, K);
+}
+
+void fp8_gemm_dgrad_grouped(Device dev, real *dx, const uint8_t *qdy, const float *sdy, const uint8_t *const *qwt,
+                            const float *const *sw, int n_seg, const int *rows0, int N, int K) {
+#ifdef FP8MOE_CUDA
+    if (dev == DEVICE_CUDA) { cuda_fp8_gemm_dgrad_grouped(dx, qdy, sdy, qwt, sw, n_seg, rows0, N, K); return; }
+#endif
+    if (dev != DEVICE_CPU) no_cuda_op("fp8_gemm_dgrad_grouped");
+    cpu_fp8_gemm_dgrad_grouped(dx, qdy, sdy, qwt, sw, n_seg, rows0, N, K);
+}
+
 void fp8_gemm_wgrad(Device dev, real *dw, const uint8_t *qdyt, const float *sdyt, const uint8_t *qxt, const float *sxt, int T, int N, int K) {
 #ifdef FP8MOE_CUDA
     if (dev == DEVICE_CUDA) { cuda_fp8_gemm_wgrad(dw, qdyt, sdyt, qxt, sxt, T, N, K); return; }
@@ -385,4 +420,38 @@ void bf16_matmul_backward(Device dev, real *dinp, real *dweight, const real *dou
 #endif
     if (dev != DEVICE_CPU) no_cuda_op("bf16_matmul_backward");
     cpu_bf16_matmul_backward(dinp, dweight, dout, inp, weight, N, C, OC);
+}
+
+void bf16_round_array(Device dev, uint16_t *dst, const real *src, int64_t n) {
+#ifdef FP8MOE_CUDA
+    if (dev == DEVICE_CUDA) { cuda_float_to_bf16(dst, src, n); return; }
+#endif
+    if (dev != DEVICE_CPU) no_cuda_op("bf16_round_array");
+    cpu_bf16_round_array(dst, src, n);
+}
+
+void bf16_gemm_fprop_grouped(Device dev, real *y, const uint16_t *x, const uint16_t *const *w, int n_seg,
+                             const int *rows0, int N, int K) {
+#ifdef FP8MOE_CUDA
+    if (dev == DEVICE_CUDA) { cuda_bf16_gemm_fprop_grouped(y, x, w, n_seg, rows0, N, K); return; }
+#endif
+    if (dev != DEVICE_CPU) no_cuda_op("bf16_gemm_fprop_grouped");
+    cpu_bf16_gemm_fprop_grouped(y, x, w, n_seg, rows0, N, K);
+}
+
+void bf16_gemm_dgrad_grouped(Device dev, real *dx, const uint16_t *dy, const uint16_t *const *w, int n_seg,
+                             const int *rows0, int N, int K) {
+#ifdef FP8MOE_CUDA
+    if (dev == DEVICE_CUDA) { cuda_bf16_gemm_dgrad_grouped(dx, dy, w, n_seg, rows0, N, K); return; }
+#endif
+    if (dev != DEVICE_CPU) no_cuda_op("bf16_gemm_dgrad_grouped");
+    cpu_bf16_gemm_dgrad_grouped(dx, dy, w, n_seg, rows0, N, K);
+}
+
+void bf16_gemm_wgrad(Device dev, real *dw, const uint16_t *dy, const uint16_t *x, int T, int N, int K) {
+#ifdef FP8MOE_CUDA
+    if (dev == DEVICE_CUDA) { cuda_bf16_gemm_wgrad(dw, dy, x, T, N, K); return; }
+#endif
+    if (dev != DEVICE_CPU) no_cuda_op("bf16_gemm_wgrad");
+    cpu_bf16_gemm_wgrad(dw, dy, x, T, N, K);
 }

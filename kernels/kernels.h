@@ -134,6 +134,14 @@ void add_inplace(Device dev, real *y, const real *x, int64_t n);
 // Used to slice heads and the rope/nope parts of MLA vectors. Regions must not overlap.
 void copy_block(Device dev, real *dst, int dst_ld, const real *src, int src_ld, int rows, int cols,
                 int accumulate);
+// A row shared by a group of rows, and its backward (MLA's one rope key serves all H heads). dst of
+// broadcast_rows is viewed as rows*repeat rows of stride dst_ld: dst row (r*repeat + j) = src row r (stride
+// src_ld), cols columns, for r < rows, j < repeat. One launch instead of `repeat` copy_block calls.
+void broadcast_rows(Device dev, real *dst, int dst_ld, const real *src, int src_ld, int rows, int cols, int repeat);
+// The backward: dst row r (stride dst_ld) += src row (r*repeat + j) (stride src_ld) for j = 0, 1, ...,
+// repeat-1 in that order, one rounded addition at a time: the bits of `repeat` accumulating copy_block
+// calls in order j. Regions must not overlap.
+void sum_row_groups(Device dev, real *dst, int dst_ld, const real *src, int src_ld, int rows, int cols, int repeat);
 
 // ---------------------------------------------------------------------------- MoE routing
 // DeepSeek-V3 router (DESIGN.md section 3). logits (N, E) = x W_g^T (computed by matmul_forward).
@@ -265,6 +273,20 @@ void fp8_gemm_fprop(Device dev, real *y, const uint8_t *qx, const float *sx, con
 //        Linear's backward accumulates into its input gradient; clear dx first for the product alone.
 void fp8_gemm_dgrad(Device dev, real *dx, const uint8_t *qdy, const float *sdy, const uint8_t *qwt,
                     const float *sw, int T, int N, int K);
+// Grouped Fprop and Dgrad (the routed experts: one call per Linear for all experts): segment g is rows
+// [rows0[g], rows0[g+1]) of y (N columns) or dx (K columns), rows0 a host array of n_seg + 1 entries as for
+// the grouped quantisers (rows0[0] = 0, non-decreasing, 1 <= n_seg <= FP8_MAX_SEGMENTS). Its activation
+// operand is its part of the *_grouped 1x128 layout (qx, sx from fp8_quantize_1x128_grouped(x, K); qdy, sdy
+// from fp8_quantize_1x128_grouped or fp8_quantize_both_layouts_grouped(dy, N)): with P16_g as there and CB
+// the contraction's block count (KB for Fprop, NB for Dgrad), rows at q + CB*128*P16_g, scales at
+// s + CB*P16_g. Its weight is qw[g] / qwt[g], sw[g] (host arrays of n_seg pointers; NULL for empty segments).
+// Empty segments are skipped. Each segment gets exactly what fp8_gemm_fprop / fp8_gemm_dgrad (dx += BF16
+// product) give for its rows; on CUDA the GEMMs are the same and their outputs are converted to `real` in
+// one launch for all segments instead of one per segment.
+void fp8_gemm_fprop_grouped(Device dev, real *y, const uint8_t *qx, const float *sx, const uint8_t *const *qw,
+                            const float *const *sw, int n_seg, const int *rows0, int N, int K);
+void fp8_gemm_dgrad_grouped(Device dev, real *dx, const uint8_t *qdy, const float *sdy, const uint8_t *const *qwt,
+                            const float *const *sw, int n_seg, const int *rows0, int N, int K);
 // Wgrad  dw (N, K) += dY^T X: qdyt, sdyt from fp8_quantize_128x1_transposed(dy, T, N); qxt, sxt from
 //        fp8_quantize_128x1_transposed(x, T, K). FP32 result added to the FP32 gradient.
 void fp8_gemm_wgrad(Device dev, real *dw, const uint8_t *qdyt, const float *sdyt, const uint8_t *qxt,
@@ -276,6 +298,21 @@ void fp8_gemm_wgrad(Device dev, real *dw, const uint8_t *qdyt, const float *sdyt
 void bf16_matmul_forward(Device dev, real *out, const real *inp, const real *weight, int N, int C, int OC);
 void bf16_matmul_backward(Device dev, real *dinp, real *dweight, const real *dout, const real *inp,
                           const real *weight, int N, int C, int OC);
+// The same GEMMs on operands rounded once by the caller (train/linear.c rounds an activation once for every
+// Linear and group that reads it, and keeps each weight's BF16 copy per weights version, as the FP8 path
+// keeps its quantisation): uint16_t BF16 bits, rows packed.
+//   bf16_round_array:        dst (n) = bf16(src (n)), RNE.
+//   bf16_gemm_fprop_grouped: rows [rows0[g], rows0[g+1]) of y (N columns) = bf16(x_g w[g]^T), x (rows, K),
+//                            w[g] (N, K); rows0[0] = 0; empty groups skipped (w[g] may be NULL there).
+//   bf16_gemm_dgrad_grouped: those rows of dx (K columns) += bf16(dy_g w[g]), dy (rows, N).
+//   bf16_gemm_wgrad:         dw (N, K) += FP32 dy^T x over T rows.
+// Bitwise the numbers of bf16_matmul_forward / _backward, group by group, on the unrounded operands.
+void bf16_round_array(Device dev, uint16_t *dst, const real *src, int64_t n);
+void bf16_gemm_fprop_grouped(Device dev, real *y, const uint16_t *x, const uint16_t *const *w, int n_seg,
+                             const int *rows0, int N, int K);
+void bf16_gemm_dgrad_grouped(Device dev, real *dx, const uint16_t *dy, const uint16_t *const *w, int n_seg,
+                             const int *rows0, int N, int K);
+void bf16_gemm_wgrad(Device dev, real *dw, const uint16_t *dy, const uint16_t *x, int T, int N, int K);
 
 // ---------------------------------------------------------------------------- optimizer
 // AdamW on n elements with BF16 moments m, v (uint16 bit patterns, round-to-nearest-even on store).

@@ -5,8 +5,12 @@
  * when the weights changed (model_weights_changed): once per Linear per optimizer step instead of twice
  * per micro-batch, with the same bits. Activations are quantised once per call for every Linear that
  * shares the input (the SwiGLU FFN's w1 and w3: linear_*_shared) and every group of rows (the routed
- * experts: linear_*_grouped, one launch for all experts' segments, kernels.h's *_grouped layouts). Any
- * row count works: the quantisers pad the token axis themselves, so segments are used where they lie.
+ * experts: linear_*_grouped, one launch for all experts' segments, kernels.h's *_grouped layouts), and the
+ * Fprop and Dgrad of all groups of a weight are one grouped GEMM call (on CUDA one output conversion
+ * instead of one per expert). Any row count works: the quantisers pad the token axis themselves, so
+ * segments are used where they lie. bf16 mode is built the same way: each weight's BF16 copy is cached per
+ * weights version, each activation and dY is rounded to BF16 once per call, and a weight's groups are one
+ * grouped call (bitwise the numbers of bf16_matmul_* group by group).
  */
 #include "train/linear.h"
 
@@ -20,20 +24,20 @@
 // once the largest shape has been seen).
 static void *scratch_take(Model *m, size_t *used, size_t bytes) {
     size_t aligned = (bytes + 63) & ~(size_t)63;
-    if (*used + aligned > m->fp8_scratch_bytes) {  // scratch_reserve was given the total beforehand
+    if (*used + aligned > m->linear_scratch_bytes) {  // scratch_reserve was given the total beforehand
         fprintf(stderr, "fp8moe: train/linear.c: internal error: FP8 scratch too small\n");
         exit(1);
     }
-    void *p = (char *)m->fp8_scratch + *used;
+    void *p = (char *)m->linear_scratch + *used;
     *used += aligned;
     return p;
 }
 
 static void scratch_reserve(Model *m, size_t bytes) {
-    if (bytes <= m->fp8_scratch_bytes) return;
-    device_free(m->dev, m->fp8_scratch);
-    m->fp8_scratch = device_alloc(m->dev, bytes);
-    m->fp8_scratch_bytes = bytes;
+    if (bytes <= m->linear_scratch_bytes) return;
+    device_free(m->dev, m->linear_scratch);
+    m->linear_scratch = device_alloc(m->dev, bytes);
+    m->linear_scratch_bytes = bytes;
 }
 
 static int ceil_div(int a, int b) { return (a + b - 1) / b; }
@@ -46,19 +50,21 @@ static void check_quantised(int rc, const char *what, const char *err) {
     exit(1);
 }
 
-// ---------------------------------------------------------------------------- FP8 weight cache
+// ---------------------------------------------------------------------------- weight cache
+// fp8 mode keeps each block Linear weight's 128x128 quantisation, bf16 mode its BF16 copy.
 typedef struct {
     int64_t offset;   // of the weight (OC, C) in m->weights
     int OC, C;
-    uint8_t *q, *qt;  // (Np, Kp) and its transpose (Kp, Np)
-    float *s;         // (NB, KB4), kernels.h fp8_quantize_128x128
-    int64_t version;  // the m->weights_version quantised (0: not yet)
+    uint8_t *q, *qt;  // fp8: (Np, Kp) and its transpose (Kp, Np)
+    float *s;         // fp8: (NB, KB4), kernels.h fp8_quantize_128x128
+    uint16_t *b;      // bf16: (OC, C) BF16 bits
+    int64_t version;  // the m->weights_version converted (0: not yet)
 } CachedWeight;
 
-struct Fp8WeightCache {
+struct LinearWeightCache {
     CachedWeight *entries;  // one per block Linear weight, sorted by offset
     int n;
-    void *buf;              // one device allocation holding every q, qt and s
+    void *buf;              // one device allocation holding every entry's arrays
 };
 
 // The block Linears: 2-D parameters except the embedding, the output head and the routers.
@@ -73,7 +79,7 @@ static int by_offset(const void *a, const void *b) {
 }
 
 static void weight_cache_create(Model *m) {
-    struct Fp8WeightCache *c = calloc(1, sizeof *c);
+    struct LinearWeightCache *c = calloc(1, sizeof *c);
     int n = 0;
     for (int i = 0; i < m->n_params; i++) n += is_block_linear(&m->params[i]);
     c->entries = calloc((size_t)(n ? n : 1), sizeof *c->entries);
@@ -81,27 +87,35 @@ static void weight_cache_create(Model *m) {
         fprintf(stderr, "fp8moe: train/linear.c: out of host memory for the FP8 weight cache\n");
         exit(1);
     }
+    const int fp8 = m->cfg.precision.mode == PRECISION_FP8;
     size_t bytes = 0;
-    for (int i = 0; i < m->n_params; i++) {
-        const ParamInfo *p = &m->params[i];
-        if (!is_block_linear(p)) continue;
-        const int OC = p->shape[0], C = p->shape[1], NB = ceil_div(OC, FP8_TILE), KB = ceil_div(C, FP8_TILE);
-        const size_t q = pad_bytes((size_t)NB * KB * FP8_TILE * FP8_TILE);
-        c->entries[c->n++] = (CachedWeight){.offset = p->offset, .OC = OC, .C = C};
-        bytes += 2 * q + pad_bytes((size_t)NB * (ceil_div(KB, 4) * 4) * sizeof(float));
-    }
-    c->buf = device_alloc(m->dev, bytes ? bytes : 1);
-    char *at = c->buf;
-    for (int i = 0; i < c->n; i++) {
-        CachedWeight *e = &c->entries[i];
-        const int NB = ceil_div(e->OC, FP8_TILE), KB = ceil_div(e->C, FP8_TILE);
-        const size_t q = pad_bytes((size_t)NB * KB * FP8_TILE * FP8_TILE);
-        e->q = (uint8_t *)at, at += q;
-        e->qt = (uint8_t *)at, at += q;
-        e->s = (float *)at, at += pad_bytes((size_t)NB * (ceil_div(KB, 4) * 4) * sizeof(float));
+    for (int pass = 0; pass < 2; pass++) {  // sizes, then pointers into the one allocation
+        char *at = pass ? c->buf : NULL;
+        for (int i = 0; i < m->n_params; i++) {
+            const ParamInfo *p = &m->params[i];
+            if (!is_block_linear(p)) continue;
+            const int OC = p->shape[0], C = p->shape[1], NB = ceil_div(OC, FP8_TILE), KB = ceil_div(C, FP8_TILE);
+            const size_t q = fp8 ? pad_bytes((size_t)NB * KB * FP8_TILE * FP8_TILE) : 0;
+            const size_t sb = fp8 ? pad_bytes((size_t)NB * (ceil_div(KB, 4) * 4) * sizeof(float)) : 0;
+            const size_t b = fp8 ? 0 : pad_bytes((size_t)OC * C * sizeof(uint16_t));
+            if (pass == 0) {
+                c->entries[c->n++] = (CachedWeight){.offset = p->offset, .OC = OC, .C = C};
+                bytes += 2 * q + sb + b;
+                continue;
+            }
+            CachedWeight *e = &c->entries[c->n++];
+            if (fp8) {
+                e->q = (uint8_t *)at, at += q;
+                e->qt = (uint8_t *)at, at += q;
+                e->s = (float *)at, at += sb;
+            } else {
+                e->b = (uint16_t *)at, at += b;
+            }
+        }
+        if (pass == 0) c->buf = device_alloc(m->dev, bytes ? bytes : 1), c->n = 0;
     }
     qsort(c->entries, (size_t)c->n, sizeof *c->entries, by_offset);
-    m->fp8_weights = c;
+    m->weight_cache = c;
 }
 
 // Stops the process: fp8 Linears are called only on the model's block Linear weights, after
@@ -114,7 +128,7 @@ _Noreturn static void not_cached(const real *weight, int OC, int C) {
 
 // The cached quantisation of `weight` (OC, C), brought up to date with the weights first.
 static const CachedWeight *cached_weight(Model *m, const real *weight, int OC, int C) {
-    const struct Fp8WeightCache *c = m->fp8_weights;
+    const struct LinearWeightCache *c = m->weight_cache;
     const uintptr_t w = (uintptr_t)weight, lo = (uintptr_t)m->weights;
     if (c == NULL || w < lo || w >= lo + (uintptr_t)(m->n_dense_elems + m->n_expert_elems) * sizeof(real))
         not_cached(weight, OC, C);
@@ -127,7 +141,10 @@ static const CachedWeight *cached_weight(Model *m, const real *weight, int OC, i
         else if (e->offset > offset) b = mid - 1;
         else {
             if (e->OC != OC || e->C != C) not_cached(weight, OC, C);
-            if (e->version != m->weights_version) {
+            if (e->version != m->weights_version && e->b != NULL) {  // bf16 (inside the caller's GEMM phase)
+                bf16_round_array(m->dev, e->b, weight, (int64_t)OC * C);
+                e->version = m->weights_version;
+            } else if (e->version != m->weights_version) {
                 char err[256];
                 profile_begin(PHASE_QUANTISE);
                 check_quantised(fp8_quantize_128x128(m->dev, e->q, e->qt, e->s, weight, OC, C, err, sizeof err),
@@ -142,11 +159,11 @@ static const CachedWeight *cached_weight(Model *m, const real *weight, int OC, i
 }
 
 static void weight_cache_free(Model *m) {
-    if (m->fp8_weights == NULL) return;
-    device_free(m->dev, m->fp8_weights->buf);
-    free(m->fp8_weights->entries);
-    free(m->fp8_weights);
-    m->fp8_weights = NULL;
+    if (m->weight_cache == NULL) return;
+    device_free(m->dev, m->weight_cache->buf);
+    free(m->weight_cache->entries);
+    free(m->weight_cache);
+    m->weight_cache = NULL;
 }
 
 // ---------------------------------------------------------------------------- quantised operands
@@ -195,9 +212,24 @@ static Fp8Operand take_128x1(Model *m, size_t *used, GroupSizes z, int C) {
                         scratch_take(m, used, (size_t)z.tiles * C * sizeof(float))};
 }
 
+static size_t bf16_bytes(int rows, int cols) { return pad_bytes((size_t)rows * cols * sizeof(uint16_t)); }
+
 void linear_reserve_scratch(Model *m, int rows) {
-    if (m->cfg.precision.mode != PRECISION_FP8) return;
-    if (m->fp8_weights == NULL) weight_cache_create(m);
+    if (m->cfg.precision.mode == PRECISION_FP32) return;
+    if (m->weight_cache == NULL) weight_cache_create(m);
+    if (m->cfg.precision.mode == PRECISION_BF16) {  // the rounded input and one rounded dY, unpadded
+        const int routed = rows * m->cfg.moe.n_activated_experts;
+        size_t most = 0;
+        for (int i = 0; i < m->n_params; i++) {
+            const ParamInfo *p = &m->params[i];
+            if (!is_block_linear(p)) continue;
+            const int r = strstr(p->name, ".ffn.experts.") ? routed : rows;
+            const size_t b = bf16_bytes(r, p->shape[1]) + bf16_bytes(r, p->shape[0]);
+            if (b > most) most = b;
+        }
+        scratch_reserve(m, most);
+        return;
+    }
     // a plain Linear runs on `rows` rows; the routed experts on rows x top-K rows in E_local groups, whose
     // padding adds at most 15 rows (1x128) and one tile (128x1) per group
     const GroupSizes plain = {round_up(rows, 16), ceil_div(rows, FP8_TILE)};
@@ -224,12 +256,30 @@ _Noreturn static void too_many_shared(int n_out) {
     exit(1);
 }
 
+// The cached quantisations of slice g of the stacked weight (n_groups, OC, C) for every non-empty group g
+// (NULL for empty groups), as the grouped GEMMs take them; each counts as one FP8 GEMM of the call.
+static void group_weights(Model *m, int n_groups, const int *offsets, const real *weight, int OC, int C,
+                          const uint8_t **q, const uint8_t **qt, const float **s) {
+    if (n_groups > FP8_MAX_SEGMENTS) {
+        fprintf(stderr, "fp8moe: train/linear.c: internal error: %d groups in one Linear call (at most %d, "
+                        "FP8_MAX_SEGMENTS)\n", n_groups, FP8_MAX_SEGMENTS);
+        exit(1);
+    }
+    for (int g = 0; g < n_groups; g++) {
+        q[g] = qt[g] = NULL, s[g] = NULL;
+        if (offsets[g + 1] == offsets[g]) continue;
+        const CachedWeight *cw = cached_weight(m, weight + (int64_t)g * OC * C, OC, C);
+        q[g] = cw->q, qt[g] = cw->qt, s[g] = cw->s;
+        m->fp8_gemm_count++;
+    }
+}
+
 // fp8 Fprop: out[i] rows of group g = inp rows of g @ (slice g of weight[i])^T. The input is quantised
-// once, for every group and every weight.
+// once, for every group and every weight; each weight's groups are one grouped GEMM call (one output
+// conversion on CUDA).
 static void fp8_forward(Model *m, int n_groups, const int *offsets, int n_out, real *const *out, const real *inp,
                         const real *const *weight, int C, int OC) {
     const GroupSizes z = group_sizes(n_groups, offsets);
-    const int KB = ceil_div(C, FP8_TILE);
     scratch_reserve(m, fprop_bytes(z, C));
     size_t used = 0;
     const Fp8Operand x = take_1x128(m, &used, z, C);
@@ -238,27 +288,22 @@ static void fp8_forward(Model *m, int n_groups, const int *offsets, int n_out, r
     check_quantised(fp8_quantize_1x128_grouped(m->dev, x.q, x.s, inp, n_groups, offsets, C, err, sizeof err),
                     "an activation (Fprop X)", err);
     profile_end(PHASE_QUANTISE);
-    for (int g = 0, p16 = 0; g < n_groups; g++) {
-        const int r0 = offsets[g], n = offsets[g + 1] - offsets[g];
-        if (n == 0) continue;
-        for (int i = 0; i < n_out; i++) {
-            const CachedWeight *cw = cached_weight(m, weight[i] + (int64_t)g * OC * C, OC, C);
-            fp8_gemm_fprop(m->dev, out[i] + (int64_t)r0 * OC, x.q + (size_t)p16 * KB * FP8_TILE, x.s + (size_t)KB * p16,
-                           cw->q, cw->s, n, OC, C);
-            m->fp8_gemm_count++;
-        }
-        p16 += round_up(n, 16);
+    const uint8_t *q[FP8_MAX_SEGMENTS], *qt[FP8_MAX_SEGMENTS];
+    const float *s[FP8_MAX_SEGMENTS];
+    for (int i = 0; i < n_out; i++) {
+        group_weights(m, n_groups, offsets, weight[i], OC, C, q, qt, s);
+        fp8_gemm_fprop_grouped(m->dev, out[i], x.q, x.s, q, s, n_groups, offsets, OC, C);
     }
 }
 
-// fp8 backward, Linear by Linear (in order of i) and group by group: Dgrad dinp += dY W (dY in 1x128
-// tiles along OC, W's 128x128 blocks transposed), Wgrad dW += dY^T X (dY and X in 128x1 tiles along
-// the tokens, written transposed so the tokens are the contraction axis). X's Wgrad operand is quantised
-// once; each dY once, into both layouts when both GEMMs need it.
+// fp8 backward, Linear by Linear (in order of i): Dgrad dinp += dY W (dY in 1x128 tiles along OC, W's
+// 128x128 blocks transposed; one grouped call for all groups), then Wgrad dW += dY^T X group by group (dY
+// and X in 128x1 tiles along the tokens, written transposed so the tokens are the contraction axis). Groups
+// write disjoint rows of dinp and slices of dW, so this order gives the bits of group-by-group calls. X's
+// Wgrad operand is quantised once; each dY once, into both layouts when both GEMMs need it.
 static void fp8_backward(Model *m, int n_groups, const int *offsets, int n_out, real *dinp, real *const *dweight,
                          const real *const *dout, const real *inp, const real *const *weight, int C, int OC) {
     const GroupSizes z = group_sizes(n_groups, offsets);
-    const int NB = ceil_div(OC, FP8_TILE);
     scratch_reserve(m, backward_bytes(z, C, OC));
     size_t used = 0;
     char err[256];
@@ -287,22 +332,84 @@ static void fp8_backward(Model *m, int n_groups, const int *offsets, int n_out, 
             check_quantised(fp8_quantize_128x1_transposed_grouped(m->dev, dyt.q, dyt.s, dout[i], n_groups, offsets, OC,
                                                                   err, sizeof err), "a gradient (Wgrad dY)", err);
         profile_end(PHASE_QUANTISE);
-        for (int g = 0, p16 = 0, tiles = 0; g < n_groups; g++) {
-            const int r0 = offsets[g], n = offsets[g + 1] - offsets[g];
+        if (dinp) {
+            const uint8_t *q[FP8_MAX_SEGMENTS], *qt[FP8_MAX_SEGMENTS];
+            const float *s[FP8_MAX_SEGMENTS];
+            group_weights(m, n_groups, offsets, weight[i], OC, C, q, qt, s);
+            fp8_gemm_dgrad_grouped(m->dev, dinp, dy.q, dy.s, qt, s, n_groups, offsets, OC, C);
+        }
+        for (int g = 0, tiles = 0; g < n_groups && dweight[i]; g++) {
+            const int n = offsets[g + 1] - offsets[g];
             if (n == 0) continue;
-            const int64_t wo = (int64_t)g * OC * C;
-            if (dinp) {
-                const CachedWeight *cw = cached_weight(m, weight[i] + wo, OC, C);
-                fp8_gemm_dgrad(m->dev, dinp + (int64_t)r0 * C, dy.q + (size_t)p16 * NB * FP8_TILE, dy.s + (size_t)NB * p16,
-                               cw->qt, cw->s, n, OC, C);
-                m->fp8_gemm_count++;
-            }
-            if (dweight[i]) {
-                fp8_gemm_wgrad(m->dev, dweight[i] + wo, dyt.q + (size_t)OC * FP8_TILE * tiles, dyt.s + (size_t)OC * tiles,
-                               xt.q + (size_t)C * FP8_TILE * tiles, xt.s + (size_t)C * tiles, n, OC, C);
-                m->fp8_gemm_count++;
-            }
-            p16 += round_up(n, 16), tiles += ceil_div(n, FP8_TILE);
+            fp8_gemm_wgrad(m->dev, dweight[i] + (int64_t)g * OC * C, dyt.q + (size_t)OC * FP8_TILE * tiles,
+                           dyt.s + (size_t)OC * tiles, xt.q + (size_t)C * FP8_TILE * tiles, xt.s + (size_t)C * tiles, n,
+                           OC, C);
+            m->fp8_gemm_count++;
+            tiles += ceil_div(n, FP8_TILE);
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------- bf16 Linears
+// The BF16 baseline on operands rounded once: the input for every Linear and group that reads it, each dY
+// once, each weight from the cache (its BF16 copy, made once per weights version). Bitwise what
+// bf16_matmul_forward / _backward give group by group; on CUDA each weight's groups are one call with one
+// output conversion.
+
+// The cached BF16 copies of slice g of the stacked weight (n_groups, OC, C), NULL for empty groups.
+static const uint16_t **bf16_group_weights(Model *m, int n_groups, const int *offsets, const real *weight, int OC,
+                                           int C) {
+    const uint16_t **w = malloc((size_t)n_groups * sizeof *w);
+    if (w == NULL) {
+        fprintf(stderr, "fp8moe: train/linear.c: out of host memory for %d group pointers\n", n_groups);
+        exit(1);
+    }
+    for (int g = 0; g < n_groups; g++)
+        w[g] = offsets[g + 1] == offsets[g] ? NULL : cached_weight(m, weight + (int64_t)g * OC * C, OC, C)->b;
+    return w;
+}
+
+static void bf16_forward(Model *m, int n_groups, const int *offsets, int n_out, real *const *out, const real *inp,
+                         const real *const *weight, int C, int OC) {
+    const int rows = offsets[n_groups];
+    scratch_reserve(m, bf16_bytes(rows, C));
+    size_t used = 0;
+    uint16_t *x = scratch_take(m, &used, (size_t)rows * C * sizeof(uint16_t));
+    bf16_round_array(m->dev, x, inp, (int64_t)rows * C);
+    for (int i = 0; i < n_out; i++) {
+        const uint16_t **w = bf16_group_weights(m, n_groups, offsets, weight[i], OC, C);
+        bf16_gemm_fprop_grouped(m->dev, out[i], x, w, n_groups, offsets, OC, C);
+        free(w);
+    }
+}
+
+// Linear by Linear (in order of i): Dgrad for all groups, then Wgrad group by group; groups write disjoint
+// rows of dinp and slices of dW, so this is the order of group-by-group calls.
+static void bf16_backward(Model *m, int n_groups, const int *offsets, int n_out, real *dinp, real *const *dweight,
+                          const real *const *dout, const real *inp, const real *const *weight, int C, int OC) {
+    const int rows = offsets[n_groups];
+    scratch_reserve(m, bf16_bytes(rows, C) + bf16_bytes(rows, OC));
+    size_t used = 0;
+    uint16_t *x = NULL;
+    for (int i = 0; i < n_out && x == NULL; i++) {
+        if (dweight[i] == NULL) continue;
+        x = scratch_take(m, &used, (size_t)rows * C * sizeof(uint16_t));
+        bf16_round_array(m->dev, x, inp, (int64_t)rows * C);
+    }
+    uint16_t *dy = scratch_take(m, &used, (size_t)rows * OC * sizeof(uint16_t));
+    for (int i = 0; i < n_out; i++) {
+        if (dinp == NULL && dweight[i] == NULL) continue;
+        bf16_round_array(m->dev, dy, dout[i], (int64_t)rows * OC);  // the previous dY is consumed (one stream)
+        if (dinp) {
+            const uint16_t **w = bf16_group_weights(m, n_groups, offsets, weight[i], OC, C);
+            bf16_gemm_dgrad_grouped(m->dev, dinp, dy, w, n_groups, offsets, OC, C);
+            free(w);
+        }
+        for (int g = 0; g < n_groups && dweight[i]; g++) {
+            const int r0 = offsets[g], n = offsets[g + 1] - offsets[g];
+            if (n > 0)
+                bf16_gemm_wgrad(m->dev, dweight[i] + (int64_t)g * OC * C, dy + (size_t)r0 * OC, x + (size_t)r0 * C, n,
+                                OC, C);
         }
     }
 }
@@ -324,15 +431,14 @@ void linear_forward_grouped(Model *m, int n_groups, const int *offsets, int n_ou
     profile_begin(PHASE_OTHER_GEMM);  // the caller may make it an expert GEMM (kernels/profile.h)
     if (m->cfg.precision.mode == PRECISION_FP8) {
         fp8_forward(m, n_groups, offsets, n_out, out, inp, weight, C, OC);
+    } else if (m->cfg.precision.mode == PRECISION_BF16) {
+        bf16_forward(m, n_groups, offsets, n_out, out, inp, weight, C, OC);
     } else {
         for (int g = 0; g < n_groups; g++) {
             const int r0 = offsets[g], n = offsets[g + 1] - offsets[g];
-            for (int i = 0; i < n_out && n > 0; i++) {
-                real *o = out[i] + (int64_t)r0 * OC;
-                const real *x = inp + (int64_t)r0 * C, *w = weight[i] + (int64_t)g * OC * C;
-                if (m->cfg.precision.mode == PRECISION_FP32) matmul_forward(m->dev, o, x, w, n, C, OC);
-                else bf16_matmul_forward(m->dev, o, x, w, n, C, OC);
-            }
+            for (int i = 0; i < n_out && n > 0; i++)
+                matmul_forward(m->dev, out[i] + (int64_t)r0 * OC, inp + (int64_t)r0 * C,
+                               weight[i] + (int64_t)g * OC * C, n, C, OC);
         }
     }
     profile_end(PHASE_OTHER_GEMM);
@@ -355,15 +461,16 @@ void linear_backward_grouped(Model *m, int n_groups, const int *offsets, int n_o
     profile_begin(PHASE_OTHER_GEMM);
     if (m->cfg.precision.mode == PRECISION_FP8) {
         fp8_backward(m, n_groups, offsets, n_out, dinp, dweight, dout, inp, weight, C, OC);
+    } else if (m->cfg.precision.mode == PRECISION_BF16) {
+        bf16_backward(m, n_groups, offsets, n_out, dinp, dweight, dout, inp, weight, C, OC);
     } else {
         for (int g = 0; g < n_groups; g++) {
             const int r0 = offsets[g], n = offsets[g + 1] - offsets[g];
             for (int i = 0; i < n_out && n > 0; i++) {
                 const int64_t wo = (int64_t)g * OC * C;
                 real *di = dinp ? dinp + (int64_t)r0 * C : NULL, *dw = dweight[i] ? dweight[i] + wo : NULL;
-                const real *dy = dout[i] + (int64_t)r0 * OC, *x = inp + (int64_t)r0 * C, *w = weight[i] + wo;
-                if (m->cfg.precision.mode == PRECISION_FP32) matmul_backward(m->dev, di, dw, dy, x, w, n, C, OC);
-                else bf16_matmul_backward(m->dev, di, dw, dy, x, w, n, C, OC);
+                matmul_backward(m->dev, di, dw, dout[i] + (int64_t)r0 * OC, inp + (int64_t)r0 * C, weight[i] + wo,
+                                n, C, OC);
             }
         }
     }
@@ -372,7 +479,7 @@ void linear_backward_grouped(Model *m, int n_groups, const int *offsets, int n_o
 
 void linear_free_scratch(Model *m) {
     weight_cache_free(m);
-    device_free(m->dev, m->fp8_scratch);
-    m->fp8_scratch = NULL;
-    m->fp8_scratch_bytes = 0;
+    device_free(m->dev, m->linear_scratch);
+    m->linear_scratch = NULL;
+    m->linear_scratch_bytes = 0;
 }

@@ -8,7 +8,8 @@
  *         every 128 elements: Fprop Y = X W^T, Dgrad dX = dY W (dY in 1x128 tiles, the same W blocks
  *         transposed), Wgrad dW += dY^T X (X and dY in 128x1 tiles along the tokens).
  * The embedding, output head, router, norms, attention core and losses never come through here.
- * In fp8 mode the weights' quantisation is cached per weights version (model_weights_changed).
+ * In fp8 mode the weights' quantisation, in bf16 mode their BF16 copy, is cached per weights version
+ * (model_weights_changed).
  * Each FP8 GEMM run is counted in Model.fp8_gemm_count (3 per Linear per micro-batch: Fprop, Dgrad,
  * Wgrad), so the trainer can report it and a test can check that every block Linear is covered.
  */
@@ -38,9 +39,9 @@ void linear_forward_grouped(Model *m, int n_groups, const int *offsets, int n_ou
                             const real *const *weight, int C, int OC);
 void linear_backward_grouped(Model *m, int n_groups, const int *offsets, int n_out, real *dinp, real *const *dweight,
                              const real *const *dout, const real *inp, const real *const *weight, int C, int OC);
-// Sizes the FP8 scratch for every block Linear at `rows` tokens (a micro-batch) and for the routed experts'
-// grouped calls (rows x top-K rows over the local experts), so no step allocates device memory; a no-op
-// outside fp8 mode.
+// Builds the weight cache and sizes the Linear scratch (fp8: quantised operands, bf16: rounded ones) for
+// every block Linear at `rows` tokens (a micro-batch) and for the routed experts' grouped calls (rows x top-K
+// rows over the local experts), so no step allocates device memory; a no-op in fp32 mode.
 void linear_reserve_scratch(Model *m, int rows);
 void linear_free_scratch(Model *m);
 

@@ -39,8 +39,8 @@ void mla_forward(Model *m, const MlaWeights *w, MlaActs *a, const Dims *d, const
     int kv_w = d->dn + d->dv;
     linear_forward(m, a->kv, a->ckvn, w->wkv_b, N, d->kvr, H * kv_w);
     copy_block(dev, a->kf, dqk, a->kv, kv_w, NH, d->dn, 0);
-    for (int h = 0; h < H; h++)  // the single rope key is shared by every head
-        copy_block(dev, a->kf + h * dqk + d->dn, H * dqk, a->k_rope, d->dr, N, d->dr, 0);
+    // the single rope key is shared by every head: kf viewed as (N*H, dqk), row n*H + h gets k_rope row n
+    broadcast_rows(dev, a->kf + d->dn, dqk, a->k_rope, d->dr, N, d->dr, H);
     copy_block(dev, a->v, d->dv, a->kv + d->dn, kv_w, NH, d->dv, 0);
     // attention core and output projection
     profile_begin(PHASE_ATTENTION);
@@ -77,8 +77,8 @@ void mla_backward(Model *m, const MlaWeights *w, const MlaWeights *g, MlaActs *a
     // kf and v were sliced out of kv (per head) and k_rope (shared): gather their gradients back
     copy_block(dev, s->d_kv + d->dn, kv_w, s->d_v, d->dv, NH, d->dv, 1);
     copy_block(dev, s->d_kv, kv_w, s->d_kf, dqk, NH, d->dn, 1);
-    for (int h = 0; h < H; h++)  // the shared rope key collects the gradient of every head, in head order
-        copy_block(dev, s->d_k_rope, d->dr, s->d_kf + h * dqk + d->dn, H * dqk, N, d->dr, 1);
+    // k_rope was broadcast to every head: it collects the gradient of every head, added in head order
+    sum_row_groups(dev, s->d_k_rope, d->dr, s->d_kf + d->dn, dqk, N, d->dr, H);
     rope_backward(dev, s->d_k_rope_raw, s->d_k_rope, d->B, d->T, 1, d->dr, d->rope_theta);
     copy_block(dev, s->d_kva + d->kvr, kva_w, s->d_k_rope_raw, d->dr, N, d->dr, 1);
     linear_backward(m, s->d_ckvn, g->wkv_b, s->d_kv, a->ckvn, w->wkv_b, N, d->kvr, H * kv_w);

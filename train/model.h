@@ -98,10 +98,10 @@ typedef struct {
     int n_chunks;
     EpGroup ep;
     int64_t fp8_gemm_count;      // FP8 GEMMs run so far (precision = fp8), see train/linear.h
-    void *fp8_scratch;           // quantised operands of the current Linear (train/linear.c)
-    size_t fp8_scratch_bytes;
-    int64_t weights_version;     // bumped by model_weights_changed; the FP8 weight cache compares it
-    struct Fp8WeightCache *fp8_weights;  // 128x128-quantised block Linear weights (train/linear.c)
+    void *linear_scratch;        // quantised (fp8) or rounded (bf16) operands of the current Linear (train/linear.c)
+    size_t linear_scratch_bytes;
+    int64_t weights_version;     // bumped by model_weights_changed; the Linear weight cache compares it
+    struct LinearWeightCache *weight_cache;  // block Linear weights, 128x128-quantised (fp8) or BF16 (bf16)
 } Model;
 
 // Activations of one chunk for one micro-batch (B sequences of T tokens), kept for its backward pass.

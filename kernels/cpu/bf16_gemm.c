@@ -71,3 +71,55 @@ void cpu_bf16_matmul_backward(real *dinp, real *dweight, const real *dout, const
     }
     free(dout_b);
 }
+
+// ---------------------------------------------------------------------------- pre-rounded operands
+// The same GEMMs on operands already rounded to BF16 (uint16_t bits, kernels.h bf16_gemm_*): train/linear.c
+// rounds an activation once for every Linear and group that reads it, and keeps each weight's BF16 copy
+// per weights version. Expanding BF16 to real is exact, and rounding a BF16 value again changes nothing,
+// so these give the bits of bf16_matmul_forward / _backward on the unrounded operands.
+void cpu_bf16_round_array(uint16_t *dst, const real *src, int64_t n) {
+#pragma omp parallel for schedule(static) if (n > 65536)
+    for (int64_t i = 0; i < n; i++) dst[i] = float_to_bf16((float)src[i]);
+}
+
+static real *bf16_expand(const uint16_t *src, size_t n, const char *what) {
+    real *dst = alloc_or_die(n, what);
+#pragma omp parallel for schedule(static) if (n > 65536)
+    for (size_t i = 0; i < n; i++) dst[i] = (real)bf16_to_float(src[i]);
+    return dst;
+}
+
+void cpu_bf16_gemm_fprop_grouped(real *y, const uint16_t *x, const uint16_t *const *w, int n_seg, const int *rows0,
+                                 int N, int K) {
+    for (int g = 0; g < n_seg; g++) {
+        const int r0 = rows0[g], n = rows0[g + 1] - rows0[g];
+        if (n <= 0) continue;
+        real *xf = bf16_expand(x + (size_t)r0 * K, (size_t)n * K, "BF16 Fprop input");
+        real *wf = bf16_expand(w[g], (size_t)N * K, "BF16 Fprop weight");
+        cpu_bf16_matmul_forward(y + (size_t)r0 * N, xf, wf, n, K, N);
+        free(xf);
+        free(wf);
+    }
+}
+
+void cpu_bf16_gemm_dgrad_grouped(real *dx, const uint16_t *dy, const uint16_t *const *w, int n_seg, const int *rows0,
+                                 int N, int K) {
+    for (int g = 0; g < n_seg; g++) {
+        const int r0 = rows0[g], n = rows0[g + 1] - rows0[g];
+        if (n <= 0) continue;
+        real *dyf = bf16_expand(dy + (size_t)r0 * N, (size_t)n * N, "BF16 Dgrad dY");
+        real *wf = bf16_expand(w[g], (size_t)N * K, "BF16 Dgrad weight");
+        cpu_bf16_matmul_backward(dx + (size_t)r0 * K, NULL, dyf, NULL, wf, n, K, N);
+        free(dyf);
+        free(wf);
+    }
+}
+
+void cpu_bf16_gemm_wgrad(real *dw, const uint16_t *dy, const uint16_t *x, int T, int N, int K) {
+    if (T <= 0) return;
+    real *dyf = bf16_expand(dy, (size_t)T * N, "BF16 Wgrad dY");
+    real *xf = bf16_expand(x, (size_t)T * K, "BF16 Wgrad X");
+    cpu_bf16_matmul_backward(NULL, dw, dyf, xf, NULL, T, K, N);
+    free(dyf);
+    free(xf);
+}

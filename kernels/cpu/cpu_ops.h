@@ -24,6 +24,8 @@ double cpu_sum_squares(const real *x, int64_t n);
 void cpu_scale_inplace(real *x, real s, int64_t n);
 void cpu_add_inplace(real *y, const real *x, int64_t n);
 void cpu_copy_block(real *dst, int dst_ld, const real *src, int src_ld, int rows, int cols, int accumulate);
+void cpu_broadcast_rows(real *dst, int dst_ld, const real *src, int src_ld, int rows, int cols, int repeat);
+void cpu_sum_row_groups(real *dst, int dst_ld, const real *src, int src_ld, int rows, int cols, int repeat);
 void cpu_router_forward(int *topk_idx, real *topk_w, real *scores, const real *logits, const real *bias, int N, int E, int K, int n_groups, int n_limited, real route_scale, int freeze);
 void cpu_router_backward(real *dlogits, const real *dtopk_w, const real *dscores, const int *topk_idx, const real *scores, int N, int E, int K, real route_scale);
 real cpu_balance_loss_forward(int *plain_topk, const real *scores, int B, int T, int E, int K, real alpha, int freeze);
@@ -48,6 +50,10 @@ int cpu_fp8_quantize_both_layouts_grouped(uint8_t *q1, float *s1, uint8_t *q2, f
                                           const int *rows0, int C, char *err, size_t err_size);
 void cpu_fp8_gemm_fprop(real *y, const uint8_t *qx, const float *sx, const uint8_t *qw, const float *sw, int T, int N, int K);
 void cpu_fp8_gemm_dgrad(real *dx, const uint8_t *qdy, const float *sdy, const uint8_t *qwt, const float *sw, int T, int N, int K);
+void cpu_fp8_gemm_fprop_grouped(real *y, const uint8_t *qx, const float *sx, const uint8_t *const *qw, const float *const *sw,
+                                int n, const int *rows0, int N, int K);
+void cpu_fp8_gemm_dgrad_grouped(real *dx, const uint8_t *qdy, const float *sdy, const uint8_t *const *qwt,
+                                const float *const *sw, int n, const int *rows0, int N, int K);
 void cpu_fp8_gemm_wgrad(real *dw, const uint8_t *qdyt, const float *sdyt, const uint8_t *qxt, const float *sxt, int T, int N, int K);
 // One FP8 GEMM output element under a model of the tensor core's accumulator (docs/fp8.md, "why promotion
 // matters"): qa, qb (Kc) E4M3 along the contraction axis, Kc a multiple of 128, sa, sb (Kc/128) their
@@ -58,5 +64,9 @@ void cpu_fp8_gemm_wgrad(real *dw, const uint8_t *qdyt, const float *sdyt, const 
 float cpu_fp8_dot_emulated(const uint8_t *qa, const float *sa, const uint8_t *qb, const float *sb, int Kc, int acc_bits, int promote);
 void cpu_bf16_matmul_forward(real *out, const real *inp, const real *weight, int N, int C, int OC);
 void cpu_bf16_matmul_backward(real *dinp, real *dweight, const real *dout, const real *inp, const real *weight, int N, int C, int OC);
+void cpu_bf16_round_array(uint16_t *dst, const real *src, int64_t n);
+void cpu_bf16_gemm_fprop_grouped(real *y, const uint16_t *x, const uint16_t *const *w, int n_seg, const int *rows0, int N, int K);
+void cpu_bf16_gemm_dgrad_grouped(real *dx, const uint16_t *dy, const uint16_t *const *w, int n_seg, const int *rows0, int N, int K);
+void cpu_bf16_gemm_wgrad(real *dw, const uint16_t *dy, const uint16_t *x, int T, int N, int K);
 
 #endif

@@ -1,7 +1,8 @@
 /*
  * fp8.c - the CPU reference of DeepSeek-V3's FP8 recipe (kernels.h "FP8 (E4M3) block scaling",
  * DESIGN.md section 4, docs/fp8.md): bit-exact E4M3 conversion, the three block quantisers and the
- * three block-scaled GEMMs (Fprop, Dgrad, Wgrad) with promotion of partial sums every 128 elements.
+ * three block-scaled GEMMs (Fprop, Dgrad, Wgrad) with promotion of partial sums every 128 elements, and
+ * their grouped (per-expert segment) forms.
  *
  * What this file is for: the quantisers define the FP8 bits. The CUDA quantisers must produce the same
  * q bytes and scales bit for bit, so every step here is one IEEE operation stated in the comments
@@ -574,6 +575,35 @@ void cpu_fp8_gemm_dgrad(real *dx, const uint8_t *qdy, const float *sdy, const ui
     }
     block_scaled_gemm(dx, OUT_ADD_BF16, qdy, sdy, round_up16(T), qwt, sbx, T, K, NB * FP8_TILE);
     free(sbx);
+}
+
+// Grouped Fprop and Dgrad: the plain GEMM segment by segment, at the *_grouped 1x128 offsets (kernels.h);
+// out_cols and contraction are N and K for Fprop, K and N for Dgrad.
+typedef void (*SegmentGemm)(real *out, const uint8_t *qa, const float *sa, const uint8_t *qb, const float *sb, int T,
+                            int N, int K);
+
+static void gemm_segments(const char *op, SegmentGemm gemm, real *out, int out_cols, int contraction, const uint8_t *qa,
+                          const float *sa, const uint8_t *const *qb, const float *const *sb, int n, const int *rows0,
+                          int N, int K) {
+    check_segments(op, n, rows0);
+    const size_t CB = (size_t)ceil_div(contraction, FP8_TILE);
+    size_t p16 = 0;
+    for (int g = 0; g < n; g++) {
+        const int T = rows0[g + 1] - rows0[g];
+        if (T == 0) continue;
+        gemm(out + (size_t)rows0[g] * out_cols, qa + CB * FP8_TILE * p16, sa + CB * p16, qb[g], sb[g], T, N, K);
+        p16 += (size_t)round_up16(T);
+    }
+}
+
+void cpu_fp8_gemm_fprop_grouped(real *y, const uint8_t *qx, const float *sx, const uint8_t *const *qw,
+                                const float *const *sw, int n, const int *rows0, int N, int K) {
+    gemm_segments("fp8_gemm_fprop_grouped", cpu_fp8_gemm_fprop, y, N, K, qx, sx, qw, sw, n, rows0, N, K);
+}
+
+void cpu_fp8_gemm_dgrad_grouped(real *dx, const uint8_t *qdy, const float *sdy, const uint8_t *const *qwt,
+                                const float *const *sw, int n, const int *rows0, int N, int K) {
+    gemm_segments("fp8_gemm_dgrad_grouped", cpu_fp8_gemm_dgrad, dx, K, N, qdy, sdy, qwt, sw, n, rows0, N, K);
 }
 
 // Wgrad  dw (N, K) += dY^T X in FP32 (each element: dw = dw + acc, once).

@@ -9,6 +9,9 @@
  * FP8MOE_CUDA_SYNC=1 in the environment every launch is followed by cudaDeviceSynchronize and the error
  * is reported at the kernel that caused it (tests/gpu/run.sh sets it; it costs speed, not results).
  *
+ * The CUDA block also holds the segment table of the grouped (per-expert) FP8 calls, which the quantisers
+ * (fp8_quant.cu) and the GEMMs' output conversion (gemm.cu) share.
+ *
  * This header is plain C outside the __CUDACC__ block, so device.c (compiled by gcc) can use it too.
  * All ops run on the legacy default stream, so consecutive ops are ordered without extra syncs.
  */
@@ -86,6 +89,8 @@ static inline void cuda_check_launch_at(const char *kernel, const char *file, in
 // ---------------------------------------------------------------------------- device helpers
 #include <stdint.h>
 
+#include "kernels/kernels.h"
+
 // The CUDA ops take `real` pointers; they exist only in the FP32 build (the double build has no CUDA).
 static_assert(sizeof(real) == sizeof(float), "CUDA ops are built for real = float only");
 
@@ -128,6 +133,55 @@ __device__ inline float block_max(float v, float *scratch) {
     if (lane == 0) scratch[warp] = v;
     __syncthreads();
     return warp_max(lane < n_warps ? scratch[lane] : -INFINITY);
+}
+
+// ---------------------------------------------------------------------------- segment tables
+// The segments of a grouped call (the routed experts' token segments in one launch; one segment for the
+// plain calls): segment g is rows [rows0[g], rows0[g+1]) of the token-major input or output, its 1x128
+// operand (and its Fprop/Dgrad GEMM's BF16 output) starts at row p16[g] (every segment padded to a
+// multiple of 16 rows) and its 128x1 operand at 128-row tile tiles0[g] (kernels.h, the *_grouped layouts).
+// Shared by the quantisers (fp8_quant.cu) and the GEMMs' output conversion (gemm.cu). Passed by value as
+// a __grid_constant__ kernel parameter (3 KB, read from the constant bank, no copy per thread).
+struct SegTable {
+    int n;
+    int rows0[FP8_MAX_SEGMENTS + 1], p16[FP8_MAX_SEGMENTS + 1], tiles0[FP8_MAX_SEGMENTS + 1];
+};
+
+// The table of n segments given by the host array rows0 (n + 1 entries); stops the process, naming op,
+// when n is outside 1..FP8_MAX_SEGMENTS or rows0 does not start at 0 and never decrease.
+static inline SegTable seg_table(const char *op, int n, const int *rows0) {
+    if (n < 1 || n > FP8_MAX_SEGMENTS) {
+        fprintf(stderr, "%s:%d: %s: %d segments - expected 1 to %d (FP8_MAX_SEGMENTS, kernels.h)\n", __FILE__, __LINE__,
+                op, n, FP8_MAX_SEGMENTS);
+        exit(1);
+    }
+    SegTable t;
+    t.n = n;
+    t.rows0[0] = t.p16[0] = t.tiles0[0] = 0;
+    for (int g = 0; g < n; g++) {
+        const int rows = rows0[g + 1] - rows0[g];
+        if (rows0[0] != 0 || rows < 0) {
+            fprintf(stderr, "%s:%d: %s: rows0[0] = %d, segment %d has rows %d..%d - expected rows0[0] = 0 and rows0 "
+                            "non-decreasing\n", __FILE__, __LINE__, op, rows0[0], g, rows0[g], rows0[g + 1]);
+            exit(1);
+        }
+        t.rows0[g + 1] = rows0[g + 1];
+        t.p16[g + 1] = t.p16[g] + (rows + 15) / 16 * 16;
+        t.tiles0[g + 1] = t.tiles0[g] + (rows + FP8_TILE - 1) / FP8_TILE;
+    }
+    return t;
+}
+
+// The segment holding position v of a prefix array (rows0, p16 or tiles0): the largest g < n with
+// prefix[g] <= v. Empty segments (prefix[g] == prefix[g + 1]) are never returned for a v below prefix[n].
+__device__ inline int segment_of(const int *prefix, int n, int v) {
+    int lo = 0, hi = n - 1;
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) / 2;
+        if (prefix[mid] <= v) lo = mid;
+        else hi = mid - 1;
+    }
+    return lo;
 }
 #endif // __CUDACC__
 

@@ -33,9 +33,16 @@ int cuda_fp8_quantize_both_layouts_grouped(uint8_t *q1, float *s1, uint8_t *q2, 
                                            const int *rows0, int C, char *err, size_t err_size);
 void cuda_fp8_gemm_fprop(real *y, const uint8_t *qx, const float *sx, const uint8_t *qw, const float *sw, int T, int N, int K);
 void cuda_fp8_gemm_dgrad(real *dx, const uint8_t *qdy, const float *sdy, const uint8_t *qwt, const float *sw, int T, int N, int K);
+void cuda_fp8_gemm_fprop_grouped(real *y, const uint8_t *qx, const float *sx, const uint8_t *const *qw, const float *const *sw,
+                                 int n_seg, const int *rows0, int N, int K);
+void cuda_fp8_gemm_dgrad_grouped(real *dx, const uint8_t *qdy, const float *sdy, const uint8_t *const *qwt,
+                                 const float *const *sw, int n_seg, const int *rows0, int N, int K);
 void cuda_fp8_gemm_wgrad(real *dw, const uint8_t *qdyt, const float *sdyt, const uint8_t *qxt, const float *sxt, int T, int N, int K);
 void cuda_bf16_matmul_forward(real *out, const real *inp, const real *weight, int N, int C, int OC);
 void cuda_bf16_matmul_backward(real *dinp, real *dweight, const real *dout, const real *inp, const real *weight, int N, int C, int OC);
+void cuda_bf16_gemm_fprop_grouped(real *y, const uint16_t *x, const uint16_t *const *w, int n_seg, const int *rows0, int N, int K);
+void cuda_bf16_gemm_dgrad_grouped(real *dx, const uint16_t *dy, const uint16_t *const *w, int n_seg, const int *rows0, int N, int K);
+void cuda_bf16_gemm_wgrad(real *dw, const uint16_t *dy, const uint16_t *x, int T, int N, int K);
 
 // Causal attention core, flash-style (kernels/cuda/attention.cu); state = lse (B, H, T), see kernels.h;
 // the backward's out is the forward's output (B, T, H, Dv).
@@ -50,6 +57,8 @@ void cuda_embedding_backward(real *dtable, const real *dout, const int *tokens, 
 void cuda_rope_forward(real *out, const real *inp, int B, int T, int H, int D, real theta);
 void cuda_rope_backward(real *dinp, const real *dout, int B, int T, int H, int D, real theta);
 void cuda_copy_block(real *dst, int dst_ld, const real *src, int src_ld, int rows, int cols, int accumulate);
+void cuda_broadcast_rows(real *dst, int dst_ld, const real *src, int src_ld, int rows, int cols, int repeat);
+void cuda_sum_row_groups(real *dst, int dst_ld, const real *src, int src_ld, int rows, int cols, int repeat);
 void cuda_add_inplace(real *y, const real *x, int64_t n);
 void cuda_scale_inplace(real *x, real s, int64_t n);
 double cuda_sum_squares(const real *x, int64_t n);

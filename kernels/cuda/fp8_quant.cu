@@ -1,10 +1,10 @@
 /*
  * fp8_quant.cu - CUDA FP8 (E4M3) block quantisers of DeepSeek-V3's recipe (kernels.h: fp8_quantize_1x128,
  * fp8_quantize_128x128, fp8_quantize_128x1_transposed, fp8_quantize_both_layouts, and the activation
- * quantisers' *_grouped forms, which run one launch over many segments through a segment table; the plain
- * forms are one segment of the same kernels). They feed the cuBLASLt block-scaled GEMMs of
- * gemm.cu and must produce BIT-IDENTICAL FP8 data and scales to the CPU reference (kernels/cpu/fp8.c),
- * which tests/gpu/test_gpu_fp8.c checks.
+ * quantisers' *_grouped forms, which run one launch over many segments through a segment table (SegTable,
+ * common.cuh); the plain forms are one segment of the same kernels). They feed the cuBLASLt block-scaled
+ * GEMMs of gemm.cu and must produce BIT-IDENTICAL FP8 data and scales to the CPU reference
+ * (kernels/cpu/fp8.c), which tests/gpu/test_gpu_fp8.c checks.
  *
  * Why they match the CPU bit for bit: per tile, amax is a max (exact in any order), s = amax / 448 is one
  * IEEE division (__fdiv_rn, no reciprocal), s = 1 when that is 0, and q = E4M3(x / s) is another IEEE
@@ -142,51 +142,6 @@ static void require_aligned16(const void *p, const char *op, const char *name) {
 }
 
 static inline int ceil_div(int a, int b) { return (a + b - 1) / b; }
-
-// The segments of a call to an activation quantiser (the routed experts' segments in one launch; one
-// segment for the plain calls): segment g is rows [rows0[g], rows0[g+1]) of x, its 1x128 operand starts
-// at row p16[g] of q (every segment padded to a multiple of 16 rows) and its 128x1 operand at 128-row
-// tile tiles0[g] (kernels.h, the *_grouped layouts). Passed by value as a __grid_constant__ kernel
-// parameter (3 KB, read from the constant bank, no copy per thread).
-struct SegTable {
-    int n;
-    int rows0[FP8_MAX_SEGMENTS + 1], p16[FP8_MAX_SEGMENTS + 1], tiles0[FP8_MAX_SEGMENTS + 1];
-};
-
-static SegTable seg_table(const char *op, int n, const int *rows0) {
-    if (n < 1 || n > FP8_MAX_SEGMENTS) {
-        fprintf(stderr, "%s:%d: %s: %d segments - expected 1 to %d (FP8_MAX_SEGMENTS, kernels.h)\n", __FILE__, __LINE__,
-                op, n, FP8_MAX_SEGMENTS);
-        exit(1);
-    }
-    SegTable t;
-    t.n = n;
-    t.rows0[0] = t.p16[0] = t.tiles0[0] = 0;
-    for (int g = 0; g < n; g++) {
-        const int rows = rows0[g + 1] - rows0[g];
-        if (rows0[0] != 0 || rows < 0) {
-            fprintf(stderr, "%s:%d: %s: rows0[0] = %d, segment %d has rows %d..%d - expected rows0[0] = 0 and rows0 "
-                            "non-decreasing\n", __FILE__, __LINE__, op, rows0[0], g, rows0[g], rows0[g + 1]);
-            exit(1);
-        }
-        t.rows0[g + 1] = rows0[g + 1];
-        t.p16[g + 1] = t.p16[g] + ceil_div(rows, 16) * 16;
-        t.tiles0[g + 1] = t.tiles0[g] + ceil_div(rows, FP8_TILE);
-    }
-    return t;
-}
-
-// The segment holding position v of a prefix array (p16 or tiles0): the largest g < n with prefix[g] <= v.
-// Empty segments (prefix[g] == prefix[g + 1]) are never returned for a v below prefix[n].
-__device__ inline int segment_of(const int *prefix, int n, int v) {
-    int lo = 0, hi = n - 1;
-    while (lo < hi) {
-        const int mid = (lo + hi + 1) / 2;
-        if (prefix[mid] <= v) lo = mid;
-        else hi = mid - 1;
-    }
-    return lo;
-}
 
 // ---------------------------------------------------------------------------- 1x128 along K
 // x (rows, K) -> q (R16, Kp), s (KB, R16), R16 = rows rounded up to 16; the padding rows are quantised as

@@ -26,7 +26,9 @@
  *
  * Outputs: kernels.h's Fprop writes and Dgrad adds into `real` (float). cuBLASLt writes BF16 into a scratch
  * buffer and a conversion kernel copies (Dgrad: adds) the valid rows and columns to float: it reads 2 and writes 4 bytes per output element
- * (0.09 ms for an 8192 x 8192 output, 11% of the 8192^3 FP8 Fprop, measured by `fp8moe bench gemm`);
+ * (0.09 ms for an 8192 x 8192 output, 11% of the 8192^3 FP8 Fprop, measured by `fp8moe bench gemm`). The
+ * grouped forms (the routed experts) run one GEMM per segment into one scratch and convert every segment in
+ * one launch (the plain calls are their one-segment case);
  * gemm.h's *_bf16 functions skip it for code that keeps activations in BF16 (a later issue).
  * Wgrad writes FP32 with beta = 1 straight into the FP32 gradient (D = C = dw); when dw is not 16-byte
  * aligned (a slice of a flat buffer) it goes to a scratch buffer and is added by a kernel (same FP32 sum,
@@ -224,7 +226,7 @@ static void tune_plan(Plan *p, const PlanKey *exact, const void *a, const void *
     CUDA_CHECK(cudaEventCreate(&start));
     CUDA_CHECK(cudaEventCreate(&stop));
     const int64_t n16 = (int64_t)(d_bytes / 2);
-    float best_ms = 0.0f;
+    float best_ms = 0.0f, first_ms = 0.0f;
     int best = -1;
     for (int i = 0; i < n_results; i++) {
         cublasLtMatmulHeuristicResult_t check;
@@ -252,11 +254,19 @@ static void tune_plan(Plan *p, const PlanKey *exact, const void *a, const void *
             CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
             if (r == 0 || ms < fastest) fastest = ms;
         }
+        if (i == 0) first_ms = fastest;
         if (fastest > 0.0f && (best < 0 || fastest < best_ms)) best = i, best_ms = fastest;
     }
     CUDA_CHECK(cudaEventDestroy(start));
     CUDA_CHECK(cudaEventDestroy(stop));
     if (best >= 0) p->algo = results[best].algo;
+    static int log_choices = -1;  // FP8MOE_GEMM_TUNE_LOG=1: one line per tuned plan on stderr (docs/gpu.md)
+    if (log_choices < 0) log_choices = getenv("FP8MOE_GEMM_TUNE_LOG") != NULL && atoi(getenv("FP8MOE_GEMM_TUNE_LOG")) > 0;
+    if (log_choices)
+        fprintf(stderr, "gemm tune: m x n x k = %lld x %lld x %lld, types A %d D %d, ops %d %d: %d answers, kept #%d "
+                        "(%.4f ms; #0 %.4f ms)\n", (long long)exact->m, (long long)exact->n, (long long)exact->k,
+                exact->a_type, exact->d_type, exact->op_a, exact->op_b, n_results, best, (double)best_ms,
+                (double)first_ms);
 }
 
 // The block-scaled FP8 modes need their scale pointers set on the descriptor before the heuristic query
@@ -404,26 +414,41 @@ __device__ inline uint32_t bf16x2_bits(float lo, float hi) {
     return *reinterpret_cast<const uint32_t *>(&v);
 }
 
-// y (rows, cols) float = (or, with ADD, +=) x (rows, ld) BF16: the valid part of a padded GEMM output.
+// y (rows0[n], cols) float = (or, with ADD, +=) the valid rows of x, the BF16 output of one GEMM per segment
+// with row stride ld: row rows0[g] + r of y is row p16[g] + r of x (each segment's GEMM ran on its rows
+// padded to 16, one after another). One segment with rows0 = {0, rows} is a plain (rows, cols) conversion.
+// One warp per output row and chunk of CONV_STEPS x 32 x (1 or 4) columns: the row's segment is looked up
+// once per warp (a binary search of the table, the same for all lanes) and no element index is divided.
+static const int CONV_ROWS_PER_BLOCK = 8;
+static const int CONV_STEPS = 4;
+
 template <bool VEC4, bool ADD>
-__global__ void bf16_to_float_rows_kernel(float *y, const uint16_t *x, int64_t rows, int cols, int ld) {
+__global__ void bf16_to_float_rows_kernel(float *__restrict__ y, const uint16_t *__restrict__ x,
+                                          const __grid_constant__ SegTable seg, int cols, int ld) {
     const int per = VEC4 ? 4 : 1;
-    const int64_t groups = cols / per, n = rows * groups;
-    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
-        const int64_t r = i / groups, c = (i % groups) * per;
+    const int row = blockIdx.x * CONV_ROWS_PER_BLOCK + (threadIdx.x >> 5);
+    if (row >= seg.rows0[seg.n]) return;
+    const int g = segment_of(seg.rows0, seg.n, row);
+    const uint16_t *xr = x + (int64_t)(seg.p16[g] + row - seg.rows0[g]) * ld;
+    float *yr = y + (int64_t)row * cols;
+    const int c0 = blockIdx.y * (CONV_STEPS * 32 * per) + (threadIdx.x & 31) * per;
+#pragma unroll
+    for (int i = 0; i < CONV_STEPS; i++) {
+        const int c = c0 + i * 32 * per;
+        if (c >= cols) break;
         if (VEC4) {
-            const uint2 raw = *reinterpret_cast<const uint2 *>(x + r * ld + c);
+            const uint2 raw = *reinterpret_cast<const uint2 *>(xr + c);
             float4 v = make_float4(bf16_bits_to_float(raw.x & 0xFFFFu), bf16_bits_to_float(raw.x >> 16),
                                    bf16_bits_to_float(raw.y & 0xFFFFu), bf16_bits_to_float(raw.y >> 16));
-            float4 *out = reinterpret_cast<float4 *>(y + r * cols + c);
+            float4 *out = reinterpret_cast<float4 *>(yr + c);
             if (ADD) {
                 const float4 o = *out;
                 v.x = __fadd_rn(o.x, v.x), v.y = __fadd_rn(o.y, v.y), v.z = __fadd_rn(o.z, v.z), v.w = __fadd_rn(o.w, v.w);
             }
             *out = v;
         } else {
-            const float v = bf16_bits_to_float(x[r * ld + c]);
-            y[r * cols + c] = ADD ? __fadd_rn(y[r * cols + c], v) : v;
+            const float v = bf16_bits_to_float(xr[c]);
+            yr[c] = ADD ? __fadd_rn(yr[c], v) : v;
         }
     }
 }
@@ -461,15 +486,26 @@ static int vec4_ok(int64_t a, const void *p16, const void *p8) {
     return a % 4 == 0 && (uintptr_t)p16 % 16 == 0 && (uintptr_t)p8 % 8 == 0;
 }
 
+// One launch for every segment of seg (see bf16_to_float_rows_kernel).
 template <bool ADD>
-static void bf16_to_float_rows(float *y, const uint16_t *x, int64_t rows, int cols, int ld) {
-    const int64_t n = rows * cols;
-    if (n == 0) return;
-    if (vec4_ok(cols, y, x) && ld % 4 == 0)
-        bf16_to_float_rows_kernel<true, ADD><<<grid_for(n / 4, ELEMENTWISE_THREADS), ELEMENTWISE_THREADS>>>(y, x, rows, cols, ld);
-    else
-        bf16_to_float_rows_kernel<false, ADD><<<grid_for(n, ELEMENTWISE_THREADS), ELEMENTWISE_THREADS>>>(y, x, rows, cols, ld);
+static void bf16_to_float_rows(float *y, const uint16_t *x, const SegTable &seg, int cols, int ld) {
+    const int rows = seg.rows0[seg.n];
+    if (rows == 0 || cols <= 0) return;
+    const int per = vec4_ok(cols, y, x) && ld % 4 == 0 ? 4 : 1;
+    const dim3 grid((unsigned)ceil_div(rows, CONV_ROWS_PER_BLOCK), (unsigned)ceil_div(cols, CONV_STEPS * 32 * per));
+    if (grid.y > 65535)
+        gemm_fail(__LINE__, "bf16_to_float_rows", "%d columns - expected at most %d", cols, 65535 * CONV_STEPS * 32 * per);
+    const int threads = 32 * CONV_ROWS_PER_BLOCK;
+    if (per == 4) bf16_to_float_rows_kernel<true, ADD><<<grid, threads>>>(y, x, seg, cols, ld);
+    else bf16_to_float_rows_kernel<false, ADD><<<grid, threads>>>(y, x, seg, cols, ld);
     CUDA_CHECK_LAUNCH("bf16_to_float_rows_kernel");
+}
+
+// One segment of `rows` rows: a plain (rows, cols) conversion of x (rows, ld).
+template <bool ADD>
+static void bf16_to_float_plain(const char *op, float *y, const uint16_t *x, int rows, int cols, int ld) {
+    const int rows0[2] = {0, rows};
+    bf16_to_float_rows<ADD>(y, x, seg_table(op, 1, rows0), cols, ld);
 }
 
 extern "C" void cuda_float_to_bf16(uint16_t *dst, const float *src, int64_t n) {
@@ -520,26 +556,58 @@ extern "C" void cuda_fp8_gemm_dgrad_bf16(uint16_t *dx, const uint8_t *qdy, const
     lt_matmul(&key, qwt, qdy, dx, swt, sdy, 0.0f, op);
 }
 
-// kernels.h's Fprop and Dgrad take any T: the quantised operands have T16 rows (the padding rows are
-// zero), the GEMM runs on all of them into BF16 scratch and the conversion keeps the T valid rows.
+// gemm.h's BF16-output Fprop or Dgrad: out (T, ld) BF16 from a (T rows of a 1x128 operand) and b (a weight).
+typedef void (*Fp8GemmBf16)(uint16_t *out, const uint8_t *qa, const float *sa, const uint8_t *qb, const float *sb, int T,
+                            int N, int K);
+
+// kernels.h's Fprop and Dgrad take any T and any number of segments (the routed experts: *_grouped). Segment
+// g's 1x128 operand is T16_g rows (the padding rows are zero) at row p16[g] of qa, its scales at
+// CB * p16[g] (CB = contraction blocks); its GEMM runs on all T16_g rows into rows p16[g].. of one BF16
+// scratch (row stride `out_cols` rounded up to 128), and ONE conversion launch keeps (Dgrad: ADDs) the valid
+// rows of every segment. A conversion per segment cost a routed-expert Linear one launch per expert (about
+// 675 launches of 9-52 us per step of a 2-layer model, ~10% of the GPU time); the GEMMs are the same, so
+// are the bits.
+template <bool ADD>
+static void fp8_gemm_segments(const char *op, Fp8GemmBf16 gemm, real *out, int out_cols, int contraction,
+                              const uint8_t *qa, const float *sa, const uint8_t *const *qb, const float *const *sb,
+                              int n_seg, const int *rows0, int N, int K) {
+    const SegTable seg = seg_table(op, n_seg, rows0);
+    if (seg.rows0[n_seg] == 0 || out_cols <= 0) return;
+    const int ld = round_up(out_cols, FP8_TILE), CB = ceil_div(contraction, FP8_TILE);
+    ctx_init();
+    uint16_t *tmp = (uint16_t *)cuda_scratch(&ctx.out_bf16, sizeof(uint16_t) * (size_t)seg.p16[n_seg] * ld);
+    for (int g = 0; g < n_seg; g++) {
+        const int p16 = seg.p16[g], T16 = seg.p16[g + 1] - p16;
+        if (T16 == 0) continue;
+        gemm(tmp + (size_t)p16 * ld, qa + (size_t)p16 * CB * FP8_TILE, sa + (size_t)CB * p16, qb[g], sb[g], T16, N, K);
+    }
+    bf16_to_float_rows<ADD>(out, tmp, seg, out_cols, ld);
+}
+
+extern "C" void cuda_fp8_gemm_fprop_grouped(real *y, const uint8_t *qx, const float *sx, const uint8_t *const *qw,
+                                            const float *const *sw, int n_seg, const int *rows0, int N, int K) {
+    fp8_gemm_segments<false>("fp8_gemm_fprop_grouped", cuda_fp8_gemm_fprop_bf16, y, N, K, qx, sx, qw, sw, n_seg, rows0,
+                             N, K);
+}
+
+extern "C" void cuda_fp8_gemm_dgrad_grouped(real *dx, const uint8_t *qdy, const float *sdy, const uint8_t *const *qwt,
+                                            const float *const *sw, int n_seg, const int *rows0, int N, int K) {
+    fp8_gemm_segments<true>("fp8_gemm_dgrad_grouped", cuda_fp8_gemm_dgrad_bf16, dx, K, N, qdy, sdy, qwt, sw, n_seg,
+                            rows0, N, K);
+}
+
 extern "C" void cuda_fp8_gemm_fprop(real *y, const uint8_t *qx, const float *sx, const uint8_t *qw, const float *sw,
                                     int T, int N, int K) {
-    if (T <= 0 || N <= 0) return;
-    const int Np = round_up(N, FP8_TILE), T16 = round_up(T, 16);
-    ctx_init();
-    uint16_t *tmp = (uint16_t *)cuda_scratch(&ctx.out_bf16, sizeof(uint16_t) * (size_t)T16 * Np);
-    cuda_fp8_gemm_fprop_bf16(tmp, qx, sx, qw, sw, T16, N, K);
-    bf16_to_float_rows<false>(y, tmp, T, N, Np);
+    if (T <= 0) return;
+    const int rows0[2] = {0, T};
+    fp8_gemm_segments<false>("fp8_gemm_fprop", cuda_fp8_gemm_fprop_bf16, y, N, K, qx, sx, &qw, &sw, 1, rows0, N, K);
 }
 
 extern "C" void cuda_fp8_gemm_dgrad(real *dx, const uint8_t *qdy, const float *sdy, const uint8_t *qwt,
                                     const float *sw, int T, int N, int K) {
-    if (T <= 0 || K <= 0) return;
-    const int Kp = round_up(K, FP8_TILE), T16 = round_up(T, 16);
-    ctx_init();
-    uint16_t *tmp = (uint16_t *)cuda_scratch(&ctx.out_bf16, sizeof(uint16_t) * (size_t)T16 * Kp);
-    cuda_fp8_gemm_dgrad_bf16(tmp, qdy, sdy, qwt, sw, T16, N, K);
-    bf16_to_float_rows<true>(dx, tmp, T, K, Kp);
+    if (T <= 0) return;
+    const int rows0[2] = {0, T};
+    fp8_gemm_segments<true>("fp8_gemm_dgrad", cuda_fp8_gemm_dgrad_bf16, dx, K, N, qdy, sdy, &qwt, &sw, 1, rows0, N, K);
 }
 
 extern "C" void cuda_fp8_gemm_wgrad(real *dw, const uint8_t *qdyt, const float *sdyt, const uint8_t *qxt,
@@ -599,7 +667,7 @@ extern "C" void cuda_bf16_matmul_forward(real *out, const real *inp, const real 
     cuda_float_to_bf16(a, inp, (int64_t)N * C);
     cuda_float_to_bf16(b, weight, (int64_t)OC * C);
     cuda_bf16_gemm(o, 0, 0.0f, a, 0, b, 1, N, OC, C);
-    bf16_to_float_rows<false>(out, o, N, OC, OC);
+    bf16_to_float_plain<false>("bf16_matmul_forward", out, o, N, OC, OC);
 }
 
 // In the forward pass this was out = inp weight^T, so:
@@ -615,11 +683,50 @@ extern "C" void cuda_bf16_matmul_backward(real *dinp, real *dweight, const real 
         uint16_t *o = (uint16_t *)cuda_scratch(&ctx.out_bf16, sizeof(uint16_t) * (size_t)N * C);
         cuda_float_to_bf16(w, weight, (int64_t)OC * C);
         cuda_bf16_gemm(o, 0, 0.0f, g, 0, w, 0, N, C, OC);
-        bf16_to_float_rows<true>(dinp, o, N, C, C);
+        bf16_to_float_plain<true>("bf16_matmul_backward", dinp, o, N, C, C);
     }
     if (dweight != NULL) {
         uint16_t *x = (uint16_t *)cuda_scratch(&ctx.operand_b, sizeof(uint16_t) * (size_t)N * C);
         cuda_float_to_bf16(x, inp, (int64_t)N * C);
         cuda_bf16_gemm(dweight, 1, 1.0f, g, 1, x, 0, OC, C, N);
     }
+}
+
+// kernels.h's BF16 GEMMs on pre-rounded operands (train/linear.c's bf16 mode): segment g's rows of a (packed,
+// one segment after another) through weight w[g], one GEMM per non-empty segment into the same rows of one
+// BF16 scratch, then ONE conversion (Dgrad: one add) of all rows: the segments cover rows [0, rows0[n_seg]).
+// The GEMM calls are those of bf16_matmul_forward / _backward; only the conversions are merged.
+template <bool DGRAD>
+static void bf16_gemm_segments(const char *op, real *out, const uint16_t *a, const uint16_t *const *w, int n_seg,
+                               const int *rows0, int N, int K) {
+    for (int g = 0; g < n_seg; g++)  // any number of segments: no table reaches the GPU here
+        if (rows0[0] != 0 || rows0[g + 1] < rows0[g])
+            gemm_fail(__LINE__, op, "rows0[0] = %d, segment %d has rows %d..%d - expected rows0[0] = 0 and rows0 "
+                                    "non-decreasing", rows0[0], g, rows0[g], rows0[g + 1]);
+    const int rows = n_seg > 0 ? rows0[n_seg] : 0, out_cols = DGRAD ? K : N, in_cols = DGRAD ? N : K;
+    if (rows == 0 || out_cols <= 0) return;
+    ctx_init();
+    uint16_t *tmp = (uint16_t *)cuda_scratch(&ctx.out_bf16, sizeof(uint16_t) * (size_t)rows * out_cols);
+    for (int g = 0; g < n_seg; g++) {
+        const int r0 = rows0[g], n = rows0[g + 1] - rows0[g];
+        if (n <= 0) continue;
+        cuda_bf16_gemm(tmp + (size_t)r0 * out_cols, 0, 0.0f, a + (size_t)r0 * in_cols, 0, w[g], DGRAD ? 0 : 1, n,
+                       out_cols, in_cols);
+    }
+    bf16_to_float_plain<DGRAD>(op, out, tmp, rows, out_cols, out_cols);
+}
+
+extern "C" void cuda_bf16_gemm_fprop_grouped(real *y, const uint16_t *x, const uint16_t *const *w, int n_seg,
+                                             const int *rows0, int N, int K) {
+    bf16_gemm_segments<false>("bf16_gemm_fprop_grouped", y, x, w, n_seg, rows0, N, K);
+}
+
+extern "C" void cuda_bf16_gemm_dgrad_grouped(real *dx, const uint16_t *dy, const uint16_t *const *w, int n_seg,
+                                             const int *rows0, int N, int K) {
+    bf16_gemm_segments<true>("bf16_gemm_dgrad_grouped", dx, dy, w, n_seg, rows0, N, K);
+}
+
+extern "C" void cuda_bf16_gemm_wgrad(real *dw, const uint16_t *dy, const uint16_t *x, int T, int N, int K) {
+    if (T <= 0 || N <= 0 || K <= 0) return;
+    cuda_bf16_gemm(dw, 1, 1.0f, dy, 1, x, 0, N, K, T);
 }

@@ -24,6 +24,8 @@
  * before each call, so an element a kernel does not write fails. Shapes include partial blocks
  * (576 = 4.5 blocks of 128, K = 300), a token segment with zero padding rows, T not a multiple of 128
  * (Wgrad's zero-padded T blocks) and a misaligned Wgrad output (the scratch-and-add path).
+ * The grouped Fprop and Dgrad (the routed experts: one output conversion for all segments) must equal the
+ * plain CUDA calls segment by segment, bit for bit.
  * One table row per check.
  */
 #include <setjmp.h>
@@ -726,6 +728,107 @@ static void test_fp8_gemm(void **state) {
     assert_true(pass);
 }
 
+// ---------------------------------------------------------------------------- grouped FP8 GEMMs
+// The grouped Fprop and Dgrad (one output conversion for all segments) against the plain CUDA calls segment
+// by segment on the same quantised operands: the same GEMMs, so bit for bit. Every output row is written
+// (no poison left), the rows just before and after the output stay poison, the segment lists have empty
+// segments and lengths off 16, and Dgrad adds onto a random dx. An output width that is not a multiple of
+// 4 takes the scalar conversion, the others the 4-wide one.
+typedef struct {
+    int n_seg, N, K, seed;
+} GroupedGemmCase;
+
+// Rows 1..T of out (T + 2 rows of cols floats) are non-NaN and rows 0 and T + 1 are poison (0xFF bytes).
+static int written_inside_only(const float *out, int T, int cols) {
+    const size_t row_bytes = (size_t)cols * sizeof(float);
+    float *poison = host_poisoned(row_bytes);
+    int ok = memcmp(out, poison, row_bytes) == 0 && memcmp(out + (int64_t)(T + 1) * cols, poison, row_bytes) == 0;
+    for (int64_t i = cols; i < (int64_t)(T + 1) * cols; i++) ok &= !isnan(out[i]);
+    free(poison);
+    return ok;
+}
+
+static void test_fp8_gemm_grouped(void **state) {
+    const GroupedGemmCase *gc = *state;
+    const int n = gc->n_seg, N = gc->N, K = gc->K;
+    const int KB = ceil_div(K, FP8_TILE), NB = ceil_div(N, FP8_TILE), KB4 = (KB + 3) / 4 * 4;
+    const int Kp = KB * FP8_TILE, Np = NB * FP8_TILE;
+    int rows0[FP8_MAX_SEGMENTS + 1] = {0};
+    uint64_t r = 0x9E3779B97F4A7C15ull * (uint64_t)gc->seed;
+    for (int g = 0; g < n; g++) {  // lengths 0..190, every fifth segment empty
+        r = r * 6364136223846793005ull + 1442695040888963407ull;
+        rows0[g + 1] = rows0[g] + (g % 5 == 1 ? 0 : (int)((r >> 33) % 191));
+    }
+    int P16 = 0;
+    for (int g = 0; g < n; g++) P16 += ceil_div(rows0[g + 1] - rows0[g], 16) * 16;
+    const int T = rows0[n];
+    char err[256] = "";
+
+    // activations quantised in the *_grouped layout, one weight per non-empty segment
+    float *x = floats((int64_t)T * K), *dy = floats((int64_t)T * N), *w = floats((int64_t)N * K);
+    fill_log_uniform(x, (int64_t)T * K, 7000 + (uint64_t)gc->seed, -6.0, 2.0);
+    fill_log_uniform(dy, (int64_t)T * N, 7100 + (uint64_t)gc->seed, -10.0, -2.0);
+    float *x_d = gpu_copy_of(x, (size_t)T * K * sizeof(float)), *dy_d = gpu_copy_of(dy, (size_t)T * N * sizeof(float));
+    uint8_t *qx_d = gpu_poisoned((size_t)P16 * Kp), *qdy_d = gpu_poisoned((size_t)P16 * Np);
+    float *sx_d = gpu_poisoned((size_t)KB * P16 * sizeof(float)), *sdy_d = gpu_poisoned((size_t)NB * P16 * sizeof(float));
+    assert_int_equal(fp8_quantize_1x128_grouped(DEVICE_CUDA, qx_d, sx_d, x_d, n, rows0, K, err, sizeof err), 0);
+    assert_int_equal(fp8_quantize_1x128_grouped(DEVICE_CUDA, qdy_d, sdy_d, dy_d, n, rows0, N, err, sizeof err), 0);
+    const uint8_t *qw[FP8_MAX_SEGMENTS] = {NULL}, *qwt[FP8_MAX_SEGMENTS] = {NULL};
+    const float *sw[FP8_MAX_SEGMENTS] = {NULL};
+    float *w_d = device_alloc(DEVICE_CUDA, (size_t)N * K * sizeof(float));
+    for (int g = 0; g < n; g++) {
+        if (rows0[g + 1] == rows0[g]) continue;
+        fill_log_uniform(w, (int64_t)N * K, 7200 + 37 * (uint64_t)gc->seed + (uint64_t)g, -8.0, 0.0);
+        device_memcpy_from_host(DEVICE_CUDA, w_d, w, (size_t)N * K * sizeof(float));
+        uint8_t *q = gpu_poisoned((size_t)Np * Kp), *qt = gpu_poisoned((size_t)Np * Kp);
+        float *s = gpu_poisoned((size_t)NB * KB4 * sizeof(float));
+        assert_int_equal(fp8_quantize_128x128(DEVICE_CUDA, q, qt, s, w_d, N, K, err, sizeof err), 0);
+        qw[g] = q, qwt[g] = qt, sw[g] = s;
+    }
+    assert_int_equal(fp8_check_finite(DEVICE_CUDA, err, sizeof err), 0);
+
+    // Fprop y (T, N) and Dgrad dx (T, K) += ..., each with a poisoned row before and after: per segment, grouped
+    const int64_t ny = (int64_t)(T + 2) * N, nx = (int64_t)(T + 2) * K;
+    float *y_seg_d = gpu_poisoned((size_t)ny * sizeof(float)), *y_grp_d = gpu_poisoned((size_t)ny * sizeof(float));
+    float *dx_seg_d = gpu_poisoned((size_t)nx * sizeof(float)), *dx_grp_d = gpu_poisoned((size_t)nx * sizeof(float));
+    float *init = floats((int64_t)T * K);
+    fill_log_uniform(init, (int64_t)T * K, 7300 + (uint64_t)gc->seed, -10.0, -2.0);
+    device_memcpy_from_host(DEVICE_CUDA, dx_seg_d + K, init, (size_t)T * K * sizeof(float));
+    device_memcpy_from_host(DEVICE_CUDA, dx_grp_d + K, init, (size_t)T * K * sizeof(float));
+    for (int g = 0, p16 = 0; g < n; g++) {
+        const int rows = rows0[g + 1] - rows0[g];
+        if (rows == 0) continue;
+        fp8_gemm_fprop(DEVICE_CUDA, y_seg_d + N + (int64_t)rows0[g] * N, qx_d + (int64_t)p16 * Kp, sx_d + (int64_t)KB * p16,
+                       qw[g], sw[g], rows, N, K);
+        fp8_gemm_dgrad(DEVICE_CUDA, dx_seg_d + K + (int64_t)rows0[g] * K, qdy_d + (int64_t)p16 * Np,
+                       sdy_d + (int64_t)NB * p16, qwt[g], sw[g], rows, N, K);
+        p16 += ceil_div(rows, 16) * 16;
+    }
+    fp8_gemm_fprop_grouped(DEVICE_CUDA, y_grp_d + N, qx_d, sx_d, qw, sw, n, rows0, N, K);
+    fp8_gemm_dgrad_grouped(DEVICE_CUDA, dx_grp_d + K, qdy_d, sdy_d, qwt, sw, n, rows0, N, K);
+    float *y_seg = host_copy_of(y_seg_d, (size_t)ny * sizeof(float)), *y_grp = host_copy_of(y_grp_d, (size_t)ny * sizeof(float));
+    float *dx_seg = host_copy_of(dx_seg_d, (size_t)nx * sizeof(float)), *dx_grp = host_copy_of(dx_grp_d, (size_t)nx * sizeof(float));
+    const int y_diff = count_diff(y_grp, y_seg, (size_t)ny * sizeof(float));
+    const int dx_diff = count_diff(dx_grp, dx_seg, (size_t)nx * sizeof(float));
+    const int y_rows = written_inside_only(y_grp, T, N), dx_rows = written_inside_only(dx_grp, T, K);
+    const int pass = y_diff == 0 && dx_diff == 0 && y_rows && dx_rows;
+    printf("%-16s %2d segments, %4d rows, N %-4d K %-4d differing bytes vs per-segment: Fprop %d, Dgrad %d; "
+           "only the rows inside written: %s  %s\n", "fp8 grouped", n, T, N, K, y_diff, dx_diff,
+           y_rows && dx_rows ? "yes" : "NO", pass ? "ok" : "FAIL");
+    fflush(stdout);
+
+    for (int g = 0; g < n; g++) {
+        device_free(DEVICE_CUDA, (void *)qw[g]), device_free(DEVICE_CUDA, (void *)qwt[g]);
+        device_free(DEVICE_CUDA, (void *)sw[g]);
+    }
+    device_free(DEVICE_CUDA, x_d), device_free(DEVICE_CUDA, dy_d), device_free(DEVICE_CUDA, w_d);
+    device_free(DEVICE_CUDA, qx_d), device_free(DEVICE_CUDA, qdy_d), device_free(DEVICE_CUDA, sx_d);
+    device_free(DEVICE_CUDA, sdy_d), device_free(DEVICE_CUDA, y_seg_d), device_free(DEVICE_CUDA, y_grp_d);
+    device_free(DEVICE_CUDA, dx_seg_d), device_free(DEVICE_CUDA, dx_grp_d);
+    free(x), free(dy), free(w), free(init), free(y_seg), free(y_grp), free(dx_seg), free(dx_grp);
+    assert_true(pass);
+}
+
 // ---------------------------------------------------------------------------- BF16 GEMMs
 typedef struct {
     int N, C, OC;
@@ -826,6 +929,119 @@ static void test_bf16_matmul(void **state) {
 }
 
 // ---------------------------------------------------------------------------- main
+// ---------------------------------------------------------------------------- BF16 GEMMs on rounded operands
+// bf16_gemm_fprop_grouped / _dgrad_grouped / bf16_gemm_wgrad (train/linear.c's bf16 mode): groups of
+// random length (every fifth empty) with their own weights; each output against the CPU's grouped result
+// and a double reference with test_bf16_matmul's bounds, a second run bitwise equal, and the row after
+// the outputs (poisoned) untouched.
+static void test_bf16_gemm_grouped(void **state) {
+    const GroupedGemmCase *gc = *state;
+    const int n = gc->n_seg, N = gc->N, K = gc->K;
+    int rows0[FP8_MAX_SEGMENTS + 1] = {0};
+    uint64_t r = 0x9E3779B97F4A7C15ull * (uint64_t)gc->seed;
+    for (int g = 0; g < n; g++) {
+        r = r * 6364136223846793005ull + 1442695040888963407ull;
+        rows0[g + 1] = rows0[g] + (g % 5 == 1 ? 0 : (int)((r >> 33) % 191));
+    }
+    const int T = rows0[n];
+    const int64_t nx = (int64_t)T * K, ndy = (int64_t)T * N, nw = (int64_t)n * N * K;
+    float *x = floats(nx), *dy = floats(ndy), *w = floats(nw), *dx0 = floats(nx), *dw0 = floats(nw);
+    fill_log_uniform(x, nx, 9101 + gc->seed, -6.0, 2.0);
+    fill_log_uniform(dy, ndy, 9102 + gc->seed, -10.0, -2.0);
+    fill_log_uniform(w, nw, 9103 + gc->seed, -8.0, 0.0);
+    fill_log_uniform(dx0, nx, 9104 + gc->seed, -8.0, -2.0);
+    fill_log_uniform(dw0, nw, 9105 + gc->seed, -4.0, 2.0);
+    uint16_t *xb = xmalloc((size_t)nx * 2), *dyb = xmalloc((size_t)ndy * 2), *wb = xmalloc((size_t)nw * 2);
+    bf16_round_array(DEVICE_CPU, xb, x, nx);
+    bf16_round_array(DEVICE_CPU, dyb, dy, ndy);
+    bf16_round_array(DEVICE_CPU, wb, w, nw);
+    uint16_t *xb_d = gpu_copy_of(xb, (size_t)nx * 2), *dyb_d = gpu_copy_of(dyb, (size_t)ndy * 2);
+    uint16_t *wb_d = gpu_copy_of(wb, (size_t)nw * 2);
+    const uint16_t *wg[FP8_MAX_SEGMENTS], *wg_d[FP8_MAX_SEGMENTS];
+    for (int g = 0; g < n; g++) {
+        const int empty = rows0[g + 1] == rows0[g];
+        wg[g] = empty ? NULL : wb + (int64_t)g * N * K, wg_d[g] = empty ? NULL : wb_d + (int64_t)g * N * K;
+    }
+    // CPU results, then two GPU runs (outputs one row longer than the groups: the last row is poison)
+    float *y_c = floats(ndy), *dx_c = floats(nx), *dw_c = floats(nw), *y_g[2], *dx_g[2], *dw_g[2];
+    memcpy(dx_c, dx0, (size_t)nx * 4), memcpy(dw_c, dw0, (size_t)nw * 4);
+    bf16_gemm_fprop_grouped(DEVICE_CPU, y_c, xb, wg, n, rows0, N, K);
+    bf16_gemm_dgrad_grouped(DEVICE_CPU, dx_c, dyb, wg, n, rows0, N, K);
+    for (int g = 0; g < n; g++)
+        bf16_gemm_wgrad(DEVICE_CPU, dw_c + (int64_t)g * N * K, dyb + (int64_t)rows0[g] * N, xb + (int64_t)rows0[g] * K,
+                        rows0[g + 1] - rows0[g], N, K);
+    float *poison = host_poisoned((size_t)(N > K ? N : K) * 4);
+    int pass = 1;
+    for (int rep = 0; rep < 2; rep++) {
+        float *y_d = gpu_poisoned((size_t)(ndy + N) * 4), *dx_d = gpu_poisoned((size_t)(nx + K) * 4);
+        float *dw_d = device_alloc(DEVICE_CUDA, (size_t)nw * 4);
+        device_memcpy_from_host(DEVICE_CUDA, dx_d, dx0, (size_t)nx * 4);
+        device_memcpy_from_host(DEVICE_CUDA, dw_d, dw0, (size_t)nw * 4);
+        bf16_gemm_fprop_grouped(DEVICE_CUDA, y_d, xb_d, wg_d, n, rows0, N, K);
+        bf16_gemm_dgrad_grouped(DEVICE_CUDA, dx_d, dyb_d, wg_d, n, rows0, N, K);
+        for (int g = 0; g < n; g++)
+            bf16_gemm_wgrad(DEVICE_CUDA, dw_d + (int64_t)g * N * K, dyb_d + (int64_t)rows0[g] * N,
+                            xb_d + (int64_t)rows0[g] * K, rows0[g + 1] - rows0[g], N, K);
+        y_g[rep] = host_copy_of(y_d, (size_t)(ndy + N) * 4), dx_g[rep] = host_copy_of(dx_d, (size_t)(nx + K) * 4);
+        dw_g[rep] = host_copy_of(dw_d, (size_t)nw * 4);
+        pass &= memcmp(y_g[rep] + ndy, poison, (size_t)N * 4) == 0 && memcmp(dx_g[rep] + nx, poison, (size_t)K * 4) == 0;
+        device_free(DEVICE_CUDA, y_d), device_free(DEVICE_CUDA, dx_d), device_free(DEVICE_CUDA, dw_d);
+    }
+    // double references group by group, with test_bf16_matmul's bounds
+    double *xd = doubles(nx), *dyd = doubles(ndy), *wd = doubles(nw);
+    for (int64_t i = 0; i < nx; i++) xd[i] = bf16_round(x[i]);
+    for (int64_t i = 0; i < ndy; i++) dyd[i] = bf16_round(dy[i]);
+    for (int64_t i = 0; i < nw; i++) wd[i] = bf16_round(w[i]);
+    double *y_w = doubles(ndy), *y_a = doubles(ndy), *dx_w = doubles(nx), *dx_a = doubles(nx);
+    double *dw_w = doubles(nw), *dw_a = doubles(nw);
+    for (int g = 0; g < n; g++) {
+        const int r0 = rows0[g], m = rows0[g + 1] - rows0[g];
+        const double *wgd = wd + (int64_t)g * N * K;
+        if (m == 0) {
+            for (int64_t i = 0; i < (int64_t)N * K; i++) dw_w[(int64_t)g * N * K + i] = 0, dw_a[(int64_t)g * N * K + i] = 0;
+            continue;
+        }
+        ref_gemm(y_w + (int64_t)r0 * N, y_a + (int64_t)r0 * N, xd + (int64_t)r0 * K, wgd, m, N, K);
+        double *wt = transposed(wgd, N, K), *dyt = transposed(dyd + (int64_t)r0 * N, m, N);
+        double *xt = transposed(xd + (int64_t)r0 * K, m, K);
+        ref_gemm(dx_w + (int64_t)r0 * K, dx_a + (int64_t)r0 * K, dyd + (int64_t)r0 * N, wt, m, K, N);
+        ref_gemm(dw_w + (int64_t)g * N * K, dw_a + (int64_t)g * N * K, dyt, xt, N, K, m);
+        free(wt), free(dyt), free(xt);
+    }
+    double *bf = doubles(nx > nw ? (nx > ndy ? nx : ndy) : (nw > ndy ? nw : ndy));
+    double *bp = doubles(nx > nw ? (nx > ndy ? nx : ndy) : (nw > ndy ? nw : ndy));
+    char shape[64];
+    snprintf(shape, sizeof shape, "%d groups, %d x %d x %d", n, T, N, K);
+    for (int64_t i = 0; i < ndy; i++) {
+        const double big = fmax(fabs(y_w[i]), fmax(fabs((double)y_g[0][i]), fabs((double)y_c[i])));
+        bf[i] = (2.0 * K + 16) * U_FP32 * y_a[i] + bf16_half_ulp(big) + FLT_MIN;
+        bp[i] = (4.0 * K + 32) * U_FP32 * y_a[i] + 2 * bf16_half_ulp(big) + FLT_MIN;
+    }
+    pass &= check_gemm("bf16 fprop grp", shape, y_g[0], y_c, y_w, bf, bp, ndy);
+    pass &= check_repeat("bf16 fprop grp", shape, y_g[0], y_g[1], ndy);
+    for (int64_t i = 0; i < nx; i++) {
+        const double sum = fabs(dx_w[i]) * (1 + 0x1p-7) + (2.0 * N + 16) * U_FP32 * dx_a[i];
+        dx_w[i] += dx0[i];
+        bf[i] = (2.0 * N + 16) * U_FP32 * dx_a[i] + bf16_half_ulp(sum) * 2 + 2 * U_FP32 * (fabs(dx_w[i]) + sum) + FLT_MIN;
+        bp[i] = 2 * bf[i];
+    }
+    pass &= check_gemm("bf16 dgrad grp", shape, dx_g[0], dx_c, dx_w, bf, bp, nx);
+    pass &= check_repeat("bf16 dgrad grp", shape, dx_g[0], dx_g[1], nx);
+    for (int64_t i = 0; i < nw; i++) {
+        dw_w[i] += dw0[i];
+        bf[i] = (2.0 * T + 16) * U_FP32 * (dw_a[i] + fabs((double)dw0[i])) + FLT_MIN;
+        bp[i] = 2 * bf[i];
+    }
+    pass &= check_gemm("bf16 wgrad grp", shape, dw_g[0], dw_c, dw_w, bf, bp, nw);
+    pass &= check_repeat("bf16 wgrad grp", shape, dw_g[0], dw_g[1], nw);
+    device_free(DEVICE_CUDA, xb_d), device_free(DEVICE_CUDA, dyb_d), device_free(DEVICE_CUDA, wb_d);
+    for (int rep = 0; rep < 2; rep++) free(y_g[rep]), free(dx_g[rep]), free(dw_g[rep]);
+    free(x), free(dy), free(w), free(dx0), free(dw0), free(xb), free(dyb), free(wb), free(y_c), free(dx_c), free(dw_c);
+    free(poison), free(xd), free(dyd), free(wd), free(y_w), free(y_a), free(dx_w), free(dx_a), free(dw_w), free(dw_a);
+    free(bf), free(bp);
+    assert_true(pass);
+}
+
 static int print_quant_header(void **state) {
     (void)state;
     printf("\n%-18s %-16s %9s %9s %9s %11s %11s %8s %8s\n", "quantiser", "rows x cols", "q differ", "qt differ",
@@ -853,6 +1069,8 @@ int main(void) {
     static BothCase both_a = {300, 576}, both_b = {45, 200}, both_c = {1000, 70}, both_d = {3072, 2048};
     static GroupedCase gr_a = {5, 300, 1}, gr_b = {32, 2048, 2}, gr_c = {32, 1024, 3}, gr_d = {7, 70, 4};
     static Bf16Case b_a = {256, 300, 576}, b_b = {128, 512, 1024};
+    static GroupedGemmCase gg_a = {5, 576, 302, 1}, gg_b = {32, 1030, 512, 2}, gg_c = {32, 256, 2048, 3};
+    static GroupedGemmCase bg_a = {5, 200, 300, 4}, bg_b = {32, 256, 512, 5};
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_prestate_setup_teardown(test_quantizer, print_quant_header, NULL, &q_a),
         cmocka_unit_test_prestate(test_quantizer, &q_b),
@@ -881,8 +1099,13 @@ int main(void) {
         cmocka_unit_test_prestate(test_fp8_gemm, &d_c),
         cmocka_unit_test_prestate(test_fp8_gemm, &w_a),
         cmocka_unit_test_prestate(test_fp8_gemm, &w_b),
+        cmocka_unit_test_prestate(test_fp8_gemm_grouped, &gg_a),
+        cmocka_unit_test_prestate(test_fp8_gemm_grouped, &gg_b),
+        cmocka_unit_test_prestate(test_fp8_gemm_grouped, &gg_c),
         cmocka_unit_test_prestate(test_bf16_matmul, &b_a),
         cmocka_unit_test_prestate(test_bf16_matmul, &b_b),
+        cmocka_unit_test_prestate(test_bf16_gemm_grouped, &bg_a),
+        cmocka_unit_test_prestate(test_bf16_gemm_grouped, &bg_b),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

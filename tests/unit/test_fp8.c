@@ -7,7 +7,8 @@
  * that table; the quantisers are re-implemented in double; every GEMM is compared (1) bit for bit with
  * a plain scalar loop of the documented FP32 arithmetic, (2) with the exact (double) product of the same
  * quantised operands, to the FP32 accumulation bound, and (3) with the unquantised FP64 product, to the
- * error E4M3 quantisation allows. The bounds are derived at each check and in docs/fp8.md.
+ * error E4M3 quantisation allows. The bounds are derived at each check and in docs/fp8.md. The grouped
+ * (per-expert segment) quantisers and GEMMs must equal the plain ones segment by segment, bit for bit.
  * Run with OPCHECK_VERBOSE=1 to see how much room each bound leaves.
  */
 #include <setjmp.h>
@@ -648,6 +649,60 @@ static void test_gemm_deterministic_across_threads(void **state) {
     tfree_all();
 }
 
+// Grouped Fprop and Dgrad (kernels.h): segments of 37, 0, 163, 128 and 17 rows (the empty one with NULL
+// weight pointers), each with its own weight (N = 200, K = 300: partial blocks on both axes), on the
+// *_grouped 1x128 operands give bit for bit what the plain GEMMs give on each segment quantised alone; Dgrad
+// adds onto a random dx, and the row after the segments is never written.
+static void test_gemm_grouped(void **state) {
+    (void)state;
+    enum { NSEG = 5, N = 200, K = 300, KB = 3, KB4 = 4, NB = 2, Kp = 384, Np = 256 };
+    const int rows0[NSEG + 1] = {0, 37, 37, 200, 328, 345}, T = rows0[NSEG], P16 = 48 + 0 + 176 + 128 + 32;
+    real *x = ralloc((size_t)T * K), *dy = ralloc((size_t)T * N), *w = ralloc((size_t)N * K);
+    fill_wide(x, (size_t)T * K, 61, -20, 1);
+    fill_wide(dy, (size_t)T * N, 62, -24, -6);
+    const uint8_t *qw[NSEG] = {NULL}, *qwt[NSEG] = {NULL};
+    const float *sw[NSEG] = {NULL};
+    char err[256];
+    for (int g = 0; g < NSEG; g++) {
+        if (rows0[g + 1] == rows0[g]) continue;
+        uint8_t *q = balloc((size_t)Np * Kp), *qt = balloc((size_t)Np * Kp);
+        float *s = falloc((size_t)NB * KB4);
+        fill_wide(w, (size_t)N * K, 63 + (uint64_t)g, -20, -4);
+        assert_int_equal(fp8_quantize_128x128(DEVICE_CPU, q, qt, s, w, N, K, err, sizeof err), 0);
+        qw[g] = q, qwt[g] = qt, sw[g] = s;
+    }
+    uint8_t *qx = balloc((size_t)P16 * Kp), *qdy = balloc((size_t)P16 * Np);
+    float *sx = falloc((size_t)KB * P16), *sdy = falloc((size_t)NB * P16);
+    assert_int_equal(fp8_quantize_1x128_grouped(DEVICE_CPU, qx, sx, x, NSEG, rows0, K, err, sizeof err), 0);
+    assert_int_equal(fp8_quantize_1x128_grouped(DEVICE_CPU, qdy, sdy, dy, NSEG, rows0, N, err, sizeof err), 0);
+
+    // outputs with one extra row; Dgrad's start from the same random dx
+    real *y = ralloc((size_t)(T + 1) * N), *y_ref = ralloc((size_t)(T + 1) * N);
+    real *dx = ralloc((size_t)(T + 1) * K), *dx_ref = ralloc((size_t)(T + 1) * K);
+    for (size_t i = 0; i < (size_t)(T + 1) * N; i++) y[i] = y_ref[i] = UNTOUCHED;
+    opcheck_fill_nonzero(dx, (size_t)T * K, 64, 0.01, 1.0);
+    for (size_t i = (size_t)T * K; i < (size_t)(T + 1) * K; i++) dx[i] = UNTOUCHED;
+    memcpy(dx_ref, dx, (size_t)(T + 1) * K * sizeof(real));
+    for (int g = 0; g < NSEG; g++) {
+        const int n = rows0[g + 1] - rows0[g], n16 = ceil_div(n, 16) * 16;
+        if (n == 0) continue;
+        uint8_t *qa = balloc((size_t)n16 * Kp), *qb = balloc((size_t)n16 * Np);
+        float *sa = falloc((size_t)KB * n16), *sb = falloc((size_t)NB * n16);
+        assert_int_equal(fp8_quantize_1x128(DEVICE_CPU, qa, sa, x + (size_t)rows0[g] * K, n, K, err, sizeof err), 0);
+        assert_int_equal(fp8_quantize_1x128(DEVICE_CPU, qb, sb, dy + (size_t)rows0[g] * N, n, N, err, sizeof err), 0);
+        fp8_gemm_fprop(DEVICE_CPU, y_ref + (size_t)rows0[g] * N, qa, sa, qw[g], sw[g], n, N, K);
+        fp8_gemm_dgrad(DEVICE_CPU, dx_ref + (size_t)rows0[g] * K, qb, sb, qwt[g], sw[g], n, N, K);
+    }
+    fp8_gemm_fprop_grouped(DEVICE_CPU, y, qx, sx, qw, sw, NSEG, rows0, N, K);
+    fp8_gemm_dgrad_grouped(DEVICE_CPU, dx, qdy, sdy, qwt, sw, NSEG, rows0, N, K);
+    for (size_t i = 0; i < (size_t)T * N; i++) assert_true(y_ref[i] != UNTOUCHED);
+    assert_memory_equal(y, y_ref, (size_t)(T + 1) * N * sizeof(real));
+    assert_memory_equal(dx, dx_ref, (size_t)(T + 1) * K * sizeof(real));
+    for (int c = 0; c < N; c++) assert_true(y[(size_t)T * N + c] == UNTOUCHED);
+    for (int c = 0; c < K; c++) assert_true(dx[(size_t)T * K + c] == UNTOUCHED);
+    tfree_all();
+}
+
 // ---------------------------------------------------------------------------- BF16 baseline GEMMs
 // Reference: operands rounded to BF16, products exact, the sum in double. The op sums BF16 products
 // (exact in FP32) in FP32 in order: |acc - ref| <= gamma_{n-1} sum |a b| (Higham 3.1, the first addition
@@ -730,6 +785,53 @@ static void test_bf16_matmul(void **state) {
     tfree_all();
 }
 
+// The BF16 GEMMs on pre-rounded operands (train/linear.c's bf16 mode) give, group by group, the bits of
+// bf16_matmul_forward / _backward on the unrounded operands: groups of 37, 0, 64 and 19 rows, a separate
+// weight per group (NULL for the empty one), Dgrad and Wgrad adding onto random buffers, and the row after
+// the output left alone.
+static void test_bf16_gemm_grouped(void **state) {
+    (void)state;
+    enum { G = 4, N = 48, K = 72 };
+    const int rows0[G + 1] = {0, 37, 37, 101, 120}, T = rows0[G];
+    real *x = ralloc((size_t)T * K), *dy = ralloc((size_t)T * N), *w = ralloc((size_t)G * N * K);
+    opcheck_fill_nonzero(x, (size_t)T * K, 71, 0.01, 2.0);
+    opcheck_fill_nonzero(dy, (size_t)T * N, 72, 0.01, 1.0);
+    opcheck_fill_nonzero(w, (size_t)G * N * K, 73, 0.01, 1.0);
+    uint16_t *xb = talloc((size_t)T * K * 2), *dyb = talloc((size_t)T * N * 2), *wb = talloc((size_t)G * N * K * 2);
+    bf16_round_array(DEVICE_CPU, xb, x, (int64_t)T * K);
+    bf16_round_array(DEVICE_CPU, dyb, dy, (int64_t)T * N);
+    bf16_round_array(DEVICE_CPU, wb, w, (int64_t)G * N * K);
+    const uint16_t *wg[G];
+    for (int g = 0; g < G; g++) wg[g] = rows0[g + 1] > rows0[g] ? wb + (size_t)g * N * K : NULL;
+
+    real *y = ralloc((size_t)(T + 1) * N), *y_ref = ralloc((size_t)T * N);
+    real *dx = ralloc((size_t)(T + 1) * K), *dx_ref = ralloc((size_t)T * K);
+    real *dw = ralloc((size_t)G * N * K), *dw_ref = ralloc((size_t)G * N * K);
+    opcheck_fill_nonzero(dx, (size_t)T * K, 74, 0.01, 1.0);
+    opcheck_fill_nonzero(dw, (size_t)G * N * K, 75, 0.01, 1.0);
+    memcpy(dx_ref, dx, (size_t)T * K * sizeof(real));
+    memcpy(dw_ref, dw, (size_t)G * N * K * sizeof(real));
+    for (int c = 0; c < N; c++) y[(size_t)T * N + c] = UNTOUCHED;
+    for (int c = 0; c < K; c++) dx[(size_t)T * K + c] = UNTOUCHED;
+
+    bf16_gemm_fprop_grouped(DEVICE_CPU, y, xb, wg, G, rows0, N, K);
+    bf16_gemm_dgrad_grouped(DEVICE_CPU, dx, dyb, wg, G, rows0, N, K);
+    for (int g = 0; g < G; g++) {
+        const int r0 = rows0[g], n = rows0[g + 1] - rows0[g];
+        if (n == 0) continue;
+        bf16_gemm_wgrad(DEVICE_CPU, dw + (size_t)g * N * K, dyb + (size_t)r0 * N, xb + (size_t)r0 * K, n, N, K);
+        bf16_matmul_forward(DEVICE_CPU, y_ref + (size_t)r0 * N, x + (size_t)r0 * K, w + (size_t)g * N * K, n, K, N);
+        bf16_matmul_backward(DEVICE_CPU, dx_ref + (size_t)r0 * K, dw_ref + (size_t)g * N * K, dy + (size_t)r0 * N,
+                             x + (size_t)r0 * K, w + (size_t)g * N * K, n, K, N);
+    }
+    for (size_t i = 0; i < (size_t)T * N; i++) assert_int_equal(float_bits(y[i]), float_bits(y_ref[i]));
+    for (size_t i = 0; i < (size_t)T * K; i++) assert_int_equal(float_bits(dx[i]), float_bits(dx_ref[i]));
+    for (size_t i = 0; i < (size_t)G * N * K; i++) assert_int_equal(float_bits(dw[i]), float_bits(dw_ref[i]));
+    for (int c = 0; c < N; c++) assert_true(y[(size_t)T * N + c] == UNTOUCHED);
+    for (int c = 0; c < K; c++) assert_true(dx[(size_t)T * K + c] == UNTOUCHED);
+    tfree_all();
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_e4m3_all_codes),
@@ -745,7 +847,9 @@ int main(void) {
         cmocka_unit_test(test_gemm_dgrad),
         cmocka_unit_test(test_gemm_wgrad),
         cmocka_unit_test(test_gemm_deterministic_across_threads),
+        cmocka_unit_test(test_gemm_grouped),
         cmocka_unit_test(test_bf16_matmul),
+        cmocka_unit_test(test_bf16_gemm_grouped),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

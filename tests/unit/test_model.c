@@ -224,12 +224,12 @@ static void test_fp8_gemm_count(void **state) {
     Model m;
     assert_int_equal(model_create(&m, &cfg, DEVICE_CPU, 1, err, sizeof err), 0);
     ChunkActs *a = chunk_acts_create(&m, 0, B, T);  // sizes the FP8 scratch for B*T tokens
-    size_t reserved = m.fp8_scratch_bytes;
+    size_t reserved = m.linear_scratch_bytes;
     chunk_acts_free(a);
     assert_true(reserved > 0);
     m.count_load = 1;
     run_step(&m, inputs, targets);
-    assert_int_equal(m.fp8_scratch_bytes, reserved);  // no Linear had to grow it during the step
+    assert_int_equal(m.linear_scratch_bytes, reserved);  // no Linear had to grow it during the step
     int E = cfg.moe.n_routed_experts;
     int64_t linears = 0;
     for (int i = 0; i < m.n_params; i++) {

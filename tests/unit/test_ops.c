@@ -1,9 +1,10 @@
 /*
  * test_ops.c - unit tests of the CPU reference ops (kernels/cpu: matmul, embedding, RMSNorm, SwiGLU,
- * RoPE, attention, cross-entropy), run in the FP32 build.
+ * RoPE, attention, cross-entropy, MLA's row broadcast and group sum), run in the FP32 build.
  *
- * Every op is checked against a naive double-precision reference written here, independently of the
- * code under test. Every backward op is checked twice: against central finite differences of the
+ * Every arithmetic op is checked against a naive double-precision reference written here, independently
+ * of the code under test (the row broadcast and group sum, which must keep the bits of the copy_block
+ * loops they replace, are checked bitwise against those loops). Every backward op is checked twice: against central finite differences of the
  * double reference forward (so the gradient formula is verified without trusting any analytic
  * derivation) and against an analytic double reference (which is itself checked against the finite
  * differences). Tolerances are derived from float rounding and stated at each check. Also covered:
@@ -833,6 +834,78 @@ static void test_crossentropy(void **state) {
     check_crossentropy(3, 1000, 820);
 }
 
+// ---------------------------------------------------------------------------- row broadcast and its sum
+// broadcast_rows and sum_row_groups replace MLA's loops of `repeat` copy_block calls (one per head) and must
+// give their bits: a data move, and the same rounded additions in the same order. The reference here is
+// the loop itself. dst rows are wider than the block (ld > cols) and start from random values, so a write
+// outside the block, or one missed inside it, shows. Shapes: MLA's (the rope part of (N, H, dqk) keys: an
+// offset, ld dqk), single elements, repeat 1, and one large enough to open the parallel region.
+typedef struct {
+    int rows, cols, repeat, group_ld, shared_ld, offset;  // group_ld: ld of the rows*repeat side
+} GroupCase;
+
+static const GroupCase group_cases[] = {
+    {37, 8, 16, 24, 8, 16}, {37, 64, 16, 192, 64, 128}, {1, 1, 1, 1, 1, 0}, {5, 3, 1, 7, 4, 2},
+    {3, 5, 7, 9, 6, 1},     {300, 20, 16, 23, 21, 3},
+};
+
+static void test_broadcast_rows(void **state) {
+    (void)state;
+    for (size_t t = 0; t < sizeof(group_cases) / sizeof(group_cases[0]); t++) {
+        const GroupCase *g = &group_cases[t];
+        const int ld = g->group_ld;
+        const size_t nsrc = (size_t)g->rows * g->shared_ld, ndst = (size_t)g->rows * g->repeat * ld;
+        real *src = ralloc(nsrc), *dst0 = ralloc(ndst), *got = ralloc(ndst), *want = ralloc(ndst);
+        opcheck_fill_nonzero(src, nsrc, 1000 + t, 0.01, 2.0);
+        opcheck_fill_nonzero(dst0, ndst, 1100 + t, 0.01, 2.0);
+        memcpy(got, dst0, ndst * sizeof(real));
+        memcpy(want, dst0, ndst * sizeof(real));
+        cpu_broadcast_rows(got + g->offset, ld, src, g->shared_ld, g->rows, g->cols, g->repeat);
+        for (int j = 0; j < g->repeat; j++)
+            cpu_copy_block(want + g->offset + (size_t)j * ld, g->repeat * ld, src, g->shared_ld, g->rows, g->cols, 0);
+        assert_memory_equal(got, want, ndst * sizeof(real));
+        // and independently of copy_block: row r*repeat + j is src row r, the rest is untouched
+        for (size_t i = 0; i < ndst; i++) {
+            const size_t q = i / ld, c = i % ld;
+            const int inside = (int)c >= g->offset && (int)c < g->offset + g->cols;
+            const real expect = inside ? src[q / g->repeat * g->shared_ld + (c - g->offset)] : dst0[i];
+            assert_memory_equal(&got[i], &expect, sizeof(real));
+        }
+    }
+    tfree_all();
+}
+
+static void test_sum_row_groups(void **state) {
+    (void)state;
+    for (size_t t = 0; t < sizeof(group_cases) / sizeof(group_cases[0]); t++) {
+        const GroupCase *g = &group_cases[t];
+        const int ld = g->shared_ld;
+        const size_t nsrc = (size_t)g->rows * g->repeat * g->group_ld, ndst = (size_t)g->rows * ld;
+        real *src = ralloc(nsrc), *dst0 = ralloc(ndst), *got = ralloc(ndst), *want = ralloc(ndst), *rev = ralloc(ndst);
+        opcheck_fill_nonzero(src, nsrc, 1200 + t, 0.01, 2.0);
+        opcheck_fill_nonzero(dst0, ndst, 1300 + t, 0.01, 2.0);
+        memcpy(got, dst0, ndst * sizeof(real));
+        memcpy(want, dst0, ndst * sizeof(real));
+        memcpy(rev, dst0, ndst * sizeof(real));
+        cpu_sum_row_groups(got, ld, src + g->offset, g->group_ld, g->rows, g->cols, g->repeat);
+        for (int j = 0; j < g->repeat; j++)
+            cpu_copy_block(want, ld, src + g->offset + (size_t)j * g->group_ld, g->repeat * g->group_ld, g->rows,
+                           g->cols, 1);
+        assert_memory_equal(got, want, ndst * sizeof(real));
+        for (size_t i = 0; i < ndst; i++)
+            if ((int)(i % ld) >= g->cols) assert_memory_equal(&got[i], &dst0[i], sizeof(real));
+        // The inputs tell orders apart (heads summed in reverse give other bits), so the check above
+        // really pins head order 0, 1, ..., repeat-1 wherever there are three or more terms.
+        if (g->repeat >= 3 && g->rows * g->cols >= 8) {
+            for (int j = g->repeat - 1; j >= 0; j--)
+                cpu_copy_block(rev, ld, src + g->offset + (size_t)j * g->group_ld, g->repeat * g->group_ld, g->rows,
+                               g->cols, 1);
+            assert_memory_not_equal(rev, want, ndst * sizeof(real));
+        }
+    }
+    tfree_all();
+}
+
 // ---------------------------------------------------------------------------- determinism
 // Runs every op once with `threads` OpenMP threads on fixed inputs (large enough that each op opens
 // its parallel region) and returns the concatenated outputs.
@@ -907,6 +980,14 @@ static void run_all_ops(Outputs *o, int threads) {
     cpu_attention_forward(ao, att, x, x + nqk, g, DET_B, DET_T, DET_H, DET_DQK, DET_DV);
     cpu_attention_backward(dq, dk, dv, g + nv, att, x, x + nqk, g, DET_B, DET_T, DET_H, DET_DQK, DET_DV);
     append(o, ao, nv); append(o, att, natt); append(o, dq, nqk); append(o, dk, nqk); append(o, dv, nv);
+
+    // the MLA rope-key broadcast and its sum over 16 heads: 250 x 16 x 20 = 80k elements (threshold 65k)
+    const int GR = 250, GH = 16, GC = 20;
+    real *bc = ralloc((size_t)GR * GH * GC), *gsum = ralloc((size_t)GR * GC);
+    memcpy(gsum, g, (size_t)GR * GC * sizeof(real));
+    cpu_broadcast_rows(bc, GC, x, GC, GR, GC, GH);
+    cpu_sum_row_groups(gsum, GC, x, GC, GR, GC, GH);
+    append(o, bc, (size_t)GR * GH * GC); append(o, gsum, (size_t)GR * GC);
 }
 
 static void test_deterministic_across_threads(void **state) {
@@ -938,6 +1019,8 @@ int main(void) {
         cmocka_unit_test(test_attention),
         cmocka_unit_test(test_attention_causal),
         cmocka_unit_test(test_crossentropy),
+        cmocka_unit_test(test_broadcast_rows),
+        cmocka_unit_test(test_sum_row_groups),
         cmocka_unit_test(test_deterministic_across_threads),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
