@@ -249,11 +249,14 @@ int fp8_quantize_both_layouts(Device dev, uint8_t *q1, float *s1, uint8_t *q2, f
 // operands one after another: with P16_g = sum_{h<g} 16*ceil(T_h/16) and TB_g = sum_{h<g} ceil(T_h/128),
 // segment g's 1x128 operand is at q + Kp*P16_g, scales at s + KB*P16_g; its 128x1 operand at
 // q + C*128*TB_g, scales at s + C*TB_g. Empty segments take no space. The same bits as the plain calls.
+// With x_rows (an array on dev of rows0[n_seg] row numbers) the rows are gathered as they are read: row r of
+// the segments is row x_rows[r] of x, so the routed experts' inputs are quantised straight from the token
+// rows (the same bits as gather_rows then the call without x_rows; errors name row r). NULL: row r of x.
 #define FP8_MAX_SEGMENTS 256
-int fp8_quantize_1x128_grouped(Device dev, uint8_t *q, float *s, const real *x, int n_seg, const int *rows0, int K,
-                               char *err, size_t err_size);
-int fp8_quantize_128x1_transposed_grouped(Device dev, uint8_t *q, float *s, const real *x, int n_seg, const int *rows0,
-                                          int C, char *err, size_t err_size);
+int fp8_quantize_1x128_grouped(Device dev, uint8_t *q, float *s, const real *x, const int *x_rows, int n_seg,
+                               const int *rows0, int K, char *err, size_t err_size);
+int fp8_quantize_128x1_transposed_grouped(Device dev, uint8_t *q, float *s, const real *x, const int *x_rows,
+                                          int n_seg, const int *rows0, int C, char *err, size_t err_size);
 int fp8_quantize_both_layouts_grouped(Device dev, uint8_t *q1, float *s1, uint8_t *q2, float *s2, const real *x,
                                       int n_seg, const int *rows0, int C, char *err, size_t err_size);
 

@@ -278,14 +278,14 @@ static void group_weights(Model *m, int n_groups, const int *offsets, const real
 // once, for every group and every weight; each weight's groups are one grouped GEMM call (one output
 // conversion on CUDA).
 static void fp8_forward(Model *m, int n_groups, const int *offsets, int n_out, real *const *out, const real *inp,
-                        const real *const *weight, int C, int OC) {
+                        const int *inp_rows, const real *const *weight, int C, int OC) {
     const GroupSizes z = group_sizes(n_groups, offsets);
     scratch_reserve(m, fprop_bytes(z, C));
     size_t used = 0;
     const Fp8Operand x = take_1x128(m, &used, z, C);
     char err[256];
     profile_begin(PHASE_QUANTISE);
-    check_quantised(fp8_quantize_1x128_grouped(m->dev, x.q, x.s, inp, n_groups, offsets, C, err, sizeof err),
+    check_quantised(fp8_quantize_1x128_grouped(m->dev, x.q, x.s, inp, inp_rows, n_groups, offsets, C, err, sizeof err),
                     "an activation (Fprop X)", err);
     profile_end(PHASE_QUANTISE);
     const uint8_t *q[FP8_MAX_SEGMENTS], *qt[FP8_MAX_SEGMENTS];
@@ -302,7 +302,8 @@ static void fp8_forward(Model *m, int n_groups, const int *offsets, int n_out, r
 // write disjoint rows of dinp and slices of dW, so this order gives the bits of group-by-group calls. X's
 // Wgrad operand is quantised once; each dY once, into both layouts when both GEMMs need it.
 static void fp8_backward(Model *m, int n_groups, const int *offsets, int n_out, real *dinp, real *const *dweight,
-                         const real *const *dout, const real *inp, const real *const *weight, int C, int OC) {
+                         const real *const *dout, const real *inp, const int *inp_rows, const real *const *weight,
+                         int C, int OC) {
     const GroupSizes z = group_sizes(n_groups, offsets);
     scratch_reserve(m, backward_bytes(z, C, OC));
     size_t used = 0;
@@ -312,7 +313,7 @@ static void fp8_backward(Model *m, int n_groups, const int *offsets, int n_out, 
         if (dweight[i] == NULL) continue;
         xt = take_128x1(m, &used, z, C);
         profile_begin(PHASE_QUANTISE);
-        check_quantised(fp8_quantize_128x1_transposed_grouped(m->dev, xt.q, xt.s, inp, n_groups, offsets, C, err,
+        check_quantised(fp8_quantize_128x1_transposed_grouped(m->dev, xt.q, xt.s, inp, inp_rows, n_groups, offsets, C, err,
                                                               sizeof err), "an activation (Wgrad X)", err);
         profile_end(PHASE_QUANTISE);
     }
@@ -326,10 +327,11 @@ static void fp8_backward(Model *m, int n_groups, const int *offsets, int n_out, 
             check_quantised(fp8_quantize_both_layouts_grouped(m->dev, dy.q, dy.s, dyt.q, dyt.s, dout[i], n_groups, offsets,
                                                               OC, err, sizeof err), "a gradient (Dgrad and Wgrad dY)", err);
         else if (dinp)
-            check_quantised(fp8_quantize_1x128_grouped(m->dev, dy.q, dy.s, dout[i], n_groups, offsets, OC, err, sizeof err),
+            check_quantised(fp8_quantize_1x128_grouped(m->dev, dy.q, dy.s, dout[i], NULL, n_groups, offsets, OC, err,
+                                                       sizeof err),
                             "a gradient (Dgrad dY)", err);
         else if (dweight[i])
-            check_quantised(fp8_quantize_128x1_transposed_grouped(m->dev, dyt.q, dyt.s, dout[i], n_groups, offsets, OC,
+            check_quantised(fp8_quantize_128x1_transposed_grouped(m->dev, dyt.q, dyt.s, dout[i], NULL, n_groups, offsets, OC,
                                                                   err, sizeof err), "a gradient (Wgrad dY)", err);
         profile_end(PHASE_QUANTISE);
         if (dinp) {
@@ -422,15 +424,24 @@ void linear_forward(Model *m, real *out, const real *inp, const real *weight, in
 void linear_forward_shared(Model *m, int n_out, real *const *out, const real *inp, const real *const *weight, int N,
                            int C, int OC) {
     const int offsets[2] = {0, N};
-    linear_forward_grouped(m, 1, offsets, n_out, out, inp, weight, C, OC);
+    linear_forward_grouped(m, 1, offsets, n_out, out, inp, NULL, weight, C, OC);
+}
+
+// inp_rows is for the FP8 quantisers; the other modes get their rows gathered by the caller.
+static void check_inp_rows(const Model *m, const int *inp_rows) {
+    if (inp_rows == NULL || m->cfg.precision.mode == PRECISION_FP8) return;
+    fprintf(stderr, "fp8moe: train/linear.c: internal error: gathered input rows given to a Linear in precision mode "
+                    "%d (only fp8 reads rows through an index)\n", (int)m->cfg.precision.mode);
+    exit(1);
 }
 
 void linear_forward_grouped(Model *m, int n_groups, const int *offsets, int n_out, real *const *out, const real *inp,
-                            const real *const *weight, int C, int OC) {
+                            const int *inp_rows, const real *const *weight, int C, int OC) {
     if (n_out > MAX_SHARED) too_many_shared(n_out);
+    check_inp_rows(m, inp_rows);
     profile_begin(PHASE_OTHER_GEMM);  // the caller may make it an expert GEMM (kernels/profile.h)
     if (m->cfg.precision.mode == PRECISION_FP8) {
-        fp8_forward(m, n_groups, offsets, n_out, out, inp, weight, C, OC);
+        fp8_forward(m, n_groups, offsets, n_out, out, inp, inp_rows, weight, C, OC);
     } else if (m->cfg.precision.mode == PRECISION_BF16) {
         bf16_forward(m, n_groups, offsets, n_out, out, inp, weight, C, OC);
     } else {
@@ -452,15 +463,17 @@ void linear_backward(Model *m, real *dinp, real *dweight, const real *dout, cons
 void linear_backward_shared(Model *m, int n_out, real *dinp, real *const *dweight, const real *const *dout,
                             const real *inp, const real *const *weight, int N, int C, int OC) {
     const int offsets[2] = {0, N};
-    linear_backward_grouped(m, 1, offsets, n_out, dinp, dweight, dout, inp, weight, C, OC);
+    linear_backward_grouped(m, 1, offsets, n_out, dinp, dweight, dout, inp, NULL, weight, C, OC);
 }
 
 void linear_backward_grouped(Model *m, int n_groups, const int *offsets, int n_out, real *dinp, real *const *dweight,
-                             const real *const *dout, const real *inp, const real *const *weight, int C, int OC) {
+                             const real *const *dout, const real *inp, const int *inp_rows, const real *const *weight,
+                             int C, int OC) {
     if (n_out > MAX_SHARED) too_many_shared(n_out);
+    check_inp_rows(m, inp_rows);
     profile_begin(PHASE_OTHER_GEMM);
     if (m->cfg.precision.mode == PRECISION_FP8) {
-        fp8_backward(m, n_groups, offsets, n_out, dinp, dweight, dout, inp, weight, C, OC);
+        fp8_backward(m, n_groups, offsets, n_out, dinp, dweight, dout, inp, inp_rows, weight, C, OC);
     } else if (m->cfg.precision.mode == PRECISION_BF16) {
         bf16_backward(m, n_groups, offsets, n_out, dinp, dweight, dout, inp, weight, C, OC);
     } else {

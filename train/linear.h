@@ -35,10 +35,14 @@ void linear_backward_shared(Model *m, int n_out, real *dinp, real *const *dweigh
 // weight g of each stacked weight[i] (n_groups, OC, C), into the same rows of out[i]; in the backward
 // dinp's rows get sum_i dout[i] W_i,g and dweight[i]'s slice g gets dout[i]^T inp over the group's rows.
 // The same numbers as the *_shared calls above group by group, in order; empty groups are skipped.
+// inp_rows (fp8 mode only; NULL otherwise): an array on the model's device of offsets[n_groups] row numbers,
+// row r of the groups' input being row inp_rows[r] of inp: the quantisers gather the rows as they read them
+// (the routed experts' token rows, with no gathered FP32 copy). The same numbers as a gathered inp.
 void linear_forward_grouped(Model *m, int n_groups, const int *offsets, int n_out, real *const *out, const real *inp,
-                            const real *const *weight, int C, int OC);
+                            const int *inp_rows, const real *const *weight, int C, int OC);
 void linear_backward_grouped(Model *m, int n_groups, const int *offsets, int n_out, real *dinp, real *const *dweight,
-                             const real *const *dout, const real *inp, const real *const *weight, int C, int OC);
+                             const real *const *dout, const real *inp, const int *inp_rows, const real *const *weight,
+                             int C, int OC);
 // Builds the weight cache and sizes the Linear scratch (fp8: quantised operands, bf16: rounded ones) for
 // every block Linear at `rows` tokens (a micro-batch) and for the routed experts' grouped calls (rows x top-K
 // rows over the local experts), so no step allocates device memory; a no-op in fp32 mode.

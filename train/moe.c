@@ -44,27 +44,32 @@ void ffn_backward(Model *m, const FfnWeights *w, const FfnWeights *g, FfnActs *a
 }
 
 // ---------------------------------------------------------------------------- routed experts
+// In fp8 mode with one EP rank the experts' quantisers read their rows straight from the token rows x
+// through the routing plan's seg_token (linear.h inp_rows): the gathered FP32 copy xp (top-K rows per
+// token) is then never written, in the forward or the backward. Other modes, and EP, gather xp.
+static int experts_read_tokens(const Model *m) { return m->cfg.precision.mode == PRECISION_FP8 && m->ep.ep_size == 1; }
+
 // Every local expert over its segment of rows, one phase at a time: each Linear runs for all experts
-// (linear_*_grouped), the SwiGLU and the memsets once over all rows. xs (rows, D) -> ys (rows, D); segment
-// e of the local experts is rows [offsets[e], offsets[e+1]), offsets[0] = 0. Expert weights are stacked
-// (E_local, ...). The same numbers as running the experts one after another: every op touches only its
-// own expert's rows and weights.
+// (linear_*_grouped), the SwiGLU and the memsets once over all rows. xs (rows, D) -> ys (rows, D), where
+// row r of xs is row xs_rows[r] of xs when xs_rows is given; segment e of the local experts is rows
+// [offsets[e], offsets[e+1]), offsets[0] = 0. Expert weights are stacked (E_local, ...). The same numbers as
+// running the experts one after another: every op touches only its own expert's rows and weights.
 static void experts_forward(Model *m, const FfnWeights *w, FfnActs *a, const int *offsets, int n_experts,
-                            int D, int I, const real *xs, real *ys) {
+                            int D, int I, const real *xs, const int *xs_rows, real *ys) {
     const int64_t n = (int64_t)offsets[n_experts] * I;
     real *const ab[2] = {a->a, a->b};
     const real *const w13[2] = {w->w1, w->w3}, *const w2[1] = {w->w2};
     profile_begin(PHASE_EXPERT_GEMM);  // its Linears count as expert GEMMs (kernels/profile.h)
-    linear_forward_grouped(m, n_experts, offsets, 2, ab, xs, w13, D, I);
+    linear_forward_grouped(m, n_experts, offsets, 2, ab, xs, xs_rows, w13, D, I);
     swiglu_forward(m->dev, a->h, a->a, a->b, n);
-    linear_forward_grouped(m, n_experts, offsets, 1, &ys, a->h, w2, I, D);
+    linear_forward_grouped(m, n_experts, offsets, 1, &ys, a->h, NULL, w2, I, D);
     profile_end(PHASE_EXPERT_GEMM);
 }
 
 // h is recomputed from a and b (a forward transient, see FfnActs), as in ffn_backward.
 static void experts_backward(Model *m, const FfnWeights *w, const FfnWeights *g, FfnActs *a,
                              LayerScratch *s, const int *offsets, int n_experts, int D, int I,
-                             const real *xs, const real *d_ys, real *d_xs) {
+                             const real *xs, const int *xs_rows, const real *d_ys, real *d_xs) {
     Device dev = m->dev;
     const int64_t n = (int64_t)offsets[n_experts] * I;
     real *const g13[2] = {g->w1, g->w3};
@@ -75,9 +80,9 @@ static void experts_backward(Model *m, const FfnWeights *w, const FfnWeights *g,
     device_memset_zero(dev, s->d_h, (size_t)n * sizeof(real));
     device_memset_zero(dev, s->d_a, (size_t)n * sizeof(real));
     device_memset_zero(dev, s->d_b, (size_t)n * sizeof(real));
-    linear_backward_grouped(m, n_experts, offsets, 1, s->d_h, &g->w2, &d_ys, a->h, w2, I, D);
+    linear_backward_grouped(m, n_experts, offsets, 1, s->d_h, &g->w2, &d_ys, a->h, NULL, w2, I, D);
     swiglu_backward(dev, s->d_a, s->d_b, s->d_h, a->a, a->b, n);
-    linear_backward_grouped(m, n_experts, offsets, 2, d_xs, g13, d_ab, xs, w13, D, I);
+    linear_backward_grouped(m, n_experts, offsets, 2, d_xs, g13, d_ab, xs, xs_rows, w13, D, I);
     profile_end(PHASE_EXPERT_GEMM);
 }
 
@@ -100,7 +105,8 @@ void moe_forward(Model *m, const BlockWeights *w, MoeActs *a, const Dims *d, con
     profile_begin(PHASE_PERMUTE);
     moe_permute_plan_device(dev, a->seg_offsets, a->seg_token, a->slot_of, a->topk_idx, N, K, E);
     device_memcpy_to_host(dev, a->seg_offsets_host, a->seg_offsets, (size_t)(E + 1) * sizeof(int));
-    gather_rows(dev, a->xp, x, a->seg_token, N * K, D);
+    const int direct = experts_read_tokens(m);
+    if (!direct) gather_rows(dev, a->xp, x, a->seg_token, N * K, D);
     profile_end(PHASE_PERMUTE);
     if (m->count_load) {  // aux-loss-free balancing counts the routed tokens of training passes only:
         // expert e's segment holds its (token, k) pairs, so its length is e's load (no copy of topk_idx)
@@ -109,7 +115,7 @@ void moe_forward(Model *m, const BlockWeights *w, MoeActs *a, const Dims *d, con
     }
     ep_dispatch(&m->ep, a->xp, a->seg_offsets_host, D, &a->ep_buf);
     experts_forward(m, &w->moe.experts, &a->experts, a->ep_buf.seg_offsets, m->ep.experts_per_rank, D, d->I,
-                    a->ep_buf.rows, a->eout);
+                    direct ? x : a->ep_buf.rows, direct ? a->seg_token : NULL, a->eout);
     a->eout_perm = ep_combine(&m->ep, &a->ep_buf, a->eout);
     profile_begin(PHASE_PERMUTE);
     moe_combine_forward(dev, out, a->eout_perm, a->slot_of, a->topk_w, N, K, D);
@@ -131,15 +137,17 @@ void moe_backward(Model *m, const BlockWeights *w, const BlockWeights *g, MoeAct
     profile_end(PHASE_PERMUTE);
     const real *d_local_out = ep_combine_backward(&m->ep, &a->ep_buf, s->d_eout);
     // xp is a forward transient (the chunk's scratch, 4 x D bytes per routed row and layer): with one EP
-    // rank ep_buf.rows is xp, so the experts' inputs are gathered again, the same rows in the same order;
-    // with more ranks ep_buf keeps the rows it received.
-    if (m->ep.ep_size == 1) {
+    // rank ep_buf.rows is xp, so the experts' inputs are gathered again, the same rows in the same order
+    // (or, in fp8 mode, read through seg_token again); with more ranks ep_buf keeps the rows it received.
+    const int direct = experts_read_tokens(m);
+    if (m->ep.ep_size == 1 && !direct) {
         profile_begin(PHASE_PERMUTE);
         gather_rows(dev, a->xp, x, a->seg_token, NK, D);
         profile_end(PHASE_PERMUTE);
     }
     experts_backward(m, &w->moe.experts, &g->moe.experts, &a->experts, s, a->ep_buf.seg_offsets,
-                     m->ep.experts_per_rank, D, d->I, a->ep_buf.rows, d_local_out, s->d_xp);
+                     m->ep.experts_per_rank, D, d->I, direct ? x : a->ep_buf.rows, direct ? a->seg_token : NULL,
+                     d_local_out, s->d_xp);
     const real *d_perm = ep_dispatch_backward(&m->ep, &a->ep_buf, s->d_xp);
     profile_begin(PHASE_PERMUTE);
     moe_unpermute_backward(dev, d_x, d_perm, a->slot_of, N, K, D);

@@ -521,20 +521,33 @@ static void quantize_128x1_segments(uint8_t *q, float *s, const real *x, int n, 
     }
 }
 
-int cpu_fp8_quantize_1x128_grouped(uint8_t *q, float *s, const real *x, int n, const int *rows0, int K, char *err,
-                                   size_t err_size) {
-    check_segments("fp8_quantize_1x128_grouped", n, rows0);
-    if (check_finite("fp8_quantize_1x128_grouped", x, rows0[n], K, err, err_size)) return -1;
-    quantize_1x128_segments(q, s, x, n, rows0, K);
-    return 0;
+// x with its rows in the order x_rows gives (a new array of rows x cols, freed by the caller), or x itself
+// when x_rows is NULL.
+static const real *gathered(const real *x, const int *x_rows, int rows, int cols) {
+    if (x_rows == NULL) return x;
+    real *g = alloc_or_die((size_t)rows * cols * sizeof(real), "gathered rows");
+    for (int r = 0; r < rows; r++) memcpy(g + (size_t)r * cols, x + (size_t)x_rows[r] * cols, (size_t)cols * sizeof(real));
+    return g;
 }
 
-int cpu_fp8_quantize_128x1_transposed_grouped(uint8_t *q, float *s, const real *x, int n, const int *rows0, int C,
-                                              char *err, size_t err_size) {
+int cpu_fp8_quantize_1x128_grouped(uint8_t *q, float *s, const real *x, const int *x_rows, int n, const int *rows0,
+                                   int K, char *err, size_t err_size) {
+    check_segments("fp8_quantize_1x128_grouped", n, rows0);
+    const real *xg = gathered(x, x_rows, rows0[n], K);
+    const int rc = check_finite("fp8_quantize_1x128_grouped", xg, rows0[n], K, err, err_size);
+    if (rc == 0) quantize_1x128_segments(q, s, xg, n, rows0, K);
+    if (xg != x) free((void *)xg);
+    return rc ? -1 : 0;
+}
+
+int cpu_fp8_quantize_128x1_transposed_grouped(uint8_t *q, float *s, const real *x, const int *x_rows, int n,
+                                              const int *rows0, int C, char *err, size_t err_size) {
     check_segments("fp8_quantize_128x1_transposed_grouped", n, rows0);
-    if (check_finite("fp8_quantize_128x1_transposed_grouped", x, rows0[n], C, err, err_size)) return -1;
-    quantize_128x1_segments(q, s, x, n, rows0, C);
-    return 0;
+    const real *xg = gathered(x, x_rows, rows0[n], C);
+    const int rc = check_finite("fp8_quantize_128x1_transposed_grouped", xg, rows0[n], C, err, err_size);
+    if (rc == 0) quantize_128x1_segments(q, s, xg, n, rows0, C);
+    if (xg != x) free((void *)xg);
+    return rc ? -1 : 0;
 }
 
 int cpu_fp8_quantize_both_layouts_grouped(uint8_t *q1, float *s1, uint8_t *q2, float *s2, const real *x, int n,

@@ -155,8 +155,9 @@ static const int Q1X128_ROWS_PER_BLOCK = 8;
 static const int Q1X128_TILES_PER_WARP = 4;
 
 template <bool VEC4>
-__global__ void quantize_1x128_kernel(uint8_t *q, float *s, const float *x, const __grid_constant__ SegTable seg, int K,
-                                      int KB, unsigned long long call, unsigned long long *bad) {
+__global__ void quantize_1x128_kernel(uint8_t *q, float *s, const float *x, const int *x_rows,
+                                      const __grid_constant__ SegTable seg, int K, int KB, unsigned long long call,
+                                      unsigned long long *bad) {
     const int lane = threadIdx.x & 31;
     const int prow = blockIdx.x * Q1X128_ROWS_PER_BLOCK + (threadIdx.x >> 5); // row of q, over all segments
     const int kb0 = blockIdx.y * Q1X128_TILES_PER_WARP;
@@ -165,7 +166,7 @@ __global__ void quantize_1x128_kernel(uint8_t *q, float *s, const float *x, cons
     const int r = prow - seg.p16[g], R16 = seg.p16[g + 1] - seg.p16[g];
     const int64_t row = seg.rows0[g] + r; // in x
     const int len = r < seg.rows0[g + 1] - seg.rows0[g] ? K : 0; // a padding row loads as zeros
-    const float *xr = x + (len ? row * K : 0);
+    const float *xr = x + (len ? (x_rows ? (int64_t)x_rows[row] : row) * K : 0);
     float v[Q1X128_TILES_PER_WARP][4];
     for (int i = 0; i < Q1X128_TILES_PER_WARP; i++) load4<VEC4>(v[i], xr, (kb0 + i) * FP8_TILE + lane * 4, len);
     for (int i = 0; i < Q1X128_TILES_PER_WARP && kb0 + i < KB; i++) {
@@ -181,7 +182,8 @@ __global__ void quantize_1x128_kernel(uint8_t *q, float *s, const float *x, cons
     }
 }
 
-static int quantize_1x128_segments(const char *op, uint8_t *q, float *s, const real *x, int n, const int *rows0, int K,
+static int quantize_1x128_segments(const char *op, uint8_t *q, float *s, const real *x, const int *x_rows, int n,
+                                   const int *rows0, int K,
                                    char *err, size_t err_size) {
     const SegTable seg = seg_table(op, n, rows0);
     if (seg.p16[n] == 0 || K <= 0) return 0;
@@ -193,8 +195,10 @@ static int quantize_1x128_segments(const char *op, uint8_t *q, float *s, const r
     const unsigned long long call = log_call(op, "x", rows0[n], K, &rc, err, err_size);
     const dim3 grid((unsigned)ceil_div(seg.p16[n], Q1X128_ROWS_PER_BLOCK), (unsigned)ceil_div(KB, Q1X128_TILES_PER_WARP));
     const int threads = 32 * Q1X128_ROWS_PER_BLOCK;
-    if (K % 4 == 0 && is_aligned(x, 16)) quantize_1x128_kernel<true><<<grid, threads>>>(q, s, x, seg, K, KB, call, bad);
-    else quantize_1x128_kernel<false><<<grid, threads>>>(q, s, x, seg, K, KB, call, bad);
+    if (K % 4 == 0 && is_aligned(x, 16))
+        quantize_1x128_kernel<true><<<grid, threads>>>(q, s, x, x_rows, seg, K, KB, call, bad);
+    else
+        quantize_1x128_kernel<false><<<grid, threads>>>(q, s, x, x_rows, seg, K, KB, call, bad);
     CUDA_CHECK_LAUNCH("quantize_1x128_kernel");
     return rc;
 }
@@ -203,12 +207,12 @@ extern "C" int cuda_fp8_quantize_1x128(uint8_t *q, float *s, const real *x, int 
                                        size_t err_size) {
     if (rows <= 0) return 0;
     const int rows0[2] = {0, rows};
-    return quantize_1x128_segments("fp8_quantize_1x128", q, s, x, 1, rows0, K, err, err_size);
+    return quantize_1x128_segments("fp8_quantize_1x128", q, s, x, NULL, 1, rows0, K, err, err_size);
 }
 
-extern "C" int cuda_fp8_quantize_1x128_grouped(uint8_t *q, float *s, const real *x, int n_seg, const int *rows0, int K,
-                                               char *err, size_t err_size) {
-    return quantize_1x128_segments("fp8_quantize_1x128_grouped", q, s, x, n_seg, rows0, K, err, err_size);
+extern "C" int cuda_fp8_quantize_1x128_grouped(uint8_t *q, float *s, const real *x, const int *x_rows, int n_seg,
+                                               const int *rows0, int K, char *err, size_t err_size) {
+    return quantize_1x128_segments("fp8_quantize_1x128_grouped", q, s, x, x_rows, n_seg, rows0, K, err, err_size);
 }
 
 // ---------------------------------------------------------------------------- 128x128 blocks (+ transpose)
@@ -307,7 +311,7 @@ static const int Q128X1_COLS = 32;
 static const int Q128X1_THREADS = 256;
 
 template <bool VEC4>
-__global__ void quantize_128x1_transposed_kernel(uint8_t *q, float *s, const float *x,
+__global__ void quantize_128x1_transposed_kernel(uint8_t *q, float *s, const float *x, const int *x_rows,
                                                  const __grid_constant__ SegTable seg, int C, unsigned long long call,
                                                  unsigned long long *bad) {
     __shared__ float partial[32][Q128X1_COLS + 1];
@@ -317,7 +321,7 @@ __global__ void quantize_128x1_transposed_kernel(uint8_t *q, float *s, const flo
     const int g = segment_of(seg.tiles0, seg.n, blockIdx.y), tb = blockIdx.y - seg.tiles0[g];
     const int T = seg.rows0[g + 1] - seg.rows0[g], Tp = (seg.tiles0[g + 1] - seg.tiles0[g]) * FP8_TILE;
     const int64_t row0 = seg.rows0[g];
-    x += row0 * C, q += (int64_t)C * FP8_TILE * seg.tiles0[g], s += (int64_t)C * seg.tiles0[g];
+    q += (int64_t)C * FP8_TILE * seg.tiles0[g], s += (int64_t)C * seg.tiles0[g];
     const int c0 = blockIdx.x * Q128X1_COLS;
     const int c = (threadIdx.x & 7) * 4, rg = threadIdx.x >> 3;
 
@@ -326,7 +330,8 @@ __global__ void quantize_128x1_transposed_kernel(uint8_t *q, float *s, const flo
     for (int p = 0; p < 4; p++) {  // every load first (see note_if_bad)
         const int t = tb * FP8_TILE + rg + 32 * p;
         if (t < T) {
-            load4<VEC4>(v[p], x + (int64_t)t * C, c0 + c, C);
+            const int64_t src = x_rows ? (int64_t)x_rows[row0 + t] : row0 + t;
+            load4<VEC4>(v[p], x + src * C, c0 + c, C);
         } else {
             for (int j = 0; j < 4; j++) v[p][j] = 0.0f;
         }
@@ -359,8 +364,8 @@ __global__ void quantize_128x1_transposed_kernel(uint8_t *q, float *s, const flo
     }
 }
 
-static int quantize_128x1_segments(const char *op, uint8_t *q, float *s, const real *x, int n, const int *rows0, int C,
-                                   char *err, size_t err_size) {
+static int quantize_128x1_segments(const char *op, uint8_t *q, float *s, const real *x, const int *x_rows, int n,
+                                   const int *rows0, int C, char *err, size_t err_size) {
     const SegTable seg = seg_table(op, n, rows0);
     if (seg.tiles0[n] == 0 || C <= 0) return 0;
     require_aligned16(q, op, "q");
@@ -370,9 +375,9 @@ static int quantize_128x1_segments(const char *op, uint8_t *q, float *s, const r
     const unsigned long long call = log_call(op, "x", rows0[n], C, &rc, err, err_size);
     const dim3 grid((unsigned)ceil_div(C, Q128X1_COLS), (unsigned)seg.tiles0[n]);
     if (C % 4 == 0 && is_aligned(x, 16))
-        quantize_128x1_transposed_kernel<true><<<grid, Q128X1_THREADS>>>(q, s, x, seg, C, call, bad);
+        quantize_128x1_transposed_kernel<true><<<grid, Q128X1_THREADS>>>(q, s, x, x_rows, seg, C, call, bad);
     else
-        quantize_128x1_transposed_kernel<false><<<grid, Q128X1_THREADS>>>(q, s, x, seg, C, call, bad);
+        quantize_128x1_transposed_kernel<false><<<grid, Q128X1_THREADS>>>(q, s, x, x_rows, seg, C, call, bad);
     CUDA_CHECK_LAUNCH("quantize_128x1_transposed_kernel");
     return rc;
 }
@@ -381,12 +386,13 @@ extern "C" int cuda_fp8_quantize_128x1_transposed(uint8_t *q, float *s, const re
                                                   size_t err_size) {
     if (T <= 0) return 0;
     const int rows0[2] = {0, T};
-    return quantize_128x1_segments("fp8_quantize_128x1_transposed", q, s, x, 1, rows0, C, err, err_size);
+    return quantize_128x1_segments("fp8_quantize_128x1_transposed", q, s, x, NULL, 1, rows0, C, err, err_size);
 }
 
-extern "C" int cuda_fp8_quantize_128x1_transposed_grouped(uint8_t *q, float *s, const real *x, int n_seg,
+extern "C" int cuda_fp8_quantize_128x1_transposed_grouped(uint8_t *q, float *s, const real *x, const int *x_rows, int n_seg,
                                                           const int *rows0, int C, char *err, size_t err_size) {
-    return quantize_128x1_segments("fp8_quantize_128x1_transposed_grouped", q, s, x, n_seg, rows0, C, err, err_size);
+    return quantize_128x1_segments("fp8_quantize_128x1_transposed_grouped", q, s, x, x_rows, n_seg, rows0, C, err,
+                                   err_size);
 }
 
 // ---------------------------------------------------------------------------- both activation layouts

@@ -413,37 +413,57 @@ static void test_quantize_grouped(void **state) {
     float *x = floats((int64_t)T * C);
     fill_log_uniform(x, (int64_t)T * C, 4000 + (uint64_t)gc->seed, -16.0, 4.0);
     float *x_d = gpu_copy_of(x, (size_t)T * C * sizeof(float));
+    // k = 3, 4: the 1x128 and 128x1 forms reading their rows through an index (x_rows, with repeats, as the
+    // routed experts' token rows) from a source of S rows
+    const int S = T / 3 + 7;
+    int *x_rows = xmalloc((size_t)(T + 1) * sizeof(int));
+    for (int i = 0; i < T; i++) r = r * 6364136223846793005ull + 1442695040888963407ull, x_rows[i] = (int)((r >> 33) % (uint64_t)S);
+    float *src = floats((int64_t)S * C);
+    fill_log_uniform(src, (int64_t)S * C, 4100 + (uint64_t)gc->seed, -16.0, 4.0);
+    float *src_d = gpu_copy_of(src, (size_t)S * C * sizeof(float));
+    int *x_rows_d = gpu_copy_of(x_rows, (size_t)(T + 1) * sizeof(int));
     char err[256] = "";
-    int diff[3] = {0, 0, 0};
-    for (int k = 0; k < 3; k++) {
+    int diff[5] = {0, 0, 0, 0, 0};
+    for (int k = 0; k < 5; k++) {
         uint8_t *q1 = host_poisoned(b1), *q2 = host_poisoned(b2);
         float *s1 = host_poisoned(n1 * sizeof(float)), *s2 = host_poisoned(n2 * sizeof(float));
         uint8_t *q1_d = gpu_poisoned(b1), *q2_d = gpu_poisoned(b2);
         float *s1_d = gpu_poisoned(n1 * sizeof(float)), *s2_d = gpu_poisoned(n2 * sizeof(float));
         if (k == 0) {
-            assert_int_equal(fp8_quantize_1x128_grouped(DEVICE_CPU, q1, s1, x, n, rows0, C, err, sizeof err), 0);
-            assert_int_equal(fp8_quantize_1x128_grouped(DEVICE_CUDA, q1_d, s1_d, x_d, n, rows0, C, err, sizeof err), 0);
+            assert_int_equal(fp8_quantize_1x128_grouped(DEVICE_CPU, q1, s1, x, NULL, n, rows0, C, err, sizeof err), 0);
+            assert_int_equal(fp8_quantize_1x128_grouped(DEVICE_CUDA, q1_d, s1_d, x_d, NULL, n, rows0, C, err, sizeof err), 0);
         } else if (k == 1) {
-            assert_int_equal(fp8_quantize_128x1_transposed_grouped(DEVICE_CPU, q2, s2, x, n, rows0, C, err, sizeof err), 0);
-            assert_int_equal(fp8_quantize_128x1_transposed_grouped(DEVICE_CUDA, q2_d, s2_d, x_d, n, rows0, C, err, sizeof err), 0);
-        } else {
+            assert_int_equal(fp8_quantize_128x1_transposed_grouped(DEVICE_CPU, q2, s2, x, NULL, n, rows0, C, err, sizeof err), 0);
+            assert_int_equal(fp8_quantize_128x1_transposed_grouped(DEVICE_CUDA, q2_d, s2_d, x_d, NULL, n, rows0, C, err, sizeof err), 0);
+        } else if (k == 2) {
             assert_int_equal(fp8_quantize_both_layouts_grouped(DEVICE_CPU, q1, s1, q2, s2, x, n, rows0, C, err, sizeof err), 0);
             assert_int_equal(fp8_quantize_both_layouts_grouped(DEVICE_CUDA, q1_d, s1_d, q2_d, s2_d, x_d, n, rows0, C, err,
                                                                sizeof err), 0);
+        } else if (k == 3) {
+            assert_int_equal(fp8_quantize_1x128_grouped(DEVICE_CPU, q1, s1, src, x_rows, n, rows0, C, err, sizeof err), 0);
+            assert_int_equal(fp8_quantize_1x128_grouped(DEVICE_CUDA, q1_d, s1_d, src_d, x_rows_d, n, rows0, C, err,
+                                                        sizeof err), 0);
+        } else {
+            assert_int_equal(fp8_quantize_128x1_transposed_grouped(DEVICE_CPU, q2, s2, src, x_rows, n, rows0, C, err,
+                                                                   sizeof err), 0);
+            assert_int_equal(fp8_quantize_128x1_transposed_grouped(DEVICE_CUDA, q2_d, s2_d, src_d, x_rows_d, n, rows0, C,
+                                                                   err, sizeof err), 0);
         }
         assert_int_equal(fp8_check_finite(DEVICE_CUDA, err, sizeof err), 0);
         uint8_t *g1 = host_copy_of(q1_d, b1), *g2 = host_copy_of(q2_d, b2);
         float *gs1 = host_copy_of(s1_d, n1 * sizeof(float)), *gs2 = host_copy_of(s2_d, n2 * sizeof(float));
-        if (k != 1) diff[k] += count_diff(g1, q1, b1) + count_diff(gs1, s1, n1 * sizeof(float));
-        if (k != 0) diff[k] += count_diff(g2, q2, b2) + count_diff(gs2, s2, n2 * sizeof(float));
+        if (k == 0 || k == 2 || k == 3) diff[k] += count_diff(g1, q1, b1) + count_diff(gs1, s1, n1 * sizeof(float));
+        if (k == 1 || k == 2 || k == 4) diff[k] += count_diff(g2, q2, b2) + count_diff(gs2, s2, n2 * sizeof(float));
         device_free(DEVICE_CUDA, q1_d), device_free(DEVICE_CUDA, q2_d), device_free(DEVICE_CUDA, s1_d), device_free(DEVICE_CUDA, s2_d);
         free(q1), free(q2), free(s1), free(s2), free(g1), free(g2), free(gs1), free(gs2);
     }
-    printf("%-18s %2d segments, %4d rows x %-5d differing bytes vs CPU: 1x128 %d, 128x1 %d, both %d  %s\n",
-           "quantize_grouped", n, T, C, diff[0], diff[1], diff[2], diff[0] + diff[1] + diff[2] == 0 ? "ok" : "FAIL");
-    device_free(DEVICE_CUDA, x_d);
-    free(x);
-    assert_int_equal(diff[0] + diff[1] + diff[2], 0);
+    const int all = diff[0] + diff[1] + diff[2] + diff[3] + diff[4];
+    printf("%-18s %2d segments, %4d rows x %-5d differing bytes vs CPU: 1x128 %d, 128x1 %d, both %d, through an index: "
+           "1x128 %d, 128x1 %d  %s\n", "quantize_grouped", n, T, C, diff[0], diff[1], diff[2], diff[3], diff[4],
+           all == 0 ? "ok" : "FAIL");
+    device_free(DEVICE_CUDA, x_d), device_free(DEVICE_CUDA, src_d), device_free(DEVICE_CUDA, x_rows_d);
+    free(x), free(src), free(x_rows);
+    assert_int_equal(all, 0);
 }
 
 // ---------------------------------------------------------------------------- GEMM comparison
@@ -771,8 +791,8 @@ static void test_fp8_gemm_grouped(void **state) {
     float *x_d = gpu_copy_of(x, (size_t)T * K * sizeof(float)), *dy_d = gpu_copy_of(dy, (size_t)T * N * sizeof(float));
     uint8_t *qx_d = gpu_poisoned((size_t)P16 * Kp), *qdy_d = gpu_poisoned((size_t)P16 * Np);
     float *sx_d = gpu_poisoned((size_t)KB * P16 * sizeof(float)), *sdy_d = gpu_poisoned((size_t)NB * P16 * sizeof(float));
-    assert_int_equal(fp8_quantize_1x128_grouped(DEVICE_CUDA, qx_d, sx_d, x_d, n, rows0, K, err, sizeof err), 0);
-    assert_int_equal(fp8_quantize_1x128_grouped(DEVICE_CUDA, qdy_d, sdy_d, dy_d, n, rows0, N, err, sizeof err), 0);
+    assert_int_equal(fp8_quantize_1x128_grouped(DEVICE_CUDA, qx_d, sx_d, x_d, NULL, n, rows0, K, err, sizeof err), 0);
+    assert_int_equal(fp8_quantize_1x128_grouped(DEVICE_CUDA, qdy_d, sdy_d, dy_d, NULL, n, rows0, N, err, sizeof err), 0);
     const uint8_t *qw[FP8_MAX_SEGMENTS] = {NULL}, *qwt[FP8_MAX_SEGMENTS] = {NULL};
     const float *sw[FP8_MAX_SEGMENTS] = {NULL};
     float *w_d = device_alloc(DEVICE_CUDA, (size_t)N * K * sizeof(float));

@@ -357,8 +357,8 @@ static void test_quantize_grouped(void **state) {
     float *s1 = falloc((size_t)KB * p16), *s2 = falloc((size_t)tiles * C);
     float *bs1 = falloc((size_t)KB * p16), *bs2 = falloc((size_t)tiles * C);
     char err[256] = "";
-    assert_int_equal(fp8_quantize_1x128_grouped(DEVICE_CPU, q1, s1, x, NSEG, rows0, C, err, sizeof err), 0);
-    assert_int_equal(fp8_quantize_128x1_transposed_grouped(DEVICE_CPU, q2, s2, x, NSEG, rows0, C, err, sizeof err), 0);
+    assert_int_equal(fp8_quantize_1x128_grouped(DEVICE_CPU, q1, s1, x, NULL, NSEG, rows0, C, err, sizeof err), 0);
+    assert_int_equal(fp8_quantize_128x1_transposed_grouped(DEVICE_CPU, q2, s2, x, NULL, NSEG, rows0, C, err, sizeof err), 0);
     assert_int_equal(fp8_quantize_both_layouts_grouped(DEVICE_CPU, b1, bs1, b2, bs2, x, NSEG, rows0, C, err, sizeof err),
                      0);
     assert_memory_equal(b1, q1, (size_t)p16 * Kp);
@@ -378,6 +378,28 @@ static void test_quantize_grouped(void **state) {
         assert_memory_equal(s2 + (size_t)C * at128, st, (size_t)nt * C * sizeof(float));
         at16 += n16, at128 += nt;
     }
+    // rows read through an index (x_rows): the bits of the call on the gathered rows. src holds x's rows
+    // scattered (row r of x is row dest[r] of src, the rest of src random), x_rows the way back.
+    const int S = T + 50;
+    real *src = ralloc((size_t)S * C);
+    int *x_rows = talloc((size_t)T * sizeof(int)), *taken = talloc((size_t)S * sizeof(int));
+    fill_wide(src, (size_t)S * C, 25, -20, 1);
+    memset(taken, 0, (size_t)S * sizeof(int));
+    uint64_t h = 12345;
+    for (int r = 0; r < T; r++) {
+        int d;
+        do h = h * 6364136223846793005ull + 1442695040888963407ull, d = (int)((h >> 33) % (uint64_t)S);
+        while (taken[d]);
+        taken[d] = 1, x_rows[r] = d;
+        memcpy(src + (size_t)d * C, x + (size_t)r * C, (size_t)C * sizeof(real));
+    }
+    assert_int_equal(fp8_quantize_1x128_grouped(DEVICE_CPU, b1, bs1, src, x_rows, NSEG, rows0, C, err, sizeof err), 0);
+    assert_int_equal(fp8_quantize_128x1_transposed_grouped(DEVICE_CPU, b2, bs2, src, x_rows, NSEG, rows0, C, err,
+                                                           sizeof err), 0);
+    assert_memory_equal(b1, q1, (size_t)p16 * Kp);
+    assert_memory_equal(bs1, s1, (size_t)KB * p16 * sizeof(float));
+    assert_memory_equal(b2, q2, (size_t)C * tiles * 128);
+    assert_memory_equal(bs2, s2, (size_t)tiles * C * sizeof(float));
     tfree_all();
 }
 
@@ -673,8 +695,8 @@ static void test_gemm_grouped(void **state) {
     }
     uint8_t *qx = balloc((size_t)P16 * Kp), *qdy = balloc((size_t)P16 * Np);
     float *sx = falloc((size_t)KB * P16), *sdy = falloc((size_t)NB * P16);
-    assert_int_equal(fp8_quantize_1x128_grouped(DEVICE_CPU, qx, sx, x, NSEG, rows0, K, err, sizeof err), 0);
-    assert_int_equal(fp8_quantize_1x128_grouped(DEVICE_CPU, qdy, sdy, dy, NSEG, rows0, N, err, sizeof err), 0);
+    assert_int_equal(fp8_quantize_1x128_grouped(DEVICE_CPU, qx, sx, x, NULL, NSEG, rows0, K, err, sizeof err), 0);
+    assert_int_equal(fp8_quantize_1x128_grouped(DEVICE_CPU, qdy, sdy, dy, NULL, NSEG, rows0, N, err, sizeof err), 0);
 
     // outputs with one extra row; Dgrad's start from the same random dx
     real *y = ralloc((size_t)(T + 1) * N), *y_ref = ralloc((size_t)(T + 1) * N);

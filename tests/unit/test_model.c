@@ -346,13 +346,33 @@ static void check_grouped(const char *mode) {
         // all groups in one call
         for (int i = 0; i < n_out; i++) memset(gw[i], 0, sizeof(real) * wn);
         memset(dx_g, 0, sizeof(real) * R * D);
-        linear_forward_grouped(&m, G, offsets, n_out, out_g, x, w, D, I);
-        linear_backward_grouped(&m, G, offsets, n_out, dx_g, gw, (const real *const *)dy, x, w, D, I);
+        linear_forward_grouped(&m, G, offsets, n_out, out_g, x, NULL, w, D, I);
+        linear_backward_grouped(&m, G, offsets, n_out, dx_g, gw, (const real *const *)dy, x, NULL, w, D, I);
         for (int i = 0; i < n_out; i++) {
             assert_memory_equal(out_g[i], out_p[i], sizeof(real) * R * I);
             assert_memory_equal(gw[i], gw_p[i], sizeof(real) * wn);
         }
         assert_memory_equal(dx_g, dx_p, sizeof(real) * R * D);
+        if (m.cfg.precision.mode == PRECISION_FP8) {  // the input read through an index: the same bits
+            const int S = R + 9;
+            real *src = malloc(sizeof(real) * S * D), *out_i[2], *dx_i = calloc((size_t)R * D, sizeof(real));
+            int *rows = malloc(sizeof(int) * R);
+            fill_random(src, (size_t)S * D, 7);
+            for (int r = 0; r < R; r++) {  // x's row r is row (r * 5 + 3) % S of src: a permutation
+                rows[r] = (r * 5 + 3) % S;
+                memcpy(src + (size_t)rows[r] * D, x + (size_t)r * D, sizeof(real) * D);
+            }
+            for (int i = 0; i < n_out; i++) out_i[i] = malloc(sizeof(real) * R * I), memset(gw[i], 0, sizeof(real) * wn);
+            linear_forward_grouped(&m, G, offsets, n_out, out_i, src, rows, w, D, I);
+            linear_backward_grouped(&m, G, offsets, n_out, dx_i, gw, (const real *const *)dy, src, rows, w, D, I);
+            for (int i = 0; i < n_out; i++) {
+                assert_memory_equal(out_i[i], out_p[i], sizeof(real) * R * I);
+                assert_memory_equal(gw[i], gw_p[i], sizeof(real) * wn);
+                free(out_i[i]);
+            }
+            assert_memory_equal(dx_i, dx_p, sizeof(real) * R * D);
+            free(src), free(dx_i), free(rows);
+        }
         double sum = 0;  // the outputs are not trivially equal (zeros): the check has something to compare
         for (size_t k = 0; k < (size_t)R * I; k++) sum += fabs((double)out_g[n_out - 1][k]);
         assert_true(sum > 0);
