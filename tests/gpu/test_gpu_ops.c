@@ -646,6 +646,9 @@ static AdamwCase adamw_first = {1000003, 1, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 0.8
 static AdamwCase adamw_later = {1000003, 1000, 3e-4f, 0.9f, 0.95f, 1e-8f, 0.1f, 1.0f, 0};
 static AdamwCase adamw_one = {1, 7, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.0f, 0.5f, 0};
 static AdamwCase adamw_bf16 = {4099, 1, 1e-3f, 0.0f, 0.0f, 1e-8f, 0.1f, 1.0f, 1};
+// n a multiple of 4 (aligned buffers): the kernel's 4-wide path; the cases above take the scalar one
+static AdamwCase adamw_vec4 = {1000000, 5, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 0.8f, 0};
+static AdamwCase adamw_vec4_bf16 = {4096, 1, 1e-3f, 0.0f, 0.0f, 1e-8f, 0.1f, 1.0f, 1};
 
 int main(void) {
     const int n_gpu = gpucheck_devices("test_gpu_ops");
@@ -670,6 +673,8 @@ int main(void) {
         cmocka_unit_test_prestate(test_adamw, &adamw_later),
         cmocka_unit_test_prestate(test_adamw, &adamw_one),
         cmocka_unit_test_prestate(test_adamw, &adamw_bf16),
+        cmocka_unit_test_prestate(test_adamw, &adamw_vec4),
+        cmocka_unit_test_prestate(test_adamw, &adamw_vec4_bf16),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
