@@ -71,7 +71,8 @@ typedef struct {
     int *seg_offsets_host;    // (E+1) host copy: the expert loop and the EP seam run on the host
     int *seg_token;           // (N*K) source token of each permuted row
     int *slot_of;             // (N*K) permuted row of each (t, k)
-    real *xp;                 // (N*K, D) permuted expert inputs (transient: re-gathered in the backward)
+    real *xp;                 // (N*K, D) permuted expert inputs (transient: re-gathered in the backward; NULL
+                              // where the experts read the token rows, moe_experts_read_tokens)
     EpBuffers ep_buf;         // the local experts' rows after ep_dispatch
     FfnActs experts;          // (N*K, I)
     real *eout;               // (N*K, D) local expert outputs
@@ -97,7 +98,7 @@ typedef struct {
     real *t_xn, *t_rstd;                  // BlockActs' normalised inputs (N, D), and an rstd (N) to recompute them
     real *t_q, *t_q_rope, *t_kva, *t_k_rope_raw, *t_k_rope, *t_kv;  // MlaActs' transients
     real *t_h;                            // FfnActs' h, sized for the largest FFN (dense, shared, N*K x I)
-    real *t_xp;                           // MoeActs' xp (N*K, D), MoE chunks only
+    real *t_xp;                           // MoeActs' xp (N*K, D), MoE chunks that gather it only
     real *d_xn, *d_mid;                   // (N, D)
     real *d_cq, *d_cqn, *d_q, *d_qf, *d_q_rope, *d_q_rope_raw;
     real *d_kva, *d_ckv, *d_ckvn, *d_k_rope, *d_k_rope_raw, *d_kv, *d_kf, *d_v, *d_o;
@@ -106,9 +107,10 @@ typedef struct {
     real *d_xp, *d_eout;                  // routed experts, (N*K, D)
 } LayerScratch;
 
-// The chunk's scratch first (has_moe: any block of the chunk is a MoE block), then each block's
-// activations, whose transients point into it.
-void layer_scratch_alloc(ActsArena *arena, LayerScratch *s, const Dims *d, int has_moe);
+// The chunk's scratch first (has_moe: any block of the chunk is a MoE block; needs_xp: its MoE blocks
+// gather their experts' inputs, !moe_experts_read_tokens), then each block's activations, whose transients
+// point into it.
+void layer_scratch_alloc(ActsArena *arena, LayerScratch *s, const Dims *d, int has_moe, int needs_xp);
 void block_acts_alloc(ActsArena *arena, BlockActs *a, const Dims *d, int is_moe, const LayerScratch *s);
 
 // x_out (N, D) = block(x_in); a->x_in is set to x_in.
@@ -129,6 +131,10 @@ void ffn_backward(Model *m, const FfnWeights *w, const FfnWeights *g, FfnActs *a
                   int rows, int D, int width, const real *x, const real *d_out, real *d_x);
 
 // out (N, D) = shared(x) + sum_k w_k expert_k(x); routing per DESIGN.md section 3.
+// In fp8 mode with one EP rank the routed experts' quantisers read their rows straight from the token rows
+// through the routing plan's seg_token (linear.h inp_rows), so the gathered FP32 copy xp (top-K rows per
+// token) is never written, in the forward or the backward, nor allocated. Other modes, and EP, gather xp.
+int moe_experts_read_tokens(const Model *m);
 void moe_forward(Model *m, const BlockWeights *w, MoeActs *a, const Dims *d, const real *x, real *out);
 void moe_backward(Model *m, const BlockWeights *w, const BlockWeights *g, MoeActs *a, const Dims *d,
                   LayerScratch *s, const real *x, const real *d_out, real *d_x, real d_balance);

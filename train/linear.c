@@ -65,6 +65,12 @@ struct LinearWeightCache {
     CachedWeight *entries;  // one per block Linear weight, sorted by offset
     int n;
     void *buf;              // one device allocation holding every entry's arrays
+    // One call's per-group arrays, as the grouped GEMMs take them (group_weights), sized for the most
+    // groups a call has (the local experts) so the step allocates nothing on the host either.
+    int max_groups;
+    const uint8_t **q, **qt;
+    const float **s;
+    const uint16_t **b;
 };
 
 // The block Linears: 2-D parameters except the embedding, the output head and the routers.
@@ -79,12 +85,18 @@ static int by_offset(const void *a, const void *b) {
 }
 
 static void weight_cache_create(Model *m) {
-    struct LinearWeightCache *c = calloc(1, sizeof *c);
     int n = 0;
     for (int i = 0; i < m->n_params; i++) n += is_block_linear(&m->params[i]);
-    c->entries = calloc((size_t)(n ? n : 1), sizeof *c->entries);
-    if (!c || !c->entries) {
-        fprintf(stderr, "fp8moe: train/linear.c: out of host memory for the FP8 weight cache\n");
+    const size_t groups = (size_t)(m->ep.experts_per_rank > 1 ? m->ep.experts_per_rank : 1);
+    struct LinearWeightCache *c = calloc(1, sizeof *c);
+    if (c != NULL) {
+        c->max_groups = (int)groups;
+        c->entries = calloc((size_t)(n ? n : 1), sizeof *c->entries);
+        c->q = calloc(groups, sizeof *c->q), c->qt = calloc(groups, sizeof *c->qt);
+        c->s = calloc(groups, sizeof *c->s), c->b = calloc(groups, sizeof *c->b);
+    }
+    if (!c || !c->entries || !c->q || !c->qt || !c->s || !c->b) {
+        fprintf(stderr, "fp8moe: train/linear.c: out of host memory for the Linear weight cache\n");
         exit(1);
     }
     const int fp8 = m->cfg.precision.mode == PRECISION_FP8;
@@ -160,9 +172,10 @@ static const CachedWeight *cached_weight(Model *m, const real *weight, int OC, i
 
 static void weight_cache_free(Model *m) {
     if (m->weight_cache == NULL) return;
-    device_free(m->dev, m->weight_cache->buf);
-    free(m->weight_cache->entries);
-    free(m->weight_cache);
+    struct LinearWeightCache *c = m->weight_cache;
+    device_free(m->dev, c->buf);
+    free(c->entries), free(c->q), free(c->qt), free(c->s), free(c->b);
+    free(c);
     m->weight_cache = NULL;
 }
 
@@ -214,34 +227,27 @@ static Fp8Operand take_128x1(Model *m, size_t *used, GroupSizes z, int C) {
 
 static size_t bf16_bytes(int rows, int cols) { return pad_bytes((size_t)rows * cols * sizeof(uint16_t)); }
 
+// The most scratch one call of a Linear (OC, C) on `rows` rows holds: bf16 the rounded input and one rounded
+// dY (unpadded); fp8 the larger of a forward and a backward, its groups' padding adding at most 15 rows
+// (1x128) and one tile (128x1) per group of the `padded_groups`.
+static size_t call_scratch_bytes(const Model *m, int rows, int padded_groups, int C, int OC) {
+    if (m->cfg.precision.mode == PRECISION_BF16) return bf16_bytes(rows, C) + bf16_bytes(rows, OC);
+    const GroupSizes z = {round_up(rows, 16) + 15 * padded_groups, ceil_div(rows, FP8_TILE) + padded_groups};
+    const size_t f = fprop_bytes(z, C), b = backward_bytes(z, C, OC);
+    return f > b ? f : b;
+}
+
 void linear_reserve_scratch(Model *m, int rows) {
     if (m->cfg.precision.mode == PRECISION_FP32) return;
     if (m->weight_cache == NULL) weight_cache_create(m);
-    if (m->cfg.precision.mode == PRECISION_BF16) {  // the rounded input and one rounded dY, unpadded
-        const int routed = rows * m->cfg.moe.n_activated_experts;
-        size_t most = 0;
-        for (int i = 0; i < m->n_params; i++) {
-            const ParamInfo *p = &m->params[i];
-            if (!is_block_linear(p)) continue;
-            const int r = strstr(p->name, ".ffn.experts.") ? routed : rows;
-            const size_t b = bf16_bytes(r, p->shape[1]) + bf16_bytes(r, p->shape[0]);
-            if (b > most) most = b;
-        }
-        scratch_reserve(m, most);
-        return;
-    }
-    // a plain Linear runs on `rows` rows; the routed experts on rows x top-K rows in E_local groups, whose
-    // padding adds at most 15 rows (1x128) and one tile (128x1) per group
-    const GroupSizes plain = {round_up(rows, 16), ceil_div(rows, FP8_TILE)};
+    // a plain Linear runs on `rows` rows; the routed experts on rows x top-K rows in E_local groups
     const int routed = rows * m->cfg.moe.n_activated_experts, groups = m->ep.experts_per_rank;
-    const GroupSizes experts = {round_up(routed, 16) + 15 * groups, ceil_div(routed, FP8_TILE) + groups};
     size_t most = 0;
     for (int i = 0; i < m->n_params; i++) {
         const ParamInfo *p = &m->params[i];
         if (!is_block_linear(p)) continue;
-        const GroupSizes z = strstr(p->name, ".ffn.experts.") ? experts : plain;
-        size_t f = fprop_bytes(z, p->shape[1]), b = backward_bytes(z, p->shape[1], p->shape[0]);
-        if (f > most) most = f;
+        const int expert = strstr(p->name, ".ffn.experts.") != NULL;
+        const size_t b = call_scratch_bytes(m, expert ? routed : rows, expert ? groups : 0, p->shape[1], p->shape[0]);
         if (b > most) most = b;
     }
     scratch_reserve(m, most);
@@ -256,22 +262,23 @@ _Noreturn static void too_many_shared(int n_out) {
     exit(1);
 }
 
-// The cached quantisations of slice g of the stacked weight (n_groups, OC, C) for every non-empty group g
-// (NULL for empty groups), as the grouped GEMMs take them; each counts as one FP8 GEMM of the call.
-static void group_weights(Model *m, int n_groups, const int *offsets, const real *weight, int OC, int C,
-                          const uint8_t **q, const uint8_t **qt, const float **s) {
-    if (n_groups > FP8_MAX_SEGMENTS) {
-        fprintf(stderr, "fp8moe: train/linear.c: internal error: %d groups in one Linear call (at most %d, "
-                        "FP8_MAX_SEGMENTS)\n", n_groups, FP8_MAX_SEGMENTS);
+// The cached arrays of slice g of the stacked weight (n_groups, OC, C) for every group g into the cache's
+// per-call arrays (fp8: q, qt, s; bf16: b; NULL for empty groups). Returns the number of non-empty groups.
+static int group_weights(Model *m, int n_groups, const int *offsets, const real *weight, int OC, int C) {
+    struct LinearWeightCache *c = m->weight_cache;
+    if (n_groups > c->max_groups) {
+        fprintf(stderr, "fp8moe: train/linear.c: internal error: %d groups in one Linear call (at most %d, the "
+                        "local experts)\n", n_groups, c->max_groups);
         exit(1);
     }
+    int used = 0;
     for (int g = 0; g < n_groups; g++) {
-        q[g] = qt[g] = NULL, s[g] = NULL;
-        if (offsets[g + 1] == offsets[g]) continue;
-        const CachedWeight *cw = cached_weight(m, weight + (int64_t)g * OC * C, OC, C);
-        q[g] = cw->q, qt[g] = cw->qt, s[g] = cw->s;
-        m->fp8_gemm_count++;
+        const CachedWeight *e =
+            offsets[g + 1] == offsets[g] ? NULL : cached_weight(m, weight + (int64_t)g * OC * C, OC, C);
+        c->q[g] = e ? e->q : NULL, c->qt[g] = e ? e->qt : NULL, c->s[g] = e ? e->s : NULL, c->b[g] = e ? e->b : NULL;
+        used += e != NULL;
     }
+    return used;
 }
 
 // fp8 Fprop: out[i] rows of group g = inp rows of g @ (slice g of weight[i])^T. The input is quantised
@@ -288,11 +295,10 @@ static void fp8_forward(Model *m, int n_groups, const int *offsets, int n_out, r
     check_quantised(fp8_quantize_1x128_grouped(m->dev, x.q, x.s, inp, inp_rows, n_groups, offsets, C, err, sizeof err),
                     "an activation (Fprop X)", err);
     profile_end(PHASE_QUANTISE);
-    const uint8_t *q[FP8_MAX_SEGMENTS], *qt[FP8_MAX_SEGMENTS];
-    const float *s[FP8_MAX_SEGMENTS];
+    const struct LinearWeightCache *c = m->weight_cache;
     for (int i = 0; i < n_out; i++) {
-        group_weights(m, n_groups, offsets, weight[i], OC, C, q, qt, s);
-        fp8_gemm_fprop_grouped(m->dev, out[i], x.q, x.s, q, s, n_groups, offsets, OC, C);
+        m->fp8_gemm_count += group_weights(m, n_groups, offsets, weight[i], OC, C);
+        fp8_gemm_fprop_grouped(m->dev, out[i], x.q, x.s, c->q, c->s, n_groups, offsets, OC, C);
     }
 }
 
@@ -335,10 +341,9 @@ static void fp8_backward(Model *m, int n_groups, const int *offsets, int n_out, 
                                                                   err, sizeof err), "a gradient (Wgrad dY)", err);
         profile_end(PHASE_QUANTISE);
         if (dinp) {
-            const uint8_t *q[FP8_MAX_SEGMENTS], *qt[FP8_MAX_SEGMENTS];
-            const float *s[FP8_MAX_SEGMENTS];
-            group_weights(m, n_groups, offsets, weight[i], OC, C, q, qt, s);
-            fp8_gemm_dgrad_grouped(m->dev, dinp, dy.q, dy.s, qt, s, n_groups, offsets, OC, C);
+            m->fp8_gemm_count += group_weights(m, n_groups, offsets, weight[i], OC, C);
+            fp8_gemm_dgrad_grouped(m->dev, dinp, dy.q, dy.s, m->weight_cache->qt, m->weight_cache->s, n_groups, offsets,
+                                   OC, C);
         }
         for (int g = 0, tiles = 0; g < n_groups && dweight[i]; g++) {
             const int n = offsets[g + 1] - offsets[g];
@@ -358,19 +363,6 @@ static void fp8_backward(Model *m, int n_groups, const int *offsets, int n_out, 
 // bf16_matmul_forward / _backward give group by group; on CUDA each weight's groups are one call with one
 // output conversion.
 
-// The cached BF16 copies of slice g of the stacked weight (n_groups, OC, C), NULL for empty groups.
-static const uint16_t **bf16_group_weights(Model *m, int n_groups, const int *offsets, const real *weight, int OC,
-                                           int C) {
-    const uint16_t **w = malloc((size_t)n_groups * sizeof *w);
-    if (w == NULL) {
-        fprintf(stderr, "fp8moe: train/linear.c: out of host memory for %d group pointers\n", n_groups);
-        exit(1);
-    }
-    for (int g = 0; g < n_groups; g++)
-        w[g] = offsets[g + 1] == offsets[g] ? NULL : cached_weight(m, weight + (int64_t)g * OC * C, OC, C)->b;
-    return w;
-}
-
 static void bf16_forward(Model *m, int n_groups, const int *offsets, int n_out, real *const *out, const real *inp,
                          const real *const *weight, int C, int OC) {
     const int rows = offsets[n_groups];
@@ -379,9 +371,8 @@ static void bf16_forward(Model *m, int n_groups, const int *offsets, int n_out, 
     uint16_t *x = scratch_take(m, &used, (size_t)rows * C * sizeof(uint16_t));
     bf16_round_array(m->dev, x, inp, (int64_t)rows * C);
     for (int i = 0; i < n_out; i++) {
-        const uint16_t **w = bf16_group_weights(m, n_groups, offsets, weight[i], OC, C);
-        bf16_gemm_fprop_grouped(m->dev, out[i], x, w, n_groups, offsets, OC, C);
-        free(w);
+        group_weights(m, n_groups, offsets, weight[i], OC, C);
+        bf16_gemm_fprop_grouped(m->dev, out[i], x, m->weight_cache->b, n_groups, offsets, OC, C);
     }
 }
 
@@ -403,9 +394,8 @@ static void bf16_backward(Model *m, int n_groups, const int *offsets, int n_out,
         if (dinp == NULL && dweight[i] == NULL) continue;
         bf16_round_array(m->dev, dy, dout[i], (int64_t)rows * OC);  // the previous dY is consumed (one stream)
         if (dinp) {
-            const uint16_t **w = bf16_group_weights(m, n_groups, offsets, weight[i], OC, C);
-            bf16_gemm_dgrad_grouped(m->dev, dinp, dy, w, n_groups, offsets, OC, C);
-            free(w);
+            group_weights(m, n_groups, offsets, weight[i], OC, C);
+            bf16_gemm_dgrad_grouped(m->dev, dinp, dy, m->weight_cache->b, n_groups, offsets, OC, C);
         }
         for (int g = 0; g < n_groups && dweight[i]; g++) {
             const int r0 = offsets[g], n = offsets[g + 1] - offsets[g];

@@ -44,10 +44,7 @@ void ffn_backward(Model *m, const FfnWeights *w, const FfnWeights *g, FfnActs *a
 }
 
 // ---------------------------------------------------------------------------- routed experts
-// In fp8 mode with one EP rank the experts' quantisers read their rows straight from the token rows x
-// through the routing plan's seg_token (linear.h inp_rows): the gathered FP32 copy xp (top-K rows per
-// token) is then never written, in the forward or the backward. Other modes, and EP, gather xp.
-static int experts_read_tokens(const Model *m) { return m->cfg.precision.mode == PRECISION_FP8 && m->ep.ep_size == 1; }
+int moe_experts_read_tokens(const Model *m) { return m->cfg.precision.mode == PRECISION_FP8 && m->ep.ep_size == 1; }
 
 // Every local expert over its segment of rows, one phase at a time: each Linear runs for all experts
 // (linear_*_grouped), the SwiGLU and the memsets once over all rows. xs (rows, D) -> ys (rows, D), where
@@ -105,7 +102,7 @@ void moe_forward(Model *m, const BlockWeights *w, MoeActs *a, const Dims *d, con
     profile_begin(PHASE_PERMUTE);
     moe_permute_plan_device(dev, a->seg_offsets, a->seg_token, a->slot_of, a->topk_idx, N, K, E);
     device_memcpy_to_host(dev, a->seg_offsets_host, a->seg_offsets, (size_t)(E + 1) * sizeof(int));
-    const int direct = experts_read_tokens(m);
+    const int direct = moe_experts_read_tokens(m);
     if (!direct) gather_rows(dev, a->xp, x, a->seg_token, N * K, D);
     profile_end(PHASE_PERMUTE);
     if (m->count_load) {  // aux-loss-free balancing counts the routed tokens of training passes only:
@@ -139,7 +136,7 @@ void moe_backward(Model *m, const BlockWeights *w, const BlockWeights *g, MoeAct
     // xp is a forward transient (the chunk's scratch, 4 x D bytes per routed row and layer): with one EP
     // rank ep_buf.rows is xp, so the experts' inputs are gathered again, the same rows in the same order
     // (or, in fp8 mode, read through seg_token again); with more ranks ep_buf keeps the rows it received.
-    const int direct = experts_read_tokens(m);
+    const int direct = moe_experts_read_tokens(m);
     if (m->ep.ep_size == 1 && !direct) {
         profile_begin(PHASE_PERMUTE);
         gather_rows(dev, a->xp, x, a->seg_token, NK, D);

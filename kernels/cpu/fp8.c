@@ -530,24 +530,29 @@ static const real *gathered(const real *x, const int *x_rows, int rows, int cols
     return g;
 }
 
-int cpu_fp8_quantize_1x128_grouped(uint8_t *q, float *s, const real *x, const int *x_rows, int n, const int *rows0,
-                                   int K, char *err, size_t err_size) {
-    check_segments("fp8_quantize_1x128_grouped", n, rows0);
-    const real *xg = gathered(x, x_rows, rows0[n], K);
-    const int rc = check_finite("fp8_quantize_1x128_grouped", xg, rows0[n], K, err, err_size);
-    if (rc == 0) quantize_1x128_segments(q, s, xg, n, rows0, K);
+typedef void (*SegmentQuantiser)(uint8_t *q, float *s, const real *x, int n, const int *rows0, int cols);
+
+// A grouped quantiser on x's rows in the order x_rows gives (or x as it is): checked once, then quantised.
+static int quantize_grouped(const char *op, SegmentQuantiser quantise, uint8_t *q, float *s, const real *x,
+                            const int *x_rows, int n, const int *rows0, int cols, char *err, size_t err_size) {
+    check_segments(op, n, rows0);
+    const real *xg = gathered(x, x_rows, rows0[n], cols);
+    const int rc = check_finite(op, xg, rows0[n], cols, err, err_size);
+    if (rc == 0) quantise(q, s, xg, n, rows0, cols);
     if (xg != x) free((void *)xg);
     return rc ? -1 : 0;
 }
 
+int cpu_fp8_quantize_1x128_grouped(uint8_t *q, float *s, const real *x, const int *x_rows, int n, const int *rows0,
+                                   int K, char *err, size_t err_size) {
+    return quantize_grouped("fp8_quantize_1x128_grouped", quantize_1x128_segments, q, s, x, x_rows, n, rows0, K, err,
+                            err_size);
+}
+
 int cpu_fp8_quantize_128x1_transposed_grouped(uint8_t *q, float *s, const real *x, const int *x_rows, int n,
                                               const int *rows0, int C, char *err, size_t err_size) {
-    check_segments("fp8_quantize_128x1_transposed_grouped", n, rows0);
-    const real *xg = gathered(x, x_rows, rows0[n], C);
-    const int rc = check_finite("fp8_quantize_128x1_transposed_grouped", xg, rows0[n], C, err, err_size);
-    if (rc == 0) quantize_128x1_segments(q, s, xg, n, rows0, C);
-    if (xg != x) free((void *)xg);
-    return rc ? -1 : 0;
+    return quantize_grouped("fp8_quantize_128x1_transposed_grouped", quantize_128x1_segments, q, s, x, x_rows, n,
+                            rows0, C, err, err_size);
 }
 
 int cpu_fp8_quantize_both_layouts_grouped(uint8_t *q1, float *s1, uint8_t *q2, float *s2, const real *x, int n,
