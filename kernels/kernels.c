@@ -83,20 +83,20 @@ void rmsnorm_backward(Device dev, real *dinp, real *dweight, const real *dout, c
     cpu_rmsnorm_backward(dinp, dweight, dout, inp, weight, rstd, N, C);
 }
 
-void rope_forward(Device dev, real *out, const real *inp, int B, int T, int H, int D, real theta) {
+void rope_forward(Device dev, real *out, const real *inp, int ld, int B, int T, int H, int D, real theta) {
 #ifdef FP8MOE_CUDA
-    if (dev == DEVICE_CUDA) { cuda_rope_forward(out, inp, B, T, H, D, theta); return; }
+    if (dev == DEVICE_CUDA) { cuda_rope_forward(out, inp, ld, B, T, H, D, theta); return; }
 #endif
     if (dev != DEVICE_CPU) no_cuda_op("rope_forward");
-    cpu_rope_forward(out, inp, B, T, H, D, theta);
+    cpu_rope_forward(out, inp, ld, B, T, H, D, theta);
 }
 
-void rope_backward(Device dev, real *dinp, const real *dout, int B, int T, int H, int D, real theta) {
+void rope_backward(Device dev, real *dinp, const real *dout, int ld, int B, int T, int H, int D, real theta) {
 #ifdef FP8MOE_CUDA
-    if (dev == DEVICE_CUDA) { cuda_rope_backward(dinp, dout, B, T, H, D, theta); return; }
+    if (dev == DEVICE_CUDA) { cuda_rope_backward(dinp, dout, ld, B, T, H, D, theta); return; }
 #endif
     if (dev != DEVICE_CPU) no_cuda_op("rope_backward");
-    cpu_rope_backward(dinp, dout, B, T, H, D, theta);
+    cpu_rope_backward(dinp, dout, ld, B, T, H, D, theta);
 }
 
 int64_t attention_state_elems(Device dev, int B, int T, int H) {
@@ -134,20 +134,14 @@ void swiglu_backward(Device dev, real *da, real *db, const real *dout, const rea
     if (dev == DEVICE_CUDA) { cuda_swiglu_backward(da, db, dout, a, b, n); return; }
 #endif
     if (dev != DEVICE_CPU) no_cuda_op("swiglu_backward");
-    if (swiglu_backward_perturbation == 0) {
-        cpu_swiglu_backward(da, db, dout, a, b, n);
-        return;
-    }
-    real *ta = calloc((size_t)n, sizeof(real)), *tb = calloc((size_t)n, sizeof(real));
-    if (!ta || !tb) { fprintf(stderr, "fp8moe: out of memory (kernels_debug_perturb)\n"); exit(1); }
-    cpu_swiglu_backward(ta, tb, dout, a, b, n);
-    real f = (real)(1 + swiglu_backward_perturbation);
+    cpu_swiglu_backward(da, db, dout, a, b, n);
+    if (swiglu_backward_perturbation == 0) return;
+    // the op writes its gradients, so scaling them in place perturbs exactly what it produced
+    const real f = (real)(1 + swiglu_backward_perturbation);
     for (int64_t i = 0; i < n; i++) {
-        if (da) da[i] += f * ta[i];
-        if (db) db[i] += f * tb[i];
+        if (da) da[i] *= f;
+        if (db) db[i] *= f;
     }
-    free(ta);
-    free(tb);
 }
 
 void crossentropy_forward(Device dev, real *losses, real *probs, const real *logits, const int *targets, int N, int V) {
@@ -389,13 +383,14 @@ void fp8_gemm_fprop_grouped(Device dev, real *y, const uint8_t *qx, const float 
     cpu_fp8_gemm_fprop_grouped(y, qx, sx, qw, sw, n_seg, rows0, N, K);
 }
 
-void fp8_gemm_dgrad_grouped(Device dev, real *dx, const uint8_t *qdy, const float *sdy, const uint8_t *const *qwt,
-                            const float *const *sw, int n_seg, const int *rows0, int N, int K) {
+void fp8_gemm_dgrad_grouped(Device dev, real *dx, GradStore store, const uint8_t *qdy, const float *sdy,
+                            const uint8_t *const *qwt, const float *const *sw, int n_seg, const int *rows0, int N,
+                            int K) {
 #ifdef FP8MOE_CUDA
-    if (dev == DEVICE_CUDA) { cuda_fp8_gemm_dgrad_grouped(dx, qdy, sdy, qwt, sw, n_seg, rows0, N, K); return; }
+    if (dev == DEVICE_CUDA) { cuda_fp8_gemm_dgrad_grouped(dx, store, qdy, sdy, qwt, sw, n_seg, rows0, N, K); return; }
 #endif
     if (dev != DEVICE_CPU) no_cuda_op("fp8_gemm_dgrad_grouped");
-    cpu_fp8_gemm_dgrad_grouped(dx, qdy, sdy, qwt, sw, n_seg, rows0, N, K);
+    cpu_fp8_gemm_dgrad_grouped(dx, store, qdy, sdy, qwt, sw, n_seg, rows0, N, K);
 }
 
 void fp8_gemm_wgrad(Device dev, real *dw, const uint8_t *qdyt, const float *sdyt, const uint8_t *qxt, const float *sxt, int T, int N, int K) {
@@ -439,13 +434,13 @@ void bf16_gemm_fprop_grouped(Device dev, real *y, const uint16_t *x, const uint1
     cpu_bf16_gemm_fprop_grouped(y, x, w, n_seg, rows0, N, K);
 }
 
-void bf16_gemm_dgrad_grouped(Device dev, real *dx, const uint16_t *dy, const uint16_t *const *w, int n_seg,
-                             const int *rows0, int N, int K) {
+void bf16_gemm_dgrad_grouped(Device dev, real *dx, GradStore store, const uint16_t *dy, const uint16_t *const *w,
+                             int n_seg, const int *rows0, int N, int K) {
 #ifdef FP8MOE_CUDA
-    if (dev == DEVICE_CUDA) { cuda_bf16_gemm_dgrad_grouped(dx, dy, w, n_seg, rows0, N, K); return; }
+    if (dev == DEVICE_CUDA) { cuda_bf16_gemm_dgrad_grouped(dx, store, dy, w, n_seg, rows0, N, K); return; }
 #endif
     if (dev != DEVICE_CPU) no_cuda_op("bf16_gemm_dgrad_grouped");
-    cpu_bf16_gemm_dgrad_grouped(dx, dy, w, n_seg, rows0, N, K);
+    cpu_bf16_gemm_dgrad_grouped(dx, store, dy, w, n_seg, rows0, N, K);
 }
 
 void bf16_gemm_wgrad(Device dev, real *dw, const uint16_t *dy, const uint16_t *x, int T, int N, int K) {

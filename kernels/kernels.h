@@ -34,6 +34,13 @@ typedef float real;
 
 typedef enum { DEVICE_CPU = 0, DEVICE_CUDA = 1 } Device;
 
+// How a backward op stores a gradient, where the op offers the choice (the grouped Dgrads below): GRAD_ADD
+// adds it to the buffer (the convention above); GRAD_WRITE writes it over the buffer without reading it, so a
+// buffer that one op fills needs no zeroing first (a routed-expert layer's input gradients are hundreds of
+// MB per micro-batch). A written element is the value that op would have added (to zero; up to the sign of a
+// zero result, which no later op can observe in a sum).
+typedef enum { GRAD_ADD = 0, GRAD_WRITE = 1 } GradStore;
+
 #define RMSNORM_EPS 1e-6
 
 // ---------------------------------------------------------------------------- device memory
@@ -74,11 +81,13 @@ void rmsnorm_backward(Device dev, real *dinp, real *dweight, const real *dout, c
 
 // ---------------------------------------------------------------------------- RoPE
 // Interleaved rotary embedding (DeepSeek's reference layout): pairs (x[2j], x[2j+1]) of each vector
-// are rotated by angle pos * theta^(-2j/D). x is (B, T, H, D) contiguous, position = t. D even.
-// out may alias inp.
-void rope_forward(Device dev, real *out, const real *inp, int B, int T, int H, int D, real theta);
-// the inverse rotation applied to the gradient: dinp (B,T,H,D) += R(-angle) dout. dinp must not alias dout.
-void rope_backward(Device dev, real *dinp, const real *dout, int B, int T, int H, int D, real theta);
+// are rotated by angle pos * theta^(-2j/D). x is (B, T, H) vectors of D elements, vector (b, t, h) at
+// ((b T + t) H + h) ld (ld >= D: ld = D is the packed (B, T, H, D); MLA rotates the rope part of its
+// (B, T, H, dqk) queries in place with ld = dqk), position = t. D even. out may alias inp.
+void rope_forward(Device dev, real *out, const real *inp, int ld, int B, int T, int H, int D, real theta);
+// the inverse rotation applied to the gradient, WRITTEN: dinp = R(-angle) dout (same layout); dinp may alias
+// dout (in place).
+void rope_backward(Device dev, real *dinp, const real *dout, int ld, int B, int T, int H, int D, real theta);
 
 // ---------------------------------------------------------------------------- attention core
 // Causal softmax attention, per batch b and head h:
@@ -109,7 +118,8 @@ void attention_backward(Device dev, real *dq, real *dk, real *dv, const real *do
 // ---------------------------------------------------------------------------- SwiGLU
 // elementwise over n: out = silu(a) * b, silu(a) = a * sigmoid(a)   (a = w1 x, b = w3 x)
 void swiglu_forward(Device dev, real *out, const real *a, const real *b, int64_t n);
-// da += dout * b * silu'(a);  db += dout * silu(a)
+// da = dout * b * silu'(a);  db = dout * silu(a), all (n). WRITES da and db (their old contents are
+// never read, so they need no zeroing); either may be NULL (not needed).
 void swiglu_backward(Device dev, real *da, real *db, const real *dout, const real *a, const real *b, int64_t n);
 
 // ---------------------------------------------------------------------------- softmax cross-entropy
@@ -192,7 +202,11 @@ void moe_unpermute_backward(Device dev, real *dinp, const real *dseg, const int 
 // out (N, C) += sum_k topk_w[t,k] * expert_out[slot_of[t,k]]   (k in order)
 void moe_combine_forward(Device dev, real *out, const real *expert_out, const int *slot_of,
                          const real *topk_w, int N, int K, int C);
-// dexpert_out (N*K, C) += topk_w * dout[t];  dtopk_w (N, K) += dot(dout[t], expert_out[slot])
+// dexpert_out (N*K, C) row slot_of[t,k] = topk_w[t,k] * dout[t]: WRITTEN, not accumulated (slot_of is a
+// permutation of the N*K rows, so every row is written exactly once and needs no zeroing; one rounded
+// product, the same bits on CPU and CUDA). dtopk_w (N, K) += dot(dout[t], expert_out[slot_of[t,k]]):
+// ACCUMULATED (the dot in double, rounded to real, then one add). Either gradient may be NULL;
+// expert_out is read only for dtopk_w. The gradients must not overlap the inputs.
 void moe_combine_backward(Device dev, real *dexpert_out, real *dtopk_w, const real *dout,
                           const real *expert_out, const int *slot_of, const real *topk_w, int N, int K,
                           int C);
@@ -284,12 +298,14 @@ void fp8_gemm_dgrad(Device dev, real *dx, const uint8_t *qdy, const float *sdy, 
 // the contraction's block count (KB for Fprop, NB for Dgrad), rows at q + CB*128*P16_g, scales at
 // s + CB*P16_g. Its weight is qw[g] / qwt[g], sw[g] (host arrays of n_seg pointers; NULL for empty segments).
 // Empty segments are skipped. Each segment gets exactly what fp8_gemm_fprop / fp8_gemm_dgrad (dx += BF16
-// product) give for its rows; on CUDA the GEMMs are the same and their outputs are converted to `real` in
-// one launch for all segments instead of one per segment.
+// product) give for its rows; with store = GRAD_WRITE the Dgrad writes the BF16 product over those rows of dx
+// instead. On CUDA the GEMMs are the same and their outputs are converted to `real` in one launch for all
+// segments instead of one per segment.
 void fp8_gemm_fprop_grouped(Device dev, real *y, const uint8_t *qx, const float *sx, const uint8_t *const *qw,
                             const float *const *sw, int n_seg, const int *rows0, int N, int K);
-void fp8_gemm_dgrad_grouped(Device dev, real *dx, const uint8_t *qdy, const float *sdy, const uint8_t *const *qwt,
-                            const float *const *sw, int n_seg, const int *rows0, int N, int K);
+void fp8_gemm_dgrad_grouped(Device dev, real *dx, GradStore store, const uint8_t *qdy, const float *sdy,
+                            const uint8_t *const *qwt, const float *const *sw, int n_seg, const int *rows0, int N,
+                            int K);
 // Wgrad  dw (N, K) += dY^T X: qdyt, sdyt from fp8_quantize_128x1_transposed(dy, T, N); qxt, sxt from
 //        fp8_quantize_128x1_transposed(x, T, K). FP32 result added to the FP32 gradient.
 void fp8_gemm_wgrad(Device dev, real *dw, const uint8_t *qdyt, const float *sdyt, const uint8_t *qxt,
@@ -307,14 +323,15 @@ void bf16_matmul_backward(Device dev, real *dinp, real *dweight, const real *dou
 //   bf16_round_array:        dst (n) = bf16(src (n)), RNE.
 //   bf16_gemm_fprop_grouped: rows [rows0[g], rows0[g+1]) of y (N columns) = bf16(x_g w[g]^T), x (rows, K),
 //                            w[g] (N, K); rows0[0] = 0; empty groups skipped (w[g] may be NULL there).
-//   bf16_gemm_dgrad_grouped: those rows of dx (K columns) += bf16(dy_g w[g]), dy (rows, N).
+//   bf16_gemm_dgrad_grouped: those rows of dx (K columns) += bf16(dy_g w[g]), dy (rows, N); with
+//                            store = GRAD_WRITE the product is written over them instead.
 //   bf16_gemm_wgrad:         dw (N, K) += FP32 dy^T x over T rows.
 // Bitwise the numbers of bf16_matmul_forward / _backward, group by group, on the unrounded operands.
 void bf16_round_array(Device dev, uint16_t *dst, const real *src, int64_t n);
 void bf16_gemm_fprop_grouped(Device dev, real *y, const uint16_t *x, const uint16_t *const *w, int n_seg,
                              const int *rows0, int N, int K);
-void bf16_gemm_dgrad_grouped(Device dev, real *dx, const uint16_t *dy, const uint16_t *const *w, int n_seg,
-                             const int *rows0, int N, int K);
+void bf16_gemm_dgrad_grouped(Device dev, real *dx, GradStore store, const uint16_t *dy, const uint16_t *const *w,
+                             int n_seg, const int *rows0, int N, int K);
 void bf16_gemm_wgrad(Device dev, real *dw, const uint16_t *dy, const uint16_t *x, int T, int N, int K);
 
 // ---------------------------------------------------------------------------- optimizer
@@ -326,9 +343,9 @@ void bf16_gemm_wgrad(Device dev, real *dw, const uint16_t *dy, const uint16_t *x
 void adamw_update(Device dev, real *param, const real *grad, uint16_t *m, uint16_t *v, int64_t n, float lr,
                   float beta1, float beta2, float eps, float weight_decay, float grad_scale, int t);
 
-// Fault injection for the gradient check's negative control: scales what the named backward op adds
-// to its gradients by (1 + rel). NULL switches it off. Only "swiglu_backward" is supported; other
-// names stop the process. Never used in training.
+// Fault injection for the gradient check's negative control: scales the gradients the named backward
+// op writes by (1 + rel), on the CPU device. NULL switches it off. Only "swiglu_backward" is supported;
+// other names stop the process. Never used in training.
 void kernels_debug_perturb(const char *op, double rel);
 
 // BF16 conversion, round-to-nearest-even (NaN stays NaN). Host helpers, used by CPU ops and tests.

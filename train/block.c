@@ -45,8 +45,6 @@ static void mla_acts_alloc(ActsArena *ar, MlaActs *a, const Dims *d, const Layer
         a->cq_rstd = ARENA_REALS(ar, N);
         a->cqn = ARENA_REALS(ar, (int64_t)N * d->qr);
     }
-    a->q = s->t_q;
-    a->q_rope = s->t_q_rope;
     a->qf = ARENA_REALS(ar, (int64_t)NH * d->dqk);
     a->kva = s->t_kva;
     a->ckv = ARENA_REALS(ar, (int64_t)N * d->kvr);
@@ -100,8 +98,6 @@ void layer_scratch_alloc(ActsArena *ar, LayerScratch *s, const Dims *d, int has_
     int64_t N = d->N, NH = (int64_t)d->N * d->H, NK = (int64_t)d->N * d->K;
     s->t_xn = ARENA_REALS(ar, N * d->D);
     s->t_rstd = ARENA_REALS(ar, N);
-    s->t_q = ARENA_REALS(ar, NH * d->dqk);
-    s->t_q_rope = ARENA_REALS(ar, NH * d->dr);
     s->t_kva = ARENA_REALS(ar, N * (d->kvr + d->dr));
     s->t_k_rope_raw = ARENA_REALS(ar, N * d->dr);
     s->t_k_rope = ARENA_REALS(ar, N * d->dr);
@@ -112,10 +108,7 @@ void layer_scratch_alloc(ActsArena *ar, LayerScratch *s, const Dims *d, int has_
         s->d_cq = ARENA_REALS(ar, N * d->qr);
         s->d_cqn = ARENA_REALS(ar, N * d->qr);
     }
-    s->d_q = ARENA_REALS(ar, NH * d->dqk);
     s->d_qf = ARENA_REALS(ar, NH * d->dqk);
-    s->d_q_rope = ARENA_REALS(ar, NH * d->dr);
-    s->d_q_rope_raw = ARENA_REALS(ar, NH * d->dr);
     s->d_kva = ARENA_REALS(ar, N * (d->kvr + d->dr));
     s->d_ckv = ARENA_REALS(ar, N * d->kvr);
     s->d_ckvn = ARENA_REALS(ar, N * d->kvr);

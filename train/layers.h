@@ -43,9 +43,8 @@ Dims dims_from_config(const Config *c, int B, int T);
 // LayerScratch (shared by all blocks), not into per-block storage (see layer_scratch_alloc).
 typedef struct {
     real *cq, *cq_rstd, *cqn;      // (N, qr), (N), (N, qr)     q_lora_rank > 0 only
-    real *q;                       // (N, H*dqk) projection output, before RoPE (transient)
-    real *q_rope;                  // (N*H, dr) RoPE'd rope part of q (transient)
-    real *qf;                      // (N*H, dqk) = [q_nope ; RoPE(q_rope)] per head
+    real *qf;                      // (N*H, dqk) = [q_nope ; RoPE(q_rope)] per head (the projection output, rope
+                                   // part rotated in place)
     real *kva;                     // (N, kvr + dr) = W_DKV x (transient)
     real *ckv, *ckv_rstd, *ckvn;   // (N, kvr) compressed kv, its rstd, normalised
     real *k_rope_raw, *k_rope;     // (N, dr) before / after RoPE, shared by all heads (transient)
@@ -96,11 +95,11 @@ typedef struct {
 // transients before the next block writes them.
 typedef struct {
     real *t_xn, *t_rstd;                  // BlockActs' normalised inputs (N, D), and an rstd (N) to recompute them
-    real *t_q, *t_q_rope, *t_kva, *t_k_rope_raw, *t_k_rope, *t_kv;  // MlaActs' transients
+    real *t_kva, *t_k_rope_raw, *t_k_rope, *t_kv;  // MlaActs' transients
     real *t_h;                            // FfnActs' h, sized for the largest FFN (dense, shared, N*K x I)
     real *t_xp;                           // MoeActs' xp (N*K, D), MoE chunks that gather it only
     real *d_xn, *d_mid;                   // (N, D)
-    real *d_cq, *d_cqn, *d_q, *d_qf, *d_q_rope, *d_q_rope_raw;
+    real *d_cq, *d_cqn, *d_qf;
     real *d_kva, *d_ckv, *d_ckvn, *d_k_rope, *d_k_rope_raw, *d_kv, *d_kf, *d_v, *d_o;
     real *d_a, *d_b, *d_h;                // FFN gradients: dense / shared (N, width), all routed experts (N*K, I)
     real *d_logits, *d_scores, *d_topk_w; // router

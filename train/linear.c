@@ -307,9 +307,9 @@ static void fp8_forward(Model *m, int n_groups, const int *offsets, int n_out, r
 // and X in 128x1 tiles along the tokens, written transposed so the tokens are the contraction axis). Groups
 // write disjoint rows of dinp and slices of dW, so this order gives the bits of group-by-group calls. X's
 // Wgrad operand is quantised once; each dY once, into both layouts when both GEMMs need it.
-static void fp8_backward(Model *m, int n_groups, const int *offsets, int n_out, real *dinp, real *const *dweight,
-                         const real *const *dout, const real *inp, const int *inp_rows, const real *const *weight,
-                         int C, int OC) {
+static void fp8_backward(Model *m, int n_groups, const int *offsets, int n_out, real *dinp, GradStore dinp_store,
+                         real *const *dweight, const real *const *dout, const real *inp, const int *inp_rows,
+                         const real *const *weight, int C, int OC) {
     const GroupSizes z = group_sizes(n_groups, offsets);
     scratch_reserve(m, backward_bytes(z, C, OC));
     size_t used = 0;
@@ -342,8 +342,8 @@ static void fp8_backward(Model *m, int n_groups, const int *offsets, int n_out, 
         profile_end(PHASE_QUANTISE);
         if (dinp) {
             m->fp8_gemm_count += group_weights(m, n_groups, offsets, weight[i], OC, C);
-            fp8_gemm_dgrad_grouped(m->dev, dinp, dy.q, dy.s, m->weight_cache->qt, m->weight_cache->s, n_groups, offsets,
-                                   OC, C);
+            fp8_gemm_dgrad_grouped(m->dev, dinp, i == 0 ? dinp_store : GRAD_ADD, dy.q, dy.s, m->weight_cache->qt,
+                                   m->weight_cache->s, n_groups, offsets, OC, C);
         }
         for (int g = 0, tiles = 0; g < n_groups && dweight[i]; g++) {
             const int n = offsets[g + 1] - offsets[g];
@@ -378,8 +378,9 @@ static void bf16_forward(Model *m, int n_groups, const int *offsets, int n_out, 
 
 // Linear by Linear (in order of i): Dgrad for all groups, then Wgrad group by group; groups write disjoint
 // rows of dinp and slices of dW, so this is the order of group-by-group calls.
-static void bf16_backward(Model *m, int n_groups, const int *offsets, int n_out, real *dinp, real *const *dweight,
-                          const real *const *dout, const real *inp, const real *const *weight, int C, int OC) {
+static void bf16_backward(Model *m, int n_groups, const int *offsets, int n_out, real *dinp, GradStore dinp_store,
+                          real *const *dweight, const real *const *dout, const real *inp, const real *const *weight,
+                          int C, int OC) {
     const int rows = offsets[n_groups];
     scratch_reserve(m, bf16_bytes(rows, C) + bf16_bytes(rows, OC));
     size_t used = 0;
@@ -395,7 +396,8 @@ static void bf16_backward(Model *m, int n_groups, const int *offsets, int n_out,
         bf16_round_array(m->dev, dy, dout[i], (int64_t)rows * OC);  // the previous dY is consumed (one stream)
         if (dinp) {
             group_weights(m, n_groups, offsets, weight[i], OC, C);
-            bf16_gemm_dgrad_grouped(m->dev, dinp, dy, m->weight_cache->b, n_groups, offsets, OC, C);
+            bf16_gemm_dgrad_grouped(m->dev, dinp, i == 0 ? dinp_store : GRAD_ADD, dy, m->weight_cache->b, n_groups,
+                                    offsets, OC, C);
         }
         for (int g = 0; g < n_groups && dweight[i]; g++) {
             const int r0 = offsets[g], n = offsets[g + 1] - offsets[g];
@@ -445,28 +447,31 @@ void linear_forward_grouped(Model *m, int n_groups, const int *offsets, int n_ou
     profile_end(PHASE_OTHER_GEMM);
 }
 
-void linear_backward(Model *m, real *dinp, real *dweight, const real *dout, const real *inp, const real *weight,
-                     int N, int C, int OC) {
-    linear_backward_shared(m, 1, dinp, &dweight, &dout, inp, &weight, N, C, OC);
+void linear_backward(Model *m, real *dinp, GradStore dinp_store, real *dweight, const real *dout, const real *inp,
+                     const real *weight, int N, int C, int OC) {
+    linear_backward_shared(m, 1, dinp, dinp_store, &dweight, &dout, inp, &weight, N, C, OC);
 }
 
-void linear_backward_shared(Model *m, int n_out, real *dinp, real *const *dweight, const real *const *dout,
-                            const real *inp, const real *const *weight, int N, int C, int OC) {
+void linear_backward_shared(Model *m, int n_out, real *dinp, GradStore dinp_store, real *const *dweight,
+                            const real *const *dout, const real *inp, const real *const *weight, int N, int C, int OC) {
     const int offsets[2] = {0, N};
-    linear_backward_grouped(m, 1, offsets, n_out, dinp, dweight, dout, inp, NULL, weight, C, OC);
+    linear_backward_grouped(m, 1, offsets, n_out, dinp, dinp_store, dweight, dout, inp, NULL, weight, C, OC);
 }
 
-void linear_backward_grouped(Model *m, int n_groups, const int *offsets, int n_out, real *dinp, real *const *dweight,
-                             const real *const *dout, const real *inp, const int *inp_rows, const real *const *weight,
-                             int C, int OC) {
+void linear_backward_grouped(Model *m, int n_groups, const int *offsets, int n_out, real *dinp, GradStore dinp_store,
+                             real *const *dweight, const real *const *dout, const real *inp, const int *inp_rows,
+                             const real *const *weight, int C, int OC) {
     if (n_out > MAX_SHARED) too_many_shared(n_out);
     check_inp_rows(m, inp_rows);
     profile_begin(PHASE_OTHER_GEMM);
     if (m->cfg.precision.mode == PRECISION_FP8) {
-        fp8_backward(m, n_groups, offsets, n_out, dinp, dweight, dout, inp, inp_rows, weight, C, OC);
+        fp8_backward(m, n_groups, offsets, n_out, dinp, dinp_store, dweight, dout, inp, inp_rows, weight, C, OC);
     } else if (m->cfg.precision.mode == PRECISION_BF16) {
-        bf16_backward(m, n_groups, offsets, n_out, dinp, dweight, dout, inp, weight, C, OC);
+        bf16_backward(m, n_groups, offsets, n_out, dinp, dinp_store, dweight, dout, inp, weight, C, OC);
     } else {
+        // the FP32 reference matmul only accumulates: a written dinp is cleared first
+        if (dinp != NULL && dinp_store == GRAD_WRITE)
+            device_memset_zero(m->dev, dinp, (size_t)offsets[n_groups] * (size_t)C * sizeof(real));
         for (int g = 0; g < n_groups; g++) {
             const int r0 = offsets[g], n = offsets[g + 1] - offsets[g];
             for (int i = 0; i < n_out && n > 0; i++) {

@@ -20,17 +20,19 @@
 
 // inp (N, C), weight (OC, C) -> out (N, OC) = inp @ weight^T
 void linear_forward(Model *m, real *out, const real *inp, const real *weight, int N, int C, int OC);
-// dinp (N, C) += dout @ weight; dweight (OC, C) += dout^T @ inp   (either may be NULL)
-void linear_backward(Model *m, real *dinp, real *dweight, const real *dout, const real *inp, const real *weight,
-                     int N, int C, int OC);
+// dinp (N, C) += dout @ weight; dweight (OC, C) += dout^T @ inp   (either may be NULL). With dinp_store =
+// GRAD_WRITE (kernels.h) dinp is written instead, its old contents never read: for an input gradient that only
+// this Linear produces, with no memset before. Weight gradients always accumulate.
+void linear_backward(Model *m, real *dinp, GradStore dinp_store, real *dweight, const real *dout, const real *inp,
+                     const real *weight, int N, int C, int OC);
 // n_out Linears of the same input inp (N, C), weights (OC, C) each: out[i] = inp @ weight[i]^T, and in the
-// backward dinp += sum_i dout[i] @ weight[i] (in order of i), dweight[i] += dout[i]^T @ inp (dweight[i]
-// may be NULL). The same numbers as n_out calls of the functions above; in fp8 mode the input is quantised
+// backward dinp += sum_i dout[i] @ weight[i] (in order of i; with GRAD_WRITE the first is written, the rest
+// added), dweight[i] += dout[i]^T @ inp (dweight[i] may be NULL). The same numbers as n_out calls of the functions above; in fp8 mode the input is quantised
 // once instead of n_out times (the SwiGLU FFN's w1 and w3). n_out is at most 4.
 void linear_forward_shared(Model *m, int n_out, real *const *out, const real *inp, const real *const *weight, int N,
                            int C, int OC);
-void linear_backward_shared(Model *m, int n_out, real *dinp, real *const *dweight, const real *const *dout,
-                            const real *inp, const real *const *weight, int N, int C, int OC);
+void linear_backward_shared(Model *m, int n_out, real *dinp, GradStore dinp_store, real *const *dweight,
+                            const real *const *dout, const real *inp, const real *const *weight, int N, int C, int OC);
 // Grouped Linears (the routed experts): rows [offsets[g], offsets[g+1]) of inp (offsets[0] = 0) go through
 // weight g of each stacked weight[i] (n_groups, OC, C), into the same rows of out[i]; in the backward
 // dinp's rows get sum_i dout[i] W_i,g and dweight[i]'s slice g gets dout[i]^T inp over the group's rows.
@@ -40,9 +42,9 @@ void linear_backward_shared(Model *m, int n_out, real *dinp, real *const *dweigh
 // (the routed experts' token rows, with no gathered FP32 copy). The same numbers as a gathered inp.
 void linear_forward_grouped(Model *m, int n_groups, const int *offsets, int n_out, real *const *out, const real *inp,
                             const int *inp_rows, const real *const *weight, int C, int OC);
-void linear_backward_grouped(Model *m, int n_groups, const int *offsets, int n_out, real *dinp, real *const *dweight,
-                             const real *const *dout, const real *inp, const int *inp_rows, const real *const *weight,
-                             int C, int OC);
+void linear_backward_grouped(Model *m, int n_groups, const int *offsets, int n_out, real *dinp, GradStore dinp_store,
+                             real *const *dweight, const real *const *dout, const real *inp, const int *inp_rows,
+                             const real *const *weight, int C, int OC);
 // Builds the weight cache and sizes the Linear scratch (fp8: quantised operands, bf16: rounded ones) for
 // every block Linear at `rows` tokens (a micro-batch) and for the routed experts' grouped calls (rows x top-K
 // rows over the local experts), so no step allocates device memory; a no-op in fp32 mode.

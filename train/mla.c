@@ -17,24 +17,22 @@ void mla_forward(Model *m, const MlaWeights *w, MlaActs *a, const Dims *d, const
     Device dev = m->dev;
     int N = d->N, H = d->H, dqk = d->dqk, NH = d->N * d->H;
     // queries
+    // q (N, H dqk) is qf (N*H, dqk): the projection writes it, then the rope part of every head is rotated
+    // in place (stride dqk), the nope part kept
     if (d->qr > 0) {
         linear_forward(m, a->cq, xn, w->wq_a, N, d->D, d->qr);
         rmsnorm_forward(dev, a->cqn, a->cq_rstd, a->cq, w->q_norm, N, d->qr);
-        linear_forward(m, a->q, a->cqn, w->wq_b, N, d->qr, H * dqk);
+        linear_forward(m, a->qf, a->cqn, w->wq_b, N, d->qr, H * dqk);
     } else {
-        linear_forward(m, a->q, xn, w->wq, N, d->D, H * dqk);
+        linear_forward(m, a->qf, xn, w->wq, N, d->D, H * dqk);
     }
-    // q viewed as (N*H, dqk): the rope part of every head gets rotated, the nope part is kept
-    copy_block(dev, a->qf, dqk, a->q, dqk, NH, d->dn, 0);
-    copy_block(dev, a->q_rope, d->dr, a->q + d->dn, dqk, NH, d->dr, 0);
-    rope_forward(dev, a->q_rope, a->q_rope, d->B, d->T, H, d->dr, d->rope_theta);
-    copy_block(dev, a->qf + d->dn, dqk, a->q_rope, d->dr, NH, d->dr, 0);
+    rope_forward(dev, a->qf + d->dn, a->qf + d->dn, dqk, d->B, d->T, H, d->dr, d->rope_theta);
     // keys and values through the compressed latent
     int kva_w = d->kvr + d->dr;
     linear_forward(m, a->kva, xn, w->wkv_a, N, d->D, kva_w);
     copy_block(dev, a->ckv, d->kvr, a->kva, kva_w, N, d->kvr, 0);
     copy_block(dev, a->k_rope_raw, d->dr, a->kva + d->kvr, kva_w, N, d->dr, 0);
-    rope_forward(dev, a->k_rope, a->k_rope_raw, d->B, d->T, 1, d->dr, d->rope_theta);
+    rope_forward(dev, a->k_rope, a->k_rope_raw, d->dr, d->B, d->T, 1, d->dr, d->rope_theta);
     rmsnorm_forward(dev, a->ckvn, a->ckv_rstd, a->ckv, w->kv_norm, N, d->kvr);
     int kv_w = d->dn + d->dv;
     linear_forward(m, a->kv, a->ckvn, w->wkv_b, N, d->kvr, H * kv_w);
@@ -55,49 +53,40 @@ void mla_backward(Model *m, const MlaWeights *w, const MlaWeights *g, MlaActs *a
     int N = d->N, H = d->H, dqk = d->dqk, NH = d->N * d->H;
     int kva_w = d->kvr + d->dr, kv_w = d->dn + d->dv;
     size_t R = sizeof(real);
-    device_memset_zero(dev, s->d_o, (size_t)N * H * d->dv * R);
     device_memset_zero(dev, s->d_qf, (size_t)NH * dqk * R);
     device_memset_zero(dev, s->d_kf, (size_t)NH * dqk * R);
     device_memset_zero(dev, s->d_v, (size_t)NH * d->dv * R);
-    device_memset_zero(dev, s->d_kv, (size_t)N * H * kv_w * R);
     device_memset_zero(dev, s->d_k_rope, (size_t)N * d->dr * R);
-    device_memset_zero(dev, s->d_k_rope_raw, (size_t)N * d->dr * R);
-    device_memset_zero(dev, s->d_kva, (size_t)N * kva_w * R);
-    device_memset_zero(dev, s->d_ckvn, (size_t)N * d->kvr * R);
     device_memset_zero(dev, s->d_ckv, (size_t)N * d->kvr * R);
-    device_memset_zero(dev, s->d_q_rope_raw, (size_t)NH * d->dr * R);
-    device_memset_zero(dev, s->d_q, (size_t)N * H * dqk * R);
 
+    // d_o, d_kv, d_kva, d_ckvn, d_q and d_cqn are each filled by one Linear or by copies that together cover
+    // every column, so they are written (GRAD_WRITE, copy_block without accumulate), not cleared and added to.
     // forward was: out = o W_O^T, o = attention(qf, kf, v)
-    linear_backward(m, s->d_o, g->wo, d_out, a->o, w->wo, N, H * d->dv, d->D);
+    linear_backward(m, s->d_o, GRAD_WRITE, g->wo, d_out, a->o, w->wo, N, H * d->dv, d->D);
     profile_begin(PHASE_ATTENTION);
     attention_backward(dev, s->d_qf, s->d_kf, s->d_v, s->d_o, a->o, a->att, a->qf, a->kf, a->v, d->B, d->T, H,
                        dqk, d->dv);
     profile_end(PHASE_ATTENTION);
     // kf and v were sliced out of kv (per head) and k_rope (shared): gather their gradients back
-    copy_block(dev, s->d_kv + d->dn, kv_w, s->d_v, d->dv, NH, d->dv, 1);
-    copy_block(dev, s->d_kv, kv_w, s->d_kf, dqk, NH, d->dn, 1);
+    copy_block(dev, s->d_kv + d->dn, kv_w, s->d_v, d->dv, NH, d->dv, 0);
+    copy_block(dev, s->d_kv, kv_w, s->d_kf, dqk, NH, d->dn, 0);
     // k_rope was broadcast to every head: it collects the gradient of every head, added in head order
     sum_row_groups(dev, s->d_k_rope, d->dr, s->d_kf + d->dn, dqk, N, d->dr, H);
-    rope_backward(dev, s->d_k_rope_raw, s->d_k_rope, d->B, d->T, 1, d->dr, d->rope_theta);
-    copy_block(dev, s->d_kva + d->kvr, kva_w, s->d_k_rope_raw, d->dr, N, d->dr, 1);
-    linear_backward(m, s->d_ckvn, g->wkv_b, s->d_kv, a->ckvn, w->wkv_b, N, d->kvr, H * kv_w);
+    rope_backward(dev, s->d_k_rope_raw, s->d_k_rope, d->dr, d->B, d->T, 1, d->dr, d->rope_theta);
+    copy_block(dev, s->d_kva + d->kvr, kva_w, s->d_k_rope_raw, d->dr, N, d->dr, 0);
+    linear_backward(m, s->d_ckvn, GRAD_WRITE, g->wkv_b, s->d_kv, a->ckvn, w->wkv_b, N, d->kvr, H * kv_w);
     rmsnorm_backward(dev, s->d_ckv, g->kv_norm, s->d_ckvn, a->ckv, w->kv_norm, a->ckv_rstd, N, d->kvr);
-    copy_block(dev, s->d_kva, kva_w, s->d_ckv, d->kvr, N, d->kvr, 1);
-    linear_backward(m, d_xn, g->wkv_a, s->d_kva, xn, w->wkv_a, N, d->D, kva_w);
-    // qf = [q_nope ; RoPE(q_rope)] per head; RoPE's backward wants contiguous rows, so the rope part of
-    // d_qf is copied out, rotated back, and added into the rope part of d_q
-    copy_block(dev, s->d_q, dqk, s->d_qf, dqk, NH, d->dn, 1);
-    copy_block(dev, s->d_q_rope, d->dr, s->d_qf + d->dn, dqk, NH, d->dr, 0);
-    rope_backward(dev, s->d_q_rope_raw, s->d_q_rope, d->B, d->T, H, d->dr, d->rope_theta);
-    copy_block(dev, s->d_q + d->dn, dqk, s->d_q_rope_raw, d->dr, NH, d->dr, 1);
+    copy_block(dev, s->d_kva, kva_w, s->d_ckv, d->kvr, N, d->kvr, 0);
+    linear_backward(m, d_xn, GRAD_ADD, g->wkv_a, s->d_kva, xn, w->wkv_a, N, d->D, kva_w);
+    // qf = [q_nope ; RoPE(q_rope)] per head: the rope part of d_qf is rotated back in place, and d_qf is then
+    // the gradient of the projection's output q
+    rope_backward(dev, s->d_qf + d->dn, s->d_qf + d->dn, dqk, d->B, d->T, H, d->dr, d->rope_theta);
     if (d->qr > 0) {
-        device_memset_zero(dev, s->d_cqn, (size_t)N * d->qr * R);
         device_memset_zero(dev, s->d_cq, (size_t)N * d->qr * R);
-        linear_backward(m, s->d_cqn, g->wq_b, s->d_q, a->cqn, w->wq_b, N, d->qr, H * dqk);
+        linear_backward(m, s->d_cqn, GRAD_WRITE, g->wq_b, s->d_qf, a->cqn, w->wq_b, N, d->qr, H * dqk);
         rmsnorm_backward(dev, s->d_cq, g->q_norm, s->d_cqn, a->cq, w->q_norm, a->cq_rstd, N, d->qr);
-        linear_backward(m, d_xn, g->wq_a, s->d_cq, xn, w->wq_a, N, d->D, d->qr);
+        linear_backward(m, d_xn, GRAD_ADD, g->wq_a, s->d_cq, xn, w->wq_a, N, d->D, d->qr);
     } else {
-        linear_backward(m, d_xn, g->wq, s->d_q, xn, w->wq, N, d->D, H * dqk);
+        linear_backward(m, d_xn, GRAD_ADD, g->wq, s->d_qf, xn, w->wq, N, d->D, H * dqk);
     }
 }

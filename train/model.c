@@ -552,8 +552,7 @@ static void mtp_backward(Model *m, ChunkActs *a, int k, real *d_h_prev, real los
     rmsnorm_backward(dev, a->d_cur, g->norm, t->d_h, t->x1, w->norm, t->ho_rstd, N, D);
     block_backward(m, &w->block, &g->block, &t->block, d, &a->scratch, a->d_cur, a->d_cur,
                    loss_scale * m->loss_weights.balance);
-    device_memset_zero(dev, a->d_cat, 2 * bytes);
-    linear_backward(m, a->d_cat, g->eh_proj, a->d_cur, t->cat, w->eh_proj, N, 2 * D, D);
+    linear_backward(m, a->d_cat, GRAD_WRITE, g->eh_proj, a->d_cur, t->cat, w->eh_proj, N, 2 * D, D);
     // split d_cat = [d_en ; d_hn] and go back through the two norms
     copy_block(dev, a->d_tmp, D, a->d_cat, 2 * D, N, D, 0);
     device_memset_zero(dev, a->d_cur, bytes);

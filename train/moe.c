@@ -31,16 +31,13 @@ void ffn_forward(Model *m, const FfnWeights *w, FfnActs *a, int rows, int D, int
 void ffn_backward(Model *m, const FfnWeights *w, const FfnWeights *g, FfnActs *a, LayerScratch *s,
                   int rows, int D, int width, const real *x, const real *d_out, real *d_x) {
     Device dev = m->dev;
-    size_t bytes = (size_t)rows * width * sizeof(real);
     swiglu_forward(dev, a->h, a->a, a->b, (int64_t)rows * width);
-    device_memset_zero(dev, s->d_h, bytes);
-    device_memset_zero(dev, s->d_a, bytes);
-    device_memset_zero(dev, s->d_b, bytes);
-    linear_backward(m, s->d_h, g->w2, d_out, a->h, w->w2, rows, width, D);
+    // d_h, d_a and d_b are written, not cleared and added to (GRAD_WRITE; swiglu_backward writes)
+    linear_backward(m, s->d_h, GRAD_WRITE, g->w2, d_out, a->h, w->w2, rows, width, D);
     swiglu_backward(dev, s->d_a, s->d_b, s->d_h, a->a, a->b, (int64_t)rows * width);
     real *const g13[2] = {g->w1, g->w3};
     const real *const d_ab[2] = {s->d_a, s->d_b}, *const w13[2] = {w->w1, w->w3};
-    linear_backward_shared(m, 2, d_x, g13, d_ab, x, w13, rows, D, width);
+    linear_backward_shared(m, 2, d_x, GRAD_ADD, g13, d_ab, x, w13, rows, D, width);
 }
 
 // ---------------------------------------------------------------------------- routed experts
@@ -74,12 +71,10 @@ static void experts_backward(Model *m, const FfnWeights *w, const FfnWeights *g,
     const real *const w2[1] = {w->w2};
     profile_begin(PHASE_EXPERT_GEMM);
     swiglu_forward(dev, a->h, a->a, a->b, n);
-    device_memset_zero(dev, s->d_h, (size_t)n * sizeof(real));
-    device_memset_zero(dev, s->d_a, (size_t)n * sizeof(real));
-    device_memset_zero(dev, s->d_b, (size_t)n * sizeof(real));
-    linear_backward_grouped(m, n_experts, offsets, 1, s->d_h, &g->w2, &d_ys, a->h, NULL, w2, I, D);
+    // every gradient here is written, not cleared and added to (GRAD_WRITE; swiglu_backward writes)
+    linear_backward_grouped(m, n_experts, offsets, 1, s->d_h, GRAD_WRITE, &g->w2, &d_ys, a->h, NULL, w2, I, D);
     swiglu_backward(dev, s->d_a, s->d_b, s->d_h, a->a, a->b, n);
-    linear_backward_grouped(m, n_experts, offsets, 2, d_xs, g13, d_ab, xs, xs_rows, w13, D, I);
+    linear_backward_grouped(m, n_experts, offsets, 2, d_xs, GRAD_WRITE, g13, d_ab, xs, xs_rows, w13, D, I);
     profile_end(PHASE_EXPERT_GEMM);
 }
 
@@ -124,8 +119,7 @@ void moe_backward(Model *m, const BlockWeights *w, const BlockWeights *g, MoeAct
     Device dev = m->dev;
     int N = d->N, E = d->E, K = d->K, D = d->D, NK = d->N * d->K;
     size_t R = sizeof(real);
-    device_memset_zero(dev, s->d_eout, (size_t)NK * D * R);
-    device_memset_zero(dev, s->d_xp, (size_t)NK * D * R);
+    // d_eout (moe_combine_backward) and d_xp (the experts' Dgrads) are written, not cleared and added to
     device_memset_zero(dev, s->d_topk_w, (size_t)N * K * R);
     device_memset_zero(dev, s->d_logits, (size_t)N * E * R);
     // out = shared(x) + sum_k w_k eout[slot(t,k)]

@@ -50,8 +50,9 @@ void cpu_bf16_matmul_forward(real *out, const real *inp, const real *weight, int
 // In the forward pass this was out = inp @ weight^T, so with all operands rounded to BF16:
 //   dinp (N, C)     += bf16(bf16(dout) @ bf16(weight))     (the BF16 Dgrad output is added once)
 //   dweight (OC, C) += bf16(dout)^T @ bf16(inp)            (FP32 sum over N, added once)
-void cpu_bf16_matmul_backward(real *dinp, real *dweight, const real *dout, const real *inp, const real *weight,
-                              int N, int C, int OC) {
+// store = GRAD_WRITE writes dinp = bf16(...) instead (cpu_bf16_gemm_dgrad_grouped).
+static void bf16_backward(real *dinp, GradStore store, real *dweight, const real *dout, const real *inp,
+                          const real *weight, int N, int C, int OC) {
     real *dout_b = bf16_copy(dout, (size_t)N * OC, "BF16 copy of dout");
     if (dinp) {
         real *weight_b = bf16_copy(weight, (size_t)OC * C, "BF16 copy of weight");
@@ -60,7 +61,7 @@ void cpu_bf16_matmul_backward(real *dinp, real *dweight, const real *dout, const
         for (size_t i = 0; i < n; i++) dx[i] = 0;
         cpu_matmul_backward(dx, NULL, dout_b, NULL, weight_b, N, C, OC);  // dx = 0 + sum: the plain sum
 #pragma omp parallel for schedule(static) if (n > 65536)
-        for (size_t i = 0; i < n; i++) dinp[i] = dinp[i] + bf16_round(dx[i]);
+        for (size_t i = 0; i < n; i++) dinp[i] = store == GRAD_WRITE ? bf16_round(dx[i]) : dinp[i] + bf16_round(dx[i]);
         free(dx);
         free(weight_b);
     }
@@ -70,6 +71,11 @@ void cpu_bf16_matmul_backward(real *dinp, real *dweight, const real *dout, const
         free(inp_b);
     }
     free(dout_b);
+}
+
+void cpu_bf16_matmul_backward(real *dinp, real *dweight, const real *dout, const real *inp, const real *weight,
+                              int N, int C, int OC) {
+    bf16_backward(dinp, GRAD_ADD, dweight, dout, inp, weight, N, C, OC);
 }
 
 // ---------------------------------------------------------------------------- pre-rounded operands
@@ -102,14 +108,14 @@ void cpu_bf16_gemm_fprop_grouped(real *y, const uint16_t *x, const uint16_t *con
     }
 }
 
-void cpu_bf16_gemm_dgrad_grouped(real *dx, const uint16_t *dy, const uint16_t *const *w, int n_seg, const int *rows0,
-                                 int N, int K) {
+void cpu_bf16_gemm_dgrad_grouped(real *dx, GradStore store, const uint16_t *dy, const uint16_t *const *w, int n_seg,
+                                 const int *rows0, int N, int K) {
     for (int g = 0; g < n_seg; g++) {
         const int r0 = rows0[g], n = rows0[g + 1] - rows0[g];
         if (n <= 0) continue;
         real *dyf = bf16_expand(dy + (size_t)r0 * N, (size_t)n * N, "BF16 Dgrad dY");
         real *wf = bf16_expand(w[g], (size_t)N * K, "BF16 Dgrad weight");
-        cpu_bf16_matmul_backward(dx + (size_t)r0 * K, NULL, dyf, NULL, wf, n, K, N);
+        bf16_backward(dx + (size_t)r0 * K, store, NULL, dyf, NULL, wf, n, K, N);
         free(dyf);
         free(wf);
     }

@@ -12,8 +12,8 @@ void cpu_embedding_forward(real *out, const int *tokens, const real *table, int 
 void cpu_embedding_backward(real *dtable, const real *dout, const int *tokens, int N, int C);
 void cpu_rmsnorm_forward(real *out, real *rstd, const real *inp, const real *weight, int N, int C);
 void cpu_rmsnorm_backward(real *dinp, real *dweight, const real *dout, const real *inp, const real *weight, const real *rstd, int N, int C);
-void cpu_rope_forward(real *out, const real *inp, int B, int T, int H, int D, real theta);
-void cpu_rope_backward(real *dinp, const real *dout, int B, int T, int H, int D, real theta);
+void cpu_rope_forward(real *out, const real *inp, int ld, int B, int T, int H, int D, real theta);
+void cpu_rope_backward(real *dinp, const real *dout, int ld, int B, int T, int H, int D, real theta);
 void cpu_attention_forward(real *out, real *att, const real *q, const real *k, const real *v, int B, int T, int H, int Dqk, int Dv);
 void cpu_attention_backward(real *dq, real *dk, real *dv, const real *dout, const real *att, const real *q, const real *k, const real *v, int B, int T, int H, int Dqk, int Dv);
 void cpu_swiglu_forward(real *out, const real *a, const real *b, int64_t n);
@@ -52,7 +52,7 @@ void cpu_fp8_gemm_fprop(real *y, const uint8_t *qx, const float *sx, const uint8
 void cpu_fp8_gemm_dgrad(real *dx, const uint8_t *qdy, const float *sdy, const uint8_t *qwt, const float *sw, int T, int N, int K);
 void cpu_fp8_gemm_fprop_grouped(real *y, const uint8_t *qx, const float *sx, const uint8_t *const *qw, const float *const *sw,
                                 int n, const int *rows0, int N, int K);
-void cpu_fp8_gemm_dgrad_grouped(real *dx, const uint8_t *qdy, const float *sdy, const uint8_t *const *qwt,
+void cpu_fp8_gemm_dgrad_grouped(real *dx, GradStore store, const uint8_t *qdy, const float *sdy, const uint8_t *const *qwt,
                                 const float *const *sw, int n, const int *rows0, int N, int K);
 void cpu_fp8_gemm_wgrad(real *dw, const uint8_t *qdyt, const float *sdyt, const uint8_t *qxt, const float *sxt, int T, int N, int K);
 // One FP8 GEMM output element under a model of the tensor core's accumulator (docs/fp8.md, "why promotion
@@ -66,7 +66,7 @@ void cpu_bf16_matmul_forward(real *out, const real *inp, const real *weight, int
 void cpu_bf16_matmul_backward(real *dinp, real *dweight, const real *dout, const real *inp, const real *weight, int N, int C, int OC);
 void cpu_bf16_round_array(uint16_t *dst, const real *src, int64_t n);
 void cpu_bf16_gemm_fprop_grouped(real *y, const uint16_t *x, const uint16_t *const *w, int n_seg, const int *rows0, int N, int K);
-void cpu_bf16_gemm_dgrad_grouped(real *dx, const uint16_t *dy, const uint16_t *const *w, int n_seg, const int *rows0, int N, int K);
+void cpu_bf16_gemm_dgrad_grouped(real *dx, GradStore store, const uint16_t *dy, const uint16_t *const *w, int n_seg, const int *rows0, int N, int K);
 void cpu_bf16_gemm_wgrad(real *dw, const uint16_t *dy, const uint16_t *x, int T, int N, int K);
 
 #endif

@@ -134,13 +134,15 @@ void cpu_swiglu_forward(real *out, const real *a, const real *b, int64_t n) {
 }
 
 // In the forward pass this was out = silu(a) * b, so with s = sigmoid(a):
-//   db += dout * silu(a);   da += dout * b * silu'(a),  silu'(a) = s * (1 + a * (1 - s)).
+//   db = dout * silu(a);   da = dout * b * silu'(a),  silu'(a) = s * (1 + a * (1 - s)).
+// WRITES da and db (either may be NULL): a and b feed only this product, so nothing else adds to their
+// gradients and the callers need neither a memset nor a read of the old values.
 void cpu_swiglu_backward(real *da, real *db, const real *dout, const real *a, const real *b, int64_t n) {
 #pragma omp parallel for schedule(static) if (n >= PARALLEL_MIN_ELEMENTS)
     for (int64_t i = 0; i < n; i++) {
         const real sig = (real)1 / ((real)1 + exp(-a[i]));
-        if (da) da[i] += (dout[i] * b[i]) * (sig * ((real)1 + a[i] * ((real)1 - sig)));
-        if (db) db[i] += dout[i] * (a[i] * sig);
+        if (da) da[i] = (dout[i] * b[i]) * (sig * ((real)1 + a[i] * ((real)1 - sig)));
+        if (db) db[i] = dout[i] * (a[i] * sig);
     }
 }
 
@@ -168,19 +170,24 @@ static void rope_table(real **cos_out, real **sin_out, int T, int D, real theta)
     *sin_out = sn;
 }
 
-static void check_rope_dim(const char *op, int D) {
+static void check_rope_shape(const char *op, int ld, int D) {
     if (D % 2 != 0) {
         fprintf(stderr, "fp8moe: kernels/cpu/elementwise.c:%d: %s: head dimension D = %d is odd; interleaved "
                         "RoPE rotates pairs (x[2j], x[2j+1]) and needs an even D\n", __LINE__, op, D);
         exit(1);
     }
+    if (ld < D) {
+        fprintf(stderr, "fp8moe: kernels/cpu/elementwise.c:%d: %s: vector stride ld = %d is below the head "
+                        "dimension D = %d\n", __LINE__, op, ld, D);
+        exit(1);
+    }
 }
 
-// inp, out (B, T, H, D), position = t: each pair (x0, x1) = (x[2j], x[2j+1]) becomes
-//   (x0 cos - x1 sin, x0 sin + x1 cos), i.e. the complex product (x0 + i x1) e^(i angle).
+// inp, out: (B, T, H) vectors of D at stride ld (kernels.h), position = t: each pair (x0, x1) = (x[2j], x[2j+1])
+// becomes (x0 cos - x1 sin, x0 sin + x1 cos), i.e. the complex product (x0 + i x1) e^(i angle).
 // out may alias inp: each pair is read before it is written.
-void cpu_rope_forward(real *out, const real *inp, int B, int T, int H, int D, real theta) {
-    check_rope_dim("rope_forward", D);
+void cpu_rope_forward(real *out, const real *inp, int ld, int B, int T, int H, int D, real theta) {
+    check_rope_shape("rope_forward", ld, D);
     const int half = D / 2;
     real *cs, *sn;
     rope_table(&cs, &sn, T, D, theta);
@@ -189,8 +196,8 @@ void cpu_rope_forward(real *out, const real *inp, int B, int T, int H, int D, re
         const real *c = cs + (size_t)(bt % T) * half;
         const real *s = sn + (size_t)(bt % T) * half;
         for (int h = 0; h < H; h++) {
-            const real *x = inp + ((size_t)bt * H + h) * D;
-            real *o = out + ((size_t)bt * H + h) * D;
+            const real *x = inp + ((size_t)bt * H + h) * ld;
+            real *o = out + ((size_t)bt * H + h) * ld;
             for (int j = 0; j < half; j++) {
                 const real x0 = x[2 * j], x1 = x[2 * j + 1];
                 o[2 * j] = x0 * c[j] - x1 * s[j];
@@ -202,16 +209,11 @@ void cpu_rope_forward(real *out, const real *inp, int B, int T, int H, int D, re
     free(sn);
 }
 
-// The forward rotation R(angle) is orthogonal, so its adjoint is R(-angle):
-//   dinp[2j] += d0 cos + d1 sin;   dinp[2j+1] += -d0 sin + d1 cos.   dinp, dout (B, T, H, D).
-void cpu_rope_backward(real *dinp, const real *dout, int B, int T, int H, int D, real theta) {
+// The forward rotation R(angle) is orthogonal, so its adjoint is R(-angle), written (dinp may alias dout):
+//   dinp[2j] = d0 cos + d1 sin;   dinp[2j+1] = -d0 sin + d1 cos.   Layout as the forward's.
+void cpu_rope_backward(real *dinp, const real *dout, int ld, int B, int T, int H, int D, real theta) {
     if (!dinp) return;
-    check_rope_dim("rope_backward", D);
-    if (dinp == dout) {
-        fprintf(stderr, "fp8moe: kernels/cpu/elementwise.c:%d: rope_backward: dinp aliases dout; dinp is "
-                        "accumulated into and must be a separate buffer\n", __LINE__);
-        exit(1);
-    }
+    check_rope_shape("rope_backward", ld, D);
     const int half = D / 2;
     real *cs, *sn;
     rope_table(&cs, &sn, T, D, theta);
@@ -220,12 +222,12 @@ void cpu_rope_backward(real *dinp, const real *dout, int B, int T, int H, int D,
         const real *c = cs + (size_t)(bt % T) * half;
         const real *s = sn + (size_t)(bt % T) * half;
         for (int h = 0; h < H; h++) {
-            const real *g = dout + ((size_t)bt * H + h) * D;
-            real *d = dinp + ((size_t)bt * H + h) * D;
+            const real *g = dout + ((size_t)bt * H + h) * ld;
+            real *d = dinp + ((size_t)bt * H + h) * ld;
             for (int j = 0; j < half; j++) {
                 const real d0 = g[2 * j], d1 = g[2 * j + 1];
-                d[2 * j] += d0 * c[j] + d1 * s[j];
-                d[2 * j + 1] += d1 * c[j] - d0 * s[j];
+                d[2 * j] = d0 * c[j] + d1 * s[j];
+                d[2 * j + 1] = d1 * c[j] - d0 * s[j];
             }
         }
     }

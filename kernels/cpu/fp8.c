@@ -583,16 +583,26 @@ void cpu_fp8_gemm_fprop(real *y, const uint8_t *qx, const float *sx, const uint8
 // Dgrad  dx (T, K) += dY W, the product rounded to BF16 (in the forward pass this was y = X W^T, so dX = dY W).
 //   qdy (T16, Np), sdy (NB, T16) from fp8_quantize_1x128(dy, T, N): A = qdy, sa = sdy;
 //   qwt (Kp, Np) and sw (NB, KB4) of the same weight: B = the first K rows of qwt,
-//   sb(k, nb) = sw[nb * KB4 + k / 128]. Contraction over Np.
-void cpu_fp8_gemm_dgrad(real *dx, const uint8_t *qdy, const float *sdy, const uint8_t *qwt, const float *sw, int T,
-                        int N, int K) {
+//   sb(k, nb) = sw[nb * KB4 + k / 128]. Contraction over Np. mode: OUT_ADD_BF16, or OUT_WRITE_BF16 (GRAD_WRITE).
+static void fp8_dgrad(OutMode mode, real *dx, const uint8_t *qdy, const float *sdy, const uint8_t *qwt,
+                      const float *sw, int T, int N, int K) {
     const int KB = ceil_div(K, FP8_TILE), KB4 = ceil_div(KB, 4) * 4, NB = ceil_div(N, FP8_TILE);
     float *sbx = alloc_or_die((size_t)NB * K * sizeof(float), "expanded weight scales");
     for (int nb = 0; nb < NB; nb++) {
         for (int k = 0; k < K; k++) sbx[(size_t)nb * K + k] = sw[(size_t)nb * KB4 + k / FP8_TILE];
     }
-    block_scaled_gemm(dx, OUT_ADD_BF16, qdy, sdy, round_up16(T), qwt, sbx, T, K, NB * FP8_TILE);
+    block_scaled_gemm(dx, mode, qdy, sdy, round_up16(T), qwt, sbx, T, K, NB * FP8_TILE);
     free(sbx);
+}
+
+void cpu_fp8_gemm_dgrad(real *dx, const uint8_t *qdy, const float *sdy, const uint8_t *qwt, const float *sw, int T,
+                        int N, int K) {
+    fp8_dgrad(OUT_ADD_BF16, dx, qdy, sdy, qwt, sw, T, N, K);
+}
+
+static void fp8_dgrad_write(real *dx, const uint8_t *qdy, const float *sdy, const uint8_t *qwt, const float *sw,
+                            int T, int N, int K) {
+    fp8_dgrad(OUT_WRITE_BF16, dx, qdy, sdy, qwt, sw, T, N, K);
 }
 
 // Grouped Fprop and Dgrad: the plain GEMM segment by segment, at the *_grouped 1x128 offsets (kernels.h);
@@ -619,9 +629,11 @@ void cpu_fp8_gemm_fprop_grouped(real *y, const uint8_t *qx, const float *sx, con
     gemm_segments("fp8_gemm_fprop_grouped", cpu_fp8_gemm_fprop, y, N, K, qx, sx, qw, sw, n, rows0, N, K);
 }
 
-void cpu_fp8_gemm_dgrad_grouped(real *dx, const uint8_t *qdy, const float *sdy, const uint8_t *const *qwt,
-                                const float *const *sw, int n, const int *rows0, int N, int K) {
-    gemm_segments("fp8_gemm_dgrad_grouped", cpu_fp8_gemm_dgrad, dx, K, N, qdy, sdy, qwt, sw, n, rows0, N, K);
+void cpu_fp8_gemm_dgrad_grouped(real *dx, GradStore store, const uint8_t *qdy, const float *sdy,
+                                const uint8_t *const *qwt, const float *const *sw, int n, const int *rows0, int N,
+                                int K) {
+    gemm_segments("fp8_gemm_dgrad_grouped", store == GRAD_WRITE ? fp8_dgrad_write : cpu_fp8_gemm_dgrad, dx, K, N, qdy,
+                  sdy, qwt, sw, n, rows0, N, K);
 }
 
 // Wgrad  dw (N, K) += dY^T X in FP32 (each element: dw = dw + acc, once).

@@ -6,7 +6,7 @@
  * Experts run over contiguous per-expert segments of a permuted buffer of N*K rows. The plan is an
  * integer counting sort, stable in (t, k) order, so the layout is a pure function of topk_idx. Every
  * reduction here runs over a token's K slots in k order inside one thread, so there are no
- * floating-point atomics and results do not depend on the thread count. The scatter-adds of the
+ * floating-point atomics and results do not depend on the thread count. The scatters of the
  * backward passes are written as gathers from the token side, which is race-free because slot_of is
  * a permutation of the N*K rows (moe_permute_plan builds it so).
  */
@@ -95,10 +95,11 @@ void cpu_moe_combine_forward(real *out, const real *expert_out, const int *slot_
 }
 
 // In the forward pass this was out[t] += sum_k w[t,k] * expert_out[slot_of[t,k]], so:
-//   dexpert_out[slot_of[t,k]] (N*K, C) += w[t,k] * dout[t]
+//   dexpert_out[slot_of[t,k]] (N*K, C)  = w[t,k] * dout[t]                        (written)
 //   dtopk_w[t,k] (N, K)               += dot(dout[t], expert_out[slot_of[t,k]])  (summed in double)
 // Either gradient pointer may be NULL. Each slot belongs to exactly one (t, k), so the per-token
-// loop writes disjoint rows.
+// loop writes disjoint rows and covers all N*K of them: dexpert_out is written, not accumulated,
+// which spares the caller a memset of the whole (N*K, C) buffer (its only contribution is this one).
 void cpu_moe_combine_backward(real *dexpert_out, real *dtopk_w, const real *dout, const real *expert_out,
                               const int *slot_of, const real *topk_w, int N, int K, int C) {
     #pragma omp parallel for schedule(static)
@@ -109,7 +110,7 @@ void cpu_moe_combine_backward(real *dexpert_out, real *dtopk_w, const real *dout
             if (dexpert_out) {
                 const real w = topk_w[(size_t)t * K + k];
                 real *de = dexpert_out + slot * C;
-                for (int c = 0; c < C; c++) de[c] += w * dt[c];
+                for (int c = 0; c < C; c++) de[c] = w * dt[c];
             }
             if (dtopk_w) {
                 const real *eo = expert_out + slot * C;

@@ -35,13 +35,13 @@ void cuda_fp8_gemm_fprop(real *y, const uint8_t *qx, const float *sx, const uint
 void cuda_fp8_gemm_dgrad(real *dx, const uint8_t *qdy, const float *sdy, const uint8_t *qwt, const float *sw, int T, int N, int K);
 void cuda_fp8_gemm_fprop_grouped(real *y, const uint8_t *qx, const float *sx, const uint8_t *const *qw, const float *const *sw,
                                  int n_seg, const int *rows0, int N, int K);
-void cuda_fp8_gemm_dgrad_grouped(real *dx, const uint8_t *qdy, const float *sdy, const uint8_t *const *qwt,
+void cuda_fp8_gemm_dgrad_grouped(real *dx, GradStore store, const uint8_t *qdy, const float *sdy, const uint8_t *const *qwt,
                                  const float *const *sw, int n_seg, const int *rows0, int N, int K);
 void cuda_fp8_gemm_wgrad(real *dw, const uint8_t *qdyt, const float *sdyt, const uint8_t *qxt, const float *sxt, int T, int N, int K);
 void cuda_bf16_matmul_forward(real *out, const real *inp, const real *weight, int N, int C, int OC);
 void cuda_bf16_matmul_backward(real *dinp, real *dweight, const real *dout, const real *inp, const real *weight, int N, int C, int OC);
 void cuda_bf16_gemm_fprop_grouped(real *y, const uint16_t *x, const uint16_t *const *w, int n_seg, const int *rows0, int N, int K);
-void cuda_bf16_gemm_dgrad_grouped(real *dx, const uint16_t *dy, const uint16_t *const *w, int n_seg, const int *rows0, int N, int K);
+void cuda_bf16_gemm_dgrad_grouped(real *dx, GradStore store, const uint16_t *dy, const uint16_t *const *w, int n_seg, const int *rows0, int N, int K);
 void cuda_bf16_gemm_wgrad(real *dw, const uint16_t *dy, const uint16_t *x, int T, int N, int K);
 
 // Causal attention core, flash-style (kernels/cuda/attention.cu); state = lse (B, H, T), see kernels.h;
@@ -54,8 +54,8 @@ void cuda_attention_backward(real *dq, real *dk, real *dv, const real *dout, con
 // and sum_squares copy a result or an error slot back to the host (they synchronise); see each file's comment.
 void cuda_embedding_forward(real *out, const int *tokens, const real *table, int N, int C);
 void cuda_embedding_backward(real *dtable, const real *dout, const int *tokens, int N, int C);
-void cuda_rope_forward(real *out, const real *inp, int B, int T, int H, int D, real theta);
-void cuda_rope_backward(real *dinp, const real *dout, int B, int T, int H, int D, real theta);
+void cuda_rope_forward(real *out, const real *inp, int ld, int B, int T, int H, int D, real theta);
+void cuda_rope_backward(real *dinp, const real *dout, int ld, int B, int T, int H, int D, real theta);
 void cuda_copy_block(real *dst, int dst_ld, const real *src, int src_ld, int rows, int cols, int accumulate);
 void cuda_broadcast_rows(real *dst, int dst_ld, const real *src, int src_ld, int rows, int cols, int repeat);
 void cuda_sum_row_groups(real *dst, int dst_ld, const real *src, int src_ld, int rows, int cols, int repeat);

@@ -200,66 +200,66 @@ static const float *rope_table(int T, int D, float theta) {
     return rope_cache.table;
 }
 
-// inp, out (B, T, H, D), position = t. One thread per pair (x0, x1) = (x[2j], x[2j+1]):
+// inp, out: (B, T, H) vectors of D at a stride of ld elements (ld >= D; ld = D is the packed (B, T, H, D)),
+// position = t. One thread per pair (x0, x1) = (x[2j], x[2j+1]):
 //   out = (x0 cos - x1 sin, x0 sin + x1 cos). Each thread reads its pair before writing it, so out may alias inp.
-__global__ void rope_forward_kernel(float *out, const float *inp, const float *cs, const float *sn, int64_t n_pairs,
-                                    int T, int H, int half) {
+__global__ void rope_forward_kernel(float *out, const float *inp, int ld, const float *cs, const float *sn,
+                                    int64_t n_pairs, int T, int H, int half) {
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n_pairs; i += (int64_t)gridDim.x * blockDim.x) {
         const int j = (int)(i % half);
         const int64_t vec = i / half; // (b * T + t) * H + h
         const int t = (int)((vec / H) % T);
         const float c = cs[(int64_t)t * half + j], s = sn[(int64_t)t * half + j];
-        const int64_t at = vec * 2 * half + 2 * j;
+        const int64_t at = vec * ld + 2 * j;
         const float x0 = inp[at], x1 = inp[at + 1];
         out[at] = __fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, s));
         out[at + 1] = __fadd_rn(__fmul_rn(x0, s), __fmul_rn(x1, c));
     }
 }
 
-// The forward rotation R(angle) is orthogonal, so its adjoint is R(-angle):
-//   dinp[2j] += d0 cos + d1 sin;   dinp[2j+1] += d1 cos - d0 sin.   dinp, dout (B, T, H, D).
-__global__ void rope_backward_kernel(float *dinp, const float *dout, const float *cs, const float *sn, int64_t n_pairs,
-                                     int T, int H, int half) {
+// The forward rotation R(angle) is orthogonal, so its adjoint is R(-angle), written (dinp may alias dout):
+//   dinp[2j] = d0 cos + d1 sin;   dinp[2j+1] = d1 cos - d0 sin.   Layout as the forward's.
+__global__ void rope_backward_kernel(float *dinp, const float *dout, int ld, const float *cs, const float *sn,
+                                     int64_t n_pairs, int T, int H, int half) {
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n_pairs; i += (int64_t)gridDim.x * blockDim.x) {
         const int j = (int)(i % half);
         const int64_t vec = i / half;
         const int t = (int)((vec / H) % T);
         const float c = cs[(int64_t)t * half + j], s = sn[(int64_t)t * half + j];
-        const int64_t at = vec * 2 * half + 2 * j;
+        const int64_t at = vec * ld + 2 * j;
         const float d0 = dout[at], d1 = dout[at + 1];
-        dinp[at] = __fadd_rn(dinp[at], __fadd_rn(__fmul_rn(d0, c), __fmul_rn(d1, s)));
-        dinp[at + 1] = __fadd_rn(dinp[at + 1], __fsub_rn(__fmul_rn(d1, c), __fmul_rn(d0, s)));
+        dinp[at] = __fadd_rn(__fmul_rn(d0, c), __fmul_rn(d1, s));
+        dinp[at + 1] = __fsub_rn(__fmul_rn(d1, c), __fmul_rn(d0, s));
     }
 }
 
-static void check_rope_dim(const char *op, int D) {
+static void check_rope_shape(const char *op, int ld, int D) {
     if (D % 2 != 0)
         ELEMENTWISE_FAIL("%s: head dimension D = %d is odd; interleaved RoPE rotates pairs (x[2j], x[2j+1]) and "
                          "needs an even D", op, D);
+    if (ld < D) ELEMENTWISE_FAIL("%s: vector stride ld = %d is below the head dimension D = %d", op, ld, D);
 }
 
-extern "C" void cuda_rope_forward(real *out, const real *inp, int B, int T, int H, int D, real theta) {
-    check_rope_dim("rope_forward", D);
+extern "C" void cuda_rope_forward(real *out, const real *inp, int ld, int B, int T, int H, int D, real theta) {
+    check_rope_shape("rope_forward", ld, D);
     const int half = D / 2;
     const int64_t n_pairs = (int64_t)B * T * H * half;
     if (n_pairs <= 0) return;
     const float *cs = rope_table(T, D, theta);
     rope_forward_kernel<<<grid_for(n_pairs, ELEMENTWISE_THREADS), ELEMENTWISE_THREADS>>>(
-        out, inp, cs, cs + (size_t)T * half, n_pairs, T, H, half);
+        out, inp, ld, cs, cs + (size_t)T * half, n_pairs, T, H, half);
     CUDA_CHECK_LAUNCH("rope_forward_kernel");
 }
 
-extern "C" void cuda_rope_backward(real *dinp, const real *dout, int B, int T, int H, int D, real theta) {
+extern "C" void cuda_rope_backward(real *dinp, const real *dout, int ld, int B, int T, int H, int D, real theta) {
     if (dinp == NULL) return;
-    check_rope_dim("rope_backward", D);
-    if (dinp == dout)
-        ELEMENTWISE_FAIL("rope_backward: dinp aliases dout; dinp is accumulated into and must be a separate buffer");
+    check_rope_shape("rope_backward", ld, D);
     const int half = D / 2;
     const int64_t n_pairs = (int64_t)B * T * H * half;
     if (n_pairs <= 0) return;
     const float *cs = rope_table(T, D, theta);
     rope_backward_kernel<<<grid_for(n_pairs, ELEMENTWISE_THREADS), ELEMENTWISE_THREADS>>>(
-        dinp, dout, cs, cs + (size_t)T * half, n_pairs, T, H, half);
+        dinp, dout, ld, cs, cs + (size_t)T * half, n_pairs, T, H, half);
     CUDA_CHECK_LAUNCH("rope_backward_kernel");
 }
 

@@ -563,12 +563,11 @@ typedef void (*Fp8GemmBf16)(uint16_t *out, const uint8_t *qa, const float *sa, c
 // kernels.h's Fprop and Dgrad take any T and any number of segments (the routed experts: *_grouped). Segment
 // g's 1x128 operand is T16_g rows (the padding rows are zero) at row p16[g] of qa, its scales at
 // CB * p16[g] (CB = contraction blocks); its GEMM runs on all T16_g rows into rows p16[g].. of one BF16
-// scratch (row stride `out_cols` rounded up to 128), and ONE conversion launch keeps (Dgrad: ADDs) the valid
-// rows of every segment. A conversion per segment cost a routed-expert Linear one launch per expert (about
+// scratch (row stride `out_cols` rounded up to 128), and ONE conversion launch keeps (Dgrad with GRAD_ADD: adds)
+// the valid rows of every segment. A conversion per segment cost a routed-expert Linear one launch per expert (about
 // 675 launches of 9-52 us per step of a 2-layer model, ~10% of the GPU time); the GEMMs are the same, so
 // are the bits.
-template <bool ADD>
-static void fp8_gemm_segments(const char *op, Fp8GemmBf16 gemm, real *out, int out_cols, int contraction,
+static void fp8_gemm_segments(const char *op, Fp8GemmBf16 gemm, real *out, bool add, int out_cols, int contraction,
                               const uint8_t *qa, const float *sa, const uint8_t *const *qb, const float *const *sb,
                               int n_seg, const int *rows0, int N, int K) {
     const SegTable seg = seg_table(op, n_seg, rows0);
@@ -581,33 +580,35 @@ static void fp8_gemm_segments(const char *op, Fp8GemmBf16 gemm, real *out, int o
         if (T16 == 0) continue;
         gemm(tmp + (size_t)p16 * ld, qa + (size_t)p16 * CB * FP8_TILE, sa + (size_t)CB * p16, qb[g], sb[g], T16, N, K);
     }
-    bf16_to_float_rows<ADD>(out, tmp, seg, out_cols, ld);
+    if (add) bf16_to_float_rows<true>(out, tmp, seg, out_cols, ld);
+    else bf16_to_float_rows<false>(out, tmp, seg, out_cols, ld);
 }
 
 extern "C" void cuda_fp8_gemm_fprop_grouped(real *y, const uint8_t *qx, const float *sx, const uint8_t *const *qw,
                                             const float *const *sw, int n_seg, const int *rows0, int N, int K) {
-    fp8_gemm_segments<false>("fp8_gemm_fprop_grouped", cuda_fp8_gemm_fprop_bf16, y, N, K, qx, sx, qw, sw, n_seg, rows0,
+    fp8_gemm_segments("fp8_gemm_fprop_grouped", cuda_fp8_gemm_fprop_bf16, y, false, N, K, qx, sx, qw, sw, n_seg, rows0,
                              N, K);
 }
 
-extern "C" void cuda_fp8_gemm_dgrad_grouped(real *dx, const uint8_t *qdy, const float *sdy, const uint8_t *const *qwt,
-                                            const float *const *sw, int n_seg, const int *rows0, int N, int K) {
-    fp8_gemm_segments<true>("fp8_gemm_dgrad_grouped", cuda_fp8_gemm_dgrad_bf16, dx, K, N, qdy, sdy, qwt, sw, n_seg,
-                            rows0, N, K);
+extern "C" void cuda_fp8_gemm_dgrad_grouped(real *dx, GradStore store, const uint8_t *qdy, const float *sdy,
+                                            const uint8_t *const *qwt, const float *const *sw, int n_seg,
+                                            const int *rows0, int N, int K) {
+    fp8_gemm_segments("fp8_gemm_dgrad_grouped", cuda_fp8_gemm_dgrad_bf16, dx, store == GRAD_ADD, K, N, qdy, sdy, qwt,
+                      sw, n_seg, rows0, N, K);
 }
 
 extern "C" void cuda_fp8_gemm_fprop(real *y, const uint8_t *qx, const float *sx, const uint8_t *qw, const float *sw,
                                     int T, int N, int K) {
     if (T <= 0) return;
     const int rows0[2] = {0, T};
-    fp8_gemm_segments<false>("fp8_gemm_fprop", cuda_fp8_gemm_fprop_bf16, y, N, K, qx, sx, &qw, &sw, 1, rows0, N, K);
+    fp8_gemm_segments("fp8_gemm_fprop", cuda_fp8_gemm_fprop_bf16, y, false, N, K, qx, sx, &qw, &sw, 1, rows0, N, K);
 }
 
 extern "C" void cuda_fp8_gemm_dgrad(real *dx, const uint8_t *qdy, const float *sdy, const uint8_t *qwt,
                                     const float *sw, int T, int N, int K) {
     if (T <= 0) return;
     const int rows0[2] = {0, T};
-    fp8_gemm_segments<true>("fp8_gemm_dgrad", cuda_fp8_gemm_dgrad_bf16, dx, K, N, qdy, sdy, &qwt, &sw, 1, rows0, N, K);
+    fp8_gemm_segments("fp8_gemm_dgrad", cuda_fp8_gemm_dgrad_bf16, dx, true, K, N, qdy, sdy, &qwt, &sw, 1, rows0, N, K);
 }
 
 extern "C" void cuda_fp8_gemm_wgrad(real *dw, const uint8_t *qdyt, const float *sdyt, const uint8_t *qxt,
@@ -694,11 +695,11 @@ extern "C" void cuda_bf16_matmul_backward(real *dinp, real *dweight, const real 
 
 // kernels.h's BF16 GEMMs on pre-rounded operands (train/linear.c's bf16 mode): segment g's rows of a (packed,
 // one segment after another) through weight w[g], one GEMM per non-empty segment into the same rows of one
-// BF16 scratch, then ONE conversion (Dgrad: one add) of all rows: the segments cover rows [0, rows0[n_seg]).
-// The GEMM calls are those of bf16_matmul_forward / _backward; only the conversions are merged.
+// BF16 scratch, then ONE conversion (Dgrad with GRAD_ADD: one add) of all rows: the segments cover rows
+// [0, rows0[n_seg]). The GEMM calls are those of bf16_matmul_forward / _backward; only the conversions are merged.
 template <bool DGRAD>
-static void bf16_gemm_segments(const char *op, real *out, const uint16_t *a, const uint16_t *const *w, int n_seg,
-                               const int *rows0, int N, int K) {
+static void bf16_gemm_segments(const char *op, real *out, bool add, const uint16_t *a, const uint16_t *const *w,
+                               int n_seg, const int *rows0, int N, int K) {
     for (int g = 0; g < n_seg; g++)  // any number of segments: no table reaches the GPU here
         if (rows0[0] != 0 || rows0[g + 1] < rows0[g])
             gemm_fail(__LINE__, op, "rows0[0] = %d, segment %d has rows %d..%d - expected rows0[0] = 0 and rows0 "
@@ -713,17 +714,18 @@ static void bf16_gemm_segments(const char *op, real *out, const uint16_t *a, con
         cuda_bf16_gemm(tmp + (size_t)r0 * out_cols, 0, 0.0f, a + (size_t)r0 * in_cols, 0, w[g], DGRAD ? 0 : 1, n,
                        out_cols, in_cols);
     }
-    bf16_to_float_plain<DGRAD>(op, out, tmp, rows, out_cols, out_cols);
+    if (add) bf16_to_float_plain<true>(op, out, tmp, rows, out_cols, out_cols);
+    else bf16_to_float_plain<false>(op, out, tmp, rows, out_cols, out_cols);
 }
 
 extern "C" void cuda_bf16_gemm_fprop_grouped(real *y, const uint16_t *x, const uint16_t *const *w, int n_seg,
                                              const int *rows0, int N, int K) {
-    bf16_gemm_segments<false>("bf16_gemm_fprop_grouped", y, x, w, n_seg, rows0, N, K);
+    bf16_gemm_segments<false>("bf16_gemm_fprop_grouped", y, false, x, w, n_seg, rows0, N, K);
 }
 
-extern "C" void cuda_bf16_gemm_dgrad_grouped(real *dx, const uint16_t *dy, const uint16_t *const *w, int n_seg,
-                                             const int *rows0, int N, int K) {
-    bf16_gemm_segments<true>("bf16_gemm_dgrad_grouped", dx, dy, w, n_seg, rows0, N, K);
+extern "C" void cuda_bf16_gemm_dgrad_grouped(real *dx, GradStore store, const uint16_t *dy, const uint16_t *const *w,
+                                             int n_seg, const int *rows0, int N, int K) {
+    bf16_gemm_segments<true>("bf16_gemm_dgrad_grouped", dx, store == GRAD_ADD, dy, w, n_seg, rows0, N, K);
 }
 
 extern "C" void cuda_bf16_gemm_wgrad(real *dw, const uint16_t *dy, const uint16_t *x, int T, int N, int K) {

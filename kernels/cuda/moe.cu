@@ -15,8 +15,9 @@
  * intrinsics in the CPU's order (no FMA contraction: the CPU builds with -ffp-contract=off), so the router
  * weights and gradients, the balance-loss gradient, the unpermute and the combine forward and dexpert_out are
  * the CPU's bits. Two sums are in a different (fixed) order than the CPU's: the balance loss's P_i (chunks of
- * tokens, in double) and combine backward's dtopk_w dot products (a block tree, in double); both are rounded
- * to float from double, so they match the CPU to about 1e-16 before that rounding. Expert load counts use
+ * tokens, in double) and combine backward's dtopk_w dot products (strided per thread, then a block tree, in
+ * double; the order is fixed by C and by whether the float4 path runs); both are rounded to float from double,
+ * so they match the CPU to about 1e-16 before that rounding. Expert load counts use
  * integer atomics, whose result does not depend on order.
  *
  * The permutation plan is a stable sort of the N*K slots by expert: CUB's radix sort (documented stable) on
@@ -683,47 +684,122 @@ __device__ inline double warp_sum_double(double v) {
     return v;
 }
 
-// As block_sum of common.cuh, in double; scratch is __shared__ double[32]. Every thread gets the result,
-// in an order fixed by blockDim.x.
-__device__ inline double block_sum_double(double v, double *scratch) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
-    v = warp_sum_double(v);
-    __syncthreads();
-    if (lane == 0) scratch[warp] = v;
-    __syncthreads();
-    return warp_sum_double(lane < n_warps ? scratch[lane] : 0.0);
+// One unit of a row for combine backward: a float, or a float4 when C % 4 == 0 and the rows are 16-byte aligned.
+// w * d is one __fmul_rn per float (the CPU's bits); the dot product adds exact double products in x, y, z, w order.
+__device__ inline float scale_rn(float w, float d) { return __fmul_rn(w, d); }
+__device__ inline float4 scale_rn(float w, float4 d) {
+    return make_float4(__fmul_rn(w, d.x), __fmul_rn(w, d.y), __fmul_rn(w, d.z), __fmul_rn(w, d.w));
+}
+__device__ inline double dot_add(double acc, float a, float b) { return __dadd_rn(acc, __dmul_rn((double)a, (double)b)); }
+__device__ inline double dot_add(double acc, float4 a, float4 b) {
+    return dot_add(dot_add(dot_add(dot_add(acc, a.x, b.x), a.y, b.y), a.z, b.z), a.w, b.w);
 }
 
 // In the forward pass this was out[t] += sum_k w[t,k] * expert_out[slot_of[t,k]], so:
-//   dexpert_out[slot_of[t,k]] (N*K, C) += w[t,k] * dout[t]
-//   dtopk_w[t,k] (N, K)               += dot(dout[t], expert_out[slot_of[t,k]])  (double, block tree)
-// Either gradient may be NULL. One block per token; slot_of is a permutation, so blocks write disjoint rows.
-__global__ void moe_combine_backward_kernel(float *dexpert_out, float *dtopk_w, const float *dout,
-                                            const float *expert_out, const int *slot_of, const float *topk_w, int K,
-                                            int C) {
-    __shared__ double scratch[32];
+//   dexpert_out[slot_of[t,k]] (N*K, C)  = w[t,k] * dout[t]                        (written; the CPU's bits)
+//   dtopk_w[t,k] (N, K)               += dot(dout[t], expert_out[slot_of[t,k]])  (in double)
+// for the NK slots k = k0 .. k0 + NK - 1 of every token. Either gradient may be NULL (a block-uniform test).
+// The op is pure memory traffic - read dout and expert_out, write dexpert_out, ~1.7 GB at N = 16384, K = 6,
+// C = 2048 - so it is built to move every byte once, in 16-byte accesses on the float4 path, with many loads
+// in flight:
+//   - one block per token t; each thread loads a unit of dout[t] once and uses it for all NK slots;
+//   - NK is a template argument, so the slot loops unroll with no per-slot tests and a unit's NK loads of
+//     expert_out are issued back to back and wait together (the pointers are __restrict__: dexpert_out must
+//     not overlap expert_out), and the kernel holds only the registers that NK needs;
+//   - the NK dot products accumulate in registers over the one pass and are reduced together at its end: one
+//     barrier pair per block instead of one block reduction (two barriers) per slot.
+// dtopk_w's order is fixed by blockDim.x and C only, never by timing: each thread sums its units in column order,
+// a warp butterfly per slot, the warps' partials through shared memory, and thread j adds them in warp order.
+// (blockDim.x and the unit follow from C and the pointers' alignment, so a call with the same shapes and
+// alignments gives the same bits.) No atomics; slot_of is a permutation, so blocks write disjoint rows.
+template <typename Unit, int NK>
+__global__ void __launch_bounds__(MOE_THREADS)
+moe_combine_backward_kernel(float *__restrict__ dexpert_out, float *__restrict__ dtopk_w,
+                            const float *__restrict__ dout, const float *__restrict__ expert_out,
+                            const int *__restrict__ slot_of, const float *__restrict__ topk_w, int k0, int K, int C) {
+    __shared__ double warp_dots[NK][32];
     const int64_t t = blockIdx.x;
-    const float *dt = dout + t * C;
-    for (int k = 0; k < K; k++) {
-        const int64_t slot = slot_of[t * K + k];
-        if (dexpert_out != NULL) {
-            const float w = topk_w[t * K + k];
-            float *de = dexpert_out + slot * C;
-            for (int c = threadIdx.x; c < C; c += blockDim.x) de[c] = __fadd_rn(de[c], __fmul_rn(w, dt[c]));
+    const int units = C / (int)(sizeof(Unit) / sizeof(float)); // per row
+    const Unit *dt = reinterpret_cast<const Unit *>(dout) + t * units;
+    const Unit *eo = reinterpret_cast<const Unit *>(expert_out);
+    Unit *de = reinterpret_cast<Unit *>(dexpert_out);
+    int64_t row[NK]; // unit offset of slot k0 + j's row
+    float w[NK];
+    double dot[NK];
+#pragma unroll
+    for (int j = 0; j < NK; j++) {
+        row[j] = (int64_t)slot_of[t * K + k0 + j] * units;
+        w[j] = topk_w[t * K + k0 + j];
+        dot[j] = 0.0;
+    }
+    for (int c = threadIdx.x; c < units; c += blockDim.x) {
+        // every load of the unit first, so they are in flight together; then the stores and the dot products
+        const Unit d = dt[c];
+        Unit e[NK];
+        if (dtopk_w != NULL) {
+#pragma unroll
+            for (int j = 0; j < NK; j++) e[j] = eo[row[j] + c];
         }
-        if (dtopk_w != NULL) { // uniform over the block: every thread reaches the barriers of block_sum_double
-            const float *eo = expert_out + slot * C;
-            double dot = 0.0;
-            for (int c = threadIdx.x; c < C; c += blockDim.x) dot = __dadd_rn(dot, __dmul_rn((double)dt[c], (double)eo[c]));
-            dot = block_sum_double(dot, scratch);
-            if (threadIdx.x == 0) dtopk_w[t * K + k] = __fadd_rn(dtopk_w[t * K + k], (float)dot);
+        if (dexpert_out != NULL) {
+#pragma unroll
+            for (int j = 0; j < NK; j++) de[row[j] + c] = scale_rn(w[j], d);
+        }
+        if (dtopk_w != NULL) {
+#pragma unroll
+            for (int j = 0; j < NK; j++) dot[j] = dot_add(dot[j], d, e[j]);
         }
     }
+    if (dtopk_w == NULL) return; // uniform over the block: every thread reaches the barrier below or none does
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
+#pragma unroll
+    for (int j = 0; j < NK; j++) {
+        const double v = warp_sum_double(dot[j]);
+        if (lane == 0) warp_dots[j][warp] = v;
+    }
+    __syncthreads();
+    if ((int)threadIdx.x < NK) {
+        double sum = 0.0;
+        for (int i = 0; i < n_warps; i++) sum = __dadd_rn(sum, warp_dots[threadIdx.x][i]);
+        float *dw = dtopk_w + t * K + k0 + threadIdx.x;
+        *dw = __fadd_rn(*dw, __double2float_rn(sum));
+    }
+}
+
+// The most slots one launch handles (its loads and dot products live in registers). K = 8, DeepSeek-V3's top-8,
+// is one launch; a larger K takes one launch per chunk of slots, each reading dout again.
+static const int COMBINE_BWD_MAX_NK = 8;
+
+// Launches the kernel instance for nk slots (1 <= nk <= NK): NK, then NK - 1, ... until it matches.
+template <typename Unit, int NK>
+static void launch_combine_backward(int nk, int N, int threads, float *dexpert_out, float *dtopk_w, const float *dout,
+                                    const float *expert_out, const int *slot_of, const float *topk_w, int k0, int K,
+                                    int C) {
+    if (nk == NK)
+        moe_combine_backward_kernel<Unit, NK><<<N, threads>>>(dexpert_out, dtopk_w, dout, expert_out, slot_of, topk_w,
+                                                              k0, K, C);
+    else if constexpr (NK > 1)
+        launch_combine_backward<Unit, NK - 1>(nk, N, threads, dexpert_out, dtopk_w, dout, expert_out, slot_of, topk_w,
+                                              k0, K, C);
 }
 
 extern "C" void cuda_moe_combine_backward(real *dexpert_out, real *dtopk_w, const real *dout, const real *expert_out,
                                           const int *slot_of, const real *topk_w, int N, int K, int C) {
     if ((dexpert_out == NULL && dtopk_w == NULL) || N <= 0 || K <= 0) return;
-    moe_combine_backward_kernel<<<N, MOE_THREADS>>>(dexpert_out, dtopk_w, dout, expert_out, slot_of, topk_w, K, C);
-    CUDA_CHECK_LAUNCH("moe_combine_backward_kernel");
+    // float4 when every row start is 16-byte aligned; expert_out is read only for dtopk_w, dexpert_out written
+    // only when given. The scalar path serves any C and alignment.
+    const bool vec4 = C % 4 == 0 && (uintptr_t)dout % 16 == 0 && (uintptr_t)dexpert_out % 16 == 0 &&
+                      (dtopk_w == NULL || (uintptr_t)expert_out % 16 == 0);
+    const int units = vec4 ? C / 4 : C;
+    // Just enough warps to cover a row's units (a small C would leave most of 256 threads idle), at most 256.
+    const int threads = units >= MOE_THREADS ? MOE_THREADS : units <= 32 ? 32 : (units + 31) / 32 * 32;
+    for (int k0 = 0; k0 < K; k0 += COMBINE_BWD_MAX_NK) {
+        const int nk = K - k0 < COMBINE_BWD_MAX_NK ? K - k0 : COMBINE_BWD_MAX_NK;
+        if (vec4)
+            launch_combine_backward<float4, COMBINE_BWD_MAX_NK>(nk, N, threads, dexpert_out, dtopk_w, dout, expert_out,
+                                                                slot_of, topk_w, k0, K, C);
+        else
+            launch_combine_backward<float, COMBINE_BWD_MAX_NK>(nk, N, threads, dexpert_out, dtopk_w, dout, expert_out,
+                                                               slot_of, topk_w, k0, K, C);
+        CUDA_CHECK_LAUNCH("moe_combine_backward_kernel");
+    }
 }

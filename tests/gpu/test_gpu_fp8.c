@@ -825,16 +825,31 @@ static void test_fp8_gemm_grouped(void **state) {
         p16 += ceil_div(rows, 16) * 16;
     }
     fp8_gemm_fprop_grouped(DEVICE_CUDA, y_grp_d + N, qx_d, sx_d, qw, sw, n, rows0, N, K);
-    fp8_gemm_dgrad_grouped(DEVICE_CUDA, dx_grp_d + K, qdy_d, sdy_d, qwt, sw, n, rows0, N, K);
+    fp8_gemm_dgrad_grouped(DEVICE_CUDA, dx_grp_d + K, GRAD_ADD, qdy_d, sdy_d, qwt, sw, n, rows0, N, K);
+    // GRAD_WRITE over poison: each element the per-segment Dgrad's product alone (added to zeros)
+    float *dx_zero_d = gpu_poisoned((size_t)nx * sizeof(float)), *dx_wr_d = gpu_poisoned((size_t)nx * sizeof(float));
+    device_memset_zero(DEVICE_CUDA, dx_zero_d + K, (size_t)T * K * sizeof(float));
+    for (int g = 0, p16 = 0; g < n; g++) {
+        const int rows = rows0[g + 1] - rows0[g];
+        if (rows == 0) continue;
+        fp8_gemm_dgrad(DEVICE_CUDA, dx_zero_d + K + (int64_t)rows0[g] * K, qdy_d + (int64_t)p16 * Np,
+                       sdy_d + (int64_t)NB * p16, qwt[g], sw[g], rows, N, K);
+        p16 += ceil_div(rows, 16) * 16;
+    }
+    fp8_gemm_dgrad_grouped(DEVICE_CUDA, dx_wr_d + K, GRAD_WRITE, qdy_d, sdy_d, qwt, sw, n, rows0, N, K);
+    float *dx_zero = host_copy_of(dx_zero_d, (size_t)nx * sizeof(float)), *dx_wr = host_copy_of(dx_wr_d, (size_t)nx * sizeof(float));
+    int wr_diff = 0;
+    for (int64_t i = K; i < (int64_t)(T + 1) * K; i++) wr_diff += !(dx_wr[i] == dx_zero[i]);
+    const int wr_rows = written_inside_only(dx_wr, T, K);
     float *y_seg = host_copy_of(y_seg_d, (size_t)ny * sizeof(float)), *y_grp = host_copy_of(y_grp_d, (size_t)ny * sizeof(float));
     float *dx_seg = host_copy_of(dx_seg_d, (size_t)nx * sizeof(float)), *dx_grp = host_copy_of(dx_grp_d, (size_t)nx * sizeof(float));
     const int y_diff = count_diff(y_grp, y_seg, (size_t)ny * sizeof(float));
     const int dx_diff = count_diff(dx_grp, dx_seg, (size_t)nx * sizeof(float));
     const int y_rows = written_inside_only(y_grp, T, N), dx_rows = written_inside_only(dx_grp, T, K);
-    const int pass = y_diff == 0 && dx_diff == 0 && y_rows && dx_rows;
+    const int pass = y_diff == 0 && dx_diff == 0 && y_rows && dx_rows && wr_diff == 0 && wr_rows;
     printf("%-16s %2d segments, %4d rows, N %-4d K %-4d differing bytes vs per-segment: Fprop %d, Dgrad %d; "
-           "only the rows inside written: %s  %s\n", "fp8 grouped", n, T, N, K, y_diff, dx_diff,
-           y_rows && dx_rows ? "yes" : "NO", pass ? "ok" : "FAIL");
+           "Dgrad GRAD_WRITE differing values %d; only the rows inside written: %s  %s\n", "fp8 grouped", n, T, N, K,
+           y_diff, dx_diff, wr_diff, y_rows && dx_rows && wr_rows ? "yes" : "NO", pass ? "ok" : "FAIL");
     fflush(stdout);
 
     for (int g = 0; g < n; g++) {
@@ -845,7 +860,9 @@ static void test_fp8_gemm_grouped(void **state) {
     device_free(DEVICE_CUDA, qx_d), device_free(DEVICE_CUDA, qdy_d), device_free(DEVICE_CUDA, sx_d);
     device_free(DEVICE_CUDA, sdy_d), device_free(DEVICE_CUDA, y_seg_d), device_free(DEVICE_CUDA, y_grp_d);
     device_free(DEVICE_CUDA, dx_seg_d), device_free(DEVICE_CUDA, dx_grp_d);
+    device_free(DEVICE_CUDA, dx_zero_d), device_free(DEVICE_CUDA, dx_wr_d);
     free(x), free(dy), free(w), free(init), free(y_seg), free(y_grp), free(dx_seg), free(dx_grp);
+    free(dx_zero), free(dx_wr);
     assert_true(pass);
 }
 
@@ -986,7 +1003,7 @@ static void test_bf16_gemm_grouped(void **state) {
     float *y_c = floats(ndy), *dx_c = floats(nx), *dw_c = floats(nw), *y_g[2], *dx_g[2], *dw_g[2];
     memcpy(dx_c, dx0, (size_t)nx * 4), memcpy(dw_c, dw0, (size_t)nw * 4);
     bf16_gemm_fprop_grouped(DEVICE_CPU, y_c, xb, wg, n, rows0, N, K);
-    bf16_gemm_dgrad_grouped(DEVICE_CPU, dx_c, dyb, wg, n, rows0, N, K);
+    bf16_gemm_dgrad_grouped(DEVICE_CPU, dx_c, GRAD_ADD, dyb, wg, n, rows0, N, K);
     for (int g = 0; g < n; g++)
         bf16_gemm_wgrad(DEVICE_CPU, dw_c + (int64_t)g * N * K, dyb + (int64_t)rows0[g] * N, xb + (int64_t)rows0[g] * K,
                         rows0[g + 1] - rows0[g], N, K);
@@ -998,7 +1015,7 @@ static void test_bf16_gemm_grouped(void **state) {
         device_memcpy_from_host(DEVICE_CUDA, dx_d, dx0, (size_t)nx * 4);
         device_memcpy_from_host(DEVICE_CUDA, dw_d, dw0, (size_t)nw * 4);
         bf16_gemm_fprop_grouped(DEVICE_CUDA, y_d, xb_d, wg_d, n, rows0, N, K);
-        bf16_gemm_dgrad_grouped(DEVICE_CUDA, dx_d, dyb_d, wg_d, n, rows0, N, K);
+        bf16_gemm_dgrad_grouped(DEVICE_CUDA, dx_d, GRAD_ADD, dyb_d, wg_d, n, rows0, N, K);
         for (int g = 0; g < n; g++)
             bf16_gemm_wgrad(DEVICE_CUDA, dw_d + (int64_t)g * N * K, dyb_d + (int64_t)rows0[g] * N,
                             xb_d + (int64_t)rows0[g] * K, rows0[g + 1] - rows0[g], N, K);
@@ -1006,6 +1023,22 @@ static void test_bf16_gemm_grouped(void **state) {
         dw_g[rep] = host_copy_of(dw_d, (size_t)nw * 4);
         pass &= memcmp(y_g[rep] + ndy, poison, (size_t)N * 4) == 0 && memcmp(dx_g[rep] + nx, poison, (size_t)K * 4) == 0;
         device_free(DEVICE_CUDA, y_d), device_free(DEVICE_CUDA, dx_d), device_free(DEVICE_CUDA, dw_d);
+    }
+    {  // Dgrad with GRAD_WRITE over poison: the value GRAD_ADD adds to zeros (the same GEMMs), the last row untouched
+        float *wr_d = gpu_poisoned((size_t)(nx + K) * 4), *zero_d = gpu_poisoned((size_t)(nx + K) * 4);
+        device_memset_zero(DEVICE_CUDA, zero_d, (size_t)nx * 4);
+        bf16_gemm_dgrad_grouped(DEVICE_CUDA, wr_d, GRAD_WRITE, dyb_d, wg_d, n, rows0, N, K);
+        bf16_gemm_dgrad_grouped(DEVICE_CUDA, zero_d, GRAD_ADD, dyb_d, wg_d, n, rows0, N, K);
+        float *wr = host_copy_of(wr_d, (size_t)(nx + K) * 4), *zero = host_copy_of(zero_d, (size_t)(nx + K) * 4);
+        int differing = 0;
+        for (int64_t i = 0; i < nx; i++) differing += !(wr[i] == zero[i]);
+        const int tail_ok = memcmp(wr + nx, poison, (size_t)K * 4) == 0;
+        printf("%-16s %d groups, %d x %d x %d: Dgrad GRAD_WRITE vs GRAD_ADD onto zeros: %d differing values, last row "
+               "untouched: %s  %s\n", "bf16 grouped", n, T, N, K, differing, tail_ok ? "yes" : "NO",
+               differing == 0 && tail_ok ? "ok" : "FAIL");
+        pass &= differing == 0 && tail_ok;
+        device_free(DEVICE_CUDA, wr_d), device_free(DEVICE_CUDA, zero_d);
+        free(wr), free(zero);
     }
     // double references group by group, with test_bf16_matmul's bounds
     double *xd = doubles(nx), *dyd = doubles(ndy), *wd = doubles(nw);

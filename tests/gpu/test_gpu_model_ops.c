@@ -405,10 +405,9 @@ static void test_rope(void **state) {
     const Tol tol = tol_both(4 * U_FP32);
     int ok = 1;
 
-    float *inp = floats(n), *dout = floats(n), *dinp0 = floats(n);
+    float *inp = floats(n), *dout = floats(n);
     opcheck_fill_nonzero(inp, (size_t)n, seed + 1, 0.01, 2.0);
     opcheck_fill_nonzero(dout, (size_t)n, seed + 2, 0.01, 2.0);
-    opcheck_fill_nonzero(dinp0, (size_t)n, seed + 3, 0.01, 2.0);
     double *ref_out = doubles(n), *sc_out = doubles(n), *ref_d = doubles(n), *sc_d = doubles(n);
     for (int64_t vec = 0; vec < (int64_t)B * T * H; vec++) {
         const int t = (int)((vec / H) % T);
@@ -421,32 +420,57 @@ static void test_rope(void **state) {
             ref_out[i + 1] = x0 * s + x1 * c;
             sc_out[i] = fabs(x0 * c) + fabs(x1 * s);
             sc_out[i + 1] = fabs(x0 * s) + fabs(x1 * c);
-            ref_d[i] = dinp0[i] + (d0 * c + d1 * s);
-            ref_d[i + 1] = dinp0[i + 1] + (d1 * c - d0 * s);
-            sc_d[i] = fabs((double)dinp0[i]) + fabs(d0 * c) + fabs(d1 * s);
-            sc_d[i + 1] = fabs((double)dinp0[i + 1]) + fabs(d1 * c) + fabs(d0 * s);
+            ref_d[i] = d0 * c + d1 * s;
+            ref_d[i + 1] = d1 * c - d0 * s;
+            sc_d[i] = fabs(d0 * c) + fabs(d1 * s);
+            sc_d[i + 1] = fabs(d1 * c) + fabs(d0 * s);
         }
     }
 
     float *c_out = nan_floats(n);
-    rope_forward(DEVICE_CPU, c_out, inp, B, T, H, D, theta);
+    rope_forward(DEVICE_CPU, c_out, inp, D, B, T, H, D, theta);
     float *d_inp = gpu_floats(inp, n), *d_out = gpu_nan_floats(n);
-    rope_forward(DEVICE_CUDA, d_out, d_inp, B, T, H, D, theta);
+    rope_forward(DEVICE_CUDA, d_out, d_inp, D, B, T, H, D, theta);
     float *g_out = host_floats(d_out, n);
     ok &= check_output("rope_forward", shape, "out", g_out, c_out, ref_out, sc_out, n, tol);
     float *d_inplace = gpu_floats(inp, n);
-    rope_forward(DEVICE_CUDA, d_inplace, d_inplace, B, T, H, D, theta);
+    rope_forward(DEVICE_CUDA, d_inplace, d_inplace, D, B, T, H, D, theta);
     ok &= check_bitwise_repeat("rope_forward", shape, "out", g_out, host_floats(d_inplace, n), n, "in place");
 
-    float *c_d = copy_floats(dinp0, n);
-    rope_backward(DEVICE_CPU, c_d, dout, B, T, H, D, theta);
-    float *d_dout = gpu_floats(dout, n), *d_d = gpu_floats(dinp0, n);
-    rope_backward(DEVICE_CUDA, d_d, d_dout, B, T, H, D, theta);
+    // the backward writes dinp: NaN before, never read
+    float *c_d = nan_floats(n);
+    rope_backward(DEVICE_CPU, c_d, dout, D, B, T, H, D, theta);
+    float *d_dout = gpu_floats(dout, n), *d_d = gpu_nan_floats(n);
+    rope_backward(DEVICE_CUDA, d_d, d_dout, D, B, T, H, D, theta);
     float *g_d = host_floats(d_d, n);
     ok &= check_output("rope_backward", shape, "dinp", g_d, c_d, ref_d, sc_d, n, tol);
-    gpu_set_floats(d_d, dinp0, n);
-    rope_backward(DEVICE_CUDA, d_d, d_dout, B, T, H, D, theta);
-    ok &= check_bitwise_repeat("rope_backward", shape, "dinp", g_d, host_floats(d_d, n), n, "rerun");
+    float *d_d_inplace = gpu_floats(dout, n);
+    rope_backward(DEVICE_CUDA, d_d_inplace, d_d_inplace, D, B, T, H, D, theta);
+    ok &= check_bitwise_repeat("rope_backward", shape, "dinp", g_d, host_floats(d_d_inplace, n), n, "in place");
+
+    // strided, in place, as MLA rotates the rope part of its (B, T, H, dqk) queries: D of every LD columns from
+    // column OFF; the same bits as the packed calls, and the other columns (NaN) untouched
+    const int LD = D + 6, OFF = 4;
+    const int64_t nv = (int64_t)B * T * H, nw = nv * LD;
+    float *wide_f = nan_floats(nw), *wide_b = nan_floats(nw);
+    for (int64_t v = 0; v < nv; v++) {
+        memcpy(wide_f + v * LD + OFF, inp + v * D, sizeof(float) * D);
+        memcpy(wide_b + v * LD + OFF, dout + v * D, sizeof(float) * D);
+    }
+    float *d_wide_f = gpu_floats(wide_f, nw), *d_wide_b = gpu_floats(wide_b, nw);
+    rope_forward(DEVICE_CUDA, d_wide_f + OFF, d_wide_f + OFF, LD, B, T, H, D, theta);
+    rope_backward(DEVICE_CUDA, d_wide_b + OFF, d_wide_b + OFF, LD, B, T, H, D, theta);
+    float *g_wide_f = host_floats(d_wide_f, nw), *g_wide_b = host_floats(d_wide_b, nw);
+    int strided_ok = 1;
+    for (int64_t v = 0; v < nv; v++) {
+        strided_ok &= memcmp(g_wide_f + v * LD + OFF, g_out + v * D, sizeof(float) * D) == 0;
+        strided_ok &= memcmp(g_wide_b + v * LD + OFF, g_d + v * D, sizeof(float) * D) == 0;
+        for (int c = 0; c < LD; c++)
+            if (c < OFF || c >= OFF + D) strided_ok &= isnan(g_wide_f[v * LD + c]) && isnan(g_wide_b[v * LD + c]);
+    }
+    printf("%-22s %-24s strided in place (ld %d, offset %d): %s\n", "rope_forward/backward", shape, LD, OFF,
+           strided_ok ? "same bits as packed, gaps untouched  ok" : "FAIL");
+    ok &= strided_ok;
     free_all();
     assert_true(ok);
 }
@@ -1046,10 +1070,11 @@ static int check_plan(const char *shape, const int *off, const int *tok, const i
 
 // Tolerances. plan: bitwise (and the invariant above). gather_rows: a copy, 0. unpermute_backward: K additions
 // in k order on both sides: (K + 2) u of |dinp0| + sum |dseg| (expected bitwise). combine_forward: K products
-// and K additions: (2K + 2) u of |out0| + sum |w eo| (expected bitwise). combine_backward dexpert_out: one
-// product and one addition, 2 u, 3 u with margin (expected bitwise); dtopk_w: a double dot product (the GPU's
-// order is a tree, the CPU's sequential: ~1e-16 apart) rounded to float, then one float addition: 2 u of
-// |dtopk_w0| + sum |dout eo|, 3 u with margin.
+// and K additions: (2K + 2) u of |out0| + sum |w eo| (expected bitwise). combine_backward dexpert_out: written
+// over NaN, one FP32 product on both sides: gpu-cpu tolerance 0 (expected and required bitwise), gpu-f64 1 u,
+// 3 u with margin; dtopk_w: a double dot product (the GPU's order is strided per thread then a tree, the CPU's
+// sequential: ~1e-16 apart) rounded to float, then one float addition: 2 u of |dtopk_w0| + sum |dout eo|, 3 u
+// with margin.
 static void test_permute(void **state) {
     const PermuteCase *tc = (const PermuteCase *)*state;
     const int N = tc->N, K = tc->K, E = tc->E, C = tc->C;
@@ -1144,32 +1169,32 @@ static void test_permute(void **state) {
     ok &= check_output("moe_combine_forward", shape, "out", host_floats(d_out, NC), c_out, ref_n, sc_n, NC,
                        tol_both((2 * K + 2) * U_FP32));
 
-    // moe_combine_backward: dexpert_out[slot] += w dout[t]; dtopk_w[t, k] += dot(dout[t], eo[slot])
-    float *dout = floats(NC), *de0 = floats(NKC), *dw0 = floats(NK);
+    // moe_combine_backward: dexpert_out[slot] = w dout[t] (written over NaN: a row it skipped, or added to, stays
+    // NaN); dtopk_w[t, k] += dot(dout[t], eo[slot])
+    float *dout = floats(NC), *dw0 = floats(NK);
     opcheck_fill_nonzero(dout, (size_t)NC, seed + 8, 0.01, 1.0);
-    opcheck_fill_nonzero(de0, (size_t)NKC, seed + 9, 0.01, 1.0);
     opcheck_fill_nonzero(dw0, (size_t)NK, seed + 10, 0.01, 1.0);
     double *ref_dw = doubles(NK), *sc_dw = doubles(NK);
-    for (int64_t i = 0; i < NKC; i++) ref[i] = de0[i], sc[i] = fabs((double)de0[i]);
     for (int t = 0; t < N; t++) {
         for (int k = 0; k < K; k++) {
             const int64_t tk = (int64_t)t * K + k, slot = c_slot[tk];
             ref_dw[tk] = dw0[tk], sc_dw[tk] = fabs((double)dw0[tk]);
             for (int c = 0; c < C; c++) {
                 const double g = dout[(int64_t)t * C + c], p = (double)w[tk] * g, q = g * eo[slot * C + c];
-                ref[slot * C + c] += p, sc[slot * C + c] += fabs(p);
+                ref[slot * C + c] = p, sc[slot * C + c] = fabs(p);
                 ref_dw[tk] += q, sc_dw[tk] += fabs(q);
             }
         }
     }
-    float *c_de = copy_floats(de0, NKC), *c_dw = copy_floats(dw0, NK);
+    float *c_de = nan_floats(NKC), *c_dw = copy_floats(dw0, NK);
     moe_combine_backward(DEVICE_CPU, c_de, c_dw, dout, eo, c_slot, w, N, K, C);
-    float *d_dout = gpu_floats(dout, NC), *d_de = gpu_floats(de0, NKC), *d_dw = gpu_floats(dw0, NK);
+    float *d_dout = gpu_floats(dout, NC), *d_de = gpu_nan_floats(NKC), *d_dw = gpu_floats(dw0, NK);
     moe_combine_backward(DEVICE_CUDA, d_de, d_dw, d_dout, d_eo, d_slot, d_w, N, K, C);
     float *g_de = host_floats(d_de, NKC), *g_dw = host_floats(d_dw, NK);
-    ok &= check_output("moe_combine_backward", shape, "dexpert", g_de, c_de, ref, sc, NKC, tol_both(3 * U_FP32));
+    const Tol tol_de = {0.0, 3 * U_FP32}; // gpu-cpu: the same one FP32 product, bitwise
+    ok &= check_output("moe_combine_backward", shape, "dexpert", g_de, c_de, ref, sc, NKC, tol_de);
     ok &= check_output("moe_combine_backward", shape, "dtopk_w", g_dw, c_dw, ref_dw, sc_dw, NK, tol_both(3 * U_FP32));
-    gpu_set_floats(d_de, de0, NKC);
+    gpu_set_floats(d_de, nan_floats(NKC), NKC);
     gpu_set_floats(d_dw, dw0, NK);
     moe_combine_backward(DEVICE_CUDA, d_de, NULL, d_dout, d_eo, d_slot, d_w, N, K, C);
     moe_combine_backward(DEVICE_CUDA, NULL, d_dw, d_dout, d_eo, d_slot, d_w, N, K, C);
@@ -1201,9 +1226,12 @@ static VecCase vec_big = {1000003}, vec_one = {1}, vec_chunk = {16385};
 static RouterCase router_a = {1000, 8, 4, 2, 2, 1}, router_b = {1000, 32, 8, 4, 6, 1}, router_dsv3 = {37, 256, 8, 4, 8, 1},
                   router_flat = {37, 16, 1, 1, 4, 0};
 static BalanceCase bal_a = {4, 250, 8, 2}, bal_b = {2, 500, 32, 6}, bal_dsv3 = {1, 37, 256, 8};
+// Combine backward takes the float4 path when C % 4 == 0 (perm_a, _b, _dsv3, _skew, _k17) and the scalar path
+// otherwise (perm_repeat, _one, _k12), and handles at most 8 slots per launch: K = 12 and 17 take 2 and 3
+// launches (the last with 4 and 1 slots); perm_k17 has the bench's C = 2048.
 static PermuteCase perm_a = {1000, 2, 8, 300, 0}, perm_b = {1000, 6, 32, 256, 0}, perm_dsv3 = {37, 8, 256, 300, 0},
                    perm_skew = {1000, 2, 8, 64, 1}, perm_repeat = {37, 3, 2, 5, 2}, perm_one = {1, 1, 1, 1, 0},
-                   perm_empty = {0, 2, 8, 16, 0};
+                   perm_empty = {0, 2, 8, 16, 0}, perm_k12 = {300, 12, 64, 1030, 0}, perm_k17 = {64, 17, 64, 2048, 0};
 
 int main(void) {
     const int n_gpu = gpucheck_devices("test_gpu_model_ops");
@@ -1255,6 +1283,8 @@ int main(void) {
         cmocka_unit_test_prestate(test_permute, &perm_repeat),
         cmocka_unit_test_prestate(test_permute, &perm_one),
         cmocka_unit_test_prestate(test_permute, &perm_empty),
+        cmocka_unit_test_prestate(test_permute, &perm_k12),
+        cmocka_unit_test_prestate(test_permute, &perm_k17),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -14,8 +14,9 @@
  * wrong. Each output has two tolerances, stated with their reason in units of u = 2^-24 (FP32 unit
  * roundoff): one for gpu-cpu (it must cover the CPU reference's own error too) and one for gpu-f64
  * (the GPU's error alone; usually the same, tighter where the CPU sums sequentially in FP32). Forward
- * outputs and the written dlogits are poisoned with NaN before the call (an element the kernel does
- * not write stays NaN and fails); accumulated gradients start from random values (checks +=).
+ * outputs and the written gradients (dlogits, SwiGLU's da and db) are poisoned with NaN before the call
+ * (an element the kernel does not write, or adds to, stays NaN and fails); accumulated gradients start
+ * from random values (checks +=).
  * Shapes include non-multiples of every block size. One table row per output is printed.
  */
 #include <setjmp.h>
@@ -298,8 +299,22 @@ static void test_rmsnorm(void **state) {
 // ---------------------------------------------------------------------------- SwiGLU
 typedef struct {
     int64_t n;
+    int offset;  // device buffers start this many floats into their allocation: 1 = not 16-byte aligned
 } SwigluCase;
 
+// n floats from host (NULL: NaN poison) at `offset` floats into a fresh device allocation; *base is
+// what device_free takes.
+static float *gpu_copy_at(const float *host, int64_t n, int offset, float **base) {
+    *base = device_alloc(DEVICE_CUDA, (size_t)(n + offset) * sizeof(float));
+    float *h = host != NULL ? NULL : nan_floats(n);
+    device_memcpy_from_host(DEVICE_CUDA, *base + offset, host != NULL ? host : h, (size_t)n * sizeof(float));
+    free(h);
+    return *base + offset;
+}
+
+// The kernels move float4s when every pointer is 16-byte aligned (the last n % 4 elements one at a time)
+// and single floats otherwise; the cases cover both (see "cases"). da and db are WRITTEN: both sides
+// start from NaN poison and the reference has no initial term.
 // Tolerance 32 u on every output. out = (a * s) * b with s = 1 / (1 + exp(-a)): CUDA's expf is within
 // 2 ulp, glibc's within 1, then four roundings: at most 14 u apart, doubled for margin. For da, the
 // scale counts the size of 1 and s inside (1 - s), times |a| (that difference cancels when s -> 1,
@@ -307,18 +322,17 @@ typedef struct {
 static void test_swiglu(void **state) {
     const SwigluCase *tc = (const SwigluCase *)*state;
     const int64_t n = tc->n;
+    const int off = tc->offset;
     char shape[48];
-    snprintf(shape, sizeof shape, "n=%lld", (long long)n);
+    snprintf(shape, sizeof shape, "n=%lld%s", (long long)n, off != 0 ? " misaligned" : "");
     const uint64_t seed = 2000u + (uint64_t)n;
     const Tol tol = tol_both(32 * U_FP32);
     int ok = 1;
 
-    float *a = floats(n), *b = floats(n), *dout = floats(n), *da0 = floats(n), *db0 = floats(n);
+    float *a = floats(n), *b = floats(n), *dout = floats(n);
     opcheck_fill_nonzero(a, (size_t)n, seed + 1, 0.01, 8.0); // into both tails of the sigmoid
     opcheck_fill_nonzero(b, (size_t)n, seed + 2, 0.01, 2.0);
     opcheck_fill_nonzero(dout, (size_t)n, seed + 3, 0.01, 1.0);
-    opcheck_fill_nonzero(da0, (size_t)n, seed + 4, 0.01, 1.0);
-    opcheck_fill_nonzero(db0, (size_t)n, seed + 5, 0.01, 1.0);
 
     double *ref_out = doubles(n), *sc_out = doubles(n), *ref_da = doubles(n), *sc_da = doubles(n);
     double *ref_db = doubles(n), *sc_db = doubles(n);
@@ -326,45 +340,45 @@ static void test_swiglu(void **state) {
         const double x = a[i], s = 1.0 / (1.0 + exp(-x)), gb = (double)dout[i] * b[i];
         ref_out[i] = x * s * b[i];
         sc_out[i] = fabs(ref_out[i]);
-        ref_da[i] = da0[i] + gb * s * (1.0 + x * (1.0 - s));
-        sc_da[i] = fabs((double)da0[i]) + fabs(gb) * s * (1.0 + fabs(x) * (1.0 + s));
-        ref_db[i] = db0[i] + dout[i] * x * s;
-        sc_db[i] = fabs((double)db0[i]) + fabs(dout[i] * x * s);
+        ref_da[i] = gb * s * (1.0 + x * (1.0 - s));
+        sc_da[i] = fabs(gb) * s * (1.0 + fabs(x) * (1.0 + s));
+        ref_db[i] = dout[i] * x * s;
+        sc_db[i] = fabs(dout[i] * x * s);
     }
 
     float *c_out = nan_floats(n);
     swiglu_forward(DEVICE_CPU, c_out, a, b, n);
-    float *d_a = gpu_copy_of(a, (size_t)n * 4), *d_b = gpu_copy_of(b, (size_t)n * 4), *d_out = gpu_nan_floats(n);
+    float *base[6];
+    float *d_a = gpu_copy_at(a, n, off, &base[0]), *d_b = gpu_copy_at(b, n, off, &base[1]);
+    float *d_out = gpu_copy_at(NULL, n, off, &base[2]);
     swiglu_forward(DEVICE_CUDA, d_out, d_a, d_b, n);
     float *g_out = host_copy_of(d_out, n);
     ok &= check_output("swiglu_forward", shape, "out", g_out, c_out, ref_out, sc_out, n, tol);
 
-    float *c_da = floats(n), *c_db = floats(n);
-    memcpy(c_da, da0, (size_t)n * 4);
-    memcpy(c_db, db0, (size_t)n * 4);
+    float *c_da = nan_floats(n), *c_db = nan_floats(n);
     swiglu_backward(DEVICE_CPU, c_da, c_db, dout, a, b, n);
-    float *d_dout = gpu_copy_of(dout, (size_t)n * 4), *d_da = gpu_copy_of(da0, (size_t)n * 4);
-    float *d_db = gpu_copy_of(db0, (size_t)n * 4);
+    float *d_dout = gpu_copy_at(dout, n, off, &base[3]), *d_da = gpu_copy_at(NULL, n, off, &base[4]);
+    float *d_db = gpu_copy_at(NULL, n, off, &base[5]);
     swiglu_backward(DEVICE_CUDA, d_da, d_db, d_dout, d_a, d_b, n);
     float *g_da = host_copy_of(d_da, n), *g_db = host_copy_of(d_db, n);
     ok &= check_output("swiglu_backward", shape, "da", g_da, c_da, ref_da, sc_da, n, tol);
     ok &= check_output("swiglu_backward", shape, "db", g_db, c_db, ref_db, sc_db, n, tol);
 
-    // one gradient at a time (the other NULL) gives the same bits
-    device_memcpy_from_host(DEVICE_CUDA, d_da, da0, (size_t)n * 4);
-    device_memcpy_from_host(DEVICE_CUDA, d_db, db0, (size_t)n * 4);
+    // one gradient at a time (the other NULL) gives the same bits, again over NaN poison
+    float *poison = nan_floats(n);
+    device_memcpy_from_host(DEVICE_CUDA, d_da, poison, (size_t)n * 4);
+    device_memcpy_from_host(DEVICE_CUDA, d_db, poison, (size_t)n * 4);
     swiglu_backward(DEVICE_CUDA, d_da, NULL, d_dout, d_a, d_b, n);
     swiglu_backward(DEVICE_CUDA, NULL, d_db, d_dout, d_a, d_b, n);
     float *g_da2 = host_copy_of(d_da, n), *g_db2 = host_copy_of(d_db, n);
     ok &= check_bitwise_repeat("swiglu_backward", shape, "da", g_da, g_da2, n);
     ok &= check_bitwise_repeat("swiglu_backward", shape, "db", g_db, g_db2, n);
 
-    float *host[] = {a, b, dout, da0, db0, c_out, g_out, c_da, c_db, g_da, g_db, g_da2, g_db2};
+    float *host[] = {a, b, dout, poison, c_out, g_out, c_da, c_db, g_da, g_db, g_da2, g_db2};
     for (size_t k = 0; k < sizeof host / sizeof host[0]; k++) free(host[k]);
     double *refs[] = {ref_out, sc_out, ref_da, sc_da, ref_db, sc_db};
     for (size_t k = 0; k < sizeof refs / sizeof refs[0]; k++) free(refs[k]);
-    float *dev[] = {d_a, d_b, d_out, d_dout, d_da, d_db};
-    for (size_t k = 0; k < sizeof dev / sizeof dev[0]; k++) device_free(DEVICE_CUDA, dev[k]);
+    for (size_t k = 0; k < sizeof base / sizeof base[0]; k++) device_free(DEVICE_CUDA, base[k]);
     assert_true(ok);
 }
 
@@ -640,7 +654,10 @@ static void test_adamw(void **state) {
 // multiples of them and cover one chunk (N=1), a few (37, 300) and the 64-chunk cap (N=2500).
 static RmsnormCase rms_small = {37, 300}, rms_wide = {1, 7168}, rms_mid = {300, 1536}, rms_tall = {2500, 257},
                    rms_one_col = {5, 1};
-static SwigluCase swiglu_one = {1}, swiglu_big = {1000003};
+// SwiGLU: float4 path with only the scalar tail (n = 1), float4 path and a 3-element tail (1000003), float4
+// path alone (n a multiple of 4), and the scalar kernel (buffers 4 bytes past 16-byte alignment, odd n).
+static SwigluCase swiglu_one = {1, 0}, swiglu_big = {1000003, 0}, swiglu_vec4 = {1048576, 0},
+                  swiglu_misaligned = {4099, 1};
 static CrossentropyCase ce_gpt2 = {37, 50257}, ce_dsv3 = {4, 129280}, ce_tiny = {64, 3};
 static AdamwCase adamw_first = {1000003, 1, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 0.8f, 0};
 static AdamwCase adamw_later = {1000003, 1000, 3e-4f, 0.9f, 0.95f, 1e-8f, 0.1f, 1.0f, 0};
@@ -666,6 +683,8 @@ int main(void) {
         cmocka_unit_test_prestate(test_rmsnorm, &rms_one_col),
         cmocka_unit_test_prestate(test_swiglu, &swiglu_one),
         cmocka_unit_test_prestate(test_swiglu, &swiglu_big),
+        cmocka_unit_test_prestate(test_swiglu, &swiglu_vec4),
+        cmocka_unit_test_prestate(test_swiglu, &swiglu_misaligned),
         cmocka_unit_test_prestate(test_crossentropy, &ce_gpt2),
         cmocka_unit_test_prestate(test_crossentropy, &ce_dsv3),
         cmocka_unit_test_prestate(test_crossentropy, &ce_tiny),

@@ -674,7 +674,8 @@ static void test_gemm_deterministic_across_threads(void **state) {
 // Grouped Fprop and Dgrad (kernels.h): segments of 37, 0, 163, 128 and 17 rows (the empty one with NULL
 // weight pointers), each with its own weight (N = 200, K = 300: partial blocks on both axes), on the
 // *_grouped 1x128 operands give bit for bit what the plain GEMMs give on each segment quantised alone; Dgrad
-// adds onto a random dx, and the row after the segments is never written.
+// adds onto a random dx (GRAD_ADD) or writes over poison (GRAD_WRITE: what the plain Dgrad adds to zeros), and
+// the row after the segments is never written.
 static void test_gemm_grouped(void **state) {
     (void)state;
     enum { NSEG = 5, N = 200, K = 300, KB = 3, KB4 = 4, NB = 2, Kp = 384, Np = 256 };
@@ -716,10 +717,24 @@ static void test_gemm_grouped(void **state) {
         fp8_gemm_dgrad(DEVICE_CPU, dx_ref + (size_t)rows0[g] * K, qb, sb, qwt[g], sw[g], n, N, K);
     }
     fp8_gemm_fprop_grouped(DEVICE_CPU, y, qx, sx, qw, sw, NSEG, rows0, N, K);
-    fp8_gemm_dgrad_grouped(DEVICE_CPU, dx, qdy, sdy, qwt, sw, NSEG, rows0, N, K);
+    fp8_gemm_dgrad_grouped(DEVICE_CPU, dx, GRAD_ADD, qdy, sdy, qwt, sw, NSEG, rows0, N, K);
     for (size_t i = 0; i < (size_t)T * N; i++) assert_true(y_ref[i] != UNTOUCHED);
     assert_memory_equal(y, y_ref, (size_t)(T + 1) * N * sizeof(real));
     assert_memory_equal(dx, dx_ref, (size_t)(T + 1) * K * sizeof(real));
+    // GRAD_WRITE: the plain Dgrad's product alone (added to zeros), with the old contents (NaN) never read
+    real *dxw = ralloc((size_t)(T + 1) * K), *dxw_ref = ralloc((size_t)T * K);
+    for (size_t i = 0; i < (size_t)T * K; i++) dxw[i] = (real)NAN, dxw_ref[i] = 0;
+    for (int c = 0; c < K; c++) dxw[(size_t)T * K + c] = UNTOUCHED;
+    for (int g = 0, p16 = 0; g < NSEG; g++) {
+        const int n = rows0[g + 1] - rows0[g];
+        if (n == 0) continue;
+        fp8_gemm_dgrad(DEVICE_CPU, dxw_ref + (size_t)rows0[g] * K, qdy + (size_t)NB * 128 * p16, sdy + (size_t)NB * p16,
+                       qwt[g], sw[g], n, N, K);
+        p16 += ceil_div(n, 16) * 16;
+    }
+    fp8_gemm_dgrad_grouped(DEVICE_CPU, dxw, GRAD_WRITE, qdy, sdy, qwt, sw, NSEG, rows0, N, K);
+    for (size_t i = 0; i < (size_t)T * K; i++) assert_true(dxw[i] == dxw_ref[i] && dxw[i] != 0);
+    for (int c = 0; c < K; c++) assert_true(dxw[(size_t)T * K + c] == UNTOUCHED);
     for (int c = 0; c < N; c++) assert_true(y[(size_t)T * N + c] == UNTOUCHED);
     for (int c = 0; c < K; c++) assert_true(dx[(size_t)T * K + c] == UNTOUCHED);
     tfree_all();
@@ -809,8 +824,8 @@ static void test_bf16_matmul(void **state) {
 
 // The BF16 GEMMs on pre-rounded operands (train/linear.c's bf16 mode) give, group by group, the bits of
 // bf16_matmul_forward / _backward on the unrounded operands: groups of 37, 0, 64 and 19 rows, a separate
-// weight per group (NULL for the empty one), Dgrad and Wgrad adding onto random buffers, and the row after
-// the output left alone.
+// weight per group (NULL for the empty one), Dgrad and Wgrad adding onto random buffers (and Dgrad writing over
+// poison with GRAD_WRITE: the product alone), and the row after the output left alone.
 static void test_bf16_gemm_grouped(void **state) {
     (void)state;
     enum { G = 4, N = 48, K = 72 };
@@ -837,7 +852,11 @@ static void test_bf16_gemm_grouped(void **state) {
     for (int c = 0; c < K; c++) dx[(size_t)T * K + c] = UNTOUCHED;
 
     bf16_gemm_fprop_grouped(DEVICE_CPU, y, xb, wg, G, rows0, N, K);
-    bf16_gemm_dgrad_grouped(DEVICE_CPU, dx, dyb, wg, G, rows0, N, K);
+    bf16_gemm_dgrad_grouped(DEVICE_CPU, dx, GRAD_ADD, dyb, wg, G, rows0, N, K);
+    real *dxw = ralloc((size_t)(T + 1) * K), *dxw_ref = ralloc((size_t)T * K);
+    for (size_t i = 0; i < (size_t)T * K; i++) dxw[i] = (real)NAN, dxw_ref[i] = 0;
+    for (int c = 0; c < K; c++) dxw[(size_t)T * K + c] = UNTOUCHED;
+    bf16_gemm_dgrad_grouped(DEVICE_CPU, dxw, GRAD_WRITE, dyb, wg, G, rows0, N, K);
     for (int g = 0; g < G; g++) {
         const int r0 = rows0[g], n = rows0[g + 1] - rows0[g];
         if (n == 0) continue;
@@ -845,7 +864,11 @@ static void test_bf16_gemm_grouped(void **state) {
         bf16_matmul_forward(DEVICE_CPU, y_ref + (size_t)r0 * N, x + (size_t)r0 * K, w + (size_t)g * N * K, n, K, N);
         bf16_matmul_backward(DEVICE_CPU, dx_ref + (size_t)r0 * K, dw_ref + (size_t)g * N * K, dy + (size_t)r0 * N,
                              x + (size_t)r0 * K, w + (size_t)g * N * K, n, K, N);
+        bf16_matmul_backward(DEVICE_CPU, dxw_ref + (size_t)r0 * K, NULL, dy + (size_t)r0 * N, NULL,
+                             w + (size_t)g * N * K, n, K, N);
     }
+    for (size_t i = 0; i < (size_t)T * K; i++) assert_true(dxw[i] == dxw_ref[i] && dxw[i] != 0);
+    for (int c = 0; c < K; c++) assert_true(dxw[(size_t)T * K + c] == UNTOUCHED);
     for (size_t i = 0; i < (size_t)T * N; i++) assert_int_equal(float_bits(y[i]), float_bits(y_ref[i]));
     for (size_t i = 0; i < (size_t)T * K; i++) assert_int_equal(float_bits(dx[i]), float_bits(dx_ref[i]));
     for (size_t i = 0; i < (size_t)G * N * K; i++) assert_int_equal(float_bits(dw[i]), float_bits(dw_ref[i]));

@@ -340,14 +340,15 @@ static void check_grouped(const char *mode) {
                 dyg[i] = dy[i] + (size_t)r0 * I;
             }
             linear_forward_shared(&m, n_out, o, x + (size_t)r0 * D, wg, n, D, I);
-            linear_backward_shared(&m, n_out, dx_p + (size_t)r0 * D, gwg, dyg, x + (size_t)r0 * D, wg, n, D, I);
+            linear_backward_shared(&m, n_out, dx_p + (size_t)r0 * D, GRAD_ADD, gwg, dyg, x + (size_t)r0 * D, wg, n, D, I);
         }
         for (int i = 0; i < n_out; i++) memcpy(gw_p[i], gw[i], sizeof(real) * wn);
         // all groups in one call
         for (int i = 0; i < n_out; i++) memset(gw[i], 0, sizeof(real) * wn);
-        memset(dx_g, 0, sizeof(real) * R * D);
+        // dx_g written over poison (GRAD_WRITE): no element of the old contents may survive or be read
+        for (size_t k = 0; k < (size_t)R * D; k++) dx_g[k] = (real)NAN;
         linear_forward_grouped(&m, G, offsets, n_out, out_g, x, NULL, w, D, I);
-        linear_backward_grouped(&m, G, offsets, n_out, dx_g, gw, (const real *const *)dy, x, NULL, w, D, I);
+        linear_backward_grouped(&m, G, offsets, n_out, dx_g, GRAD_WRITE, gw, (const real *const *)dy, x, NULL, w, D, I);
         for (int i = 0; i < n_out; i++) {
             assert_memory_equal(out_g[i], out_p[i], sizeof(real) * R * I);
             assert_memory_equal(gw[i], gw_p[i], sizeof(real) * wn);
@@ -364,7 +365,8 @@ static void check_grouped(const char *mode) {
             }
             for (int i = 0; i < n_out; i++) out_i[i] = malloc(sizeof(real) * R * I), memset(gw[i], 0, sizeof(real) * wn);
             linear_forward_grouped(&m, G, offsets, n_out, out_i, src, rows, w, D, I);
-            linear_backward_grouped(&m, G, offsets, n_out, dx_i, gw, (const real *const *)dy, src, rows, w, D, I);
+            linear_backward_grouped(&m, G, offsets, n_out, dx_i, GRAD_ADD, gw, (const real *const *)dy, src, rows, w, D,
+                                    I);  // added to zeros: the same bits as written
             for (int i = 0; i < n_out; i++) {
                 assert_memory_equal(out_i[i], out_p[i], sizeof(real) * R * I);
                 assert_memory_equal(gw[i], gw_p[i], sizeof(real) * wn);

@@ -8,8 +8,9 @@
  * double reference forward (so the gradient formula is verified without trusting any analytic
  * derivation) and against an analytic double reference (which is itself checked against the finite
  * differences). Tolerances are derived from float rounding and stated at each check. Also covered:
- * accumulation into non-zero gradient buffers, NULL gradients, masked cross-entropy targets, a RoPE
- * case worked by hand, attention causality, and bitwise determinism across OpenMP thread counts.
+ * accumulation into non-zero gradient buffers (and, for ops that write their gradients, that NaN poison
+ * is overwritten), NULL gradients, masked cross-entropy targets, a RoPE case worked by hand, attention
+ * causality, and bitwise determinism across OpenMP thread counts.
  * The file is longer than most because it carries its own double-precision reference of every op.
  * Run with OPCHECK_VERBOSE=1 to print how much room each tolerance leaves.
  */
@@ -48,6 +49,13 @@ static void *talloc(size_t bytes) {
 static real *ralloc(size_t n) { return talloc(n * sizeof(real)); }
 static double *dalloc(size_t n) { return talloc(n * sizeof(double)); }
 static int *ialloc(size_t n) { return talloc(n * sizeof(int)); }
+// A real buffer full of NaN: poison for outputs an op must write entirely (a missed or accumulated
+// element stays NaN and fails every comparison).
+static real *nan_ralloc(size_t n) {
+    real *x = ralloc(n);
+    for (size_t i = 0; i < n; i++) x[i] = (real)NAN;
+    return x;
+}
 static void tfree_all(void) {
     for (int i = 0; i < n_tracked; i++) free(tracked[i]);
     n_tracked = 0;
@@ -491,7 +499,8 @@ static double swiglu_loss(void *ctx) {
 static void test_swiglu(void **state) {
     (void)state;
     const int n = 61;
-    real *a = ralloc(n), *b = ralloc(n), *out = ralloc(n), *dout = ralloc(n), *da = ralloc(n), *db = ralloc(n);
+    real *a = ralloc(n), *b = ralloc(n), *out = ralloc(n), *dout = ralloc(n);
+    real *da = nan_ralloc(n), *db = nan_ralloc(n); // the backward WRITES them: poison must not survive
     opcheck_fill_nonzero(a, n, 500, 0.05, 6.0); // both signs, past the region where sigmoid saturates
     opcheck_fill_nonzero(b, n, 501, 0.1, 2.0);
     opcheck_fill_nonzero(dout, n, 502, 0.1, 1.0);
@@ -518,19 +527,19 @@ static void test_swiglu(void **state) {
     assert_true(opcheck_ratio("swiglu db vs analytic", db, ref_db, n, FD_SLACK, 8 * U) <= 1.0);
     assert_true(opcheck_ratio("swiglu db vs fd", db, fd_db, n, FD_SLACK, 8 * U) <= 1.0);
 
-    real *G_a = ralloc(n), *G_b = ralloc(n), *acc_a = ralloc(n), *acc_b = ralloc(n), *only = ralloc(n);
-    opcheck_fill_nonzero(G_a, n, 503, 0.5, 3.0);
-    opcheck_fill_nonzero(G_b, n, 504, 0.5, 3.0);
-    memcpy(acc_a, G_a, n * sizeof(real));
-    memcpy(acc_b, G_b, n * sizeof(real));
-    cpu_swiglu_backward(acc_a, acc_b, dout, a, b, n);
-    check_accumulated("swiglu da", acc_a, G_a, da, n);
-    check_accumulated("swiglu db", acc_b, G_b, db, n);
-    cpu_swiglu_backward(NULL, only, dout, a, b, n);
-    assert_memory_equal(only, db, n * sizeof(real));
-    memset(only, 0, n * sizeof(real));
-    cpu_swiglu_backward(only, NULL, dout, a, b, n);
-    assert_memory_equal(only, da, n * sizeof(real));
+    // Written, not accumulated: over finite garbage the same bits as over the NaN poison above (an op
+    // that added to the old values would give garbage + gradient here).
+    real *over_a = ralloc(n), *over_b = ralloc(n), *only_a = nan_ralloc(n), *only_b = nan_ralloc(n);
+    opcheck_fill_nonzero(over_a, n, 503, 0.5, 3.0);
+    opcheck_fill_nonzero(over_b, n, 504, 0.5, 3.0);
+    cpu_swiglu_backward(over_a, over_b, dout, a, b, n);
+    assert_memory_equal(over_a, da, n * sizeof(real));
+    assert_memory_equal(over_b, db, n * sizeof(real));
+    // one gradient at a time (the other NULL): the same bits, also written over poison
+    cpu_swiglu_backward(NULL, only_b, dout, a, b, n);
+    assert_memory_equal(only_b, db, n * sizeof(real));
+    cpu_swiglu_backward(only_a, NULL, dout, a, b, n);
+    assert_memory_equal(only_a, da, n * sizeof(real));
     tfree_all();
 }
 
@@ -546,7 +555,7 @@ static void test_rope_hand_worked(void **state) {
     (void)state;
     real x[8] = {0.5f, -1.5f, 2.5f, 0.25f, 1, 2, 3, 4}; // (B=1, T=2, H=1, D=4)
     real out[8];
-    cpu_rope_forward(out, x, 1, 2, 1, 4, 10000);
+    cpu_rope_forward(out, x, 4, 1, 2, 1, 4, 10000);
     assert_memory_equal(out, x, 4 * sizeof(real));
     const double want[4] = {-1.1426396637476532, 1.9220755965441761, 2.9598506679133293, 4.0297995016691612};
     // cos/sin rounded to float (u each), two products and a sum: |err| <= 4 u (|x0| + |x1|) per pair.
@@ -571,6 +580,24 @@ static double *pair_bound(const double *x, size_t n, double scale) {
     return bound;
 }
 
+// Strided vectors (MLA rotates the rope part of its (B, T, H, dqk) queries in place): D of every LD columns from
+// column OFF, rotated in place (backward: the inverse rotation), must give the packed call's bits (want) and
+// leave the other columns alone.
+static void check_rope_strided(const real *src, const real *want, int backward, int B, int T, int H, int D) {
+    enum { LD = 13, OFF = 3 };
+    const size_t nv = (size_t)B * T * H;
+    real *wide = ralloc(nv * LD);
+    for (size_t i = 0; i < nv * LD; i++) wide[i] = (real)-777;
+    for (size_t v = 0; v < nv; v++) memcpy(wide + v * LD + OFF, src + v * D, D * sizeof(real));
+    if (backward) cpu_rope_backward(wide + OFF, wide + OFF, LD, B, T, H, D, 10000);
+    else cpu_rope_forward(wide + OFF, wide + OFF, LD, B, T, H, D, 10000);
+    for (size_t v = 0; v < nv; v++) {
+        assert_memory_equal(wide + v * LD + OFF, want + v * D, D * sizeof(real));
+        for (int c = 0; c < LD; c++)
+            if (c < OFF || c >= OFF + D) assert_true(wide[v * LD + c] == (real)-777);
+    }
+}
+
 static void test_rope(void **state) {
     (void)state;
     const int B = 2, T = 6, H = 3, D = 8;
@@ -578,7 +605,7 @@ static void test_rope(void **state) {
     real *x = ralloc(n), *out = ralloc(n), *dout = ralloc(n);
     opcheck_fill_nonzero(x, n, 600, 0.1, 2.0);
     opcheck_fill_nonzero(dout, n, 601, 0.1, 1.0);
-    cpu_rope_forward(out, x, B, T, H, D, 10000);
+    cpu_rope_forward(out, x, D, B, T, H, D, 10000);
     RopeProbe p = {dcopy(x, n), dcopy(dout, n), dalloc(n), B, T, H, D};
     double *want = dalloc(n);
     ref_rope(want, p.x, B, T, H, D, 10000, 0);
@@ -593,17 +620,17 @@ static void test_rope(void **state) {
     // out may alias inp.
     real *inplace = ralloc(n);
     memcpy(inplace, x, n * sizeof(real));
-    cpu_rope_forward(inplace, inplace, B, T, H, D, 10000);
+    cpu_rope_forward(inplace, inplace, D, B, T, H, D, 10000);
     assert_memory_equal(inplace, out, n * sizeof(real));
 
     // rope_backward applies the inverse rotation: backward(forward(x)) = x up to two rotations' rounding.
     real *back = ralloc(n);
-    cpu_rope_backward(back, out, B, T, H, D, 10000);
+    cpu_rope_backward(back, out, D, B, T, H, D, 10000);
     assert_true(opcheck_ratio_bound("rope backward(forward(x))", back, p.x, pair_bound(p.x, n, 8), n) <= 1.0);
 
     // Gradient: finite differences of the double forward and the analytic inverse rotation.
     real *dx = ralloc(n);
-    cpu_rope_backward(dx, dout, B, T, H, D, 10000);
+    cpu_rope_backward(dx, dout, D, B, T, H, D, 10000);
     double *fd = dalloc(n), *ref_dx = dalloc(n);
     opcheck_fd_grad(fd, p.x, n, FD_STEP, rope_loss, &p);
     ref_rope(ref_dx, p.dout, B, T, H, D, 10000, 1);
@@ -613,11 +640,17 @@ static void test_rope(void **state) {
     assert_true(opcheck_ratio_bound("rope dx vs analytic", dx, ref_dx, bound, n) <= 1.0);
     assert_true(opcheck_ratio_bound("rope dx vs fd", dx, fd, bound, n) <= 1.0);
 
-    real *G = ralloc(n), *acc = ralloc(n);
+    // rope_backward writes: over garbage, and in place (dinp = dout), the same bits as dx
+    real *G = ralloc(n);
     opcheck_fill_nonzero(G, n, 602, 0.5, 3.0);
-    memcpy(acc, G, n * sizeof(real));
-    cpu_rope_backward(acc, dout, B, T, H, D, 10000);
-    check_accumulated("rope dx", acc, G, dx, n);
+    cpu_rope_backward(G, dout, D, B, T, H, D, 10000);
+    assert_memory_equal(G, dx, n * sizeof(real));
+    memcpy(G, dout, n * sizeof(real));
+    cpu_rope_backward(G, G, D, B, T, H, D, 10000);
+    assert_memory_equal(G, dx, n * sizeof(real));
+
+    check_rope_strided(x, out, 0, B, T, H, D);
+    check_rope_strided(dout, dx, 1, B, T, H, D);
     tfree_all();
 }
 
@@ -629,7 +662,7 @@ static void test_rope_large_positions(void **state) {
     const size_t n = (size_t)T * D;
     real *x = ralloc(n), *out = ralloc(n);
     opcheck_fill_nonzero(x, n, 650, 0.5, 1.0);
-    cpu_rope_forward(out, x, 1, T, 1, D, 10000);
+    cpu_rope_forward(out, x, D, 1, T, 1, D, 10000);
     double *dx = dcopy(x, n), *want = dalloc(n);
     ref_rope(want, dx, 1, T, 1, D, 10000, 0);
     assert_true(opcheck_ratio_bound("rope far positions", out, want, pair_bound(dx, n, 4), n) <= 1.0);
@@ -969,8 +1002,8 @@ static void run_all_ops(Outputs *o, int threads) {
     // RoPE on (B, T, H, 96) = 23k elements
     const size_t nrope = (size_t)DET_B * DET_T * DET_H * 96;
     real *rot = ralloc(nrope), *drot = ralloc(nrope);
-    cpu_rope_forward(rot, x, DET_B, DET_T, DET_H, 96, 10000);
-    cpu_rope_backward(drot, g, DET_B, DET_T, DET_H, 96, 10000);
+    cpu_rope_forward(rot, x, 96, DET_B, DET_T, DET_H, 96, 10000);
+    cpu_rope_backward(drot, g, 96, DET_B, DET_T, DET_H, 96, 10000);
     append(o, rot, nrope); append(o, drot, nrope);
 
     // attention: B H T^2 (Dqk + Dv) = 384k (threshold 65k); q, k, v, dout are slices of x and g

@@ -170,11 +170,36 @@ static double combine_objective(const real *expert_out, const int *slot_of, cons
     return L;
 }
 
+// dexpert_out is written: each row of it is exactly w * dout[t] (one rounded product), whatever the buffer held
+// before (NaN here: a backward that added to it, or skipped a row, leaves NaN). dtopk_w accumulates: each
+// entry is its old value plus the dot product, summed in double in c order and rounded once.
+static void check_combine_backward_exact(const real *deo, const real *dw, const real *dw0, const real *dout,
+                                         const real *eo, const int *slot_of, const real *w, int N, int K, int C) {
+    for (int t = 0; t < N; t++) {
+        for (int k = 0; k < K; k++) {
+            const int tk = t * K + k, slot = slot_of[tk];
+            double dot = 0.0;
+            for (int c = 0; c < C; c++) {
+                const real want = w[tk] * dout[t * C + c];
+                const real got = deo[slot * C + c];
+                if (memcmp(&got, &want, sizeof(real)) != 0)
+                    fail_msg("dexpert_out[%d, %d] (slot of t = %d, k = %d) = %.9g, expected w * dout = %.9g (written, "
+                             "not added to the NaN it held)", slot, c, t, k, (double)got, (double)want);
+                dot += (double)dout[t * C + c] * (double)eo[slot * C + c];
+            }
+            const real want_dw = dw0[tk] + (real)dot;
+            if (memcmp(&dw[tk], &want_dw, sizeof(real)) != 0)
+                fail_msg("dtopk_w[%d, %d] = %.9g, expected %.9g + dot %.9g = %.9g (accumulated)", t, k, (double)dw[tk],
+                         (double)dw0[tk], dot, (double)want_dw);
+        }
+    }
+}
+
 static void test_combine_backward_finite_differences(void **state) {
     (void)state;
     const int N = 6, K = 2, E = 4, C = 3;
     int topk_idx[12], seg_offsets[5], seg_token[12], slot_of[12];
-    real eo[12 * 3], w[12], dout[6 * 3], deo[12 * 3], dw[12];
+    real eo[12 * 3], w[12], dout[6 * 3], deo[12 * 3], dw[12], dw0[12], dw1[12];
     for (int t = 0; t < N; t++) {
         topk_idx[t * K] = t % E;
         topk_idx[t * K + 1] = (t + 1 + t / 2) % E == t % E ? (t + 2) % E : (t + 1 + t / 2) % E;
@@ -183,9 +208,10 @@ static void test_combine_backward_finite_differences(void **state) {
     fill_random(eo, N * K * C);
     fill_random(w, N * K);
     fill_random(dout, N * C);
-    for (int i = 0; i < N * K * C; i++) deo[i] = 0.5f;  // backward accumulates onto these
-    for (int i = 0; i < N * K; i++) dw[i] = -0.25f;
+    for (int i = 0; i < N * K * C; i++) deo[i] = (real)NAN;  // backward writes every row over this
+    for (int i = 0; i < N * K; i++) dw[i] = dw0[i] = -0.25f;  // and accumulates onto these
     cpu_moe_combine_backward(deo, dw, dout, eo, slot_of, w, N, K, C);
+    check_combine_backward_exact(deo, dw, dw0, dout, eo, slot_of, w, N, K, C);
     const double eps = 1e-2, tol = 2e-4;
     for (int i = 0; i < N * K * C; i++) {
         real saved = eo[i];
@@ -195,7 +221,7 @@ static void test_combine_backward_finite_differences(void **state) {
         double lm = combine_objective(eo, slot_of, w, dout, N, K, C);
         eo[i] = saved;
         double numeric = (lp - lm) / ((double)(real)(saved + eps) - (double)(real)(saved - eps));
-        ASSERT_NEAR((double)deo[i] - 0.5, numeric, tol);
+        ASSERT_NEAR(deo[i], numeric, tol);
     }
     for (int i = 0; i < N * K; i++) {
         real saved = w[i];
@@ -207,9 +233,14 @@ static void test_combine_backward_finite_differences(void **state) {
         double numeric = (lp - lm) / ((double)(real)(saved + eps) - (double)(real)(saved - eps));
         ASSERT_NEAR((double)dw[i] + 0.25, numeric, tol);
     }
-    // NULL gradient pointers are skipped
+    // A NULL gradient pointer is skipped and its buffer left alone: without dexpert_out, deo keeps its rows and
+    // dtopk_w gets the dot products once more; without dtopk_w, deo is written over NaN again and dw stays.
+    memcpy(dw1, dw, sizeof dw);
     cpu_moe_combine_backward(NULL, dw, dout, eo, slot_of, w, N, K, C);
+    check_combine_backward_exact(deo, dw, dw1, dout, eo, slot_of, w, N, K, C);
+    for (int i = 0; i < N * K * C; i++) deo[i] = (real)NAN;
     cpu_moe_combine_backward(deo, NULL, dout, eo, slot_of, w, N, K, C);
+    check_combine_backward_exact(deo, dw, dw1, dout, eo, slot_of, w, N, K, C);
 }
 
 // ---------------------------------------------------------------------------- EP seam, one rank
