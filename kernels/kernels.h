@@ -107,7 +107,8 @@ void rope_backward(Device dev, real *dinp, const real *dout, int ld, int B, int 
 int64_t attention_state_elems(Device dev, int B, int T, int H);
 void attention_forward(Device dev, real *out, real *state, const real *q, const real *k, const real *v,
                        int B, int T, int H, int Dqk, int Dv);
-// dq, dk (B,T,H,Dqk) +=, dv (B,T,H,Dv) +=; dout (B,T,H,Dv). out (B,T,H,Dv) and state are what
+// dq, dk (B,T,H,Dqk), dv (B,T,H,Dv) WRITTEN (old contents never read; a NULL one is skipped); dout
+// (B,T,H,Dv). out (B,T,H,Dv) and state are what
 // attention_forward wrote for the same q, k, v. The CUDA op takes the softmax backward's row term
 // D[t] = dout[t] . out[t] from out (no recomputation of the forward); the CPU reference computes it from
 // the stored probabilities (sum_t2 att[t,t2] (dout[t] . v[t2])), as before, and does not read out.

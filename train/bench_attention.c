@@ -127,9 +127,6 @@ static void check_repeatability(Problem *p, int *same, int *finite) {
     for (int rep = 0; rep < 2; rep++) {
         float **snap = rep == 0 ? first : second;
         run_forward(p);
-        device_memset_zero(DEVICE_CUDA, p->dq, p->nq * sizeof(float));
-        device_memset_zero(DEVICE_CUDA, p->dk, p->nq * sizeof(float));
-        device_memset_zero(DEVICE_CUDA, p->dv_, p->nv * sizeof(float));
         run_backward(p);
         const float *bufs[5] = {p->out, p->dq, p->dk, p->dv_, p->state};
         for (int i = 0; i < 5; i++) snap[i] = snapshot(bufs[i], n[i]);

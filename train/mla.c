@@ -53,14 +53,12 @@ void mla_backward(Model *m, const MlaWeights *w, const MlaWeights *g, MlaActs *a
     int N = d->N, H = d->H, dqk = d->dqk, NH = d->N * d->H;
     int kva_w = d->kvr + d->dr, kv_w = d->dn + d->dv;
     size_t R = sizeof(real);
-    device_memset_zero(dev, s->d_qf, (size_t)NH * dqk * R);
-    device_memset_zero(dev, s->d_kf, (size_t)NH * dqk * R);
-    device_memset_zero(dev, s->d_v, (size_t)NH * d->dv * R);
     device_memset_zero(dev, s->d_k_rope, (size_t)N * d->dr * R);
     device_memset_zero(dev, s->d_ckv, (size_t)N * d->kvr * R);
 
-    // d_o, d_kv, d_kva, d_ckvn, d_q and d_cqn are each filled by one Linear or by copies that together cover
-    // every column, so they are written (GRAD_WRITE, copy_block without accumulate), not cleared and added to.
+    // d_o, d_qf, d_kf, d_v, d_kv, d_kva, d_ckvn and d_cqn are each filled by one op (a Linear with GRAD_WRITE,
+    // attention_backward) or by copies that together cover every column, so they are written, not cleared
+    // and added to.
     // forward was: out = o W_O^T, o = attention(qf, kf, v)
     linear_backward(m, s->d_o, GRAD_WRITE, g->wo, d_out, a->o, w->wo, N, H * d->dv, d->D);
     profile_begin(PHASE_ATTENTION);

@@ -102,8 +102,8 @@ void cpu_attention_forward(real *out, real *att, const real *q, const real *k, c
 //   datt[t2]  = sum_d g[d] v[t2, d]                   dv[t2] += att[t, t2] * g
 //   dscore[t2] = att[t, t2] * (datt[t2] - sum_j att[t, j] datt[j])      (softmax backward)
 //   dq[t] += scale * sum_t2 dscore[t2] k[t2];        dk[t2] += scale * dscore[t2] q[t]
-// dq, dk (B, T, H, Dqk), dv (B, T, H, Dv); any may be NULL. Gradients of one (b, h) are summed in
-// thread-local buffers (dk and dv over t in increasing order) and added to the outputs once.
+// dq, dk (B, T, H, Dqk), dv (B, T, H, Dv) are WRITTEN (kernels.h); any may be NULL. Gradients of one (b, h)
+// are summed in thread-local buffers from 0 (dk and dv over t in increasing order) and stored once.
 void cpu_attention_backward(real *dq, real *dk, real *dv, const real *dout, const real *att, const real *q,
                             const real *k, const real *v, int B, int T, int H, int Dqk, int Dv) {
     if (!dq && !dk && !dv) return;
@@ -157,7 +157,7 @@ void cpu_attention_backward(real *dq, real *dk, real *dv, const real *dout, cons
                     }
                     real *dqt = dq + row_index(b, t, h, T, H, Dqk);
 #pragma omp simd
-                    for (int d = 0; d < Dqk; d++) dqt[d] += dq_t[d];
+                    for (int d = 0; d < Dqk; d++) dqt[d] = dq_t[d];
                 }
                 if (dk) {
                     for (int t2 = 0; t2 <= t; t2++) {
@@ -173,13 +173,13 @@ void cpu_attention_backward(real *dq, real *dk, real *dv, const real *dout, cons
                     real *dst = dk + row_index(b, t2, h, T, H, Dqk);
                     const real *src = dk_local + (size_t)t2 * Dqk;
 #pragma omp simd
-                    for (int d = 0; d < Dqk; d++) dst[d] += src[d];
+                    for (int d = 0; d < Dqk; d++) dst[d] = src[d];
                 }
                 if (dv) {
                     real *dst = dv + row_index(b, t2, h, T, H, Dv);
                     const real *src = dv_local + (size_t)t2 * Dv;
 #pragma omp simd
-                    for (int d = 0; d < Dv; d++) dst[d] += src[d];
+                    for (int d = 0; d < Dv; d++) dst[d] = src[d];
                 }
             }
         }

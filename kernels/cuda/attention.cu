@@ -245,10 +245,10 @@ __device__ __forceinline__ float quad_sum(float v) {
     return v + __shfl_xor_sync(0xffffffffu, v, 2);
 }
 
-// dst[row, col] (op)= acc for the C fragments of a warp's 16 rows (row0 = its row g, row0 + 8 the row
-// g + 8): element (row, col) at dst + row * row_stride + col, only rows < n_rows and cols < n_cols.
-// ACCUMULATE adds (backward); otherwise acc / l of the row is written (forward).
-template <int NCAP, bool ACCUMULATE>
+// dst[row, col] = acc for the C fragments of a warp's 16 rows (row0 = its row g, row0 + 8 the row g + 8):
+// element (row, col) at dst + row * row_stride + col, only rows < n_rows and cols < n_cols. NORMALISE divides
+// by the row's softmax sum l (the forward's out = o / l); the backward writes its gradients as they are.
+template <int NCAP, bool NORMALISE>
 __device__ __forceinline__ void store_rows(float *dst, size_t row_stride, int row0, int n_rows, int n_cols,
                                            const float acc[NCAP / 8][4], float l0, float l1, int t) {
     const bool pairs = ((n_cols | (int)row_stride) & 1) == 0 && ((uintptr_t)dst & 7) == 0;
@@ -263,21 +263,12 @@ __device__ __forceinline__ void store_rows(float *dst, size_t row_stride, int ro
             const int col = nt * 8 + 2 * t;
             if (col >= n_cols) continue;
             float v0 = acc[nt][2 * half], v1 = acc[nt][2 * half + 1];
-            if (!ACCUMULATE) v0 = v0 / l, v1 = v1 / l;
+            if (NORMALISE) v0 = v0 / l, v1 = v1 / l;
             if (pairs) {  // n_cols even, so col + 1 < n_cols
-                float2 *p2 = reinterpret_cast<float2 *>(p + col);
-                if (ACCUMULATE) {
-                    const float2 old = *p2;
-                    v0 += old.x, v1 += old.y;
-                }
-                *p2 = make_float2(v0, v1);
+                *reinterpret_cast<float2 *>(p + col) = make_float2(v0, v1);
             } else {
-                if (ACCUMULATE) v0 += p[col];
                 p[col] = v0;
-                if (col + 1 < n_cols) {
-                    if (ACCUMULATE) v1 += p[col + 1];
-                    p[col + 1] = v1;
-                }
+                if (col + 1 < n_cols) p[col + 1] = v1;
             }
         }
     }
@@ -455,7 +446,7 @@ __global__ void __launch_bounds__(MAX_THREADS)
         warp_c_times_tile<DV_CAP>(o, s, v_addr + buf * v_buf_bytes, ldv * 2, DVP);
     }
 
-    store_rows<DV_CAP, false>(out + ((size_t)b * T * H + h) * Dv, (size_t)H * Dv, row0, T, Dv, o, l0, l1, t);
+    store_rows<DV_CAP, true>(out + ((size_t)b * T * H + h) * Dv, (size_t)H * Dv, row0, T, Dv, o, l0, l1, t);
     if (t == 0 && row0 < T) lse[bh * T + row0] = (m0 + log2f(l0)) * LN2;
     if (t == 0 && row1 < T) lse[bh * T + row1] = (m1 + log2f(l1)) * LN2;
 }
@@ -468,7 +459,7 @@ __global__ void __launch_bounds__(MAX_THREADS)
 // P_ij = exp2(c q_i . k_j - lse2_i), c = scale log2(e), lse2 = lse log2(e) (the pre-pass). The kernels
 // fold scale into dS before it is rounded to BF16 for the MMA.
 
-// dq (B, T, H, Dqk) +=. Grid (H, B, n_query_tiles), query tiles reversed; blockDim = 2 BM.
+// dq (B, T, H, Dqk) written. Grid (H, B, n_query_tiles), query tiles reversed; blockDim = 2 BM.
 template <int DQK_CAP>
 __global__ void __launch_bounds__(MAX_THREADS)
     attention_backward_dq_kernel(float *dq, const float *Dg, const float *lse2, const bf16 *qs, const bf16 *ks,
@@ -535,10 +526,10 @@ __global__ void __launch_bounds__(MAX_THREADS)
         warp_c_times_tile<DQK_CAP>(acc, s, k_tile, ldq * 2, DQP);  // dq += (scale dS) K
     }
 
-    store_rows<DQK_CAP, true>(dq + ((size_t)b * T * H + h) * Dqk, (size_t)H * Dqk, row0, T, Dqk, acc, 0.0f, 0.0f, t);
+    store_rows<DQK_CAP, false>(dq + ((size_t)b * T * H + h) * Dqk, (size_t)H * Dqk, row0, T, Dqk, acc, 0.0f, 0.0f, t);
 }
 
-// dk (B, T, H, Dqk) +=, dv (B, T, H, Dv) += (either may be NULL). Grid (H, B, n_key_tiles), 256 threads:
+// dk (B, T, H, Dqk), dv (B, T, H, Dv) written (either may be NULL). Grid (H, B, n_key_tiles), 256 threads:
 // one key tile per block (key tile 0, the longest loop, first), looping over query tiles from the
 // diagonal on; the two warp groups of the file comment. DK_CAP and DV_CAP are the register capacities of
 // Dqk and Dv; each warp's accumulator has the larger.
@@ -643,7 +634,7 @@ __global__ void __launch_bounds__(MAX_THREADS)
     float *grad = key_group ? dk : dv;
     const int D = key_group ? Dqk : Dv;
     if (grad == NULL) return;
-    store_rows<ACC_CAP, true>(grad + ((size_t)b * T * H + h) * D, (size_t)H * D, key0, T, D, acc, 0.0f, 0.0f, t);
+    store_rows<ACC_CAP, false>(grad + ((size_t)b * T * H + h) * D, (size_t)H * D, key0, T, D, acc, 0.0f, 0.0f, t);
 }
 
 // ---------------------------------------------------------------------------- host side

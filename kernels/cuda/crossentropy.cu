@@ -49,10 +49,71 @@ __global__ void crossentropy_forward_kernel(float *losses, float *probs, const f
     }
 }
 
+// The same function with the row held in registers (V <= PER_THREAD * CE_THREADS): element j stays with thread
+// j % blockDim.x, in slot j / blockDim.x, exactly the elements and order of the loops above, so the max, the sum
+// and every probability have the kernel above's bits. The row is read from memory once instead of three times
+// (the head's logits are N x V floats, 2 GiB per 16384-token micro-batch at V = 32768), and each exponential is
+// computed once.
+template <int PER_THREAD>
+__global__ void __launch_bounds__(CE_THREADS)
+    crossentropy_forward_registers_kernel(float *losses, float *probs, const float *logits, const int *targets,
+                                          int V) {
+    __shared__ float scratch[32];
+    const int64_t row = blockIdx.x;
+    const float *x = logits + row * V;
+    float *p = probs + row * V;
+    const int t = targets[row];
+    const float x_target = (threadIdx.x == 0 && t >= 0 && t < V) ? x[t] : 0.0f;  // before any store (aliasing)
+
+    float v[PER_THREAD];
+    float max_x = -INFINITY;
+#pragma unroll
+    for (int i = 0; i < PER_THREAD; i++) {
+        const int j = threadIdx.x + i * blockDim.x;
+        v[i] = j < V ? x[j] : -INFINITY;
+    }
+#pragma unroll
+    for (int i = 0; i < PER_THREAD; i++)
+        if (threadIdx.x + i * blockDim.x < V) max_x = fmaxf(max_x, v[i]);
+    max_x = block_max(max_x, scratch);
+
+    float sum_exp = 0.0f;
+#pragma unroll
+    for (int i = 0; i < PER_THREAD; i++) {
+        if (threadIdx.x + i * blockDim.x < V) {
+            v[i] = expf(__fsub_rn(v[i], max_x));
+            sum_exp = __fadd_rn(sum_exp, v[i]);
+        }
+    }
+    sum_exp = block_sum(sum_exp, scratch);
+
+#pragma unroll
+    for (int i = 0; i < PER_THREAD; i++) {
+        const int j = threadIdx.x + i * blockDim.x;
+        if (j < V) p[j] = __fdiv_rn(v[i], sum_exp);
+    }
+
+    if (threadIdx.x == 0) {
+        float loss;
+        if (t == -1) loss = 0.0f;
+        else if (t < -1 || t >= V) loss = NAN;
+        else loss = __fsub_rn(__fadd_rn(logf(sum_exp), max_x), x_target);
+        losses[row] = loss;
+    }
+}
+
 extern "C" void cuda_crossentropy_forward(real *losses, real *probs, const real *logits, const int *targets, int N,
                                           int V) {
     if (N <= 0 || V <= 0) return;
-    crossentropy_forward_kernel<<<N, CE_THREADS>>>(losses, probs, logits, targets, V);
+    const int per_thread = (V + CE_THREADS - 1) / CE_THREADS;  // 64 at V = 32768; larger rows take three passes
+    if (per_thread <= 8)
+        crossentropy_forward_registers_kernel<8><<<N, CE_THREADS>>>(losses, probs, logits, targets, V);
+    else if (per_thread <= 32)
+        crossentropy_forward_registers_kernel<32><<<N, CE_THREADS>>>(losses, probs, logits, targets, V);
+    else if (per_thread <= 64)
+        crossentropy_forward_registers_kernel<64><<<N, CE_THREADS>>>(losses, probs, logits, targets, V);
+    else
+        crossentropy_forward_kernel<<<N, CE_THREADS>>>(losses, probs, logits, targets, V);
     CUDA_CHECK_LAUNCH("crossentropy_forward_kernel");
 }
 

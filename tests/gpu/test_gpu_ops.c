@@ -658,7 +658,10 @@ static RmsnormCase rms_small = {37, 300}, rms_wide = {1, 7168}, rms_mid = {300, 
 // path alone (n a multiple of 4), and the scalar kernel (buffers 4 bytes past 16-byte alignment, odd n).
 static SwigluCase swiglu_one = {1, 0}, swiglu_big = {1000003, 0}, swiglu_vec4 = {1048576, 0},
                   swiglu_misaligned = {4099, 1};
-static CrossentropyCase ce_gpt2 = {37, 50257}, ce_dsv3 = {4, 129280}, ce_tiny = {64, 3};
+// Rows up to 64 x 512 elements are held in registers (kernels/cuda/crossentropy.cu), longer ones take three passes:
+// tiny and mid (5000) and the bench's vocabulary (32768, the largest register row) take the first path.
+static CrossentropyCase ce_gpt2 = {37, 50257}, ce_dsv3 = {4, 129280}, ce_tiny = {64, 3}, ce_mid = {9, 5000},
+                        ce_bench = {16, 32768};
 static AdamwCase adamw_first = {1000003, 1, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 0.8f, 0};
 static AdamwCase adamw_later = {1000003, 1000, 3e-4f, 0.9f, 0.95f, 1e-8f, 0.1f, 1.0f, 0};
 static AdamwCase adamw_one = {1, 7, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.0f, 0.5f, 0};
@@ -688,6 +691,8 @@ int main(void) {
         cmocka_unit_test_prestate(test_crossentropy, &ce_gpt2),
         cmocka_unit_test_prestate(test_crossentropy, &ce_dsv3),
         cmocka_unit_test_prestate(test_crossentropy, &ce_tiny),
+        cmocka_unit_test_prestate(test_crossentropy, &ce_mid),
+        cmocka_unit_test_prestate(test_crossentropy, &ce_bench),
         cmocka_unit_test_prestate(test_adamw, &adamw_first),
         cmocka_unit_test_prestate(test_adamw, &adamw_later),
         cmocka_unit_test_prestate(test_adamw, &adamw_one),
