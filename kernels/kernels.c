@@ -313,6 +313,15 @@ int fp8_quantize_128x128(Device dev, uint8_t *q, uint8_t *qt, float *s, const re
     return cpu_fp8_quantize_128x128(q, qt, s, w, N, K, err, err_size);
 }
 
+int fp8_quantize_128x128_batched(Device dev, uint8_t *q, uint8_t *qt, float *s, const real *w, int batch, int N, int K,
+                                 char *err, size_t err_size) {
+#ifdef FP8MOE_CUDA
+    if (dev == DEVICE_CUDA) return cuda_fp8_quantize_128x128_batched(q, qt, s, w, batch, N, K, err, err_size);
+#endif
+    if (dev != DEVICE_CPU) no_cuda_op("fp8_quantize_128x128_batched");
+    return cpu_fp8_quantize_128x128_batched(q, qt, s, w, batch, N, K, err, err_size);
+}
+
 int fp8_quantize_both_layouts(Device dev, uint8_t *q1, float *s1, uint8_t *q2, float *s2, const real *x, int T, int C,
                               char *err, size_t err_size) {
 #ifdef FP8MOE_CUDA
@@ -383,14 +392,26 @@ void fp8_gemm_fprop_grouped(Device dev, real *y, const uint8_t *qx, const float 
     cpu_fp8_gemm_fprop_grouped(y, qx, sx, qw, sw, n_seg, rows0, N, K);
 }
 
-void fp8_gemm_dgrad_grouped(Device dev, real *dx, GradStore store, const uint8_t *qdy, const float *sdy,
-                            const uint8_t *const *qwt, const float *const *sw, int n_seg, const int *rows0, int N,
-                            int K) {
+static void check_dgrad_mats(const char *op, int n_mats) {
+    if (n_mats >= 1 && n_mats <= FP8_MAX_DGRAD_MATS) return;
+    fprintf(stderr, "fp8moe: %s: %d matrices - expected 1 .. %d Linears sharing an input\n", op, n_mats,
+            FP8_MAX_DGRAD_MATS);
+    exit(1);
+}
+
+void fp8_gemm_dgrad_grouped(Device dev, real *dx, GradStore store, int n_mats, const uint8_t *const *qdy,
+                            const float *const *sdy, const uint8_t *const *const *qwt, const float *const *const *sw,
+                            int n_seg, const int *rows0, int N, int K) {
+    check_dgrad_mats("fp8_gemm_dgrad_grouped", n_mats);
 #ifdef FP8MOE_CUDA
-    if (dev == DEVICE_CUDA) { cuda_fp8_gemm_dgrad_grouped(dx, store, qdy, sdy, qwt, sw, n_seg, rows0, N, K); return; }
+    if (dev == DEVICE_CUDA) {
+        cuda_fp8_gemm_dgrad_grouped(dx, store, n_mats, qdy, sdy, qwt, sw, n_seg, rows0, N, K);
+        return;
+    }
 #endif
     if (dev != DEVICE_CPU) no_cuda_op("fp8_gemm_dgrad_grouped");
-    cpu_fp8_gemm_dgrad_grouped(dx, store, qdy, sdy, qwt, sw, n_seg, rows0, N, K);
+    for (int i = 0; i < n_mats; i++)
+        cpu_fp8_gemm_dgrad_grouped(dx, i == 0 ? store : GRAD_ADD, qdy[i], sdy[i], qwt[i], sw[i], n_seg, rows0, N, K);
 }
 
 void fp8_gemm_wgrad(Device dev, real *dw, const uint8_t *qdyt, const float *sdyt, const uint8_t *qxt, const float *sxt, int T, int N, int K) {
@@ -434,13 +455,15 @@ void bf16_gemm_fprop_grouped(Device dev, real *y, const uint16_t *x, const uint1
     cpu_bf16_gemm_fprop_grouped(y, x, w, n_seg, rows0, N, K);
 }
 
-void bf16_gemm_dgrad_grouped(Device dev, real *dx, GradStore store, const uint16_t *dy, const uint16_t *const *w,
-                             int n_seg, const int *rows0, int N, int K) {
+void bf16_gemm_dgrad_grouped(Device dev, real *dx, GradStore store, int n_mats, const uint16_t *const *dy,
+                             const uint16_t *const *const *w, int n_seg, const int *rows0, int N, int K) {
+    check_dgrad_mats("bf16_gemm_dgrad_grouped", n_mats);
 #ifdef FP8MOE_CUDA
-    if (dev == DEVICE_CUDA) { cuda_bf16_gemm_dgrad_grouped(dx, store, dy, w, n_seg, rows0, N, K); return; }
+    if (dev == DEVICE_CUDA) { cuda_bf16_gemm_dgrad_grouped(dx, store, n_mats, dy, w, n_seg, rows0, N, K); return; }
 #endif
     if (dev != DEVICE_CPU) no_cuda_op("bf16_gemm_dgrad_grouped");
-    cpu_bf16_gemm_dgrad_grouped(dx, store, dy, w, n_seg, rows0, N, K);
+    for (int i = 0; i < n_mats; i++)
+        cpu_bf16_gemm_dgrad_grouped(dx, i == 0 ? store : GRAD_ADD, dy[i], w[i], n_seg, rows0, N, K);
 }
 
 void bf16_gemm_wgrad(Device dev, real *dw, const uint16_t *dy, const uint16_t *x, int T, int N, int K) {

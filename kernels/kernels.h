@@ -249,6 +249,11 @@ int fp8_quantize_1x128(Device dev, uint8_t *q, float *s, const real *x, int rows
 // the transpose's scale of block (kb, nb) is s[nb*KB4 + kb]. qt may be NULL when no Dgrad follows.
 int fp8_quantize_128x128(Device dev, uint8_t *q, uint8_t *qt, float *s, const real *w, int N, int K, char *err,
                          size_t err_size);
+// The same for `batch` weights stacked (a routed-expert Linear's weights, one launch on CUDA): w (batch, N, K)
+// -> q (batch, Np, Kp), qt (batch, Kp, Np) (or NULL), s (batch, NB, KB4), each matrix what fp8_quantize_128x128
+// gives it. A non-finite element is reported at its row of the stacked (batch * N, K).
+int fp8_quantize_128x128_batched(Device dev, uint8_t *q, uint8_t *qt, float *s, const real *w, int batch, int N, int K,
+                                 char *err, size_t err_size);
 // 128x1 tiles along T (Wgrad operands X and dY), written transposed so T is the contraction axis:
 // x (T, C) -> q (C, Tp), s (TB, C).
 int fp8_quantize_128x1_transposed(Device dev, uint8_t *q, float *s, const real *x, int T, int C, char *err,
@@ -299,14 +304,17 @@ void fp8_gemm_dgrad(Device dev, real *dx, const uint8_t *qdy, const float *sdy, 
 // the contraction's block count (KB for Fprop, NB for Dgrad), rows at q + CB*128*P16_g, scales at
 // s + CB*P16_g. Its weight is qw[g] / qwt[g], sw[g] (host arrays of n_seg pointers; NULL for empty segments).
 // Empty segments are skipped. Each segment gets exactly what fp8_gemm_fprop / fp8_gemm_dgrad (dx += BF16
-// product) give for its rows; with store = GRAD_WRITE the Dgrad writes the BF16 product over those rows of dx
-// instead. On CUDA the GEMMs are the same and their outputs are converted to `real` in one launch for all
-// segments instead of one per segment.
+// product) give for its rows. The Dgrad takes n_mats (1..FP8_MAX_DGRAD_MATS) Linears that share their input
+// (the SwiGLU FFN's w1 and w3): dY_i (qdy[i], sdy[i]) through weight i (qwt[i][g], sw[i][g]); their BF16
+// products are added to dx in order of i, the first written over dx instead with store = GRAD_WRITE: the bits
+// of n_mats single calls. On CUDA the GEMMs are the same and all their outputs are converted to `real` in one
+// launch for all segments and matrices instead of one per segment and matrix.
+#define FP8_MAX_DGRAD_MATS 4
 void fp8_gemm_fprop_grouped(Device dev, real *y, const uint8_t *qx, const float *sx, const uint8_t *const *qw,
                             const float *const *sw, int n_seg, const int *rows0, int N, int K);
-void fp8_gemm_dgrad_grouped(Device dev, real *dx, GradStore store, const uint8_t *qdy, const float *sdy,
-                            const uint8_t *const *qwt, const float *const *sw, int n_seg, const int *rows0, int N,
-                            int K);
+void fp8_gemm_dgrad_grouped(Device dev, real *dx, GradStore store, int n_mats, const uint8_t *const *qdy,
+                            const float *const *sdy, const uint8_t *const *const *qwt, const float *const *const *sw,
+                            int n_seg, const int *rows0, int N, int K);
 // Wgrad  dw (N, K) += dY^T X: qdyt, sdyt from fp8_quantize_128x1_transposed(dy, T, N); qxt, sxt from
 //        fp8_quantize_128x1_transposed(x, T, K). FP32 result added to the FP32 gradient.
 void fp8_gemm_wgrad(Device dev, real *dw, const uint8_t *qdyt, const float *sdyt, const uint8_t *qxt,
@@ -324,15 +332,16 @@ void bf16_matmul_backward(Device dev, real *dinp, real *dweight, const real *dou
 //   bf16_round_array:        dst (n) = bf16(src (n)), RNE.
 //   bf16_gemm_fprop_grouped: rows [rows0[g], rows0[g+1]) of y (N columns) = bf16(x_g w[g]^T), x (rows, K),
 //                            w[g] (N, K); rows0[0] = 0; empty groups skipped (w[g] may be NULL there).
-//   bf16_gemm_dgrad_grouped: those rows of dx (K columns) += bf16(dy_g w[g]), dy (rows, N); with
-//                            store = GRAD_WRITE the product is written over them instead.
+//   bf16_gemm_dgrad_grouped: those rows of dx (K columns) += bf16(dy_g w[g]), dy (rows, N), for n_mats
+//                            (dy[i], w[i]) in order of i (as fp8_gemm_dgrad_grouped, one conversion on CUDA);
+//                            with store = GRAD_WRITE the first product is written over them instead.
 //   bf16_gemm_wgrad:         dw (N, K) += FP32 dy^T x over T rows.
 // Bitwise the numbers of bf16_matmul_forward / _backward, group by group, on the unrounded operands.
 void bf16_round_array(Device dev, uint16_t *dst, const real *src, int64_t n);
 void bf16_gemm_fprop_grouped(Device dev, real *y, const uint16_t *x, const uint16_t *const *w, int n_seg,
                              const int *rows0, int N, int K);
-void bf16_gemm_dgrad_grouped(Device dev, real *dx, GradStore store, const uint16_t *dy, const uint16_t *const *w,
-                             int n_seg, const int *rows0, int N, int K);
+void bf16_gemm_dgrad_grouped(Device dev, real *dx, GradStore store, int n_mats, const uint16_t *const *dy,
+                             const uint16_t *const *const *w, int n_seg, const int *rows0, int N, int K);
 void bf16_gemm_wgrad(Device dev, real *dw, const uint16_t *dy, const uint16_t *x, int T, int N, int K);
 
 // ---------------------------------------------------------------------------- optimizer

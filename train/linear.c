@@ -20,6 +20,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#define MAX_SHARED FP8_MAX_DGRAD_MATS  // Linears of one input: 2 in the SwiGLU FFN
+
 // Scratch for quantised operands, grown on demand and kept with the model (no allocation per call
 // once the largest shape has been seen).
 static void *scratch_take(Model *m, size_t *used, size_t bytes) {
@@ -65,8 +67,9 @@ struct LinearWeightCache {
     CachedWeight *entries;  // one per block Linear weight, sorted by offset
     int n;
     void *buf;              // one device allocation holding every entry's arrays
-    // One call's per-group arrays, as the grouped GEMMs take them (group_weights), sized for the most
-    // groups a call has (the local experts) so the step allocates nothing on the host either.
+    // Per-group arrays as the grouped GEMMs take them (group_weights), MAX_SHARED slots (the Dgrads of Linears
+    // sharing an input run as one call) of max_groups entries, the most groups a call has (the local experts),
+    // so the step allocates nothing on the host either.
     int max_groups;
     const uint8_t **q, **qt;
     const float **s;
@@ -92,39 +95,50 @@ static void weight_cache_create(Model *m) {
     if (c != NULL) {
         c->max_groups = (int)groups;
         c->entries = calloc((size_t)(n ? n : 1), sizeof *c->entries);
-        c->q = calloc(groups, sizeof *c->q), c->qt = calloc(groups, sizeof *c->qt);
-        c->s = calloc(groups, sizeof *c->s), c->b = calloc(groups, sizeof *c->b);
+        const size_t slots = groups * MAX_SHARED;
+        c->q = calloc(slots, sizeof *c->q), c->qt = calloc(slots, sizeof *c->qt);
+        c->s = calloc(slots, sizeof *c->s), c->b = calloc(slots, sizeof *c->b);
     }
     if (!c || !c->entries || !c->q || !c->qt || !c->s || !c->b) {
         fprintf(stderr, "fp8moe: train/linear.c: out of host memory for the Linear weight cache\n");
         exit(1);
     }
+    // One allocation in three regions (fp8: every q, then every qt, then every s; bf16: every BF16 copy), each
+    // in parameter order, so the weights of a routed-expert stack have their quantisations stacked too
+    // (q (E, Np, Kp), qt, s (E, NB, KB4)) and are quantised in one batched call (refresh_stack). q sizes are
+    // multiples of 128 x 128 bytes and s sizes of 16 bytes, so every array stays 16-byte aligned.
     const int fp8 = m->cfg.precision.mode == PRECISION_FP8;
-    size_t bytes = 0;
+    size_t q_total = 0, s_total = 0, b_total = 0;
     for (int pass = 0; pass < 2; pass++) {  // sizes, then pointers into the one allocation
-        char *at = pass ? c->buf : NULL;
+        size_t q_at = 0, s_at = 0, b_at = 0;
+        char *base = pass ? c->buf : NULL;
         for (int i = 0; i < m->n_params; i++) {
             const ParamInfo *p = &m->params[i];
             if (!is_block_linear(p)) continue;
             const int OC = p->shape[0], C = p->shape[1], NB = ceil_div(OC, FP8_TILE), KB = ceil_div(C, FP8_TILE);
-            const size_t q = fp8 ? pad_bytes((size_t)NB * KB * FP8_TILE * FP8_TILE) : 0;
-            const size_t sb = fp8 ? pad_bytes((size_t)NB * (ceil_div(KB, 4) * 4) * sizeof(float)) : 0;
+            const size_t q = fp8 ? (size_t)NB * KB * FP8_TILE * FP8_TILE : 0;
+            const size_t sb = fp8 ? (size_t)NB * (ceil_div(KB, 4) * 4) * sizeof(float) : 0;
             const size_t b = fp8 ? 0 : pad_bytes((size_t)OC * C * sizeof(uint16_t));
-            if (pass == 0) {
-                c->entries[c->n++] = (CachedWeight){.offset = p->offset, .OC = OC, .C = C};
-                bytes += 2 * q + sb + b;
-                continue;
-            }
-            CachedWeight *e = &c->entries[c->n++];
-            if (fp8) {
-                e->q = (uint8_t *)at, at += q;
-                e->qt = (uint8_t *)at, at += q;
-                e->s = (float *)at, at += sb;
+            if (pass == 1) {
+                CachedWeight *e = &c->entries[c->n];
+                if (fp8) {
+                    e->q = (uint8_t *)(base + q_at);
+                    e->qt = (uint8_t *)(base + q_total + q_at);
+                    e->s = (float *)(base + 2 * q_total + s_at);
+                } else {
+                    e->b = (uint16_t *)(base + b_at);
+                }
             } else {
-                e->b = (uint16_t *)at, at += b;
+                c->entries[c->n] = (CachedWeight){.offset = p->offset, .OC = OC, .C = C};
             }
+            c->n++;
+            q_at += q, s_at += sb, b_at += b;
         }
-        if (pass == 0) c->buf = device_alloc(m->dev, bytes ? bytes : 1), c->n = 0;
+        if (pass == 0) {
+            q_total = q_at, s_total = s_at, b_total = b_at;
+            const size_t bytes = 2 * q_total + s_total + b_total;
+            c->buf = device_alloc(m->dev, bytes ? bytes : 1), c->n = 0;
+        }
     }
     qsort(c->entries, (size_t)c->n, sizeof *c->entries, by_offset);
     m->weight_cache = c;
@@ -138,8 +152,8 @@ _Noreturn static void not_cached(const real *weight, int OC, int C) {
     exit(1);
 }
 
-// The cached quantisation of `weight` (OC, C), brought up to date with the weights first.
-static const CachedWeight *cached_weight(Model *m, const real *weight, int OC, int C) {
+// The index of the cache entry of `weight` (OC, C).
+static int find_entry(const Model *m, const real *weight, int OC, int C) {
     const struct LinearWeightCache *c = m->weight_cache;
     const uintptr_t w = (uintptr_t)weight, lo = (uintptr_t)m->weights;
     if (c == NULL || w < lo || w >= lo + (uintptr_t)(m->n_dense_elems + m->n_expert_elems) * sizeof(real))
@@ -148,26 +162,55 @@ static const CachedWeight *cached_weight(Model *m, const real *weight, int OC, i
     int a = 0, b = c->n - 1;
     while (a <= b) {
         const int mid = (a + b) / 2;
-        CachedWeight *e = &c->entries[mid];
+        const CachedWeight *e = &c->entries[mid];
         if (e->offset < offset) a = mid + 1;
         else if (e->offset > offset) b = mid - 1;
-        else {
-            if (e->OC != OC || e->C != C) not_cached(weight, OC, C);
-            if (e->version != m->weights_version && e->b != NULL) {  // bf16 (inside the caller's GEMM phase)
-                bf16_round_array(m->dev, e->b, weight, (int64_t)OC * C);
-                e->version = m->weights_version;
-            } else if (e->version != m->weights_version) {
-                char err[256];
-                profile_begin(PHASE_QUANTISE);
-                check_quantised(fp8_quantize_128x128(m->dev, e->q, e->qt, e->s, weight, OC, C, err, sizeof err),
-                                "a weight", err);
-                profile_end(PHASE_QUANTISE);
-                e->version = m->weights_version;
-            }
-            return e;
-        }
+        else if (e->OC != OC || e->C != C) break;
+        else return mid;
     }
     not_cached(weight, OC, C);
+}
+
+// The cached quantisation of `weight` (OC, C), brought up to date with the weights first.
+static const CachedWeight *cached_weight(Model *m, const real *weight, int OC, int C) {
+    CachedWeight *e = &m->weight_cache->entries[find_entry(m, weight, OC, C)];
+    if (e->version != m->weights_version && e->b != NULL) {  // bf16 (inside the caller's GEMM phase)
+        bf16_round_array(m->dev, e->b, weight, (int64_t)OC * C);
+        e->version = m->weights_version;
+    } else if (e->version != m->weights_version) {
+        char err[256];
+        profile_begin(PHASE_QUANTISE);
+        check_quantised(fp8_quantize_128x128(m->dev, e->q, e->qt, e->s, weight, OC, C, err, sizeof err), "a weight",
+                        err);
+        profile_end(PHASE_QUANTISE);
+        e->version = m->weights_version;
+    }
+    return e;
+}
+
+// fp8: the n stacked weights (n, OC, C) at `weight` quantised in one batched call when all are out of date and
+// their cache entries are stacked too (weight_cache_create lays them out so); otherwise left to cached_weight,
+// one by one. The same bits either way. (A routed-expert Linear's 32 weights were 32 launches of ~8 us.)
+static void refresh_stack(Model *m, int n, const real *weight, int OC, int C) {
+    if (n < 2 || m->cfg.precision.mode != PRECISION_FP8) return;
+    struct LinearWeightCache *c = m->weight_cache;
+    const int i0 = find_entry(m, weight, OC, C);
+    if (i0 + n > c->n) return;
+    const CachedWeight *e0 = &c->entries[i0];
+    const size_t qn = (size_t)ceil_div(OC, FP8_TILE) * ceil_div(C, FP8_TILE) * FP8_TILE * FP8_TILE;
+    const size_t sn = (size_t)ceil_div(OC, FP8_TILE) * (ceil_div(ceil_div(C, FP8_TILE), 4) * 4);
+    for (int g = 0; g < n; g++) {
+        const CachedWeight *e = &c->entries[i0 + g];
+        if (e->offset != e0->offset + (int64_t)g * OC * C || e->OC != OC || e->C != C || e->q != e0->q + g * qn ||
+            e->qt != e0->qt + g * qn || e->s != e0->s + g * sn || e->version == m->weights_version)
+            return;
+    }
+    char err[256];
+    profile_begin(PHASE_QUANTISE);
+    check_quantised(fp8_quantize_128x128_batched(m->dev, e0->q, e0->qt, e0->s, weight, n, OC, C, err, sizeof err),
+                    "a stack of weights", err);
+    profile_end(PHASE_QUANTISE);
+    for (int g = 0; g < n; g++) c->entries[i0 + g].version = m->weights_version;
 }
 
 static void weight_cache_free(Model *m) {
@@ -208,11 +251,11 @@ static size_t bytes_1x128(int p16, int C) {
 static size_t bytes_128x1(int tiles, int C) {
     return pad_bytes((size_t)C * tiles * FP8_TILE) + pad_bytes((size_t)tiles * C * sizeof(float));
 }
-// The most scratch one forward (the input's 1x128 operand) or one backward (dY in both layouts and X in
-// 128x1) of a Linear (OC, C) holds at once; the weights' operands are in the cache.
+// The most scratch one forward (the input's 1x128 operand) or one backward of n_out Linears (OC, C) sharing an
+// input (each dY in both layouts, X in 128x1) holds at once; the weights' operands are in the cache.
 static size_t fprop_bytes(GroupSizes z, int C) { return bytes_1x128(z.p16, C); }
-static size_t backward_bytes(GroupSizes z, int C, int OC) {
-    return bytes_1x128(z.p16, OC) + bytes_128x1(z.tiles, OC) + bytes_128x1(z.tiles, C);
+static size_t backward_bytes(GroupSizes z, int C, int OC, int n_out) {
+    return (size_t)n_out * (bytes_1x128(z.p16, OC) + bytes_128x1(z.tiles, OC)) + bytes_128x1(z.tiles, C);
 }
 
 static Fp8Operand take_1x128(Model *m, size_t *used, GroupSizes z, int C) {
@@ -227,13 +270,13 @@ static Fp8Operand take_128x1(Model *m, size_t *used, GroupSizes z, int C) {
 
 static size_t bf16_bytes(int rows, int cols) { return pad_bytes((size_t)rows * cols * sizeof(uint16_t)); }
 
-// The most scratch one call of a Linear (OC, C) on `rows` rows holds: bf16 the rounded input and one rounded
-// dY (unpadded); fp8 the larger of a forward and a backward, its groups' padding adding at most 15 rows
-// (1x128) and one tile (128x1) per group of the `padded_groups`.
-static size_t call_scratch_bytes(const Model *m, int rows, int padded_groups, int C, int OC) {
-    if (m->cfg.precision.mode == PRECISION_BF16) return bf16_bytes(rows, C) + bf16_bytes(rows, OC);
+// The most scratch one call of n_out Linears (OC, C) sharing an input on `rows` rows holds: bf16 the rounded
+// input and the rounded dYs (unpadded); fp8 the larger of a forward and a backward, its groups' padding adding
+// at most 15 rows (1x128) and one tile (128x1) per group of the `padded_groups`.
+static size_t call_scratch_bytes(const Model *m, int rows, int padded_groups, int C, int OC, int n_out) {
+    if (m->cfg.precision.mode == PRECISION_BF16) return bf16_bytes(rows, C) + (size_t)n_out * bf16_bytes(rows, OC);
     const GroupSizes z = {round_up(rows, 16) + 15 * padded_groups, ceil_div(rows, FP8_TILE) + padded_groups};
-    const size_t f = fprop_bytes(z, C), b = backward_bytes(z, C, OC);
+    const size_t f = fprop_bytes(z, C), b = backward_bytes(z, C, OC, n_out);
     return f > b ? f : b;
 }
 
@@ -247,14 +290,16 @@ void linear_reserve_scratch(Model *m, int rows) {
         const ParamInfo *p = &m->params[i];
         if (!is_block_linear(p)) continue;
         const int expert = strstr(p->name, ".ffn.experts.") != NULL;
-        const size_t b = call_scratch_bytes(m, expert ? routed : rows, expert ? groups : 0, p->shape[1], p->shape[0]);
+        // a SwiGLU FFN's w1 and w3 run their backward as one call (linear_backward_shared / _grouped)
+        const int shared = strstr(p->name, ".w1.weight") != NULL || strstr(p->name, ".w3.weight") != NULL ? 2 : 1;
+        const size_t b =
+            call_scratch_bytes(m, expert ? routed : rows, expert ? groups : 0, p->shape[1], p->shape[0], shared);
         if (b > most) most = b;
     }
     scratch_reserve(m, most);
 }
 
 // ---------------------------------------------------------------------------- fp8 Linears
-#define MAX_SHARED 4  // Linears of one input: 2 in the SwiGLU FFN
 
 _Noreturn static void too_many_shared(int n_out) {
     fprintf(stderr, "fp8moe: train/linear.c: internal error: %d Linears share an input (at most %d)\n", n_out,
@@ -262,20 +307,24 @@ _Noreturn static void too_many_shared(int n_out) {
     exit(1);
 }
 
-// The cached arrays of slice g of the stacked weight (n_groups, OC, C) for every group g into the cache's
-// per-call arrays (fp8: q, qt, s; bf16: b; NULL for empty groups). Returns the number of non-empty groups.
-static int group_weights(Model *m, int n_groups, const int *offsets, const real *weight, int OC, int C) {
+// The cached arrays of slice g of the stacked weight (n_groups, OC, C) for every group g into slot `slot` of the
+// cache's per-call arrays (fp8: q, qt, s; bf16: b; at slot * max_groups; NULL for empty groups). Returns the
+// number of non-empty groups.
+static int group_weights(Model *m, int slot, int n_groups, const int *offsets, const real *weight, int OC, int C) {
     struct LinearWeightCache *c = m->weight_cache;
     if (n_groups > c->max_groups) {
         fprintf(stderr, "fp8moe: train/linear.c: internal error: %d groups in one Linear call (at most %d, the "
                         "local experts)\n", n_groups, c->max_groups);
         exit(1);
     }
+    refresh_stack(m, n_groups, weight, OC, C);
+    const int at = slot * c->max_groups;
     int used = 0;
     for (int g = 0; g < n_groups; g++) {
         const CachedWeight *e =
             offsets[g + 1] == offsets[g] ? NULL : cached_weight(m, weight + (int64_t)g * OC * C, OC, C);
-        c->q[g] = e ? e->q : NULL, c->qt[g] = e ? e->qt : NULL, c->s[g] = e ? e->s : NULL, c->b[g] = e ? e->b : NULL;
+        c->q[at + g] = e ? e->q : NULL, c->qt[at + g] = e ? e->qt : NULL;
+        c->s[at + g] = e ? e->s : NULL, c->b[at + g] = e ? e->b : NULL;
         used += e != NULL;
     }
     return used;
@@ -297,21 +346,22 @@ static void fp8_forward(Model *m, int n_groups, const int *offsets, int n_out, r
     profile_end(PHASE_QUANTISE);
     const struct LinearWeightCache *c = m->weight_cache;
     for (int i = 0; i < n_out; i++) {
-        m->fp8_gemm_count += group_weights(m, n_groups, offsets, weight[i], OC, C);
+        m->fp8_gemm_count += group_weights(m, 0, n_groups, offsets, weight[i], OC, C);
         fp8_gemm_fprop_grouped(m->dev, out[i], x.q, x.s, c->q, c->s, n_groups, offsets, OC, C);
     }
 }
 
-// fp8 backward, Linear by Linear (in order of i): Dgrad dinp += dY W (dY in 1x128 tiles along OC, W's
-// 128x128 blocks transposed; one grouped call for all groups), then Wgrad dW += dY^T X group by group (dY
-// and X in 128x1 tiles along the tokens, written transposed so the tokens are the contraction axis). Groups
-// write disjoint rows of dinp and slices of dW, so this order gives the bits of group-by-group calls. X's
-// Wgrad operand is quantised once; each dY once, into both layouts when both GEMMs need it.
+// fp8 backward of the n_out Linears sharing inp. Each dY is quantised once (1x128 tiles along OC for Dgrad,
+// 128x1 tiles along the tokens for Wgrad, both layouts in one pass when both GEMMs need them); all Dgrads are
+// one call, dinp += sum_i dY_i W_i in order of i (W's 128x128 blocks transposed, all groups, one output
+// conversion on CUDA); then Wgrad dW_i += dY_i^T X group by group (dY and X written transposed so the tokens
+// are the contraction axis). Groups write disjoint rows of dinp and slices of dW, so this gives the bits of
+// group-by-group, Linear-by-Linear calls. X's Wgrad operand is quantised once.
 static void fp8_backward(Model *m, int n_groups, const int *offsets, int n_out, real *dinp, GradStore dinp_store,
                          real *const *dweight, const real *const *dout, const real *inp, const int *inp_rows,
                          const real *const *weight, int C, int OC) {
     const GroupSizes z = group_sizes(n_groups, offsets);
-    scratch_reserve(m, backward_bytes(z, C, OC));
+    scratch_reserve(m, backward_bytes(z, C, OC, n_out));
     size_t used = 0;
     char err[256];
     Fp8Operand xt = {NULL, NULL};
@@ -323,34 +373,42 @@ static void fp8_backward(Model *m, int n_groups, const int *offsets, int n_out, 
                                                               sizeof err), "an activation (Wgrad X)", err);
         profile_end(PHASE_QUANTISE);
     }
-    const size_t used_by_x = used;
+    Fp8Operand dy[MAX_SHARED], dyt[MAX_SHARED];
     for (int i = 0; i < n_out; i++) {
-        used = used_by_x;  // dY's operands of the previous Linear are consumed (one stream, in order)
-        const Fp8Operand dy = dinp ? take_1x128(m, &used, z, OC) : (Fp8Operand){NULL, NULL};
-        const Fp8Operand dyt = dweight[i] ? take_128x1(m, &used, z, OC) : (Fp8Operand){NULL, NULL};
+        dy[i] = dinp ? take_1x128(m, &used, z, OC) : (Fp8Operand){NULL, NULL};
+        dyt[i] = dweight[i] ? take_128x1(m, &used, z, OC) : (Fp8Operand){NULL, NULL};
         profile_begin(PHASE_QUANTISE);
         if (dinp && dweight[i])
-            check_quantised(fp8_quantize_both_layouts_grouped(m->dev, dy.q, dy.s, dyt.q, dyt.s, dout[i], n_groups, offsets,
-                                                              OC, err, sizeof err), "a gradient (Dgrad and Wgrad dY)", err);
+            check_quantised(fp8_quantize_both_layouts_grouped(m->dev, dy[i].q, dy[i].s, dyt[i].q, dyt[i].s, dout[i],
+                                                              n_groups, offsets, OC, err, sizeof err),
+                            "a gradient (Dgrad and Wgrad dY)", err);
         else if (dinp)
-            check_quantised(fp8_quantize_1x128_grouped(m->dev, dy.q, dy.s, dout[i], NULL, n_groups, offsets, OC, err,
+            check_quantised(fp8_quantize_1x128_grouped(m->dev, dy[i].q, dy[i].s, dout[i], NULL, n_groups, offsets, OC, err,
                                                        sizeof err),
                             "a gradient (Dgrad dY)", err);
         else if (dweight[i])
-            check_quantised(fp8_quantize_128x1_transposed_grouped(m->dev, dyt.q, dyt.s, dout[i], NULL, n_groups, offsets, OC,
-                                                                  err, sizeof err), "a gradient (Wgrad dY)", err);
+            check_quantised(fp8_quantize_128x1_transposed_grouped(m->dev, dyt[i].q, dyt[i].s, dout[i], NULL, n_groups,
+                                                                  offsets, OC, err, sizeof err),
+                            "a gradient (Wgrad dY)", err);
         profile_end(PHASE_QUANTISE);
-        if (dinp) {
-            m->fp8_gemm_count += group_weights(m, n_groups, offsets, weight[i], OC, C);
-            fp8_gemm_dgrad_grouped(m->dev, dinp, i == 0 ? dinp_store : GRAD_ADD, dy.q, dy.s, m->weight_cache->qt,
-                                   m->weight_cache->s, n_groups, offsets, OC, C);
+    }
+    if (dinp) {
+        const struct LinearWeightCache *c = m->weight_cache;
+        const uint8_t *qdy[MAX_SHARED], *const *qwt[MAX_SHARED];
+        const float *sdy[MAX_SHARED], *const *sw[MAX_SHARED];
+        for (int i = 0; i < n_out; i++) {
+            m->fp8_gemm_count += group_weights(m, i, n_groups, offsets, weight[i], OC, C);
+            qdy[i] = dy[i].q, sdy[i] = dy[i].s, qwt[i] = c->qt + i * c->max_groups, sw[i] = c->s + i * c->max_groups;
         }
+        fp8_gemm_dgrad_grouped(m->dev, dinp, dinp_store, n_out, qdy, sdy, qwt, sw, n_groups, offsets, OC, C);
+    }
+    for (int i = 0; i < n_out; i++) {
         for (int g = 0, tiles = 0; g < n_groups && dweight[i]; g++) {
             const int n = offsets[g + 1] - offsets[g];
             if (n == 0) continue;
-            fp8_gemm_wgrad(m->dev, dweight[i] + (int64_t)g * OC * C, dyt.q + (size_t)OC * FP8_TILE * tiles,
-                           dyt.s + (size_t)OC * tiles, xt.q + (size_t)C * FP8_TILE * tiles, xt.s + (size_t)C * tiles, n,
-                           OC, C);
+            fp8_gemm_wgrad(m->dev, dweight[i] + (int64_t)g * OC * C, dyt[i].q + (size_t)OC * FP8_TILE * tiles,
+                           dyt[i].s + (size_t)OC * tiles, xt.q + (size_t)C * FP8_TILE * tiles, xt.s + (size_t)C * tiles,
+                           n, OC, C);
             m->fp8_gemm_count++;
             tiles += ceil_div(n, FP8_TILE);
         }
@@ -371,18 +429,19 @@ static void bf16_forward(Model *m, int n_groups, const int *offsets, int n_out, 
     uint16_t *x = scratch_take(m, &used, (size_t)rows * C * sizeof(uint16_t));
     bf16_round_array(m->dev, x, inp, (int64_t)rows * C);
     for (int i = 0; i < n_out; i++) {
-        group_weights(m, n_groups, offsets, weight[i], OC, C);
+        group_weights(m, 0, n_groups, offsets, weight[i], OC, C);
         bf16_gemm_fprop_grouped(m->dev, out[i], x, m->weight_cache->b, n_groups, offsets, OC, C);
     }
 }
 
-// Linear by Linear (in order of i): Dgrad for all groups, then Wgrad group by group; groups write disjoint
-// rows of dinp and slices of dW, so this is the order of group-by-group calls.
+// Each dY rounded once; all Dgrads one call (dinp += sum_i bf16(dY_i W_i) in order of i, all groups), then
+// Wgrad Linear by Linear, group by group; groups write disjoint rows of dinp and slices of dW, so this is the
+// order of group-by-group, Linear-by-Linear calls.
 static void bf16_backward(Model *m, int n_groups, const int *offsets, int n_out, real *dinp, GradStore dinp_store,
                           real *const *dweight, const real *const *dout, const real *inp, const real *const *weight,
                           int C, int OC) {
     const int rows = offsets[n_groups];
-    scratch_reserve(m, bf16_bytes(rows, C) + bf16_bytes(rows, OC));
+    scratch_reserve(m, bf16_bytes(rows, C) + (size_t)n_out * bf16_bytes(rows, OC));
     size_t used = 0;
     uint16_t *x = NULL;
     for (int i = 0; i < n_out && x == NULL; i++) {
@@ -390,20 +449,28 @@ static void bf16_backward(Model *m, int n_groups, const int *offsets, int n_out,
         x = scratch_take(m, &used, (size_t)rows * C * sizeof(uint16_t));
         bf16_round_array(m->dev, x, inp, (int64_t)rows * C);
     }
-    uint16_t *dy = scratch_take(m, &used, (size_t)rows * OC * sizeof(uint16_t));
+    uint16_t *dy[MAX_SHARED];
     for (int i = 0; i < n_out; i++) {
+        dy[i] = NULL;
         if (dinp == NULL && dweight[i] == NULL) continue;
-        bf16_round_array(m->dev, dy, dout[i], (int64_t)rows * OC);  // the previous dY is consumed (one stream)
-        if (dinp) {
-            group_weights(m, n_groups, offsets, weight[i], OC, C);
-            bf16_gemm_dgrad_grouped(m->dev, dinp, i == 0 ? dinp_store : GRAD_ADD, dy, m->weight_cache->b, n_groups,
-                                    offsets, OC, C);
+        dy[i] = scratch_take(m, &used, (size_t)rows * OC * sizeof(uint16_t));
+        bf16_round_array(m->dev, dy[i], dout[i], (int64_t)rows * OC);
+    }
+    if (dinp) {
+        const struct LinearWeightCache *c = m->weight_cache;
+        const uint16_t *dys[MAX_SHARED], *const *w[MAX_SHARED];
+        for (int i = 0; i < n_out; i++) {
+            group_weights(m, i, n_groups, offsets, weight[i], OC, C);
+            dys[i] = dy[i], w[i] = c->b + i * c->max_groups;
         }
+        bf16_gemm_dgrad_grouped(m->dev, dinp, dinp_store, n_out, dys, w, n_groups, offsets, OC, C);
+    }
+    for (int i = 0; i < n_out; i++) {
         for (int g = 0; g < n_groups && dweight[i]; g++) {
             const int r0 = offsets[g], n = offsets[g + 1] - offsets[g];
             if (n > 0)
-                bf16_gemm_wgrad(m->dev, dweight[i] + (int64_t)g * OC * C, dy + (size_t)r0 * OC, x + (size_t)r0 * C, n,
-                                OC, C);
+                bf16_gemm_wgrad(m->dev, dweight[i] + (int64_t)g * OC * C, dy[i] + (size_t)r0 * OC, x + (size_t)r0 * C,
+                                n, OC, C);
         }
     }
 }

@@ -38,6 +38,8 @@ void cpu_adamw_update(real *param, const real *grad, uint16_t *m, uint16_t *v, i
 
 // FP8 block scaling (kernels/cpu/fp8.c) and the BF16 baseline GEMMs (kernels/cpu/bf16_gemm.c).
 int cpu_fp8_quantize_1x128(uint8_t *q, float *s, const real *x, int rows, int K, char *err, size_t err_size);
+int cpu_fp8_quantize_128x128_batched(uint8_t *q, uint8_t *qt, float *s, const real *w, int batch, int N, int K, char *err,
+                                     size_t err_size);
 int cpu_fp8_quantize_128x128(uint8_t *q, uint8_t *qt, float *s, const real *w, int N, int K, char *err, size_t err_size);
 int cpu_fp8_quantize_128x1_transposed(uint8_t *q, float *s, const real *x, int T, int C, char *err, size_t err_size);
 int cpu_fp8_quantize_both_layouts(uint8_t *q1, float *s1, uint8_t *q2, float *s2, const real *x, int T, int C, char *err,

@@ -208,6 +208,19 @@ int cpu_fp8_quantize_128x128(uint8_t *q, uint8_t *qt, float *s, const real *w, i
     return 0;
 }
 
+// Matrix by matrix; the stack is checked first so a bad element is named at its row of (batch * N, K).
+int cpu_fp8_quantize_128x128_batched(uint8_t *q, uint8_t *qt, float *s, const real *w, int batch, int N, int K,
+                                     char *err, size_t err_size) {
+    if (batch <= 0 || N <= 0 || K <= 0) return 0;
+    if (check_finite("fp8_quantize_128x128_batched", w, batch * N, K, err, err_size)) return -1;
+    const int KB4 = ceil_div(ceil_div(K, FP8_TILE), 4) * 4, NB = ceil_div(N, FP8_TILE);
+    const size_t qn = (size_t)NB * FP8_TILE * ceil_div(K, FP8_TILE) * FP8_TILE, sn = (size_t)NB * KB4;
+    for (int b = 0; b < batch; b++)
+        cpu_fp8_quantize_128x128(q + b * qn, qt ? qt + b * qn : NULL, s + b * sn, w + (size_t)b * N * K, N, K, err,
+                                 err_size);
+    return 0;
+}
+
 // x (T, C) -> q (C, Tp), s (TB, C): tile (tb, c) is x[128 tb .. 128 tb + 127, c], its scale is
 // s[tb * C + c] and q[c * Tp + t] = e4m3(x[t, c] / s) for t < T, 0 for T <= t < Tp.
 static void quantize_128x1_rows(uint8_t *q, float *s, const real *x, int T, int C) {

@@ -21,6 +21,8 @@ void cuda_adamw_update(real *param, const real *grad, uint16_t *m, uint16_t *v, 
 // FP8 block scaling and the BF16 baseline GEMMs (kernels/cuda/fp8_quant.cu, kernels/cuda/gemm.cu).
 int cuda_fp8_check_finite(char *err, size_t err_size);
 int cuda_fp8_quantize_1x128(uint8_t *q, float *s, const real *x, int rows, int K, char *err, size_t err_size);
+int cuda_fp8_quantize_128x128_batched(uint8_t *q, uint8_t *qt, float *s, const real *w, int batch, int N, int K, char *err,
+                                      size_t err_size);
 int cuda_fp8_quantize_128x128(uint8_t *q, uint8_t *qt, float *s, const real *w, int N, int K, char *err, size_t err_size);
 int cuda_fp8_quantize_128x1_transposed(uint8_t *q, float *s, const real *x, int T, int C, char *err, size_t err_size);
 int cuda_fp8_quantize_both_layouts(uint8_t *q1, float *s1, uint8_t *q2, float *s2, const real *x, int T, int C, char *err,
@@ -35,13 +37,15 @@ void cuda_fp8_gemm_fprop(real *y, const uint8_t *qx, const float *sx, const uint
 void cuda_fp8_gemm_dgrad(real *dx, const uint8_t *qdy, const float *sdy, const uint8_t *qwt, const float *sw, int T, int N, int K);
 void cuda_fp8_gemm_fprop_grouped(real *y, const uint8_t *qx, const float *sx, const uint8_t *const *qw, const float *const *sw,
                                  int n_seg, const int *rows0, int N, int K);
-void cuda_fp8_gemm_dgrad_grouped(real *dx, GradStore store, const uint8_t *qdy, const float *sdy, const uint8_t *const *qwt,
-                                 const float *const *sw, int n_seg, const int *rows0, int N, int K);
+void cuda_fp8_gemm_dgrad_grouped(real *dx, GradStore store, int n_mats, const uint8_t *const *qdy, const float *const *sdy,
+                                 const uint8_t *const *const *qwt, const float *const *const *sw, int n_seg, const int *rows0,
+                                 int N, int K);
 void cuda_fp8_gemm_wgrad(real *dw, const uint8_t *qdyt, const float *sdyt, const uint8_t *qxt, const float *sxt, int T, int N, int K);
 void cuda_bf16_matmul_forward(real *out, const real *inp, const real *weight, int N, int C, int OC);
 void cuda_bf16_matmul_backward(real *dinp, real *dweight, const real *dout, const real *inp, const real *weight, int N, int C, int OC);
 void cuda_bf16_gemm_fprop_grouped(real *y, const uint16_t *x, const uint16_t *const *w, int n_seg, const int *rows0, int N, int K);
-void cuda_bf16_gemm_dgrad_grouped(real *dx, GradStore store, const uint16_t *dy, const uint16_t *const *w, int n_seg, const int *rows0, int N, int K);
+void cuda_bf16_gemm_dgrad_grouped(real *dx, GradStore store, int n_mats, const uint16_t *const *dy,
+                                  const uint16_t *const *const *w, int n_seg, const int *rows0, int N, int K);
 void cuda_bf16_gemm_wgrad(real *dw, const uint16_t *dy, const uint16_t *x, int T, int N, int K);
 
 // Causal attention core, flash-style (kernels/cuda/attention.cu); state = lse (B, H, T), see kernels.h;

@@ -227,13 +227,18 @@ extern "C" int cuda_fp8_quantize_1x128_grouped(uint8_t *q, float *s, const real 
 static const int Q128_ROWS_PER_PASS = Q128_THREADS / 32;
 static const int Q128_PASSES = FP8_TILE / Q128_ROWS_PER_PASS; // 8 passes of 16 rows
 
+// Matrix blockIdx.z of a stack (w (batch, N, K) -> q, qt (batch, Np*Kp), s (batch, NB*KB4)); a NaN's index is
+// its row-major position in the stacked (batch * N, K).
 template <bool VEC4>
 __global__ void __launch_bounds__(Q128_THREADS, 2)
     quantize_128x128_kernel(uint8_t *q, uint8_t *qt, float *s, const float *w, int N, int K, int Np, int Kp, int KB,
                             int KB4, unsigned long long call, unsigned long long *bad) {
     __shared__ float scratch[32];
     __shared__ uint8_t tile[FP8_TILE][FP8_TILE + 1];
-    const int kb = blockIdx.x, nb = blockIdx.y;
+    const int kb = blockIdx.x, nb = blockIdx.y, z = blockIdx.z;
+    w += (int64_t)z * N * K, q += (int64_t)z * Np * Kp, s += (int64_t)z * (Np / FP8_TILE) * KB4;
+    if (qt != NULL) qt += (int64_t)z * Np * Kp;
+    const unsigned long long matrix0 = (unsigned long long)z * N * K;
     const int c = (threadIdx.x & 31) * 4, r0 = threadIdx.x >> 5;
     const int col = kb * FP8_TILE + c;
 
@@ -250,7 +255,7 @@ __global__ void __launch_bounds__(Q128_THREADS, 2)
     for (int p = 0; p < Q128_PASSES; p++) {
         const int row = nb * FP8_TILE + r0 + Q128_ROWS_PER_PASS * p;
         for (int j = 0; j < 4; j++) {
-            if (row < N) note_if_bad(v[p][j], (unsigned long long)row * K + col + j, call, bad);
+            if (row < N) note_if_bad(v[p][j], matrix0 + (unsigned long long)row * K + col + j, call, bad);
             a = fmaxf(a, fabsf(v[p][j]));
         }
     }
@@ -279,18 +284,22 @@ __global__ void __launch_bounds__(Q128_THREADS, 2)
     }
 }
 
-extern "C" int cuda_fp8_quantize_128x128(uint8_t *q, uint8_t *qt, float *s, const real *w, int N, int K, char *err,
-                                         size_t err_size) {
-    if (N <= 0 || K <= 0) return 0;
-    require_aligned16(q, "fp8_quantize_128x128", "q");
-    require_aligned16(qt, "fp8_quantize_128x128", "qt");
-    require_aligned16(s, "fp8_quantize_128x128", "s");
+static int quantize_128x128_stack(const char *op, uint8_t *q, uint8_t *qt, float *s, const real *w, int batch, int N,
+                                  int K, char *err, size_t err_size) {
+    if (batch <= 0 || N <= 0 || K <= 0) return 0;
+    require_aligned16(q, op, "q");
+    require_aligned16(qt, op, "qt");
+    require_aligned16(s, op, "s");
+    if (batch > 65535) {  // gridDim.z
+        fprintf(stderr, "%s:%d: %s: %d matrices in one call - expected at most 65535\n", __FILE__, __LINE__, op, batch);
+        exit(1);
+    }
     const int KB = ceil_div(K, FP8_TILE), NB = ceil_div(N, FP8_TILE);
     const int KB4 = (KB + 3) / 4 * 4;
     unsigned long long *bad = bad_word();
     int rc;
-    const unsigned long long call = log_call("fp8_quantize_128x128", "w", N, K, &rc, err, err_size);
-    const dim3 grid((unsigned)KB, (unsigned)NB);
+    const unsigned long long call = log_call(op, "w", batch * N, K, &rc, err, err_size);
+    const dim3 grid((unsigned)KB, (unsigned)NB, (unsigned)batch);
     if (K % 4 == 0 && is_aligned(w, 16))
         quantize_128x128_kernel<true><<<grid, Q128_THREADS>>>(q, qt, s, w, N, K, NB * FP8_TILE, KB * FP8_TILE, KB,
                                                               KB4, call, bad);
@@ -299,6 +308,16 @@ extern "C" int cuda_fp8_quantize_128x128(uint8_t *q, uint8_t *qt, float *s, cons
                                                                KB4, call, bad);
     CUDA_CHECK_LAUNCH("quantize_128x128_kernel");
     return rc;
+}
+
+extern "C" int cuda_fp8_quantize_128x128(uint8_t *q, uint8_t *qt, float *s, const real *w, int N, int K, char *err,
+                                         size_t err_size) {
+    return quantize_128x128_stack("fp8_quantize_128x128", q, qt, s, w, 1, N, K, err, err_size);
+}
+
+extern "C" int cuda_fp8_quantize_128x128_batched(uint8_t *q, uint8_t *qt, float *s, const real *w, int batch, int N,
+                                                 int K, char *err, size_t err_size) {
+    return quantize_128x128_stack("fp8_quantize_128x128_batched", q, qt, s, w, batch, N, K, err, err_size);
 }
 
 // ---------------------------------------------------------------------------- 128x1 along T, transposed

@@ -417,14 +417,22 @@ __device__ inline uint32_t bf16x2_bits(float lo, float hi) {
 // y (rows0[n], cols) float = (or, with ADD, +=) the valid rows of x, the BF16 output of one GEMM per segment
 // with row stride ld: row rows0[g] + r of y is row p16[g] + r of x (each segment's GEMM ran on its rows
 // padded to 16, one after another). One segment with rows0 = {0, rows} is a plain (rows, cols) conversion.
+// n_src outputs of that layout may lie one after another, src_stride elements apart (the Dgrads of Linears
+// sharing an input): they are added in order after the first, y = ((y +) x_0 + x_1) + ..., the bits of one
+// conversion per output.
 // One warp per output row and chunk of CONV_STEPS x 32 x (1 or 4) columns: the row's segment is looked up
 // once per warp (a binary search of the table, the same for all lanes) and no element index is divided.
 static const int CONV_ROWS_PER_BLOCK = 8;
 static const int CONV_STEPS = 4;
 
+__device__ inline float4 bf16x4_to_float4(uint2 raw) {
+    return make_float4(bf16_bits_to_float(raw.x & 0xFFFFu), bf16_bits_to_float(raw.x >> 16),
+                       bf16_bits_to_float(raw.y & 0xFFFFu), bf16_bits_to_float(raw.y >> 16));
+}
+
 template <bool VEC4, bool ADD>
-__global__ void bf16_to_float_rows_kernel(float *__restrict__ y, const uint16_t *__restrict__ x,
-                                          const __grid_constant__ SegTable seg, int cols, int ld) {
+__global__ void bf16_to_float_rows_kernel(float *__restrict__ y, const uint16_t *__restrict__ x, int n_src,
+                                          int64_t src_stride, const __grid_constant__ SegTable seg, int cols, int ld) {
     const int per = VEC4 ? 4 : 1;
     const int row = blockIdx.x * CONV_ROWS_PER_BLOCK + (threadIdx.x >> 5);
     if (row >= seg.rows0[seg.n]) return;
@@ -437,18 +445,22 @@ __global__ void bf16_to_float_rows_kernel(float *__restrict__ y, const uint16_t 
         const int c = c0 + i * 32 * per;
         if (c >= cols) break;
         if (VEC4) {
-            const uint2 raw = *reinterpret_cast<const uint2 *>(xr + c);
-            float4 v = make_float4(bf16_bits_to_float(raw.x & 0xFFFFu), bf16_bits_to_float(raw.x >> 16),
-                                   bf16_bits_to_float(raw.y & 0xFFFFu), bf16_bits_to_float(raw.y >> 16));
+            float4 v = bf16x4_to_float4(*reinterpret_cast<const uint2 *>(xr + c));
             float4 *out = reinterpret_cast<float4 *>(yr + c);
             if (ADD) {
                 const float4 o = *out;
                 v.x = __fadd_rn(o.x, v.x), v.y = __fadd_rn(o.y, v.y), v.z = __fadd_rn(o.z, v.z), v.w = __fadd_rn(o.w, v.w);
             }
+            for (int k = 1; k < n_src; k++) {
+                const float4 u = bf16x4_to_float4(*reinterpret_cast<const uint2 *>(xr + k * src_stride + c));
+                v.x = __fadd_rn(v.x, u.x), v.y = __fadd_rn(v.y, u.y), v.z = __fadd_rn(v.z, u.z), v.w = __fadd_rn(v.w, u.w);
+            }
             *out = v;
         } else {
-            const float v = bf16_bits_to_float(xr[c]);
-            yr[c] = ADD ? __fadd_rn(yr[c], v) : v;
+            float v = bf16_bits_to_float(xr[c]);
+            if (ADD) v = __fadd_rn(yr[c], v);
+            for (int k = 1; k < n_src; k++) v = __fadd_rn(v, bf16_bits_to_float(xr[k * src_stride + c]));
+            yr[c] = v;
         }
     }
 }
@@ -486,18 +498,19 @@ static int vec4_ok(int64_t a, const void *p16, const void *p8) {
     return a % 4 == 0 && (uintptr_t)p16 % 16 == 0 && (uintptr_t)p8 % 8 == 0;
 }
 
-// One launch for every segment of seg (see bf16_to_float_rows_kernel).
+// One launch for every segment of seg and every one of n_src outputs (see bf16_to_float_rows_kernel).
 template <bool ADD>
-static void bf16_to_float_rows(float *y, const uint16_t *x, const SegTable &seg, int cols, int ld) {
+static void bf16_to_float_rows(float *y, const uint16_t *x, const SegTable &seg, int cols, int ld, int n_src = 1,
+                               int64_t src_stride = 0) {
     const int rows = seg.rows0[seg.n];
     if (rows == 0 || cols <= 0) return;
-    const int per = vec4_ok(cols, y, x) && ld % 4 == 0 ? 4 : 1;
+    const int per = vec4_ok(cols, y, x) && ld % 4 == 0 && src_stride % 4 == 0 ? 4 : 1;
     const dim3 grid((unsigned)ceil_div(rows, CONV_ROWS_PER_BLOCK), (unsigned)ceil_div(cols, CONV_STEPS * 32 * per));
     if (grid.y > 65535)
         gemm_fail(__LINE__, "bf16_to_float_rows", "%d columns - expected at most %d", cols, 65535 * CONV_STEPS * 32 * per);
     const int threads = 32 * CONV_ROWS_PER_BLOCK;
-    if (per == 4) bf16_to_float_rows_kernel<true, ADD><<<grid, threads>>>(y, x, seg, cols, ld);
-    else bf16_to_float_rows_kernel<false, ADD><<<grid, threads>>>(y, x, seg, cols, ld);
+    if (per == 4) bf16_to_float_rows_kernel<true, ADD><<<grid, threads>>>(y, x, n_src, src_stride, seg, cols, ld);
+    else bf16_to_float_rows_kernel<false, ADD><<<grid, threads>>>(y, x, n_src, src_stride, seg, cols, ld);
     CUDA_CHECK_LAUNCH("bf16_to_float_rows_kernel");
 }
 
@@ -560,55 +573,67 @@ extern "C" void cuda_fp8_gemm_dgrad_bf16(uint16_t *dx, const uint8_t *qdy, const
 typedef void (*Fp8GemmBf16)(uint16_t *out, const uint8_t *qa, const float *sa, const uint8_t *qb, const float *sb, int T,
                             int N, int K);
 
-// kernels.h's Fprop and Dgrad take any T and any number of segments (the routed experts: *_grouped). Segment
-// g's 1x128 operand is T16_g rows (the padding rows are zero) at row p16[g] of qa, its scales at
-// CB * p16[g] (CB = contraction blocks); its GEMM runs on all T16_g rows into rows p16[g].. of one BF16
-// scratch (row stride `out_cols` rounded up to 128), and ONE conversion launch keeps (Dgrad with GRAD_ADD: adds)
-// the valid rows of every segment. A conversion per segment cost a routed-expert Linear one launch per expert (about
-// 675 launches of 9-52 us per step of a 2-layer model, ~10% of the GPU time); the GEMMs are the same, so
-// are the bits.
+// kernels.h's Fprop and Dgrad take any T and any number of segments (the routed experts: *_grouped), and the
+// Dgrad several matrices. Segment g's 1x128 operand is T16_g rows (the padding rows are zero) at row p16[g]
+// of qa[i], its scales at CB * p16[g] (CB = contraction blocks); matrix i's GEMM of segment g runs on all
+// T16_g rows into rows p16[g].. of BF16 scratch i (row stride `out_cols` rounded up to 128, the n_mats
+// scratches one after another), and ONE conversion launch keeps (adds, with `add`) the valid rows of every
+// segment, summing the matrices in order. A conversion per segment cost a routed-expert Linear one launch per
+// expert (about 675 launches of 9-52 us per step of a 2-layer model, ~10% of the GPU time), and one per
+// matrix a full extra pass over the FP32 gradient; the GEMMs are the same, so are the bits.
 static void fp8_gemm_segments(const char *op, Fp8GemmBf16 gemm, real *out, bool add, int out_cols, int contraction,
-                              const uint8_t *qa, const float *sa, const uint8_t *const *qb, const float *const *sb,
-                              int n_seg, const int *rows0, int N, int K) {
+                              int n_mats, const uint8_t *const *qa, const float *const *sa,
+                              const uint8_t *const *const *qb, const float *const *const *sb, int n_seg,
+                              const int *rows0, int N, int K) {
     const SegTable seg = seg_table(op, n_seg, rows0);
     if (seg.rows0[n_seg] == 0 || out_cols <= 0) return;
     const int ld = round_up(out_cols, FP8_TILE), CB = ceil_div(contraction, FP8_TILE);
+    const int64_t per_mat = (int64_t)seg.p16[n_seg] * ld;
     ctx_init();
-    uint16_t *tmp = (uint16_t *)cuda_scratch(&ctx.out_bf16, sizeof(uint16_t) * (size_t)seg.p16[n_seg] * ld);
-    for (int g = 0; g < n_seg; g++) {
-        const int p16 = seg.p16[g], T16 = seg.p16[g + 1] - p16;
-        if (T16 == 0) continue;
-        gemm(tmp + (size_t)p16 * ld, qa + (size_t)p16 * CB * FP8_TILE, sa + (size_t)CB * p16, qb[g], sb[g], T16, N, K);
+    uint16_t *tmp = (uint16_t *)cuda_scratch(&ctx.out_bf16, sizeof(uint16_t) * (size_t)(per_mat * n_mats));
+    for (int i = 0; i < n_mats; i++) {
+        for (int g = 0; g < n_seg; g++) {
+            const int p16 = seg.p16[g], T16 = seg.p16[g + 1] - p16;
+            if (T16 == 0) continue;
+            gemm(tmp + i * per_mat + (size_t)p16 * ld, qa[i] + (size_t)p16 * CB * FP8_TILE, sa[i] + (size_t)CB * p16,
+                 qb[i][g], sb[i][g], T16, N, K);
+        }
     }
-    if (add) bf16_to_float_rows<true>(out, tmp, seg, out_cols, ld);
-    else bf16_to_float_rows<false>(out, tmp, seg, out_cols, ld);
+    if (add) bf16_to_float_rows<true>(out, tmp, seg, out_cols, ld, n_mats, per_mat);
+    else bf16_to_float_rows<false>(out, tmp, seg, out_cols, ld, n_mats, per_mat);
 }
 
 extern "C" void cuda_fp8_gemm_fprop_grouped(real *y, const uint8_t *qx, const float *sx, const uint8_t *const *qw,
                                             const float *const *sw, int n_seg, const int *rows0, int N, int K) {
-    fp8_gemm_segments("fp8_gemm_fprop_grouped", cuda_fp8_gemm_fprop_bf16, y, false, N, K, qx, sx, qw, sw, n_seg, rows0,
-                             N, K);
+    fp8_gemm_segments("fp8_gemm_fprop_grouped", cuda_fp8_gemm_fprop_bf16, y, false, N, K, 1, &qx, &sx, &qw, &sw,
+                      n_seg, rows0, N, K);
 }
 
-extern "C" void cuda_fp8_gemm_dgrad_grouped(real *dx, GradStore store, const uint8_t *qdy, const float *sdy,
-                                            const uint8_t *const *qwt, const float *const *sw, int n_seg,
-                                            const int *rows0, int N, int K) {
-    fp8_gemm_segments("fp8_gemm_dgrad_grouped", cuda_fp8_gemm_dgrad_bf16, dx, store == GRAD_ADD, K, N, qdy, sdy, qwt,
-                      sw, n_seg, rows0, N, K);
+extern "C" void cuda_fp8_gemm_dgrad_grouped(real *dx, GradStore store, int n_mats, const uint8_t *const *qdy,
+                                            const float *const *sdy, const uint8_t *const *const *qwt,
+                                            const float *const *const *sw, int n_seg, const int *rows0, int N, int K) {
+    fp8_gemm_segments("fp8_gemm_dgrad_grouped", cuda_fp8_gemm_dgrad_bf16, dx, store == GRAD_ADD, K, N, n_mats, qdy,
+                      sdy, qwt, sw, n_seg, rows0, N, K);
 }
 
 extern "C" void cuda_fp8_gemm_fprop(real *y, const uint8_t *qx, const float *sx, const uint8_t *qw, const float *sw,
                                     int T, int N, int K) {
     if (T <= 0) return;
     const int rows0[2] = {0, T};
-    fp8_gemm_segments("fp8_gemm_fprop", cuda_fp8_gemm_fprop_bf16, y, false, N, K, qx, sx, &qw, &sw, 1, rows0, N, K);
+    const uint8_t *const *qws = &qw;
+    const float *const *sws = &sw;
+    fp8_gemm_segments("fp8_gemm_fprop", cuda_fp8_gemm_fprop_bf16, y, false, N, K, 1, &qx, &sx, &qws, &sws, 1, rows0,
+                      N, K);
 }
 
 extern "C" void cuda_fp8_gemm_dgrad(real *dx, const uint8_t *qdy, const float *sdy, const uint8_t *qwt,
                                     const float *sw, int T, int N, int K) {
     if (T <= 0) return;
     const int rows0[2] = {0, T};
-    fp8_gemm_segments("fp8_gemm_dgrad", cuda_fp8_gemm_dgrad_bf16, dx, true, K, N, qdy, sdy, &qwt, &sw, 1, rows0, N, K);
+    const uint8_t *const *qwts = &qwt;
+    const float *const *sws = &sw;
+    fp8_gemm_segments("fp8_gemm_dgrad", cuda_fp8_gemm_dgrad_bf16, dx, true, K, N, 1, &qdy, &sdy, &qwts, &sws, 1,
+                      rows0, N, K);
 }
 
 extern "C" void cuda_fp8_gemm_wgrad(real *dw, const uint8_t *qdyt, const float *sdyt, const uint8_t *qxt,
@@ -693,39 +718,46 @@ extern "C" void cuda_bf16_matmul_backward(real *dinp, real *dweight, const real 
     }
 }
 
-// kernels.h's BF16 GEMMs on pre-rounded operands (train/linear.c's bf16 mode): segment g's rows of a (packed,
-// one segment after another) through weight w[g], one GEMM per non-empty segment into the same rows of one
-// BF16 scratch, then ONE conversion (Dgrad with GRAD_ADD: one add) of all rows: the segments cover rows
-// [0, rows0[n_seg]). The GEMM calls are those of bf16_matmul_forward / _backward; only the conversions are merged.
+// kernels.h's BF16 GEMMs on pre-rounded operands (train/linear.c's bf16 mode): segment g's rows of a[i] (packed,
+// one segment after another) through weight w[i][g], one GEMM per non-empty segment and matrix into the same
+// rows of BF16 scratch i, then ONE conversion (Dgrad with GRAD_ADD: one add) of all rows and matrices, summed in
+// order of i: the segments cover rows [0, rows0[n_seg]). The GEMM calls are those of bf16_matmul_forward /
+// _backward; only the conversions are merged.
 template <bool DGRAD>
-static void bf16_gemm_segments(const char *op, real *out, bool add, const uint16_t *a, const uint16_t *const *w,
-                               int n_seg, const int *rows0, int N, int K) {
+static void bf16_gemm_segments(const char *op, real *out, bool add, int n_mats, const uint16_t *const *a,
+                               const uint16_t *const *const *w, int n_seg, const int *rows0, int N, int K) {
     for (int g = 0; g < n_seg; g++)  // any number of segments: no table reaches the GPU here
         if (rows0[0] != 0 || rows0[g + 1] < rows0[g])
             gemm_fail(__LINE__, op, "rows0[0] = %d, segment %d has rows %d..%d - expected rows0[0] = 0 and rows0 "
                                     "non-decreasing", rows0[0], g, rows0[g], rows0[g + 1]);
     const int rows = n_seg > 0 ? rows0[n_seg] : 0, out_cols = DGRAD ? K : N, in_cols = DGRAD ? N : K;
     if (rows == 0 || out_cols <= 0) return;
+    const int64_t per_mat = ((int64_t)rows * out_cols + 7) / 8 * 8;  // each scratch 16-byte aligned
     ctx_init();
-    uint16_t *tmp = (uint16_t *)cuda_scratch(&ctx.out_bf16, sizeof(uint16_t) * (size_t)rows * out_cols);
-    for (int g = 0; g < n_seg; g++) {
-        const int r0 = rows0[g], n = rows0[g + 1] - rows0[g];
-        if (n <= 0) continue;
-        cuda_bf16_gemm(tmp + (size_t)r0 * out_cols, 0, 0.0f, a + (size_t)r0 * in_cols, 0, w[g], DGRAD ? 0 : 1, n,
-                       out_cols, in_cols);
+    uint16_t *tmp = (uint16_t *)cuda_scratch(&ctx.out_bf16, sizeof(uint16_t) * (size_t)(per_mat * n_mats));
+    for (int i = 0; i < n_mats; i++) {
+        for (int g = 0; g < n_seg; g++) {
+            const int r0 = rows0[g], n = rows0[g + 1] - rows0[g];
+            if (n <= 0) continue;
+            cuda_bf16_gemm(tmp + i * per_mat + (size_t)r0 * out_cols, 0, 0.0f, a[i] + (size_t)r0 * in_cols, 0, w[i][g],
+                           DGRAD ? 0 : 1, n, out_cols, in_cols);
+        }
     }
-    if (add) bf16_to_float_plain<true>(op, out, tmp, rows, out_cols, out_cols);
-    else bf16_to_float_plain<false>(op, out, tmp, rows, out_cols, out_cols);
+    const int rows0_all[2] = {0, rows};
+    const SegTable seg = seg_table(op, 1, rows0_all);
+    if (add) bf16_to_float_rows<true>(out, tmp, seg, out_cols, out_cols, n_mats, per_mat);
+    else bf16_to_float_rows<false>(out, tmp, seg, out_cols, out_cols, n_mats, per_mat);
 }
 
 extern "C" void cuda_bf16_gemm_fprop_grouped(real *y, const uint16_t *x, const uint16_t *const *w, int n_seg,
                                              const int *rows0, int N, int K) {
-    bf16_gemm_segments<false>("bf16_gemm_fprop_grouped", y, false, x, w, n_seg, rows0, N, K);
+    bf16_gemm_segments<false>("bf16_gemm_fprop_grouped", y, false, 1, &x, &w, n_seg, rows0, N, K);
 }
 
-extern "C" void cuda_bf16_gemm_dgrad_grouped(real *dx, GradStore store, const uint16_t *dy, const uint16_t *const *w,
-                                             int n_seg, const int *rows0, int N, int K) {
-    bf16_gemm_segments<true>("bf16_gemm_dgrad_grouped", dx, store == GRAD_ADD, dy, w, n_seg, rows0, N, K);
+extern "C" void cuda_bf16_gemm_dgrad_grouped(real *dx, GradStore store, int n_mats, const uint16_t *const *dy,
+                                             const uint16_t *const *const *w, int n_seg, const int *rows0, int N,
+                                             int K) {
+    bf16_gemm_segments<true>("bf16_gemm_dgrad_grouped", dx, store == GRAD_ADD, n_mats, dy, w, n_seg, rows0, N, K);
 }
 
 extern "C" void cuda_bf16_gemm_wgrad(real *dw, const uint16_t *dy, const uint16_t *x, int T, int N, int K) {

@@ -342,6 +342,54 @@ static void test_quantizer_nonfinite(void **state) {
     free(x), free(clean_h);
 }
 
+static int count_diff(const void *a, const void *b, size_t bytes) {
+    const uint8_t *x = a, *y = b;
+    int d = 0;
+    for (size_t i = 0; i < bytes; i++) d += x[i] != y[i];
+    return d;
+}
+
+// fp8_quantize_128x128_batched (a routed-expert Linear's weights in one launch) against the CPU's batched op:
+// every byte of q and qt and every scale of the stack bit-identical (poisoned outputs; partial blocks on both
+// axes; K = 302 takes the scalar loads, K = 300 the vector ones); a NaN named at its row of the stack.
+static void test_quantize_128x128_batched(void **state) {
+    (void)state;
+    for (int pass = 0; pass < 2; pass++) {
+        const int batch = 5, N = 200, K = pass ? 302 : 300, KB = ceil_div(K, 128), KB4 = (KB + 3) / 4 * 4;
+        const int NB = ceil_div(N, 128), Kp = KB * 128, Np = NB * 128;
+        const int64_t n = (int64_t)batch * N * K, nq = (int64_t)batch * Np * Kp, ns = (int64_t)batch * NB * KB4;
+        float *w = floats(n);
+        fill_log_uniform(w, n, 1700 + (uint64_t)K, -16.0, 4.0);
+        float *w_d = gpu_copy_of(w, (size_t)n * sizeof(float));
+        uint8_t *q_d = gpu_poisoned((size_t)nq), *qt_d = gpu_poisoned((size_t)nq);
+        float *s_d = gpu_poisoned((size_t)ns * sizeof(float));
+        uint8_t *q_h = host_poisoned((size_t)nq), *qt_h = host_poisoned((size_t)nq);
+        float *s_h = host_poisoned((size_t)ns * sizeof(float));
+        char err[256] = "";
+        assert_int_equal(fp8_quantize_128x128_batched(DEVICE_CUDA, q_d, qt_d, s_d, w_d, batch, N, K, err, sizeof err), 0);
+        assert_int_equal(fp8_check_finite(DEVICE_CUDA, err, sizeof err), 0);
+        assert_int_equal(fp8_quantize_128x128_batched(DEVICE_CPU, q_h, qt_h, s_h, w, batch, N, K, err, sizeof err), 0);
+        uint8_t *q_g = host_copy_of(q_d, (size_t)nq), *qt_g = host_copy_of(qt_d, (size_t)nq);
+        float *s_g = host_copy_of(s_d, (size_t)ns * sizeof(float));
+        const int dq = count_diff(q_g, q_h, (size_t)nq), dqt = count_diff(qt_g, qt_h, (size_t)nq);
+        const int ds = count_diff(s_g, s_h, (size_t)ns * sizeof(float));
+        w[((int64_t)3 * N + 9) * K + 11] = NAN;  // matrix 3, row 9: row 609 of the stack
+        device_memcpy_from_host(DEVICE_CUDA, w_d, w, (size_t)n * sizeof(float));
+        assert_int_equal(fp8_quantize_128x128_batched(DEVICE_CUDA, q_d, qt_d, s_d, w_d, batch, N, K, err, sizeof err), 0);
+        const int rc = fp8_check_finite(DEVICE_CUDA, err, sizeof err);
+        const int named = rc == -1 && strstr(err, "row 609, column 11") != NULL;
+        const int pass_ok = dq == 0 && dqt == 0 && ds == 0 && named;
+        printf("%-18s %d x (%d, %d): differing bytes q %d, qt %d, scales %d; NaN at stack row 609: %s  %s\n",
+               "quantize_128x128 batched", batch, N, K, dq, dqt, ds, named ? "named" : "NOT NAMED",
+               pass_ok ? "ok" : "FAIL");
+        fflush(stdout);
+        device_free(DEVICE_CUDA, w_d), device_free(DEVICE_CUDA, q_d), device_free(DEVICE_CUDA, qt_d);
+        device_free(DEVICE_CUDA, s_d);
+        free(w), free(q_h), free(qt_h), free(s_h), free(q_g), free(qt_g), free(s_g);
+        assert_true(pass_ok);
+    }
+}
+
 // fp8_quantize_both_layouts on the GPU (one pass over x) against the CPU's two separate quantisers: every
 // byte and scale of both operands, padding included, bit-identical. Shapes: partial row and column
 // blocks, T not a multiple of 16, and a width that is not a multiple of 4 (the scalar loads).
@@ -389,13 +437,6 @@ static void test_quantize_both(void **state) {
 typedef struct {
     int n_seg, C, seed;
 } GroupedCase;
-
-static int count_diff(const void *a, const void *b, size_t bytes) {
-    const uint8_t *x = a, *y = b;
-    int d = 0;
-    for (size_t i = 0; i < bytes; i++) d += x[i] != y[i];
-    return d;
-}
 
 static void test_quantize_grouped(void **state) {
     const GroupedCase *gc = *state;
@@ -825,7 +866,9 @@ static void test_fp8_gemm_grouped(void **state) {
         p16 += ceil_div(rows, 16) * 16;
     }
     fp8_gemm_fprop_grouped(DEVICE_CUDA, y_grp_d + N, qx_d, sx_d, qw, sw, n, rows0, N, K);
-    fp8_gemm_dgrad_grouped(DEVICE_CUDA, dx_grp_d + K, GRAD_ADD, qdy_d, sdy_d, qwt, sw, n, rows0, N, K);
+    const uint8_t *qdy1[1] = {qdy_d}, *const *qwt1[1] = {qwt};
+    const float *sdy1[1] = {sdy_d}, *const *sw1[1] = {sw};
+    fp8_gemm_dgrad_grouped(DEVICE_CUDA, dx_grp_d + K, GRAD_ADD, 1, qdy1, sdy1, qwt1, sw1, n, rows0, N, K);
     // GRAD_WRITE over poison: each element the per-segment Dgrad's product alone (added to zeros)
     float *dx_zero_d = gpu_poisoned((size_t)nx * sizeof(float)), *dx_wr_d = gpu_poisoned((size_t)nx * sizeof(float));
     device_memset_zero(DEVICE_CUDA, dx_zero_d + K, (size_t)T * K * sizeof(float));
@@ -836,7 +879,18 @@ static void test_fp8_gemm_grouped(void **state) {
                        sdy_d + (int64_t)NB * p16, qwt[g], sw[g], rows, N, K);
         p16 += ceil_div(rows, 16) * 16;
     }
-    fp8_gemm_dgrad_grouped(DEVICE_CUDA, dx_wr_d + K, GRAD_WRITE, qdy_d, sdy_d, qwt, sw, n, rows0, N, K);
+    fp8_gemm_dgrad_grouped(DEVICE_CUDA, dx_wr_d + K, GRAD_WRITE, 1, qdy1, sdy1, qwt1, sw1, n, rows0, N, K);
+    // two matrices in one call (one conversion): the bits of the second single call added after the first
+    const uint8_t *qdy2[2] = {qdy_d, qdy_d}, *const *qwt2[2] = {qwt, qwt};
+    const float *sdy2[2] = {sdy_d, sdy_d}, *const *sw2[2] = {sw, sw};
+    float *dx_two_d = gpu_poisoned((size_t)nx * sizeof(float)), *dx_seq_d = gpu_poisoned((size_t)nx * sizeof(float));
+    device_memcpy_from_host(DEVICE_CUDA, dx_two_d + K, init, (size_t)T * K * sizeof(float));
+    device_memcpy_from_host(DEVICE_CUDA, dx_seq_d + K, init, (size_t)T * K * sizeof(float));
+    fp8_gemm_dgrad_grouped(DEVICE_CUDA, dx_two_d + K, GRAD_ADD, 2, qdy2, sdy2, qwt2, sw2, n, rows0, N, K);
+    fp8_gemm_dgrad_grouped(DEVICE_CUDA, dx_seq_d + K, GRAD_ADD, 1, qdy1, sdy1, qwt1, sw1, n, rows0, N, K);
+    fp8_gemm_dgrad_grouped(DEVICE_CUDA, dx_seq_d + K, GRAD_ADD, 1, qdy1, sdy1, qwt1, sw1, n, rows0, N, K);
+    float *dx_two = host_copy_of(dx_two_d, (size_t)nx * sizeof(float)), *dx_seq = host_copy_of(dx_seq_d, (size_t)nx * sizeof(float));
+    const int two_diff = count_diff(dx_two, dx_seq, (size_t)nx * sizeof(float));
     float *dx_zero = host_copy_of(dx_zero_d, (size_t)nx * sizeof(float)), *dx_wr = host_copy_of(dx_wr_d, (size_t)nx * sizeof(float));
     int wr_diff = 0;
     for (int64_t i = K; i < (int64_t)(T + 1) * K; i++) wr_diff += !(dx_wr[i] == dx_zero[i]);
@@ -846,10 +900,11 @@ static void test_fp8_gemm_grouped(void **state) {
     const int y_diff = count_diff(y_grp, y_seg, (size_t)ny * sizeof(float));
     const int dx_diff = count_diff(dx_grp, dx_seg, (size_t)nx * sizeof(float));
     const int y_rows = written_inside_only(y_grp, T, N), dx_rows = written_inside_only(dx_grp, T, K);
-    const int pass = y_diff == 0 && dx_diff == 0 && y_rows && dx_rows && wr_diff == 0 && wr_rows;
+    const int pass = y_diff == 0 && dx_diff == 0 && y_rows && dx_rows && wr_diff == 0 && wr_rows && two_diff == 0;
     printf("%-16s %2d segments, %4d rows, N %-4d K %-4d differing bytes vs per-segment: Fprop %d, Dgrad %d; "
-           "Dgrad GRAD_WRITE differing values %d; only the rows inside written: %s  %s\n", "fp8 grouped", n, T, N, K,
-           y_diff, dx_diff, wr_diff, y_rows && dx_rows && wr_rows ? "yes" : "NO", pass ? "ok" : "FAIL");
+           "Dgrad GRAD_WRITE differing values %d; 2 matrices vs 2 calls: %d bytes; only the rows inside written: %s  "
+           "%s\n", "fp8 grouped", n, T, N, K, y_diff, dx_diff, wr_diff, two_diff,
+           y_rows && dx_rows && wr_rows ? "yes" : "NO", pass ? "ok" : "FAIL");
     fflush(stdout);
 
     for (int g = 0; g < n; g++) {
@@ -861,6 +916,8 @@ static void test_fp8_gemm_grouped(void **state) {
     device_free(DEVICE_CUDA, sdy_d), device_free(DEVICE_CUDA, y_seg_d), device_free(DEVICE_CUDA, y_grp_d);
     device_free(DEVICE_CUDA, dx_seg_d), device_free(DEVICE_CUDA, dx_grp_d);
     device_free(DEVICE_CUDA, dx_zero_d), device_free(DEVICE_CUDA, dx_wr_d);
+    device_free(DEVICE_CUDA, dx_two_d), device_free(DEVICE_CUDA, dx_seq_d);
+    free(dx_two), free(dx_seq);
     free(x), free(dy), free(w), free(init), free(y_seg), free(y_grp), free(dx_seg), free(dx_grp);
     free(dx_zero), free(dx_wr);
     assert_true(pass);
@@ -1003,7 +1060,8 @@ static void test_bf16_gemm_grouped(void **state) {
     float *y_c = floats(ndy), *dx_c = floats(nx), *dw_c = floats(nw), *y_g[2], *dx_g[2], *dw_g[2];
     memcpy(dx_c, dx0, (size_t)nx * 4), memcpy(dw_c, dw0, (size_t)nw * 4);
     bf16_gemm_fprop_grouped(DEVICE_CPU, y_c, xb, wg, n, rows0, N, K);
-    bf16_gemm_dgrad_grouped(DEVICE_CPU, dx_c, GRAD_ADD, dyb, wg, n, rows0, N, K);
+    const uint16_t *dyb1[1] = {dyb}, *const *wg1[1] = {wg}, *dyb1_d[1] = {dyb_d}, *const *wg1_d[1] = {wg_d};
+    bf16_gemm_dgrad_grouped(DEVICE_CPU, dx_c, GRAD_ADD, 1, dyb1, wg1, n, rows0, N, K);
     for (int g = 0; g < n; g++)
         bf16_gemm_wgrad(DEVICE_CPU, dw_c + (int64_t)g * N * K, dyb + (int64_t)rows0[g] * N, xb + (int64_t)rows0[g] * K,
                         rows0[g + 1] - rows0[g], N, K);
@@ -1015,7 +1073,7 @@ static void test_bf16_gemm_grouped(void **state) {
         device_memcpy_from_host(DEVICE_CUDA, dx_d, dx0, (size_t)nx * 4);
         device_memcpy_from_host(DEVICE_CUDA, dw_d, dw0, (size_t)nw * 4);
         bf16_gemm_fprop_grouped(DEVICE_CUDA, y_d, xb_d, wg_d, n, rows0, N, K);
-        bf16_gemm_dgrad_grouped(DEVICE_CUDA, dx_d, GRAD_ADD, dyb_d, wg_d, n, rows0, N, K);
+        bf16_gemm_dgrad_grouped(DEVICE_CUDA, dx_d, GRAD_ADD, 1, dyb1_d, wg1_d, n, rows0, N, K);
         for (int g = 0; g < n; g++)
             bf16_gemm_wgrad(DEVICE_CUDA, dw_d + (int64_t)g * N * K, dyb_d + (int64_t)rows0[g] * N,
                             xb_d + (int64_t)rows0[g] * K, rows0[g + 1] - rows0[g], N, K);
@@ -1027,16 +1085,25 @@ static void test_bf16_gemm_grouped(void **state) {
     {  // Dgrad with GRAD_WRITE over poison: the value GRAD_ADD adds to zeros (the same GEMMs), the last row untouched
         float *wr_d = gpu_poisoned((size_t)(nx + K) * 4), *zero_d = gpu_poisoned((size_t)(nx + K) * 4);
         device_memset_zero(DEVICE_CUDA, zero_d, (size_t)nx * 4);
-        bf16_gemm_dgrad_grouped(DEVICE_CUDA, wr_d, GRAD_WRITE, dyb_d, wg_d, n, rows0, N, K);
-        bf16_gemm_dgrad_grouped(DEVICE_CUDA, zero_d, GRAD_ADD, dyb_d, wg_d, n, rows0, N, K);
+        bf16_gemm_dgrad_grouped(DEVICE_CUDA, wr_d, GRAD_WRITE, 1, dyb1_d, wg1_d, n, rows0, N, K);
+        bf16_gemm_dgrad_grouped(DEVICE_CUDA, zero_d, GRAD_ADD, 1, dyb1_d, wg1_d, n, rows0, N, K);
         float *wr = host_copy_of(wr_d, (size_t)(nx + K) * 4), *zero = host_copy_of(zero_d, (size_t)(nx + K) * 4);
         int differing = 0;
         for (int64_t i = 0; i < nx; i++) differing += !(wr[i] == zero[i]);
         const int tail_ok = memcmp(wr + nx, poison, (size_t)K * 4) == 0;
+        // two matrices in one call: the bits of the second single call added after the first
+        const uint16_t *dyb2_d[2] = {dyb_d, dyb_d}, *const *wg2_d[2] = {wg_d, wg_d};
+        bf16_gemm_dgrad_grouped(DEVICE_CUDA, wr_d, GRAD_ADD, 2, dyb2_d, wg2_d, n, rows0, N, K);
+        bf16_gemm_dgrad_grouped(DEVICE_CUDA, zero_d, GRAD_ADD, 1, dyb1_d, wg1_d, n, rows0, N, K);
+        bf16_gemm_dgrad_grouped(DEVICE_CUDA, zero_d, GRAD_ADD, 1, dyb1_d, wg1_d, n, rows0, N, K);
+        float *wr2 = host_copy_of(wr_d, (size_t)nx * 4), *seq2 = host_copy_of(zero_d, (size_t)nx * 4);
+        const int two_diff = memcmp(wr2, seq2, (size_t)nx * 4) != 0;
         printf("%-16s %d groups, %d x %d x %d: Dgrad GRAD_WRITE vs GRAD_ADD onto zeros: %d differing values, last row "
-               "untouched: %s  %s\n", "bf16 grouped", n, T, N, K, differing, tail_ok ? "yes" : "NO",
-               differing == 0 && tail_ok ? "ok" : "FAIL");
-        pass &= differing == 0 && tail_ok;
+               "untouched: %s; 2 matrices vs 2 calls: %s  %s\n", "bf16 grouped", n, T, N, K, differing,
+               tail_ok ? "yes" : "NO", two_diff ? "DIFFERENT" : "same bits",
+               differing == 0 && tail_ok && !two_diff ? "ok" : "FAIL");
+        pass &= differing == 0 && tail_ok && !two_diff;
+        free(wr2), free(seq2);
         device_free(DEVICE_CUDA, wr_d), device_free(DEVICE_CUDA, zero_d);
         free(wr), free(zero);
     }
@@ -1135,6 +1202,7 @@ int main(void) {
         cmocka_unit_test_prestate(test_quantizer, &q_h),
         cmocka_unit_test_prestate(test_quantizer, &q_i),
         cmocka_unit_test(test_quantizer_nonfinite),
+        cmocka_unit_test(test_quantize_128x128_batched),
         cmocka_unit_test_prestate(test_quantize_both, &both_a),
         cmocka_unit_test_prestate(test_quantize_both, &both_b),
         cmocka_unit_test_prestate(test_quantize_both, &both_c),

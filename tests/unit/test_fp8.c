@@ -303,6 +303,30 @@ static void test_quantize_128x128(void **state) {
     tfree_all();
 }
 
+// The batched form (a stack of routed-expert weights): each matrix gets the single call's bits, and a
+// non-finite element is named at its row of the stacked (batch * N, K).
+static void test_quantize_128x128_batched(void **state) {
+    (void)state;
+    enum { BATCH = 3, N = 200, K = 300, KB = 3, KB4 = 4, NB = 2, Kp = 384, Np = 256 };
+    real *w = ralloc((size_t)BATCH * N * K);
+    fill_wide(w, (size_t)BATCH * N * K, 23, -20, 1);
+    uint8_t *q = balloc((size_t)BATCH * Np * Kp), *qt = balloc((size_t)BATCH * Np * Kp);
+    uint8_t *q1 = balloc((size_t)Np * Kp), *qt1 = balloc((size_t)Np * Kp);
+    float *s = falloc((size_t)BATCH * NB * KB4), *s1 = falloc((size_t)NB * KB4);
+    char err[256] = "";
+    assert_int_equal(fp8_quantize_128x128_batched(DEVICE_CPU, q, qt, s, w, BATCH, N, K, err, sizeof err), 0);
+    for (int b = 0; b < BATCH; b++) {
+        assert_int_equal(fp8_quantize_128x128(DEVICE_CPU, q1, qt1, s1, w + (size_t)b * N * K, N, K, err, sizeof err), 0);
+        assert_memory_equal(q + (size_t)b * Np * Kp, q1, (size_t)Np * Kp);
+        assert_memory_equal(qt + (size_t)b * Np * Kp, qt1, (size_t)Np * Kp);
+        assert_memory_equal(s + (size_t)b * NB * KB4, s1, sizeof(float) * NB * KB4);
+    }
+    w[((size_t)2 * N + 5) * K + 7] = (real)NAN;  // matrix 2, row 5: row 405 of the stack
+    assert_int_equal(fp8_quantize_128x128_batched(DEVICE_CPU, q, qt, s, w, BATCH, N, K, err, sizeof err), -1);
+    assert_non_null(strstr(err, "row 405, column 7"));
+    tfree_all();
+}
+
 // 128x1 transposed: x (T, C) -> q (C, Tp), s (TB, C). T = 300 (2 full T-blocks + 44), C = 200;
 // column 7 is zero in T-block 1.
 static void test_quantize_128x1_transposed(void **state) {
@@ -717,7 +741,9 @@ static void test_gemm_grouped(void **state) {
         fp8_gemm_dgrad(DEVICE_CPU, dx_ref + (size_t)rows0[g] * K, qb, sb, qwt[g], sw[g], n, N, K);
     }
     fp8_gemm_fprop_grouped(DEVICE_CPU, y, qx, sx, qw, sw, NSEG, rows0, N, K);
-    fp8_gemm_dgrad_grouped(DEVICE_CPU, dx, GRAD_ADD, qdy, sdy, qwt, sw, NSEG, rows0, N, K);
+    const uint8_t *qdy1[1] = {qdy}, *const *qwt1[1] = {qwt};
+    const float *sdy1[1] = {sdy}, *const *sw1[1] = {sw};
+    fp8_gemm_dgrad_grouped(DEVICE_CPU, dx, GRAD_ADD, 1, qdy1, sdy1, qwt1, sw1, NSEG, rows0, N, K);
     for (size_t i = 0; i < (size_t)T * N; i++) assert_true(y_ref[i] != UNTOUCHED);
     assert_memory_equal(y, y_ref, (size_t)(T + 1) * N * sizeof(real));
     assert_memory_equal(dx, dx_ref, (size_t)(T + 1) * K * sizeof(real));
@@ -732,9 +758,15 @@ static void test_gemm_grouped(void **state) {
                        qwt[g], sw[g], n, N, K);
         p16 += ceil_div(n, 16) * 16;
     }
-    fp8_gemm_dgrad_grouped(DEVICE_CPU, dxw, GRAD_WRITE, qdy, sdy, qwt, sw, NSEG, rows0, N, K);
+    fp8_gemm_dgrad_grouped(DEVICE_CPU, dxw, GRAD_WRITE, 1, qdy1, sdy1, qwt1, sw1, NSEG, rows0, N, K);
     for (size_t i = 0; i < (size_t)T * K; i++) assert_true(dxw[i] == dxw_ref[i] && dxw[i] != 0);
     for (int c = 0; c < K; c++) assert_true(dxw[(size_t)T * K + c] == UNTOUCHED);
+    // two matrices (Linears sharing the input): the second product added after the first, as two calls
+    real *dx2 = ralloc((size_t)T * K);
+    const uint8_t *qdy2[2] = {qdy, qdy}, *const *qwt2[2] = {qwt, qwt};
+    const float *sdy2[2] = {sdy, sdy}, *const *sw2[2] = {sw, sw};
+    fp8_gemm_dgrad_grouped(DEVICE_CPU, dx2, GRAD_WRITE, 2, qdy2, sdy2, qwt2, sw2, NSEG, rows0, N, K);
+    for (size_t i = 0; i < (size_t)T * K; i++) assert_true(dx2[i] == dxw[i] + dxw[i]);
     for (int c = 0; c < N; c++) assert_true(y[(size_t)T * N + c] == UNTOUCHED);
     for (int c = 0; c < K; c++) assert_true(dx[(size_t)T * K + c] == UNTOUCHED);
     tfree_all();
@@ -852,11 +884,12 @@ static void test_bf16_gemm_grouped(void **state) {
     for (int c = 0; c < K; c++) dx[(size_t)T * K + c] = UNTOUCHED;
 
     bf16_gemm_fprop_grouped(DEVICE_CPU, y, xb, wg, G, rows0, N, K);
-    bf16_gemm_dgrad_grouped(DEVICE_CPU, dx, GRAD_ADD, dyb, wg, G, rows0, N, K);
+    const uint16_t *dyb1[1] = {dyb}, *const *wg1[1] = {wg};
+    bf16_gemm_dgrad_grouped(DEVICE_CPU, dx, GRAD_ADD, 1, dyb1, wg1, G, rows0, N, K);
     real *dxw = ralloc((size_t)(T + 1) * K), *dxw_ref = ralloc((size_t)T * K);
     for (size_t i = 0; i < (size_t)T * K; i++) dxw[i] = (real)NAN, dxw_ref[i] = 0;
     for (int c = 0; c < K; c++) dxw[(size_t)T * K + c] = UNTOUCHED;
-    bf16_gemm_dgrad_grouped(DEVICE_CPU, dxw, GRAD_WRITE, dyb, wg, G, rows0, N, K);
+    bf16_gemm_dgrad_grouped(DEVICE_CPU, dxw, GRAD_WRITE, 1, dyb1, wg1, G, rows0, N, K);
     for (int g = 0; g < G; g++) {
         const int r0 = rows0[g], n = rows0[g + 1] - rows0[g];
         if (n == 0) continue;
@@ -885,6 +918,7 @@ int main(void) {
         cmocka_unit_test(test_e4m3_random_against_search),
         cmocka_unit_test(test_quantize_1x128),
         cmocka_unit_test(test_quantize_128x128),
+        cmocka_unit_test(test_quantize_128x128_batched),
         cmocka_unit_test(test_quantize_128x1_transposed),
         cmocka_unit_test(test_quantize_grouped),
         cmocka_unit_test(test_quantize_rejects_non_finite),
