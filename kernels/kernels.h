@@ -13,7 +13,9 @@
  *  - Forward ops write their outputs. Backward ops ACCUMULATE (+=) into every gradient they produce
  *    (dinp, dweight, ...), so residual branches and shared weights need no extra adds; the caller
  *    zeroes gradient buffers. A NULL gradient pointer means "not needed" and is skipped.
- *    Exceptions are named at the op (cross-entropy writes dlogits).
+ *    Exceptions WRITE their gradient (no zeroing; the old contents are never read) where one op is its
+ *    only producer, and say so at the op: crossentropy_backward, attention_backward, swiglu_backward,
+ *    rope_backward, moe_combine_backward's dexpert_out, and the grouped Dgrads with GRAD_WRITE (GradStore).
  *  - Token id arrays are int32. A target of -1 means "no target here" (masked).
  *  - Deterministic: no op uses floating-point atomics; reductions have a fixed order, so the same
  *    inputs give bitwise-identical outputs regardless of thread count.
