@@ -392,26 +392,54 @@ void fp8_gemm_fprop_grouped(Device dev, real *y, const uint8_t *qx, const float 
     cpu_fp8_gemm_fprop_grouped(y, qx, sx, qw, sw, n_seg, rows0, N, K);
 }
 
-static void check_dgrad_mats(const char *op, int n_mats) {
-    if (n_mats >= 1 && n_mats <= FP8_MAX_DGRAD_MATS) return;
-    fprintf(stderr, "fp8moe: %s: %d matrices - expected 1 .. %d Linears sharing an input\n", op, n_mats,
-            FP8_MAX_DGRAD_MATS);
-    exit(1);
+static void check_dgrad_args(const char *op, int n_mats, GradStore store, const DgradUnpermute *unpermute) {
+    if (n_mats < 1 || n_mats > FP8_MAX_DGRAD_MATS) {
+        fprintf(stderr, "fp8moe: %s: %d matrices - expected 1 .. %d Linears sharing an input\n", op, n_mats,
+                FP8_MAX_DGRAD_MATS);
+        exit(1);
+    }
+    if (unpermute != NULL && store != GRAD_ADD) {
+        fprintf(stderr, "fp8moe: %s: a token-order (unpermuted) input gradient is added to, not written (store = "
+                        "GRAD_ADD expected)\n", op);
+        exit(1);
+    }
 }
 
-void fp8_gemm_dgrad_grouped(Device dev, real *dx, GradStore store, int n_mats, const uint8_t *const *qdy,
-                            const float *const *sdy, const uint8_t *const *const *qwt, const float *const *const *sw,
-                            int n_seg, const int *rows0, int N, int K) {
-    check_dgrad_mats("fp8_gemm_dgrad_grouped", n_mats);
+// The CPU's unpermuted Dgrad: the slot-order rows into a buffer, then moe_unpermute_backward (kernels.h). The
+// segments must cover the n_tok x topk slots exactly.
+static real *unpermute_buffer(const DgradUnpermute *u, int n_seg, const int *rows0, int K, const char *op) {
+    if (n_seg < 1 || rows0[n_seg] != u->n_tok * u->topk) {
+        fprintf(stderr, "fp8moe: %s: the segments hold %d rows; unpermuting %d tokens x %d needs exactly %d\n", op,
+                n_seg < 1 ? 0 : rows0[n_seg], u->n_tok, u->topk, u->n_tok * u->topk);
+        exit(1);
+    }
+    real *rows = malloc(sizeof(real) * (size_t)u->n_tok * u->topk * (size_t)K + 1);
+    if (rows == NULL) {
+        fprintf(stderr, "fp8moe: %s: out of memory for the %d x %d slot-order rows\n", op, u->n_tok * u->topk, K);
+        exit(1);
+    }
+    return rows;
+}
+
+void fp8_gemm_dgrad_grouped(Device dev, real *dx, GradStore store, const DgradUnpermute *unpermute, int n_mats,
+                            const uint8_t *const *qdy, const float *const *sdy, const uint8_t *const *const *qwt,
+                            const float *const *const *sw, int n_seg, const int *rows0, int N, int K) {
+    check_dgrad_args("fp8_gemm_dgrad_grouped", n_mats, store, unpermute);
 #ifdef FP8MOE_CUDA
     if (dev == DEVICE_CUDA) {
-        cuda_fp8_gemm_dgrad_grouped(dx, store, n_mats, qdy, sdy, qwt, sw, n_seg, rows0, N, K);
+        cuda_fp8_gemm_dgrad_grouped(dx, store, unpermute, n_mats, qdy, sdy, qwt, sw, n_seg, rows0, N, K);
         return;
     }
 #endif
     if (dev != DEVICE_CPU) no_cuda_op("fp8_gemm_dgrad_grouped");
+    real *rows = unpermute ? unpermute_buffer(unpermute, n_seg, rows0, K, "fp8_gemm_dgrad_grouped") : dx;
     for (int i = 0; i < n_mats; i++)
-        cpu_fp8_gemm_dgrad_grouped(dx, i == 0 ? store : GRAD_ADD, qdy[i], sdy[i], qwt[i], sw[i], n_seg, rows0, N, K);
+        cpu_fp8_gemm_dgrad_grouped(rows, i == 0 && !unpermute ? store : i == 0 ? GRAD_WRITE : GRAD_ADD, qdy[i], sdy[i],
+                                   qwt[i], sw[i], n_seg, rows0, N, K);
+    if (unpermute) {
+        cpu_moe_unpermute_backward(dx, rows, unpermute->slot_of, unpermute->n_tok, unpermute->topk, K);
+        free(rows);
+    }
 }
 
 void fp8_gemm_wgrad(Device dev, real *dw, const uint8_t *qdyt, const float *sdyt, const uint8_t *qxt, const float *sxt, int T, int N, int K) {
@@ -446,6 +474,14 @@ void bf16_round_array(Device dev, uint16_t *dst, const real *src, int64_t n) {
     cpu_bf16_round_array(dst, src, n);
 }
 
+void bf16_round_rows(Device dev, uint16_t *dst, const real *src, const int *rows, int n_rows, int C) {
+#ifdef FP8MOE_CUDA
+    if (dev == DEVICE_CUDA) { cuda_float_rows_to_bf16(dst, src, rows, n_rows, C); return; }
+#endif
+    if (dev != DEVICE_CPU) no_cuda_op("bf16_round_rows");
+    cpu_bf16_round_rows(dst, src, rows, n_rows, C);
+}
+
 void bf16_gemm_fprop_grouped(Device dev, real *y, const uint16_t *x, const uint16_t *const *w, int n_seg,
                              const int *rows0, int N, int K) {
 #ifdef FP8MOE_CUDA
@@ -455,15 +491,25 @@ void bf16_gemm_fprop_grouped(Device dev, real *y, const uint16_t *x, const uint1
     cpu_bf16_gemm_fprop_grouped(y, x, w, n_seg, rows0, N, K);
 }
 
-void bf16_gemm_dgrad_grouped(Device dev, real *dx, GradStore store, int n_mats, const uint16_t *const *dy,
-                             const uint16_t *const *const *w, int n_seg, const int *rows0, int N, int K) {
-    check_dgrad_mats("bf16_gemm_dgrad_grouped", n_mats);
+void bf16_gemm_dgrad_grouped(Device dev, real *dx, GradStore store, const DgradUnpermute *unpermute, int n_mats,
+                             const uint16_t *const *dy, const uint16_t *const *const *w, int n_seg, const int *rows0,
+                             int N, int K) {
+    check_dgrad_args("bf16_gemm_dgrad_grouped", n_mats, store, unpermute);
 #ifdef FP8MOE_CUDA
-    if (dev == DEVICE_CUDA) { cuda_bf16_gemm_dgrad_grouped(dx, store, n_mats, dy, w, n_seg, rows0, N, K); return; }
+    if (dev == DEVICE_CUDA) {
+        cuda_bf16_gemm_dgrad_grouped(dx, store, unpermute, n_mats, dy, w, n_seg, rows0, N, K);
+        return;
+    }
 #endif
     if (dev != DEVICE_CPU) no_cuda_op("bf16_gemm_dgrad_grouped");
+    real *rows = unpermute ? unpermute_buffer(unpermute, n_seg, rows0, K, "bf16_gemm_dgrad_grouped") : dx;
     for (int i = 0; i < n_mats; i++)
-        cpu_bf16_gemm_dgrad_grouped(dx, i == 0 ? store : GRAD_ADD, dy[i], w[i], n_seg, rows0, N, K);
+        cpu_bf16_gemm_dgrad_grouped(rows, i == 0 && !unpermute ? store : i == 0 ? GRAD_WRITE : GRAD_ADD, dy[i], w[i],
+                                    n_seg, rows0, N, K);
+    if (unpermute) {
+        cpu_moe_unpermute_backward(dx, rows, unpermute->slot_of, unpermute->n_tok, unpermute->topk, K);
+        free(rows);
+    }
 }
 
 void bf16_gemm_wgrad(Device dev, real *dw, const uint16_t *dy, const uint16_t *x, int T, int N, int K) {

@@ -311,12 +311,20 @@ void fp8_gemm_dgrad(Device dev, real *dx, const uint8_t *qdy, const float *sdy, 
 // products are added to dx in order of i, the first written over dx instead with store = GRAD_WRITE: the bits
 // of n_mats single calls. On CUDA the GEMMs are the same and all their outputs are converted to `real` in one
 // launch for all segments and matrices instead of one per segment and matrix.
+// With unpermute (else NULL) the Dgrad's rows go back to token order instead (the routed experts: the adjoint of
+// reading their token rows through the routing plan): dx is (n_tok, K), store must be GRAD_ADD, and row t gets,
+// added in order of j, the summed products of rows slot_of[t * topk + j] (j < topk): the bits of a GRAD_WRITE
+// Dgrad into a (rows, K) buffer followed by moe_unpermute_backward, without that buffer.
 #define FP8_MAX_DGRAD_MATS 4
+typedef struct {
+    const int *slot_of;  // (n_tok, topk) on the device: the Dgrad row of each (token, j)
+    int n_tok, topk;
+} DgradUnpermute;
 void fp8_gemm_fprop_grouped(Device dev, real *y, const uint8_t *qx, const float *sx, const uint8_t *const *qw,
                             const float *const *sw, int n_seg, const int *rows0, int N, int K);
-void fp8_gemm_dgrad_grouped(Device dev, real *dx, GradStore store, int n_mats, const uint8_t *const *qdy,
-                            const float *const *sdy, const uint8_t *const *const *qwt, const float *const *const *sw,
-                            int n_seg, const int *rows0, int N, int K);
+void fp8_gemm_dgrad_grouped(Device dev, real *dx, GradStore store, const DgradUnpermute *unpermute, int n_mats,
+                            const uint8_t *const *qdy, const float *const *sdy, const uint8_t *const *const *qwt,
+                            const float *const *const *sw, int n_seg, const int *rows0, int N, int K);
 // Wgrad  dw (N, K) += dY^T X: qdyt, sdyt from fp8_quantize_128x1_transposed(dy, T, N); qxt, sxt from
 //        fp8_quantize_128x1_transposed(x, T, K). FP32 result added to the FP32 gradient.
 void fp8_gemm_wgrad(Device dev, real *dw, const uint8_t *qdyt, const float *sdyt, const uint8_t *qxt,
@@ -332,17 +340,22 @@ void bf16_matmul_backward(Device dev, real *dinp, real *dweight, const real *dou
 // Linear and group that reads it, and keeps each weight's BF16 copy per weights version, as the FP8 path
 // keeps its quantisation): uint16_t BF16 bits, rows packed.
 //   bf16_round_array:        dst (n) = bf16(src (n)), RNE.
+//   bf16_round_rows:         dst (n_rows, C) row r = bf16(src row rows[r]) (rows on the device): the routed
+//                            experts' token rows read through the routing plan, with no gathered FP32 copy.
 //   bf16_gemm_fprop_grouped: rows [rows0[g], rows0[g+1]) of y (N columns) = bf16(x_g w[g]^T), x (rows, K),
 //                            w[g] (N, K); rows0[0] = 0; empty groups skipped (w[g] may be NULL there).
 //   bf16_gemm_dgrad_grouped: those rows of dx (K columns) += bf16(dy_g w[g]), dy (rows, N), for n_mats
 //                            (dy[i], w[i]) in order of i (as fp8_gemm_dgrad_grouped, one conversion on CUDA);
-//                            with store = GRAD_WRITE the first product is written over them instead.
+//                            with store = GRAD_WRITE the first product is written over them instead;
+//                            unpermute as for fp8_gemm_dgrad_grouped.
 //   bf16_gemm_wgrad:         dw (N, K) += FP32 dy^T x over T rows.
 // Bitwise the numbers of bf16_matmul_forward / _backward, group by group, on the unrounded operands.
 void bf16_round_array(Device dev, uint16_t *dst, const real *src, int64_t n);
+void bf16_round_rows(Device dev, uint16_t *dst, const real *src, const int *rows, int n_rows, int C);
 void bf16_gemm_fprop_grouped(Device dev, real *y, const uint16_t *x, const uint16_t *const *w, int n_seg,
                              const int *rows0, int N, int K);
-void bf16_gemm_dgrad_grouped(Device dev, real *dx, GradStore store, int n_mats, const uint16_t *const *dy,
+void bf16_gemm_dgrad_grouped(Device dev, real *dx, GradStore store, const DgradUnpermute *unpermute, int n_mats,
+                             const uint16_t *const *dy,
                              const uint16_t *const *const *w, int n_seg, const int *rows0, int N, int K);
 void bf16_gemm_wgrad(Device dev, real *dw, const uint16_t *dy, const uint16_t *x, int T, int N, int K);
 

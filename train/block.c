@@ -125,8 +125,10 @@ void layer_scratch_alloc(ActsArena *ar, LayerScratch *s, const Dims *d, int has_
         s->d_logits = ARENA_REALS(ar, N * d->E);
         s->d_scores = ARENA_REALS(ar, N * d->E);
         s->d_topk_w = ARENA_REALS(ar, NK);
-        if (needs_xp) s->t_xp = ARENA_REALS(ar, NK * d->D);
-        s->d_xp = ARENA_REALS(ar, NK * d->D);
+        if (needs_xp) {  // where the experts read the token rows, their input gradient is unpermuted directly
+            s->t_xp = ARENA_REALS(ar, NK * d->D);
+            s->d_xp = ARENA_REALS(ar, NK * d->D);
+        }
         s->d_eout = ARENA_REALS(ar, NK * d->D);
     }
     s->t_h = ARENA_REALS(ar, ffn_elems);

@@ -103,7 +103,7 @@ typedef struct {
     real *d_kva, *d_ckv, *d_ckvn, *d_k_rope, *d_k_rope_raw, *d_kv, *d_kf, *d_v, *d_o;
     real *d_a, *d_b, *d_h;                // FFN gradients: dense / shared (N, width), all routed experts (N*K, I)
     real *d_logits, *d_scores, *d_topk_w; // router
-    real *d_xp, *d_eout;                  // routed experts, (N*K, D)
+    real *d_xp, *d_eout;                  // routed experts, (N*K, D); d_xp only where xp is gathered
 } LayerScratch;
 
 // The chunk's scratch first (has_moe: any block of the chunk is a MoE block; needs_xp: its MoE blocks
@@ -130,9 +130,10 @@ void ffn_backward(Model *m, const FfnWeights *w, const FfnWeights *g, FfnActs *a
                   int rows, int D, int width, const real *x, const real *d_out, real *d_x);
 
 // out (N, D) = shared(x) + sum_k w_k expert_k(x); routing per DESIGN.md section 3.
-// In fp8 mode with one EP rank the routed experts' quantisers read their rows straight from the token rows
-// through the routing plan's seg_token (linear.h inp_rows), so the gathered FP32 copy xp (top-K rows per
-// token) is never written, in the forward or the backward, nor allocated. Other modes, and EP, gather xp.
+// In fp8 and bf16 modes with one EP rank the routed experts' quantisers (bf16: BF16 rounding) read their rows
+// straight from the token rows through the routing plan's seg_token (linear.h inp_rows), so the gathered FP32
+// copy xp (top-K rows per token) is never written, in the forward or the backward, nor allocated. fp32 mode,
+// and EP, gather xp.
 int moe_experts_read_tokens(const Model *m);
 void moe_forward(Model *m, const BlockWeights *w, MoeActs *a, const Dims *d, const real *x, real *out);
 void moe_backward(Model *m, const BlockWeights *w, const BlockWeights *g, MoeActs *a, const Dims *d,

@@ -358,8 +358,8 @@ static void fp8_forward(Model *m, int n_groups, const int *offsets, int n_out, r
 // are the contraction axis). Groups write disjoint rows of dinp and slices of dW, so this gives the bits of
 // group-by-group, Linear-by-Linear calls. X's Wgrad operand is quantised once.
 static void fp8_backward(Model *m, int n_groups, const int *offsets, int n_out, real *dinp, GradStore dinp_store,
-                         real *const *dweight, const real *const *dout, const real *inp, const int *inp_rows,
-                         const real *const *weight, int C, int OC) {
+                         const DgradUnpermute *unpermute, real *const *dweight, const real *const *dout,
+                         const real *inp, const int *inp_rows, const real *const *weight, int C, int OC) {
     const GroupSizes z = group_sizes(n_groups, offsets);
     scratch_reserve(m, backward_bytes(z, C, OC, n_out));
     size_t used = 0;
@@ -400,7 +400,7 @@ static void fp8_backward(Model *m, int n_groups, const int *offsets, int n_out, 
             m->fp8_gemm_count += group_weights(m, i, n_groups, offsets, weight[i], OC, C);
             qdy[i] = dy[i].q, sdy[i] = dy[i].s, qwt[i] = c->qt + i * c->max_groups, sw[i] = c->s + i * c->max_groups;
         }
-        fp8_gemm_dgrad_grouped(m->dev, dinp, dinp_store, n_out, qdy, sdy, qwt, sw, n_groups, offsets, OC, C);
+        fp8_gemm_dgrad_grouped(m->dev, dinp, dinp_store, unpermute, n_out, qdy, sdy, qwt, sw, n_groups, offsets, OC, C);
     }
     for (int i = 0; i < n_out; i++) {
         for (int g = 0, tiles = 0; g < n_groups && dweight[i]; g++) {
@@ -421,13 +421,19 @@ static void fp8_backward(Model *m, int n_groups, const int *offsets, int n_out, 
 // bf16_matmul_forward / _backward give group by group; on CUDA each weight's groups are one call with one
 // output conversion.
 
+// The input rounded to BF16, read through inp_rows when given (row r of the groups is row inp_rows[r] of inp).
+static void bf16_round_input(Model *m, uint16_t *x, const real *inp, const int *inp_rows, int rows, int C) {
+    if (inp_rows) bf16_round_rows(m->dev, x, inp, inp_rows, rows, C);
+    else bf16_round_array(m->dev, x, inp, (int64_t)rows * C);
+}
+
 static void bf16_forward(Model *m, int n_groups, const int *offsets, int n_out, real *const *out, const real *inp,
-                         const real *const *weight, int C, int OC) {
+                         const int *inp_rows, const real *const *weight, int C, int OC) {
     const int rows = offsets[n_groups];
     scratch_reserve(m, bf16_bytes(rows, C));
     size_t used = 0;
     uint16_t *x = scratch_take(m, &used, (size_t)rows * C * sizeof(uint16_t));
-    bf16_round_array(m->dev, x, inp, (int64_t)rows * C);
+    bf16_round_input(m, x, inp, inp_rows, rows, C);
     for (int i = 0; i < n_out; i++) {
         group_weights(m, 0, n_groups, offsets, weight[i], OC, C);
         bf16_gemm_fprop_grouped(m->dev, out[i], x, m->weight_cache->b, n_groups, offsets, OC, C);
@@ -438,8 +444,8 @@ static void bf16_forward(Model *m, int n_groups, const int *offsets, int n_out, 
 // Wgrad Linear by Linear, group by group; groups write disjoint rows of dinp and slices of dW, so this is the
 // order of group-by-group, Linear-by-Linear calls.
 static void bf16_backward(Model *m, int n_groups, const int *offsets, int n_out, real *dinp, GradStore dinp_store,
-                          real *const *dweight, const real *const *dout, const real *inp, const real *const *weight,
-                          int C, int OC) {
+                          const DgradUnpermute *unpermute, real *const *dweight, const real *const *dout,
+                          const real *inp, const int *inp_rows, const real *const *weight, int C, int OC) {
     const int rows = offsets[n_groups];
     scratch_reserve(m, bf16_bytes(rows, C) + (size_t)n_out * bf16_bytes(rows, OC));
     size_t used = 0;
@@ -447,7 +453,7 @@ static void bf16_backward(Model *m, int n_groups, const int *offsets, int n_out,
     for (int i = 0; i < n_out && x == NULL; i++) {
         if (dweight[i] == NULL) continue;
         x = scratch_take(m, &used, (size_t)rows * C * sizeof(uint16_t));
-        bf16_round_array(m->dev, x, inp, (int64_t)rows * C);
+        bf16_round_input(m, x, inp, inp_rows, rows, C);
     }
     uint16_t *dy[MAX_SHARED];
     for (int i = 0; i < n_out; i++) {
@@ -463,7 +469,7 @@ static void bf16_backward(Model *m, int n_groups, const int *offsets, int n_out,
             group_weights(m, i, n_groups, offsets, weight[i], OC, C);
             dys[i] = dy[i], w[i] = c->b + i * c->max_groups;
         }
-        bf16_gemm_dgrad_grouped(m->dev, dinp, dinp_store, n_out, dys, w, n_groups, offsets, OC, C);
+        bf16_gemm_dgrad_grouped(m->dev, dinp, dinp_store, unpermute, n_out, dys, w, n_groups, offsets, OC, C);
     }
     for (int i = 0; i < n_out; i++) {
         for (int g = 0; g < n_groups && dweight[i]; g++) {
@@ -486,11 +492,11 @@ void linear_forward_shared(Model *m, int n_out, real *const *out, const real *in
     linear_forward_grouped(m, 1, offsets, n_out, out, inp, NULL, weight, C, OC);
 }
 
-// inp_rows is for the FP8 quantisers; the other modes get their rows gathered by the caller.
+// inp_rows is for the FP8 quantisers and the BF16 rounding; fp32 mode gets its rows gathered by the caller.
 static void check_inp_rows(const Model *m, const int *inp_rows) {
-    if (inp_rows == NULL || m->cfg.precision.mode == PRECISION_FP8) return;
+    if (inp_rows == NULL || m->cfg.precision.mode != PRECISION_FP32) return;
     fprintf(stderr, "fp8moe: train/linear.c: internal error: gathered input rows given to a Linear in precision mode "
-                    "%d (only fp8 reads rows through an index)\n", (int)m->cfg.precision.mode);
+                    "fp32 (only fp8 and bf16 read rows through an index)\n");
     exit(1);
 }
 
@@ -502,7 +508,7 @@ void linear_forward_grouped(Model *m, int n_groups, const int *offsets, int n_ou
     if (m->cfg.precision.mode == PRECISION_FP8) {
         fp8_forward(m, n_groups, offsets, n_out, out, inp, inp_rows, weight, C, OC);
     } else if (m->cfg.precision.mode == PRECISION_BF16) {
-        bf16_forward(m, n_groups, offsets, n_out, out, inp, weight, C, OC);
+        bf16_forward(m, n_groups, offsets, n_out, out, inp, inp_rows, weight, C, OC);
     } else {
         for (int g = 0; g < n_groups; g++) {
             const int r0 = offsets[g], n = offsets[g + 1] - offsets[g];
@@ -522,19 +528,26 @@ void linear_backward(Model *m, real *dinp, GradStore dinp_store, real *dweight, 
 void linear_backward_shared(Model *m, int n_out, real *dinp, GradStore dinp_store, real *const *dweight,
                             const real *const *dout, const real *inp, const real *const *weight, int N, int C, int OC) {
     const int offsets[2] = {0, N};
-    linear_backward_grouped(m, 1, offsets, n_out, dinp, dinp_store, dweight, dout, inp, NULL, weight, C, OC);
+    linear_backward_grouped(m, 1, offsets, n_out, dinp, dinp_store, NULL, dweight, dout, inp, NULL, weight, C, OC);
 }
 
 void linear_backward_grouped(Model *m, int n_groups, const int *offsets, int n_out, real *dinp, GradStore dinp_store,
-                             real *const *dweight, const real *const *dout, const real *inp, const int *inp_rows,
-                             const real *const *weight, int C, int OC) {
+                             const DgradUnpermute *unpermute, real *const *dweight, const real *const *dout,
+                             const real *inp, const int *inp_rows, const real *const *weight, int C, int OC) {
     if (n_out > MAX_SHARED) too_many_shared(n_out);
     check_inp_rows(m, inp_rows);
+    if (unpermute != NULL && (inp_rows == NULL || dinp_store != GRAD_ADD)) {
+        fprintf(stderr, "fp8moe: train/linear.c: internal error: an unpermuted input gradient needs input rows read "
+                        "through an index and GRAD_ADD\n");
+        exit(1);
+    }
     profile_begin(PHASE_OTHER_GEMM);
     if (m->cfg.precision.mode == PRECISION_FP8) {
-        fp8_backward(m, n_groups, offsets, n_out, dinp, dinp_store, dweight, dout, inp, inp_rows, weight, C, OC);
+        fp8_backward(m, n_groups, offsets, n_out, dinp, dinp_store, unpermute, dweight, dout, inp, inp_rows, weight, C,
+                     OC);
     } else if (m->cfg.precision.mode == PRECISION_BF16) {
-        bf16_backward(m, n_groups, offsets, n_out, dinp, dinp_store, dweight, dout, inp, weight, C, OC);
+        bf16_backward(m, n_groups, offsets, n_out, dinp, dinp_store, unpermute, dweight, dout, inp, inp_rows, weight, C,
+                      OC);
     } else {
         // the FP32 reference matmul only accumulates: a written dinp is cleared first
         if (dinp != NULL && dinp_store == GRAD_WRITE)

@@ -37,14 +37,18 @@ void linear_backward_shared(Model *m, int n_out, real *dinp, GradStore dinp_stor
 // weight g of each stacked weight[i] (n_groups, OC, C), into the same rows of out[i]; in the backward
 // dinp's rows get sum_i dout[i] W_i,g and dweight[i]'s slice g gets dout[i]^T inp over the group's rows.
 // The same numbers as the *_shared calls above group by group, in order; empty groups are skipped.
-// inp_rows (fp8 mode only; NULL otherwise): an array on the model's device of offsets[n_groups] row numbers,
-// row r of the groups' input being row inp_rows[r] of inp: the quantisers gather the rows as they read them
-// (the routed experts' token rows, with no gathered FP32 copy). The same numbers as a gathered inp.
+// inp_rows (fp8 and bf16 modes; NULL in fp32): an array on the model's device of offsets[n_groups] row numbers,
+// row r of the groups' input being row inp_rows[r] of inp: the quantisers (bf16: the BF16 rounding) gather the
+// rows as they read them (the routed experts' token rows, with no gathered FP32 copy). The same numbers as a
+// gathered inp.
 void linear_forward_grouped(Model *m, int n_groups, const int *offsets, int n_out, real *const *out, const real *inp,
                             const int *inp_rows, const real *const *weight, int C, int OC);
+// unpermute (with inp_rows; else NULL): dinp is then the gradient of inp itself, (unpermute->n_tok, C) in token
+// order, added to (dinp_store GRAD_ADD): row t gets the groups' input-gradient rows unpermute->slot_of[t * topk + j]
+// in order of j - what a slot-order dinp followed by moe_unpermute_backward gives, without the slot-order buffer.
 void linear_backward_grouped(Model *m, int n_groups, const int *offsets, int n_out, real *dinp, GradStore dinp_store,
-                             real *const *dweight, const real *const *dout, const real *inp, const int *inp_rows,
-                             const real *const *weight, int C, int OC);
+                             const DgradUnpermute *unpermute, real *const *dweight, const real *const *dout,
+                             const real *inp, const int *inp_rows, const real *const *weight, int C, int OC);
 // Builds the weight cache and sizes the Linear scratch (fp8: quantised operands, bf16: rounded ones) for
 // every block Linear at `rows` tokens (a micro-batch) and for the routed experts' grouped calls (rows x top-K
 // rows over the local experts), so no step allocates device memory; a no-op in fp32 mode.

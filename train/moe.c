@@ -41,7 +41,9 @@ void ffn_backward(Model *m, const FfnWeights *w, const FfnWeights *g, FfnActs *a
 }
 
 // ---------------------------------------------------------------------------- routed experts
-int moe_experts_read_tokens(const Model *m) { return m->cfg.precision.mode == PRECISION_FP8 && m->ep.ep_size == 1; }
+int moe_experts_read_tokens(const Model *m) {
+    return m->cfg.precision.mode != PRECISION_FP32 && m->ep.ep_size == 1;
+}
 
 // Every local expert over its segment of rows, one phase at a time: each Linear runs for all experts
 // (linear_*_grouped), the SwiGLU and the memsets once over all rows. xs (rows, D) -> ys (rows, D), where
@@ -60,10 +62,13 @@ static void experts_forward(Model *m, const FfnWeights *w, FfnActs *a, const int
     profile_end(PHASE_EXPERT_GEMM);
 }
 
-// h is recomputed from a and b (a forward transient, see FfnActs), as in ffn_backward.
+// h is recomputed from a and b (a forward transient, see FfnActs), as in ffn_backward. The input gradient d_xs
+// is written in slot order, or with unpermute (the rows read through xs_rows) added in token order to the
+// gradient of xs itself (linear.h).
 static void experts_backward(Model *m, const FfnWeights *w, const FfnWeights *g, FfnActs *a,
                              LayerScratch *s, const int *offsets, int n_experts, int D, int I,
-                             const real *xs, const int *xs_rows, const real *d_ys, real *d_xs) {
+                             const real *xs, const int *xs_rows, const real *d_ys, real *d_xs,
+                             const DgradUnpermute *unpermute) {
     Device dev = m->dev;
     const int64_t n = (int64_t)offsets[n_experts] * I;
     real *const g13[2] = {g->w1, g->w3};
@@ -71,10 +76,12 @@ static void experts_backward(Model *m, const FfnWeights *w, const FfnWeights *g,
     const real *const w2[1] = {w->w2};
     profile_begin(PHASE_EXPERT_GEMM);
     swiglu_forward(dev, a->h, a->a, a->b, n);
-    // every gradient here is written, not cleared and added to (GRAD_WRITE; swiglu_backward writes)
-    linear_backward_grouped(m, n_experts, offsets, 1, s->d_h, GRAD_WRITE, &g->w2, &d_ys, a->h, NULL, w2, I, D);
+    // d_h, d_a, d_b (and a slot-order d_xs) are written, not cleared and added to (GRAD_WRITE; swiglu_backward
+    // writes)
+    linear_backward_grouped(m, n_experts, offsets, 1, s->d_h, GRAD_WRITE, NULL, &g->w2, &d_ys, a->h, NULL, w2, I, D);
     swiglu_backward(dev, s->d_a, s->d_b, s->d_h, a->a, a->b, n);
-    linear_backward_grouped(m, n_experts, offsets, 2, d_xs, GRAD_WRITE, g13, d_ab, xs, xs_rows, w13, D, I);
+    linear_backward_grouped(m, n_experts, offsets, 2, d_xs, unpermute ? GRAD_ADD : GRAD_WRITE, unpermute, g13, d_ab,
+                            xs, xs_rows, w13, D, I);
     profile_end(PHASE_EXPERT_GEMM);
 }
 
@@ -119,7 +126,8 @@ void moe_backward(Model *m, const BlockWeights *w, const BlockWeights *g, MoeAct
     Device dev = m->dev;
     int N = d->N, E = d->E, K = d->K, D = d->D, NK = d->N * d->K;
     size_t R = sizeof(real);
-    // d_eout (moe_combine_backward) and d_xp (the experts' Dgrads) are written, not cleared and added to
+    // d_eout (moe_combine_backward) and d_xp (the experts' Dgrads) are written, not cleared and added to; where
+    // the experts read the token rows (direct), their input gradient goes straight to d_x in token order
     device_memset_zero(dev, s->d_topk_w, (size_t)N * K * R);
     device_memset_zero(dev, s->d_logits, (size_t)N * E * R);
     // out = shared(x) + sum_k w_k eout[slot(t,k)]
@@ -136,13 +144,18 @@ void moe_backward(Model *m, const BlockWeights *w, const BlockWeights *g, MoeAct
         gather_rows(dev, a->xp, x, a->seg_token, NK, D);
         profile_end(PHASE_PERMUTE);
     }
-    experts_backward(m, &w->moe.experts, &g->moe.experts, &a->experts, s, a->ep_buf.seg_offsets,
-                     m->ep.experts_per_rank, D, d->I, direct ? x : a->ep_buf.rows, direct ? a->seg_token : NULL,
-                     d_local_out, s->d_xp);
-    const real *d_perm = ep_dispatch_backward(&m->ep, &a->ep_buf, s->d_xp);
-    profile_begin(PHASE_PERMUTE);
-    moe_unpermute_backward(dev, d_x, d_perm, a->slot_of, N, K, D);
-    profile_end(PHASE_PERMUTE);
+    if (direct) {
+        const DgradUnpermute unpermute = {a->slot_of, N, K};
+        experts_backward(m, &w->moe.experts, &g->moe.experts, &a->experts, s, a->ep_buf.seg_offsets,
+                         m->ep.experts_per_rank, D, d->I, x, a->seg_token, d_local_out, d_x, &unpermute);
+    } else {
+        experts_backward(m, &w->moe.experts, &g->moe.experts, &a->experts, s, a->ep_buf.seg_offsets,
+                         m->ep.experts_per_rank, D, d->I, a->ep_buf.rows, NULL, d_local_out, s->d_xp, NULL);
+        const real *d_perm = ep_dispatch_backward(&m->ep, &a->ep_buf, s->d_xp);
+        profile_begin(PHASE_PERMUTE);
+        moe_unpermute_backward(dev, d_x, d_perm, a->slot_of, N, K, D);
+        profile_end(PHASE_PERMUTE);
+    }
     ffn_backward(m, &w->moe.shared, &g->moe.shared, &a->shared, s, N, D, d->shared_I, x, d_out, d_x);
     // router: gate weights and, when the balance loss is on, its gradient through the scores
     real *d_scores = NULL;

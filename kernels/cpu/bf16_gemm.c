@@ -88,6 +88,14 @@ void cpu_bf16_round_array(uint16_t *dst, const real *src, int64_t n) {
     for (int64_t i = 0; i < n; i++) dst[i] = float_to_bf16((float)src[i]);
 }
 
+void cpu_bf16_round_rows(uint16_t *dst, const real *src, const int *rows, int n_rows, int C) {
+#pragma omp parallel for schedule(static) if ((int64_t)n_rows * C > 65536)
+    for (int r = 0; r < n_rows; r++) {
+        const real *x = src + (size_t)rows[r] * C;
+        for (int c = 0; c < C; c++) dst[(size_t)r * C + c] = float_to_bf16((float)x[c]);
+    }
+}
+
 static real *bf16_expand(const uint16_t *src, size_t n, const char *what) {
     real *dst = alloc_or_die(n, what);
 #pragma omp parallel for schedule(static) if (n > 65536)

@@ -465,6 +465,63 @@ __global__ void bf16_to_float_rows_kernel(float *__restrict__ y, const uint16_t 
     }
 }
 
+// The token-order form (kernels.h DgradUnpermute): y (n_tok, cols) row t += sum over j < topk, in order, of the
+// n_src outputs' sum (in order) at row slot_of[t * topk + j] of x (bf16_to_float_rows_kernel's layout): the bits
+// of that kernel writing a (rows, cols) FP32 buffer and moe_unpermute_backward reading it, without the buffer.
+// One warp per token row and chunk of columns; each slot's segment is looked up once per warp.
+template <bool VEC4>
+__global__ void bf16_unpermute_rows_kernel(float *__restrict__ y, const uint16_t *__restrict__ x, int n_src,
+                                           int64_t src_stride, const __grid_constant__ SegTable seg, int cols, int ld,
+                                           const int *__restrict__ slot_of, int n_tok, int topk) {
+    const int per = VEC4 ? 4 : 1;
+    const int t = blockIdx.x * CONV_ROWS_PER_BLOCK + (threadIdx.x >> 5);
+    if (t >= n_tok) return;
+    float *yr = y + (int64_t)t * cols;
+    const int c0 = blockIdx.y * (CONV_STEPS * 32 * per) + (threadIdx.x & 31) * per;
+    float acc[CONV_STEPS][4];
+#pragma unroll
+    for (int i = 0; i < CONV_STEPS; i++) {
+        const int c = c0 + i * 32 * per;
+        if (c >= cols) break;
+        if (VEC4) {
+            const float4 o = *reinterpret_cast<const float4 *>(yr + c);
+            acc[i][0] = o.x, acc[i][1] = o.y, acc[i][2] = o.z, acc[i][3] = o.w;
+        } else {
+            acc[i][0] = yr[c];
+        }
+    }
+    for (int j = 0; j < topk; j++) {
+        const int s = slot_of[(int64_t)t * topk + j];
+        const int g = segment_of(seg.rows0, seg.n, s);
+        const uint16_t *xr = x + (int64_t)(seg.p16[g] + s - seg.rows0[g]) * ld;
+#pragma unroll
+        for (int i = 0; i < CONV_STEPS; i++) {
+            const int c = c0 + i * 32 * per;
+            if (c >= cols) break;
+            if (VEC4) {
+                float4 v = bf16x4_to_float4(*reinterpret_cast<const uint2 *>(xr + c));
+                for (int k = 1; k < n_src; k++) {
+                    const float4 u = bf16x4_to_float4(*reinterpret_cast<const uint2 *>(xr + k * src_stride + c));
+                    v.x = __fadd_rn(v.x, u.x), v.y = __fadd_rn(v.y, u.y), v.z = __fadd_rn(v.z, u.z), v.w = __fadd_rn(v.w, u.w);
+                }
+                acc[i][0] = __fadd_rn(acc[i][0], v.x), acc[i][1] = __fadd_rn(acc[i][1], v.y);
+                acc[i][2] = __fadd_rn(acc[i][2], v.z), acc[i][3] = __fadd_rn(acc[i][3], v.w);
+            } else {
+                float v = bf16_bits_to_float(xr[c]);
+                for (int k = 1; k < n_src; k++) v = __fadd_rn(v, bf16_bits_to_float(xr[k * src_stride + c]));
+                acc[i][0] = __fadd_rn(acc[i][0], v);
+            }
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < CONV_STEPS; i++) {
+        const int c = c0 + i * 32 * per;
+        if (c >= cols) break;
+        if (VEC4) *reinterpret_cast<float4 *>(yr + c) = make_float4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]);
+        else yr[c] = acc[i][0];
+    }
+}
+
 __global__ void add_float_kernel(float *y, const float *x, int64_t n) {
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
         y[i] = __fadd_rn(y[i], x[i]);
@@ -481,6 +538,26 @@ __global__ void float_to_bf16_kernel(uint16_t *y, const float *x, int64_t n) {
             *reinterpret_cast<uint2 *>(y + i) = make_uint2(bf16x2_bits(v.x, v.y), bf16x2_bits(v.z, v.w));
         } else {
             y[i] = (uint16_t)(bf16x2_bits(x[i], 0.0f) & 0xFFFFu);
+        }
+    }
+}
+
+// y (n_rows, C) row r = BF16(x row rows[r]) (x (any, C)), round-to-nearest-even: a grouped call's input read
+// through its row index (the routed experts' token rows), the bits of gathering then rounding.
+template <bool VEC4>
+__global__ void float_rows_to_bf16_kernel(uint16_t *y, const float *x, const int *rows, int64_t n_rows, int C) {
+    const int per = VEC4 ? 4 : 1, units = C / per;
+    const int64_t n = n_rows * units;
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t r = i / units;
+        const int c = (int)(i - r * units) * per;
+        const float *src = x + (int64_t)rows[r] * C + c;
+        uint16_t *dst = y + r * C + c;
+        if (VEC4) {
+            const float4 v = *reinterpret_cast<const float4 *>(src);
+            *reinterpret_cast<uint2 *>(dst) = make_uint2(bf16x2_bits(v.x, v.y), bf16x2_bits(v.z, v.w));
+        } else {
+            *dst = (uint16_t)(bf16x2_bits(*src, 0.0f) & 0xFFFFu);
         }
     }
 }
@@ -514,6 +591,27 @@ static void bf16_to_float_rows(float *y, const uint16_t *x, const SegTable &seg,
     CUDA_CHECK_LAUNCH("bf16_to_float_rows_kernel");
 }
 
+// One launch for every token (see bf16_unpermute_rows_kernel).
+static void bf16_unpermute_rows(float *y, const uint16_t *x, const SegTable &seg, int cols, int ld, int n_src,
+                                int64_t src_stride, const DgradUnpermute *u) {
+    if (u->n_tok <= 0 || cols <= 0) return;
+    if (seg.rows0[seg.n] != u->n_tok * u->topk)
+        gemm_fail(__LINE__, "dgrad unpermute", "the segments hold %d rows; %d tokens x %d need exactly %d",
+                  seg.rows0[seg.n], u->n_tok, u->topk, u->n_tok * u->topk);
+    const int per = vec4_ok(cols, y, x) && ld % 4 == 0 && src_stride % 4 == 0 ? 4 : 1;
+    const dim3 grid((unsigned)ceil_div(u->n_tok, CONV_ROWS_PER_BLOCK), (unsigned)ceil_div(cols, CONV_STEPS * 32 * per));
+    if (grid.y > 65535)
+        gemm_fail(__LINE__, "bf16_unpermute_rows", "%d columns - expected at most %d", cols, 65535 * CONV_STEPS * 32 * per);
+    const int threads = 32 * CONV_ROWS_PER_BLOCK;
+    if (per == 4)
+        bf16_unpermute_rows_kernel<true><<<grid, threads>>>(y, x, n_src, src_stride, seg, cols, ld, u->slot_of, u->n_tok,
+                                                             u->topk);
+    else
+        bf16_unpermute_rows_kernel<false><<<grid, threads>>>(y, x, n_src, src_stride, seg, cols, ld, u->slot_of,
+                                                              u->n_tok, u->topk);
+    CUDA_CHECK_LAUNCH("bf16_unpermute_rows_kernel");
+}
+
 // One segment of `rows` rows: a plain (rows, cols) conversion of x (rows, ld).
 template <bool ADD>
 static void bf16_to_float_plain(const char *op, float *y, const uint16_t *x, int rows, int cols, int ld) {
@@ -528,6 +626,18 @@ extern "C" void cuda_float_to_bf16(uint16_t *dst, const float *src, int64_t n) {
     else
         float_to_bf16_kernel<false><<<grid_for(n, ELEMENTWISE_THREADS), ELEMENTWISE_THREADS>>>(dst, src, n);
     CUDA_CHECK_LAUNCH("float_to_bf16_kernel");
+}
+
+extern "C" void cuda_float_rows_to_bf16(uint16_t *dst, const float *src, const int *rows, int n_rows, int C) {
+    if (n_rows <= 0 || C <= 0) return;
+    const int64_t n = (int64_t)n_rows * C;
+    if (C % 4 == 0 && vec4_ok(n, src, dst))
+        float_rows_to_bf16_kernel<true><<<grid_for(n / 4, ELEMENTWISE_THREADS), ELEMENTWISE_THREADS>>>(dst, src, rows,
+                                                                                                       n_rows, C);
+    else
+        float_rows_to_bf16_kernel<false><<<grid_for(n, ELEMENTWISE_THREADS), ELEMENTWISE_THREADS>>>(dst, src, rows,
+                                                                                                    n_rows, C);
+    CUDA_CHECK_LAUNCH("float_rows_to_bf16_kernel");
 }
 
 // ---------------------------------------------------------------------------- FP8 GEMMs
@@ -581,8 +691,8 @@ typedef void (*Fp8GemmBf16)(uint16_t *out, const uint8_t *qa, const float *sa, c
 // segment, summing the matrices in order. A conversion per segment cost a routed-expert Linear one launch per
 // expert (about 675 launches of 9-52 us per step of a 2-layer model, ~10% of the GPU time), and one per
 // matrix a full extra pass over the FP32 gradient; the GEMMs are the same, so are the bits.
-static void fp8_gemm_segments(const char *op, Fp8GemmBf16 gemm, real *out, bool add, int out_cols, int contraction,
-                              int n_mats, const uint8_t *const *qa, const float *const *sa,
+static void fp8_gemm_segments(const char *op, Fp8GemmBf16 gemm, real *out, bool add, const DgradUnpermute *unpermute,
+                              int out_cols, int contraction, int n_mats, const uint8_t *const *qa, const float *const *sa,
                               const uint8_t *const *const *qb, const float *const *const *sb, int n_seg,
                               const int *rows0, int N, int K) {
     const SegTable seg = seg_table(op, n_seg, rows0);
@@ -599,21 +709,23 @@ static void fp8_gemm_segments(const char *op, Fp8GemmBf16 gemm, real *out, bool 
                  qb[i][g], sb[i][g], T16, N, K);
         }
     }
-    if (add) bf16_to_float_rows<true>(out, tmp, seg, out_cols, ld, n_mats, per_mat);
+    if (unpermute) bf16_unpermute_rows(out, tmp, seg, out_cols, ld, n_mats, per_mat, unpermute);
+    else if (add) bf16_to_float_rows<true>(out, tmp, seg, out_cols, ld, n_mats, per_mat);
     else bf16_to_float_rows<false>(out, tmp, seg, out_cols, ld, n_mats, per_mat);
 }
 
 extern "C" void cuda_fp8_gemm_fprop_grouped(real *y, const uint8_t *qx, const float *sx, const uint8_t *const *qw,
                                             const float *const *sw, int n_seg, const int *rows0, int N, int K) {
-    fp8_gemm_segments("fp8_gemm_fprop_grouped", cuda_fp8_gemm_fprop_bf16, y, false, N, K, 1, &qx, &sx, &qw, &sw,
+    fp8_gemm_segments("fp8_gemm_fprop_grouped", cuda_fp8_gemm_fprop_bf16, y, false, NULL, N, K, 1, &qx, &sx, &qw, &sw,
                       n_seg, rows0, N, K);
 }
 
-extern "C" void cuda_fp8_gemm_dgrad_grouped(real *dx, GradStore store, int n_mats, const uint8_t *const *qdy,
-                                            const float *const *sdy, const uint8_t *const *const *qwt,
-                                            const float *const *const *sw, int n_seg, const int *rows0, int N, int K) {
-    fp8_gemm_segments("fp8_gemm_dgrad_grouped", cuda_fp8_gemm_dgrad_bf16, dx, store == GRAD_ADD, K, N, n_mats, qdy,
-                      sdy, qwt, sw, n_seg, rows0, N, K);
+extern "C" void cuda_fp8_gemm_dgrad_grouped(real *dx, GradStore store, const DgradUnpermute *unpermute, int n_mats,
+                                            const uint8_t *const *qdy, const float *const *sdy,
+                                            const uint8_t *const *const *qwt, const float *const *const *sw, int n_seg,
+                                            const int *rows0, int N, int K) {
+    fp8_gemm_segments("fp8_gemm_dgrad_grouped", cuda_fp8_gemm_dgrad_bf16, dx, store == GRAD_ADD, unpermute, K, N,
+                      n_mats, qdy, sdy, qwt, sw, n_seg, rows0, N, K);
 }
 
 extern "C" void cuda_fp8_gemm_fprop(real *y, const uint8_t *qx, const float *sx, const uint8_t *qw, const float *sw,
@@ -622,7 +734,7 @@ extern "C" void cuda_fp8_gemm_fprop(real *y, const uint8_t *qx, const float *sx,
     const int rows0[2] = {0, T};
     const uint8_t *const *qws = &qw;
     const float *const *sws = &sw;
-    fp8_gemm_segments("fp8_gemm_fprop", cuda_fp8_gemm_fprop_bf16, y, false, N, K, 1, &qx, &sx, &qws, &sws, 1, rows0,
+    fp8_gemm_segments("fp8_gemm_fprop", cuda_fp8_gemm_fprop_bf16, y, false, NULL, N, K, 1, &qx, &sx, &qws, &sws, 1, rows0,
                       N, K);
 }
 
@@ -632,7 +744,7 @@ extern "C" void cuda_fp8_gemm_dgrad(real *dx, const uint8_t *qdy, const float *s
     const int rows0[2] = {0, T};
     const uint8_t *const *qwts = &qwt;
     const float *const *sws = &sw;
-    fp8_gemm_segments("fp8_gemm_dgrad", cuda_fp8_gemm_dgrad_bf16, dx, true, K, N, 1, &qdy, &sdy, &qwts, &sws, 1,
+    fp8_gemm_segments("fp8_gemm_dgrad", cuda_fp8_gemm_dgrad_bf16, dx, true, NULL, K, N, 1, &qdy, &sdy, &qwts, &sws, 1,
                       rows0, N, K);
 }
 
@@ -724,8 +836,9 @@ extern "C" void cuda_bf16_matmul_backward(real *dinp, real *dweight, const real 
 // order of i: the segments cover rows [0, rows0[n_seg]). The GEMM calls are those of bf16_matmul_forward /
 // _backward; only the conversions are merged.
 template <bool DGRAD>
-static void bf16_gemm_segments(const char *op, real *out, bool add, int n_mats, const uint16_t *const *a,
-                               const uint16_t *const *const *w, int n_seg, const int *rows0, int N, int K) {
+static void bf16_gemm_segments(const char *op, real *out, bool add, const DgradUnpermute *unpermute, int n_mats,
+                               const uint16_t *const *a, const uint16_t *const *const *w, int n_seg, const int *rows0,
+                               int N, int K) {
     for (int g = 0; g < n_seg; g++)  // any number of segments: no table reaches the GPU here
         if (rows0[0] != 0 || rows0[g + 1] < rows0[g])
             gemm_fail(__LINE__, op, "rows0[0] = %d, segment %d has rows %d..%d - expected rows0[0] = 0 and rows0 "
@@ -745,19 +858,21 @@ static void bf16_gemm_segments(const char *op, real *out, bool add, int n_mats, 
     }
     const int rows0_all[2] = {0, rows};
     const SegTable seg = seg_table(op, 1, rows0_all);
-    if (add) bf16_to_float_rows<true>(out, tmp, seg, out_cols, out_cols, n_mats, per_mat);
+    if (unpermute) bf16_unpermute_rows(out, tmp, seg, out_cols, out_cols, n_mats, per_mat, unpermute);
+    else if (add) bf16_to_float_rows<true>(out, tmp, seg, out_cols, out_cols, n_mats, per_mat);
     else bf16_to_float_rows<false>(out, tmp, seg, out_cols, out_cols, n_mats, per_mat);
 }
 
 extern "C" void cuda_bf16_gemm_fprop_grouped(real *y, const uint16_t *x, const uint16_t *const *w, int n_seg,
                                              const int *rows0, int N, int K) {
-    bf16_gemm_segments<false>("bf16_gemm_fprop_grouped", y, false, 1, &x, &w, n_seg, rows0, N, K);
+    bf16_gemm_segments<false>("bf16_gemm_fprop_grouped", y, false, NULL, 1, &x, &w, n_seg, rows0, N, K);
 }
 
-extern "C" void cuda_bf16_gemm_dgrad_grouped(real *dx, GradStore store, int n_mats, const uint16_t *const *dy,
-                                             const uint16_t *const *const *w, int n_seg, const int *rows0, int N,
-                                             int K) {
-    bf16_gemm_segments<true>("bf16_gemm_dgrad_grouped", dx, store == GRAD_ADD, n_mats, dy, w, n_seg, rows0, N, K);
+extern "C" void cuda_bf16_gemm_dgrad_grouped(real *dx, GradStore store, const DgradUnpermute *unpermute, int n_mats,
+                                             const uint16_t *const *dy, const uint16_t *const *const *w, int n_seg,
+                                             const int *rows0, int N, int K) {
+    bf16_gemm_segments<true>("bf16_gemm_dgrad_grouped", dx, store == GRAD_ADD, unpermute, n_mats, dy, w, n_seg, rows0,
+                             N, K);
 }
 
 extern "C" void cuda_bf16_gemm_wgrad(real *dw, const uint16_t *dy, const uint16_t *x, int T, int N, int K) {

@@ -349,6 +349,32 @@ static int count_diff(const void *a, const void *b, size_t bytes) {
     return d;
 }
 
+// bf16_round_rows (bf16 mode's routed experts read their token rows through the routing plan) against the CPU:
+// every BF16 bit equal, rows repeated and out of order, C a multiple of 4 (vector path) and not (scalar).
+static void test_bf16_round_rows(void **state) {
+    (void)state;
+    for (int pass = 0; pass < 2; pass++) {
+        const int S = 97, n_rows = 300, C = pass ? 301 : 300;
+        float *src = floats((int64_t)S * C);
+        fill_log_uniform(src, (int64_t)S * C, 1800 + (uint64_t)C, -16.0, 4.0);
+        int rows[300];
+        for (int r = 0; r < n_rows; r++) rows[r] = (r * 37 + 11) % S;
+        float *src_d = gpu_copy_of(src, (size_t)S * C * sizeof(float));
+        int *rows_d = gpu_copy_of(rows, sizeof rows);
+        uint16_t *out_d = gpu_poisoned((size_t)n_rows * C * 2), *out_h = host_poisoned((size_t)n_rows * C * 2);
+        bf16_round_rows(DEVICE_CUDA, out_d, src_d, rows_d, n_rows, C);
+        bf16_round_rows(DEVICE_CPU, out_h, src, rows, n_rows, C);
+        uint16_t *out_g = host_copy_of(out_d, (size_t)n_rows * C * 2);
+        const int diff = count_diff(out_g, out_h, (size_t)n_rows * C * 2);
+        printf("%-18s %d rows of (%d, %d) through an index: differing bytes %d  %s\n", "bf16_round_rows", n_rows, S,
+               C, diff, diff == 0 ? "ok" : "FAIL");
+        fflush(stdout);
+        device_free(DEVICE_CUDA, src_d), device_free(DEVICE_CUDA, rows_d), device_free(DEVICE_CUDA, out_d);
+        free(src), free(out_h), free(out_g);
+        assert_int_equal(diff, 0);
+    }
+}
+
 // fp8_quantize_128x128_batched (a routed-expert Linear's weights in one launch) against the CPU's batched op:
 // every byte of q and qt and every scale of the stack bit-identical (poisoned outputs; partial blocks on both
 // axes; K = 302 takes the scalar loads, K = 300 the vector ones); a NaN named at its row of the stack.
@@ -809,6 +835,40 @@ static int written_inside_only(const float *out, int T, int cols) {
     return ok;
 }
 
+// The token-order Dgrad (kernels.h DgradUnpermute) against the slot-order Dgrad (GRAD_WRITE) followed by
+// moe_unpermute_backward, both on the GPU, for two matrices: T rows read by n_tok tokens, topk rows each (2 when T
+// is even, else 1) through a permutation; the token gradients start from `init` (its first n_tok * K values).
+// fp8 when q* are given, else bf16 (b*). Returns the number of differing bytes (expected 0: the same sums in the
+// same order).
+static int unpermute_diff(int T, int K, const float *init, const uint8_t *const *qdy, const float *const *sdy,
+                          const uint16_t *const *bdy, const uint8_t *const *const *qwt, const float *const *const *sw,
+                          const uint16_t *const *const *bw, int n, const int *rows0, int N) {
+    const int topk = T % 2 == 0 ? 2 : 1, n_tok = T / topk;
+    int step = 5;
+    while (T % step == 0) step += 2;  // coprime with T: i -> (i step + 3) % T is a permutation
+    int *slot_of = xmalloc(sizeof(int) * (size_t)T);
+    for (int i = 0; i < T; i++) slot_of[i] = (int)(((int64_t)i * step + 3) % T);
+    int *slot_of_d = gpu_copy_of(slot_of, sizeof(int) * (size_t)T);
+    const size_t bytes = sizeof(float) * (size_t)n_tok * K;
+    float *fused_d = gpu_copy_of(init, bytes), *ref_d = gpu_copy_of(init, bytes);
+    float *slots_d = gpu_poisoned(sizeof(float) * (size_t)T * K);
+    const DgradUnpermute u = {slot_of_d, n_tok, topk};
+    if (qdy != NULL) {
+        fp8_gemm_dgrad_grouped(DEVICE_CUDA, fused_d, GRAD_ADD, &u, 2, qdy, sdy, qwt, sw, n, rows0, N, K);
+        fp8_gemm_dgrad_grouped(DEVICE_CUDA, slots_d, GRAD_WRITE, NULL, 2, qdy, sdy, qwt, sw, n, rows0, N, K);
+    } else {
+        bf16_gemm_dgrad_grouped(DEVICE_CUDA, fused_d, GRAD_ADD, &u, 2, bdy, bw, n, rows0, N, K);
+        bf16_gemm_dgrad_grouped(DEVICE_CUDA, slots_d, GRAD_WRITE, NULL, 2, bdy, bw, n, rows0, N, K);
+    }
+    moe_unpermute_backward(DEVICE_CUDA, ref_d, slots_d, slot_of_d, n_tok, topk, K);
+    float *fused = host_copy_of(fused_d, bytes), *ref = host_copy_of(ref_d, bytes);
+    const int diff = count_diff(fused, ref, bytes);
+    device_free(DEVICE_CUDA, slot_of_d), device_free(DEVICE_CUDA, fused_d), device_free(DEVICE_CUDA, ref_d);
+    device_free(DEVICE_CUDA, slots_d);
+    free(slot_of), free(fused), free(ref);
+    return diff;
+}
+
 static void test_fp8_gemm_grouped(void **state) {
     const GroupedGemmCase *gc = *state;
     const int n = gc->n_seg, N = gc->N, K = gc->K;
@@ -868,7 +928,7 @@ static void test_fp8_gemm_grouped(void **state) {
     fp8_gemm_fprop_grouped(DEVICE_CUDA, y_grp_d + N, qx_d, sx_d, qw, sw, n, rows0, N, K);
     const uint8_t *qdy1[1] = {qdy_d}, *const *qwt1[1] = {qwt};
     const float *sdy1[1] = {sdy_d}, *const *sw1[1] = {sw};
-    fp8_gemm_dgrad_grouped(DEVICE_CUDA, dx_grp_d + K, GRAD_ADD, 1, qdy1, sdy1, qwt1, sw1, n, rows0, N, K);
+    fp8_gemm_dgrad_grouped(DEVICE_CUDA, dx_grp_d + K, GRAD_ADD, NULL, 1, qdy1, sdy1, qwt1, sw1, n, rows0, N, K);
     // GRAD_WRITE over poison: each element the per-segment Dgrad's product alone (added to zeros)
     float *dx_zero_d = gpu_poisoned((size_t)nx * sizeof(float)), *dx_wr_d = gpu_poisoned((size_t)nx * sizeof(float));
     device_memset_zero(DEVICE_CUDA, dx_zero_d + K, (size_t)T * K * sizeof(float));
@@ -879,18 +939,19 @@ static void test_fp8_gemm_grouped(void **state) {
                        sdy_d + (int64_t)NB * p16, qwt[g], sw[g], rows, N, K);
         p16 += ceil_div(rows, 16) * 16;
     }
-    fp8_gemm_dgrad_grouped(DEVICE_CUDA, dx_wr_d + K, GRAD_WRITE, 1, qdy1, sdy1, qwt1, sw1, n, rows0, N, K);
+    fp8_gemm_dgrad_grouped(DEVICE_CUDA, dx_wr_d + K, GRAD_WRITE, NULL, 1, qdy1, sdy1, qwt1, sw1, n, rows0, N, K);
     // two matrices in one call (one conversion): the bits of the second single call added after the first
     const uint8_t *qdy2[2] = {qdy_d, qdy_d}, *const *qwt2[2] = {qwt, qwt};
     const float *sdy2[2] = {sdy_d, sdy_d}, *const *sw2[2] = {sw, sw};
     float *dx_two_d = gpu_poisoned((size_t)nx * sizeof(float)), *dx_seq_d = gpu_poisoned((size_t)nx * sizeof(float));
     device_memcpy_from_host(DEVICE_CUDA, dx_two_d + K, init, (size_t)T * K * sizeof(float));
     device_memcpy_from_host(DEVICE_CUDA, dx_seq_d + K, init, (size_t)T * K * sizeof(float));
-    fp8_gemm_dgrad_grouped(DEVICE_CUDA, dx_two_d + K, GRAD_ADD, 2, qdy2, sdy2, qwt2, sw2, n, rows0, N, K);
-    fp8_gemm_dgrad_grouped(DEVICE_CUDA, dx_seq_d + K, GRAD_ADD, 1, qdy1, sdy1, qwt1, sw1, n, rows0, N, K);
-    fp8_gemm_dgrad_grouped(DEVICE_CUDA, dx_seq_d + K, GRAD_ADD, 1, qdy1, sdy1, qwt1, sw1, n, rows0, N, K);
+    fp8_gemm_dgrad_grouped(DEVICE_CUDA, dx_two_d + K, GRAD_ADD, NULL, 2, qdy2, sdy2, qwt2, sw2, n, rows0, N, K);
+    fp8_gemm_dgrad_grouped(DEVICE_CUDA, dx_seq_d + K, GRAD_ADD, NULL, 1, qdy1, sdy1, qwt1, sw1, n, rows0, N, K);
+    fp8_gemm_dgrad_grouped(DEVICE_CUDA, dx_seq_d + K, GRAD_ADD, NULL, 1, qdy1, sdy1, qwt1, sw1, n, rows0, N, K);
     float *dx_two = host_copy_of(dx_two_d, (size_t)nx * sizeof(float)), *dx_seq = host_copy_of(dx_seq_d, (size_t)nx * sizeof(float));
     const int two_diff = count_diff(dx_two, dx_seq, (size_t)nx * sizeof(float));
+    const int unperm_diff = unpermute_diff(T, K, init, qdy2, sdy2, NULL, qwt2, sw2, NULL, n, rows0, N);
     float *dx_zero = host_copy_of(dx_zero_d, (size_t)nx * sizeof(float)), *dx_wr = host_copy_of(dx_wr_d, (size_t)nx * sizeof(float));
     int wr_diff = 0;
     for (int64_t i = K; i < (int64_t)(T + 1) * K; i++) wr_diff += !(dx_wr[i] == dx_zero[i]);
@@ -900,11 +961,12 @@ static void test_fp8_gemm_grouped(void **state) {
     const int y_diff = count_diff(y_grp, y_seg, (size_t)ny * sizeof(float));
     const int dx_diff = count_diff(dx_grp, dx_seg, (size_t)nx * sizeof(float));
     const int y_rows = written_inside_only(y_grp, T, N), dx_rows = written_inside_only(dx_grp, T, K);
-    const int pass = y_diff == 0 && dx_diff == 0 && y_rows && dx_rows && wr_diff == 0 && wr_rows && two_diff == 0;
+    const int pass = y_diff == 0 && dx_diff == 0 && y_rows && dx_rows && wr_diff == 0 && wr_rows && two_diff == 0 &&
+                     unperm_diff == 0;
     printf("%-16s %2d segments, %4d rows, N %-4d K %-4d differing bytes vs per-segment: Fprop %d, Dgrad %d; "
-           "Dgrad GRAD_WRITE differing values %d; 2 matrices vs 2 calls: %d bytes; only the rows inside written: %s  "
-           "%s\n", "fp8 grouped", n, T, N, K, y_diff, dx_diff, wr_diff, two_diff,
-           y_rows && dx_rows && wr_rows ? "yes" : "NO", pass ? "ok" : "FAIL");
+           "Dgrad GRAD_WRITE differing values %d; 2 matrices vs 2 calls: %d bytes; unpermuted vs slot order + "
+           "moe_unpermute_backward: %d bytes; only the rows inside written: %s  %s\n", "fp8 grouped", n, T, N, K, y_diff,
+           dx_diff, wr_diff, two_diff, unperm_diff, y_rows && dx_rows && wr_rows ? "yes" : "NO", pass ? "ok" : "FAIL");
     fflush(stdout);
 
     for (int g = 0; g < n; g++) {
@@ -1061,7 +1123,7 @@ static void test_bf16_gemm_grouped(void **state) {
     memcpy(dx_c, dx0, (size_t)nx * 4), memcpy(dw_c, dw0, (size_t)nw * 4);
     bf16_gemm_fprop_grouped(DEVICE_CPU, y_c, xb, wg, n, rows0, N, K);
     const uint16_t *dyb1[1] = {dyb}, *const *wg1[1] = {wg}, *dyb1_d[1] = {dyb_d}, *const *wg1_d[1] = {wg_d};
-    bf16_gemm_dgrad_grouped(DEVICE_CPU, dx_c, GRAD_ADD, 1, dyb1, wg1, n, rows0, N, K);
+    bf16_gemm_dgrad_grouped(DEVICE_CPU, dx_c, GRAD_ADD, NULL, 1, dyb1, wg1, n, rows0, N, K);
     for (int g = 0; g < n; g++)
         bf16_gemm_wgrad(DEVICE_CPU, dw_c + (int64_t)g * N * K, dyb + (int64_t)rows0[g] * N, xb + (int64_t)rows0[g] * K,
                         rows0[g + 1] - rows0[g], N, K);
@@ -1073,7 +1135,7 @@ static void test_bf16_gemm_grouped(void **state) {
         device_memcpy_from_host(DEVICE_CUDA, dx_d, dx0, (size_t)nx * 4);
         device_memcpy_from_host(DEVICE_CUDA, dw_d, dw0, (size_t)nw * 4);
         bf16_gemm_fprop_grouped(DEVICE_CUDA, y_d, xb_d, wg_d, n, rows0, N, K);
-        bf16_gemm_dgrad_grouped(DEVICE_CUDA, dx_d, GRAD_ADD, 1, dyb1_d, wg1_d, n, rows0, N, K);
+        bf16_gemm_dgrad_grouped(DEVICE_CUDA, dx_d, GRAD_ADD, NULL, 1, dyb1_d, wg1_d, n, rows0, N, K);
         for (int g = 0; g < n; g++)
             bf16_gemm_wgrad(DEVICE_CUDA, dw_d + (int64_t)g * N * K, dyb_d + (int64_t)rows0[g] * N,
                             xb_d + (int64_t)rows0[g] * K, rows0[g + 1] - rows0[g], N, K);
@@ -1085,24 +1147,25 @@ static void test_bf16_gemm_grouped(void **state) {
     {  // Dgrad with GRAD_WRITE over poison: the value GRAD_ADD adds to zeros (the same GEMMs), the last row untouched
         float *wr_d = gpu_poisoned((size_t)(nx + K) * 4), *zero_d = gpu_poisoned((size_t)(nx + K) * 4);
         device_memset_zero(DEVICE_CUDA, zero_d, (size_t)nx * 4);
-        bf16_gemm_dgrad_grouped(DEVICE_CUDA, wr_d, GRAD_WRITE, 1, dyb1_d, wg1_d, n, rows0, N, K);
-        bf16_gemm_dgrad_grouped(DEVICE_CUDA, zero_d, GRAD_ADD, 1, dyb1_d, wg1_d, n, rows0, N, K);
+        bf16_gemm_dgrad_grouped(DEVICE_CUDA, wr_d, GRAD_WRITE, NULL, 1, dyb1_d, wg1_d, n, rows0, N, K);
+        bf16_gemm_dgrad_grouped(DEVICE_CUDA, zero_d, GRAD_ADD, NULL, 1, dyb1_d, wg1_d, n, rows0, N, K);
         float *wr = host_copy_of(wr_d, (size_t)(nx + K) * 4), *zero = host_copy_of(zero_d, (size_t)(nx + K) * 4);
         int differing = 0;
         for (int64_t i = 0; i < nx; i++) differing += !(wr[i] == zero[i]);
         const int tail_ok = memcmp(wr + nx, poison, (size_t)K * 4) == 0;
         // two matrices in one call: the bits of the second single call added after the first
         const uint16_t *dyb2_d[2] = {dyb_d, dyb_d}, *const *wg2_d[2] = {wg_d, wg_d};
-        bf16_gemm_dgrad_grouped(DEVICE_CUDA, wr_d, GRAD_ADD, 2, dyb2_d, wg2_d, n, rows0, N, K);
-        bf16_gemm_dgrad_grouped(DEVICE_CUDA, zero_d, GRAD_ADD, 1, dyb1_d, wg1_d, n, rows0, N, K);
-        bf16_gemm_dgrad_grouped(DEVICE_CUDA, zero_d, GRAD_ADD, 1, dyb1_d, wg1_d, n, rows0, N, K);
+        bf16_gemm_dgrad_grouped(DEVICE_CUDA, wr_d, GRAD_ADD, NULL, 2, dyb2_d, wg2_d, n, rows0, N, K);
+        bf16_gemm_dgrad_grouped(DEVICE_CUDA, zero_d, GRAD_ADD, NULL, 1, dyb1_d, wg1_d, n, rows0, N, K);
+        bf16_gemm_dgrad_grouped(DEVICE_CUDA, zero_d, GRAD_ADD, NULL, 1, dyb1_d, wg1_d, n, rows0, N, K);
         float *wr2 = host_copy_of(wr_d, (size_t)nx * 4), *seq2 = host_copy_of(zero_d, (size_t)nx * 4);
         const int two_diff = memcmp(wr2, seq2, (size_t)nx * 4) != 0;
+        const int unperm_diff = unpermute_diff(T, K, dx0, NULL, NULL, dyb2_d, NULL, NULL, wg2_d, n, rows0, N);
         printf("%-16s %d groups, %d x %d x %d: Dgrad GRAD_WRITE vs GRAD_ADD onto zeros: %d differing values, last row "
-               "untouched: %s; 2 matrices vs 2 calls: %s  %s\n", "bf16 grouped", n, T, N, K, differing,
-               tail_ok ? "yes" : "NO", two_diff ? "DIFFERENT" : "same bits",
-               differing == 0 && tail_ok && !two_diff ? "ok" : "FAIL");
-        pass &= differing == 0 && tail_ok && !two_diff;
+               "untouched: %s; 2 matrices vs 2 calls: %s; unpermuted vs slot order + moe_unpermute_backward: %d bytes  "
+               "%s\n", "bf16 grouped", n, T, N, K, differing, tail_ok ? "yes" : "NO", two_diff ? "DIFFERENT" : "same bits",
+               unperm_diff, differing == 0 && tail_ok && !two_diff && unperm_diff == 0 ? "ok" : "FAIL");
+        pass &= differing == 0 && tail_ok && !two_diff && unperm_diff == 0;
         free(wr2), free(seq2);
         device_free(DEVICE_CUDA, wr_d), device_free(DEVICE_CUDA, zero_d);
         free(wr), free(zero);
@@ -1203,6 +1266,7 @@ int main(void) {
         cmocka_unit_test_prestate(test_quantizer, &q_i),
         cmocka_unit_test(test_quantizer_nonfinite),
         cmocka_unit_test(test_quantize_128x128_batched),
+        cmocka_unit_test(test_bf16_round_rows),
         cmocka_unit_test_prestate(test_quantize_both, &both_a),
         cmocka_unit_test_prestate(test_quantize_both, &both_b),
         cmocka_unit_test_prestate(test_quantize_both, &both_c),

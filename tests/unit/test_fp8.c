@@ -743,7 +743,7 @@ static void test_gemm_grouped(void **state) {
     fp8_gemm_fprop_grouped(DEVICE_CPU, y, qx, sx, qw, sw, NSEG, rows0, N, K);
     const uint8_t *qdy1[1] = {qdy}, *const *qwt1[1] = {qwt};
     const float *sdy1[1] = {sdy}, *const *sw1[1] = {sw};
-    fp8_gemm_dgrad_grouped(DEVICE_CPU, dx, GRAD_ADD, 1, qdy1, sdy1, qwt1, sw1, NSEG, rows0, N, K);
+    fp8_gemm_dgrad_grouped(DEVICE_CPU, dx, GRAD_ADD, NULL, 1, qdy1, sdy1, qwt1, sw1, NSEG, rows0, N, K);
     for (size_t i = 0; i < (size_t)T * N; i++) assert_true(y_ref[i] != UNTOUCHED);
     assert_memory_equal(y, y_ref, (size_t)(T + 1) * N * sizeof(real));
     assert_memory_equal(dx, dx_ref, (size_t)(T + 1) * K * sizeof(real));
@@ -758,14 +758,14 @@ static void test_gemm_grouped(void **state) {
                        qwt[g], sw[g], n, N, K);
         p16 += ceil_div(n, 16) * 16;
     }
-    fp8_gemm_dgrad_grouped(DEVICE_CPU, dxw, GRAD_WRITE, 1, qdy1, sdy1, qwt1, sw1, NSEG, rows0, N, K);
+    fp8_gemm_dgrad_grouped(DEVICE_CPU, dxw, GRAD_WRITE, NULL, 1, qdy1, sdy1, qwt1, sw1, NSEG, rows0, N, K);
     for (size_t i = 0; i < (size_t)T * K; i++) assert_true(dxw[i] == dxw_ref[i] && dxw[i] != 0);
     for (int c = 0; c < K; c++) assert_true(dxw[(size_t)T * K + c] == UNTOUCHED);
     // two matrices (Linears sharing the input): the second product added after the first, as two calls
     real *dx2 = ralloc((size_t)T * K);
     const uint8_t *qdy2[2] = {qdy, qdy}, *const *qwt2[2] = {qwt, qwt};
     const float *sdy2[2] = {sdy, sdy}, *const *sw2[2] = {sw, sw};
-    fp8_gemm_dgrad_grouped(DEVICE_CPU, dx2, GRAD_WRITE, 2, qdy2, sdy2, qwt2, sw2, NSEG, rows0, N, K);
+    fp8_gemm_dgrad_grouped(DEVICE_CPU, dx2, GRAD_WRITE, NULL, 2, qdy2, sdy2, qwt2, sw2, NSEG, rows0, N, K);
     for (size_t i = 0; i < (size_t)T * K; i++) assert_true(dx2[i] == dxw[i] + dxw[i]);
     for (int c = 0; c < N; c++) assert_true(y[(size_t)T * N + c] == UNTOUCHED);
     for (int c = 0; c < K; c++) assert_true(dx[(size_t)T * K + c] == UNTOUCHED);
@@ -885,11 +885,11 @@ static void test_bf16_gemm_grouped(void **state) {
 
     bf16_gemm_fprop_grouped(DEVICE_CPU, y, xb, wg, G, rows0, N, K);
     const uint16_t *dyb1[1] = {dyb}, *const *wg1[1] = {wg};
-    bf16_gemm_dgrad_grouped(DEVICE_CPU, dx, GRAD_ADD, 1, dyb1, wg1, G, rows0, N, K);
+    bf16_gemm_dgrad_grouped(DEVICE_CPU, dx, GRAD_ADD, NULL, 1, dyb1, wg1, G, rows0, N, K);
     real *dxw = ralloc((size_t)(T + 1) * K), *dxw_ref = ralloc((size_t)T * K);
     for (size_t i = 0; i < (size_t)T * K; i++) dxw[i] = (real)NAN, dxw_ref[i] = 0;
     for (int c = 0; c < K; c++) dxw[(size_t)T * K + c] = UNTOUCHED;
-    bf16_gemm_dgrad_grouped(DEVICE_CPU, dxw, GRAD_WRITE, 1, dyb1, wg1, G, rows0, N, K);
+    bf16_gemm_dgrad_grouped(DEVICE_CPU, dxw, GRAD_WRITE, NULL, 1, dyb1, wg1, G, rows0, N, K);
     for (int g = 0; g < G; g++) {
         const int r0 = rows0[g], n = rows0[g + 1] - rows0[g];
         if (n == 0) continue;

@@ -292,7 +292,8 @@ static void test_fp8_weight_cache(void **state) {
 // linear_*_grouped (the routed experts: one call for all experts, in fp8 mode one quantisation launch for
 // all segments) give bitwise what the plain calls give group by group: outputs, input gradient and every
 // expert's weight gradients, for w1 alone and for w1 and w3 sharing their input, with empty groups and
-// group lengths off 16, in each precision mode. Layer 1 of configs/tiny-fp8.ini: 8 experts, D = I = 384.
+// group lengths off 16, in each precision mode, and (fp8, bf16) with the input read through a row index. Layer 1
+// of configs/tiny-fp8.ini: 8 experts, D = I = 384.
 static void fill_random(real *x, size_t n, uint64_t seed) {
     const uint64_t key = rng_key(seed, 7, 8, 9);
     for (size_t i = 0; i < n; i++) x[i] = (real)(2.0 * rng_uniform(key, i) - 1.0);
@@ -348,13 +349,14 @@ static void check_grouped(const char *mode) {
         // dx_g written over poison (GRAD_WRITE): no element of the old contents may survive or be read
         for (size_t k = 0; k < (size_t)R * D; k++) dx_g[k] = (real)NAN;
         linear_forward_grouped(&m, G, offsets, n_out, out_g, x, NULL, w, D, I);
-        linear_backward_grouped(&m, G, offsets, n_out, dx_g, GRAD_WRITE, gw, (const real *const *)dy, x, NULL, w, D, I);
+        linear_backward_grouped(&m, G, offsets, n_out, dx_g, GRAD_WRITE, NULL, gw, (const real *const *)dy, x, NULL, w,
+                                D, I);
         for (int i = 0; i < n_out; i++) {
             assert_memory_equal(out_g[i], out_p[i], sizeof(real) * R * I);
             assert_memory_equal(gw[i], gw_p[i], sizeof(real) * wn);
         }
         assert_memory_equal(dx_g, dx_p, sizeof(real) * R * D);
-        if (m.cfg.precision.mode == PRECISION_FP8) {  // the input read through an index: the same bits
+        if (m.cfg.precision.mode != PRECISION_FP32) {  // the input read through an index: the same bits
             const int S = R + 9;
             real *src = malloc(sizeof(real) * S * D), *out_i[2], *dx_i = calloc((size_t)R * D, sizeof(real));
             int *rows = malloc(sizeof(int) * R);
@@ -365,7 +367,7 @@ static void check_grouped(const char *mode) {
             }
             for (int i = 0; i < n_out; i++) out_i[i] = malloc(sizeof(real) * R * I), memset(gw[i], 0, sizeof(real) * wn);
             linear_forward_grouped(&m, G, offsets, n_out, out_i, src, rows, w, D, I);
-            linear_backward_grouped(&m, G, offsets, n_out, dx_i, GRAD_ADD, gw, (const real *const *)dy, src, rows, w, D,
+            linear_backward_grouped(&m, G, offsets, n_out, dx_i, GRAD_ADD, NULL, gw, (const real *const *)dy, src, rows, w, D,
                                     I);  // added to zeros: the same bits as written
             for (int i = 0; i < n_out; i++) {
                 assert_memory_equal(out_i[i], out_p[i], sizeof(real) * R * I);
@@ -378,6 +380,32 @@ static void check_grouped(const char *mode) {
         double sum = 0;  // the outputs are not trivially equal (zeros): the check has something to compare
         for (size_t k = 0; k < (size_t)R * I; k++) sum += fabs((double)out_g[n_out - 1][k]);
         assert_true(sum > 0);
+    }
+    if (m.cfg.precision.mode != PRECISION_FP32) {
+        // The routed experts' token-order input gradient (linear.h unpermute): NT tokens read by 2 rows each
+        // through a permutation, the gradient added to the tokens' in k order - the bits of the slot-order
+        // gradient (GRAD_WRITE) followed by moe_unpermute_backward.
+        enum { TOPK = 2 };
+        const int NT = R / TOPK;
+        int *slot_of = malloc(sizeof(int) * R), *rows = malloc(sizeof(int) * R);
+        real *src = malloc(sizeof(real) * NT * D), *dtok = malloc(sizeof(real) * NT * D);
+        real *dtok_ref = malloc(sizeof(real) * NT * D);
+        fill_random(src, (size_t)NT * D, 11);
+        fill_random(dtok, (size_t)NT * D, 12);
+        memcpy(dtok_ref, dtok, sizeof(real) * NT * D);
+        for (int i = 0; i < R; i++) slot_of[i] = (i * 5 + 3) % R, rows[slot_of[i]] = i / TOPK;
+        for (int r = 0; r < R; r++) memcpy(x + (size_t)r * D, src + (size_t)rows[r] * D, sizeof(real) * D);
+        for (int i = 0; i < 2; i++) memset(gw[i], 0, sizeof(real) * wn);
+        linear_backward_grouped(&m, G, offsets, 2, dx_p, GRAD_WRITE, NULL, gw, (const real *const *)dy, x, NULL, w, D,
+                                I);
+        moe_unpermute_backward(DEVICE_CPU, dtok_ref, dx_p, slot_of, NT, TOPK, D);
+        for (int i = 0; i < 2; i++) memcpy(gw_p[i], gw[i], sizeof(real) * wn), memset(gw[i], 0, sizeof(real) * wn);
+        const DgradUnpermute unpermute = {slot_of, NT, TOPK};
+        linear_backward_grouped(&m, G, offsets, 2, dtok, GRAD_ADD, &unpermute, gw, (const real *const *)dy, src, rows,
+                                w, D, I);
+        assert_memory_equal(dtok, dtok_ref, sizeof(real) * NT * D);
+        for (int i = 0; i < 2; i++) assert_memory_equal(gw[i], gw_p[i], sizeof(real) * wn);
+        free(slot_of), free(rows), free(src), free(dtok), free(dtok_ref);
     }
     for (int i = 0; i < 2; i++) free(dy[i]), free(out_g[i]), free(out_p[i]), free(gw_p[i]);
     free(x), free(dx_g), free(dx_p);
