@@ -264,12 +264,13 @@ void moe_unpermute_backward(Device dev, real *dinp, const real *dseg, const int 
     cpu_moe_unpermute_backward(dinp, dseg, slot_of, N, K, C);
 }
 
-void moe_combine_forward(Device dev, real *out, const real *expert_out, const int *slot_of, const real *topk_w, int N, int K, int C) {
+void moe_combine_forward(Device dev, real *out, const real *expert_out, const int *slot_of, const real *topk_w,
+                         const real *residual, int N, int K, int C) {
 #ifdef FP8MOE_CUDA
-    if (dev == DEVICE_CUDA) { cuda_moe_combine_forward(out, expert_out, slot_of, topk_w, N, K, C); return; }
+    if (dev == DEVICE_CUDA) { cuda_moe_combine_forward(out, expert_out, slot_of, topk_w, residual, N, K, C); return; }
 #endif
     if (dev != DEVICE_CPU) no_cuda_op("moe_combine_forward");
-    cpu_moe_combine_forward(out, expert_out, slot_of, topk_w, N, K, C);
+    cpu_moe_combine_forward(out, expert_out, slot_of, topk_w, residual, N, K, C);
 }
 
 void moe_combine_backward(Device dev, real *dexpert_out, real *dtopk_w, const real *dout, const real *expert_out, const int *slot_of, const real *topk_w, int N, int K, int C) {
@@ -392,15 +393,10 @@ void fp8_gemm_fprop_grouped(Device dev, real *y, const uint8_t *qx, const float 
     cpu_fp8_gemm_fprop_grouped(y, qx, sx, qw, sw, n_seg, rows0, N, K);
 }
 
-static void check_dgrad_args(const char *op, int n_mats, GradStore store, const DgradUnpermute *unpermute) {
+static void check_dgrad_args(const char *op, int n_mats) {
     if (n_mats < 1 || n_mats > FP8_MAX_DGRAD_MATS) {
         fprintf(stderr, "fp8moe: %s: %d matrices - expected 1 .. %d Linears sharing an input\n", op, n_mats,
                 FP8_MAX_DGRAD_MATS);
-        exit(1);
-    }
-    if (unpermute != NULL && store != GRAD_ADD) {
-        fprintf(stderr, "fp8moe: %s: a token-order (unpermuted) input gradient is added to, not written (store = "
-                        "GRAD_ADD expected)\n", op);
         exit(1);
     }
 }
@@ -424,7 +420,7 @@ static real *unpermute_buffer(const DgradUnpermute *u, int n_seg, const int *row
 void fp8_gemm_dgrad_grouped(Device dev, real *dx, GradStore store, const DgradUnpermute *unpermute, int n_mats,
                             const uint8_t *const *qdy, const float *const *sdy, const uint8_t *const *const *qwt,
                             const float *const *const *sw, int n_seg, const int *rows0, int N, int K) {
-    check_dgrad_args("fp8_gemm_dgrad_grouped", n_mats, store, unpermute);
+    check_dgrad_args("fp8_gemm_dgrad_grouped", n_mats);
 #ifdef FP8MOE_CUDA
     if (dev == DEVICE_CUDA) {
         cuda_fp8_gemm_dgrad_grouped(dx, store, unpermute, n_mats, qdy, sdy, qwt, sw, n_seg, rows0, N, K);
@@ -436,7 +432,8 @@ void fp8_gemm_dgrad_grouped(Device dev, real *dx, GradStore store, const DgradUn
     for (int i = 0; i < n_mats; i++)
         cpu_fp8_gemm_dgrad_grouped(rows, i == 0 && !unpermute ? store : i == 0 ? GRAD_WRITE : GRAD_ADD, qdy[i], sdy[i],
                                    qwt[i], sw[i], n_seg, rows0, N, K);
-    if (unpermute) {
+    if (unpermute) {  // GRAD_WRITE: added to zeros
+        if (store == GRAD_WRITE) memset(dx, 0, sizeof(real) * (size_t)unpermute->n_tok * K);
         cpu_moe_unpermute_backward(dx, rows, unpermute->slot_of, unpermute->n_tok, unpermute->topk, K);
         free(rows);
     }
@@ -494,7 +491,7 @@ void bf16_gemm_fprop_grouped(Device dev, real *y, const uint16_t *x, const uint1
 void bf16_gemm_dgrad_grouped(Device dev, real *dx, GradStore store, const DgradUnpermute *unpermute, int n_mats,
                              const uint16_t *const *dy, const uint16_t *const *const *w, int n_seg, const int *rows0,
                              int N, int K) {
-    check_dgrad_args("bf16_gemm_dgrad_grouped", n_mats, store, unpermute);
+    check_dgrad_args("bf16_gemm_dgrad_grouped", n_mats);
 #ifdef FP8MOE_CUDA
     if (dev == DEVICE_CUDA) {
         cuda_bf16_gemm_dgrad_grouped(dx, store, unpermute, n_mats, dy, w, n_seg, rows0, N, K);
@@ -506,7 +503,8 @@ void bf16_gemm_dgrad_grouped(Device dev, real *dx, GradStore store, const DgradU
     for (int i = 0; i < n_mats; i++)
         cpu_bf16_gemm_dgrad_grouped(rows, i == 0 && !unpermute ? store : i == 0 ? GRAD_WRITE : GRAD_ADD, dy[i], w[i],
                                     n_seg, rows0, N, K);
-    if (unpermute) {
+    if (unpermute) {  // GRAD_WRITE: added to zeros
+        if (store == GRAD_WRITE) memset(dx, 0, sizeof(real) * (size_t)unpermute->n_tok * K);
         cpu_moe_unpermute_backward(dx, rows, unpermute->slot_of, unpermute->n_tok, unpermute->topk, K);
         free(rows);
     }

@@ -202,9 +202,10 @@ void moe_permute_plan_device(Device dev, int *seg_offsets, int *seg_token, int *
 void gather_rows(Device dev, real *out, const real *inp, const int *src_row, int n_rows, int C);
 // Adjoint of gathering token rows into slots: dinp (N, C) += sum_k dseg[slot_of[t,k]], k in order.
 void moe_unpermute_backward(Device dev, real *dinp, const real *dseg, const int *slot_of, int N, int K, int C);
-// out (N, C) += sum_k topk_w[t,k] * expert_out[slot_of[t,k]]   (k in order)
+// out (N, C) += sum_k topk_w[t,k] * expert_out[slot_of[t,k]]   (k in order), then += residual (N, C) when given
+// (the block's residual branch, in the same pass: the bits of add_inplace(out, residual) after)
 void moe_combine_forward(Device dev, real *out, const real *expert_out, const int *slot_of,
-                         const real *topk_w, int N, int K, int C);
+                         const real *topk_w, const real *residual, int N, int K, int C);
 // dexpert_out (N*K, C) row slot_of[t,k] = topk_w[t,k] * dout[t]: WRITTEN, not accumulated (slot_of is a
 // permutation of the N*K rows, so every row is written exactly once and needs no zeroing; one rounded
 // product, the same bits on CPU and CUDA). dtopk_w (N, K) += dot(dout[t], expert_out[slot_of[t,k]]):
@@ -312,9 +313,9 @@ void fp8_gemm_dgrad(Device dev, real *dx, const uint8_t *qdy, const float *sdy, 
 // of n_mats single calls. On CUDA the GEMMs are the same and all their outputs are converted to `real` in one
 // launch for all segments and matrices instead of one per segment and matrix.
 // With unpermute (else NULL) the Dgrad's rows go back to token order instead (the routed experts: the adjoint of
-// reading their token rows through the routing plan): dx is (n_tok, K), store must be GRAD_ADD, and row t gets,
-// added in order of j, the summed products of rows slot_of[t * topk + j] (j < topk): the bits of a GRAD_WRITE
-// Dgrad into a (rows, K) buffer followed by moe_unpermute_backward, without that buffer.
+// reading their token rows through the routing plan): dx is (n_tok, K), and row t gets, added in order of j to
+// its old value (GRAD_ADD) or to zero (GRAD_WRITE), the summed products of rows slot_of[t * topk + j] (j < topk):
+// the bits of a GRAD_WRITE Dgrad into a (rows, K) buffer followed by moe_unpermute_backward, without that buffer.
 #define FP8_MAX_DGRAD_MATS 4
 typedef struct {
     const int *slot_of;  // (n_tok, topk) on the device: the Dgrad row of each (token, j)

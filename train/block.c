@@ -147,31 +147,30 @@ void block_forward(Model *m, const BlockWeights *w, BlockActs *a, const Dims *d,
     mla_forward(m, &w->attn, &a->mla, d, a->xn1, a->x_mid);
     add_inplace(dev, a->x_mid, x_in, (int64_t)N * D);
     rmsnorm_forward(dev, a->xn2, a->rstd2, a->x_mid, w->ffn_norm, N, D);
-    if (w->is_moe)
-        moe_forward(m, w, &a->moe, d, a->xn2, x_out);
-    else
+    if (w->is_moe) {  // the residual is added in the combine's pass
+        moe_forward(m, w, &a->moe, d, a->xn2, a->x_mid, x_out);
+    } else {
         ffn_forward(m, &w->ffn, &a->ffn, N, D, d->inter, a->xn2, x_out);
-    add_inplace(dev, x_out, a->x_mid, (int64_t)N * D);
+        add_inplace(dev, x_out, a->x_mid, (int64_t)N * D);
+    }
 }
 
 void block_backward(Model *m, const BlockWeights *w, const BlockWeights *g, BlockActs *a, const Dims *d,
                     LayerScratch *s, const real *d_x_out, real *d_x_in, real d_balance) {
     Device dev = m->dev;
     int N = d->N, D = d->D;
-    size_t bytes = (size_t)N * D * sizeof(real);
     // forward was x_out = x_mid + FFN(RMSNorm(x_mid)); RMSNorm(x_mid) is recomputed (a forward
     // transient, see BlockActs): the same op on the same input, so the same bits
     rmsnorm_forward(dev, a->xn2, s->t_rstd, a->x_mid, w->ffn_norm, N, D);
-    device_memset_zero(dev, s->d_xn, bytes);
+    // d_xn is written by the FFN's / MoE's backward and then by MLA's (their first op writes, GRAD_WRITE)
     if (w->is_moe)
         moe_backward(m, w, g, &a->moe, d, s, a->xn2, d_x_out, s->d_xn, d_balance);
     else
-        ffn_backward(m, &w->ffn, &g->ffn, &a->ffn, s, N, D, d->inter, a->xn2, d_x_out, s->d_xn);
+        ffn_backward(m, &w->ffn, &g->ffn, &a->ffn, s, N, D, d->inter, a->xn2, d_x_out, s->d_xn, GRAD_WRITE);
     copy_block(dev, s->d_mid, D, d_x_out, D, N, D, 0);
     rmsnorm_backward(dev, s->d_mid, g->ffn_norm, s->d_xn, a->x_mid, w->ffn_norm, a->rstd2, N, D);
     // and x_mid = x_in + MLA(RMSNorm(x_in))
     rmsnorm_forward(dev, a->xn1, s->t_rstd, a->x_in, w->attn_norm, N, D);
-    device_memset_zero(dev, s->d_xn, bytes);
     mla_backward(m, &w->attn, &g->attn, &a->mla, d, s, a->xn1, s->d_mid, s->d_xn);
     copy_block(dev, d_x_in, D, s->d_mid, D, N, D, 0);
     rmsnorm_backward(dev, d_x_in, g->attn_norm, s->d_xn, a->x_in, w->attn_norm, a->rstd1, N, D);

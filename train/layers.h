@@ -121,13 +121,15 @@ void block_backward(Model *m, const BlockWeights *w, const BlockWeights *g, Bloc
                     LayerScratch *s, const real *d_x_out, real *d_x_in, real d_balance);
 
 void mla_forward(Model *m, const MlaWeights *w, MlaActs *a, const Dims *d, const real *xn, real *out);
+// d_xn (N, D) is written (not added to); parameter gradients are added to.
 void mla_backward(Model *m, const MlaWeights *w, const MlaWeights *g, MlaActs *a, const Dims *d,
                   LayerScratch *s, const real *xn, const real *d_out, real *d_xn);
 
 void ffn_forward(Model *m, const FfnWeights *w, FfnActs *a, int rows, int D, int width, const real *x,
                  real *out);
+// d_x (rows, D) added to or written (d_x_store); parameter gradients are added to.
 void ffn_backward(Model *m, const FfnWeights *w, const FfnWeights *g, FfnActs *a, LayerScratch *s,
-                  int rows, int D, int width, const real *x, const real *d_out, real *d_x);
+                  int rows, int D, int width, const real *x, const real *d_out, real *d_x, GradStore d_x_store);
 
 // out (N, D) = shared(x) + sum_k w_k expert_k(x); routing per DESIGN.md section 3.
 // In fp8 and bf16 modes with one EP rank the routed experts' quantisers (bf16: BF16 rounding) read their rows
@@ -135,7 +137,10 @@ void ffn_backward(Model *m, const FfnWeights *w, const FfnWeights *g, FfnActs *a
 // copy xp (top-K rows per token) is never written, in the forward or the backward, nor allocated. fp32 mode,
 // and EP, gather xp.
 int moe_experts_read_tokens(const Model *m);
-void moe_forward(Model *m, const BlockWeights *w, MoeActs *a, const Dims *d, const real *x, real *out);
+// residual (N, D) (or NULL) is added to out last, in the combine's pass: out = (shared + routed) + residual.
+void moe_forward(Model *m, const BlockWeights *w, MoeActs *a, const Dims *d, const real *x, const real *residual,
+                 real *out);
+// d_x (N, D) is written (not added to); parameter gradients are added to.
 void moe_backward(Model *m, const BlockWeights *w, const BlockWeights *g, MoeActs *a, const Dims *d,
                   LayerScratch *s, const real *x, const real *d_out, real *d_x, real d_balance);
 

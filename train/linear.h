@@ -44,8 +44,9 @@ void linear_backward_shared(Model *m, int n_out, real *dinp, GradStore dinp_stor
 void linear_forward_grouped(Model *m, int n_groups, const int *offsets, int n_out, real *const *out, const real *inp,
                             const int *inp_rows, const real *const *weight, int C, int OC);
 // unpermute (with inp_rows; else NULL): dinp is then the gradient of inp itself, (unpermute->n_tok, C) in token
-// order, added to (dinp_store GRAD_ADD): row t gets the groups' input-gradient rows unpermute->slot_of[t * topk + j]
-// in order of j - what a slot-order dinp followed by moe_unpermute_backward gives, without the slot-order buffer.
+// order (added to, or with GRAD_WRITE written as if added to zeros): row t gets the groups' input-gradient rows
+// unpermute->slot_of[t * topk + j] in order of j - what a slot-order dinp followed by moe_unpermute_backward gives,
+// without the slot-order buffer.
 void linear_backward_grouped(Model *m, int n_groups, const int *offsets, int n_out, real *dinp, GradStore dinp_store,
                              const DgradUnpermute *unpermute, real *const *dweight, const real *const *dout,
                              const real *inp, const int *inp_rows, const real *const *weight, int C, int OC);

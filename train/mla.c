@@ -75,7 +75,7 @@ void mla_backward(Model *m, const MlaWeights *w, const MlaWeights *g, MlaActs *a
     linear_backward(m, s->d_ckvn, GRAD_WRITE, g->wkv_b, s->d_kv, a->ckvn, w->wkv_b, N, d->kvr, H * kv_w);
     rmsnorm_backward(dev, s->d_ckv, g->kv_norm, s->d_ckvn, a->ckv, w->kv_norm, a->ckv_rstd, N, d->kvr);
     copy_block(dev, s->d_kva, kva_w, s->d_ckv, d->kvr, N, d->kvr, 0);
-    linear_backward(m, d_xn, GRAD_ADD, g->wkv_a, s->d_kva, xn, w->wkv_a, N, d->D, kva_w);
+    linear_backward(m, d_xn, GRAD_WRITE, g->wkv_a, s->d_kva, xn, w->wkv_a, N, d->D, kva_w);
     // qf = [q_nope ; RoPE(q_rope)] per head: the rope part of d_qf is rotated back in place, and d_qf is then
     // the gradient of the projection's output q
     rope_backward(dev, s->d_qf + d->dn, s->d_qf + d->dn, dqk, d->B, d->T, H, d->dr, d->rope_theta);

@@ -26,10 +26,11 @@ void ffn_forward(Model *m, const FfnWeights *w, FfnActs *a, int rows, int D, int
     linear_forward(m, out, a->h, w->w2, rows, width, D);
 }
 
-// d_out (rows, D) -> d_x (rows, D) +=, parameter grads +=. h is recomputed from a and b (it is a
-// forward transient, see FfnActs): the same swiglu_forward on the same inputs, so the same bits.
+// d_out (rows, D) -> d_x (rows, D) added to (d_x_store GRAD_ADD) or written (GRAD_WRITE), parameter grads +=.
+// h is recomputed from a and b (it is a forward transient, see FfnActs): the same swiglu_forward on the same
+// inputs, so the same bits.
 void ffn_backward(Model *m, const FfnWeights *w, const FfnWeights *g, FfnActs *a, LayerScratch *s,
-                  int rows, int D, int width, const real *x, const real *d_out, real *d_x) {
+                  int rows, int D, int width, const real *x, const real *d_out, real *d_x, GradStore d_x_store) {
     Device dev = m->dev;
     swiglu_forward(dev, a->h, a->a, a->b, (int64_t)rows * width);
     // d_h, d_a and d_b are written, not cleared and added to (GRAD_WRITE; swiglu_backward writes)
@@ -37,7 +38,7 @@ void ffn_backward(Model *m, const FfnWeights *w, const FfnWeights *g, FfnActs *a
     swiglu_backward(dev, s->d_a, s->d_b, s->d_h, a->a, a->b, (int64_t)rows * width);
     real *const g13[2] = {g->w1, g->w3};
     const real *const d_ab[2] = {s->d_a, s->d_b}, *const w13[2] = {w->w1, w->w3};
-    linear_backward_shared(m, 2, d_x, GRAD_ADD, g13, d_ab, x, w13, rows, D, width);
+    linear_backward_shared(m, 2, d_x, d_x_store, g13, d_ab, x, w13, rows, D, width);
 }
 
 // ---------------------------------------------------------------------------- routed experts
@@ -63,7 +64,7 @@ static void experts_forward(Model *m, const FfnWeights *w, FfnActs *a, const int
 }
 
 // h is recomputed from a and b (a forward transient, see FfnActs), as in ffn_backward. The input gradient d_xs
-// is written in slot order, or with unpermute (the rows read through xs_rows) added in token order to the
+// is written in slot order, or with unpermute (the rows read through xs_rows) written in token order as the
 // gradient of xs itself (linear.h).
 static void experts_backward(Model *m, const FfnWeights *w, const FfnWeights *g, FfnActs *a,
                              LayerScratch *s, const int *offsets, int n_experts, int D, int I,
@@ -80,13 +81,13 @@ static void experts_backward(Model *m, const FfnWeights *w, const FfnWeights *g,
     // writes)
     linear_backward_grouped(m, n_experts, offsets, 1, s->d_h, GRAD_WRITE, NULL, &g->w2, &d_ys, a->h, NULL, w2, I, D);
     swiglu_backward(dev, s->d_a, s->d_b, s->d_h, a->a, a->b, n);
-    linear_backward_grouped(m, n_experts, offsets, 2, d_xs, unpermute ? GRAD_ADD : GRAD_WRITE, unpermute, g13, d_ab,
-                            xs, xs_rows, w13, D, I);
+    linear_backward_grouped(m, n_experts, offsets, 2, d_xs, GRAD_WRITE, unpermute, g13, d_ab, xs, xs_rows, w13, D, I);
     profile_end(PHASE_EXPERT_GEMM);
 }
 
 // ---------------------------------------------------------------------------- MoE layer
-void moe_forward(Model *m, const BlockWeights *w, MoeActs *a, const Dims *d, const real *x, real *out) {
+void moe_forward(Model *m, const BlockWeights *w, MoeActs *a, const Dims *d, const real *x, const real *residual,
+                 real *out) {
     Device dev = m->dev;
     int N = d->N, E = d->E, K = d->K, D = d->D;
     const real *bias = m->router_bias + (int64_t)w->moe_index * E;
@@ -117,7 +118,7 @@ void moe_forward(Model *m, const BlockWeights *w, MoeActs *a, const Dims *d, con
                     direct ? x : a->ep_buf.rows, direct ? a->seg_token : NULL, a->eout);
     a->eout_perm = ep_combine(&m->ep, &a->ep_buf, a->eout);
     profile_begin(PHASE_PERMUTE);
-    moe_combine_forward(dev, out, a->eout_perm, a->slot_of, a->topk_w, N, K, D);
+    moe_combine_forward(dev, out, a->eout_perm, a->slot_of, a->topk_w, residual, N, K, D);
     profile_end(PHASE_PERMUTE);
 }
 
@@ -144,6 +145,7 @@ void moe_backward(Model *m, const BlockWeights *w, const BlockWeights *g, MoeAct
         gather_rows(dev, a->xp, x, a->seg_token, NK, D);
         profile_end(PHASE_PERMUTE);
     }
+    // d_x is written first by the routed experts' input gradient (token order), then added to
     if (direct) {
         const DgradUnpermute unpermute = {a->slot_of, N, K};
         experts_backward(m, &w->moe.experts, &g->moe.experts, &a->experts, s, a->ep_buf.seg_offsets,
@@ -152,11 +154,12 @@ void moe_backward(Model *m, const BlockWeights *w, const BlockWeights *g, MoeAct
         experts_backward(m, &w->moe.experts, &g->moe.experts, &a->experts, s, a->ep_buf.seg_offsets,
                          m->ep.experts_per_rank, D, d->I, a->ep_buf.rows, NULL, d_local_out, s->d_xp, NULL);
         const real *d_perm = ep_dispatch_backward(&m->ep, &a->ep_buf, s->d_xp);
+        device_memset_zero(dev, d_x, (size_t)N * D * R);
         profile_begin(PHASE_PERMUTE);
         moe_unpermute_backward(dev, d_x, d_perm, a->slot_of, N, K, D);
         profile_end(PHASE_PERMUTE);
     }
-    ffn_backward(m, &w->moe.shared, &g->moe.shared, &a->shared, s, N, D, d->shared_I, x, d_out, d_x);
+    ffn_backward(m, &w->moe.shared, &g->moe.shared, &a->shared, s, N, D, d->shared_I, x, d_out, d_x, GRAD_ADD);
     // router: gate weights and, when the balance loss is on, its gradient through the scores
     real *d_scores = NULL;
     if (d->balance_alpha > 0 && d_balance != 0) {

@@ -82,7 +82,7 @@ void cpu_moe_unpermute_backward(real *dinp, const real *dseg, const int *slot_of
 // out (N, C) += sum_k topk_w[t,k] * expert_out[slot_of[t,k]], k in order. Accumulating lets the
 // shared expert's output already be in out.
 void cpu_moe_combine_forward(real *out, const real *expert_out, const int *slot_of, const real *topk_w,
-                             int N, int K, int C) {
+                             const real *residual, int N, int K, int C) {
     #pragma omp parallel for schedule(static)
     for (int t = 0; t < N; t++) {
         real *ot = out + (size_t)t * C;
@@ -91,6 +91,8 @@ void cpu_moe_combine_forward(real *out, const real *expert_out, const int *slot_
             const real *eo = expert_out + (size_t)slot_of[(size_t)t * K + k] * C;
             for (int c = 0; c < C; c++) ot[c] += w * eo[c];
         }
+        if (residual)
+            for (int c = 0; c < C; c++) ot[c] += residual[(size_t)t * C + c];
     }
 }
 

@@ -469,7 +469,7 @@ __global__ void bf16_to_float_rows_kernel(float *__restrict__ y, const uint16_t 
 // n_src outputs' sum (in order) at row slot_of[t * topk + j] of x (bf16_to_float_rows_kernel's layout): the bits
 // of that kernel writing a (rows, cols) FP32 buffer and moe_unpermute_backward reading it, without the buffer.
 // One warp per token row and chunk of columns; each slot's segment is looked up once per warp.
-template <bool VEC4>
+template <bool VEC4, bool ADD>
 __global__ void bf16_unpermute_rows_kernel(float *__restrict__ y, const uint16_t *__restrict__ x, int n_src,
                                            int64_t src_stride, const __grid_constant__ SegTable seg, int cols, int ld,
                                            const int *__restrict__ slot_of, int n_tok, int topk) {
@@ -483,7 +483,9 @@ __global__ void bf16_unpermute_rows_kernel(float *__restrict__ y, const uint16_t
     for (int i = 0; i < CONV_STEPS; i++) {
         const int c = c0 + i * 32 * per;
         if (c >= cols) break;
-        if (VEC4) {
+        if (!ADD) {  // GRAD_WRITE: the sum starts from zero, as on a cleared buffer
+            acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
+        } else if (VEC4) {
             const float4 o = *reinterpret_cast<const float4 *>(yr + c);
             acc[i][0] = o.x, acc[i][1] = o.y, acc[i][2] = o.z, acc[i][3] = o.w;
         } else {
@@ -592,8 +594,8 @@ static void bf16_to_float_rows(float *y, const uint16_t *x, const SegTable &seg,
 }
 
 // One launch for every token (see bf16_unpermute_rows_kernel).
-static void bf16_unpermute_rows(float *y, const uint16_t *x, const SegTable &seg, int cols, int ld, int n_src,
-                                int64_t src_stride, const DgradUnpermute *u) {
+static void bf16_unpermute_rows(float *y, bool add, const uint16_t *x, const SegTable &seg, int cols, int ld,
+                                int n_src, int64_t src_stride, const DgradUnpermute *u) {
     if (u->n_tok <= 0 || cols <= 0) return;
     if (seg.rows0[seg.n] != u->n_tok * u->topk)
         gemm_fail(__LINE__, "dgrad unpermute", "the segments hold %d rows; %d tokens x %d need exactly %d",
@@ -603,12 +605,14 @@ static void bf16_unpermute_rows(float *y, const uint16_t *x, const SegTable &seg
     if (grid.y > 65535)
         gemm_fail(__LINE__, "bf16_unpermute_rows", "%d columns - expected at most %d", cols, 65535 * CONV_STEPS * 32 * per);
     const int threads = 32 * CONV_ROWS_PER_BLOCK;
-    if (per == 4)
-        bf16_unpermute_rows_kernel<true><<<grid, threads>>>(y, x, n_src, src_stride, seg, cols, ld, u->slot_of, u->n_tok,
-                                                             u->topk);
-    else
-        bf16_unpermute_rows_kernel<false><<<grid, threads>>>(y, x, n_src, src_stride, seg, cols, ld, u->slot_of,
-                                                              u->n_tok, u->topk);
+#define UNPERMUTE_LAUNCH(V, A)                                                                                  \
+    bf16_unpermute_rows_kernel<V, A><<<grid, threads>>>(y, x, n_src, src_stride, seg, cols, ld, u->slot_of, u->n_tok, \
+                                                        u->topk)
+    if (per == 4 && add) UNPERMUTE_LAUNCH(true, true);
+    else if (per == 4) UNPERMUTE_LAUNCH(true, false);
+    else if (add) UNPERMUTE_LAUNCH(false, true);
+    else UNPERMUTE_LAUNCH(false, false);
+#undef UNPERMUTE_LAUNCH
     CUDA_CHECK_LAUNCH("bf16_unpermute_rows_kernel");
 }
 
@@ -709,7 +713,7 @@ static void fp8_gemm_segments(const char *op, Fp8GemmBf16 gemm, real *out, bool 
                  qb[i][g], sb[i][g], T16, N, K);
         }
     }
-    if (unpermute) bf16_unpermute_rows(out, tmp, seg, out_cols, ld, n_mats, per_mat, unpermute);
+    if (unpermute) bf16_unpermute_rows(out, add, tmp, seg, out_cols, ld, n_mats, per_mat, unpermute);
     else if (add) bf16_to_float_rows<true>(out, tmp, seg, out_cols, ld, n_mats, per_mat);
     else bf16_to_float_rows<false>(out, tmp, seg, out_cols, ld, n_mats, per_mat);
 }
@@ -858,7 +862,7 @@ static void bf16_gemm_segments(const char *op, real *out, bool add, const DgradU
     }
     const int rows0_all[2] = {0, rows};
     const SegTable seg = seg_table(op, 1, rows0_all);
-    if (unpermute) bf16_unpermute_rows(out, tmp, seg, out_cols, out_cols, n_mats, per_mat, unpermute);
+    if (unpermute) bf16_unpermute_rows(out, add, tmp, seg, out_cols, out_cols, n_mats, per_mat, unpermute);
     else if (add) bf16_to_float_rows<true>(out, tmp, seg, out_cols, out_cols, n_mats, per_mat);
     else bf16_to_float_rows<false>(out, tmp, seg, out_cols, out_cols, n_mats, per_mat);
 }

@@ -653,9 +653,10 @@ extern "C" void cuda_moe_unpermute_backward(real *dinp, const real *dseg, const 
 
 // ---------------------------------------------------------------------------- combine
 // expert_out (N*K, C) permuted rows, slot_of (N*K), topk_w (N, K) ->
-// out (N, C) += sum_k topk_w[t,k] * expert_out[slot_of[t,k]], k in order. One block per token t.
+// out (N, C) += sum_k topk_w[t,k] * expert_out[slot_of[t,k]], k in order, then += residual[t] when given. One
+// block per token t.
 __global__ void moe_combine_forward_kernel(float *out, const float *expert_out, const int *slot_of,
-                                           const float *topk_w, int K, int C) {
+                                           const float *topk_w, const float *residual, int K, int C) {
     extern __shared__ int combine_shared[]; // slots (K) int, then weights (K) float
     int *slots = combine_shared;
     float *w = (float *)(combine_shared + K);
@@ -668,14 +669,16 @@ __global__ void moe_combine_forward_kernel(float *out, const float *expert_out, 
     for (int c = threadIdx.x; c < C; c += blockDim.x) {
         float acc = out[t * C + c];
         for (int k = 0; k < K; k++) acc = __fadd_rn(acc, __fmul_rn(w[k], expert_out[(int64_t)slots[k] * C + c]));
+        if (residual != NULL) acc = __fadd_rn(acc, residual[t * C + c]);
         out[t * C + c] = acc;
     }
 }
 
 extern "C" void cuda_moe_combine_forward(real *out, const real *expert_out, const int *slot_of, const real *topk_w,
-                                         int N, int K, int C) {
+                                         const real *residual, int N, int K, int C) {
     if (N <= 0 || K <= 0 || C <= 0) return;
-    moe_combine_forward_kernel<<<N, MOE_THREADS, 2 * sizeof(int) * (size_t)K>>>(out, expert_out, slot_of, topk_w, K, C);
+    moe_combine_forward_kernel<<<N, MOE_THREADS, 2 * sizeof(int) * (size_t)K>>>(out, expert_out, slot_of, topk_w,
+                                                                                 residual, K, C);
     CUDA_CHECK_LAUNCH("moe_combine_forward_kernel");
 }
 

@@ -837,7 +837,8 @@ static int written_inside_only(const float *out, int T, int cols) {
 
 // The token-order Dgrad (kernels.h DgradUnpermute) against the slot-order Dgrad (GRAD_WRITE) followed by
 // moe_unpermute_backward, both on the GPU, for two matrices: T rows read by n_tok tokens, topk rows each (2 when T
-// is even, else 1) through a permutation; the token gradients start from `init` (its first n_tok * K values).
+// is even, else 1) through a permutation; the token gradients start from `init` (its first n_tok * K values) with
+// GRAD_ADD, and from poison with GRAD_WRITE (against the unpermute onto zeros).
 // fp8 when q* are given, else bf16 (b*). Returns the number of differing bytes (expected 0: the same sums in the
 // same order).
 static int unpermute_diff(int T, int K, const float *init, const uint8_t *const *qdy, const float *const *sdy,
@@ -862,7 +863,17 @@ static int unpermute_diff(int T, int K, const float *init, const uint8_t *const 
     }
     moe_unpermute_backward(DEVICE_CUDA, ref_d, slots_d, slot_of_d, n_tok, topk, K);
     float *fused = host_copy_of(fused_d, bytes), *ref = host_copy_of(ref_d, bytes);
-    const int diff = count_diff(fused, ref, bytes);
+    int diff = count_diff(fused, ref, bytes);
+    // GRAD_WRITE over poison: the bits of the unpermute onto a cleared buffer
+    float *poison_d = gpu_poisoned(bytes);
+    device_memset_zero(DEVICE_CUDA, ref_d, bytes);
+    if (qdy != NULL) fp8_gemm_dgrad_grouped(DEVICE_CUDA, poison_d, GRAD_WRITE, &u, 2, qdy, sdy, qwt, sw, n, rows0, N, K);
+    else bf16_gemm_dgrad_grouped(DEVICE_CUDA, poison_d, GRAD_WRITE, &u, 2, bdy, bw, n, rows0, N, K);
+    moe_unpermute_backward(DEVICE_CUDA, ref_d, slots_d, slot_of_d, n_tok, topk, K);
+    float *written = host_copy_of(poison_d, bytes), *ref0 = host_copy_of(ref_d, bytes);
+    diff += count_diff(written, ref0, bytes);
+    device_free(DEVICE_CUDA, poison_d);
+    free(written), free(ref0);
     device_free(DEVICE_CUDA, slot_of_d), device_free(DEVICE_CUDA, fused_d), device_free(DEVICE_CUDA, ref_d);
     device_free(DEVICE_CUDA, slots_d);
     free(slot_of), free(fused), free(ref);

@@ -1164,10 +1164,20 @@ static void test_permute(void **state) {
         }
     }
     float *c_out = copy_floats(out0, NC), *d_eo = gpu_floats(eo, NKC), *d_w = gpu_floats(w, NK), *d_out = gpu_floats(out0, NC);
-    moe_combine_forward(DEVICE_CPU, c_out, eo, c_slot, w, N, K, C);
-    moe_combine_forward(DEVICE_CUDA, d_out, d_eo, d_slot, d_w, N, K, C);
-    ok &= check_output("moe_combine_forward", shape, "out", host_floats(d_out, NC), c_out, ref_n, sc_n, NC,
+    moe_combine_forward(DEVICE_CPU, c_out, eo, c_slot, w, NULL, N, K, C);
+    moe_combine_forward(DEVICE_CUDA, d_out, d_eo, d_slot, d_w, NULL, N, K, C);
+    float *g_comb = host_floats(d_out, NC);
+    ok &= check_output("moe_combine_forward", shape, "out", g_comb, c_out, ref_n, sc_n, NC,
                        tol_both((2 * K + 2) * U_FP32));
+    // with the residual in the same pass: the bits of the combine followed by add_inplace, on each device
+    float *res = floats(NC);
+    opcheck_fill_nonzero(res, (size_t)NC, seed + 11, 0.01, 1.0);
+    float *d_res = gpu_floats(res, NC), *d_out_r = gpu_floats(out0, NC), *d_out_a = gpu_floats(out0, NC);
+    moe_combine_forward(DEVICE_CUDA, d_out_r, d_eo, d_slot, d_w, d_res, N, K, C);
+    moe_combine_forward(DEVICE_CUDA, d_out_a, d_eo, d_slot, d_w, NULL, N, K, C);
+    add_inplace(DEVICE_CUDA, d_out_a, d_res, NC);
+    ok &= check_bitwise_repeat("moe_combine_forward", shape, "out", host_floats(d_out_a, NC), host_floats(d_out_r, NC), NC,
+                               "residual in the pass vs add_inplace after");
 
     // moe_combine_backward: dexpert_out[slot] = w dout[t] (written over NaN: a row it skipped, or added to, stays
     // NaN); dtopk_w[t, k] += dot(dout[t], eo[slot])

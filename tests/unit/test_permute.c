@@ -152,9 +152,14 @@ static void test_combine_forward_hand_case(void **state) {
     const int slot_of[4] = {2, 0, 3, 1};
     const real topk_w[4] = {0.5f, 2.0f, 0.25f, -1.0f};
     real out[4] = {1, 1, 0, 0};
-    cpu_moe_combine_forward(out, expert_out, slot_of, topk_w, 2, 2, 2);
+    cpu_moe_combine_forward(out, expert_out, slot_of, topk_w, NULL, 2, 2, 2);
     const real want[4] = {5.5f, 8.0f, -1.25f, -2.0f};
     for (int i = 0; i < 4; i++) ASSERT_NEAR(out[i], want[i], 0);
+    // with a residual: added last, the bits of add_inplace after the combine
+    const real residual[4] = {0.125f, -3.0f, 10.0f, 0.5f};
+    real out2[4] = {1, 1, 0, 0};
+    cpu_moe_combine_forward(out2, expert_out, slot_of, topk_w, residual, 2, 2, 2);
+    for (int i = 0; i < 4; i++) assert_true(out2[i] == want[i] + residual[i]);
 }
 
 // L(expert_out, topk_w) = <dout, combine(expert_out, topk_w)>; the backward must match central
@@ -163,7 +168,7 @@ static void test_combine_forward_hand_case(void **state) {
 static double combine_objective(const real *expert_out, const int *slot_of, const real *topk_w,
                                 const real *dout, int N, int K, int C) {
     real *out = calloc((size_t)N * C, sizeof(real));
-    cpu_moe_combine_forward(out, expert_out, slot_of, topk_w, N, K, C);
+    cpu_moe_combine_forward(out, expert_out, slot_of, topk_w, NULL, N, K, C);
     double L = 0;
     for (int i = 0; i < N * C; i++) L += (double)dout[i] * (double)out[i];
     free(out);
