@@ -13,6 +13,14 @@
 static const int CE_THREADS = 512;
 
 // ---------------------------------------------------------------------------- forward
+// A row's loss -log softmax(x)[t] = (log(sum_exp) + max) - x[t] from its statistics: 0 for a masked row (t = -1),
+// NaN for a target outside [-1, V).
+__device__ inline float row_loss(int t, int V, float max_x, float sum_exp, float x_target) {
+    if (t == -1) return 0.0f;
+    if (t < -1 || t >= V) return NAN;
+    return __fsub_rn(__fadd_rn(logf(sum_exp), max_x), x_target);
+}
+
 // logits (N, V), targets (N) int32 in [0, V) or -1 (masked) ->
 //   probs (N, V) = softmax of each row (written for masked rows too: it is the same function),
 //   losses (N) = -log probs[target] = (log(sum_j exp(x_j - max)) + max) - x_target; 0 where masked
@@ -40,13 +48,7 @@ __global__ void crossentropy_forward_kernel(float *losses, float *probs, const f
 
     for (int j = threadIdx.x; j < V; j += blockDim.x) p[j] = __fdiv_rn(expf(__fsub_rn(x[j], max_x)), sum_exp);
 
-    if (threadIdx.x == 0) {
-        float loss;
-        if (t == -1) loss = 0.0f;
-        else if (t < -1 || t >= V) loss = NAN;
-        else loss = __fsub_rn(__fadd_rn(logf(sum_exp), max_x), x_target);
-        losses[row] = loss;
-    }
+    if (threadIdx.x == 0) losses[row] = row_loss(t, V, max_x, sum_exp, x_target);
 }
 
 // The same function with the row held in registers (V <= PER_THREAD * CE_THREADS): element j stays with thread
@@ -93,13 +95,7 @@ __global__ void __launch_bounds__(CE_THREADS)
         if (j < V) p[j] = __fdiv_rn(v[i], sum_exp);
     }
 
-    if (threadIdx.x == 0) {
-        float loss;
-        if (t == -1) loss = 0.0f;
-        else if (t < -1 || t >= V) loss = NAN;
-        else loss = __fsub_rn(__fadd_rn(logf(sum_exp), max_x), x_target);
-        losses[row] = loss;
-    }
+    if (threadIdx.x == 0) losses[row] = row_loss(t, V, max_x, sum_exp, x_target);
 }
 
 extern "C" void cuda_crossentropy_forward(real *losses, real *probs, const real *logits, const int *targets, int N,

@@ -430,6 +430,19 @@ __device__ inline float4 bf16x4_to_float4(uint2 raw) {
                        bf16_bits_to_float(raw.y & 0xFFFFu), bf16_bits_to_float(raw.y >> 16));
 }
 
+// v + the elements at xr + c of outputs 1 .. n_src - 1 (src_stride apart), added in order; 4 or 1 of them.
+__device__ inline float4 add_sources4(float4 v, const uint16_t *xr, int n_src, int64_t src_stride, int c) {
+    for (int k = 1; k < n_src; k++) {
+        const float4 u = bf16x4_to_float4(*reinterpret_cast<const uint2 *>(xr + k * src_stride + c));
+        v.x = __fadd_rn(v.x, u.x), v.y = __fadd_rn(v.y, u.y), v.z = __fadd_rn(v.z, u.z), v.w = __fadd_rn(v.w, u.w);
+    }
+    return v;
+}
+__device__ inline float add_sources1(float v, const uint16_t *xr, int n_src, int64_t src_stride, int c) {
+    for (int k = 1; k < n_src; k++) v = __fadd_rn(v, bf16_bits_to_float(xr[k * src_stride + c]));
+    return v;
+}
+
 template <bool VEC4, bool ADD>
 __global__ void bf16_to_float_rows_kernel(float *__restrict__ y, const uint16_t *__restrict__ x, int n_src,
                                           int64_t src_stride, const __grid_constant__ SegTable seg, int cols, int ld) {
@@ -444,23 +457,19 @@ __global__ void bf16_to_float_rows_kernel(float *__restrict__ y, const uint16_t 
     for (int i = 0; i < CONV_STEPS; i++) {
         const int c = c0 + i * 32 * per;
         if (c >= cols) break;
+        // ((y +) x_0) + x_1 + ...: with ADD the old value first, then the outputs in order
         if (VEC4) {
-            float4 v = bf16x4_to_float4(*reinterpret_cast<const uint2 *>(xr + c));
             float4 *out = reinterpret_cast<float4 *>(yr + c);
+            float4 v = bf16x4_to_float4(*reinterpret_cast<const uint2 *>(xr + c));
             if (ADD) {
                 const float4 o = *out;
                 v.x = __fadd_rn(o.x, v.x), v.y = __fadd_rn(o.y, v.y), v.z = __fadd_rn(o.z, v.z), v.w = __fadd_rn(o.w, v.w);
             }
-            for (int k = 1; k < n_src; k++) {
-                const float4 u = bf16x4_to_float4(*reinterpret_cast<const uint2 *>(xr + k * src_stride + c));
-                v.x = __fadd_rn(v.x, u.x), v.y = __fadd_rn(v.y, u.y), v.z = __fadd_rn(v.z, u.z), v.w = __fadd_rn(v.w, u.w);
-            }
-            *out = v;
+            *out = add_sources4(v, xr, n_src, src_stride, c);
         } else {
             float v = bf16_bits_to_float(xr[c]);
             if (ADD) v = __fadd_rn(yr[c], v);
-            for (int k = 1; k < n_src; k++) v = __fadd_rn(v, bf16_bits_to_float(xr[k * src_stride + c]));
-            yr[c] = v;
+            yr[c] = add_sources1(v, xr, n_src, src_stride, c);
         }
     }
 }
@@ -501,17 +510,12 @@ __global__ void bf16_unpermute_rows_kernel(float *__restrict__ y, const uint16_t
             const int c = c0 + i * 32 * per;
             if (c >= cols) break;
             if (VEC4) {
-                float4 v = bf16x4_to_float4(*reinterpret_cast<const uint2 *>(xr + c));
-                for (int k = 1; k < n_src; k++) {
-                    const float4 u = bf16x4_to_float4(*reinterpret_cast<const uint2 *>(xr + k * src_stride + c));
-                    v.x = __fadd_rn(v.x, u.x), v.y = __fadd_rn(v.y, u.y), v.z = __fadd_rn(v.z, u.z), v.w = __fadd_rn(v.w, u.w);
-                }
+                const float4 v =
+                    add_sources4(bf16x4_to_float4(*reinterpret_cast<const uint2 *>(xr + c)), xr, n_src, src_stride, c);
                 acc[i][0] = __fadd_rn(acc[i][0], v.x), acc[i][1] = __fadd_rn(acc[i][1], v.y);
                 acc[i][2] = __fadd_rn(acc[i][2], v.z), acc[i][3] = __fadd_rn(acc[i][3], v.w);
             } else {
-                float v = bf16_bits_to_float(xr[c]);
-                for (int k = 1; k < n_src; k++) v = __fadd_rn(v, bf16_bits_to_float(xr[k * src_stride + c]));
-                acc[i][0] = __fadd_rn(acc[i][0], v);
+                acc[i][0] = __fadd_rn(acc[i][0], add_sources1(bf16_bits_to_float(xr[c]), xr, n_src, src_stride, c));
             }
         }
     }
