@@ -47,7 +47,7 @@ int moe_experts_read_tokens(const Model *m) {
 }
 
 // Every local expert over its segment of rows, one phase at a time: each Linear runs for all experts
-// (linear_*_grouped), the SwiGLU and the memsets once over all rows. xs (rows, D) -> ys (rows, D), where
+// (linear_*_grouped), the SwiGLU once over all rows. xs (rows, D) -> ys (rows, D), where
 // row r of xs is row xs_rows[r] of xs when xs_rows is given; segment e of the local experts is rows
 // [offsets[e], offsets[e+1]), offsets[0] = 0. Expert weights are stacked (E_local, ...). The same numbers as
 // running the experts one after another: every op touches only its own expert's rows and weights.
