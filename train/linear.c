@@ -104,8 +104,8 @@ static void weight_cache_create(Model *m) {
         exit(1);
     }
     // One allocation in three regions (fp8: every q, then every qt, then every s; bf16: every BF16 copy), each
-    // in parameter order, so the weights of a routed-expert stack have their quantisations stacked too
-    // (q (E, Np, Kp), qt, s (E, NB, KB4)) and are quantised in one batched call (refresh_stack). q sizes are
+    // in parameter order, so the weights of a routed-expert stack have their quantisations (q (E, Np, Kp), qt,
+    // s (E, NB, KB4)) or BF16 copies stacked too and are converted in one call (refresh_stack). q sizes are
     // multiples of 128 x 128 bytes and s sizes of 16 bytes, so every array stays 16-byte aligned.
     const int fp8 = m->cfg.precision.mode == PRECISION_FP8;
     size_t q_total = 0, s_total = 0, b_total = 0;
@@ -171,46 +171,56 @@ static int find_entry(const Model *m, const real *weight, int OC, int C) {
     not_cached(weight, OC, C);
 }
 
-// The cached quantisation of `weight` (OC, C), brought up to date with the weights first.
-static const CachedWeight *cached_weight(Model *m, const real *weight, int OC, int C) {
-    CachedWeight *e = &m->weight_cache->entries[find_entry(m, weight, OC, C)];
-    if (e->version != m->weights_version && e->b != NULL) {  // bf16 (inside the caller's GEMM phase)
-        bf16_round_array(m->dev, e->b, weight, (int64_t)OC * C);
-        e->version = m->weights_version;
-    } else if (e->version != m->weights_version) {
+// Brings the n cache entries i0 .. i0 + n - 1, the stacked weights (n, OC, C) at `weight`, up to date with the
+// weights in one call: fp8 one batched 128x128 quantisation, bf16 one rounding (a routed-expert Linear's 32
+// weights were 32 launches of ~8 us). The entries' arrays must be stacked too (weight_cache_create lays a stack
+// out so; stacked_entries checks it). The same bits as entry by entry.
+static void refresh_entries(Model *m, int i0, int n, const real *weight, int OC, int C) {
+    CachedWeight *e0 = &m->weight_cache->entries[i0];
+    if (e0->b != NULL) {  // bf16 (inside the caller's GEMM phase)
+        bf16_round_array(m->dev, e0->b, weight, (int64_t)n * OC * C);
+    } else {
         char err[256];
         profile_begin(PHASE_QUANTISE);
-        check_quantised(fp8_quantize_128x128(m->dev, e->q, e->qt, e->s, weight, OC, C, err, sizeof err), "a weight",
-                        err);
+        check_quantised(fp8_quantize_128x128_batched(m->dev, e0->q, e0->qt, e0->s, weight, n, OC, C, err, sizeof err),
+                        n > 1 ? "a stack of weights" : "a weight", err);
         profile_end(PHASE_QUANTISE);
-        e->version = m->weights_version;
     }
-    return e;
+    for (int g = 0; g < n; g++) m->weight_cache->entries[i0 + g].version = m->weights_version;
 }
 
-// fp8: the n stacked weights (n, OC, C) at `weight` quantised in one batched call when all are out of date and
-// their cache entries are stacked too (weight_cache_create lays them out so); otherwise left to cached_weight,
-// one by one. The same bits either way. (A routed-expert Linear's 32 weights were 32 launches of ~8 us.)
-static void refresh_stack(Model *m, int n, const real *weight, int OC, int C) {
-    if (n < 2 || m->cfg.precision.mode != PRECISION_FP8) return;
-    struct LinearWeightCache *c = m->weight_cache;
-    const int i0 = find_entry(m, weight, OC, C);
-    if (i0 + n > c->n) return;
+// Whether entries i0 .. i0 + n - 1 are the stack (n, OC, C) with stacked arrays, all out of date.
+static int stacked_stale_entries(const Model *m, int i0, int n, int OC, int C) {
+    const struct LinearWeightCache *c = m->weight_cache;
+    if (i0 + n > c->n) return 0;
     const CachedWeight *e0 = &c->entries[i0];
     const size_t qn = (size_t)ceil_div(OC, FP8_TILE) * ceil_div(C, FP8_TILE) * FP8_TILE * FP8_TILE;
     const size_t sn = (size_t)ceil_div(OC, FP8_TILE) * (ceil_div(ceil_div(C, FP8_TILE), 4) * 4);
+    const size_t bn = (size_t)OC * C;
     for (int g = 0; g < n; g++) {
         const CachedWeight *e = &c->entries[i0 + g];
-        if (e->offset != e0->offset + (int64_t)g * OC * C || e->OC != OC || e->C != C || e->q != e0->q + g * qn ||
-            e->qt != e0->qt + g * qn || e->s != e0->s + g * sn || e->version == m->weights_version)
-            return;
+        const int arrays = e0->b != NULL ? e->b == e0->b + g * bn
+                                         : e->q == e0->q + g * qn && e->qt == e0->qt + g * qn && e->s == e0->s + g * sn;
+        if (e->offset != e0->offset + (int64_t)g * OC * C || e->OC != OC || e->C != C || !arrays ||
+            e->version == m->weights_version)
+            return 0;
     }
-    char err[256];
-    profile_begin(PHASE_QUANTISE);
-    check_quantised(fp8_quantize_128x128_batched(m->dev, e0->q, e0->qt, e0->s, weight, n, OC, C, err, sizeof err),
-                    "a stack of weights", err);
-    profile_end(PHASE_QUANTISE);
-    for (int g = 0; g < n; g++) c->entries[i0 + g].version = m->weights_version;
+    return 1;
+}
+
+// The cached quantisation (bf16: BF16 copy) of `weight` (OC, C), brought up to date with the weights first.
+static const CachedWeight *cached_weight(Model *m, const real *weight, int OC, int C) {
+    const int i = find_entry(m, weight, OC, C);
+    if (m->weight_cache->entries[i].version != m->weights_version) refresh_entries(m, i, 1, weight, OC, C);
+    return &m->weight_cache->entries[i];
+}
+
+// The n stacked weights (n, OC, C) at `weight` refreshed in one call when all are out of date; otherwise
+// cached_weight refreshes them one by one.
+static void refresh_stack(Model *m, int n, const real *weight, int OC, int C) {
+    if (n < 2) return;
+    const int i0 = find_entry(m, weight, OC, C);
+    if (stacked_stale_entries(m, i0, n, OC, C)) refresh_entries(m, i0, n, weight, OC, C);
 }
 
 static void weight_cache_free(Model *m) {

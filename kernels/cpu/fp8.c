@@ -174,10 +174,9 @@ int cpu_fp8_quantize_1x128(uint8_t *q, float *s, const real *x, int rows, int K,
 // w (N, K) -> q (Np, Kp), qt (Kp, Np) (may be NULL), s (NB, KB4): block (nb, kb) covers rows
 // 128 nb .. 128 nb + 127 and columns 128 kb .. 128 kb + 127, scale s[nb * KB4 + kb];
 // q[n * Kp + k] = qt[k * Np + n] = e4m3(w[n, k] / s) inside w, 0 in the padding. The scales of the
-// padding blocks kb = KB .. KB4-1 are 1 (the scale of an all-zero block).
-int cpu_fp8_quantize_128x128(uint8_t *q, uint8_t *qt, float *s, const real *w, int N, int K, char *err,
-                             size_t err_size) {
-    if (check_finite("fp8_quantize_128x128", w, N, K, err, err_size)) return -1;
+// padding blocks kb = KB .. KB4-1 are 1 (the scale of an all-zero block). The input's finiteness is the
+// caller's check.
+static void quantize_128x128_matrix(uint8_t *q, uint8_t *qt, float *s, const real *w, int N, int K) {
     const int KB = ceil_div(K, FP8_TILE), KB4 = ceil_div(KB, 4) * 4, NB = ceil_div(N, FP8_TILE);
     const size_t Kp = (size_t)KB * FP8_TILE, Np = (size_t)NB * FP8_TILE;
 #pragma omp parallel for schedule(static) if ((double)N * K > 16384.0)
@@ -205,10 +204,16 @@ int cpu_fp8_quantize_128x128(uint8_t *q, uint8_t *qt, float *s, const real *w, i
     for (int nb = 0; nb < NB; nb++) {
         for (int kb = KB; kb < KB4; kb++) s[(size_t)nb * KB4 + kb] = 1.0f;
     }
+}
+
+int cpu_fp8_quantize_128x128(uint8_t *q, uint8_t *qt, float *s, const real *w, int N, int K, char *err,
+                             size_t err_size) {
+    if (check_finite("fp8_quantize_128x128", w, N, K, err, err_size)) return -1;
+    quantize_128x128_matrix(q, qt, s, w, N, K);
     return 0;
 }
 
-// Matrix by matrix; the stack is checked first so a bad element is named at its row of (batch * N, K).
+// Matrix by matrix; the stack is checked once, first, so a bad element is named at its row of (batch * N, K).
 int cpu_fp8_quantize_128x128_batched(uint8_t *q, uint8_t *qt, float *s, const real *w, int batch, int N, int K,
                                      char *err, size_t err_size) {
     if (batch <= 0 || N <= 0 || K <= 0) return 0;
@@ -216,8 +221,7 @@ int cpu_fp8_quantize_128x128_batched(uint8_t *q, uint8_t *qt, float *s, const re
     const int KB4 = ceil_div(ceil_div(K, FP8_TILE), 4) * 4, NB = ceil_div(N, FP8_TILE);
     const size_t qn = (size_t)NB * FP8_TILE * ceil_div(K, FP8_TILE) * FP8_TILE, sn = (size_t)NB * KB4;
     for (int b = 0; b < batch; b++)
-        cpu_fp8_quantize_128x128(q + b * qn, qt ? qt + b * qn : NULL, s + b * sn, w + (size_t)b * N * K, N, K, err,
-                                 err_size);
+        quantize_128x128_matrix(q + b * qn, qt ? qt + b * qn : NULL, s + b * sn, w + (size_t)b * N * K, N, K);
     return 0;
 }
 
