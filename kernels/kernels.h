@@ -282,6 +282,23 @@ int fp8_quantize_128x1_transposed_grouped(Device dev, uint8_t *q, float *s, cons
                                           int n_seg, const int *rows0, int C, char *err, size_t err_size);
 int fp8_quantize_both_layouts_grouped(Device dev, uint8_t *q1, float *s1, uint8_t *q2, float *s2, const real *x,
                                       int n_seg, const int *rows0, int C, char *err, size_t err_size);
+// SwiGLU values quantised as they are computed (fp8 mode's FFNs): `value` of (dout,) a, b (rows0[n_seg], C) -
+// SWIGLU_OUT, h = silu(a) * b as swiglu_forward computes it; SWIGLU_DA / SWIGLU_DB, da / db as swiglu_backward
+// computes them from dout - goes through the grouped quantiser of the same name as an array holding it would,
+// bit for bit. On CUDA no such array is written: the FFN gate's output (w2's Fprop and Wgrad input) and
+// gradients (w1's and w3's dY) never exist in FP32 (the CPU reference computes the array, then quantises it). a, b and dout are in segment order (no row index); dout is read only
+// for DA and DB, b only for OUT and DA (pass NULL otherwise). A non-finite value is reported at its row and
+// column, as the plain quantiser reports it.
+typedef enum { SWIGLU_OUT, SWIGLU_DA, SWIGLU_DB } SwigluValue;
+int fp8_quantize_swiglu_1x128_grouped(Device dev, uint8_t *q, float *s, SwigluValue value, const real *dout,
+                                      const real *a, const real *b, int n_seg, const int *rows0, int C, char *err,
+                                      size_t err_size);
+int fp8_quantize_swiglu_128x1_transposed_grouped(Device dev, uint8_t *q, float *s, SwigluValue value,
+                                                 const real *dout, const real *a, const real *b, int n_seg,
+                                                 const int *rows0, int C, char *err, size_t err_size);
+int fp8_quantize_swiglu_both_layouts_grouped(Device dev, uint8_t *q1, float *s1, uint8_t *q2, float *s2,
+                                             SwigluValue value, const real *dout, const real *a, const real *b,
+                                             int n_seg, const int *rows0, int C, char *err, size_t err_size);
 
 // FP8 GEMMs, partial sums promoted to FP32 every 128 elements of the contraction axis (each 128-block's
 // sum, times its two scales, is added to an FP32 accumulator). M x N x K order: M output rows.

@@ -94,7 +94,7 @@ void block_acts_alloc(ActsArena *ar, BlockActs *a, const Dims *d, int is_moe, co
     ffn_acts_alloc(ar, &e->shared, N, d->shared_I, s);
 }
 
-void layer_scratch_alloc(ActsArena *ar, LayerScratch *s, const Dims *d, int has_moe, int needs_xp) {
+void layer_scratch_alloc(ActsArena *ar, LayerScratch *s, const Dims *d, int has_moe, int needs_xp, int gate_values) {
     int64_t N = d->N, NH = (int64_t)d->N * d->H, NK = (int64_t)d->N * d->K;
     s->t_xn = ARENA_REALS(ar, N * d->D);
     s->t_rstd = ARENA_REALS(ar, N);
@@ -131,9 +131,11 @@ void layer_scratch_alloc(ActsArena *ar, LayerScratch *s, const Dims *d, int has_
         }
         s->d_eout = ARENA_REALS(ar, NK * d->D);
     }
-    s->t_h = ARENA_REALS(ar, ffn_elems);
-    s->d_a = ARENA_REALS(ar, ffn_elems);
-    s->d_b = ARENA_REALS(ar, ffn_elems);
+    if (gate_values) {
+        s->t_h = ARENA_REALS(ar, ffn_elems);
+        s->d_a = ARENA_REALS(ar, ffn_elems);
+        s->d_b = ARENA_REALS(ar, ffn_elems);
+    }
     s->d_h = ARENA_REALS(ar, ffn_elems);
 }
 

@@ -96,7 +96,8 @@ typedef struct {
 typedef struct {
     real *t_xn, *t_rstd;                  // BlockActs' normalised inputs (N, D), and an rstd (N) to recompute them
     real *t_kva, *t_k_rope_raw, *t_k_rope, *t_kv;  // MlaActs' transients
-    real *t_h;                            // FfnActs' h, sized for the largest FFN (dense, shared, N*K x I)
+    real *t_h;                            // FfnActs' h, sized for the largest FFN (dense, shared, N*K x I); NULL
+                                          // in fp8 mode, as d_a and d_b (linear.h SwigluScratch)
     real *t_xp;                           // MoeActs' xp (N*K, D), MoE chunks that gather it only
     real *d_xn, *d_mid;                   // (N, D)
     real *d_cq, *d_cqn, *d_qf;
@@ -107,9 +108,11 @@ typedef struct {
 } LayerScratch;
 
 // The chunk's scratch first (has_moe: any block of the chunk is a MoE block; needs_xp: its MoE blocks
-// gather their experts' inputs, !moe_experts_read_tokens), then each block's activations, whose transients
-// point into it.
-void layer_scratch_alloc(ActsArena *arena, LayerScratch *s, const Dims *d, int has_moe, int needs_xp);
+// gather their experts' inputs, !moe_experts_read_tokens; gate_values: the FFNs write their gate's h, d_a, d_b,
+// as bf16 and fp32 do - fp8 computes them in its quantisers, linear.h), then each block's activations, whose
+// transients point into it.
+void layer_scratch_alloc(ActsArena *arena, LayerScratch *s, const Dims *d, int has_moe, int needs_xp,
+                         int gate_values);
 void block_acts_alloc(ActsArena *arena, BlockActs *a, const Dims *d, int is_moe, const LayerScratch *s);
 
 // x_out (N, D) = block(x_in); a->x_in is set to x_in.

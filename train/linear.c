@@ -310,6 +310,68 @@ void linear_reserve_scratch(Model *m, int rows) {
 }
 
 // ---------------------------------------------------------------------------- fp8 Linears
+// What the fp8 quantisers read for an activation operand (an input X or a gradient dY): an FP32 array, row r read
+// through `rows` when given, or (swiglu) one of the SwiGLU gate's values computed from dout, a, b as it is read
+// (kernels.h fp8_quantize_swiglu_*; linear_*_swiglu_grouped), never written in FP32.
+typedef struct {
+    const real *x;
+    const int *rows;
+    int swiglu;
+    SwigluValue value;
+    const real *dout, *a, *b;
+} Operand;
+
+static Operand array_operand(const real *x, const int *rows) {
+    return (Operand){.x = x, .rows = rows};
+}
+static Operand swiglu_operand(SwigluValue value, const real *dout, const real *a, const real *b) {
+    return (Operand){.swiglu = 1, .value = value, .dout = dout, .a = a, .b = b};
+}
+
+// x's 1x128 operand (Fprop X, Dgrad dY), its 128x1 operand (Wgrad X, dY) or both (a dY feeding Dgrad and Wgrad),
+// for all groups in one call. `what` names the operand in an error.
+static void quantize_1x128(Model *m, Fp8Operand o, const Operand *x, int n_groups, const int *offsets, int C,
+                           const char *what) {
+    char err[256];
+    profile_begin(PHASE_QUANTISE);
+    check_quantised(x->swiglu ? fp8_quantize_swiglu_1x128_grouped(m->dev, o.q, o.s, x->value, x->dout, x->a, x->b,
+                                                                  n_groups, offsets, C, err, sizeof err)
+                              : fp8_quantize_1x128_grouped(m->dev, o.q, o.s, x->x, x->rows, n_groups, offsets, C, err,
+                                                           sizeof err),
+                    what, err);
+    profile_end(PHASE_QUANTISE);
+}
+
+static void quantize_128x1(Model *m, Fp8Operand o, const Operand *x, int n_groups, const int *offsets, int C,
+                           const char *what) {
+    char err[256];
+    profile_begin(PHASE_QUANTISE);
+    check_quantised(x->swiglu ? fp8_quantize_swiglu_128x1_transposed_grouped(m->dev, o.q, o.s, x->value, x->dout, x->a,
+                                                                             x->b, n_groups, offsets, C, err,
+                                                                             sizeof err)
+                              : fp8_quantize_128x1_transposed_grouped(m->dev, o.q, o.s, x->x, x->rows, n_groups,
+                                                                      offsets, C, err, sizeof err),
+                    what, err);
+    profile_end(PHASE_QUANTISE);
+}
+
+// Both layouts in one pass; the array form reads rows in order (a dY is never gathered).
+static void quantize_both(Model *m, Fp8Operand o1, Fp8Operand o2, const Operand *x, int n_groups, const int *offsets,
+                          int C, const char *what) {
+    if (!x->swiglu && x->rows != NULL) {
+        fprintf(stderr, "fp8moe: train/linear.c: internal error: a gradient read through a row index\n");
+        exit(1);
+    }
+    char err[256];
+    profile_begin(PHASE_QUANTISE);
+    check_quantised(x->swiglu ? fp8_quantize_swiglu_both_layouts_grouped(m->dev, o1.q, o1.s, o2.q, o2.s, x->value,
+                                                                         x->dout, x->a, x->b, n_groups, offsets, C, err,
+                                                                         sizeof err)
+                              : fp8_quantize_both_layouts_grouped(m->dev, o1.q, o1.s, o2.q, o2.s, x->x, n_groups,
+                                                                  offsets, C, err, sizeof err),
+                    what, err);
+    profile_end(PHASE_QUANTISE);
+}
 
 _Noreturn static void too_many_shared(int n_out) {
     fprintf(stderr, "fp8moe: train/linear.c: internal error: %d Linears share an input (at most %d)\n", n_out,
@@ -343,17 +405,13 @@ static int group_weights(Model *m, int slot, int n_groups, const int *offsets, c
 // fp8 Fprop: out[i] rows of group g = inp rows of g @ (slice g of weight[i])^T. The input is quantised
 // once, for every group and every weight; each weight's groups are one grouped GEMM call (one output
 // conversion on CUDA).
-static void fp8_forward(Model *m, int n_groups, const int *offsets, int n_out, real *const *out, const real *inp,
-                        const int *inp_rows, const real *const *weight, int C, int OC) {
+static void fp8_forward(Model *m, int n_groups, const int *offsets, int n_out, real *const *out, const Operand *inp,
+                        const real *const *weight, int C, int OC) {
     const GroupSizes z = group_sizes(n_groups, offsets);
     scratch_reserve(m, fprop_bytes(z, C));
     size_t used = 0;
     const Fp8Operand x = take_1x128(m, &used, z, C);
-    char err[256];
-    profile_begin(PHASE_QUANTISE);
-    check_quantised(fp8_quantize_1x128_grouped(m->dev, x.q, x.s, inp, inp_rows, n_groups, offsets, C, err, sizeof err),
-                    "an activation (Fprop X)", err);
-    profile_end(PHASE_QUANTISE);
+    quantize_1x128(m, x, inp, n_groups, offsets, C, "an activation (Fprop X)");
     const struct LinearWeightCache *c = m->weight_cache;
     for (int i = 0; i < n_out; i++) {
         m->fp8_gemm_count += group_weights(m, 0, n_groups, offsets, weight[i], OC, C);
@@ -368,39 +426,24 @@ static void fp8_forward(Model *m, int n_groups, const int *offsets, int n_out, r
 // are the contraction axis). Groups write disjoint rows of dinp and slices of dW, so this gives the bits of
 // group-by-group, Linear-by-Linear calls. X's Wgrad operand is quantised once.
 static void fp8_backward(Model *m, int n_groups, const int *offsets, int n_out, real *dinp, GradStore dinp_store,
-                         const DgradUnpermute *unpermute, real *const *dweight, const real *const *dout,
-                         const real *inp, const int *inp_rows, const real *const *weight, int C, int OC) {
+                         const DgradUnpermute *unpermute, real *const *dweight, const Operand *dout, const Operand *inp,
+                         const real *const *weight, int C, int OC) {
     const GroupSizes z = group_sizes(n_groups, offsets);
     scratch_reserve(m, backward_bytes(z, C, OC, n_out));
     size_t used = 0;
-    char err[256];
     Fp8Operand xt = {NULL, NULL};
     for (int i = 0; i < n_out && xt.q == NULL; i++) {
         if (dweight[i] == NULL) continue;
         xt = take_128x1(m, &used, z, C);
-        profile_begin(PHASE_QUANTISE);
-        check_quantised(fp8_quantize_128x1_transposed_grouped(m->dev, xt.q, xt.s, inp, inp_rows, n_groups, offsets, C, err,
-                                                              sizeof err), "an activation (Wgrad X)", err);
-        profile_end(PHASE_QUANTISE);
+        quantize_128x1(m, xt, inp, n_groups, offsets, C, "an activation (Wgrad X)");
     }
     Fp8Operand dy[MAX_SHARED], dyt[MAX_SHARED];
     for (int i = 0; i < n_out; i++) {
         dy[i] = dinp ? take_1x128(m, &used, z, OC) : (Fp8Operand){NULL, NULL};
         dyt[i] = dweight[i] ? take_128x1(m, &used, z, OC) : (Fp8Operand){NULL, NULL};
-        profile_begin(PHASE_QUANTISE);
-        if (dinp && dweight[i])
-            check_quantised(fp8_quantize_both_layouts_grouped(m->dev, dy[i].q, dy[i].s, dyt[i].q, dyt[i].s, dout[i],
-                                                              n_groups, offsets, OC, err, sizeof err),
-                            "a gradient (Dgrad and Wgrad dY)", err);
-        else if (dinp)
-            check_quantised(fp8_quantize_1x128_grouped(m->dev, dy[i].q, dy[i].s, dout[i], NULL, n_groups, offsets, OC, err,
-                                                       sizeof err),
-                            "a gradient (Dgrad dY)", err);
-        else if (dweight[i])
-            check_quantised(fp8_quantize_128x1_transposed_grouped(m->dev, dyt[i].q, dyt[i].s, dout[i], NULL, n_groups,
-                                                                  offsets, OC, err, sizeof err),
-                            "a gradient (Wgrad dY)", err);
-        profile_end(PHASE_QUANTISE);
+        if (dinp && dweight[i]) quantize_both(m, dy[i], dyt[i], &dout[i], n_groups, offsets, OC, "a gradient (Dgrad and Wgrad dY)");
+        else if (dinp) quantize_1x128(m, dy[i], &dout[i], n_groups, offsets, OC, "a gradient (Dgrad dY)");
+        else if (dweight[i]) quantize_128x1(m, dyt[i], &dout[i], n_groups, offsets, OC, "a gradient (Wgrad dY)");
     }
     if (dinp) {
         const struct LinearWeightCache *c = m->weight_cache;
@@ -516,7 +559,8 @@ void linear_forward_grouped(Model *m, int n_groups, const int *offsets, int n_ou
     check_inp_rows(m, inp_rows);
     profile_begin(PHASE_OTHER_GEMM);  // the caller may make it an expert GEMM (kernels/profile.h)
     if (m->cfg.precision.mode == PRECISION_FP8) {
-        fp8_forward(m, n_groups, offsets, n_out, out, inp, inp_rows, weight, C, OC);
+        const Operand x = array_operand(inp, inp_rows);
+        fp8_forward(m, n_groups, offsets, n_out, out, &x, weight, C, OC);
     } else if (m->cfg.precision.mode == PRECISION_BF16) {
         bf16_forward(m, n_groups, offsets, n_out, out, inp, inp_rows, weight, C, OC);
     } else {
@@ -553,8 +597,10 @@ void linear_backward_grouped(Model *m, int n_groups, const int *offsets, int n_o
     }
     profile_begin(PHASE_OTHER_GEMM);
     if (m->cfg.precision.mode == PRECISION_FP8) {
-        fp8_backward(m, n_groups, offsets, n_out, dinp, dinp_store, unpermute, dweight, dout, inp, inp_rows, weight, C,
-                     OC);
+        const Operand x = array_operand(inp, inp_rows);
+        Operand dy[MAX_SHARED];
+        for (int i = 0; i < n_out; i++) dy[i] = array_operand(dout[i], NULL);
+        fp8_backward(m, n_groups, offsets, n_out, dinp, dinp_store, unpermute, dweight, dy, &x, weight, C, OC);
     } else if (m->cfg.precision.mode == PRECISION_BF16) {
         bf16_backward(m, n_groups, offsets, n_out, dinp, dinp_store, unpermute, dweight, dout, inp, inp_rows, weight, C,
                       OC);
@@ -572,6 +618,46 @@ void linear_backward_grouped(Model *m, int n_groups, const int *offsets, int n_o
             }
         }
     }
+    profile_end(PHASE_OTHER_GEMM);
+}
+
+void linear_forward_swiglu_grouped(Model *m, int n_groups, const int *offsets, real *y, real *h, const real *a,
+                                   const real *b, const real *w2, int I, int D) {
+    if (m->cfg.precision.mode != PRECISION_FP8) {
+        swiglu_forward(m->dev, h, a, b, (int64_t)offsets[n_groups] * I);
+        linear_forward_grouped(m, n_groups, offsets, 1, &y, h, NULL, &w2, I, D);
+        return;
+    }
+    profile_begin(PHASE_OTHER_GEMM);
+    const Operand x = swiglu_operand(SWIGLU_OUT, NULL, a, b);
+    fp8_forward(m, n_groups, offsets, 1, &y, &x, &w2, I, D);
+    profile_end(PHASE_OTHER_GEMM);
+}
+
+void linear_backward_swiglu_grouped(Model *m, int n_groups, const int *offsets, const FfnWeights *w,
+                                    const FfnWeights *g, const real *a, const real *b, const real *dy, const real *x,
+                                    const int *x_rows, real *dx, GradStore dx_store, const DgradUnpermute *unpermute,
+                                    const SwigluScratch *s, int D, int I) {
+    real *const g13[2] = {g->w1, g->w3};
+    const real *const w13[2] = {w->w1, w->w3}, *const w2[1] = {w->w2};
+    if (m->cfg.precision.mode != PRECISION_FP8) {
+        const int64_t n = (int64_t)offsets[n_groups] * I;
+        swiglu_forward(m->dev, s->h, a, b, n);
+        linear_backward_grouped(m, n_groups, offsets, 1, s->d_h, GRAD_WRITE, NULL, &g->w2, &dy, s->h, NULL, w2, I, D);
+        swiglu_backward(m->dev, s->d_a, s->d_b, s->d_h, a, b, n);
+        const real *const d_ab[2] = {s->d_a, s->d_b};
+        linear_backward_grouped(m, n_groups, offsets, 2, dx, dx_store, unpermute, g13, d_ab, x, x_rows, w13, D, I);
+        return;
+    }
+    check_inp_rows(m, x_rows);
+    profile_begin(PHASE_OTHER_GEMM);
+    // w2: X is h, computed in its Wgrad quantiser; d_h is written (the only producer)
+    const Operand h = swiglu_operand(SWIGLU_OUT, NULL, a, b), dy_w2 = array_operand(dy, NULL);
+    fp8_backward(m, n_groups, offsets, 1, s->d_h, GRAD_WRITE, NULL, &g->w2, &dy_w2, &h, w2, I, D);
+    // w1 and w3: their dYs are swiglu_backward's da and db, computed in their quantisers from d_h
+    const Operand d_ab[2] = {swiglu_operand(SWIGLU_DA, s->d_h, a, b), swiglu_operand(SWIGLU_DB, s->d_h, a, NULL)};
+    const Operand xin = array_operand(x, x_rows);
+    fp8_backward(m, n_groups, offsets, 2, dx, dx_store, unpermute, g13, d_ab, &xin, w13, D, I);
     profile_end(PHASE_OTHER_GEMM);
 }
 

@@ -50,6 +50,23 @@ void linear_forward_grouped(Model *m, int n_groups, const int *offsets, int n_ou
 void linear_backward_grouped(Model *m, int n_groups, const int *offsets, int n_out, real *dinp, GradStore dinp_store,
                              const DgradUnpermute *unpermute, real *const *dweight, const real *const *dout,
                              const real *inp, const int *inp_rows, const real *const *weight, int C, int OC);
+// The SwiGLU FFN's Linears around its gate (moe.c: the dense FFN, shared and routed experts): a = x w1^T and
+// b = x w3^T (linear_forward_grouped with n_out = 2), h = silu(a) * b, y = h w2^T, per group as above. These two
+// take the gate's values as operands: fp8 mode computes h, and in the backward da and db, inside the quantisers
+// that read them (kernels.h fp8_quantize_swiglu_*), so they never exist in FP32; bf16 and fp32 modes write them
+// to the caller's buffers with swiglu_forward / swiglu_backward first and run the Linears above. The same
+// numbers either way.
+// y (rows, D) = h w2^T; h (rows, I) is written in bf16 and fp32 modes only.
+void linear_forward_swiglu_grouped(Model *m, int n_groups, const int *offsets, real *y, real *h, const real *a,
+                                   const real *b, const real *w2, int I, int D);
+// The backward of w2, then of w1 and w3, from dy (rows, D): weight gradients +=, and x's gradient dx as
+// linear_backward_grouped gives it (dx_store, x_rows and unpermute as there). Buffers (rows, I): d_h is written
+// in every mode, h, d_a and d_b in bf16 and fp32 modes only.
+typedef struct { real *h, *d_h, *d_a, *d_b; } SwigluScratch;
+void linear_backward_swiglu_grouped(Model *m, int n_groups, const int *offsets, const FfnWeights *w,
+                                    const FfnWeights *g, const real *a, const real *b, const real *dy, const real *x,
+                                    const int *x_rows, real *dx, GradStore dx_store, const DgradUnpermute *unpermute,
+                                    const SwigluScratch *s, int D, int I);
 // Builds the weight cache and sizes the Linear scratch (fp8: quantised operands, bf16: rounded ones) for
 // every block Linear at `rows` tokens (a micro-batch) and for the routed experts' grouped calls (rows x top-K
 // rows over the local experts), so no step allocates device memory; a no-op in fp32 mode.

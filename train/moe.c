@@ -17,28 +17,26 @@
 
 // ---------------------------------------------------------------------------- dense SwiGLU
 // x (rows, D) -> out (rows, D) = w2 (silu(w1 x) * w3 x); w1, w3 (width, D), w2 (D, width)
+// The gate h = silu(a) * b is w2's operand, computed inside fp8's quantisers (linear_*_swiglu_grouped); in bf16 and
+// fp32 modes it is written to a->h, a forward transient (see FfnActs).
 void ffn_forward(Model *m, const FfnWeights *w, FfnActs *a, int rows, int D, int width, const real *x,
                  real *out) {
     real *const ab[2] = {a->a, a->b};
     const real *const w13[2] = {w->w1, w->w3};
+    const int offsets[2] = {0, rows};
     linear_forward_shared(m, 2, ab, x, w13, rows, D, width);
-    swiglu_forward(m->dev, a->h, a->a, a->b, (int64_t)rows * width);
-    linear_forward(m, out, a->h, w->w2, rows, width, D);
+    linear_forward_swiglu_grouped(m, 1, offsets, out, a->h, a->a, a->b, w->w2, width, D);
 }
 
 // d_out (rows, D) -> d_x (rows, D) added to (d_x_store GRAD_ADD) or written (GRAD_WRITE), parameter grads +=.
-// h is recomputed from a and b (it is a forward transient, see FfnActs): the same swiglu_forward on the same
-// inputs, so the same bits.
+// h is recomputed from a and b (a forward transient): the same arithmetic on the same inputs, so the same bits.
+// d_h, d_a and d_b are written, not cleared and added to.
 void ffn_backward(Model *m, const FfnWeights *w, const FfnWeights *g, FfnActs *a, LayerScratch *s,
                   int rows, int D, int width, const real *x, const real *d_out, real *d_x, GradStore d_x_store) {
-    Device dev = m->dev;
-    swiglu_forward(dev, a->h, a->a, a->b, (int64_t)rows * width);
-    // d_h, d_a and d_b are written, not cleared and added to (GRAD_WRITE; swiglu_backward writes)
-    linear_backward(m, s->d_h, GRAD_WRITE, g->w2, d_out, a->h, w->w2, rows, width, D);
-    swiglu_backward(dev, s->d_a, s->d_b, s->d_h, a->a, a->b, (int64_t)rows * width);
-    real *const g13[2] = {g->w1, g->w3};
-    const real *const d_ab[2] = {s->d_a, s->d_b}, *const w13[2] = {w->w1, w->w3};
-    linear_backward_shared(m, 2, d_x, d_x_store, g13, d_ab, x, w13, rows, D, width);
+    const int offsets[2] = {0, rows};
+    const SwigluScratch scratch = {a->h, s->d_h, s->d_a, s->d_b};
+    linear_backward_swiglu_grouped(m, 1, offsets, w, g, a->a, a->b, d_out, x, NULL, d_x, d_x_store, NULL, &scratch, D,
+                                   width);
 }
 
 // ---------------------------------------------------------------------------- routed experts
@@ -53,13 +51,11 @@ int moe_experts_read_tokens(const Model *m) {
 // running the experts one after another: every op touches only its own expert's rows and weights.
 static void experts_forward(Model *m, const FfnWeights *w, FfnActs *a, const int *offsets, int n_experts,
                             int D, int I, const real *xs, const int *xs_rows, real *ys) {
-    const int64_t n = (int64_t)offsets[n_experts] * I;
     real *const ab[2] = {a->a, a->b};
-    const real *const w13[2] = {w->w1, w->w3}, *const w2[1] = {w->w2};
+    const real *const w13[2] = {w->w1, w->w3};
     profile_begin(PHASE_EXPERT_GEMM);  // its Linears count as expert GEMMs (kernels/profile.h)
     linear_forward_grouped(m, n_experts, offsets, 2, ab, xs, xs_rows, w13, D, I);
-    swiglu_forward(m->dev, a->h, a->a, a->b, n);
-    linear_forward_grouped(m, n_experts, offsets, 1, &ys, a->h, NULL, w2, I, D);
+    linear_forward_swiglu_grouped(m, n_experts, offsets, ys, a->h, a->a, a->b, w->w2, I, D);
     profile_end(PHASE_EXPERT_GEMM);
 }
 
@@ -70,18 +66,11 @@ static void experts_backward(Model *m, const FfnWeights *w, const FfnWeights *g,
                              LayerScratch *s, const int *offsets, int n_experts, int D, int I,
                              const real *xs, const int *xs_rows, const real *d_ys, real *d_xs,
                              const DgradUnpermute *unpermute) {
-    Device dev = m->dev;
-    const int64_t n = (int64_t)offsets[n_experts] * I;
-    real *const g13[2] = {g->w1, g->w3};
-    const real *const d_ab[2] = {s->d_a, s->d_b}, *const w13[2] = {w->w1, w->w3};
-    const real *const w2[1] = {w->w2};
+    // d_h, d_a, d_b (and a slot-order d_xs) are written, not cleared and added to
+    const SwigluScratch scratch = {a->h, s->d_h, s->d_a, s->d_b};
     profile_begin(PHASE_EXPERT_GEMM);
-    swiglu_forward(dev, a->h, a->a, a->b, n);
-    // d_h, d_a, d_b (and a slot-order d_xs) are written, not cleared and added to (GRAD_WRITE; swiglu_backward
-    // writes)
-    linear_backward_grouped(m, n_experts, offsets, 1, s->d_h, GRAD_WRITE, NULL, &g->w2, &d_ys, a->h, NULL, w2, I, D);
-    swiglu_backward(dev, s->d_a, s->d_b, s->d_h, a->a, a->b, n);
-    linear_backward_grouped(m, n_experts, offsets, 2, d_xs, GRAD_WRITE, unpermute, g13, d_ab, xs, xs_rows, w13, D, I);
+    linear_backward_swiglu_grouped(m, n_experts, offsets, w, g, a->a, a->b, d_ys, xs, xs_rows, d_xs, GRAD_WRITE,
+                                   unpermute, &scratch, D, I);
     profile_end(PHASE_EXPERT_GEMM);
 }
 

@@ -572,13 +572,61 @@ int cpu_fp8_quantize_128x1_transposed_grouped(uint8_t *q, float *s, const real *
                             rows0, C, err, err_size);
 }
 
-int cpu_fp8_quantize_both_layouts_grouped(uint8_t *q1, float *s1, uint8_t *q2, float *s2, const real *x, int n,
-                                          const int *rows0, int C, char *err, size_t err_size) {
-    check_segments("fp8_quantize_both_layouts_grouped", n, rows0);
-    if (check_finite("fp8_quantize_both_layouts_grouped", x, rows0[n], C, err, err_size)) return -1;
+static int quantize_both_grouped(const char *op, uint8_t *q1, float *s1, uint8_t *q2, float *s2, const real *x, int n,
+                                 const int *rows0, int C, char *err, size_t err_size) {
+    check_segments(op, n, rows0);
+    if (check_finite(op, x, rows0[n], C, err, err_size)) return -1;
     quantize_1x128_segments(q1, s1, x, n, rows0, C);
     quantize_128x1_segments(q2, s2, x, n, rows0, C);
     return 0;
+}
+
+int cpu_fp8_quantize_both_layouts_grouped(uint8_t *q1, float *s1, uint8_t *q2, float *s2, const real *x, int n,
+                                          const int *rows0, int C, char *err, size_t err_size) {
+    return quantize_both_grouped("fp8_quantize_both_layouts_grouped", q1, s1, q2, s2, x, n, rows0, C, err, err_size);
+}
+
+// ---------------------------------------------------------------------------- SwiGLU values
+// kernels.h's fp8_quantize_swiglu_*: the value computed into a temporary array by the CPU SwiGLU ops, then quantised
+// by the grouped quantiser of the same name - the definition itself (the CUDA kernels compute it as they read).
+static real *swiglu_value(const char *op, SwigluValue value, const real *dout, const real *a, const real *b, int n,
+                          const int *rows0, int C) {
+    check_segments(op, n, rows0);
+    const int64_t count = (int64_t)rows0[n] * C;
+    real *v = alloc_or_die((size_t)(count > 0 ? count : 1) * sizeof(real), "SwiGLU values");
+    if (value == SWIGLU_OUT) cpu_swiglu_forward(v, a, b, count);
+    else if (value == SWIGLU_DA) cpu_swiglu_backward(v, NULL, dout, a, b, count);
+    else cpu_swiglu_backward(NULL, v, dout, a, b, count);
+    return v;
+}
+
+int cpu_fp8_quantize_swiglu_1x128_grouped(uint8_t *q, float *s, SwigluValue value, const real *dout, const real *a,
+                                          const real *b, int n, const int *rows0, int C, char *err, size_t err_size) {
+    static const char op[] = "fp8_quantize_swiglu_1x128_grouped";
+    real *v = swiglu_value(op, value, dout, a, b, n, rows0, C);
+    const int rc = quantize_grouped(op, quantize_1x128_segments, q, s, v, NULL, n, rows0, C, err, err_size);
+    free(v);
+    return rc;
+}
+
+int cpu_fp8_quantize_swiglu_128x1_transposed_grouped(uint8_t *q, float *s, SwigluValue value, const real *dout,
+                                                     const real *a, const real *b, int n, const int *rows0, int C,
+                                                     char *err, size_t err_size) {
+    static const char op[] = "fp8_quantize_swiglu_128x1_transposed_grouped";
+    real *v = swiglu_value(op, value, dout, a, b, n, rows0, C);
+    const int rc = quantize_grouped(op, quantize_128x1_segments, q, s, v, NULL, n, rows0, C, err, err_size);
+    free(v);
+    return rc;
+}
+
+int cpu_fp8_quantize_swiglu_both_layouts_grouped(uint8_t *q1, float *s1, uint8_t *q2, float *s2, SwigluValue value,
+                                                 const real *dout, const real *a, const real *b, int n,
+                                                 const int *rows0, int C, char *err, size_t err_size) {
+    static const char op[] = "fp8_quantize_swiglu_both_layouts_grouped";
+    real *v = swiglu_value(op, value, dout, a, b, n, rows0, C);
+    const int rc = quantize_both_grouped(op, q1, s1, q2, s2, v, n, rows0, C, err, err_size);
+    free(v);
+    return rc;
 }
 
 // ---------------------------------------------------------------------------- FP8 GEMMs

@@ -2,7 +2,8 @@
  * fp8_quant.cu - CUDA FP8 (E4M3) block quantisers of DeepSeek-V3's recipe (kernels.h: fp8_quantize_1x128,
  * fp8_quantize_128x128, fp8_quantize_128x1_transposed, fp8_quantize_both_layouts, and the activation
  * quantisers' *_grouped forms, which run one launch over many segments through a segment table (SegTable,
- * common.cuh); the plain forms are one segment of the same kernels). They feed the cuBLASLt block-scaled
+ * common.cuh); the plain forms are one segment of the same kernels; the fp8_quantize_swiglu_* forms are the
+ * same kernels reading a SwiGLU value computed on the fly instead of an array). They feed the cuBLASLt block-scaled
  * GEMMs of gemm.cu and must produce BIT-IDENTICAL FP8 data and scales to the CPU reference
  * (kernels/cpu/fp8.c), which tests/gpu/test_gpu_fp8.c checks.
  *
@@ -26,7 +27,7 @@
  * writes whole 128-byte lines: 1x128 with one warp per (row, 4 x 128 columns), 128x128 with one block per
  * block (the transposed copy goes through shared memory), 128x1 with one block per 128 rows x 32 columns
  * (transposed through shared memory, so each output row of 128 bytes is one coalesced store).
- * Vector (float4) loads are used when the row length is a multiple of 4 and x is 16-byte aligned.
+ * Vector (float4) loads are used when the row length is a multiple of 4 and every input is 16-byte aligned.
  */
 #include <cuda_fp8.h>
 #include <stdint.h>
@@ -34,6 +35,7 @@
 
 #include "kernels/cuda/cuda_ops.h"
 #include "kernels/cuda/common.cuh"
+#include "kernels/cuda/swiglu.cuh"
 
 static const unsigned long long NO_BAD_ELEMENT = ~0ull;
 
@@ -73,6 +75,50 @@ __device__ inline void load4(float v[4], const float *row, int col, int len) {
         for (int j = 0; j < 4; j++) v[j] = (col + j < len) ? row[col + j] : 0.0f;
     }
 }
+
+static int is_aligned(const void *p, size_t bytes) { return ((uintptr_t)p % bytes) == 0; }
+
+// What an activation quantiser reads: its load4 gives 4 values from `col` of row `row` of the segments' rows (of
+// `len` valid elements; len = 0 for a padding row, which loads zeros without touching memory).
+// An FP32 array of rows of C; row r read through rows[r] when rows is given (the routed experts' token rows).
+struct ArrayRows {
+    const float *x;
+    const int *rows;
+    int C;
+    bool aligned16() const { return is_aligned(x, 16); }
+    template <bool VEC4>
+    __device__ void load4(float v[4], int64_t row, int col, int len) const {
+        if (len == 0) {
+            v[0] = v[1] = v[2] = v[3] = 0.0f;
+            return;
+        }
+        ::load4<VEC4>(v, x + (rows ? (int64_t)rows[row] : row) * C, col, len);
+    }
+};
+
+// A SwiGLU value computed from its inputs (rows of C) as it is read (kernels.h fp8_quantize_swiglu_*), with
+// swiglu.cuh's arithmetic: the bits swiglu_forward / swiglu_backward would have stored. A branch on `value` is
+// the same for the whole grid.
+struct SwigluRows {
+    SwigluValue value;
+    const float *dout, *a, *b;  // dout only for DA and DB, b only for OUT and DA
+    int C;
+    bool aligned16() const { return is_aligned(dout, 16) && is_aligned(a, 16) && is_aligned(b, 16); }
+    template <bool VEC4>
+    __device__ void load4(float v[4], int64_t row, int col, int len) const {
+        float av[4], bv[4] = {0.0f, 0.0f, 0.0f, 0.0f}, gv[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        const int64_t at = row * C;
+        ::load4<VEC4>(av, a + at, col, len);
+        if (value != SWIGLU_DB) ::load4<VEC4>(bv, b + at, col, len);
+        if (value != SWIGLU_OUT) ::load4<VEC4>(gv, dout + at, col, len);
+        for (int j = 0; j < 4; j++) {
+            float da, db;
+            if (value == SWIGLU_OUT) v[j] = swiglu_element(av[j], bv[j]);
+            else swiglu_backward_element(&da, &db, gv[j], av[j], bv[j]), v[j] = value == SWIGLU_DA ? da : db;
+            if (col + j >= len) v[j] = 0.0f;  // padding is 0 whatever the gate gives for zero inputs
+        }
+    }
+};
 
 // The per-process device word that the kernels report the first bad element into, and a pinned host
 // word to read it back. The word holds NO_BAD_ELEMENT between checks: it is set once at allocation and
@@ -132,8 +178,6 @@ static unsigned long long log_call(const char *op, const char *tensor, int rows,
     return (unsigned long long)n_calls++ << CALL_SHIFT;
 }
 
-static int is_aligned(const void *p, size_t bytes) { return ((uintptr_t)p % bytes) == 0; }
-
 // Output pointers are written with 4-byte stores and later read by cuBLASLt, which needs 16 bytes.
 static void require_aligned16(const void *p, const char *op, const char *name) {
     if (p != NULL && !is_aligned(p, 16)) {
@@ -154,8 +198,8 @@ static inline int ceil_div(int a, int b) { return (a + b - 1) / b; }
 static const int Q1X128_ROWS_PER_BLOCK = 8;
 static const int Q1X128_TILES_PER_WARP = 4;
 
-template <bool VEC4>
-__global__ void quantize_1x128_kernel(uint8_t *q, float *s, const float *x, const int *x_rows,
+template <bool VEC4, class Src>
+__global__ void quantize_1x128_kernel(uint8_t *q, float *s, const __grid_constant__ Src src,
                                       const __grid_constant__ SegTable seg, int K, int KB, unsigned long long call,
                                       unsigned long long *bad) {
     const int lane = threadIdx.x & 31;
@@ -166,9 +210,8 @@ __global__ void quantize_1x128_kernel(uint8_t *q, float *s, const float *x, cons
     const int r = prow - seg.p16[g], R16 = seg.p16[g + 1] - seg.p16[g];
     const int64_t row = seg.rows0[g] + r; // in x
     const int len = r < seg.rows0[g + 1] - seg.rows0[g] ? K : 0; // a padding row loads as zeros
-    const float *xr = x + (len ? (x_rows ? (int64_t)x_rows[row] : row) * K : 0);
     float v[Q1X128_TILES_PER_WARP][4];
-    for (int i = 0; i < Q1X128_TILES_PER_WARP; i++) load4<VEC4>(v[i], xr, (kb0 + i) * FP8_TILE + lane * 4, len);
+    for (int i = 0; i < Q1X128_TILES_PER_WARP; i++) src.template load4<VEC4>(v[i], row, (kb0 + i) * FP8_TILE + lane * 4, len);
     for (int i = 0; i < Q1X128_TILES_PER_WARP && kb0 + i < KB; i++) {
         const int col = (kb0 + i) * FP8_TILE + lane * 4;
         float a = 0.0f;
@@ -182,9 +225,9 @@ __global__ void quantize_1x128_kernel(uint8_t *q, float *s, const float *x, cons
     }
 }
 
-static int quantize_1x128_segments(const char *op, uint8_t *q, float *s, const real *x, const int *x_rows, int n,
-                                   const int *rows0, int K,
-                                   char *err, size_t err_size) {
+template <class Src>
+static int quantize_1x128_segments(const char *op, const char *tensor, uint8_t *q, float *s, const Src &src, int n,
+                                   const int *rows0, int K, char *err, size_t err_size) {
     const SegTable seg = seg_table(op, n, rows0);
     if (seg.p16[n] == 0 || K <= 0) return 0;
     require_aligned16(q, op, "q");
@@ -192,13 +235,13 @@ static int quantize_1x128_segments(const char *op, uint8_t *q, float *s, const r
     const int KB = ceil_div(K, FP8_TILE);
     unsigned long long *bad = bad_word();
     int rc;
-    const unsigned long long call = log_call(op, "x", rows0[n], K, &rc, err, err_size);
+    const unsigned long long call = log_call(op, tensor, rows0[n], K, &rc, err, err_size);
     const dim3 grid((unsigned)ceil_div(seg.p16[n], Q1X128_ROWS_PER_BLOCK), (unsigned)ceil_div(KB, Q1X128_TILES_PER_WARP));
     const int threads = 32 * Q1X128_ROWS_PER_BLOCK;
-    if (K % 4 == 0 && is_aligned(x, 16))
-        quantize_1x128_kernel<true><<<grid, threads>>>(q, s, x, x_rows, seg, K, KB, call, bad);
+    if (K % 4 == 0 && src.aligned16())
+        quantize_1x128_kernel<true><<<grid, threads>>>(q, s, src, seg, K, KB, call, bad);
     else
-        quantize_1x128_kernel<false><<<grid, threads>>>(q, s, x, x_rows, seg, K, KB, call, bad);
+        quantize_1x128_kernel<false><<<grid, threads>>>(q, s, src, seg, K, KB, call, bad);
     CUDA_CHECK_LAUNCH("quantize_1x128_kernel");
     return rc;
 }
@@ -207,12 +250,13 @@ extern "C" int cuda_fp8_quantize_1x128(uint8_t *q, float *s, const real *x, int 
                                        size_t err_size) {
     if (rows <= 0) return 0;
     const int rows0[2] = {0, rows};
-    return quantize_1x128_segments("fp8_quantize_1x128", q, s, x, NULL, 1, rows0, K, err, err_size);
+    return quantize_1x128_segments("fp8_quantize_1x128", "x", q, s, ArrayRows{x, NULL, K}, 1, rows0, K, err, err_size);
 }
 
 extern "C" int cuda_fp8_quantize_1x128_grouped(uint8_t *q, float *s, const real *x, const int *x_rows, int n_seg,
                                                const int *rows0, int K, char *err, size_t err_size) {
-    return quantize_1x128_segments("fp8_quantize_1x128_grouped", q, s, x, x_rows, n_seg, rows0, K, err, err_size);
+    return quantize_1x128_segments("fp8_quantize_1x128_grouped", "x", q, s, ArrayRows{x, x_rows, K}, n_seg, rows0, K, err,
+                                   err_size);
 }
 
 // ---------------------------------------------------------------------------- 128x128 blocks (+ transpose)
@@ -329,8 +373,8 @@ extern "C" int cuda_fp8_quantize_128x128_batched(uint8_t *q, uint8_t *qt, float 
 static const int Q128X1_COLS = 32;
 static const int Q128X1_THREADS = 256;
 
-template <bool VEC4>
-__global__ void quantize_128x1_transposed_kernel(uint8_t *q, float *s, const float *x, const int *x_rows,
+template <bool VEC4, class Src>
+__global__ void quantize_128x1_transposed_kernel(uint8_t *q, float *s, const __grid_constant__ Src src,
                                                  const __grid_constant__ SegTable seg, int C, unsigned long long call,
                                                  unsigned long long *bad) {
     __shared__ float partial[32][Q128X1_COLS + 1];
@@ -348,12 +392,7 @@ __global__ void quantize_128x1_transposed_kernel(uint8_t *q, float *s, const flo
     float a[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     for (int p = 0; p < 4; p++) {  // every load first (see note_if_bad)
         const int t = tb * FP8_TILE + rg + 32 * p;
-        if (t < T) {
-            const int64_t src = x_rows ? (int64_t)x_rows[row0 + t] : row0 + t;
-            load4<VEC4>(v[p], x + src * C, c0 + c, C);
-        } else {
-            for (int j = 0; j < 4; j++) v[p][j] = 0.0f;
-        }
+        src.template load4<VEC4>(v[p], row0 + t, c0 + c, t < T ? C : 0); // rows past T load as zeros
     }
     for (int p = 0; p < 4; p++) {
         const int t = tb * FP8_TILE + rg + 32 * p;
@@ -383,7 +422,8 @@ __global__ void quantize_128x1_transposed_kernel(uint8_t *q, float *s, const flo
     }
 }
 
-static int quantize_128x1_segments(const char *op, uint8_t *q, float *s, const real *x, const int *x_rows, int n,
+template <class Src>
+static int quantize_128x1_segments(const char *op, const char *tensor, uint8_t *q, float *s, const Src &src, int n,
                                    const int *rows0, int C, char *err, size_t err_size) {
     const SegTable seg = seg_table(op, n, rows0);
     if (seg.tiles0[n] == 0 || C <= 0) return 0;
@@ -391,12 +431,12 @@ static int quantize_128x1_segments(const char *op, uint8_t *q, float *s, const r
     require_aligned16(s, op, "s");
     unsigned long long *bad = bad_word();
     int rc;
-    const unsigned long long call = log_call(op, "x", rows0[n], C, &rc, err, err_size);
+    const unsigned long long call = log_call(op, tensor, rows0[n], C, &rc, err, err_size);
     const dim3 grid((unsigned)ceil_div(C, Q128X1_COLS), (unsigned)seg.tiles0[n]);
-    if (C % 4 == 0 && is_aligned(x, 16))
-        quantize_128x1_transposed_kernel<true><<<grid, Q128X1_THREADS>>>(q, s, x, x_rows, seg, C, call, bad);
+    if (C % 4 == 0 && src.aligned16())
+        quantize_128x1_transposed_kernel<true><<<grid, Q128X1_THREADS>>>(q, s, src, seg, C, call, bad);
     else
-        quantize_128x1_transposed_kernel<false><<<grid, Q128X1_THREADS>>>(q, s, x, x_rows, seg, C, call, bad);
+        quantize_128x1_transposed_kernel<false><<<grid, Q128X1_THREADS>>>(q, s, src, seg, C, call, bad);
     CUDA_CHECK_LAUNCH("quantize_128x1_transposed_kernel");
     return rc;
 }
@@ -405,13 +445,14 @@ extern "C" int cuda_fp8_quantize_128x1_transposed(uint8_t *q, float *s, const re
                                                   size_t err_size) {
     if (T <= 0) return 0;
     const int rows0[2] = {0, T};
-    return quantize_128x1_segments("fp8_quantize_128x1_transposed", q, s, x, NULL, 1, rows0, C, err, err_size);
+    return quantize_128x1_segments("fp8_quantize_128x1_transposed", "x", q, s, ArrayRows{x, NULL, C}, 1, rows0, C, err,
+                                   err_size);
 }
 
 extern "C" int cuda_fp8_quantize_128x1_transposed_grouped(uint8_t *q, float *s, const real *x, const int *x_rows, int n_seg,
                                                           const int *rows0, int C, char *err, size_t err_size) {
-    return quantize_128x1_segments("fp8_quantize_128x1_transposed_grouped", q, s, x, x_rows, n_seg, rows0, C, err,
-                                   err_size);
+    return quantize_128x1_segments("fp8_quantize_128x1_transposed_grouped", "x", q, s, ArrayRows{x, x_rows, C}, n_seg,
+                                   rows0, C, err, err_size);
 }
 
 // ---------------------------------------------------------------------------- both activation layouts
@@ -425,9 +466,9 @@ extern "C" int cuda_fp8_quantize_128x1_transposed_grouped(uint8_t *q, float *s, 
 static const int QBOTH_ROW_GROUPS = QBOTH_THREADS / 32;
 static const int QBOTH_PASSES = FP8_TILE / QBOTH_ROW_GROUPS; // 8 rows per thread
 
-template <bool VEC4>
+template <bool VEC4, class Src>
 __global__ void __launch_bounds__(QBOTH_THREADS, 2)
-    quantize_both_kernel(uint8_t *q1, float *s1, uint8_t *q2, float *s2, const float *x,
+    quantize_both_kernel(uint8_t *q1, float *s1, uint8_t *q2, float *s2, const __grid_constant__ Src src,
                          const __grid_constant__ SegTable seg, int C, int Kp, unsigned long long call,
                          unsigned long long *bad) {
     __shared__ float partial[QBOTH_ROW_GROUPS][FP8_TILE + 1];
@@ -438,7 +479,7 @@ __global__ void __launch_bounds__(QBOTH_THREADS, 2)
     const int T = seg.rows0[g + 1] - seg.rows0[g], R16 = seg.p16[g + 1] - seg.p16[g];
     const int Tp = (seg.tiles0[g + 1] - seg.tiles0[g]) * FP8_TILE, KB = Kp / FP8_TILE;
     const int64_t row0 = seg.rows0[g];
-    x += row0 * C, q1 += (int64_t)Kp * seg.p16[g], s1 += (int64_t)KB * seg.p16[g];
+    q1 += (int64_t)Kp * seg.p16[g], s1 += (int64_t)KB * seg.p16[g];
     q2 += (int64_t)C * FP8_TILE * seg.tiles0[g], s2 += (int64_t)C * seg.tiles0[g];
     const int kb = blockIdx.x;
     const int lane = threadIdx.x & 31, c = lane * 4, rg = threadIdx.x >> 5;
@@ -448,7 +489,7 @@ __global__ void __launch_bounds__(QBOTH_THREADS, 2)
     float a[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     for (int p = 0; p < QBOTH_PASSES; p++) {  // every load first (see note_if_bad)
         const int t = tb * FP8_TILE + rg + QBOTH_ROW_GROUPS * p;
-        load4<VEC4>(v[p], x + (int64_t)t * C, col, t < T ? C : 0); // rows past T load as zeros
+        src.template load4<VEC4>(v[p], row0 + t, col, t < T ? C : 0); // rows past T load as zeros
     }
     for (int p = 0; p < QBOTH_PASSES; p++) {
         const int t = tb * FP8_TILE + rg + QBOTH_ROW_GROUPS * p;
@@ -487,8 +528,9 @@ __global__ void __launch_bounds__(QBOTH_THREADS, 2)
     }
 }
 
-static int quantize_both_segments(const char *op, uint8_t *q1, float *s1, uint8_t *q2, float *s2, const real *x, int n,
-                                  const int *rows0, int C, char *err, size_t err_size) {
+template <class Src>
+static int quantize_both_segments(const char *op, const char *tensor, uint8_t *q1, float *s1, uint8_t *q2, float *s2,
+                                  const Src &src, int n, const int *rows0, int C, char *err, size_t err_size) {
     const SegTable seg = seg_table(op, n, rows0);
     if (seg.tiles0[n] == 0 || C <= 0) return 0;
     require_aligned16(q1, op, "q1"), require_aligned16(s1, op, "s1");
@@ -496,12 +538,12 @@ static int quantize_both_segments(const char *op, uint8_t *q1, float *s1, uint8_
     const int KB = ceil_div(C, FP8_TILE);
     unsigned long long *bad = bad_word();
     int rc;
-    const unsigned long long call = log_call(op, "x", rows0[n], C, &rc, err, err_size);
+    const unsigned long long call = log_call(op, tensor, rows0[n], C, &rc, err, err_size);
     const dim3 grid((unsigned)KB, (unsigned)seg.tiles0[n]);
-    if (C % 4 == 0 && is_aligned(x, 16))
-        quantize_both_kernel<true><<<grid, QBOTH_THREADS>>>(q1, s1, q2, s2, x, seg, C, KB * FP8_TILE, call, bad);
+    if (C % 4 == 0 && src.aligned16())
+        quantize_both_kernel<true><<<grid, QBOTH_THREADS>>>(q1, s1, q2, s2, src, seg, C, KB * FP8_TILE, call, bad);
     else
-        quantize_both_kernel<false><<<grid, QBOTH_THREADS>>>(q1, s1, q2, s2, x, seg, C, KB * FP8_TILE, call, bad);
+        quantize_both_kernel<false><<<grid, QBOTH_THREADS>>>(q1, s1, q2, s2, src, seg, C, KB * FP8_TILE, call, bad);
     CUDA_CHECK_LAUNCH("quantize_both_kernel");
     return rc;
 }
@@ -510,11 +552,43 @@ extern "C" int cuda_fp8_quantize_both_layouts(uint8_t *q1, float *s1, uint8_t *q
                                               int C, char *err, size_t err_size) {
     if (T <= 0) return 0;
     const int rows0[2] = {0, T};
-    return quantize_both_segments("fp8_quantize_both_layouts", q1, s1, q2, s2, x, 1, rows0, C, err, err_size);
+    return quantize_both_segments("fp8_quantize_both_layouts", "x", q1, s1, q2, s2, ArrayRows{x, NULL, C}, 1, rows0, C,
+                                  err, err_size);
 }
 
 extern "C" int cuda_fp8_quantize_both_layouts_grouped(uint8_t *q1, float *s1, uint8_t *q2, float *s2, const real *x,
                                                       int n_seg, const int *rows0, int C, char *err, size_t err_size) {
-    return quantize_both_segments("fp8_quantize_both_layouts_grouped", q1, s1, q2, s2, x, n_seg, rows0, C, err,
-                                  err_size);
+    return quantize_both_segments("fp8_quantize_both_layouts_grouped", "x", q1, s1, q2, s2, ArrayRows{x, NULL, C}, n_seg,
+                                  rows0, C, err, err_size);
+}
+
+// ---------------------------------------------------------------------------- SwiGLU values
+// The three activation kernels above on SwigluRows: the FFN gate's output h (w2's Fprop and Wgrad input) and its
+// gradients da, db (w1's and w3's dY) are computed where they are quantised, so fp8 mode never writes them in
+// FP32 nor reads them back (kernels.h fp8_quantize_swiglu_*).
+static const char *swiglu_tensor(SwigluValue value) {
+    return value == SWIGLU_OUT ? "silu(a) * b" : value == SWIGLU_DA ? "da of swiglu_backward" : "db of swiglu_backward";
+}
+
+extern "C" int cuda_fp8_quantize_swiglu_1x128_grouped(uint8_t *q, float *s, SwigluValue value, const real *dout,
+                                                      const real *a, const real *b, int n_seg, const int *rows0, int C,
+                                                      char *err, size_t err_size) {
+    return quantize_1x128_segments("fp8_quantize_swiglu_1x128_grouped", swiglu_tensor(value), q, s,
+                                   SwigluRows{value, dout, a, b, C}, n_seg, rows0, C, err, err_size);
+}
+
+extern "C" int cuda_fp8_quantize_swiglu_128x1_transposed_grouped(uint8_t *q, float *s, SwigluValue value,
+                                                                 const real *dout, const real *a, const real *b,
+                                                                 int n_seg, const int *rows0, int C, char *err,
+                                                                 size_t err_size) {
+    return quantize_128x1_segments("fp8_quantize_swiglu_128x1_transposed_grouped", swiglu_tensor(value), q, s,
+                                   SwigluRows{value, dout, a, b, C}, n_seg, rows0, C, err, err_size);
+}
+
+extern "C" int cuda_fp8_quantize_swiglu_both_layouts_grouped(uint8_t *q1, float *s1, uint8_t *q2, float *s2,
+                                                             SwigluValue value, const real *dout, const real *a,
+                                                             const real *b, int n_seg, const int *rows0, int C,
+                                                             char *err, size_t err_size) {
+    return quantize_both_segments("fp8_quantize_swiglu_both_layouts_grouped", swiglu_tensor(value), q1, s1, q2, s2,
+                                  SwigluRows{value, dout, a, b, C}, n_seg, rows0, C, err, err_size);
 }

@@ -22,7 +22,8 @@
  * Fprop and Dgrad run on the zero-padded sizes (Np, Kp multiples of 128, T16 = T rounded up to 16, the
  * rows the 1x128 quantiser pads with zeros) so any N, K, T work. Dgrad's weight is the transposed copy qwt,
  * whose BLK scales cuBLASLt wants as [KB][NB4]; kernels.h keeps one scale array s (NB, KB4) for both
- * copies, so Dgrad first writes the transposed scales into a small scratch buffer (NB x KB floats).
+ * copies, so Dgrad first writes the transposed scales into a small scratch buffer (KB x NB4 floats) - for a
+ * grouped Dgrad those of all its weights in one launch.
  *
  * Outputs: kernels.h's Fprop writes and Dgrad adds into `real` (float). cuBLASLt writes BF16 into a scratch
  * buffer and a conversion kernel copies (Dgrad: adds) the valid rows and columns to float: it reads 2 and writes 4 bytes per output element
@@ -568,12 +569,26 @@ __global__ void float_rows_to_bf16_kernel(uint16_t *y, const float *x, const int
     }
 }
 
-// swt (KB, NB4)[kb][nb] = sw (NB, KB4)[nb][kb]; columns NB..NB4-1 are padding, 0.
-__global__ void transpose_block_scales_kernel(float *swt, const float *sw, int NB, int KB, int KB4, int NB4) {
-    const int64_t n = (int64_t)KB * NB4;
+// The block scales of up to SCALE_T_BATCH weights of one shape, transposed in one launch. A routed-expert
+// Linear's grouped Dgrad has a weight per expert and matrix, and a launch each (2-3 us apiece) came to thousands
+// of launches per training step. The pointers travel in a __grid_constant__ parameter (2 KB, read from the
+// constant bank; the classic 4 KB parameter limit bounds it); more weights take several launches.
+enum { SCALE_T_BATCH = 256 };
+struct ScaleBatch {
+    int n;
+    const float *sw[SCALE_T_BATCH];
+};
+
+// For w < batch.n: swt + w * stride, as (KB, NB4), [kb][nb] = batch.sw[w] (NB, KB4) [nb][kb]; columns
+// NB..NB4-1 are padding, 0.
+__global__ void transpose_block_scales_kernel(float *swt, int64_t stride, const __grid_constant__ ScaleBatch batch,
+                                              int NB, int KB, int KB4, int NB4) {
+    const int64_t per = (int64_t)KB * NB4, n = per * batch.n;
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
-        const int kb = (int)(i / NB4), nb = (int)(i % NB4);
-        swt[i] = nb < NB ? sw[(int64_t)nb * KB4 + kb] : 0.0f;
+        const int w = (int)(i / per);
+        const int64_t r = i - w * per;
+        const int kb = (int)(r / NB4), nb = (int)(r % NB4);
+        swt[w * stride + r] = nb < NB ? batch.sw[w][(int64_t)nb * KB4 + kb] : 0.0f;
     }
 }
 
@@ -668,26 +683,55 @@ extern "C" void cuda_fp8_gemm_fprop_bf16(uint16_t *y, const uint8_t *qx, const f
     lt_matmul(&key, qw, qx, y, sw, sx, 0.0f, op);
 }
 
-extern "C" void cuda_fp8_gemm_dgrad_bf16(uint16_t *dx, const uint8_t *qdy, const float *sdy, const uint8_t *qwt,
-                                         const float *sw, int T, int N, int K) {
+// Floats between consecutive transposed scale arrays of (N, K) weights in one scratch: KB x NB4, a multiple of
+// 4 (NB4 is), so every array starts 16-byte aligned as cuBLASLt needs of a scale pointer; the round_up keeps
+// that true should the layout change.
+static int64_t scale_t_stride(int N, int K) {
+    return round_up(ceil_div(K, FP8_TILE) * round_up(ceil_div(N, FP8_TILE), 4), 4);
+}
+
+// swt + w * scale_t_stride(N, K) (w < n) = the transposes, as cuBLASLt's Dgrad wants them, of the block scales
+// sw[w] (NB, KB4) of n (N, K) weights: ceil(n / SCALE_T_BATCH) launches.
+static void transpose_block_scales(float *swt, const float *const *sw, int n, int N, int K) {
+    if (n <= 0 || N <= 0 || K <= 0) return;
+    const int NB = ceil_div(N, FP8_TILE), KB = ceil_div(K, FP8_TILE), KB4 = round_up(KB, 4), NB4 = round_up(NB, 4);
+    const int64_t stride = scale_t_stride(N, K);
+    for (int w0 = 0; w0 < n; w0 += SCALE_T_BATCH) {
+        ScaleBatch batch;
+        batch.n = n - w0 < SCALE_T_BATCH ? n - w0 : SCALE_T_BATCH;
+        for (int w = 0; w < batch.n; w++) batch.sw[w] = sw[w0 + w];
+        transpose_block_scales_kernel<<<grid_for((int64_t)KB * NB4 * batch.n, ELEMENTWISE_THREADS),
+                                        ELEMENTWISE_THREADS>>>(swt + w0 * stride, stride, batch, NB, KB, KB4, NB4);
+        CUDA_CHECK_LAUNCH("transpose_block_scales_kernel");
+    }
+}
+
+// The Dgrad GEMM alone, on scales swt already transposed to (KB, NB4) (transpose_block_scales); otherwise
+// cuda_fp8_gemm_dgrad_bf16. The grouped Dgrad transposes all its weights' scales at once and calls this.
+static void fp8_gemm_dgrad_bf16_t(uint16_t *dx, const uint8_t *qdy, const float *sdy, const uint8_t *qwt,
+                                  const float *swt, int T, int N, int K) {
     static const char op[] = "fp8_gemm_dgrad";
     if (T <= 0 || N <= 0 || K <= 0) return;
     check_rows16(op, T);
     require_aligned16(qdy, op, "qdy"), require_aligned16(sdy, op, "sdy"), require_aligned16(qwt, op, "qwt");
-    require_aligned16(dx, op, "dx");
-    const int NB = ceil_div(N, FP8_TILE), KB = ceil_div(K, FP8_TILE);
-    const int Np = NB * FP8_TILE, Kp = KB * FP8_TILE, KB4 = round_up(KB, 4), NB4 = round_up(NB, 4);
-    ctx_init();
-    float *swt = (float *)cuda_scratch(&ctx.scale_t, sizeof(float) * (size_t)KB * NB4);
-    transpose_block_scales_kernel<<<grid_for((int64_t)KB * NB4, ELEMENTWISE_THREADS), ELEMENTWISE_THREADS>>>(
-        swt, sw, NB, KB, KB4, NB4);
-    CUDA_CHECK_LAUNCH("transpose_block_scales_kernel");
+    require_aligned16(swt, op, "swt"), require_aligned16(dx, op, "dx");
+    const int Np = round_up(N, FP8_TILE), Kp = round_up(K, FP8_TILE);
     PlanKey key = fp8_key(Kp, T, Np, CUDA_R_16BF, CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F,
                           CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F);
     lt_matmul(&key, qwt, qdy, dx, swt, sdy, 0.0f, op);
 }
 
-// gemm.h's BF16-output Fprop or Dgrad: out (T, ld) BF16 from a (T rows of a 1x128 operand) and b (a weight).
+extern "C" void cuda_fp8_gemm_dgrad_bf16(uint16_t *dx, const uint8_t *qdy, const float *sdy, const uint8_t *qwt,
+                                         const float *sw, int T, int N, int K) {
+    if (T <= 0 || N <= 0 || K <= 0) return;
+    ctx_init();
+    float *swt = (float *)cuda_scratch(&ctx.scale_t, sizeof(float) * (size_t)scale_t_stride(N, K));
+    transpose_block_scales(swt, &sw, 1, N, K);
+    fp8_gemm_dgrad_bf16_t(dx, qdy, sdy, qwt, swt, T, N, K);
+}
+
+// The BF16-output Fprop (gemm.h) or Dgrad (on transposed scales: fp8_gemm_dgrad_bf16_t): out (T, ld) BF16 from
+// a (T rows of a 1x128 operand) and b (a weight).
 typedef void (*Fp8GemmBf16)(uint16_t *out, const uint8_t *qa, const float *sa, const uint8_t *qb, const float *sb, int T,
                             int N, int K);
 
@@ -699,22 +743,42 @@ typedef void (*Fp8GemmBf16)(uint16_t *out, const uint8_t *qa, const float *sa, c
 // segment, summing the matrices in order. A conversion per segment cost a routed-expert Linear one launch per
 // expert (about 675 launches of 9-52 us per step of a 2-layer model, ~10% of the GPU time), and one per
 // matrix a full extra pass over the FP32 gradient; the GEMMs are the same, so are the bits.
-static void fp8_gemm_segments(const char *op, Fp8GemmBf16 gemm, real *out, bool add, const DgradUnpermute *unpermute,
+// The Dgrad (`dgrad`) first transposes the block scales of every weight it uses (matrix i, non-empty segment g,
+// in that order) in one launch into one scratch, at scale_t_stride apart, instead of one launch per GEMM.
+static void fp8_gemm_segments(const char *op, bool dgrad, real *out, bool add, const DgradUnpermute *unpermute,
                               int out_cols, int contraction, int n_mats, const uint8_t *const *qa, const float *const *sa,
                               const uint8_t *const *const *qb, const float *const *const *sb, int n_seg,
                               const int *rows0, int N, int K) {
     const SegTable seg = seg_table(op, n_seg, rows0);
     if (seg.rows0[n_seg] == 0 || out_cols <= 0) return;
+    if (n_mats < 1 || n_mats > FP8_MAX_DGRAD_MATS)
+        gemm_fail(__LINE__, op, "%d matrices - expected 1 to %d (FP8_MAX_DGRAD_MATS, kernels.h)", n_mats,
+                  FP8_MAX_DGRAD_MATS);
     const int ld = round_up(out_cols, FP8_TILE), CB = ceil_div(contraction, FP8_TILE);
     const int64_t per_mat = (int64_t)seg.p16[n_seg] * ld;
     ctx_init();
     uint16_t *tmp = (uint16_t *)cuda_scratch(&ctx.out_bf16, sizeof(uint16_t) * (size_t)(per_mat * n_mats));
+    // The Dgrad's transposed scales live in ctx.scale_t, a buffer other than tmp's; nothing below asks for
+    // ctx.scale_t again (the GEMMs get fp8_gemm_dgrad_bf16_t, not the wrapper that uses it), so swt stays valid.
+    const Fp8GemmBf16 gemm = dgrad ? fp8_gemm_dgrad_bf16_t : cuda_fp8_gemm_fprop_bf16;
+    float *swt = NULL;
+    const int64_t swt_stride = dgrad ? scale_t_stride(N, K) : 0;
+    if (dgrad) {
+        const float *sw[FP8_MAX_DGRAD_MATS * FP8_MAX_SEGMENTS];
+        int n_w = 0;
+        for (int i = 0; i < n_mats; i++)
+            for (int g = 0; g < n_seg; g++)
+                if (seg.p16[g + 1] > seg.p16[g]) sw[n_w++] = sb[i][g];  // empty segments' pointers may be NULL
+        swt = (float *)cuda_scratch(&ctx.scale_t, sizeof(float) * (size_t)(swt_stride * n_w));
+        transpose_block_scales(swt, sw, n_w, N, K);
+    }
+    int w = 0;  // the Dgrad's weight number: its transposed scales are at swt + w * swt_stride
     for (int i = 0; i < n_mats; i++) {
         for (int g = 0; g < n_seg; g++) {
             const int p16 = seg.p16[g], T16 = seg.p16[g + 1] - p16;
             if (T16 == 0) continue;
             gemm(tmp + i * per_mat + (size_t)p16 * ld, qa[i] + (size_t)p16 * CB * FP8_TILE, sa[i] + (size_t)CB * p16,
-                 qb[i][g], sb[i][g], T16, N, K);
+                 qb[i][g], dgrad ? swt + w++ * swt_stride : sb[i][g], T16, N, K);
         }
     }
     if (unpermute) bf16_unpermute_rows(out, add, tmp, seg, out_cols, ld, n_mats, per_mat, unpermute);
@@ -724,16 +788,16 @@ static void fp8_gemm_segments(const char *op, Fp8GemmBf16 gemm, real *out, bool 
 
 extern "C" void cuda_fp8_gemm_fprop_grouped(real *y, const uint8_t *qx, const float *sx, const uint8_t *const *qw,
                                             const float *const *sw, int n_seg, const int *rows0, int N, int K) {
-    fp8_gemm_segments("fp8_gemm_fprop_grouped", cuda_fp8_gemm_fprop_bf16, y, false, NULL, N, K, 1, &qx, &sx, &qw, &sw,
-                      n_seg, rows0, N, K);
+    fp8_gemm_segments("fp8_gemm_fprop_grouped", false, y, false, NULL, N, K, 1, &qx, &sx, &qw, &sw, n_seg, rows0, N,
+                      K);
 }
 
 extern "C" void cuda_fp8_gemm_dgrad_grouped(real *dx, GradStore store, const DgradUnpermute *unpermute, int n_mats,
                                             const uint8_t *const *qdy, const float *const *sdy,
                                             const uint8_t *const *const *qwt, const float *const *const *sw, int n_seg,
                                             const int *rows0, int N, int K) {
-    fp8_gemm_segments("fp8_gemm_dgrad_grouped", cuda_fp8_gemm_dgrad_bf16, dx, store == GRAD_ADD, unpermute, K, N,
-                      n_mats, qdy, sdy, qwt, sw, n_seg, rows0, N, K);
+    fp8_gemm_segments("fp8_gemm_dgrad_grouped", true, dx, store == GRAD_ADD, unpermute, K, N, n_mats, qdy, sdy, qwt,
+                      sw, n_seg, rows0, N, K);
 }
 
 extern "C" void cuda_fp8_gemm_fprop(real *y, const uint8_t *qx, const float *sx, const uint8_t *qw, const float *sw,
@@ -742,8 +806,7 @@ extern "C" void cuda_fp8_gemm_fprop(real *y, const uint8_t *qx, const float *sx,
     const int rows0[2] = {0, T};
     const uint8_t *const *qws = &qw;
     const float *const *sws = &sw;
-    fp8_gemm_segments("fp8_gemm_fprop", cuda_fp8_gemm_fprop_bf16, y, false, NULL, N, K, 1, &qx, &sx, &qws, &sws, 1, rows0,
-                      N, K);
+    fp8_gemm_segments("fp8_gemm_fprop", false, y, false, NULL, N, K, 1, &qx, &sx, &qws, &sws, 1, rows0, N, K);
 }
 
 extern "C" void cuda_fp8_gemm_dgrad(real *dx, const uint8_t *qdy, const float *sdy, const uint8_t *qwt,
@@ -752,8 +815,7 @@ extern "C" void cuda_fp8_gemm_dgrad(real *dx, const uint8_t *qdy, const float *s
     const int rows0[2] = {0, T};
     const uint8_t *const *qwts = &qwt;
     const float *const *sws = &sw;
-    fp8_gemm_segments("fp8_gemm_dgrad", cuda_fp8_gemm_dgrad_bf16, dx, true, NULL, K, N, 1, &qdy, &sdy, &qwts, &sws, 1,
-                      rows0, N, K);
+    fp8_gemm_segments("fp8_gemm_dgrad", true, dx, true, NULL, K, N, 1, &qdy, &sdy, &qwts, &sws, 1, rows0, N, K);
 }
 
 extern "C" void cuda_fp8_gemm_wgrad(real *dw, const uint8_t *qdyt, const float *sdyt, const uint8_t *qxt,

@@ -4,9 +4,8 @@
  * Same function as cpu_swiglu_*; checked against it by tests/gpu.
  *
  * Each element is independent, so these are grid-stride loops over n (int64: expert buffers can
- * exceed 2^31 elements). Arithmetic uses the __f*_rn intrinsics so nvcc cannot fuse a multiply and
- * an add into an FMA: the CPU reference is built with -ffp-contract=off, and keeping the same
- * roundings leaves expf (CUDA's is within 2 ulp, glibc's within 1) as the only difference.
+ * exceed 2^31 elements). The per-element arithmetic is swiglu.cuh's, shared with the FP8 quantisers that
+ * compute these values as they read them (fp8 mode's FFNs never call these ops).
  *
  * Both ops are pure memory traffic (a few flops per 12 or 20 bytes), so when every pointer is 16-byte
  * aligned each thread moves float4s: a quarter of the load/store instructions and four elements in
@@ -18,17 +17,13 @@
 
 #include "kernels/cuda/cuda_ops.h"
 #include "kernels/cuda/common.cuh"
+#include "kernels/cuda/swiglu.cuh"
 
 static const int SWIGLU_THREADS = 256;
 
 static bool aligned16(const void *p) { return (uintptr_t)p % 16 == 0; }  // NULL counts as aligned
 
-__device__ inline float sigmoidf_rn(float a) { return __frcp_rn(__fadd_rn(1.0f, expf(-a))); }
-
 // ---------------------------------------------------------------------------- forward
-// out = silu(a) * b = (a * sigmoid(a)) * b, rounded as cpu_swiglu_forward does.
-__device__ inline float swiglu_element(float a, float b) { return __fmul_rn(__fmul_rn(a, sigmoidf_rn(a)), b); }
-
 // a, b, out (n). VEC4: a, b, out are 16-byte aligned; float4 i covers elements 4i .. 4i+3.
 template <bool VEC4>
 __global__ void swiglu_forward_kernel(float *out, const float *a, const float *b, int64_t n) {
@@ -57,17 +52,8 @@ extern "C" void cuda_swiglu_forward(real *out, const real *a, const real *b, int
 }
 
 // ---------------------------------------------------------------------------- backward
-// In the forward pass this was out = silu(a) * b, so with s = sigmoid(a) (computed once):
-//   db = dout * silu(a)
-//   da = dout * b * silu'(a),  silu'(a) = s * (1 + a * (1 - s))
-// Both are WRITTEN (kernels.h), so the old contents are never read: 20 bytes per element instead of
+// da and db are WRITTEN (kernels.h), so the old contents are never read: 20 bytes per element instead of
 // the 28 of an accumulating version, and no memset of da, db before the call.
-__device__ inline void swiglu_backward_element(float *da, float *db, float dout, float a, float b) {
-    const float s = sigmoidf_rn(a);
-    *db = __fmul_rn(dout, __fmul_rn(a, s));
-    const float dsilu = __fmul_rn(s, __fadd_rn(1.0f, __fmul_rn(a, __fsub_rn(1.0f, s))));
-    *da = __fmul_rn(__fmul_rn(dout, b), dsilu);
-}
 
 // Element i. da or db may be NULL (not needed); b is read only for da.
 __device__ inline void swiglu_backward_at(float *da, float *db, const float *dout, const float *a, const float *b,

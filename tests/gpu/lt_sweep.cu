@@ -1,9 +1,10 @@
 /*
- * lt_sweep.cu - a diagnostic for issue 3's sustained Wgrad: times every algorithm cuBLASLt's heuristic
- * offers (up to 16) for the Wgrad of kernels/cuda/gemm.cu at M x N x K (default 8192^3), in FP8 (E4M3,
+ * lt_sweep.cu - a diagnostic for issue 3's sustained Wgrad and BF16 Dgrad: times every algorithm cuBLASLt's
+ * heuristic offers (up to 32) for the Wgrad of kernels/cuda/gemm.cu at M x N x K (default 8192^3), in FP8 (E4M3,
  * 1x128 scales on both operands, FP32 D accumulated with beta = 1, as cuda_fp8_gemm_wgrad runs it) and in
- * BF16 (FP32 D, beta = 1, as the BF16 mode's Wgrad), and says for each whether its output has the same
- * bits as the heuristic's first choice (which fp8moe uses). Standalone on purpose: it asks cuBLASLt for
+ * BF16 (FP32 D, beta = 1, as the BF16 mode's Wgrad), and for the BF16 Dgrad (NN, BF16 D, as fp8moe runs
+ * dy @ w; and TN, the same product from a transposed weight), and says for each whether its output has the
+ * same bits as the heuristic's first choice (which fp8moe uses). Standalone on purpose: it asks cuBLASLt for
  * algorithms fp8moe never picks, so it does not belong in the library.
  *
  *   nvcc -O2 -arch=sm_90 -o lt_sweep tests/gpu/lt_sweep.cu -lcublasLt && ./lt_sweep [M N K] [runs]
@@ -26,6 +27,7 @@
 #define LK(x) do { cublasStatus_t s_ = (x); if (s_ != CUBLAS_STATUS_SUCCESS) { fprintf(stderr, "%s:%d: %s: status %d\n", __FILE__, __LINE__, #x, (int)s_); exit(1); } } while (0)
 
 static const size_t WS = (size_t)32 << 20;  // fp8moe's workspace (kernels/cuda/gemm.cu)
+static const int MAX_ANSWERS = 32;         // more than fp8moe asks for (8): what else is there
 
 __global__ void fill_bytes(uint8_t *p, size_t n, uint32_t seed, int fp8) {
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
@@ -49,8 +51,11 @@ static int attr(const cublasLtMatmulAlgo_t *algo, cublasLtMatmulAlgoConfigAttrib
     return v;
 }
 
-static void sweep(const char *name, int fp8, int64_t M, int64_t N, int64_t K, int runs, cublasLtHandle_t h, void *ws) {
-    // D (M x N, column-major) = A^T B: A stored K x M, B stored K x N (the TN layout of gemm.cu)
+// D (M x N, column-major) = op(A) op(B); TN (op_a = T, op_b = N: A stored K x M, B stored K x N) is the Wgrad
+// and Fprop layout of gemm.cu, NN (A stored M x K) the BF16 Dgrad's. D is FP32 accumulated with beta = 1, or
+// BF16 written with beta = 0 (d_bf16, the Dgrad's output).
+static void sweep(const char *name, int fp8, int op_a, int d_bf16, int64_t M, int64_t N, int64_t K, int runs,
+                  cublasLtHandle_t h, void *ws) {
     const size_t ebytes = fp8 ? 1 : 2;
     uint8_t *a, *b;
     float *d, *d_ref, *d_try, *sa = NULL, *sb = NULL;
@@ -64,7 +69,7 @@ static void sweep(const char *name, int fp8, int64_t M, int64_t N, int64_t K, in
     CK(cudaMemset(d, 0, (size_t)M * N * 4));
     cublasLtMatmulDesc_t desc;
     LK(cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
-    const int32_t op_t = CUBLAS_OP_T, op_n = CUBLAS_OP_N;
+    const int32_t op_t = op_a, op_n = CUBLAS_OP_N;
     LK(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_t, sizeof op_t));
     LK(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_n, sizeof op_n));
     if (fp8) {
@@ -81,22 +86,24 @@ static void sweep(const char *name, int fp8, int64_t M, int64_t N, int64_t K, in
     }
     const cudaDataType_t t = fp8 ? CUDA_R_8F_E4M3 : CUDA_R_16BF;
     cublasLtMatrixLayout_t la, lb, ld;
-    LK(cublasLtMatrixLayoutCreate(&la, t, K, M, K));
+    if (op_a == CUBLAS_OP_T) LK(cublasLtMatrixLayoutCreate(&la, t, K, M, K));
+    else LK(cublasLtMatrixLayoutCreate(&la, t, M, K, M));
     LK(cublasLtMatrixLayoutCreate(&lb, t, K, N, K));
-    LK(cublasLtMatrixLayoutCreate(&ld, CUDA_R_32F, M, N, M));
+    LK(cublasLtMatrixLayoutCreate(&ld, d_bf16 ? CUDA_R_16BF : CUDA_R_32F, M, N, M));
     cublasLtMatmulPreference_t pref;
     LK(cublasLtMatmulPreferenceCreate(&pref));
     const uint64_t wsb = WS;
     LK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &wsb, sizeof wsb));
-    cublasLtMatmulHeuristicResult_t res[16];
+    cublasLtMatmulHeuristicResult_t res[MAX_ANSWERS];
     int n_res = 0;
-    LK(cublasLtMatmulAlgoGetHeuristic(h, desc, la, lb, ld, ld, pref, 16, res, &n_res));
-    printf("%s  M x N x K = %lld x %lld x %lld, D FP32 beta = 1: %d algorithms\n", name, (long long)M, (long long)N,
-           (long long)K, n_res);
+    LK(cublasLtMatmulAlgoGetHeuristic(h, desc, la, lb, ld, ld, pref, MAX_ANSWERS, res, &n_res));
+    printf("%s  M x N x K = %lld x %lld x %lld, %s, D %s: %d algorithms\n", name, (long long)M, (long long)N,
+           (long long)K, op_a == CUBLAS_OP_T ? "TN" : "NN", d_bf16 ? "BF16 beta = 0" : "FP32 beta = 1", n_res);
     cudaEvent_t e0, e1;
     CK(cudaEventCreate(&e0));
     CK(cudaEventCreate(&e1));
-    const float one = 1.0f, zero = 0.0f;
+    const float one = 1.0f, zero = 0.0f, beta = d_bf16 ? 0.0f : 1.0f;
+    const size_t dbytes = d_bf16 ? 2 : 4;
     for (int i = 0; i < n_res; i++) {
         const cublasLtMatmulAlgo_t *al = &res[i].algo;
         // bits: beta = 0 into d_try, compared with the first algorithm's
@@ -108,15 +115,15 @@ static void sweep(const char *name, int fp8, int64_t M, int64_t N, int64_t K, in
         CK(cudaDeviceSynchronize());
         int same = 1;
         if (i > 0) {
-            std::vector<uint32_t> x((size_t)M * N), y((size_t)M * N);
-            CK(cudaMemcpy(x.data(), d_ref, x.size() * 4, cudaMemcpyDeviceToHost));
-            CK(cudaMemcpy(y.data(), d_try, y.size() * 4, cudaMemcpyDeviceToHost));
-            same = memcmp(x.data(), y.data(), x.size() * 4) == 0;
+            std::vector<uint8_t> x((size_t)M * N * dbytes), y((size_t)M * N * dbytes);
+            CK(cudaMemcpy(x.data(), d_ref, x.size(), cudaMemcpyDeviceToHost));
+            CK(cudaMemcpy(y.data(), d_try, y.size(), cudaMemcpyDeviceToHost));
+            same = memcmp(x.data(), y.data(), x.size()) == 0;
         }
         std::vector<float> ms(runs);
         for (int r = 0; r < 5 + runs; r++) {
             CK(cudaEventRecord(e0));
-            LK(cublasLtMatmul(h, desc, &one, a, la, b, lb, &one, d, ld, d, ld, al, ws, WS, 0));
+            LK(cublasLtMatmul(h, desc, &one, a, la, b, lb, &beta, d, ld, d, ld, al, ws, WS, 0));
             CK(cudaEventRecord(e1));
             CK(cudaEventSynchronize(e1));
             if (r >= 5) CK(cudaEventElapsedTime(&ms[r - 5], e0, e1));
@@ -157,8 +164,10 @@ int main(int argc, char **argv) {
     LK(cublasLtCreate(&h));
     void *ws;
     CK(cudaMalloc(&ws, WS));
-    sweep("fp8 Wgrad", 1, M, N, K, runs, h, ws);
-    sweep("bf16 Wgrad", 0, M, N, K, runs, h, ws);
+    sweep("fp8 Wgrad", 1, CUBLAS_OP_T, 0, M, N, K, runs, h, ws);
+    sweep("bf16 Wgrad", 0, CUBLAS_OP_T, 0, M, N, K, runs, h, ws);
+    sweep("bf16 Dgrad", 0, CUBLAS_OP_N, 1, M, N, K, runs, h, ws);           // dy @ w, as fp8moe runs it
+    sweep("bf16 Dgrad via W^T", 0, CUBLAS_OP_T, 1, M, N, K, runs, h, ws);  // the same product from a transposed W
     LK(cublasLtDestroy(h));
     CK(cudaFree(ws));
     return 0;

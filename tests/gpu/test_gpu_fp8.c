@@ -26,6 +26,10 @@
  * (Wgrad's zero-padded T blocks) and a misaligned Wgrad output (the scratch-and-add path).
  * The grouped Fprop and Dgrad (the routed experts: one output conversion for all segments) must equal the
  * plain CUDA calls segment by segment, bit for bit.
+ * The quantisers of SwiGLU values (fp8_quantize_swiglu_*, computed where they are read) must equal the CUDA
+ * composition their contract names (the SwiGLU op into an array, then the grouped quantiser) bit for bit, and the
+ * CPU's to one E4M3 step with 99% of the codes identical: the GPU's expf is not libm's exp, so the value may
+ * differ by a few ulp (test_quantize_swiglu derives the bound).
  * One table row per check.
  */
 #include <setjmp.h>
@@ -531,6 +535,299 @@ static void test_quantize_grouped(void **state) {
     device_free(DEVICE_CUDA, x_d), device_free(DEVICE_CUDA, src_d), device_free(DEVICE_CUDA, x_rows_d);
     free(x), free(src), free(x_rows);
     assert_int_equal(all, 0);
+}
+
+// ---------------------------------------------------------------------------- SwiGLU values quantised as read
+// kernels.h fp8_quantize_swiglu_*: the FFN gate's value (h = silu(a) * b, or da / db of swiglu_backward)
+// computed where it is quantised, with the bits the grouped quantiser of the same name gives an array holding
+// it. Two comparisons per op and value:
+//  (a) against the CUDA composition (swiglu_forward / swiglu_backward on the GPU into an array, then the CUDA
+//      grouped quantiser): the same value bits by contract, so every byte and scale BITWISE identical;
+//  (b) against the CPU's fused op on the same inputs. The CPU SwiGLU takes its sigmoid from libm's exp and CUDA's
+//      from expf (within 2 ulp), so a value may differ by a few ulp (more where da's silu'(a) nearly cancels,
+//      around a = -1.28) and an E4M3 code can round the other way, or a tile's amax (so its scale) move by an
+//      ulp. Per valid element the dequantised values (code decoded times scale) must then agree to one E4M3 step
+//      at the element's magnitude plus the scale ratio:
+//        |v_gpu - v_cpu| <= (2^-3 m + 2^-9 s_max)(1 + rho) + m rho,   m = max(|v_gpu|, |v_cpu|),
+//                                                                        rho = s_max / s_min - 1
+//      (the step between adjacent E4M3 codes is at most 2^-3 of the larger value among normals and 2^-9 among
+//      subnormals, in units of the scale; with codes Q and scales s, |Qg sg - Qc sc| <= |Qg - Qc| s_max +
+//      |Qc| |sg - sc|, and Q s_max <= m (1 + rho)); every scale within
+//      2^-10 relative of the CPU's (a few ulp expected; the bound keeps the scale-ratio term above from hiding a
+//      wrong scale); at least 99% of the valid elements' codes identical (the few-ulp differences move a code
+//      only near a rounding boundary); the padding (codes 0, scales 1) identical; no poison left.
+typedef enum { SWQ_1X128, SWQ_128X1, SWQ_BOTH } SwigluQuant;
+static const char *const swq_ops[] = {"fp8_quantize_swiglu_1x128_grouped", "fp8_quantize_swiglu_128x1_transposed_grouped",
+                                      "fp8_quantize_swiglu_both_layouts_grouped"};
+static const char *const swq_names[] = {"1x128", "128x1_T", "both"};
+static const char *const swiglu_value_names[] = {"OUT", "DA", "DB"};
+
+// The grouped operands of segments rows0 (width C) as kernels.h lays them out: segment g's 1x128 operand is rows
+// p16[g] .. of (P16, Kp), its scales (KB, R16_g) at s1 + KB p16[g]; its 128x1 operand (C, Tp_g) at q2 + C 128 tb[g],
+// its scales (TB_g, C) at s2 + C tb[g]. Sizes in bytes of q and counts of scales.
+typedef struct {
+    int n_seg, C, KB, Kp;
+    const int *rows0;
+    int p16[FP8_MAX_SEGMENTS + 1], tb[FP8_MAX_SEGMENTS + 1];
+    size_t q1, s1, q2, s2;
+} SegLayout;
+
+static SegLayout seg_layout(int n_seg, const int *rows0, int C) {
+    SegLayout L = {.n_seg = n_seg, .C = C, .KB = ceil_div(C, FP8_TILE), .rows0 = rows0};
+    L.Kp = L.KB * FP8_TILE;
+    L.p16[0] = L.tb[0] = 0;
+    for (int g = 0; g < n_seg; g++) {
+        const int T = rows0[g + 1] - rows0[g];
+        L.p16[g + 1] = L.p16[g] + ceil_div(T, 16) * 16, L.tb[g + 1] = L.tb[g] + ceil_div(T, FP8_TILE);
+    }
+    L.q1 = (size_t)L.p16[n_seg] * L.Kp, L.s1 = (size_t)L.KB * L.p16[n_seg];
+    L.q2 = (size_t)C * FP8_TILE * L.tb[n_seg], L.s2 = (size_t)C * L.tb[n_seg];
+    return L;
+}
+
+// The fused op `which` (1x128: q1, s1; 128x1: q2, s2; both: all four), given NULL for the input its value does not
+// read (dout for OUT, b for DB), so reading it would fault.
+static int run_swiglu_quant(Device dev, SwigluQuant which, uint8_t *q1, float *s1, uint8_t *q2, float *s2,
+                            SwigluValue value, const float *dout, const float *a, const float *b, const SegLayout *L,
+                            char *err, size_t err_size) {
+    if (value == SWIGLU_OUT) dout = NULL;
+    if (value == SWIGLU_DB) b = NULL;
+    switch (which) {
+    case SWQ_1X128:
+        return fp8_quantize_swiglu_1x128_grouped(dev, q1, s1, value, dout, a, b, L->n_seg, L->rows0, L->C, err, err_size);
+    case SWQ_128X1:
+        return fp8_quantize_swiglu_128x1_transposed_grouped(dev, q2, s2, value, dout, a, b, L->n_seg, L->rows0, L->C, err,
+                                                            err_size);
+    default:
+        return fp8_quantize_swiglu_both_layouts_grouped(dev, q1, s1, q2, s2, value, dout, a, b, L->n_seg, L->rows0, L->C,
+                                                        err, err_size);
+    }
+}
+
+// The contract's composition on the GPU: the value into v_d by the CUDA SwiGLU op, then the CUDA grouped quantiser.
+static int run_swiglu_composed(SwigluQuant which, uint8_t *q1, float *s1, uint8_t *q2, float *s2, float *v_d,
+                               SwigluValue value, const float *dout, const float *a, const float *b, const SegLayout *L,
+                               char *err, size_t err_size) {
+    const int64_t n = (int64_t)L->rows0[L->n_seg] * L->C;
+    if (value == SWIGLU_OUT) swiglu_forward(DEVICE_CUDA, v_d, a, b, n);
+    else if (value == SWIGLU_DA) swiglu_backward(DEVICE_CUDA, v_d, NULL, dout, a, b, n);
+    else swiglu_backward(DEVICE_CUDA, NULL, v_d, dout, a, b, n);
+    switch (which) {
+    case SWQ_1X128:
+        return fp8_quantize_1x128_grouped(DEVICE_CUDA, q1, s1, v_d, NULL, L->n_seg, L->rows0, L->C, err, err_size);
+    case SWQ_128X1:
+        return fp8_quantize_128x1_transposed_grouped(DEVICE_CUDA, q2, s2, v_d, NULL, L->n_seg, L->rows0, L->C, err,
+                                                     err_size);
+    default:
+        return fp8_quantize_both_layouts_grouped(DEVICE_CUDA, q1, s1, q2, s2, v_d, L->n_seg, L->rows0, L->C, err,
+                                                 err_size);
+    }
+}
+
+// Comparison (b) of one GPU operand with the CPU's, accumulated over the operands of a call.
+typedef struct {
+    int64_t valid, same;  // valid elements; those with the same code on both
+    int64_t pad_diff;     // differing bytes outside the valid elements
+    int64_t s_diff;       // scales not bit-identical
+    int64_t unwritten;    // poison left in the GPU operand (0xFF bytes: the E4M3 NaN, never a code; NaN scales)
+    double worst, worst_s;  // max |v_gpu - v_cpu| / tolerance; max |s_gpu / s_cpu - 1|
+} DequantCmp;
+
+static void compare_dequant(DequantCmp *d, const SegLayout *L, int transposed, const uint8_t *qg, const float *sg,
+                            const uint8_t *qc, const float *sc) {
+    double lut[256];
+    for (int i = 0; i < 256; i++) lut[i] = e4m3_value((uint8_t)i);
+    const size_t qn = transposed ? L->q2 : L->q1, sn = transposed ? L->s2 : L->s1;
+    const int C = L->C;
+    uint8_t *valid = calloc(qn > 0 ? qn : 1, 1);
+    for (int g = 0; g < L->n_seg; g++) {
+        const int T = L->rows0[g + 1] - L->rows0[g], R16 = ceil_div(T, 16) * 16, Tp = ceil_div(T, FP8_TILE) * FP8_TILE;
+        for (int i = 0; i < T; i++)
+            for (int c = 0; c < C; c++) {
+                size_t qi, si;
+                if (transposed) {
+                    qi = (size_t)C * FP8_TILE * L->tb[g] + (size_t)c * Tp + i;
+                    si = (size_t)C * L->tb[g] + (size_t)(i / FP8_TILE) * C + c;
+                } else {
+                    qi = (size_t)L->Kp * (L->p16[g] + i) + c;
+                    si = (size_t)L->KB * L->p16[g] + (size_t)(c / FP8_TILE) * R16 + i;
+                }
+                valid[qi] = 1;
+                const double vg = lut[qg[qi]] * sg[si], vc = lut[qc[qi]] * sc[si];
+                const double m = fmax(fabs(vg), fabs(vc)), smax = fmax(sg[si], sc[si]), smin = fmin(sg[si], sc[si]);
+                const double rho = (smax - smin) / smin;
+                double r = fabs(vg - vc) / ((0x1p-3 * m + 0x1p-9 * smax) * (1.0 + rho) + m * rho);
+                if (isnan(r)) r = INFINITY;  // a NaN code or scale
+                if (r > d->worst) d->worst = r;
+                d->valid++, d->same += qg[qi] == qc[qi];
+            }
+    }
+    for (size_t i = 0; i < qn; i++) d->pad_diff += !valid[i] && qg[i] != qc[i], d->unwritten += qg[i] == 0xFF;
+    for (size_t i = 0; i < sn; i++) {
+        double r = fabs((double)sg[i] / sc[i] - 1.0);
+        if (isnan(r)) r = INFINITY;
+        if (r > d->worst_s) d->worst_s = r;
+        d->s_diff += memcmp(&sg[i], &sc[i], sizeof(float)) != 0, d->unwritten += isnan(sg[i]);
+    }
+    free(valid);
+}
+
+// Segment layouts (host rows0), a width, and which inputs start 4 bytes into their device buffers (bit 0: a; bit 1:
+// b and dout), so that the fused kernels take their scalar loads; a width that is not a multiple of 4 does too.
+typedef struct {
+    int n_seg;
+    const int *rows0;
+    int C, offset, seed;
+} SwigluCase;
+
+static void test_quantize_swiglu(void **state) {
+    const SwigluCase *sc = *state;
+    const SegLayout L = seg_layout(sc->n_seg, sc->rows0, sc->C);
+    const int T = sc->rows0[sc->n_seg], C = sc->C;
+    const int64_t n = (int64_t)T * C;
+    // |a| over 2^-8 .. 2^4: sigmoid from ~0 to ~1, silu' through its zero; b and dout over many binades, so tiles
+    // reach E4M3 subnormals and values that round to zero. Never zero.
+    float *a = floats(n), *b = floats(n), *dout = floats(n);
+    fill_log_uniform(a, n, 5000 + (uint64_t)sc->seed, -8.0, 4.0);
+    fill_log_uniform(b, n, 5100 + (uint64_t)sc->seed, -12.0, 2.0);
+    fill_log_uniform(dout, n, 5200 + (uint64_t)sc->seed, -20.0, 0.0);
+    float *a_base = device_alloc(DEVICE_CUDA, (size_t)(n + 1) * sizeof(float));
+    float *b_base = device_alloc(DEVICE_CUDA, (size_t)(n + 1) * sizeof(float));
+    float *g_base = device_alloc(DEVICE_CUDA, (size_t)(n + 1) * sizeof(float));
+    const int off_a = sc->offset & 1, off_b = (sc->offset >> 1) & 1;
+    float *a_d = a_base + off_a, *b_d = b_base + off_b, *dout_d = g_base + off_b;
+    device_memcpy_from_host(DEVICE_CUDA, a_d, a, (size_t)n * sizeof(float));
+    device_memcpy_from_host(DEVICE_CUDA, b_d, b, (size_t)n * sizeof(float));
+    device_memcpy_from_host(DEVICE_CUDA, dout_d, dout, (size_t)n * sizeof(float));
+    float *v_d = device_alloc(DEVICE_CUDA, (size_t)(n > 0 ? n : 1) * sizeof(float));
+    char where[96];
+    snprintf(where, sizeof where, "%d seg %4d x %-4d%s", sc->n_seg, T, C,
+             sc->offset == 1 ? " a+4B" : sc->offset == 2 ? " b,dout+4B" : "");
+    int all_pass = 1;
+    for (int value = SWIGLU_OUT; value <= SWIGLU_DB; value++) {
+        for (int which = SWQ_1X128; which <= SWQ_BOTH; which++) {
+            const int has1 = which != SWQ_128X1, has2 = which != SWQ_1X128;
+            char err[256] = "";
+            // CPU fused, CUDA fused (f*) and CUDA composition (c*), all outputs poisoned first
+            uint8_t *q1 = host_poisoned(L.q1), *q2 = host_poisoned(L.q2);
+            float *s1 = host_poisoned(L.s1 * sizeof(float)), *s2 = host_poisoned(L.s2 * sizeof(float));
+            uint8_t *fq1_d = gpu_poisoned(L.q1), *fq2_d = gpu_poisoned(L.q2), *cq1_d = gpu_poisoned(L.q1);
+            uint8_t *cq2_d = gpu_poisoned(L.q2);
+            float *fs1_d = gpu_poisoned(L.s1 * sizeof(float)), *fs2_d = gpu_poisoned(L.s2 * sizeof(float));
+            float *cs1_d = gpu_poisoned(L.s1 * sizeof(float)), *cs2_d = gpu_poisoned(L.s2 * sizeof(float));
+            const int rc_cpu = run_swiglu_quant(DEVICE_CPU, (SwigluQuant)which, q1, s1, q2, s2, (SwigluValue)value,
+                                                dout, a, b, &L, err, sizeof err);
+            const int rc_fused = run_swiglu_quant(DEVICE_CUDA, (SwigluQuant)which, fq1_d, fs1_d, fq2_d, fs2_d,
+                                                  (SwigluValue)value, dout_d, a_d, b_d, &L, err, sizeof err);
+            const int rc_comp = run_swiglu_composed((SwigluQuant)which, cq1_d, cs1_d, cq2_d, cs2_d, v_d,
+                                                    (SwigluValue)value, dout_d, a_d, b_d, &L, err, sizeof err);
+            const int rc_check = fp8_check_finite(DEVICE_CUDA, err, sizeof err);
+            uint8_t *fq1 = host_copy_of(fq1_d, L.q1), *fq2 = host_copy_of(fq2_d, L.q2);
+            uint8_t *cq1 = host_copy_of(cq1_d, L.q1), *cq2 = host_copy_of(cq2_d, L.q2);
+            float *fs1 = host_copy_of(fs1_d, L.s1 * sizeof(float)), *fs2 = host_copy_of(fs2_d, L.s2 * sizeof(float));
+            float *cs1 = host_copy_of(cs1_d, L.s1 * sizeof(float)), *cs2 = host_copy_of(cs2_d, L.s2 * sizeof(float));
+            // (a) bitwise against the CUDA composition
+            int64_t diff_comp = 0;
+            if (has1) diff_comp += count_diff(fq1, cq1, L.q1) + count_diff(fs1, cs1, L.s1 * sizeof(float));
+            if (has2) diff_comp += count_diff(fq2, cq2, L.q2) + count_diff(fs2, cs2, L.s2 * sizeof(float));
+            // (b) dequantised against the CPU's fused op
+            DequantCmp d = {0, 0, 0, 0, 0, 0.0, 0.0};
+            if (has1) compare_dequant(&d, &L, 0, fq1, fs1, q1, s1);
+            if (has2) compare_dequant(&d, &L, 1, fq2, fs2, q2, s2);
+            const double same = d.valid > 0 ? (double)d.same / (double)d.valid : 1.0;
+            const int pass = rc_cpu == 0 && rc_fused == 0 && rc_comp == 0 && rc_check == 0 && diff_comp == 0 &&
+                             d.worst <= 1.0 && d.worst_s <= 0x1p-10 && same >= 0.99 && d.pad_diff == 0 &&
+                             d.unwritten == 0;
+            printf("%-18s %-3s %-7s %-24s vs CUDA composition: %lld differing bytes; vs CPU: codes equal %.4f%%, "
+                   "scales differing %lld (max rel %.2g), worst |dv|/tol %.3f, padding differing %lld, poison left "
+                   "%lld%s  %s\n",
+                   "quantize_swiglu", swiglu_value_names[value], swq_names[which], where, (long long)diff_comp,
+                   100.0 * same, (long long)d.s_diff, d.worst_s, d.worst, (long long)d.pad_diff,
+                   (long long)d.unwritten, rc_cpu || rc_fused || rc_comp || rc_check ? "; an op reported an error" : "",
+                   pass ? "ok" : "FAIL");
+            if (rc_cpu || rc_fused || rc_comp || rc_check)
+                printf("    rc cpu %d, cuda fused %d, cuda composition %d, fp8_check_finite %d: \"%s\"\n", rc_cpu,
+                       rc_fused, rc_comp, rc_check, err);
+            fflush(stdout);
+            all_pass &= pass;
+            device_free(DEVICE_CUDA, fq1_d), device_free(DEVICE_CUDA, fq2_d), device_free(DEVICE_CUDA, cq1_d);
+            device_free(DEVICE_CUDA, cq2_d), device_free(DEVICE_CUDA, fs1_d), device_free(DEVICE_CUDA, fs2_d);
+            device_free(DEVICE_CUDA, cs1_d), device_free(DEVICE_CUDA, cs2_d);
+            free(q1), free(q2), free(s1), free(s2), free(fq1), free(fq2), free(cq1), free(cq2);
+            free(fs1), free(fs2), free(cs1), free(cs2);
+        }
+    }
+    device_free(DEVICE_CUDA, a_base), device_free(DEVICE_CUDA, b_base), device_free(DEVICE_CUDA, g_base);
+    device_free(DEVICE_CUDA, v_d);
+    free(a), free(b), free(dout);
+    assert_true(all_pass);
+}
+
+// A non-finite SwiGLU value on the GPU: the call returns 0 (kernels.h: the check is deferred) and fp8_check_finite
+// then returns -1 naming the op, the shape and the first bad element (row of the segments' rows, column), as the
+// CPU op's -1 does; a second check finds nothing. Two ways to get one: a NaN in a (two of them: the first in
+// row-major order is named), and finite inputs whose value overflows FP32 (a = b = dout = 1e20: h, da and db are
+// ~1e40), which the kernel must catch on the value it computed, not on its inputs. A check before each call clears
+// the call log, so that the call's own return is 0 (every 4096th call checks the ones before it).
+static void test_quantize_swiglu_nonfinite(void **state) {
+    (void)state;
+    static const int rows0[] = {0, 37, 37, 200, 333};
+    const SegLayout L = seg_layout(4, rows0, 200);
+    const int C = L.C, T = rows0[L.n_seg];
+    const int64_t n = (int64_t)T * C;
+    float *a = floats(n), *b = floats(n), *dout = floats(n);
+    float *a_d = device_alloc(DEVICE_CUDA, (size_t)n * sizeof(float));
+    float *b_d = device_alloc(DEVICE_CUDA, (size_t)n * sizeof(float));
+    float *dout_d = device_alloc(DEVICE_CUDA, (size_t)n * sizeof(float));
+    uint8_t *q1_d = gpu_poisoned(L.q1), *q2_d = gpu_poisoned(L.q2);
+    float *s1_d = gpu_poisoned(L.s1 * sizeof(float)), *s2_d = gpu_poisoned(L.s2 * sizeof(float));
+    uint8_t *q1 = host_poisoned(L.q1), *q2 = host_poisoned(L.q2);
+    float *s1 = host_poisoned(L.s1 * sizeof(float)), *s2 = host_poisoned(L.s2 * sizeof(float));
+    int all_pass = 1;
+    for (int value = SWIGLU_OUT; value <= SWIGLU_DB; value++) {
+        for (int which = SWQ_1X128; which <= SWQ_BOTH; which++) {
+            for (int overflow = 0; overflow < 2; overflow++) {
+                fill_log_uniform(a, n, 5300, -8.0, 4.0);
+                fill_log_uniform(b, n, 5301, -12.0, 2.0);
+                fill_log_uniform(dout, n, 5302, -20.0, 0.0);
+                int r = 250, c = 77;  // in the fourth segment (rows 200..332)
+                if (overflow) {
+                    r = 120, c = 199;  // the third segment, the last column (in the partial tile)
+                    a[(int64_t)r * C + c] = b[(int64_t)r * C + c] = dout[(int64_t)r * C + c] = 1e20f;
+                } else {
+                    a[(int64_t)300 * C + 5] = NAN;  // later in row-major order: not the one named
+                    a[(int64_t)r * C + c] = NAN;
+                }
+                device_memcpy_from_host(DEVICE_CUDA, a_d, a, (size_t)n * sizeof(float));
+                device_memcpy_from_host(DEVICE_CUDA, b_d, b, (size_t)n * sizeof(float));
+                device_memcpy_from_host(DEVICE_CUDA, dout_d, dout, (size_t)n * sizeof(float));
+                char err_gpu[256] = "", err_cpu[256] = "", err_again[256] = "", want[64];
+                const int rc_before = fp8_check_finite(DEVICE_CUDA, err_gpu, sizeof err_gpu);
+                const int rc_call = run_swiglu_quant(DEVICE_CUDA, (SwigluQuant)which, q1_d, s1_d, q2_d, s2_d,
+                                                     (SwigluValue)value, dout_d, a_d, b_d, &L, err_gpu, sizeof err_gpu);
+                const int rc_gpu = fp8_check_finite(DEVICE_CUDA, err_gpu, sizeof err_gpu);
+                const int rc_again = fp8_check_finite(DEVICE_CUDA, err_again, sizeof err_again);
+                const int rc_cpu = run_swiglu_quant(DEVICE_CPU, (SwigluQuant)which, q1, s1, q2, s2, (SwigluValue)value,
+                                                    dout, a, b, &L, err_cpu, sizeof err_cpu);
+                snprintf(want, sizeof want, "row %d, column %d", r, c);
+                const int named = strstr(err_gpu, swq_ops[which]) != NULL && strstr(err_gpu, want) != NULL &&
+                                  strstr(err_gpu, "(333, 200)") != NULL && strstr(err_cpu, want) != NULL;
+                const int pass =
+                    rc_before == 0 && rc_call == 0 && rc_gpu == -1 && rc_again == 0 && rc_cpu == -1 && named;
+                printf("%-18s %-3s %-7s %-24s rc call %d, check %d then %d, cpu %d; gpu: \"%s\"  %s\n",
+                       "quantize_swiglu", swiglu_value_names[value], swq_names[which],
+                       overflow ? "value overflows (120,199)" : "NaN in a at (250, 77)", rc_call, rc_gpu, rc_again,
+                       rc_cpu, err_gpu, pass ? "ok" : "FAIL");
+                fflush(stdout);
+                all_pass &= pass;
+            }
+        }
+    }
+    device_free(DEVICE_CUDA, a_d), device_free(DEVICE_CUDA, b_d), device_free(DEVICE_CUDA, dout_d);
+    device_free(DEVICE_CUDA, q1_d), device_free(DEVICE_CUDA, q2_d), device_free(DEVICE_CUDA, s1_d);
+    device_free(DEVICE_CUDA, s2_d);
+    free(a), free(b), free(dout), free(q1), free(q2), free(s1), free(s2);
+    assert_true(all_pass);
 }
 
 // ---------------------------------------------------------------------------- GEMM comparison
@@ -1262,6 +1559,14 @@ int main(void) {
     static GemmCase w_a = {G_WGRAD, 300, 576, 300, 0, 0}, w_b = {G_WGRAD, 1000, 256, 512, 0, 1};
     static BothCase both_a = {300, 576}, both_b = {45, 200}, both_c = {1000, 70}, both_d = {3072, 2048};
     static GroupedCase gr_a = {5, 300, 1}, gr_b = {32, 2048, 2}, gr_c = {32, 1024, 3}, gr_d = {7, 70, 4};
+    // SwiGLU quantisers: one segment; an empty segment, partial 128-tiles and 333 rows (off 16) at whole tiles, at a
+    // partial last tile (200) and at a width off 4 (202: scalar loads); 6 segments of ~3000 rows (one empty) at
+    // C = 1024, with a or b and dout 4 bytes into their buffers (scalar loads), and at C = 202.
+    static const int sw_one[] = {0, 300}, sw_mix[] = {0, 37, 37, 200, 333};
+    static const int sw_big[] = {0, 700, 700, 1451, 2000, 2533, 3001};
+    static SwigluCase sw_a = {1, sw_one, 384, 0, 1}, sw_b = {4, sw_mix, 384, 0, 2}, sw_c = {4, sw_mix, 200, 0, 3};
+    static SwigluCase sw_d = {4, sw_mix, 202, 0, 4}, sw_e = {6, sw_big, 1024, 0, 5}, sw_f = {6, sw_big, 1024, 1, 6};
+    static SwigluCase sw_g = {6, sw_big, 1024, 2, 7}, sw_h = {6, sw_big, 202, 0, 8};
     static Bf16Case b_a = {256, 300, 576}, b_b = {128, 512, 1024};
     static GroupedGemmCase gg_a = {5, 576, 302, 1}, gg_b = {32, 1030, 512, 2}, gg_c = {32, 256, 2048, 3};
     static GroupedGemmCase bg_a = {5, 200, 300, 4}, bg_b = {32, 256, 512, 5};
@@ -1286,6 +1591,15 @@ int main(void) {
         cmocka_unit_test_prestate(test_quantize_grouped, &gr_b),
         cmocka_unit_test_prestate(test_quantize_grouped, &gr_c),
         cmocka_unit_test_prestate(test_quantize_grouped, &gr_d),
+        cmocka_unit_test_prestate(test_quantize_swiglu, &sw_a),
+        cmocka_unit_test_prestate(test_quantize_swiglu, &sw_b),
+        cmocka_unit_test_prestate(test_quantize_swiglu, &sw_c),
+        cmocka_unit_test_prestate(test_quantize_swiglu, &sw_d),
+        cmocka_unit_test_prestate(test_quantize_swiglu, &sw_e),
+        cmocka_unit_test_prestate(test_quantize_swiglu, &sw_f),
+        cmocka_unit_test_prestate(test_quantize_swiglu, &sw_g),
+        cmocka_unit_test_prestate(test_quantize_swiglu, &sw_h),
+        cmocka_unit_test(test_quantize_swiglu_nonfinite),
         cmocka_unit_test_prestate_setup_teardown(test_fp8_gemm, print_gemm_header_setup, NULL, &f_a),
         cmocka_unit_test_prestate(test_fp8_gemm, &f_b),
         cmocka_unit_test_prestate(test_fp8_gemm, &f_c),

@@ -8,7 +8,9 @@
  * a plain scalar loop of the documented FP32 arithmetic, (2) with the exact (double) product of the same
  * quantised operands, to the FP32 accumulation bound, and (3) with the unquantised FP64 product, to the
  * error E4M3 quantisation allows. The bounds are derived at each check and in docs/fp8.md. The grouped
- * (per-expert segment) quantisers and GEMMs must equal the plain ones segment by segment, bit for bit.
+ * (per-expert segment) quantisers and GEMMs must equal the plain ones segment by segment, bit for bit. The
+ * quantisers of SwiGLU values (fp8_quantize_swiglu_*) must equal, bit for bit, the composition their contract
+ * names: the public SwiGLU op into an array, then the grouped quantiser.
  * Run with OPCHECK_VERBOSE=1 to see how much room each bound leaves.
  */
 #include <setjmp.h>
@@ -473,6 +475,190 @@ static void test_quantize_rejects_non_finite(void **state) {
     tfree_all();
 }
 
+// ---------------------------------------------------------------------------- SwiGLU values quantised as computed
+// kernels.h fp8_quantize_swiglu_*: the SwiGLU value (h = silu(a) * b, or da / db of swiglu_backward) goes through
+// the grouped quantiser of the same name as an array holding it would, bit for bit, without the array. The
+// reference is that composition written with the public ops (swiglu_forward / swiglu_backward into an array, then
+// the grouped quantiser, which test_quantize_grouped ties to the plain quantisers), so these tests check the
+// contract itself rather than a re-derivation of the SwiGLU arithmetic.
+typedef enum { SWQ_1X128, SWQ_128X1, SWQ_BOTH } SwigluQuant;
+static const char *const swiglu_quant_ops[] = {"fp8_quantize_swiglu_1x128_grouped",
+                                               "fp8_quantize_swiglu_128x1_transposed_grouped",
+                                               "fp8_quantize_swiglu_both_layouts_grouped"};
+static const char *const swiglu_value_names[] = {"SWIGLU_OUT", "SWIGLU_DA", "SWIGLU_DB"};
+
+// Sizes of the grouped operands kernels.h defines for segments rows0 of width C: the 1x128 operand q1 (P16 x Kp
+// bytes) with s1 (KB x P16 scales), the 128x1 operand q2 (C x 128 TB bytes) with s2 (TB x C scales), P16 and TB
+// summed over the segments (an empty segment adds nothing).
+typedef struct {
+    size_t q1, s1, q2, s2;
+} GroupedSizes;
+
+static GroupedSizes grouped_sizes(int n_seg, const int *rows0, int C) {
+    size_t p16 = 0, tiles = 0;
+    for (int g = 0; g < n_seg; g++) {
+        const int n = rows0[g + 1] - rows0[g];
+        p16 += (size_t)ceil_div(n, 16) * 16, tiles += (size_t)ceil_div(n, 128);
+    }
+    const size_t KB = (size_t)ceil_div(C, 128);
+    return (GroupedSizes){p16 * KB * 128, KB * p16, (size_t)C * 128 * tiles, tiles * (size_t)C};
+}
+
+// The fused op `which`: the 1x128 form writes q1, s1, the 128x1 form q2, s2, the both-layouts form all four.
+static int swiglu_quant(SwigluQuant which, uint8_t *q1, float *s1, uint8_t *q2, float *s2, SwigluValue value,
+                        const real *dout, const real *a, const real *b, int n_seg, const int *rows0, int C, char *err,
+                        size_t err_size) {
+    switch (which) {
+    case SWQ_1X128:
+        return fp8_quantize_swiglu_1x128_grouped(DEVICE_CPU, q1, s1, value, dout, a, b, n_seg, rows0, C, err, err_size);
+    case SWQ_128X1:
+        return fp8_quantize_swiglu_128x1_transposed_grouped(DEVICE_CPU, q2, s2, value, dout, a, b, n_seg, rows0, C, err,
+                                                            err_size);
+    default:
+        return fp8_quantize_swiglu_both_layouts_grouped(DEVICE_CPU, q1, s1, q2, s2, value, dout, a, b, n_seg, rows0, C,
+                                                        err, err_size);
+    }
+}
+
+// The definition: the value written into v (rows0[n_seg] x C) by the public SwiGLU op, then the grouped quantiser
+// of the same name on v.
+static int swiglu_quant_composed(SwigluQuant which, uint8_t *q1, float *s1, uint8_t *q2, float *s2, real *v,
+                                 SwigluValue value, const real *dout, const real *a, const real *b, int n_seg,
+                                 const int *rows0, int C, char *err, size_t err_size) {
+    const int64_t n = (int64_t)rows0[n_seg] * C;
+    if (value == SWIGLU_OUT) swiglu_forward(DEVICE_CPU, v, a, b, n);
+    else if (value == SWIGLU_DA) swiglu_backward(DEVICE_CPU, v, NULL, dout, a, b, n);
+    else swiglu_backward(DEVICE_CPU, NULL, v, dout, a, b, n);
+    switch (which) {
+    case SWQ_1X128: return fp8_quantize_1x128_grouped(DEVICE_CPU, q1, s1, v, NULL, n_seg, rows0, C, err, err_size);
+    case SWQ_128X1:
+        return fp8_quantize_128x1_transposed_grouped(DEVICE_CPU, q2, s2, v, NULL, n_seg, rows0, C, err, err_size);
+    default: return fp8_quantize_both_layouts_grouped(DEVICE_CPU, q1, s1, q2, s2, v, n_seg, rows0, C, err, err_size);
+    }
+}
+
+// got and want (bytes) byte for byte; a failure names the case and the first differing byte.
+static void expect_same_bytes(const char *what, const char *where, const void *got, const void *want, size_t bytes) {
+    const uint8_t *g = got, *w = want;
+    for (size_t i = 0; i < bytes; i++) {
+        if (g[i] != w[i]) fail_msg("%s, %s: byte %zu of %zu is 0x%02X, the composition's 0x%02X", where, what, i, bytes,
+                                   g[i], w[i]);
+    }
+}
+
+// The three fused ops on each value against the composition, every byte of q and every scale of the operands
+// kernels.h defines (padding rows, partial tiles and the scales of the padding included). The two sides' outputs are
+// poisoned with different bytes first, so a byte either side leaves unwritten differs. Segment layouts: one segment
+// (a partial 128-tile, rows off 16); the grouped tests' mix (an empty segment, partial 128-tiles, 333 rows); every
+// segment empty (nothing to write, nothing read). Widths: whole 128-tiles, and 200 (a partial last tile). Inputs
+// are random and never zero: |a| over 2^-8 .. 2^4 (sigmoid from ~0 to ~1, so silu' crosses its zero), b and dout
+// over many binades, so tiles reach E4M3 subnormals and values that round to zero. The fused call gets NULL for
+// the input its value does not read (dout for SWIGLU_OUT, b for SWIGLU_DB): reading it would crash the test.
+static void test_quantize_swiglu_grouped(void **state) {
+    (void)state;
+    static const int one[] = {0, 150}, mix[] = {0, 37, 37, 200, 333}, none[] = {0, 0, 0};
+    const struct {
+        const int *rows0;
+        int n_seg;
+    } layouts[] = {{one, 1}, {mix, 4}, {none, 2}};
+    const int widths[] = {384, 200};
+    for (size_t l = 0; l < sizeof layouts / sizeof layouts[0]; l++) {
+        for (size_t w = 0; w < sizeof widths / sizeof widths[0]; w++) {
+            const int n_seg = layouts[l].n_seg, *rows0 = layouts[l].rows0, C = widths[w], T = rows0[n_seg];
+            const size_t n = (size_t)T * C;
+            const uint64_t seed = 80 + 8 * l + 2 * w;
+            real *dout = ralloc(n), *a = ralloc(n), *b = ralloc(n), *v = ralloc(n);
+            fill_wide(a, n, seed, -8, 4);
+            fill_wide(b, n, seed + 1, -12, 2);
+            fill_wide(dout, n, seed + 2, -20, 0);
+            const GroupedSizes z = grouped_sizes(n_seg, rows0, C);
+            uint8_t *q1 = balloc(z.q1), *q2 = balloc(z.q2), *r1 = balloc(z.q1), *r2 = balloc(z.q2);
+            float *s1 = falloc(z.s1), *s2 = falloc(z.s2), *rs1 = falloc(z.s1), *rs2 = falloc(z.s2);
+            for (int value = SWIGLU_OUT; value <= SWIGLU_DB; value++) {
+                for (int which = SWQ_1X128; which <= SWQ_BOTH; which++) {
+                    char where[160], err[256] = "";
+                    snprintf(where, sizeof where, "%s(%s), %d segments of %d rows, C = %d", swiglu_quant_ops[which],
+                             swiglu_value_names[value], n_seg, T, C);
+                    memset(q1, 0xA5, z.q1), memset(q2, 0xA5, z.q2);
+                    memset(s1, 0xA5, z.s1 * sizeof(float)), memset(s2, 0xA5, z.s2 * sizeof(float));
+                    memset(r1, 0x5A, z.q1), memset(r2, 0x5A, z.q2);
+                    memset(rs1, 0x5A, z.s1 * sizeof(float)), memset(rs2, 0x5A, z.s2 * sizeof(float));
+                    const int rc_ref = swiglu_quant_composed((SwigluQuant)which, r1, rs1, r2, rs2, v,
+                                                             (SwigluValue)value, dout, a, b, n_seg, rows0, C, err,
+                                                             sizeof err);
+                    if (rc_ref != 0) fail_msg("%s: the composition returned %d: %s", where, rc_ref, err);
+                    const int rc = swiglu_quant((SwigluQuant)which, q1, s1, q2, s2, (SwigluValue)value,
+                                                value == SWIGLU_OUT ? NULL : dout, a, value == SWIGLU_DB ? NULL : b,
+                                                n_seg, rows0, C, err, sizeof err);
+                    if (rc != 0) fail_msg("%s: returned %d: %s", where, rc, err);
+                    if (which != SWQ_128X1) {
+                        expect_same_bytes("1x128 q", where, q1, r1, z.q1);
+                        expect_same_bytes("1x128 scales", where, s1, rs1, z.s1 * sizeof(float));
+                    }
+                    if (which != SWQ_1X128) {
+                        expect_same_bytes("128x1 q", where, q2, r2, z.q2);
+                        expect_same_bytes("128x1 scales", where, s2, rs2, z.s2 * sizeof(float));
+                    }
+                    // the data are not degenerate: E4M3 subnormal codes occur (so do zeros, in the padding at least)
+                    if (T > 0 && which == SWQ_BOTH) {
+                        assert_true(count_subnormal_codes(q1, z.q1) > 0 && count_subnormal_codes(q2, z.q2) > 0);
+                    }
+                }
+            }
+            tfree_all();
+        }
+    }
+}
+
+// A non-finite value: -1, an error naming the op and the first bad element (row-major, row of the segments' rows
+// and column), and nothing written. Two ways to get one: a NaN in a (two of them, the first in row-major order
+// reported), and finite inputs whose value overflows FP32 (a = b = dout = 1e20: h, da and db are all ~1e40), which
+// shows the check is on the value, not only on the inputs.
+static void test_quantize_swiglu_rejects_non_finite(void **state) {
+    (void)state;
+    static const int rows0[] = {0, 37, 37, 200, 333};
+    const int n_seg = 4, C = 200, T = rows0[n_seg];
+    const size_t n = (size_t)T * C;
+    real *dout = ralloc(n), *a = ralloc(n), *b = ralloc(n);
+    const GroupedSizes z = grouped_sizes(n_seg, rows0, C);
+    uint8_t *q1 = balloc(z.q1), *q2 = balloc(z.q2);
+    float *s1 = falloc(z.s1), *s2 = falloc(z.s2);
+    for (int value = SWIGLU_OUT; value <= SWIGLU_DB; value++) {
+        for (int which = SWQ_1X128; which <= SWQ_BOTH; which++) {
+            for (int overflow = 0; overflow < 2; overflow++) {
+                fill_wide(a, n, 90, -8, 4);
+                fill_wide(b, n, 91, -12, 2);
+                fill_wide(dout, n, 92, -20, 0);
+                int r = 250, c = 77;  // in the fourth segment (rows 200..332)
+                if (overflow) {
+                    r = 120, c = 199;  // the third segment's row 83, the last column (the partial tile)
+                    a[(size_t)r * C + c] = b[(size_t)r * C + c] = dout[(size_t)r * C + c] = (real)1e20;
+                } else {
+                    a[(size_t)300 * C + 5] = (real)NAN;  // later in row-major order: not the one reported
+                    a[(size_t)r * C + c] = (real)NAN;
+                }
+                memset(q1, 0xA5, z.q1), memset(q2, 0xA5, z.q2);
+                memset(s1, 0xA5, z.s1 * sizeof(float)), memset(s2, 0xA5, z.s2 * sizeof(float));
+                char err[256] = "", want[64];
+                const int rc = swiglu_quant((SwigluQuant)which, q1, s1, q2, s2, (SwigluValue)value,
+                                            value == SWIGLU_OUT ? NULL : dout, a, value == SWIGLU_DB ? NULL : b, n_seg,
+                                            rows0, C, err, sizeof err);
+                snprintf(want, sizeof want, "row %d, column %d", r, c);
+                if (rc != -1 || !strstr(err, want) || !strstr(err, swiglu_quant_ops[which])) {
+                    fail_msg("%s(%s), %s: returned %d with \"%s\"; expected -1 and an error naming %s and %s",
+                             swiglu_quant_ops[which], swiglu_value_names[value],
+                             overflow ? "value overflows" : "NaN in a", rc, err, swiglu_quant_ops[which], want);
+                }
+                for (size_t i = 0; i < z.q1; i++) assert_int_equal(q1[i], 0xA5);
+                for (size_t i = 0; i < z.q2; i++) assert_int_equal(q2[i], 0xA5);
+                for (size_t i = 0; i < z.s1; i++) assert_int_equal(float_bits(s1[i]), 0xA5A5A5A5u);
+                for (size_t i = 0; i < z.s2; i++) assert_int_equal(float_bits(s2[i]), 0xA5A5A5A5u);
+            }
+        }
+    }
+    tfree_all();
+}
+
 // ---------------------------------------------------------------------------- GEMMs
 // The checks shared by the three GEMMs, for one output element. The element is
 //   out = sum over K-blocks kb of P_kb * sa_kb * sb_kb   (P_kb the exact block sum of decoded codes)
@@ -922,6 +1108,8 @@ int main(void) {
         cmocka_unit_test(test_quantize_128x1_transposed),
         cmocka_unit_test(test_quantize_grouped),
         cmocka_unit_test(test_quantize_rejects_non_finite),
+        cmocka_unit_test(test_quantize_swiglu_grouped),
+        cmocka_unit_test(test_quantize_swiglu_rejects_non_finite),
         cmocka_unit_test(test_gemm_fprop),
         cmocka_unit_test(test_gemm_dgrad),
         cmocka_unit_test(test_gemm_wgrad),
