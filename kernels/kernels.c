@@ -360,6 +360,20 @@ int fp8_quantize_both_layouts_grouped(Device dev, uint8_t *q1, float *s1, uint8_
     return cpu_fp8_quantize_both_layouts_grouped(q1, s1, q2, s2, x, n_seg, rows0, C, err, err_size);
 }
 
+int fp8_quantize_combine_grad_both_layouts_grouped(Device dev, uint8_t *q1, float *s1, uint8_t *q2, float *s2,
+                                                   const real *dout, const int *seg_token, const int *slot_of,
+                                                   const real *topk_w, int K, int n_seg, const int *rows0, int C,
+                                                   char *err, size_t err_size) {
+#ifdef FP8MOE_CUDA
+    if (dev == DEVICE_CUDA)
+        return cuda_fp8_quantize_combine_grad_both_layouts_grouped(q1, s1, q2, s2, dout, seg_token, slot_of, topk_w, K,
+                                                                   n_seg, rows0, C, err, err_size);
+#endif
+    if (dev != DEVICE_CPU) no_cuda_op("fp8_quantize_combine_grad_both_layouts_grouped");
+    return cpu_fp8_quantize_combine_grad_both_layouts_grouped(q1, s1, q2, s2, dout, seg_token, slot_of, topk_w, K, n_seg,
+                                                              rows0, C, err, err_size);
+}
+
 int fp8_quantize_swiglu_1x128_grouped(Device dev, uint8_t *q, float *s, SwigluValue value, const real *dout,
                                       const real *a, const real *b, int n_seg, const int *rows0, int C, char *err,
                                       size_t err_size) {

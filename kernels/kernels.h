@@ -290,6 +290,15 @@ int fp8_quantize_both_layouts_grouped(Device dev, uint8_t *q1, float *s1, uint8_
 // for DA and DB, b only for OUT and DA (pass NULL otherwise). A non-finite value is reported at its row and
 // column, as the plain quantiser reports it.
 typedef enum { SWIGLU_OUT, SWIGLU_DA, SWIGLU_DB } SwigluValue;
+// The routed experts' output gradient (w2's dY, fp8 mode with the experts reading token rows) read through the
+// routing plan: row s of the segments is topk_w[t,k] * dout[t] (one FP32 product) for the token t = seg_token[s]
+// and the k with slot_of[t*K + k] = s - the row s that moe_combine_backward writes into dexpert_out - quantised in
+// both layouts as fp8_quantize_both_layouts_grouped quantises that array, bit for bit, without the array (the
+// combine backward then computes dtopk_w only). rows0[n_seg] is the N*K slots.
+int fp8_quantize_combine_grad_both_layouts_grouped(Device dev, uint8_t *q1, float *s1, uint8_t *q2, float *s2,
+                                                   const real *dout, const int *seg_token, const int *slot_of,
+                                                   const real *topk_w, int K, int n_seg, const int *rows0, int C,
+                                                   char *err, size_t err_size);
 int fp8_quantize_swiglu_1x128_grouped(Device dev, uint8_t *q, float *s, SwigluValue value, const real *dout,
                                       const real *a, const real *b, int n_seg, const int *rows0, int C, char *err,
                                       size_t err_size);

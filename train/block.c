@@ -94,7 +94,8 @@ void block_acts_alloc(ActsArena *ar, BlockActs *a, const Dims *d, int is_moe, co
     ffn_acts_alloc(ar, &e->shared, N, d->shared_I, s);
 }
 
-void layer_scratch_alloc(ActsArena *ar, LayerScratch *s, const Dims *d, int has_moe, int needs_xp, int gate_values) {
+void layer_scratch_alloc(ActsArena *ar, LayerScratch *s, const Dims *d, int has_moe, int needs_xp, int gate_values,
+                         int needs_d_eout) {
     int64_t N = d->N, NH = (int64_t)d->N * d->H, NK = (int64_t)d->N * d->K;
     s->t_xn = ARENA_REALS(ar, N * d->D);
     s->t_rstd = ARENA_REALS(ar, N);
@@ -129,7 +130,7 @@ void layer_scratch_alloc(ActsArena *ar, LayerScratch *s, const Dims *d, int has_
             s->t_xp = ARENA_REALS(ar, NK * d->D);
             s->d_xp = ARENA_REALS(ar, NK * d->D);
         }
-        s->d_eout = ARENA_REALS(ar, NK * d->D);
+        if (needs_d_eout) s->d_eout = ARENA_REALS(ar, NK * d->D);
     }
     if (gate_values) {
         s->t_h = ARENA_REALS(ar, ffn_elems);

@@ -104,15 +104,17 @@ typedef struct {
     real *d_kva, *d_ckv, *d_ckvn, *d_k_rope, *d_k_rope_raw, *d_kv, *d_kf, *d_v, *d_o;
     real *d_a, *d_b, *d_h;                // FFN gradients: dense / shared (N, width), all routed experts (N*K, I)
     real *d_logits, *d_scores, *d_topk_w; // router
-    real *d_xp, *d_eout;                  // routed experts, (N*K, D); d_xp only where xp is gathered
+    real *d_xp, *d_eout;                  // routed experts, (N*K, D); d_xp only where xp is gathered, d_eout
+                                          // only where the combine backward writes it
 } LayerScratch;
 
 // The chunk's scratch first (has_moe: any block of the chunk is a MoE block; needs_xp: its MoE blocks
 // gather their experts' inputs, !moe_experts_read_tokens; gate_values: the FFNs write their gate's h, d_a, d_b,
-// as bf16 and fp32 do - fp8 computes them in its quantisers, linear.h), then each block's activations, whose
-// transients point into it.
+// as bf16 and fp32 do - fp8 computes them in its quantisers, linear.h; needs_d_eout: the combine backward writes
+// the experts' output gradient, !moe_combine_grad_in_quantiser), then each block's activations, whose transients
+// point into it.
 void layer_scratch_alloc(ActsArena *arena, LayerScratch *s, const Dims *d, int has_moe, int needs_xp,
-                         int gate_values);
+                         int gate_values, int needs_d_eout);
 void block_acts_alloc(ActsArena *arena, BlockActs *a, const Dims *d, int is_moe, const LayerScratch *s);
 
 // x_out (N, D) = block(x_in); a->x_in is set to x_in.
@@ -140,6 +142,9 @@ void ffn_backward(Model *m, const FfnWeights *w, const FfnWeights *g, FfnActs *a
 // copy xp (top-K rows per token) is never written, in the forward or the backward, nor allocated. fp32 mode,
 // and EP, gather xp.
 int moe_experts_read_tokens(const Model *m);
+// Where the experts read the token rows in fp8 mode, their output gradient is read through the plan too (w2's dY
+// quantiser, linear.h CombineGrad): the combine backward's (N*K, D) d_eout is neither written nor allocated.
+int moe_combine_grad_in_quantiser(const Model *m);
 // residual (N, D) (or NULL) is added to out last, in the combine's pass: out = (shared + routed) + residual.
 void moe_forward(Model *m, const BlockWeights *w, MoeActs *a, const Dims *d, const real *x, const real *residual,
                  real *out);

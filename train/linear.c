@@ -311,30 +311,39 @@ void linear_reserve_scratch(Model *m, int rows) {
 
 // ---------------------------------------------------------------------------- fp8 Linears
 // What the fp8 quantisers read for an activation operand (an input X or a gradient dY): an FP32 array, row r read
-// through `rows` when given, or (swiglu) one of the SwiGLU gate's values computed from dout, a, b as it is read
-// (kernels.h fp8_quantize_swiglu_*; linear_*_swiglu_grouped), never written in FP32.
+// through `rows` when given; one of the SwiGLU gate's values computed from dout, a, b as it is read (kernels.h
+// fp8_quantize_swiglu_*); or the MoE combine's gradient through the routing plan (a dY, both layouts only). The
+// last two are never written in FP32 (linear_*_swiglu_grouped).
 typedef struct {
+    enum { OPERAND_ARRAY, OPERAND_SWIGLU, OPERAND_COMBINE_GRAD } kind;
     const real *x;
     const int *rows;
-    int swiglu;
     SwigluValue value;
     const real *dout, *a, *b;
+    const CombineGrad *combine;
 } Operand;
 
 static Operand array_operand(const real *x, const int *rows) {
-    return (Operand){.x = x, .rows = rows};
+    return (Operand){.kind = OPERAND_ARRAY, .x = x, .rows = rows};
 }
 static Operand swiglu_operand(SwigluValue value, const real *dout, const real *a, const real *b) {
-    return (Operand){.swiglu = 1, .value = value, .dout = dout, .a = a, .b = b};
+    return (Operand){.kind = OPERAND_SWIGLU, .value = value, .dout = dout, .a = a, .b = b};
+}
+
+_Noreturn static void unsupported_operand(const char *layout) {
+    fprintf(stderr, "fp8moe: train/linear.c: internal error: the combine's gradient is quantised in both layouts at "
+                    "once, not as a %s operand alone\n", layout);
+    exit(1);
 }
 
 // x's 1x128 operand (Fprop X, Dgrad dY), its 128x1 operand (Wgrad X, dY) or both (a dY feeding Dgrad and Wgrad),
 // for all groups in one call. `what` names the operand in an error.
 static void quantize_1x128(Model *m, Fp8Operand o, const Operand *x, int n_groups, const int *offsets, int C,
                            const char *what) {
+    if (x->kind == OPERAND_COMBINE_GRAD) unsupported_operand("1x128");
     char err[256];
     profile_begin(PHASE_QUANTISE);
-    check_quantised(x->swiglu ? fp8_quantize_swiglu_1x128_grouped(m->dev, o.q, o.s, x->value, x->dout, x->a, x->b,
+    check_quantised(x->kind == OPERAND_SWIGLU ? fp8_quantize_swiglu_1x128_grouped(m->dev, o.q, o.s, x->value, x->dout, x->a, x->b,
                                                                   n_groups, offsets, C, err, sizeof err)
                               : fp8_quantize_1x128_grouped(m->dev, o.q, o.s, x->x, x->rows, n_groups, offsets, C, err,
                                                            sizeof err),
@@ -344,9 +353,10 @@ static void quantize_1x128(Model *m, Fp8Operand o, const Operand *x, int n_group
 
 static void quantize_128x1(Model *m, Fp8Operand o, const Operand *x, int n_groups, const int *offsets, int C,
                            const char *what) {
+    if (x->kind == OPERAND_COMBINE_GRAD) unsupported_operand("128x1");
     char err[256];
     profile_begin(PHASE_QUANTISE);
-    check_quantised(x->swiglu ? fp8_quantize_swiglu_128x1_transposed_grouped(m->dev, o.q, o.s, x->value, x->dout, x->a,
+    check_quantised(x->kind == OPERAND_SWIGLU ? fp8_quantize_swiglu_128x1_transposed_grouped(m->dev, o.q, o.s, x->value, x->dout, x->a,
                                                                              x->b, n_groups, offsets, C, err,
                                                                              sizeof err)
                               : fp8_quantize_128x1_transposed_grouped(m->dev, o.q, o.s, x->x, x->rows, n_groups,
@@ -358,18 +368,25 @@ static void quantize_128x1(Model *m, Fp8Operand o, const Operand *x, int n_group
 // Both layouts in one pass; the array form reads rows in order (a dY is never gathered).
 static void quantize_both(Model *m, Fp8Operand o1, Fp8Operand o2, const Operand *x, int n_groups, const int *offsets,
                           int C, const char *what) {
-    if (!x->swiglu && x->rows != NULL) {
+    if (x->kind == OPERAND_ARRAY && x->rows != NULL) {
         fprintf(stderr, "fp8moe: train/linear.c: internal error: a gradient read through a row index\n");
         exit(1);
     }
     char err[256];
+    int rc;
     profile_begin(PHASE_QUANTISE);
-    check_quantised(x->swiglu ? fp8_quantize_swiglu_both_layouts_grouped(m->dev, o1.q, o1.s, o2.q, o2.s, x->value,
-                                                                         x->dout, x->a, x->b, n_groups, offsets, C, err,
-                                                                         sizeof err)
-                              : fp8_quantize_both_layouts_grouped(m->dev, o1.q, o1.s, o2.q, o2.s, x->x, n_groups,
-                                                                  offsets, C, err, sizeof err),
-                    what, err);
+    if (x->kind == OPERAND_SWIGLU)
+        rc = fp8_quantize_swiglu_both_layouts_grouped(m->dev, o1.q, o1.s, o2.q, o2.s, x->value, x->dout, x->a, x->b,
+                                                      n_groups, offsets, C, err, sizeof err);
+    else if (x->kind == OPERAND_COMBINE_GRAD)
+        rc = fp8_quantize_combine_grad_both_layouts_grouped(m->dev, o1.q, o1.s, o2.q, o2.s, x->combine->d_out,
+                                                            x->combine->seg_token, x->combine->slot_of,
+                                                            x->combine->topk_w, x->combine->topk, n_groups, offsets, C,
+                                                            err, sizeof err);
+    else
+        rc = fp8_quantize_both_layouts_grouped(m->dev, o1.q, o1.s, o2.q, o2.s, x->x, n_groups, offsets, C, err,
+                                               sizeof err);
+    check_quantised(rc, what, err);
     profile_end(PHASE_QUANTISE);
 }
 
@@ -635,11 +652,17 @@ void linear_forward_swiglu_grouped(Model *m, int n_groups, const int *offsets, r
 }
 
 void linear_backward_swiglu_grouped(Model *m, int n_groups, const int *offsets, const FfnWeights *w,
-                                    const FfnWeights *g, const real *a, const real *b, const real *dy, const real *x,
-                                    const int *x_rows, real *dx, GradStore dx_store, const DgradUnpermute *unpermute,
-                                    const SwigluScratch *s, int D, int I) {
+                                    const FfnWeights *g, const real *a, const real *b, const real *dy,
+                                    const CombineGrad *dy_combine, const real *x, const int *x_rows, real *dx,
+                                    GradStore dx_store, const DgradUnpermute *unpermute, const SwigluScratch *s, int D,
+                                    int I) {
     real *const g13[2] = {g->w1, g->w3};
     const real *const w13[2] = {w->w1, w->w3}, *const w2[1] = {w->w2};
+    if ((dy_combine != NULL) != (m->cfg.precision.mode == PRECISION_FP8 && dy == NULL)) {
+        fprintf(stderr, "fp8moe: train/linear.c: internal error: an FFN's output gradient must be an array, or in fp8 "
+                        "mode the combine's gradient through the routing plan\n");
+        exit(1);
+    }
     if (m->cfg.precision.mode != PRECISION_FP8) {
         const int64_t n = (int64_t)offsets[n_groups] * I;
         swiglu_forward(m->dev, s->h, a, b, n);
@@ -652,7 +675,9 @@ void linear_backward_swiglu_grouped(Model *m, int n_groups, const int *offsets, 
     check_inp_rows(m, x_rows);
     profile_begin(PHASE_OTHER_GEMM);
     // w2: X is h, computed in its Wgrad quantiser; d_h is written (the only producer)
-    const Operand h = swiglu_operand(SWIGLU_OUT, NULL, a, b), dy_w2 = array_operand(dy, NULL);
+    const Operand h = swiglu_operand(SWIGLU_OUT, NULL, a, b);
+    const Operand dy_w2 = dy_combine ? (Operand){.kind = OPERAND_COMBINE_GRAD, .combine = dy_combine}
+                                     : array_operand(dy, NULL);
     fp8_backward(m, n_groups, offsets, 1, s->d_h, GRAD_WRITE, NULL, &g->w2, &dy_w2, &h, w2, I, D);
     // w1 and w3: their dYs are swiglu_backward's da and db, computed in their quantisers from d_h
     const Operand d_ab[2] = {swiglu_operand(SWIGLU_DA, s->d_h, a, b), swiglu_operand(SWIGLU_DB, s->d_h, a, NULL)};

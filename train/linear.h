@@ -62,11 +62,20 @@ void linear_forward_swiglu_grouped(Model *m, int n_groups, const int *offsets, r
 // The backward of w2, then of w1 and w3, from dy (rows, D): weight gradients +=, and x's gradient dx as
 // linear_backward_grouped gives it (dx_store, x_rows and unpermute as there). Buffers (rows, I): d_h is written
 // in every mode, h, d_a and d_b in bf16 and fp32 modes only.
+// dy_combine (fp8 mode only, else NULL; dy is then NULL): dy is the routed experts' output gradient read through
+// the routing plan - row s = topk_w[t,k] * d_out[t] for slot s = slot_of[t*K + k] - the rows moe_combine_backward
+// would write, computed in w2's dY quantiser instead (kernels.h fp8_quantize_combine_grad_both_layouts_grouped).
 typedef struct { real *h, *d_h, *d_a, *d_b; } SwigluScratch;
+typedef struct {
+    const real *d_out, *topk_w;
+    const int *seg_token, *slot_of;
+    int topk;
+} CombineGrad;
 void linear_backward_swiglu_grouped(Model *m, int n_groups, const int *offsets, const FfnWeights *w,
-                                    const FfnWeights *g, const real *a, const real *b, const real *dy, const real *x,
-                                    const int *x_rows, real *dx, GradStore dx_store, const DgradUnpermute *unpermute,
-                                    const SwigluScratch *s, int D, int I);
+                                    const FfnWeights *g, const real *a, const real *b, const real *dy,
+                                    const CombineGrad *dy_combine, const real *x, const int *x_rows, real *dx,
+                                    GradStore dx_store, const DgradUnpermute *unpermute, const SwigluScratch *s, int D,
+                                    int I);
 // Builds the weight cache and sizes the Linear scratch (fp8: quantised operands, bf16: rounded ones) for
 // every block Linear at `rows` tokens (a micro-batch) and for the routed experts' grouped calls (rows x top-K
 // rows over the local experts), so no step allocates device memory; a no-op in fp32 mode.

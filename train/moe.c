@@ -35,13 +35,17 @@ void ffn_backward(Model *m, const FfnWeights *w, const FfnWeights *g, FfnActs *a
                   int rows, int D, int width, const real *x, const real *d_out, real *d_x, GradStore d_x_store) {
     const int offsets[2] = {0, rows};
     const SwigluScratch scratch = {a->h, s->d_h, s->d_a, s->d_b};
-    linear_backward_swiglu_grouped(m, 1, offsets, w, g, a->a, a->b, d_out, x, NULL, d_x, d_x_store, NULL, &scratch, D,
-                                   width);
+    linear_backward_swiglu_grouped(m, 1, offsets, w, g, a->a, a->b, d_out, NULL, x, NULL, d_x, d_x_store, NULL,
+                                   &scratch, D, width);
 }
 
 // ---------------------------------------------------------------------------- routed experts
 int moe_experts_read_tokens(const Model *m) {
     return m->cfg.precision.mode != PRECISION_FP32 && m->ep.ep_size == 1;
+}
+
+int moe_combine_grad_in_quantiser(const Model *m) {
+    return m->cfg.precision.mode == PRECISION_FP8 && moe_experts_read_tokens(m);
 }
 
 // Every local expert over its segment of rows, one phase at a time: each Linear runs for all experts
@@ -61,16 +65,16 @@ static void experts_forward(Model *m, const FfnWeights *w, FfnActs *a, const int
 
 // h is recomputed from a and b (a forward transient, see FfnActs), as in ffn_backward. The input gradient d_xs
 // is written in slot order, or with unpermute (the rows read through xs_rows) written in token order as the
-// gradient of xs itself (linear.h).
+// gradient of xs itself (linear.h). The output gradient is d_ys, or d_ys_combine (linear.h CombineGrad).
 static void experts_backward(Model *m, const FfnWeights *w, const FfnWeights *g, FfnActs *a,
                              LayerScratch *s, const int *offsets, int n_experts, int D, int I,
-                             const real *xs, const int *xs_rows, const real *d_ys, real *d_xs,
-                             const DgradUnpermute *unpermute) {
+                             const real *xs, const int *xs_rows, const real *d_ys, const CombineGrad *d_ys_combine,
+                             real *d_xs, const DgradUnpermute *unpermute) {
     // d_h, d_a, d_b (and a slot-order d_xs) are written, not cleared and added to
     const SwigluScratch scratch = {a->h, s->d_h, s->d_a, s->d_b};
     profile_begin(PHASE_EXPERT_GEMM);
-    linear_backward_swiglu_grouped(m, n_experts, offsets, w, g, a->a, a->b, d_ys, xs, xs_rows, d_xs, GRAD_WRITE,
-                                   unpermute, &scratch, D, I);
+    linear_backward_swiglu_grouped(m, n_experts, offsets, w, g, a->a, a->b, d_ys, d_ys_combine, xs, xs_rows, d_xs,
+                                   GRAD_WRITE, unpermute, &scratch, D, I);
     profile_end(PHASE_EXPERT_GEMM);
 }
 
@@ -117,18 +121,23 @@ void moe_backward(Model *m, const BlockWeights *w, const BlockWeights *g, MoeAct
     int N = d->N, E = d->E, K = d->K, D = d->D, NK = d->N * d->K;
     size_t R = sizeof(real);
     // d_eout (moe_combine_backward) and d_xp (the experts' Dgrads) are written, not cleared and added to; where
-    // the experts read the token rows (direct), their input gradient goes straight to d_x in token order
+    // the experts read the token rows (direct), their input gradient goes straight to d_x in token order, and in
+    // fp8 mode (fused) their output gradient is read through the plan by w2's dY quantiser, so d_eout is not
+    // written at all (the combine backward computes d_topk_w only)
+    const int direct = moe_experts_read_tokens(m), fused = moe_combine_grad_in_quantiser(m);
     device_memset_zero(dev, s->d_topk_w, (size_t)N * K * R);
     device_memset_zero(dev, s->d_logits, (size_t)N * E * R);
     // out = shared(x) + sum_k w_k eout[slot(t,k)]
     profile_begin(PHASE_PERMUTE);
-    moe_combine_backward(dev, s->d_eout, s->d_topk_w, d_out, a->eout_perm, a->slot_of, a->topk_w, N, K, D);
+    moe_combine_backward(dev, fused ? NULL : s->d_eout, s->d_topk_w, d_out, a->eout_perm, a->slot_of, a->topk_w, N, K,
+                         D);
     profile_end(PHASE_PERMUTE);
-    const real *d_local_out = ep_combine_backward(&m->ep, &a->ep_buf, s->d_eout);
+    const real *d_local_out = fused ? NULL : ep_combine_backward(&m->ep, &a->ep_buf, s->d_eout);
+    const CombineGrad combine = {.d_out = d_out, .topk_w = a->topk_w, .seg_token = a->seg_token,
+                                 .slot_of = a->slot_of, .topk = K};
     // xp is a forward transient (the chunk's scratch, 4 x D bytes per routed row and layer): with one EP
     // rank ep_buf.rows is xp, so the experts' inputs are gathered again, the same rows in the same order
     // (or, in fp8 mode, read through seg_token again); with more ranks ep_buf keeps the rows it received.
-    const int direct = moe_experts_read_tokens(m);
     if (m->ep.ep_size == 1 && !direct) {
         profile_begin(PHASE_PERMUTE);
         gather_rows(dev, a->xp, x, a->seg_token, NK, D);
@@ -138,10 +147,11 @@ void moe_backward(Model *m, const BlockWeights *w, const BlockWeights *g, MoeAct
     if (direct) {
         const DgradUnpermute unpermute = {a->slot_of, N, K};
         experts_backward(m, &w->moe.experts, &g->moe.experts, &a->experts, s, a->ep_buf.seg_offsets,
-                         m->ep.experts_per_rank, D, d->I, x, a->seg_token, d_local_out, d_x, &unpermute);
+                         m->ep.experts_per_rank, D, d->I, x, a->seg_token, d_local_out, fused ? &combine : NULL, d_x,
+                         &unpermute);
     } else {
         experts_backward(m, &w->moe.experts, &g->moe.experts, &a->experts, s, a->ep_buf.seg_offsets,
-                         m->ep.experts_per_rank, D, d->I, a->ep_buf.rows, NULL, d_local_out, s->d_xp, NULL);
+                         m->ep.experts_per_rank, D, d->I, a->ep_buf.rows, NULL, d_local_out, NULL, s->d_xp, NULL);
         const real *d_perm = ep_dispatch_backward(&m->ep, &a->ep_buf, s->d_xp);
         device_memset_zero(dev, d_x, (size_t)N * D * R);
         profile_begin(PHASE_PERMUTE);

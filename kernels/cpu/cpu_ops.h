@@ -50,6 +50,10 @@ int cpu_fp8_quantize_128x1_transposed_grouped(uint8_t *q, float *s, const real *
                                               char *err, size_t err_size);
 int cpu_fp8_quantize_both_layouts_grouped(uint8_t *q1, float *s1, uint8_t *q2, float *s2, const real *x, int n,
                                           const int *rows0, int C, char *err, size_t err_size);
+int cpu_fp8_quantize_combine_grad_both_layouts_grouped(uint8_t *q1, float *s1, uint8_t *q2, float *s2, const real *dout,
+                                                       const int *seg_token, const int *slot_of, const real *topk_w,
+                                                       int K, int n, const int *rows0, int C, char *err,
+                                                       size_t err_size);
 int cpu_fp8_quantize_swiglu_1x128_grouped(uint8_t *q, float *s, SwigluValue value, const real *dout, const real *a,
                                           const real *b, int n, const int *rows0, int C, char *err, size_t err_size);
 int cpu_fp8_quantize_swiglu_128x1_transposed_grouped(uint8_t *q, float *s, SwigluValue value, const real *dout,

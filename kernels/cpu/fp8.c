@@ -586,6 +586,34 @@ int cpu_fp8_quantize_both_layouts_grouped(uint8_t *q1, float *s1, uint8_t *q2, f
     return quantize_both_grouped("fp8_quantize_both_layouts_grouped", q1, s1, q2, s2, x, n, rows0, C, err, err_size);
 }
 
+// ---------------------------------------------------------------------------- the combine's gradient
+// kernels.h's fp8_quantize_combine_grad_both_layouts_grouped: the rows moe_combine_backward would write into
+// dexpert_out (the same product), then the both-layouts quantiser - the definition itself.
+int cpu_fp8_quantize_combine_grad_both_layouts_grouped(uint8_t *q1, float *s1, uint8_t *q2, float *s2, const real *dout,
+                                                       const int *seg_token, const int *slot_of, const real *topk_w,
+                                                       int K, int n, const int *rows0, int C, char *err,
+                                                       size_t err_size) {
+    static const char op[] = "fp8_quantize_combine_grad_both_layouts_grouped";
+    check_segments(op, n, rows0);
+    const int rows = rows0[n];
+    real *dy = alloc_or_die((size_t)(rows > 0 ? rows : 1) * C * sizeof(real), "the combine's gradient rows");
+    for (int s = 0; s < rows; s++) {
+        const int t = seg_token[s];
+        int k = 0;
+        while (k < K && slot_of[(size_t)t * K + k] != s) k++;
+        if (k == K) {
+            fprintf(stderr, "fp8moe: %s: slot %d is not among the slots of its token %d - expected the routing plan's "
+                            "seg_token and slot_of\n", op, s, t);
+            exit(1);
+        }
+        const real w = topk_w[(size_t)t * K + k], *dt = dout + (size_t)t * C;
+        for (int c = 0; c < C; c++) dy[(size_t)s * C + c] = w * dt[c];
+    }
+    const int rc = quantize_both_grouped(op, q1, s1, q2, s2, dy, n, rows0, C, err, err_size);
+    free(dy);
+    return rc;
+}
+
 // ---------------------------------------------------------------------------- SwiGLU values
 // kernels.h's fp8_quantize_swiglu_*: the value computed into a temporary array by the CPU SwiGLU ops, then quantised
 // by the grouped quantiser of the same name - the definition itself (the CUDA kernels compute it as they read).

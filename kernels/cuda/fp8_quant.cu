@@ -120,6 +120,34 @@ struct SwigluRows {
     }
 };
 
+// The routed experts' output gradient through the routing plan (kernels.h
+// fp8_quantize_combine_grad_both_layouts_grouped): row s is topk_w[t,k] * dout[t], the product moe.cu's
+// combine backward stores, for t = seg_token[s] and the k whose slot_of entry is s (found among the token's K).
+struct CombineGradRows {
+    const float *dout;
+    const int *seg_token, *slot_of;
+    const float *topk_w;
+    int K, C;
+    bool aligned16() const { return is_aligned(dout, 16); }
+    template <bool VEC4>
+    __device__ void load4(float v[4], int64_t row, int col, int len) const {
+        if (len == 0) {
+            v[0] = v[1] = v[2] = v[3] = 0.0f;
+            return;
+        }
+        // Every load depends on t alone, none on another's value (the slot compare only selects), so they are all
+        // in flight at once: a load of topk_w behind the compare made each row a chain of three memory latencies.
+        const int64_t t = seg_token[row];
+        ::load4<VEC4>(v, dout + t * C, col, len);
+        float w = 0.0f;
+        for (int k = 0; k < K; k++) {
+            const float wk = topk_w[t * K + k];
+            w = slot_of[t * K + k] == row ? wk : w;
+        }
+        for (int j = 0; j < 4; j++) v[j] = col + j < len ? __fmul_rn(w, v[j]) : 0.0f;  // padding: 0, as an array's
+    }
+};
+
 // The per-process device word that the kernels report the first bad element into, and a pinned host
 // word to read it back. The word holds NO_BAD_ELEMENT between checks: it is set once at allocation and
 // reset only after a check that found a bad element.
@@ -560,6 +588,16 @@ extern "C" int cuda_fp8_quantize_both_layouts_grouped(uint8_t *q1, float *s1, ui
                                                       int n_seg, const int *rows0, int C, char *err, size_t err_size) {
     return quantize_both_segments("fp8_quantize_both_layouts_grouped", "x", q1, s1, q2, s2, ArrayRows{x, NULL, C}, n_seg,
                                   rows0, C, err, err_size);
+}
+
+extern "C" int cuda_fp8_quantize_combine_grad_both_layouts_grouped(uint8_t *q1, float *s1, uint8_t *q2, float *s2,
+                                                                   const real *dout, const int *seg_token,
+                                                                   const int *slot_of, const real *topk_w, int K,
+                                                                   int n_seg, const int *rows0, int C, char *err,
+                                                                   size_t err_size) {
+    return quantize_both_segments("fp8_quantize_combine_grad_both_layouts_grouped", "topk_w * dout", q1, s1, q2, s2,
+                                  CombineGradRows{dout, seg_token, slot_of, topk_w, K, C}, n_seg, rows0, C, err,
+                                  err_size);
 }
 
 // ---------------------------------------------------------------------------- SwiGLU values

@@ -30,6 +30,10 @@
  * composition their contract names (the SwiGLU op into an array, then the grouped quantiser) bit for bit, and the
  * CPU's to one E4M3 step with 99% of the codes identical: the GPU's expf is not libm's exp, so the value may
  * differ by a few ulp (test_quantize_swiglu derives the bound).
+ * The quantiser of the routed experts' output gradient read through the routing plan
+ * (fp8_quantize_combine_grad_both_layouts_grouped, plan built on the GPU) must equal the CUDA composition its contract
+ * names (moe_combine_backward into dexpert_out, then the grouped both-layouts quantiser) AND the CPU op bit for bit:
+ * its value is one FP32 product, the same on both.
  * One table row per check.
  */
 #include <setjmp.h>
@@ -830,6 +834,258 @@ static void test_quantize_swiglu_nonfinite(void **state) {
     assert_true(all_pass);
 }
 
+// ---------------------------------------------------------------------------- the combine's gradient quantised through the plan
+// kernels.h fp8_quantize_combine_grad_both_layouts_grouped: row s of the segments is topk_w[t,k] * dout[t] (one FP32
+// product) for t = seg_token[s] and the k with slot_of[t*K + k] = s - the row moe_combine_backward writes into
+// dexpert_out - quantised in both layouts without the array. The plan is built on the GPU (moe_permute_plan_device);
+// rows0 is its seg_offsets, one segment per expert. Two comparisons, both BITWISE (every byte of q and every scale,
+// padding included):
+//  (a) against the CUDA composition the contract names (CUDA moe_combine_backward into dexpert_out, then the CUDA
+//      both-layouts grouped quantiser);
+//  (b) against the CPU op on the same inputs and plan: the product is one FP32 multiply on both, and the quantisers are
+//      bit-exact, so nothing may differ.
+// The GPU plan must also equal the CPU's moe_permute_plan (kernels.h), so that a difference is not put on the
+// quantiser. Outputs are poisoned (0xFF: NaN scales, the E4M3 NaN code) and so is dexpert_out (NaN: a row the
+// combine backward left unwritten makes the composition report a non-finite value).
+static const char combine_grad_op[] = "fp8_quantize_combine_grad_both_layouts_grouped";
+
+typedef struct {
+    int N, K, E, C, offset, seed;  // offset: dout starts 4 bytes into its device buffer (scalar loads)
+} CombineGradCase;
+
+// topk_idx (N, K): per token K distinct experts out of E, never expert `empty` (so its segment is empty), drawn with a
+// skew towards low ids (expert floor(E u^4), u uniform), so segment lengths range from a few rows to many 128-tiles.
+static void random_routing(int *topk_idx, int N, int K, int E, int empty, uint64_t seed) {
+    uint64_t ctr = 0;
+    for (int t = 0; t < N; t++) {
+        for (int k = 0; k < K; k++) {
+            int e, taken;
+            do {
+                const double u = opcheck_uniform(seed, ctr++);
+                e = (int)(E * (u * u) * (u * u));
+                taken = e == empty;
+                for (int j = 0; j < k; j++) taken |= topk_idx[(size_t)t * K + j] == e;
+            } while (taken);
+            topk_idx[(size_t)t * K + k] = e;
+        }
+    }
+}
+
+// The inputs on both sides: host topk_w (N, K) random positive, dout (N, C) random non-zero over many binades, and
+// the routing plan built on the GPU from random_routing's topk_idx, with host copies of it (rows0 = seg_offsets).
+typedef struct {
+    int N, K, E, C, empty;
+    float *topk_w, *dout;                              // host
+    int *rows0, *seg_token, *slot_of;                  // host copies of the GPU plan
+    float *topk_w_d, *dout_d, *dout_base;              // device (dout_d = dout_base + offset)
+    int *topk_idx_d, *seg_offsets_d, *seg_token_d, *slot_of_d;
+    int plan_diff;                                     // differing ints between the GPU plan and moe_permute_plan
+} CombineGradInputs;
+
+static CombineGradInputs combine_grad_inputs(int N, int K, int E, int C, int offset, uint64_t seed) {
+    CombineGradInputs in = {.N = N, .K = K, .E = E, .C = C, .empty = E / 2};
+    const size_t NK = (size_t)N * K;
+    int *topk_idx = xmalloc(NK * sizeof(int));
+    random_routing(topk_idx, N, K, E, in.empty, seed);
+    in.topk_w = floats((int64_t)NK), in.dout = floats((int64_t)N * C);
+    opcheck_fill(in.topk_w, NK, seed + 1, 1.0 / 64, 1.0);
+    fill_log_uniform(in.dout, (int64_t)N * C, seed + 2, -20.0, 1.0);
+    in.topk_idx_d = gpu_copy_of(topk_idx, NK * sizeof(int));
+    in.topk_w_d = gpu_copy_of(in.topk_w, NK * sizeof(float));
+    in.dout_base = device_alloc(DEVICE_CUDA, ((size_t)N * C + 4) * sizeof(float));
+    in.dout_d = in.dout_base + (offset ? 1 : 0);
+    device_memcpy_from_host(DEVICE_CUDA, in.dout_d, in.dout, (size_t)N * C * sizeof(float));
+    in.seg_offsets_d = device_alloc(DEVICE_CUDA, (size_t)(E + 1) * sizeof(int));
+    in.seg_token_d = device_alloc(DEVICE_CUDA, NK * sizeof(int));
+    in.slot_of_d = device_alloc(DEVICE_CUDA, NK * sizeof(int));
+    moe_permute_plan_device(DEVICE_CUDA, in.seg_offsets_d, in.seg_token_d, in.slot_of_d, in.topk_idx_d, N, K, E);
+    in.rows0 = host_copy_of(in.seg_offsets_d, (size_t)(E + 1) * sizeof(int));
+    in.seg_token = host_copy_of(in.seg_token_d, NK * sizeof(int));
+    in.slot_of = host_copy_of(in.slot_of_d, NK * sizeof(int));
+    int *c_off = xmalloc((size_t)(E + 1) * sizeof(int)), *c_tok = xmalloc(NK * sizeof(int));
+    int *c_slot = xmalloc(NK * sizeof(int));
+    moe_permute_plan(c_off, c_tok, c_slot, topk_idx, N, K, E);
+    in.plan_diff = 0;
+    for (int e = 0; e <= E; e++) in.plan_diff += in.rows0[e] != c_off[e];
+    for (size_t i = 0; i < NK; i++) in.plan_diff += (in.seg_token[i] != c_tok[i]) + (in.slot_of[i] != c_slot[i]);
+    free(topk_idx), free(c_off), free(c_tok), free(c_slot);
+    return in;
+}
+
+static void combine_grad_inputs_free(CombineGradInputs *in) {
+    device_free(DEVICE_CUDA, in->topk_idx_d), device_free(DEVICE_CUDA, in->topk_w_d);
+    device_free(DEVICE_CUDA, in->dout_base), device_free(DEVICE_CUDA, in->seg_offsets_d);
+    device_free(DEVICE_CUDA, in->seg_token_d), device_free(DEVICE_CUDA, in->slot_of_d);
+    free(in->topk_w), free(in->dout), free(in->rows0), free(in->seg_token), free(in->slot_of);
+}
+
+// The op on dev: the host inputs and plan on DEVICE_CPU, the device ones on DEVICE_CUDA (rows0 is a host array on both).
+static int run_combine_grad_quant(Device dev, const CombineGradInputs *in, uint8_t *q1, float *s1, uint8_t *q2,
+                                  float *s2, char *err, size_t err_size) {
+    const int cuda = dev == DEVICE_CUDA;
+    return fp8_quantize_combine_grad_both_layouts_grouped(
+        dev, q1, s1, q2, s2, cuda ? in->dout_d : in->dout, cuda ? in->seg_token_d : in->seg_token,
+        cuda ? in->slot_of_d : in->slot_of, cuda ? in->topk_w_d : in->topk_w, in->K, in->E, in->rows0, in->C, err,
+        err_size);
+}
+
+static void test_quantize_combine_grad(void **state) {
+    const CombineGradCase *cc = *state;
+    CombineGradInputs in = combine_grad_inputs(cc->N, cc->K, cc->E, cc->C, cc->offset, 6000 + 10 * (uint64_t)cc->seed);
+    const int N = in.N, K = in.K, E = in.E, C = in.C;
+    const SegLayout L = seg_layout(E, in.rows0, C);
+    int longest = 0;
+    for (int e = 0; e < E; e++) longest = in.rows0[e + 1] - in.rows0[e] > longest ? in.rows0[e + 1] - in.rows0[e] : longest;
+    const int has_empty = in.rows0[in.empty + 1] == in.rows0[in.empty];
+    char err[256] = "";
+    // CPU op, CUDA op (f*) and CUDA composition (c*), all outputs poisoned first
+    uint8_t *q1 = host_poisoned(L.q1), *q2 = host_poisoned(L.q2);
+    float *s1 = host_poisoned(L.s1 * sizeof(float)), *s2 = host_poisoned(L.s2 * sizeof(float));
+    uint8_t *fq1_d = gpu_poisoned(L.q1), *fq2_d = gpu_poisoned(L.q2), *cq1_d = gpu_poisoned(L.q1);
+    uint8_t *cq2_d = gpu_poisoned(L.q2);
+    float *fs1_d = gpu_poisoned(L.s1 * sizeof(float)), *fs2_d = gpu_poisoned(L.s2 * sizeof(float));
+    float *cs1_d = gpu_poisoned(L.s1 * sizeof(float)), *cs2_d = gpu_poisoned(L.s2 * sizeof(float));
+    float *dexpert_d = gpu_poisoned((size_t)N * K * C * sizeof(float));
+    const int rc_before = fp8_check_finite(DEVICE_CUDA, err, sizeof err);
+    const int rc_cpu = run_combine_grad_quant(DEVICE_CPU, &in, q1, s1, q2, s2, err, sizeof err);
+    const int rc_fused = run_combine_grad_quant(DEVICE_CUDA, &in, fq1_d, fs1_d, fq2_d, fs2_d, err, sizeof err);
+    moe_combine_backward(DEVICE_CUDA, dexpert_d, NULL, in.dout_d, NULL, in.slot_of_d, in.topk_w_d, N, K, C);
+    const int rc_comp =
+        fp8_quantize_both_layouts_grouped(DEVICE_CUDA, cq1_d, cs1_d, cq2_d, cs2_d, dexpert_d, E, in.rows0, C, err, sizeof err);
+    const int rc_check = fp8_check_finite(DEVICE_CUDA, err, sizeof err);
+    uint8_t *fq1 = host_copy_of(fq1_d, L.q1), *fq2 = host_copy_of(fq2_d, L.q2);
+    uint8_t *cq1 = host_copy_of(cq1_d, L.q1), *cq2 = host_copy_of(cq2_d, L.q2);
+    float *fs1 = host_copy_of(fs1_d, L.s1 * sizeof(float)), *fs2 = host_copy_of(fs2_d, L.s2 * sizeof(float));
+    float *cs1 = host_copy_of(cs1_d, L.s1 * sizeof(float)), *cs2 = host_copy_of(cs2_d, L.s2 * sizeof(float));
+    // (a) bitwise against the CUDA composition, (b) bitwise against the CPU op
+    const int64_t diff_comp = count_diff(fq1, cq1, L.q1) + count_diff(fs1, cs1, L.s1 * sizeof(float)) +
+                              count_diff(fq2, cq2, L.q2) + count_diff(fs2, cs2, L.s2 * sizeof(float));
+    const int64_t diff_cpu = count_diff(fq1, q1, L.q1) + count_diff(fs1, s1, L.s1 * sizeof(float)) +
+                             count_diff(fq2, q2, L.q2) + count_diff(fs2, s2, L.s2 * sizeof(float));
+    // poison left by the CUDA op (0xFF is never a code; a NaN scale), and E4M3 subnormal codes (the data reach them)
+    int64_t unwritten = 0, subnormal = 0;
+    for (size_t i = 0; i < L.q1; i++) unwritten += fq1[i] == 0xFF, subnormal += (fq1[i] & 0x78) == 0 && (fq1[i] & 7) != 0;
+    for (size_t i = 0; i < L.q2; i++) unwritten += fq2[i] == 0xFF, subnormal += (fq2[i] & 0x78) == 0 && (fq2[i] & 7) != 0;
+    for (size_t i = 0; i < L.s1; i++) unwritten += isnan(fs1[i]);
+    for (size_t i = 0; i < L.s2; i++) unwritten += isnan(fs2[i]);
+    const int rc_any = rc_before || rc_cpu || rc_fused || rc_comp || rc_check;
+    const int pass = !rc_any && in.plan_diff == 0 && has_empty && diff_comp == 0 && diff_cpu == 0 && unwritten == 0 &&
+                     subnormal > 0;
+    char where[96];
+    snprintf(where, sizeof where, "N %4d K %d E %2d (%s, longest %4d) C %-4d%s", N, K, E,
+             has_empty ? "one empty" : "NO EMPTY", longest, C, cc->offset ? " dout+4B" : "");
+    printf("%-18s %s: plan vs CPU %d differing; differing bytes vs CUDA composition %lld, vs CPU %lld; poison left "
+           "%lld; subnormal codes %lld%s  %s\n",
+           "quantize_combine", where, in.plan_diff, (long long)diff_comp, (long long)diff_cpu, (long long)unwritten,
+           (long long)subnormal, rc_any ? "; an op reported an error" : "", pass ? "ok" : "FAIL");
+    if (rc_any)
+        printf("    rc check before %d, cpu %d, cuda op %d, cuda composition %d, fp8_check_finite %d: \"%s\"\n", rc_before,
+               rc_cpu, rc_fused, rc_comp, rc_check, err);
+    fflush(stdout);
+    device_free(DEVICE_CUDA, fq1_d), device_free(DEVICE_CUDA, fq2_d), device_free(DEVICE_CUDA, cq1_d);
+    device_free(DEVICE_CUDA, cq2_d), device_free(DEVICE_CUDA, fs1_d), device_free(DEVICE_CUDA, fs2_d);
+    device_free(DEVICE_CUDA, cs1_d), device_free(DEVICE_CUDA, cs2_d), device_free(DEVICE_CUDA, dexpert_d);
+    free(q1), free(q2), free(s1), free(s2), free(fq1), free(fq2), free(cq1), free(cq2);
+    free(fs1), free(fs2), free(cs1), free(cs2);
+    combine_grad_inputs_free(&in);
+    assert_true(pass);
+}
+
+// The first non-finite element (row, column) of the slot-order array (row s = topk_w * dout[seg_token[s]]) in
+// row-major order, from seg_token alone (topk_w is positive and the products of finite dout finite); -1 if none.
+static void first_non_finite_slot(const CombineGradInputs *in, int *row, int *col) {
+    *row = *col = -1;
+    for (int s = 0; s < in->N * in->K; s++) {
+        const float *dt = in->dout + (size_t)in->seg_token[s] * in->C;
+        for (int c = 0; c < in->C; c++) {
+            if (!isfinite(dt[c])) {
+                *row = s, *col = c;
+                return;
+            }
+        }
+    }
+}
+
+static int first_slot_of_token(const CombineGradInputs *in, int t) {
+    for (int s = 0; s < in->N * in->K; s++)
+        if (in->seg_token[s] == t) return s;
+    return -1;
+}
+
+// A non-finite dout element on the GPU: the call returns 0 (kernels.h: the check is deferred) and fp8_check_finite
+// then returns -1 naming the op, the shape (N*K, C) and the first bad element of the slot-order array (the first slot
+// row in segment order holding a bad token, the column), as the CPU op's -1 does; a second check finds nothing. Cases,
+// at C = 200 (scalar loads) and 384 (vector loads): NaNs in two tokens where token order and segment order disagree
+// (t_a < t_b, t_b's first slot earlier: t_b is the last token of expert 0's segment, t_a the lowest token not routed
+// to expert 0); +Inf and NaN in one token (the lower column named); -Inf at dout's last element. A check before each
+// call clears the call log, so that the call's own return is 0 (every 4096th call checks the ones before it).
+static void test_quantize_combine_grad_nonfinite(void **state) {
+    (void)state;
+    const int widths[] = {200, 384};
+    int all_pass = 1;
+    for (int w = 0; w < 2; w++) {
+        CombineGradInputs in = combine_grad_inputs(150, 3, 8, widths[w], 0, 6500 + (uint64_t)w);
+        const int N = in.N, C = in.C;
+        const SegLayout L = seg_layout(in.E, in.rows0, C);
+        const int t_b = in.seg_token[in.rows0[1] - 1];
+        int t_a = 0;
+        while (t_a < N && first_slot_of_token(&in, t_a) < in.rows0[1]) t_a++;
+        const int orders_differ =
+            in.rows0[1] > 0 && t_a < t_b && first_slot_of_token(&in, t_b) < first_slot_of_token(&in, t_a);
+        const struct {
+            int t, c;
+            float v;
+            int t2, c2;
+            float v2;
+        } bad[] = {
+            {t_a, 5, NAN, t_b, 150, NAN},
+            {77, 120, NAN, 77, 30, INFINITY},
+            {N - 1, C - 1, -INFINITY, -1, -1, 0.0f},
+        };
+        uint8_t *q1_d = gpu_poisoned(L.q1), *q2_d = gpu_poisoned(L.q2);
+        float *s1_d = gpu_poisoned(L.s1 * sizeof(float)), *s2_d = gpu_poisoned(L.s2 * sizeof(float));
+        uint8_t *q1 = host_poisoned(L.q1), *q2 = host_poisoned(L.q2);
+        float *s1 = host_poisoned(L.s1 * sizeof(float)), *s2 = host_poisoned(L.s2 * sizeof(float));
+        char shape[32];
+        snprintf(shape, sizeof shape, "(%d, %d)", N * in.K, C);
+        for (int b = 0; b < 3; b++) {
+            fill_log_uniform(in.dout, (int64_t)N * C, 6502 + (uint64_t)w, -20.0, 1.0);
+            in.dout[(size_t)bad[b].t * C + bad[b].c] = bad[b].v;
+            if (bad[b].t2 >= 0) in.dout[(size_t)bad[b].t2 * C + bad[b].c2] = bad[b].v2;
+            device_memcpy_from_host(DEVICE_CUDA, in.dout_d, in.dout, (size_t)N * C * sizeof(float));
+            int r, c;
+            first_non_finite_slot(&in, &r, &c);
+            const int expected_ok = b == 0   ? orders_differ && r == first_slot_of_token(&in, t_b) && c == 150
+                                    : b == 1 ? r == first_slot_of_token(&in, 77) && c == 30
+                                             : r >= 0;
+            char err_gpu[256] = "", err_cpu[256] = "", err_again[256] = "", want[64];
+            const int rc_before = fp8_check_finite(DEVICE_CUDA, err_gpu, sizeof err_gpu);
+            const int rc_call = run_combine_grad_quant(DEVICE_CUDA, &in, q1_d, s1_d, q2_d, s2_d, err_gpu, sizeof err_gpu);
+            const int rc_gpu = fp8_check_finite(DEVICE_CUDA, err_gpu, sizeof err_gpu);
+            const int rc_again = fp8_check_finite(DEVICE_CUDA, err_again, sizeof err_again);
+            const int rc_cpu = run_combine_grad_quant(DEVICE_CPU, &in, q1, s1, q2, s2, err_cpu, sizeof err_cpu);
+            snprintf(want, sizeof want, "row %d, column %d", r, c);
+            const int named = strstr(err_gpu, combine_grad_op) != NULL && strstr(err_gpu, want) != NULL &&
+                              strstr(err_gpu, shape) != NULL && strstr(err_cpu, combine_grad_op) != NULL &&
+                              strstr(err_cpu, want) != NULL;
+            const int pass = expected_ok && rc_before == 0 && rc_call == 0 && rc_gpu == -1 && rc_again == 0 &&
+                             rc_cpu == -1 && named;
+            static const char *const what[] = {"NaN in tokens t_a < t_b", "+Inf, NaN in token 77", "-Inf last"};
+            printf("%-18s C %-3d %-24s want %-22s%s: rc call %d, check %d then %d, cpu %d; gpu: \"%s\"  %s\n",
+                   "quantize_combine", C, what[b], want, expected_ok ? "" : " (test setup wrong)", rc_call, rc_gpu,
+                   rc_again, rc_cpu, err_gpu, pass ? "ok" : "FAIL");
+            if (!pass) printf("    cpu: \"%s\"\n", err_cpu);
+            fflush(stdout);
+            all_pass &= pass;
+        }
+        device_free(DEVICE_CUDA, q1_d), device_free(DEVICE_CUDA, q2_d), device_free(DEVICE_CUDA, s1_d);
+        device_free(DEVICE_CUDA, s2_d);
+        free(q1), free(q2), free(s1), free(s2);
+        combine_grad_inputs_free(&in);
+    }
+    assert_true(all_pass);
+}
+
 // ---------------------------------------------------------------------------- GEMM comparison
 // Compares one output: |gpu - want| <= bound_f64[i] and |gpu - cpu| <= bound_par[i] for every i.
 // Prints a table row; returns 1 when both hold.
@@ -1567,6 +1823,12 @@ int main(void) {
     static SwigluCase sw_a = {1, sw_one, 384, 0, 1}, sw_b = {4, sw_mix, 384, 0, 2}, sw_c = {4, sw_mix, 200, 0, 3};
     static SwigluCase sw_d = {4, sw_mix, 202, 0, 4}, sw_e = {6, sw_big, 1024, 0, 5}, sw_f = {6, sw_big, 1024, 1, 6};
     static SwigluCase sw_g = {6, sw_big, 1024, 2, 7}, sw_h = {6, sw_big, 202, 0, 8};
+    // The combine's gradient through the routing plan: one empty expert segment always; 150 tokens at whole tiles and a
+    // partial last tile; 2048 tokens x 6 of 32 experts at C = 1024 (vector loads), with dout 4 bytes into its buffer
+    // (scalar loads), and at C = 202 (scalar loads).
+    static CombineGradCase cg_a = {150, 3, 8, 384, 0, 1}, cg_b = {150, 3, 8, 200, 0, 2};
+    static CombineGradCase cg_c = {2048, 6, 32, 1024, 0, 3}, cg_d = {2048, 6, 32, 1024, 1, 4};
+    static CombineGradCase cg_e = {2048, 6, 32, 202, 0, 5};
     static Bf16Case b_a = {256, 300, 576}, b_b = {128, 512, 1024};
     static GroupedGemmCase gg_a = {5, 576, 302, 1}, gg_b = {32, 1030, 512, 2}, gg_c = {32, 256, 2048, 3};
     static GroupedGemmCase bg_a = {5, 200, 300, 4}, bg_b = {32, 256, 512, 5};
@@ -1600,6 +1862,12 @@ int main(void) {
         cmocka_unit_test_prestate(test_quantize_swiglu, &sw_g),
         cmocka_unit_test_prestate(test_quantize_swiglu, &sw_h),
         cmocka_unit_test(test_quantize_swiglu_nonfinite),
+        cmocka_unit_test_prestate(test_quantize_combine_grad, &cg_a),
+        cmocka_unit_test_prestate(test_quantize_combine_grad, &cg_b),
+        cmocka_unit_test_prestate(test_quantize_combine_grad, &cg_c),
+        cmocka_unit_test_prestate(test_quantize_combine_grad, &cg_d),
+        cmocka_unit_test_prestate(test_quantize_combine_grad, &cg_e),
+        cmocka_unit_test(test_quantize_combine_grad_nonfinite),
         cmocka_unit_test_prestate_setup_teardown(test_fp8_gemm, print_gemm_header_setup, NULL, &f_a),
         cmocka_unit_test_prestate(test_fp8_gemm, &f_b),
         cmocka_unit_test_prestate(test_fp8_gemm, &f_c),

@@ -10,7 +10,9 @@
  * error E4M3 quantisation allows. The bounds are derived at each check and in docs/fp8.md. The grouped
  * (per-expert segment) quantisers and GEMMs must equal the plain ones segment by segment, bit for bit. The
  * quantisers of SwiGLU values (fp8_quantize_swiglu_*) must equal, bit for bit, the composition their contract
- * names: the public SwiGLU op into an array, then the grouped quantiser.
+ * names: the public SwiGLU op into an array, then the grouped quantiser. So must the quantiser of the routed
+ * experts' output gradient read through the routing plan (fp8_quantize_combine_grad_both_layouts_grouped):
+ * moe_combine_backward into dexpert_out, then the grouped both-layouts quantiser.
  * Run with OPCHECK_VERBOSE=1 to see how much room each bound leaves.
  */
 #include <setjmp.h>
@@ -659,6 +661,182 @@ static void test_quantize_swiglu_rejects_non_finite(void **state) {
     tfree_all();
 }
 
+// ---------------------------------------------------------------------------- the combine's gradient quantised through the plan
+// kernels.h fp8_quantize_combine_grad_both_layouts_grouped: row s of the segments is topk_w[t,k] * dout[t] for the token
+// t = seg_token[s] and its k with slot_of[t*K + k] = s, quantised in both layouts without the array. The reference is
+// the composition the contract names, written with the public ops: moe_combine_backward into dexpert_out (N*K, C),
+// then fp8_quantize_both_layouts_grouped on it with the plan's seg_offsets as the segments.
+static const char combine_grad_op[] = "fp8_quantize_combine_grad_both_layouts_grouped";
+
+// topk_idx (N, K): per token K distinct experts out of E, never expert `empty` (so its segment is empty), drawn with a
+// skew towards low ids (expert floor(E u^4), u uniform), so segment lengths range from a few rows to over a 128-tile.
+static void random_routing(int *topk_idx, int N, int K, int E, int empty, uint64_t seed) {
+    uint64_t ctr = 0;
+    for (int t = 0; t < N; t++) {
+        for (int k = 0; k < K; k++) {
+            int e, taken;
+            do {
+                const double u = opcheck_uniform(seed, ctr++);
+                e = (int)(E * (u * u) * (u * u));
+                taken = e == empty;
+                for (int j = 0; j < k; j++) taken |= topk_idx[(size_t)t * K + j] == e;
+            } while (taken);
+            topk_idx[(size_t)t * K + k] = e;
+        }
+    }
+}
+
+// The routing plan of random_routing(N, K, E, empty, seed) with positive topk_w (N, K) and dout (N, C) random and never
+// zero, dout over many binades (so tiles reach E4M3 subnormals and values that round to zero).
+typedef struct {
+    int N, K, E, C, empty;
+    int *seg_offsets, *seg_token, *slot_of;
+    real *topk_w, *dout;
+} CombineGradInputs;
+
+static CombineGradInputs combine_grad_inputs(int N, int K, int E, int C, uint64_t seed) {
+    CombineGradInputs in = {.N = N, .K = K, .E = E, .C = C, .empty = E / 2};
+    int *topk_idx = talloc((size_t)N * K * sizeof(int));
+    in.seg_offsets = talloc((size_t)(E + 1) * sizeof(int));
+    in.seg_token = talloc((size_t)N * K * sizeof(int));
+    in.slot_of = talloc((size_t)N * K * sizeof(int));
+    random_routing(topk_idx, N, K, E, in.empty, seed);
+    moe_permute_plan(in.seg_offsets, in.seg_token, in.slot_of, topk_idx, N, K, E);
+    assert_int_equal(in.seg_offsets[E], N * K);
+    assert_int_equal(in.seg_offsets[in.empty + 1], in.seg_offsets[in.empty]);
+    in.topk_w = ralloc((size_t)N * K);
+    in.dout = ralloc((size_t)N * C);
+    opcheck_fill(in.topk_w, (size_t)N * K, seed + 1, 1.0 / 64, 1.0);
+    fill_wide(in.dout, (size_t)N * C, seed + 2, -20, 1);
+    return in;
+}
+
+static int combine_grad_quant(const CombineGradInputs *in, uint8_t *q1, float *s1, uint8_t *q2, float *s2, char *err,
+                              size_t err_size) {
+    return fp8_quantize_combine_grad_both_layouts_grouped(DEVICE_CPU, q1, s1, q2, s2, in->dout, in->seg_token,
+                                                          in->slot_of, in->topk_w, in->K, in->E, in->seg_offsets, in->C,
+                                                          err, err_size);
+}
+
+// Shapes: an empty segment (always: expert E/2), segments of a few rows up to more than a 128-tile, widths of whole
+// tiles (384) and with a partial last tile (200). Every byte of q and every scale of both operands (padding rows,
+// partial tiles, the padding's scales) against the composition; the two sides' outputs are poisoned with different
+// bytes first, and dexpert_out with NaN (a row the combine backward left unwritten would make the reference fail).
+static void test_quantize_combine_grad(void **state) {
+    (void)state;
+    const struct {
+        int N, K, E, C;
+    } shapes[] = {{150, 3, 8, 384}, {150, 3, 8, 200}, {300, 2, 4, 200}};
+    for (size_t i = 0; i < sizeof shapes / sizeof shapes[0]; i++) {
+        const int N = shapes[i].N, K = shapes[i].K, E = shapes[i].E, C = shapes[i].C;
+        const CombineGradInputs in = combine_grad_inputs(N, K, E, C, 120 + 4 * i);
+        int longest = 0;
+        for (int e = 0; e < E; e++)
+            if (in.seg_offsets[e + 1] - in.seg_offsets[e] > longest) longest = in.seg_offsets[e + 1] - in.seg_offsets[e];
+        assert_true(longest > 128);  // a segment with a partial second 128-tile
+        real *dexpert_out = ralloc((size_t)N * K * C);
+        for (size_t j = 0; j < (size_t)N * K * C; j++) dexpert_out[j] = (real)NAN;
+        const GroupedSizes z = grouped_sizes(E, in.seg_offsets, C);
+        uint8_t *q1 = balloc(z.q1), *q2 = balloc(z.q2), *r1 = balloc(z.q1), *r2 = balloc(z.q2);
+        float *s1 = falloc(z.s1), *s2 = falloc(z.s2), *rs1 = falloc(z.s1), *rs2 = falloc(z.s2);
+        memset(q1, 0xA5, z.q1), memset(q2, 0xA5, z.q2);
+        memset(s1, 0xA5, z.s1 * sizeof(float)), memset(s2, 0xA5, z.s2 * sizeof(float));
+        memset(r1, 0x5A, z.q1), memset(r2, 0x5A, z.q2);
+        memset(rs1, 0x5A, z.s1 * sizeof(float)), memset(rs2, 0x5A, z.s2 * sizeof(float));
+        char where[160], err[256] = "";
+        snprintf(where, sizeof where, "%s, N = %d, K = %d, E = %d (longest segment %d rows), C = %d", combine_grad_op, N,
+                 K, E, longest, C);
+        moe_combine_backward(DEVICE_CPU, dexpert_out, NULL, in.dout, NULL, in.slot_of, in.topk_w, N, K, C);
+        const int rc_ref = fp8_quantize_both_layouts_grouped(DEVICE_CPU, r1, rs1, r2, rs2, dexpert_out, E, in.seg_offsets,
+                                                             C, err, sizeof err);
+        if (rc_ref != 0) fail_msg("%s: the composition returned %d: %s", where, rc_ref, err);
+        const int rc = combine_grad_quant(&in, q1, s1, q2, s2, err, sizeof err);
+        if (rc != 0) fail_msg("%s: returned %d: %s", where, rc, err);
+        expect_same_bytes("1x128 q", where, q1, r1, z.q1);
+        expect_same_bytes("1x128 scales", where, s1, rs1, z.s1 * sizeof(float));
+        expect_same_bytes("128x1 q", where, q2, r2, z.q2);
+        expect_same_bytes("128x1 scales", where, s2, rs2, z.s2 * sizeof(float));
+        assert_true(count_subnormal_codes(q1, z.q1) > 0 && count_subnormal_codes(q2, z.q2) > 0);
+        tfree_all();
+    }
+}
+
+// The first non-finite element of the slot-order array (row s = topk_w * dout[seg_token[s]]) in row-major order, found
+// from seg_token alone (with topk_w positive and the product finite where dout is, it is where dout is non-finite).
+static void first_non_finite_slot(const CombineGradInputs *in, int *row, int *col) {
+    for (int s = 0; s < in->N * in->K; s++) {
+        const real *dt = in->dout + (size_t)in->seg_token[s] * in->C;
+        for (int c = 0; c < in->C; c++) {
+            if (!isfinite((double)dt[c])) {
+                *row = s, *col = c;
+                return;
+            }
+        }
+    }
+    fail_msg("first_non_finite_slot: dout is finite");
+}
+
+// The first slot row (in segment order) holding token t.
+static int first_slot_of_token(const CombineGradInputs *in, int t) {
+    for (int s = 0; s < in->N * in->K; s++)
+        if (in->seg_token[s] == t) return s;
+    fail_msg("token %d has no slot", t);
+    return -1;
+}
+
+// A non-finite dout element: -1, an error naming the op and the first bad element of the slot-order array (the first
+// slot row in segment order holding a bad token, the column of its first bad element), nothing written. Cases: NaNs in
+// two tokens where token order and segment order disagree (t_a < t_b, but t_b's first slot comes first: t_b is the
+// last token of expert 0's segment, t_a a lower token not routed to expert 0), so the error must follow segment
+// order; +Inf and NaN in one token (the lower column named); -Inf at the last element of dout (C = 200: in the
+// partial last tile).
+static void test_quantize_combine_grad_rejects_non_finite(void **state) {
+    (void)state;
+    const CombineGradInputs in = combine_grad_inputs(150, 3, 8, 200, 140);
+    const int N = in.N, C = in.C;
+    const int t_b = in.seg_token[in.seg_offsets[1] - 1];
+    int t_a = 0;
+    while (t_a < N && first_slot_of_token(&in, t_a) < in.seg_offsets[1]) t_a++;
+    assert_true(in.seg_offsets[1] > 0 && t_a < t_b && first_slot_of_token(&in, t_b) < first_slot_of_token(&in, t_a));
+    const struct {
+        int t, c;
+        real v;
+        int t2, c2;
+        real v2;
+    } bad[] = {
+        {t_a, 5, (real)NAN, t_b, 150, (real)NAN},
+        {77, 120, (real)NAN, 77, 30, (real)INFINITY},
+        {N - 1, C - 1, (real)-INFINITY, -1, -1, 0},
+    };
+    const GroupedSizes z = grouped_sizes(in.E, in.seg_offsets, C);
+    uint8_t *q1 = balloc(z.q1), *q2 = balloc(z.q2);
+    float *s1 = falloc(z.s1), *s2 = falloc(z.s2);
+    for (size_t b = 0; b < sizeof bad / sizeof bad[0]; b++) {
+        fill_wide(in.dout, (size_t)N * C, 142, -20, 1);
+        in.dout[(size_t)bad[b].t * C + bad[b].c] = bad[b].v;
+        if (bad[b].t2 >= 0) in.dout[(size_t)bad[b].t2 * C + bad[b].c2] = bad[b].v2;
+        int r = -1, c = -1;
+        first_non_finite_slot(&in, &r, &c);
+        if (b == 0) assert_true(r == first_slot_of_token(&in, t_b) && c == 150);
+        if (b == 1) assert_true(r == first_slot_of_token(&in, 77) && c == 30);
+        memset(q1, 0xA5, z.q1), memset(q2, 0xA5, z.q2);
+        memset(s1, 0xA5, z.s1 * sizeof(float)), memset(s2, 0xA5, z.s2 * sizeof(float));
+        char err[256] = "", want[64];
+        const int rc = combine_grad_quant(&in, q1, s1, q2, s2, err, sizeof err);
+        snprintf(want, sizeof want, "row %d, column %d", r, c);
+        if (rc != -1 || !strstr(err, want) || !strstr(err, combine_grad_op)) {
+            fail_msg("%s, case %zu (dout token %d, column %d): returned %d with \"%s\"; expected -1 and an error naming "
+                     "%s and %s",
+                     combine_grad_op, b, bad[b].t, bad[b].c, rc, err, combine_grad_op, want);
+        }
+        for (size_t i = 0; i < z.q1; i++) assert_int_equal(q1[i], 0xA5);
+        for (size_t i = 0; i < z.q2; i++) assert_int_equal(q2[i], 0xA5);
+        for (size_t i = 0; i < z.s1; i++) assert_int_equal(float_bits(s1[i]), 0xA5A5A5A5u);
+        for (size_t i = 0; i < z.s2; i++) assert_int_equal(float_bits(s2[i]), 0xA5A5A5A5u);
+    }
+    tfree_all();
+}
+
 // ---------------------------------------------------------------------------- GEMMs
 // The checks shared by the three GEMMs, for one output element. The element is
 //   out = sum over K-blocks kb of P_kb * sa_kb * sb_kb   (P_kb the exact block sum of decoded codes)
@@ -1110,6 +1288,8 @@ int main(void) {
         cmocka_unit_test(test_quantize_rejects_non_finite),
         cmocka_unit_test(test_quantize_swiglu_grouped),
         cmocka_unit_test(test_quantize_swiglu_rejects_non_finite),
+        cmocka_unit_test(test_quantize_combine_grad),
+        cmocka_unit_test(test_quantize_combine_grad_rejects_non_finite),
         cmocka_unit_test(test_gemm_fprop),
         cmocka_unit_test(test_gemm_dgrad),
         cmocka_unit_test(test_gemm_wgrad),
