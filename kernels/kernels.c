@@ -410,6 +410,20 @@ int fp8_quantize_swiglu_both_layouts_grouped(Device dev, uint8_t *q1, float *s1,
                                                         err_size);
 }
 
+int fp8_quantize_swiglu_grads_both_layouts_grouped(Device dev, uint8_t *qa1, float *sa1, uint8_t *qa2, float *sa2,
+                                                   uint8_t *qb1, float *sb1, uint8_t *qb2, float *sb2,
+                                                   const real *dout, const real *a, const real *b, int n_seg,
+                                                   const int *rows0, int C, char *err, size_t err_size) {
+#ifdef FP8MOE_CUDA
+    if (dev == DEVICE_CUDA)
+        return cuda_fp8_quantize_swiglu_grads_both_layouts_grouped(qa1, sa1, qa2, sa2, qb1, sb1, qb2, sb2, dout, a, b,
+                                                                   n_seg, rows0, C, err, err_size);
+#endif
+    if (dev != DEVICE_CPU) no_cuda_op("fp8_quantize_swiglu_grads_both_layouts_grouped");
+    return cpu_fp8_quantize_swiglu_grads_both_layouts_grouped(qa1, sa1, qa2, sa2, qb1, sb1, qb2, sb2, dout, a, b, n_seg,
+                                                              rows0, C, err, err_size);
+}
+
 int fp8_quantize_128x1_transposed(Device dev, uint8_t *q, float *s, const real *x, int T, int C, char *err, size_t err_size) {
 #ifdef FP8MOE_CUDA
     if (dev == DEVICE_CUDA) return cuda_fp8_quantize_128x1_transposed(q, s, x, T, C, err, err_size);

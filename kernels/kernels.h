@@ -308,6 +308,17 @@ int fp8_quantize_swiglu_128x1_transposed_grouped(Device dev, uint8_t *q, float *
 int fp8_quantize_swiglu_both_layouts_grouped(Device dev, uint8_t *q1, float *s1, uint8_t *q2, float *s2,
                                              SwigluValue value, const real *dout, const real *a, const real *b,
                                              int n_seg, const int *rows0, int C, char *err, size_t err_size);
+// Both SwiGLU gradients in one pass (the FFN backward's w1 and w3 dY): da into (qa1, sa1, qa2, sa2) and db into
+// (qb1, sb1, qb2, sb2), each exactly what fp8_quantize_swiglu_both_layouts_grouped(SWIGLU_DA / SWIGLU_DB, dout, a,
+// b) writes, bit for bit. dout, a and b are all read. On CUDA they are read once (12 bytes an element instead of the
+// two calls' 20) and the sigmoid is computed once per element. A non-finite value is reported exactly as the two calls, DA's first,
+// would report it: the first bad da, else the first bad db, with the message those calls give (it names
+// fp8_quantize_swiglu_both_layouts_grouped; on CUDA the tensor "da of swiglu_backward" or "db of
+// swiglu_backward"), and as two calls in the CUDA call log. On the CPU a bad da returns before db is written.
+int fp8_quantize_swiglu_grads_both_layouts_grouped(Device dev, uint8_t *qa1, float *sa1, uint8_t *qa2, float *sa2,
+                                                   uint8_t *qb1, float *sb1, uint8_t *qb2, float *sb2,
+                                                   const real *dout, const real *a, const real *b, int n_seg,
+                                                   const int *rows0, int C, char *err, size_t err_size);
 
 // FP8 GEMMs, partial sums promoted to FP32 every 128 elements of the contraction axis (each 128-block's
 // sum, times its two scales, is added to an FP32 accumulator). M x N x K order: M output rows.

@@ -458,6 +458,22 @@ static void fp8_backward(Model *m, int n_groups, const int *offsets, int n_out, 
     for (int i = 0; i < n_out; i++) {
         dy[i] = dinp ? take_1x128(m, &used, z, OC) : (Fp8Operand){NULL, NULL};
         dyt[i] = dweight[i] ? take_128x1(m, &used, z, OC) : (Fp8Operand){NULL, NULL};
+    }
+    // The SwiGLU FFN's w1 and w3: their dYs da and db come from one read of d_h, a, b
+    const int swiglu_pair = n_out == 2 && dinp && dweight[0] && dweight[1] && dout[0].kind == OPERAND_SWIGLU &&
+                            dout[0].value == SWIGLU_DA && dout[1].kind == OPERAND_SWIGLU &&
+                            dout[1].value == SWIGLU_DB && dout[0].dout == dout[1].dout && dout[0].a == dout[1].a;
+    if (swiglu_pair) {
+        char err[256];
+        profile_begin(PHASE_QUANTISE);
+        check_quantised(fp8_quantize_swiglu_grads_both_layouts_grouped(m->dev, dy[0].q, dy[0].s, dyt[0].q, dyt[0].s,
+                                                                        dy[1].q, dy[1].s, dyt[1].q, dyt[1].s,
+                                                                        dout[0].dout, dout[0].a, dout[0].b, n_groups,
+                                                                        offsets, OC, err, sizeof err),
+                        "the SwiGLU gradients (Dgrad and Wgrad dY)", err);
+        profile_end(PHASE_QUANTISE);
+    }
+    for (int i = 0; i < n_out && !swiglu_pair; i++) {
         if (dinp && dweight[i]) quantize_both(m, dy[i], dyt[i], &dout[i], n_groups, offsets, OC, "a gradient (Dgrad and Wgrad dY)");
         else if (dinp) quantize_1x128(m, dy[i], &dout[i], n_groups, offsets, OC, "a gradient (Dgrad dY)");
         else if (dweight[i]) quantize_128x1(m, dyt[i], &dout[i], n_groups, offsets, OC, "a gradient (Wgrad dY)");

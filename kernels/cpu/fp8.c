@@ -657,6 +657,18 @@ int cpu_fp8_quantize_swiglu_both_layouts_grouped(uint8_t *q1, float *s1, uint8_t
     return rc;
 }
 
+// kernels.h's fp8_quantize_swiglu_grads_both_layouts_grouped: its definition, the two calls (DA, then DB).
+int cpu_fp8_quantize_swiglu_grads_both_layouts_grouped(uint8_t *qa1, float *sa1, uint8_t *qa2, float *sa2,
+                                                       uint8_t *qb1, float *sb1, uint8_t *qb2, float *sb2,
+                                                       const real *dout, const real *a, const real *b, int n,
+                                                       const int *rows0, int C, char *err, size_t err_size) {
+    if (cpu_fp8_quantize_swiglu_both_layouts_grouped(qa1, sa1, qa2, sa2, SWIGLU_DA, dout, a, b, n, rows0, C, err,
+                                                     err_size))
+        return -1;
+    return cpu_fp8_quantize_swiglu_both_layouts_grouped(qb1, sb1, qb2, sb2, SWIGLU_DB, dout, a, NULL, n, rows0, C, err,
+                                                        err_size);
+}
+
 // ---------------------------------------------------------------------------- FP8 GEMMs
 // Fprop  y (T, N) = X W^T, written as BF16.
 //   qx (T16, Kp), sx (KB, T16) from fp8_quantize_1x128(x, T, K): A = qx, sa = sx;

@@ -3,9 +3,10 @@
  * fp8_quantize_128x128, fp8_quantize_128x1_transposed, fp8_quantize_both_layouts, and the activation
  * quantisers' *_grouped forms, which run one launch over many segments through a segment table (SegTable,
  * common.cuh); the plain forms are one segment of the same kernels; the fp8_quantize_swiglu_* forms are the
- * same kernels reading a SwiGLU value computed on the fly instead of an array). They feed the cuBLASLt block-scaled
- * GEMMs of gemm.cu and must produce BIT-IDENTICAL FP8 data and scales to the CPU reference
- * (kernels/cpu/fp8.c), which tests/gpu/test_gpu_fp8.c checks.
+ * same kernels reading a SwiGLU value computed on the fly instead of an array, and
+ * fp8_quantize_swiglu_grads_both_layouts_grouped is the both-layouts kernel holding two values, da and db, per
+ * element). They feed the cuBLASLt block-scaled GEMMs of gemm.cu and must produce BIT-IDENTICAL FP8 data and
+ * scales to the CPU reference (kernels/cpu/fp8.c), which tests/gpu/test_gpu_fp8.c checks.
  *
  * Why they match the CPU bit for bit: per tile, amax is a max (exact in any order), s = amax / 448 is one
  * IEEE division (__fdiv_rn, no reciprocal), s = 1 when that is 0, and q = E4M3(x / s) is another IEEE
@@ -116,6 +117,27 @@ struct SwigluRows {
             if (value == SWIGLU_OUT) v[j] = swiglu_element(av[j], bv[j]);
             else swiglu_backward_element(&da, &db, gv[j], av[j], bv[j]), v[j] = value == SWIGLU_DA ? da : db;
             if (col + j >= len) v[j] = 0.0f;  // padding is 0 whatever the gate gives for zero inputs
+        }
+    }
+};
+
+// Both SwiGLU gradients from one read of dout, a, b (kernels.h fp8_quantize_swiglu_grads_both_layouts_grouped): its
+// load4x2 gives da and db of 4 elements - the values SwigluRows gives for SWIGLU_DA and SWIGLU_DB (db does not
+// depend on b, which SwigluRows does not read for it), from one sigmoid per element.
+struct SwigluGradRows {
+    const float *dout, *a, *b;
+    int C;
+    bool aligned16() const { return is_aligned(dout, 16) && is_aligned(a, 16) && is_aligned(b, 16); }
+    template <bool VEC4>
+    __device__ void load4x2(float da[4], float db[4], int64_t row, int col, int len) const {
+        float av[4], bv[4], gv[4];
+        const int64_t at = row * C;
+        ::load4<VEC4>(av, a + at, col, len);
+        ::load4<VEC4>(bv, b + at, col, len);
+        ::load4<VEC4>(gv, dout + at, col, len);
+        for (int j = 0; j < 4; j++) {
+            swiglu_backward_element(&da[j], &db[j], gv[j], av[j], bv[j]);
+            if (col + j >= len) da[j] = db[j] = 0.0f;  // padding is 0, as SwigluRows'
         }
     }
 };
@@ -490,90 +512,144 @@ extern "C" int cuda_fp8_quantize_128x1_transposed_grouped(uint8_t *q, float *s, 
 // tile (rows tb, columns kb): thread t holds columns 4*(t%32)..+3 of rows t/32 + 16p (p = 0..7), so
 // warp w holds 8 whole rows (row maxima are warp maxima, as in the 1x128 kernel) and the column maxima
 // go through shared memory (as in the 128x1 kernel); the transposed bytes go out through a shared tile.
-#define QBOTH_THREADS 512
-static const int QBOTH_ROW_GROUPS = QBOTH_THREADS / 32;
-static const int QBOTH_PASSES = FP8_TILE / QBOTH_ROW_GROUPS; // 8 rows per thread
+// The same kernel quantises NV = 2 values of one element at once (the SwiGLU gradients da and db, read from
+// dout, a, b once: SwigluGradRows): then the block is 1024 threads, thread t holding both values of columns
+// 4*(t%32)..+3 of rows t/32 + 32p (p = 0..3) - the same 32 values per thread (at most 64 registers, and one
+// such block fills an SM as two of 512 do), each warp still holding whole rows. Each value has its own
+// operands, column scales, byte tile and call tag (its non-finite elements are reported as its own call's).
+// The values are checked, row-maxed and column-reduced one after the other (the loop over them unrolled): that
+// keeps NV = 2 at about 60 registers with no spills (nvcc -Xptxas -v; interleaving them spilled).
+#define QBOTH_THREADS 512  // per value
 
-template <bool VEC4, class Src>
-__global__ void __launch_bounds__(QBOTH_THREADS, 2)
-    quantize_both_kernel(uint8_t *q1, float *s1, uint8_t *q2, float *s2, const __grid_constant__ Src src,
-                         const __grid_constant__ SegTable seg, int C, int Kp, unsigned long long call,
-                         unsigned long long *bad) {
-    __shared__ float partial[QBOTH_ROW_GROUPS][FP8_TILE + 1];
-    __shared__ float col_scale[FP8_TILE];
-    __shared__ __align__(16) uint8_t tile[FP8_TILE][FP8_TILE + 4];
-    // this block's segment: its rows of x and its two operands
+// The NV values' operands (q1, s1, q2, s2 as above, each value's at index i) and their call tags.
+template <int NV>
+struct BothOperands {
+    uint8_t *q1[NV], *q2[NV];
+    float *s1[NV], *s2[NV];
+    unsigned long long call[NV];
+};
+
+template <bool VEC4, int NV, class Src>
+__global__ void __launch_bounds__(QBOTH_THREADS * NV, 2 / NV)
+    quantize_both_kernel(const __grid_constant__ BothOperands<NV> out, const __grid_constant__ Src src,
+                         const __grid_constant__ SegTable seg, int C, int Kp, unsigned long long *bad) {
+    constexpr int ROW_GROUPS = QBOTH_THREADS * NV / 32, PASSES = FP8_TILE / ROW_GROUPS; // rows per thread
+    // The column partials are dead once the column scales are taken (a barrier before the byte tiles are written),
+    // so they share memory with the tiles: two values' separate arrays would exceed 48 KiB.
+    __shared__ __align__(16) union {
+        float partial[NV][ROW_GROUPS][FP8_TILE + 1];
+        uint8_t tile[NV][FP8_TILE][FP8_TILE + 4];
+    } sm;
+    __shared__ float col_scale[NV][FP8_TILE];
+    // this block's segment: its rows of x and its place in the operands
     const int g = segment_of(seg.tiles0, seg.n, blockIdx.y), tb = blockIdx.y - seg.tiles0[g];
     const int T = seg.rows0[g + 1] - seg.rows0[g], R16 = seg.p16[g + 1] - seg.p16[g];
     const int Tp = (seg.tiles0[g + 1] - seg.tiles0[g]) * FP8_TILE, KB = Kp / FP8_TILE;
     const int64_t row0 = seg.rows0[g];
-    q1 += (int64_t)Kp * seg.p16[g], s1 += (int64_t)KB * seg.p16[g];
-    q2 += (int64_t)C * FP8_TILE * seg.tiles0[g], s2 += (int64_t)C * seg.tiles0[g];
+    const int64_t at_q1 = (int64_t)Kp * seg.p16[g], at_s1 = (int64_t)KB * seg.p16[g];
+    const int64_t at_q2 = (int64_t)C * FP8_TILE * seg.tiles0[g], at_s2 = (int64_t)C * seg.tiles0[g];
     const int kb = blockIdx.x;
     const int lane = threadIdx.x & 31, c = lane * 4, rg = threadIdx.x >> 5;
     const int col = kb * FP8_TILE + c;
 
-    float v[QBOTH_PASSES][4];
-    float a[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    for (int p = 0; p < QBOTH_PASSES; p++) {  // every load first (see note_if_bad)
-        const int t = tb * FP8_TILE + rg + QBOTH_ROW_GROUPS * p;
-        src.template load4<VEC4>(v[p], row0 + t, col, t < T ? C : 0); // rows past T load as zeros
+    float v[NV][PASSES][4];
+    for (int p = 0; p < PASSES; p++) {  // every load first (see note_if_bad)
+        const int t = tb * FP8_TILE + rg + ROW_GROUPS * p;
+        const int len = t < T ? C : 0;  // rows past T load as zeros
+        if constexpr (NV == 1) src.template load4<VEC4>(v[0][p], row0 + t, col, len);
+        else src.template load4x2<VEC4>(v[0][p], v[1][p], row0 + t, col, len);
     }
-    for (int p = 0; p < QBOTH_PASSES; p++) {
-        const int t = tb * FP8_TILE + rg + QBOTH_ROW_GROUPS * p;
-        for (int j = 0; j < 4; j++) {
-            if (t < T) note_if_bad(v[p][j], (unsigned long long)(row0 + t) * C + col + j, call, bad);
-            a[j] = fmaxf(a[j], fabsf(v[p][j]));
+#pragma unroll
+    for (int i = 0; i < NV; i++) {
+        float a[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        for (int p = 0; p < PASSES; p++) {
+            const int t = tb * FP8_TILE + rg + ROW_GROUPS * p;
+            for (int j = 0; j < 4; j++) {
+                if (t < T) note_if_bad(v[i][p][j], (unsigned long long)(row0 + t) * C + col + j, out.call[i], bad);
+                a[j] = fmaxf(a[j], fabsf(v[i][p][j]));
+            }
+            // 1x128: this warp holds all 128 columns of row t
+            float m = 0.0f;
+            for (int j = 0; j < 4; j++) m = fmaxf(m, fabsf(v[i][p][j]));
+            const float sc = fp8_scale_of(warp_max(m));
+            if (t < R16) {
+                *reinterpret_cast<uint32_t *>(out.q1[i] + at_q1 + (int64_t)t * Kp + col) = fp8_pack4(v[i][p], sc);
+                if (lane == 0) out.s1[i][at_s1 + (int64_t)kb * R16 + t] = sc;
+            }
         }
-        // 1x128: this warp holds all 128 columns of row t
-        float m = 0.0f;
-        for (int j = 0; j < 4; j++) m = fmaxf(m, fabsf(v[p][j]));
-        const float sc = fp8_scale_of(warp_max(m));
-        if (t < R16) {
-            *reinterpret_cast<uint32_t *>(q1 + (int64_t)t * Kp + col) = fp8_pack4(v[p], sc);
-            if (lane == 0) s1[(int64_t)kb * R16 + t] = sc;
-        }
+        // 128x1: this thread's column maxima, one partial of the row groups'
+        for (int j = 0; j < 4; j++) sm.partial[i][rg][c + j] = a[j];
     }
-    // 128x1: column maxima over the 16 row groups
-    for (int j = 0; j < 4; j++) partial[rg][c + j] = a[j];
     __syncthreads();
-    if (threadIdx.x < FP8_TILE) {
+    if (threadIdx.x < NV * FP8_TILE) {
+        const int i = threadIdx.x / FP8_TILE, cc = threadIdx.x % FP8_TILE;
         float m = 0.0f;
-        for (int grp = 0; grp < QBOTH_ROW_GROUPS; grp++) m = fmaxf(m, partial[grp][threadIdx.x]);
+        for (int grp = 0; grp < ROW_GROUPS; grp++) m = fmaxf(m, sm.partial[i][grp][cc]);
         const float sc = fp8_scale_of(m);
-        col_scale[threadIdx.x] = sc;
-        if (kb * FP8_TILE + (int)threadIdx.x < C) s2[(int64_t)tb * C + kb * FP8_TILE + threadIdx.x] = sc;
+        col_scale[i][cc] = sc;
+        if (kb * FP8_TILE + cc < C) out.s2[i][at_s2 + (int64_t)tb * C + kb * FP8_TILE + cc] = sc;
     }
     __syncthreads();
-    for (int p = 0; p < QBOTH_PASSES; p++)
-        for (int j = 0; j < 4; j++) tile[c + j][rg + QBOTH_ROW_GROUPS * p] = (uint8_t)fp8_byte(v[p][j], col_scale[c + j]);
+    for (int i = 0; i < NV; i++)
+        for (int p = 0; p < PASSES; p++)
+            for (int j = 0; j < 4; j++)
+                sm.tile[i][c + j][rg + ROW_GROUPS * p] = (uint8_t)fp8_byte(v[i][p][j], col_scale[i][c + j]);
     __syncthreads();
-    for (int i = threadIdx.x; i < FP8_TILE * (FP8_TILE / 4); i += QBOTH_THREADS) {
-        const int cc = i / (FP8_TILE / 4), word = i % (FP8_TILE / 4);
-        if (kb * FP8_TILE + cc >= C) continue;
-        *reinterpret_cast<uint32_t *>(q2 + (int64_t)(kb * FP8_TILE + cc) * Tp + tb * FP8_TILE + 4 * word) =
-            *reinterpret_cast<const uint32_t *>(&tile[cc][4 * word]);
+    for (int i = 0; i < NV; i++) {
+        for (int w = threadIdx.x; w < FP8_TILE * (FP8_TILE / 4); w += QBOTH_THREADS * NV) {
+            const int cc = w / (FP8_TILE / 4), word = w % (FP8_TILE / 4);
+            if (kb * FP8_TILE + cc >= C) continue;
+            *reinterpret_cast<uint32_t *>(out.q2[i] + at_q2 + (int64_t)(kb * FP8_TILE + cc) * Tp + tb * FP8_TILE +
+                                          4 * word) = *reinterpret_cast<const uint32_t *>(&sm.tile[i][cc][4 * word]);
+        }
     }
 }
 
+// One value of a both-layouts call: its operands, and the op and tensor that its non-finite elements are reported as.
+struct BothValue {
+    const char *op, *tensor;
+    uint8_t *q1;
+    float *s1;
+    uint8_t *q2;
+    float *s2;
+};
+
+// The NV values val[0..NV-1] of src (NV = 1, or 2 for a Src with load4x2) quantised in one launch. Each value is
+// logged as its own call, in order, so a bad element of value i is reported before any of value i + 1 (the log is
+// checked first when the NV calls would not all fit in it); op names the launch in errors of its arguments.
+template <int NV, class Src>
+static int quantize_both_segments(const char *op, const BothValue *val, const Src &src, int n, const int *rows0, int C,
+                                  char *err, size_t err_size) {
+    const SegTable seg = seg_table(op, n, rows0);
+    if (seg.tiles0[n] == 0 || C <= 0) return 0;
+    BothOperands<NV> out;
+    for (int i = 0; i < NV; i++) {
+        require_aligned16(val[i].q1, op, "q1"), require_aligned16(val[i].s1, op, "s1");
+        require_aligned16(val[i].q2, op, "q2"), require_aligned16(val[i].s2, op, "s2");
+        out.q1[i] = val[i].q1, out.s1[i] = val[i].s1, out.q2[i] = val[i].q2, out.s2[i] = val[i].s2;
+    }
+    const int KB = ceil_div(C, FP8_TILE);
+    unsigned long long *bad = bad_word();
+    const int rc = n_calls > FP8_CALL_LOG - NV ? cuda_fp8_check_finite(err, err_size) : 0;
+    for (int i = 0; i < NV; i++) {
+        int rc_log;  // 0: the log has room
+        out.call[i] = log_call(val[i].op, val[i].tensor, rows0[n], C, &rc_log, err, err_size);
+    }
+    const dim3 grid((unsigned)KB, (unsigned)seg.tiles0[n]);
+    if (C % 4 == 0 && src.aligned16())
+        quantize_both_kernel<true, NV><<<grid, QBOTH_THREADS * NV>>>(out, src, seg, C, KB * FP8_TILE, bad);
+    else
+        quantize_both_kernel<false, NV><<<grid, QBOTH_THREADS * NV>>>(out, src, seg, C, KB * FP8_TILE, bad);
+    CUDA_CHECK_LAUNCH("quantize_both_kernel");
+    return rc;
+}
+
+// One value (x, or one SwiGLU value or the combine's gradient): op names it in errors and in the log.
 template <class Src>
 static int quantize_both_segments(const char *op, const char *tensor, uint8_t *q1, float *s1, uint8_t *q2, float *s2,
                                   const Src &src, int n, const int *rows0, int C, char *err, size_t err_size) {
-    const SegTable seg = seg_table(op, n, rows0);
-    if (seg.tiles0[n] == 0 || C <= 0) return 0;
-    require_aligned16(q1, op, "q1"), require_aligned16(s1, op, "s1");
-    require_aligned16(q2, op, "q2"), require_aligned16(s2, op, "s2");
-    const int KB = ceil_div(C, FP8_TILE);
-    unsigned long long *bad = bad_word();
-    int rc;
-    const unsigned long long call = log_call(op, tensor, rows0[n], C, &rc, err, err_size);
-    const dim3 grid((unsigned)KB, (unsigned)seg.tiles0[n]);
-    if (C % 4 == 0 && src.aligned16())
-        quantize_both_kernel<true><<<grid, QBOTH_THREADS>>>(q1, s1, q2, s2, src, seg, C, KB * FP8_TILE, call, bad);
-    else
-        quantize_both_kernel<false><<<grid, QBOTH_THREADS>>>(q1, s1, q2, s2, src, seg, C, KB * FP8_TILE, call, bad);
-    CUDA_CHECK_LAUNCH("quantize_both_kernel");
-    return rc;
+    const BothValue val = {op, tensor, q1, s1, q2, s2};
+    return quantize_both_segments<1>(op, &val, src, n, rows0, C, err, err_size);
 }
 
 extern "C" int cuda_fp8_quantize_both_layouts(uint8_t *q1, float *s1, uint8_t *q2, float *s2, const real *x, int T,
@@ -629,4 +705,18 @@ extern "C" int cuda_fp8_quantize_swiglu_both_layouts_grouped(uint8_t *q1, float 
                                                              char *err, size_t err_size) {
     return quantize_both_segments("fp8_quantize_swiglu_both_layouts_grouped", swiglu_tensor(value), q1, s1, q2, s2,
                                   SwigluRows{value, dout, a, b, C}, n_seg, rows0, C, err, err_size);
+}
+
+// The two calls fp8_quantize_swiglu_both_layouts_grouped(SWIGLU_DA), (SWIGLU_DB) in one launch: logged as those two
+// calls, DA's first, so a bad da is reported before any bad db and with the message its call would give.
+extern "C" int cuda_fp8_quantize_swiglu_grads_both_layouts_grouped(uint8_t *qa1, float *sa1, uint8_t *qa2, float *sa2,
+                                                                   uint8_t *qb1, float *sb1, uint8_t *qb2, float *sb2,
+                                                                   const real *dout, const real *a, const real *b,
+                                                                   int n_seg, const int *rows0, int C, char *err,
+                                                                   size_t err_size) {
+    static const char logged[] = "fp8_quantize_swiglu_both_layouts_grouped";
+    const BothValue val[2] = {{logged, swiglu_tensor(SWIGLU_DA), qa1, sa1, qa2, sa2},
+                              {logged, swiglu_tensor(SWIGLU_DB), qb1, sb1, qb2, sb2}};
+    return quantize_both_segments<2>("fp8_quantize_swiglu_grads_both_layouts_grouped", val,
+                                     SwigluGradRows{dout, a, b, C}, n_seg, rows0, C, err, err_size);
 }

@@ -29,7 +29,9 @@
  * The quantisers of SwiGLU values (fp8_quantize_swiglu_*, computed where they are read) must equal the CUDA
  * composition their contract names (the SwiGLU op into an array, then the grouped quantiser) bit for bit, and the
  * CPU's to one E4M3 step with 99% of the codes identical: the GPU's expf is not libm's exp, so the value may
- * differ by a few ulp (test_quantize_swiglu derives the bound).
+ * differ by a few ulp (test_quantize_swiglu derives the bound). The joint quantiser of both SwiGLU gradients
+ * (fp8_quantize_swiglu_grads_both_layouts_grouped) must equal the two CUDA calls it stands for bit for bit, and
+ * report a non-finite value with their message.
  * The quantiser of the routed experts' output gradient read through the routing plan
  * (fp8_quantize_combine_grad_both_layouts_grouped, plan built on the GPU) must equal the CUDA composition its contract
  * names (moe_combine_backward into dexpert_out, then the grouped both-layouts quantiser) AND the CPU op bit for bit:
@@ -831,6 +833,183 @@ static void test_quantize_swiglu_nonfinite(void **state) {
     device_free(DEVICE_CUDA, q1_d), device_free(DEVICE_CUDA, q2_d), device_free(DEVICE_CUDA, s1_d);
     device_free(DEVICE_CUDA, s2_d);
     free(a), free(b), free(dout), free(q1), free(q2), free(s1), free(s2);
+    assert_true(all_pass);
+}
+
+// ---------------------------------------------------------------------------- both SwiGLU gradients in one pass
+// kernels.h fp8_quantize_swiglu_grads_both_layouts_grouped: da and db from one read of dout, a, b, each BITWISE what
+// the CUDA fp8_quantize_swiglu_both_layouts_grouped(SWIGLU_DA / SWIGLU_DB) writes - every byte of q and every scale,
+// padding included, both sides poisoned first (0xFF: the E4M3 NaN code, NaN scales), and no poison left - on the
+// segment layouts, widths and input offsets of test_quantize_swiglu (the scalar-load kernel where an input is 4 bytes
+// into its buffer or C = 202). test_quantize_swiglu ties those two calls to the composition and to the CPU.
+typedef struct {
+    uint8_t *qa1, *qa2, *qb1, *qb2;
+    float *sa1, *sa2, *sb1, *sb2;
+} GradOperands;
+
+static GradOperands grad_operands_poisoned(Device dev, const SegLayout *L) {
+    void *(*poisoned)(size_t) = dev == DEVICE_CUDA ? gpu_poisoned : host_poisoned;
+    return (GradOperands){poisoned(L->q1), poisoned(L->q2), poisoned(L->q1), poisoned(L->q2),
+                          poisoned(L->s1 * sizeof(float)), poisoned(L->s2 * sizeof(float)),
+                          poisoned(L->s1 * sizeof(float)), poisoned(L->s2 * sizeof(float))};
+}
+
+static void grad_operands_free(Device dev, GradOperands *o) {
+    void *all[] = {o->qa1, o->qa2, o->qb1, o->qb2, o->sa1, o->sa2, o->sb1, o->sb2};
+    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) {
+        if (dev == DEVICE_CUDA) device_free(DEVICE_CUDA, all[i]);
+        else free(all[i]);
+    }
+}
+
+static int run_swiglu_grads(Device dev, const GradOperands *o, const float *dout, const float *a, const float *b,
+                            const SegLayout *L, char *err, size_t err_size) {
+    return fp8_quantize_swiglu_grads_both_layouts_grouped(dev, o->qa1, o->sa1, o->qa2, o->sa2, o->qb1, o->sb1, o->qb2,
+                                                          o->sb2, dout, a, b, L->n_seg, L->rows0, L->C, err, err_size);
+}
+
+// The two calls the joint op stands for, DA then DB (run_swiglu_quant gives DB NULL for b); the first nonzero rc.
+static int run_swiglu_grads_separate(const GradOperands *o, const float *dout, const float *a, const float *b,
+                                     const SegLayout *L, char *err, size_t err_size) {
+    const int rc_da = run_swiglu_quant(DEVICE_CUDA, SWQ_BOTH, o->qa1, o->sa1, o->qa2, o->sa2, SWIGLU_DA, dout, a, b, L,
+                                       err, err_size);
+    const int rc_db = run_swiglu_quant(DEVICE_CUDA, SWQ_BOTH, o->qb1, o->sb1, o->qb2, o->sb2, SWIGLU_DB, dout, a, b, L,
+                                       err, err_size);
+    return rc_da ? rc_da : rc_db;
+}
+
+// Device buffers x and y (bytes) compared byte for byte; adds to *poison the poison left in x (0xFF codes of q, NaN
+// scales).
+static int64_t diff_device(const void *x_d, const void *y_d, size_t bytes, int scales, int64_t *poison) {
+    uint8_t *x = host_copy_of(x_d, bytes), *y = host_copy_of(y_d, bytes);
+    const int64_t diff = count_diff(x, y, bytes);
+    if (scales) {
+        for (size_t i = 0; i < bytes / sizeof(float); i++) *poison += isnan(((const float *)x)[i]);
+    } else {
+        for (size_t i = 0; i < bytes; i++) *poison += x[i] == 0xFF;
+    }
+    free(x), free(y);
+    return diff;
+}
+
+static void test_quantize_swiglu_grads(void **state) {
+    const SwigluCase *sc = *state;
+    const SegLayout L = seg_layout(sc->n_seg, sc->rows0, sc->C);
+    const int T = sc->rows0[sc->n_seg], C = sc->C;
+    const int64_t n = (int64_t)T * C;
+    // inputs as test_quantize_swiglu's (other seeds): never zero, da through silu's zero, tiles reaching subnormals
+    float *a = floats(n), *b = floats(n), *dout = floats(n);
+    fill_log_uniform(a, n, 5400 + (uint64_t)sc->seed, -8.0, 4.0);
+    fill_log_uniform(b, n, 5500 + (uint64_t)sc->seed, -12.0, 2.0);
+    fill_log_uniform(dout, n, 5600 + (uint64_t)sc->seed, -20.0, 0.0);
+    float *a_base = device_alloc(DEVICE_CUDA, (size_t)(n + 1) * sizeof(float));
+    float *b_base = device_alloc(DEVICE_CUDA, (size_t)(n + 1) * sizeof(float));
+    float *g_base = device_alloc(DEVICE_CUDA, (size_t)(n + 1) * sizeof(float));
+    const int off_a = sc->offset & 1, off_b = (sc->offset >> 1) & 1;
+    float *a_d = a_base + off_a, *b_d = b_base + off_b, *dout_d = g_base + off_b;
+    device_memcpy_from_host(DEVICE_CUDA, a_d, a, (size_t)n * sizeof(float));
+    device_memcpy_from_host(DEVICE_CUDA, b_d, b, (size_t)n * sizeof(float));
+    device_memcpy_from_host(DEVICE_CUDA, dout_d, dout, (size_t)n * sizeof(float));
+    char where[96], err[256] = "";
+    snprintf(where, sizeof where, "%d seg %4d x %-4d%s", sc->n_seg, T, C,
+             sc->offset == 1 ? " a+4B" : sc->offset == 2 ? " b,dout+4B" : "");
+    GradOperands joint = grad_operands_poisoned(DEVICE_CUDA, &L), sep = grad_operands_poisoned(DEVICE_CUDA, &L);
+    const int rc_joint = run_swiglu_grads(DEVICE_CUDA, &joint, dout_d, a_d, b_d, &L, err, sizeof err);
+    const int rc_sep = run_swiglu_grads_separate(&sep, dout_d, a_d, b_d, &L, err, sizeof err);
+    const int rc_check = fp8_check_finite(DEVICE_CUDA, err, sizeof err);
+    int64_t poison = 0, diff_a = 0, diff_b = 0;
+    diff_a += diff_device(joint.qa1, sep.qa1, L.q1, 0, &poison) + diff_device(joint.qa2, sep.qa2, L.q2, 0, &poison);
+    diff_a += diff_device(joint.sa1, sep.sa1, L.s1 * sizeof(float), 1, &poison) +
+              diff_device(joint.sa2, sep.sa2, L.s2 * sizeof(float), 1, &poison);
+    diff_b += diff_device(joint.qb1, sep.qb1, L.q1, 0, &poison) + diff_device(joint.qb2, sep.qb2, L.q2, 0, &poison);
+    diff_b += diff_device(joint.sb1, sep.sb1, L.s1 * sizeof(float), 1, &poison) +
+              diff_device(joint.sb2, sep.sb2, L.s2 * sizeof(float), 1, &poison);
+    const int pass = rc_joint == 0 && rc_sep == 0 && rc_check == 0 && diff_a == 0 && diff_b == 0 && poison == 0;
+    printf("%-18s %-7s %-24s vs the CUDA DA and DB calls: %lld, %lld differing bytes, poison left %lld%s  %s\n",
+           "quantize_swiglu", "grads", where, (long long)diff_a, (long long)diff_b, (long long)poison,
+           rc_joint || rc_sep || rc_check ? "; an op reported an error" : "", pass ? "ok" : "FAIL");
+    if (rc_joint || rc_sep || rc_check)
+        printf("    rc joint %d, separate %d, fp8_check_finite %d: \"%s\"\n", rc_joint, rc_sep, rc_check, err);
+    fflush(stdout);
+    grad_operands_free(DEVICE_CUDA, &joint), grad_operands_free(DEVICE_CUDA, &sep);
+    device_free(DEVICE_CUDA, a_base), device_free(DEVICE_CUDA, b_base), device_free(DEVICE_CUDA, g_base);
+    free(a), free(b), free(dout);
+    assert_true(pass);
+}
+
+// A non-finite gradient on the GPU: the call returns 0 and fp8_check_finite then returns -1 with exactly the message
+// of the two separate calls (checked after them the same way): the DA call's ("da of swiglu_backward") when da has a
+// bad element, even after a bad db earlier in row-major order, else the DB call's; a second check finds nothing; the
+// CPU op names the same element. Cases: a NaN in a (da and db NaN; two, the first named); a NaN in b (da only); db
+// overflowing at (10, 3) before a NaN in b at (250, 77); only db overflowing (a = dout = 1e20, b = 0: da = 0, db =
+// 1e40); and the NaN in a with the joint call made when the call log holds 4095 calls (of a finite tiny quantiser),
+// so its two calls do not fit: it must check the earlier calls first (returning their 0) and log its own two anew.
+static void test_quantize_swiglu_grads_nonfinite(void **state) {
+    (void)state;
+    static const int rows0[] = {0, 37, 37, 200, 333};
+    const SegLayout L = seg_layout(4, rows0, 200);
+    const int C = L.C, T = rows0[L.n_seg];
+    const int64_t n = (int64_t)T * C;
+    float *a = floats(n), *b = floats(n), *dout = floats(n);
+    float *a_d = device_alloc(DEVICE_CUDA, (size_t)n * sizeof(float));
+    float *b_d = device_alloc(DEVICE_CUDA, (size_t)n * sizeof(float));
+    float *dout_d = device_alloc(DEVICE_CUDA, (size_t)n * sizeof(float));
+    GradOperands o_d = grad_operands_poisoned(DEVICE_CUDA, &L), o = grad_operands_poisoned(DEVICE_CPU, &L);
+    // the tiny quantiser filling the log: one row of 4 ones
+    const float ones[4] = {1.0f, 1.0f, 1.0f, 1.0f};
+    float *tx_d = gpu_copy_of(ones, sizeof ones), *ts_d = device_alloc(DEVICE_CUDA, 16 * sizeof(float));
+    uint8_t *tq_d = device_alloc(DEVICE_CUDA, 16 * FP8_TILE);
+    enum { NAN_A, NAN_B, DB_EARLIER, DB_ONLY, NAN_A_LOG_FULL, LOG_FILL = 4095 };  // the log holds 4096 (kernels.h)
+    static const char *const names[] = {"NaN in a (250, 77)", "NaN in b (250, 77)", "bad db (10,3), da (250,77)",
+                                        "only db bad (120, 199)", "NaN in a, log at 4095"};
+    int all_pass = 1;
+    for (int kind = NAN_A; kind <= NAN_A_LOG_FULL; kind++) {
+        fill_log_uniform(a, n, 5700, -8.0, 4.0);
+        fill_log_uniform(b, n, 5701, -12.0, 2.0);
+        fill_log_uniform(dout, n, 5702, -20.0, 0.0);
+        const int64_t at = (int64_t)250 * C + 77;
+        int r = 250, c = 77, da_bad = 1;
+        if (kind == NAN_A || kind == NAN_A_LOG_FULL) a[(int64_t)300 * C + 5] = NAN, a[at] = NAN;
+        if (kind == NAN_B || kind == DB_EARLIER) b[at] = NAN;
+        if (kind == DB_EARLIER) a[(int64_t)10 * C + 3] = dout[(int64_t)10 * C + 3] = 1e20f, b[(int64_t)10 * C + 3] = 0.0f;
+        if (kind == DB_ONLY) {
+            r = 120, c = 199, da_bad = 0;  // the third segment, the last column (in the partial tile)
+            a[(int64_t)r * C + c] = dout[(int64_t)r * C + c] = 1e20f, b[(int64_t)r * C + c] = 0.0f;
+        }
+        device_memcpy_from_host(DEVICE_CUDA, a_d, a, (size_t)n * sizeof(float));
+        device_memcpy_from_host(DEVICE_CUDA, b_d, b, (size_t)n * sizeof(float));
+        device_memcpy_from_host(DEVICE_CUDA, dout_d, dout, (size_t)n * sizeof(float));
+        char err_sep[256] = "", err_gpu[256] = "", err_again[256] = "", err_cpu[256] = "", want[64];
+        const int rc_before = fp8_check_finite(DEVICE_CUDA, err_gpu, sizeof err_gpu);  // an empty log
+        const int rc_sep_call = run_swiglu_grads_separate(&o_d, dout_d, a_d, b_d, &L, err_sep, sizeof err_sep);
+        const int rc_sep = fp8_check_finite(DEVICE_CUDA, err_sep, sizeof err_sep);
+        int rc_fill = 0;
+        if (kind == NAN_A_LOG_FULL)
+            for (int i = 0; i < LOG_FILL; i++)
+                rc_fill |= fp8_quantize_1x128(DEVICE_CUDA, tq_d, ts_d, tx_d, 1, 4, err_gpu, sizeof err_gpu);
+        const int rc_call = run_swiglu_grads(DEVICE_CUDA, &o_d, dout_d, a_d, b_d, &L, err_gpu, sizeof err_gpu);
+        const int rc_gpu = fp8_check_finite(DEVICE_CUDA, err_gpu, sizeof err_gpu);
+        const int rc_again = fp8_check_finite(DEVICE_CUDA, err_again, sizeof err_again);
+        const int rc_cpu = run_swiglu_grads(DEVICE_CPU, &o, dout, a, b, &L, err_cpu, sizeof err_cpu);
+        snprintf(want, sizeof want, "row %d, column %d", r, c);
+        const char *tensor = da_bad ? "da of swiglu_backward" : "db of swiglu_backward";
+        const int named = strcmp(err_gpu, err_sep) == 0 && strstr(err_gpu, want) != NULL &&
+                          strstr(err_gpu, tensor) != NULL && strstr(err_gpu, "(333, 200)") != NULL &&
+                          strstr(err_cpu, want) != NULL;
+        const int pass = rc_before == 0 && rc_sep_call == 0 && rc_sep == -1 && rc_fill == 0 && rc_call == 0 &&
+                         rc_gpu == -1 && rc_again == 0 && rc_cpu == -1 && named;
+        printf("%-18s %-7s %-26s rc call %d, check %d then %d, cpu %d; gpu: \"%s\"  %s\n", "quantize_swiglu", "grads",
+               names[kind], rc_call, rc_gpu, rc_again, rc_cpu, err_gpu, pass ? "ok" : "FAIL");
+        if (!pass)
+            printf("    the separate calls: rc %d, check %d: \"%s\"; the log filling calls: rc %d\n", rc_sep_call, rc_sep,
+                   err_sep, rc_fill);
+        fflush(stdout);
+        all_pass &= pass;
+    }
+    device_free(DEVICE_CUDA, a_d), device_free(DEVICE_CUDA, b_d), device_free(DEVICE_CUDA, dout_d);
+    device_free(DEVICE_CUDA, tx_d), device_free(DEVICE_CUDA, ts_d), device_free(DEVICE_CUDA, tq_d);
+    grad_operands_free(DEVICE_CUDA, &o_d), grad_operands_free(DEVICE_CPU, &o);
+    free(a), free(b), free(dout);
     assert_true(all_pass);
 }
 
@@ -1815,7 +1994,7 @@ int main(void) {
     static GemmCase w_a = {G_WGRAD, 300, 576, 300, 0, 0}, w_b = {G_WGRAD, 1000, 256, 512, 0, 1};
     static BothCase both_a = {300, 576}, both_b = {45, 200}, both_c = {1000, 70}, both_d = {3072, 2048};
     static GroupedCase gr_a = {5, 300, 1}, gr_b = {32, 2048, 2}, gr_c = {32, 1024, 3}, gr_d = {7, 70, 4};
-    // SwiGLU quantisers: one segment; an empty segment, partial 128-tiles and 333 rows (off 16) at whole tiles, at a
+    // SwiGLU quantisers (and the joint da, db one): one segment; an empty segment, partial 128-tiles and 333 rows (off 16) at whole tiles, at a
     // partial last tile (200) and at a width off 4 (202: scalar loads); 6 segments of ~3000 rows (one empty) at
     // C = 1024, with a or b and dout 4 bytes into their buffers (scalar loads), and at C = 202.
     static const int sw_one[] = {0, 300}, sw_mix[] = {0, 37, 37, 200, 333};
@@ -1862,6 +2041,15 @@ int main(void) {
         cmocka_unit_test_prestate(test_quantize_swiglu, &sw_g),
         cmocka_unit_test_prestate(test_quantize_swiglu, &sw_h),
         cmocka_unit_test(test_quantize_swiglu_nonfinite),
+        cmocka_unit_test_prestate(test_quantize_swiglu_grads, &sw_a),
+        cmocka_unit_test_prestate(test_quantize_swiglu_grads, &sw_b),
+        cmocka_unit_test_prestate(test_quantize_swiglu_grads, &sw_c),
+        cmocka_unit_test_prestate(test_quantize_swiglu_grads, &sw_d),
+        cmocka_unit_test_prestate(test_quantize_swiglu_grads, &sw_e),
+        cmocka_unit_test_prestate(test_quantize_swiglu_grads, &sw_f),
+        cmocka_unit_test_prestate(test_quantize_swiglu_grads, &sw_g),
+        cmocka_unit_test_prestate(test_quantize_swiglu_grads, &sw_h),
+        cmocka_unit_test(test_quantize_swiglu_grads_nonfinite),
         cmocka_unit_test_prestate(test_quantize_combine_grad, &cg_a),
         cmocka_unit_test_prestate(test_quantize_combine_grad, &cg_b),
         cmocka_unit_test_prestate(test_quantize_combine_grad, &cg_c),

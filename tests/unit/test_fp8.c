@@ -10,9 +10,11 @@
  * error E4M3 quantisation allows. The bounds are derived at each check and in docs/fp8.md. The grouped
  * (per-expert segment) quantisers and GEMMs must equal the plain ones segment by segment, bit for bit. The
  * quantisers of SwiGLU values (fp8_quantize_swiglu_*) must equal, bit for bit, the composition their contract
- * names: the public SwiGLU op into an array, then the grouped quantiser. So must the quantiser of the routed
- * experts' output gradient read through the routing plan (fp8_quantize_combine_grad_both_layouts_grouped):
- * moe_combine_backward into dexpert_out, then the grouped both-layouts quantiser.
+ * names: the public SwiGLU op into an array, then the grouped quantiser; the joint quantiser of both SwiGLU
+ * gradients (fp8_quantize_swiglu_grads_both_layouts_grouped) the two calls it stands for, errors included. So must
+ * the quantiser of the routed experts' output gradient read through the routing plan
+ * (fp8_quantize_combine_grad_both_layouts_grouped): moe_combine_backward into dexpert_out, then the grouped
+ * both-layouts quantiser.
  * Run with OPCHECK_VERBOSE=1 to see how much room each bound leaves.
  */
 #include <setjmp.h>
@@ -661,6 +663,146 @@ static void test_quantize_swiglu_rejects_non_finite(void **state) {
     tfree_all();
 }
 
+// ---------------------------------------------------------------------------- both SwiGLU gradients in one pass
+// kernels.h fp8_quantize_swiglu_grads_both_layouts_grouped: da and db in both layouts, each exactly what
+// fp8_quantize_swiglu_both_layouts_grouped(SWIGLU_DA / SWIGLU_DB) writes (which test_quantize_swiglu_grouped ties
+// to the composition), and a non-finite value reported as the two calls, DA's first, would report it. The reference
+// is the two calls (DB given NULL for b, as the backward pass would call it).
+typedef struct {
+    uint8_t *qa1, *qa2, *qb1, *qb2;
+    float *sa1, *sa2, *sb1, *sb2;
+} GradOperands;
+
+// Both gradients' operands for layout z, every byte set to `poison`.
+static GradOperands grad_operands(GroupedSizes z, uint8_t poison) {
+    GradOperands o = {balloc(z.q1), balloc(z.q2), balloc(z.q1), balloc(z.q2),
+                      falloc(z.s1), falloc(z.s2), falloc(z.s1), falloc(z.s2)};
+    memset(o.qa1, poison, z.q1), memset(o.qa2, poison, z.q2), memset(o.qb1, poison, z.q1), memset(o.qb2, poison, z.q2);
+    memset(o.sa1, poison, z.s1 * sizeof(float)), memset(o.sa2, poison, z.s2 * sizeof(float));
+    memset(o.sb1, poison, z.s1 * sizeof(float)), memset(o.sb2, poison, z.s2 * sizeof(float));
+    return o;
+}
+
+static int swiglu_grads_quant(const GradOperands *o, const real *dout, const real *a, const real *b, int n_seg,
+                              const int *rows0, int C, char *err, size_t err_size) {
+    return fp8_quantize_swiglu_grads_both_layouts_grouped(DEVICE_CPU, o->qa1, o->sa1, o->qa2, o->sa2, o->qb1, o->sb1,
+                                                          o->qb2, o->sb2, dout, a, b, n_seg, rows0, C, err, err_size);
+}
+
+// The two separate calls (DA, then DB), each with its own error text; returns DA's rc, DB's in *rc_db.
+static int swiglu_grads_separate(const GradOperands *o, const real *dout, const real *a, const real *b, int n_seg,
+                                 const int *rows0, int C, char *err_da, char *err_db, size_t err_size, int *rc_db) {
+    const int rc_da = fp8_quantize_swiglu_both_layouts_grouped(DEVICE_CPU, o->qa1, o->sa1, o->qa2, o->sa2, SWIGLU_DA,
+                                                               dout, a, b, n_seg, rows0, C, err_da, err_size);
+    *rc_db = fp8_quantize_swiglu_both_layouts_grouped(DEVICE_CPU, o->qb1, o->sb1, o->qb2, o->sb2, SWIGLU_DB, dout, a,
+                                                      NULL, n_seg, rows0, C, err_db, err_size);
+    return rc_da;
+}
+
+// Every byte of got's da operands (da = 1) or db operands (da = 0) equal to want's.
+static void expect_same_grad(const char *where, int da, const GradOperands *got, const GradOperands *want,
+                             GroupedSizes z) {
+    if (da) {
+        expect_same_bytes("da 1x128 q", where, got->qa1, want->qa1, z.q1);
+        expect_same_bytes("da 1x128 scales", where, got->sa1, want->sa1, z.s1 * sizeof(float));
+        expect_same_bytes("da 128x1 q", where, got->qa2, want->qa2, z.q2);
+        expect_same_bytes("da 128x1 scales", where, got->sa2, want->sa2, z.s2 * sizeof(float));
+    } else {
+        expect_same_bytes("db 1x128 q", where, got->qb1, want->qb1, z.q1);
+        expect_same_bytes("db 1x128 scales", where, got->sb1, want->sb1, z.s1 * sizeof(float));
+        expect_same_bytes("db 128x1 q", where, got->qb2, want->qb2, z.q2);
+        expect_same_bytes("db 128x1 scales", where, got->sb2, want->sb2, z.s2 * sizeof(float));
+    }
+}
+
+// The joint op against the two calls on the segment layouts and widths of test_quantize_swiglu_grouped (one
+// segment; an empty segment among partial 128-tiles; every segment empty), every byte of the eight outputs, the
+// two sides' outputs poisoned with different bytes.
+static void test_quantize_swiglu_grads_grouped(void **state) {
+    (void)state;
+    static const int one[] = {0, 150}, mix[] = {0, 37, 37, 200, 333}, none[] = {0, 0, 0};
+    const struct {
+        const int *rows0;
+        int n_seg;
+    } layouts[] = {{one, 1}, {mix, 4}, {none, 2}};
+    const int widths[] = {384, 200};
+    for (size_t l = 0; l < sizeof layouts / sizeof layouts[0]; l++) {
+        for (size_t w = 0; w < sizeof widths / sizeof widths[0]; w++) {
+            const int n_seg = layouts[l].n_seg, *rows0 = layouts[l].rows0, C = widths[w], T = rows0[n_seg];
+            const size_t n = (size_t)T * C;
+            const uint64_t seed = 180 + 8 * l + 2 * w;
+            real *dout = ralloc(n), *a = ralloc(n), *b = ralloc(n);
+            fill_wide(a, n, seed, -8, 4);
+            fill_wide(b, n, seed + 1, -12, 2);
+            fill_wide(dout, n, seed + 2, -20, 0);
+            const GroupedSizes z = grouped_sizes(n_seg, rows0, C);
+            const GradOperands got = grad_operands(z, 0xA5), want = grad_operands(z, 0x5A);
+            char where[128], err[256] = "", err_db[256] = "";
+            snprintf(where, sizeof where, "fp8_quantize_swiglu_grads_both_layouts_grouped, %d segments of %d rows, C = %d",
+                     n_seg, T, C);
+            int rc_db;
+            const int rc_da = swiglu_grads_separate(&want, dout, a, b, n_seg, rows0, C, err, err_db, sizeof err, &rc_db);
+            if (rc_da != 0 || rc_db != 0) fail_msg("%s: the separate calls returned %d, %d: %s %s", where, rc_da, rc_db,
+                                                   err, err_db);
+            const int rc = swiglu_grads_quant(&got, dout, a, b, n_seg, rows0, C, err, sizeof err);
+            if (rc != 0) fail_msg("%s: returned %d: %s", where, rc, err);
+            expect_same_grad(where, 1, &got, &want, z);
+            expect_same_grad(where, 0, &got, &want, z);
+            if (T > 0) {  // not degenerate: E4M3 subnormal codes in both gradients
+                assert_true(count_subnormal_codes(got.qa1, z.q1) > 0 && count_subnormal_codes(got.qb2, z.q2) > 0);
+            }
+            tfree_all();
+        }
+    }
+}
+
+// A non-finite gradient: -1 and exactly the error the two calls give - the DA call's when da has a bad element
+// (even after a bad db earlier in row-major order), else the DB call's - and, as those calls leave them, the
+// outputs: nothing written when da is bad (the DB call is not made), da's operands written and db's not when only
+// db is. Cases: a NaN in a (da and db both NaN: two of them, the first reported); a NaN in b (da only); db
+// overflowing at (10, 3) with a NaN in b at (250, 77) (DA's error, the later element); only db overflowing: a = dout
+// = 1e20 and b = 0 give da = 0 (finite) and db = 1e40.
+static void test_quantize_swiglu_grads_rejects_non_finite(void **state) {
+    (void)state;
+    static const int rows0[] = {0, 37, 37, 200, 333};
+    const int n_seg = 4, C = 200, T = rows0[n_seg];
+    const size_t n = (size_t)T * C;
+    const GroupedSizes z = grouped_sizes(n_seg, rows0, C);
+    enum { NAN_A, NAN_B, DB_EARLIER, DB_ONLY };
+    static const char *const names[] = {"NaN in a", "NaN in b", "db overflows before a bad da", "only db overflows"};
+    for (int kind = NAN_A; kind <= DB_ONLY; kind++) {
+        real *dout = ralloc(n), *a = ralloc(n), *b = ralloc(n);
+        fill_wide(a, n, 190, -8, 4);
+        fill_wide(b, n, 191, -12, 2);
+        fill_wide(dout, n, 192, -20, 0);
+        const size_t at = (size_t)250 * C + 77;
+        int r = 250, c = 77, da_bad = 1;
+        if (kind == NAN_A) a[(size_t)300 * C + 5] = (real)NAN, a[at] = (real)NAN;
+        if (kind == NAN_B || kind == DB_EARLIER) b[at] = (real)NAN;
+        if (kind == DB_EARLIER) a[(size_t)10 * C + 3] = dout[(size_t)10 * C + 3] = (real)1e20, b[(size_t)10 * C + 3] = 0;
+        if (kind == DB_ONLY) {
+            r = 120, c = 199, da_bad = 0;  // the third segment's row 83, the last column (the partial tile)
+            a[(size_t)r * C + c] = dout[(size_t)r * C + c] = (real)1e20, b[(size_t)r * C + c] = 0;
+        }
+        const GradOperands got = grad_operands(z, 0xA5), want = grad_operands(z, 0xA5), poison = grad_operands(z, 0xA5);
+        char err[256] = "", err_da[256] = "", err_db[256] = "", want_at[64];
+        int rc_db;
+        const int rc_da = swiglu_grads_separate(&want, dout, a, b, n_seg, rows0, C, err_da, err_db, sizeof err, &rc_db);
+        assert_int_equal(rc_da, da_bad ? -1 : 0);
+        assert_int_equal(rc_db, kind == NAN_B ? 0 : -1);  // a NaN in b is not read for db
+        const int rc = swiglu_grads_quant(&got, dout, a, b, n_seg, rows0, C, err, sizeof err);
+        const char *want_err = da_bad ? err_da : err_db;
+        snprintf(want_at, sizeof want_at, "row %d, column %d", r, c);
+        if (rc != -1 || strcmp(err, want_err) != 0 || !strstr(err, want_at)) {
+            fail_msg("%s: returned %d with \"%s\"; expected -1 and the %s call's error \"%s\" (naming %s)", names[kind],
+                     rc, err, da_bad ? "DA" : "DB", want_err, want_at);
+        }
+        expect_same_grad(names[kind], 1, &got, da_bad ? &poison : &want, z);  // da's as the DA call left them
+        expect_same_grad(names[kind], 0, &got, &poison, z);
+        tfree_all();
+    }
+}
+
 // ---------------------------------------------------------------------------- the combine's gradient quantised through the plan
 // kernels.h fp8_quantize_combine_grad_both_layouts_grouped: row s of the segments is topk_w[t,k] * dout[t] for the token
 // t = seg_token[s] and its k with slot_of[t*K + k] = s, quantised in both layouts without the array. The reference is
@@ -1288,6 +1430,8 @@ int main(void) {
         cmocka_unit_test(test_quantize_rejects_non_finite),
         cmocka_unit_test(test_quantize_swiglu_grouped),
         cmocka_unit_test(test_quantize_swiglu_rejects_non_finite),
+        cmocka_unit_test(test_quantize_swiglu_grads_grouped),
+        cmocka_unit_test(test_quantize_swiglu_grads_rejects_non_finite),
         cmocka_unit_test(test_quantize_combine_grad),
         cmocka_unit_test(test_quantize_combine_grad_rejects_non_finite),
         cmocka_unit_test(test_gemm_fprop),
