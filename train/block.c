@@ -104,7 +104,6 @@ void layer_scratch_alloc(ActsArena *ar, LayerScratch *s, const Dims *d, int has_
     s->t_k_rope = ARENA_REALS(ar, N * d->dr);
     s->t_kv = ARENA_REALS(ar, NH * (d->dn + d->dv));
     s->d_xn = ARENA_REALS(ar, N * d->D);
-    s->d_mid = ARENA_REALS(ar, N * d->D);
     if (d->qr > 0) {
         s->d_cq = ARENA_REALS(ar, N * d->qr);
         s->d_cqn = ARENA_REALS(ar, N * d->qr);
@@ -159,7 +158,7 @@ void block_forward(Model *m, const BlockWeights *w, BlockActs *a, const Dims *d,
 }
 
 void block_backward(Model *m, const BlockWeights *w, const BlockWeights *g, BlockActs *a, const Dims *d,
-                    LayerScratch *s, const real *d_x_out, real *d_x_in, real d_balance) {
+                    LayerScratch *s, real *d_x, real d_balance) {
     Device dev = m->dev;
     int N = d->N, D = d->D;
     // forward was x_out = x_mid + FFN(RMSNorm(x_mid)); RMSNorm(x_mid) is recomputed (a forward
@@ -167,14 +166,14 @@ void block_backward(Model *m, const BlockWeights *w, const BlockWeights *g, Bloc
     rmsnorm_forward(dev, a->xn2, s->t_rstd, a->x_mid, w->ffn_norm, N, D);
     // d_xn is written by the FFN's / MoE's backward and then by MLA's (their first op writes, GRAD_WRITE)
     if (w->is_moe)
-        moe_backward(m, w, g, &a->moe, d, s, a->xn2, d_x_out, s->d_xn, d_balance);
+        moe_backward(m, w, g, &a->moe, d, s, a->xn2, d_x, s->d_xn, d_balance);
     else
-        ffn_backward(m, &w->ffn, &g->ffn, &a->ffn, s, N, D, d->inter, a->xn2, d_x_out, s->d_xn, GRAD_WRITE);
-    copy_block(dev, s->d_mid, D, d_x_out, D, N, D, 0);
-    rmsnorm_backward(dev, s->d_mid, g->ffn_norm, s->d_xn, a->x_mid, w->ffn_norm, a->rstd2, N, D);
-    // and x_mid = x_in + MLA(RMSNorm(x_in))
+        ffn_backward(m, &w->ffn, &g->ffn, &a->ffn, s, N, D, d->inter, a->xn2, d_x, s->d_xn, GRAD_WRITE);
+    // d_x becomes x_mid's gradient: the output's + the FFN branch's, added in place (rmsnorm_backward adds)
+    rmsnorm_backward(dev, d_x, g->ffn_norm, s->d_xn, a->x_mid, w->ffn_norm, a->rstd2, N, D);
+    // and x_mid = x_in + MLA(RMSNorm(x_in)): x_in's gradient is x_mid's + the MLA branch's, added in place once
+    // MLA's backward has read x_mid's
     rmsnorm_forward(dev, a->xn1, s->t_rstd, a->x_in, w->attn_norm, N, D);
-    mla_backward(m, &w->attn, &g->attn, &a->mla, d, s, a->xn1, s->d_mid, s->d_xn);
-    copy_block(dev, d_x_in, D, s->d_mid, D, N, D, 0);
-    rmsnorm_backward(dev, d_x_in, g->attn_norm, s->d_xn, a->x_in, w->attn_norm, a->rstd1, N, D);
+    mla_backward(m, &w->attn, &g->attn, &a->mla, d, s, a->xn1, d_x, s->d_xn);
+    rmsnorm_backward(dev, d_x, g->attn_norm, s->d_xn, a->x_in, w->attn_norm, a->rstd1, N, D);
 }

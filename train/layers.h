@@ -99,7 +99,7 @@ typedef struct {
     real *t_h;                            // FfnActs' h, sized for the largest FFN (dense, shared, N*K x I); NULL
                                           // in fp8 mode, as d_a and d_b (linear.h SwigluScratch)
     real *t_xp;                           // MoeActs' xp (N*K, D), MoE chunks that gather it only
-    real *d_xn, *d_mid;                   // (N, D)
+    real *d_xn;                           // (N, D)
     real *d_cq, *d_cqn, *d_qf;
     real *d_kva, *d_ckv, *d_ckvn, *d_k_rope, *d_k_rope_raw, *d_kv, *d_kf, *d_v, *d_o;
     real *d_a, *d_b, *d_h;                // FFN gradients: dense / shared (N, width), all routed experts (N*K, I)
@@ -120,10 +120,11 @@ void block_acts_alloc(ActsArena *arena, BlockActs *a, const Dims *d, int is_moe,
 // x_out (N, D) = block(x_in); a->x_in is set to x_in.
 void block_forward(Model *m, const BlockWeights *w, BlockActs *a, const Dims *d, const real *x_in,
                    real *x_out);
-// d_x_out (N, D) gradient of the block output -> d_x_in (N, D) overwritten with the input gradient
-// (may alias d_x_out). d_balance is the weight of the balance loss' gradient (0 = none).
+// d_x (N, D): the gradient of the block's output on entry, of its input on return - the residual stream's
+// gradient, to which each branch's input gradient is added in place (no copy of it per branch).
+// d_balance is the weight of the balance loss' gradient (0 = none).
 void block_backward(Model *m, const BlockWeights *w, const BlockWeights *g, BlockActs *a, const Dims *d,
-                    LayerScratch *s, const real *d_x_out, real *d_x_in, real d_balance);
+                    LayerScratch *s, real *d_x, real d_balance);
 
 void mla_forward(Model *m, const MlaWeights *w, MlaActs *a, const Dims *d, const real *xn, real *out);
 // d_xn (N, D) is written (not added to); parameter gradients are added to.

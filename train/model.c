@@ -551,8 +551,7 @@ static void mtp_backward(Model *m, ChunkActs *a, int k, real *d_h_prev, real los
     head_backward(m, t->d_h, t->probs, t->ho, N, D, V);
     device_memset_zero(dev, a->d_cur, bytes);
     rmsnorm_backward(dev, a->d_cur, g->norm, t->d_h, t->x1, w->norm, t->ho_rstd, N, D);
-    block_backward(m, &w->block, &g->block, &t->block, d, &a->scratch, a->d_cur, a->d_cur,
-                   loss_scale * m->loss_weights.balance);
+    block_backward(m, &w->block, &g->block, &t->block, d, &a->scratch, a->d_cur, loss_scale * m->loss_weights.balance);
     linear_backward(m, a->d_cat, GRAD_WRITE, g->eh_proj, a->d_cur, t->cat, w->eh_proj, N, 2 * D, D);
     // split d_cat = [d_en ; d_hn] and go back through the two norms
     copy_block(dev, a->d_tmp, D, a->d_cat, 2 * D, N, D, 0);
@@ -639,8 +638,7 @@ void chunk_backward(Model *m, int chunk, ChunkActs *a, const real *dout_hidden, 
     }
     for (int i = cs->n_blocks - 1; i >= 0; i--) {
         int l = cs->first_block + i;
-        block_backward(m, &m->w.blocks[l], &m->g.blocks[l], &a->blocks[i], d, &a->scratch, a->d_cur, a->d_cur,
-                       d_balance);
+        block_backward(m, &m->w.blocks[l], &m->g.blocks[l], &a->blocks[i], d, &a->scratch, a->d_cur, d_balance);
     }
     if (cs->has_embedding)
         embedding_backward(dev, m->g.embed, a->d_cur, a->d_inputs, N, D);
