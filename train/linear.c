@@ -343,11 +343,12 @@ static void quantize_1x128(Model *m, Fp8Operand o, const Operand *x, int n_group
     if (x->kind == OPERAND_COMBINE_GRAD) unsupported_operand("1x128");
     char err[256];
     profile_begin(PHASE_QUANTISE);
-    check_quantised(x->kind == OPERAND_SWIGLU ? fp8_quantize_swiglu_1x128_grouped(m->dev, o.q, o.s, x->value, x->dout, x->a, x->b,
-                                                                  n_groups, offsets, C, err, sizeof err)
-                              : fp8_quantize_1x128_grouped(m->dev, o.q, o.s, x->x, x->rows, n_groups, offsets, C, err,
-                                                           sizeof err),
-                    what, err);
+    const int rc = x->kind == OPERAND_SWIGLU
+                       ? fp8_quantize_swiglu_1x128_grouped(m->dev, o.q, o.s, x->value, x->dout, x->a, x->b, n_groups,
+                                                           offsets, C, err, sizeof err)
+                       : fp8_quantize_1x128_grouped(m->dev, o.q, o.s, x->x, x->rows, n_groups, offsets, C, err,
+                                                    sizeof err);
+    check_quantised(rc, what, err);
     profile_end(PHASE_QUANTISE);
 }
 
@@ -356,12 +357,12 @@ static void quantize_128x1(Model *m, Fp8Operand o, const Operand *x, int n_group
     if (x->kind == OPERAND_COMBINE_GRAD) unsupported_operand("128x1");
     char err[256];
     profile_begin(PHASE_QUANTISE);
-    check_quantised(x->kind == OPERAND_SWIGLU ? fp8_quantize_swiglu_128x1_transposed_grouped(m->dev, o.q, o.s, x->value, x->dout, x->a,
-                                                                             x->b, n_groups, offsets, C, err,
-                                                                             sizeof err)
-                              : fp8_quantize_128x1_transposed_grouped(m->dev, o.q, o.s, x->x, x->rows, n_groups,
-                                                                      offsets, C, err, sizeof err),
-                    what, err);
+    const int rc = x->kind == OPERAND_SWIGLU
+                       ? fp8_quantize_swiglu_128x1_transposed_grouped(m->dev, o.q, o.s, x->value, x->dout, x->a, x->b,
+                                                                      n_groups, offsets, C, err, sizeof err)
+                       : fp8_quantize_128x1_transposed_grouped(m->dev, o.q, o.s, x->x, x->rows, n_groups, offsets, C,
+                                                               err, sizeof err);
+    check_quantised(rc, what, err);
     profile_end(PHASE_QUANTISE);
 }
 
@@ -474,7 +475,8 @@ static void fp8_backward(Model *m, int n_groups, const int *offsets, int n_out, 
         profile_end(PHASE_QUANTISE);
     }
     for (int i = 0; i < n_out && !swiglu_pair; i++) {
-        if (dinp && dweight[i]) quantize_both(m, dy[i], dyt[i], &dout[i], n_groups, offsets, OC, "a gradient (Dgrad and Wgrad dY)");
+        if (dinp && dweight[i])
+            quantize_both(m, dy[i], dyt[i], &dout[i], n_groups, offsets, OC, "a gradient (Dgrad and Wgrad dY)");
         else if (dinp) quantize_1x128(m, dy[i], &dout[i], n_groups, offsets, OC, "a gradient (Dgrad dY)");
         else if (dweight[i]) quantize_128x1(m, dyt[i], &dout[i], n_groups, offsets, OC, "a gradient (Wgrad dY)");
     }

@@ -261,7 +261,8 @@ __global__ void quantize_1x128_kernel(uint8_t *q, float *s, const __grid_constan
     const int64_t row = seg.rows0[g] + r; // in x
     const int len = r < seg.rows0[g + 1] - seg.rows0[g] ? K : 0; // a padding row loads as zeros
     float v[Q1X128_TILES_PER_WARP][4];
-    for (int i = 0; i < Q1X128_TILES_PER_WARP; i++) src.template load4<VEC4>(v[i], row, (kb0 + i) * FP8_TILE + lane * 4, len);
+    for (int i = 0; i < Q1X128_TILES_PER_WARP; i++)
+        src.template load4<VEC4>(v[i], row, (kb0 + i) * FP8_TILE + lane * 4, len);
     for (int i = 0; i < Q1X128_TILES_PER_WARP && kb0 + i < KB; i++) {
         const int col = (kb0 + i) * FP8_TILE + lane * 4;
         float a = 0.0f;
@@ -305,8 +306,8 @@ extern "C" int cuda_fp8_quantize_1x128(uint8_t *q, float *s, const real *x, int 
 
 extern "C" int cuda_fp8_quantize_1x128_grouped(uint8_t *q, float *s, const real *x, const int *x_rows, int n_seg,
                                                const int *rows0, int K, char *err, size_t err_size) {
-    return quantize_1x128_segments("fp8_quantize_1x128_grouped", "x", q, s, ArrayRows{x, x_rows, K}, n_seg, rows0, K, err,
-                                   err_size);
+    return quantize_1x128_segments("fp8_quantize_1x128_grouped", "x", q, s, ArrayRows{x, x_rows, K}, n_seg, rows0, K,
+                                   err, err_size);
 }
 
 // ---------------------------------------------------------------------------- 128x128 blocks (+ transpose)
@@ -662,8 +663,8 @@ extern "C" int cuda_fp8_quantize_both_layouts(uint8_t *q1, float *s1, uint8_t *q
 
 extern "C" int cuda_fp8_quantize_both_layouts_grouped(uint8_t *q1, float *s1, uint8_t *q2, float *s2, const real *x,
                                                       int n_seg, const int *rows0, int C, char *err, size_t err_size) {
-    return quantize_both_segments("fp8_quantize_both_layouts_grouped", "x", q1, s1, q2, s2, ArrayRows{x, NULL, C}, n_seg,
-                                  rows0, C, err, err_size);
+    return quantize_both_segments("fp8_quantize_both_layouts_grouped", "x", q1, s1, q2, s2, ArrayRows{x, NULL, C},
+                                  n_seg, rows0, C, err, err_size);
 }
 
 extern "C" int cuda_fp8_quantize_combine_grad_both_layouts_grouped(uint8_t *q1, float *s1, uint8_t *q2, float *s2,
