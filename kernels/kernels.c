@@ -448,13 +448,19 @@ void fp8_gemm_dgrad(Device dev, real *dx, const uint8_t *qdy, const float *sdy, 
     cpu_fp8_gemm_dgrad(dx, qdy, sdy, qwt, sw, T, N, K);
 }
 
-void fp8_gemm_fprop_grouped(Device dev, real *y, const uint8_t *qx, const float *sx, const uint8_t *const *qw,
-                            const float *const *sw, int n_seg, const int *rows0, int N, int K) {
+// The residual of the grouped Fprops: on the CPU the reference's own order, the product then add_inplace.
+static void add_residual(real *y, const real *residual, int n_seg, const int *rows0, int N) {
+    if (residual != NULL && n_seg > 0) cpu_add_inplace(y, residual, (int64_t)rows0[n_seg] * N);
+}
+
+void fp8_gemm_fprop_grouped(Device dev, real *y, const real *residual, const uint8_t *qx, const float *sx,
+                            const uint8_t *const *qw, const float *const *sw, int n_seg, const int *rows0, int N, int K) {
 #ifdef FP8MOE_CUDA
-    if (dev == DEVICE_CUDA) { cuda_fp8_gemm_fprop_grouped(y, qx, sx, qw, sw, n_seg, rows0, N, K); return; }
+    if (dev == DEVICE_CUDA) { cuda_fp8_gemm_fprop_grouped(y, residual, qx, sx, qw, sw, n_seg, rows0, N, K); return; }
 #endif
     if (dev != DEVICE_CPU) no_cuda_op("fp8_gemm_fprop_grouped");
     cpu_fp8_gemm_fprop_grouped(y, qx, sx, qw, sw, n_seg, rows0, N, K);
+    add_residual(y, residual, n_seg, rows0, N);
 }
 
 static void check_dgrad_args(const char *op, int n_mats) {
@@ -543,13 +549,14 @@ void bf16_round_rows(Device dev, uint16_t *dst, const real *src, const int *rows
     cpu_bf16_round_rows(dst, src, rows, n_rows, C);
 }
 
-void bf16_gemm_fprop_grouped(Device dev, real *y, const uint16_t *x, const uint16_t *const *w, int n_seg,
-                             const int *rows0, int N, int K) {
+void bf16_gemm_fprop_grouped(Device dev, real *y, const real *residual, const uint16_t *x, const uint16_t *const *w,
+                             int n_seg, const int *rows0, int N, int K) {
 #ifdef FP8MOE_CUDA
-    if (dev == DEVICE_CUDA) { cuda_bf16_gemm_fprop_grouped(y, x, w, n_seg, rows0, N, K); return; }
+    if (dev == DEVICE_CUDA) { cuda_bf16_gemm_fprop_grouped(y, residual, x, w, n_seg, rows0, N, K); return; }
 #endif
     if (dev != DEVICE_CPU) no_cuda_op("bf16_gemm_fprop_grouped");
     cpu_bf16_gemm_fprop_grouped(y, x, w, n_seg, rows0, N, K);
+    add_residual(y, residual, n_seg, rows0, N);
 }
 
 void bf16_gemm_dgrad_grouped(Device dev, real *dx, GradStore store, const DgradUnpermute *unpermute, int n_mats,

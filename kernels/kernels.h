@@ -358,8 +358,11 @@ typedef struct {
     const int *slot_of;  // (n_tok, topk) on the device: the Dgrad row of each (token, j)
     int n_tok, topk;
 } DgradUnpermute;
-void fp8_gemm_fprop_grouped(Device dev, real *y, const uint8_t *qx, const float *sx, const uint8_t *const *qw,
-                            const float *const *sw, int n_seg, const int *rows0, int N, int K);
+// residual (rows0[n_seg], N) or NULL: added to y after the product's rounding, y = bf16(product) + residual - the bits
+// of the call without it followed by add_inplace(y, residual); on CUDA in the output conversion's pass (a block's
+// residual branch after MLA's output projection).
+void fp8_gemm_fprop_grouped(Device dev, real *y, const real *residual, const uint8_t *qx, const float *sx,
+                            const uint8_t *const *qw, const float *const *sw, int n_seg, const int *rows0, int N, int K);
 void fp8_gemm_dgrad_grouped(Device dev, real *dx, GradStore store, const DgradUnpermute *unpermute, int n_mats,
                             const uint8_t *const *qdy, const float *const *sdy, const uint8_t *const *const *qwt,
                             const float *const *const *sw, int n_seg, const int *rows0, int N, int K);
@@ -381,7 +384,8 @@ void bf16_matmul_backward(Device dev, real *dinp, real *dweight, const real *dou
 //   bf16_round_rows:         dst (n_rows, C) row r = bf16(src row rows[r]) (rows on the device): the routed
 //                            experts' token rows read through the routing plan, with no gathered FP32 copy.
 //   bf16_gemm_fprop_grouped: rows [rows0[g], rows0[g+1]) of y (N columns) = bf16(x_g w[g]^T), x (rows, K),
-//                            w[g] (N, K); rows0[0] = 0; empty groups skipped (w[g] may be NULL there).
+//                            w[g] (N, K); rows0[0] = 0; empty groups skipped (w[g] may be NULL there);
+//                            residual as for fp8_gemm_fprop_grouped.
 //   bf16_gemm_dgrad_grouped: those rows of dx (K columns) += bf16(dy_g w[g]), dy (rows, N), for n_mats
 //                            (dy[i], w[i]) in order of i (as fp8_gemm_dgrad_grouped, one conversion on CUDA);
 //                            with store = GRAD_WRITE the first product is written over them instead;
@@ -390,8 +394,8 @@ void bf16_matmul_backward(Device dev, real *dinp, real *dweight, const real *dou
 // Bitwise the numbers of bf16_matmul_forward / _backward, group by group, on the unrounded operands.
 void bf16_round_array(Device dev, uint16_t *dst, const real *src, int64_t n);
 void bf16_round_rows(Device dev, uint16_t *dst, const real *src, const int *rows, int n_rows, int C);
-void bf16_gemm_fprop_grouped(Device dev, real *y, const uint16_t *x, const uint16_t *const *w, int n_seg,
-                             const int *rows0, int N, int K);
+void bf16_gemm_fprop_grouped(Device dev, real *y, const real *residual, const uint16_t *x, const uint16_t *const *w,
+                             int n_seg, const int *rows0, int N, int K);
 void bf16_gemm_dgrad_grouped(Device dev, real *dx, GradStore store, const DgradUnpermute *unpermute, int n_mats,
                              const uint16_t *const *dy,
                              const uint16_t *const *const *w, int n_seg, const int *rows0, int N, int K);

@@ -146,8 +146,7 @@ void block_forward(Model *m, const BlockWeights *w, BlockActs *a, const Dims *d,
     int N = d->N, D = d->D;
     a->x_in = (real *)x_in;
     rmsnorm_forward(dev, a->xn1, a->rstd1, x_in, w->attn_norm, N, D);
-    mla_forward(m, &w->attn, &a->mla, d, a->xn1, a->x_mid);
-    add_inplace(dev, a->x_mid, x_in, (int64_t)N * D);
+    mla_forward(m, &w->attn, &a->mla, d, a->xn1, x_in, a->x_mid);  // x_mid = x_in + MLA(...)
     rmsnorm_forward(dev, a->xn2, a->rstd2, a->x_mid, w->ffn_norm, N, D);
     if (w->is_moe) {  // the residual is added in the combine's pass
         moe_forward(m, w, &a->moe, d, a->xn2, a->x_mid, x_out);

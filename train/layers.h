@@ -126,7 +126,9 @@ void block_forward(Model *m, const BlockWeights *w, BlockActs *a, const Dims *d,
 void block_backward(Model *m, const BlockWeights *w, const BlockWeights *g, BlockActs *a, const Dims *d,
                     LayerScratch *s, real *d_x, real d_balance);
 
-void mla_forward(Model *m, const MlaWeights *w, MlaActs *a, const Dims *d, const real *xn, real *out);
+// out = residual + MLA(xn): the block's residual is added by the output projection (linear_forward_residual).
+void mla_forward(Model *m, const MlaWeights *w, MlaActs *a, const Dims *d, const real *xn, const real *residual,
+                 real *out);
 // d_xn (N, D) is written (not added to); parameter gradients are added to.
 void mla_backward(Model *m, const MlaWeights *w, const MlaWeights *g, MlaActs *a, const Dims *d,
                   LayerScratch *s, const real *xn, const real *d_out, real *d_xn);

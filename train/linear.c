@@ -424,7 +424,7 @@ static int group_weights(Model *m, int slot, int n_groups, const int *offsets, c
 // once, for every group and every weight; each weight's groups are one grouped GEMM call (one output
 // conversion on CUDA).
 static void fp8_forward(Model *m, int n_groups, const int *offsets, int n_out, real *const *out, const Operand *inp,
-                        const real *const *weight, int C, int OC) {
+                        const real *const *weight, int C, int OC, const real *residual) {
     const GroupSizes z = group_sizes(n_groups, offsets);
     scratch_reserve(m, fprop_bytes(z, C));
     size_t used = 0;
@@ -433,7 +433,7 @@ static void fp8_forward(Model *m, int n_groups, const int *offsets, int n_out, r
     const struct LinearWeightCache *c = m->weight_cache;
     for (int i = 0; i < n_out; i++) {
         m->fp8_gemm_count += group_weights(m, 0, n_groups, offsets, weight[i], OC, C);
-        fp8_gemm_fprop_grouped(m->dev, out[i], x.q, x.s, c->q, c->s, n_groups, offsets, OC, C);
+        fp8_gemm_fprop_grouped(m->dev, out[i], residual, x.q, x.s, c->q, c->s, n_groups, offsets, OC, C);
     }
 }
 
@@ -516,7 +516,7 @@ static void bf16_round_input(Model *m, uint16_t *x, const real *inp, const int *
 }
 
 static void bf16_forward(Model *m, int n_groups, const int *offsets, int n_out, real *const *out, const real *inp,
-                         const int *inp_rows, const real *const *weight, int C, int OC) {
+                         const int *inp_rows, const real *const *weight, int C, int OC, const real *residual) {
     const int rows = offsets[n_groups];
     scratch_reserve(m, bf16_bytes(rows, C));
     size_t used = 0;
@@ -524,7 +524,7 @@ static void bf16_forward(Model *m, int n_groups, const int *offsets, int n_out, 
     bf16_round_input(m, x, inp, inp_rows, rows, C);
     for (int i = 0; i < n_out; i++) {
         group_weights(m, 0, n_groups, offsets, weight[i], OC, C);
-        bf16_gemm_fprop_grouped(m->dev, out[i], x, m->weight_cache->b, n_groups, offsets, OC, C);
+        bf16_gemm_fprop_grouped(m->dev, out[i], residual, x, m->weight_cache->b, n_groups, offsets, OC, C);
     }
 }
 
@@ -588,16 +588,17 @@ static void check_inp_rows(const Model *m, const int *inp_rows) {
     exit(1);
 }
 
-void linear_forward_grouped(Model *m, int n_groups, const int *offsets, int n_out, real *const *out, const real *inp,
-                            const int *inp_rows, const real *const *weight, int C, int OC) {
+// linear_forward_grouped with a residual (n_out = 1 then; else NULL) added to the output (linear_forward_residual).
+static void forward_grouped(Model *m, int n_groups, const int *offsets, int n_out, real *const *out, const real *inp,
+                            const int *inp_rows, const real *const *weight, int C, int OC, const real *residual) {
     if (n_out > MAX_SHARED) too_many_shared(n_out);
     check_inp_rows(m, inp_rows);
     profile_begin(PHASE_OTHER_GEMM);  // the caller may make it an expert GEMM (kernels/profile.h)
     if (m->cfg.precision.mode == PRECISION_FP8) {
         const Operand x = array_operand(inp, inp_rows);
-        fp8_forward(m, n_groups, offsets, n_out, out, &x, weight, C, OC);
+        fp8_forward(m, n_groups, offsets, n_out, out, &x, weight, C, OC, residual);
     } else if (m->cfg.precision.mode == PRECISION_BF16) {
-        bf16_forward(m, n_groups, offsets, n_out, out, inp, inp_rows, weight, C, OC);
+        bf16_forward(m, n_groups, offsets, n_out, out, inp, inp_rows, weight, C, OC, residual);
     } else {
         for (int g = 0; g < n_groups; g++) {
             const int r0 = offsets[g], n = offsets[g + 1] - offsets[g];
@@ -605,8 +606,20 @@ void linear_forward_grouped(Model *m, int n_groups, const int *offsets, int n_ou
                 matmul_forward(m->dev, out[i] + (int64_t)r0 * OC, inp + (int64_t)r0 * C,
                                weight[i] + (int64_t)g * OC * C, n, C, OC);
         }
+        if (residual != NULL) add_inplace(m->dev, out[0], residual, (int64_t)offsets[n_groups] * OC);
     }
     profile_end(PHASE_OTHER_GEMM);
+}
+
+void linear_forward_grouped(Model *m, int n_groups, const int *offsets, int n_out, real *const *out, const real *inp,
+                            const int *inp_rows, const real *const *weight, int C, int OC) {
+    forward_grouped(m, n_groups, offsets, n_out, out, inp, inp_rows, weight, C, OC, NULL);
+}
+
+void linear_forward_residual(Model *m, real *out, const real *inp, const real *weight, const real *residual, int N,
+                             int C, int OC) {
+    const int offsets[2] = {0, N};
+    forward_grouped(m, 1, offsets, 1, &out, inp, NULL, &weight, C, OC, residual);
 }
 
 void linear_backward(Model *m, real *dinp, GradStore dinp_store, real *dweight, const real *dout, const real *inp,
@@ -665,7 +678,7 @@ void linear_forward_swiglu_grouped(Model *m, int n_groups, const int *offsets, r
     }
     profile_begin(PHASE_OTHER_GEMM);
     const Operand x = swiglu_operand(SWIGLU_OUT, NULL, a, b);
-    fp8_forward(m, n_groups, offsets, 1, &y, &x, &w2, I, D);
+    fp8_forward(m, n_groups, offsets, 1, &y, &x, &w2, I, D, NULL);
     profile_end(PHASE_OTHER_GEMM);
 }
 

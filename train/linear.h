@@ -20,6 +20,10 @@
 
 // inp (N, C), weight (OC, C) -> out (N, OC) = inp @ weight^T
 void linear_forward(Model *m, real *out, const real *inp, const real *weight, int N, int C, int OC);
+// out = inp @ weight^T + residual (N, OC): the bits of linear_forward then add_inplace(out, residual); in fp8 and
+// bf16 modes the residual is added in the GEMM output's conversion pass (a block's residual branch after MLA).
+void linear_forward_residual(Model *m, real *out, const real *inp, const real *weight, const real *residual, int N,
+                             int C, int OC);
 // dinp (N, C) += dout @ weight; dweight (OC, C) += dout^T @ inp   (either may be NULL). With dinp_store =
 // GRAD_WRITE (kernels.h) dinp is written instead, its old contents never read: for an input gradient that only
 // this Linear produces, with no memset before. Weight gradients always accumulate.

@@ -13,7 +13,8 @@
 
 #include "kernels/profile.h"
 
-void mla_forward(Model *m, const MlaWeights *w, MlaActs *a, const Dims *d, const real *xn, real *out) {
+void mla_forward(Model *m, const MlaWeights *w, MlaActs *a, const Dims *d, const real *xn, const real *residual,
+                 real *out) {
     Device dev = m->dev;
     int N = d->N, H = d->H, dqk = d->dqk, NH = d->N * d->H;
     // queries
@@ -44,7 +45,7 @@ void mla_forward(Model *m, const MlaWeights *w, MlaActs *a, const Dims *d, const
     profile_begin(PHASE_ATTENTION);
     attention_forward(dev, a->o, a->att, a->qf, a->kf, a->v, d->B, d->T, H, dqk, d->dv);
     profile_end(PHASE_ATTENTION);
-    linear_forward(m, out, a->o, w->wo, N, H * d->dv, d->D);
+    linear_forward_residual(m, out, a->o, w->wo, residual, N, H * d->dv, d->D);
 }
 
 void mla_backward(Model *m, const MlaWeights *w, const MlaWeights *g, MlaActs *a, const Dims *d,

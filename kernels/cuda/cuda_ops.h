@@ -52,15 +52,17 @@ int cuda_fp8_quantize_swiglu_grads_both_layouts_grouped(uint8_t *qa1, float *sa1
                                                         const int *rows0, int C, char *err, size_t err_size);
 void cuda_fp8_gemm_fprop(real *y, const uint8_t *qx, const float *sx, const uint8_t *qw, const float *sw, int T, int N, int K);
 void cuda_fp8_gemm_dgrad(real *dx, const uint8_t *qdy, const float *sdy, const uint8_t *qwt, const float *sw, int T, int N, int K);
-void cuda_fp8_gemm_fprop_grouped(real *y, const uint8_t *qx, const float *sx, const uint8_t *const *qw, const float *const *sw,
-                                 int n_seg, const int *rows0, int N, int K);
+void cuda_fp8_gemm_fprop_grouped(real *y, const real *residual, const uint8_t *qx, const float *sx,
+                                 const uint8_t *const *qw, const float *const *sw, int n_seg, const int *rows0, int N,
+                                 int K);
 void cuda_fp8_gemm_dgrad_grouped(real *dx, GradStore store, const DgradUnpermute *unpermute, int n_mats, const uint8_t *const *qdy, const float *const *sdy,
                                  const uint8_t *const *const *qwt, const float *const *const *sw, int n_seg, const int *rows0,
                                  int N, int K);
 void cuda_fp8_gemm_wgrad(real *dw, const uint8_t *qdyt, const float *sdyt, const uint8_t *qxt, const float *sxt, int T, int N, int K);
 void cuda_bf16_matmul_forward(real *out, const real *inp, const real *weight, int N, int C, int OC);
 void cuda_bf16_matmul_backward(real *dinp, real *dweight, const real *dout, const real *inp, const real *weight, int N, int C, int OC);
-void cuda_bf16_gemm_fprop_grouped(real *y, const uint16_t *x, const uint16_t *const *w, int n_seg, const int *rows0, int N, int K);
+void cuda_bf16_gemm_fprop_grouped(real *y, const real *residual, const uint16_t *x, const uint16_t *const *w,
+                                  int n_seg, const int *rows0, int N, int K);
 void cuda_bf16_gemm_dgrad_grouped(real *dx, GradStore store, const DgradUnpermute *unpermute, int n_mats, const uint16_t *const *dy,
                                   const uint16_t *const *const *w, int n_seg, const int *rows0, int N, int K);
 void cuda_float_rows_to_bf16(uint16_t *dst, const float *src, const int *rows, int n_rows, int C);

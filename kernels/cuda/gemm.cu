@@ -420,7 +420,8 @@ __device__ inline uint32_t bf16x2_bits(float lo, float hi) {
 // padded to 16, one after another). One segment with rows0 = {0, rows} is a plain (rows, cols) conversion.
 // n_src outputs of that layout may lie one after another, src_stride elements apart (the Dgrads of Linears
 // sharing an input): they are added in order after the first, y = ((y +) x_0 + x_1) + ..., the bits of one
-// conversion per output.
+// conversion per output. With res (rows0[n], cols) FP32 (a Fprop's residual branch), res is added last: the bits of
+// add_inplace(y, res) after the conversion, without that pass.
 // One warp per output row and chunk of CONV_STEPS x 32 x (1 or 4) columns: the row's segment is looked up
 // once per warp (a binary search of the table, the same for all lanes) and no element index is divided.
 static const int CONV_ROWS_PER_BLOCK = 8;
@@ -446,19 +447,21 @@ __device__ inline float add_sources1(float v, const uint16_t *xr, int n_src, int
 
 template <bool VEC4, bool ADD>
 __global__ void bf16_to_float_rows_kernel(float *__restrict__ y, const uint16_t *__restrict__ x, int n_src,
-                                          int64_t src_stride, const __grid_constant__ SegTable seg, int cols, int ld) {
+                                          int64_t src_stride, const __grid_constant__ SegTable seg, int cols, int ld,
+                                          const float *__restrict__ res) {
     const int per = VEC4 ? 4 : 1;
     const int row = blockIdx.x * CONV_ROWS_PER_BLOCK + (threadIdx.x >> 5);
     if (row >= seg.rows0[seg.n]) return;
     const int g = segment_of(seg.rows0, seg.n, row);
     const uint16_t *xr = x + (int64_t)(seg.p16[g] + row - seg.rows0[g]) * ld;
     float *yr = y + (int64_t)row * cols;
+    const float *rr = res ? res + (int64_t)row * cols : NULL;
     const int c0 = blockIdx.y * (CONV_STEPS * 32 * per) + (threadIdx.x & 31) * per;
 #pragma unroll
     for (int i = 0; i < CONV_STEPS; i++) {
         const int c = c0 + i * 32 * per;
         if (c >= cols) break;
-        // ((y +) x_0) + x_1 + ...: with ADD the old value first, then the outputs in order
+        // ((y +) x_0) + x_1 + ... (+ res): with ADD the old value first, then the outputs in order, the residual last
         if (VEC4) {
             float4 *out = reinterpret_cast<float4 *>(yr + c);
             float4 v = bf16x4_to_float4(*reinterpret_cast<const uint2 *>(xr + c));
@@ -466,11 +469,17 @@ __global__ void bf16_to_float_rows_kernel(float *__restrict__ y, const uint16_t 
                 const float4 o = *out;
                 v.x = __fadd_rn(o.x, v.x), v.y = __fadd_rn(o.y, v.y), v.z = __fadd_rn(o.z, v.z), v.w = __fadd_rn(o.w, v.w);
             }
-            *out = add_sources4(v, xr, n_src, src_stride, c);
+            v = add_sources4(v, xr, n_src, src_stride, c);
+            if (rr) {
+                const float4 r = *reinterpret_cast<const float4 *>(rr + c);
+                v.x = __fadd_rn(v.x, r.x), v.y = __fadd_rn(v.y, r.y), v.z = __fadd_rn(v.z, r.z), v.w = __fadd_rn(v.w, r.w);
+            }
+            *out = v;
         } else {
             float v = bf16_bits_to_float(xr[c]);
             if (ADD) v = __fadd_rn(yr[c], v);
-            yr[c] = add_sources1(v, xr, n_src, src_stride, c);
+            v = add_sources1(v, xr, n_src, src_stride, c);
+            yr[c] = rr ? __fadd_rn(v, rr[c]) : v;
         }
     }
 }
@@ -599,16 +608,16 @@ static int vec4_ok(int64_t a, const void *p16, const void *p8) {
 // One launch for every segment of seg and every one of n_src outputs (see bf16_to_float_rows_kernel).
 template <bool ADD>
 static void bf16_to_float_rows(float *y, const uint16_t *x, const SegTable &seg, int cols, int ld, int n_src = 1,
-                               int64_t src_stride = 0) {
+                               int64_t src_stride = 0, const float *res = NULL) {
     const int rows = seg.rows0[seg.n];
     if (rows == 0 || cols <= 0) return;
-    const int per = vec4_ok(cols, y, x) && ld % 4 == 0 && src_stride % 4 == 0 ? 4 : 1;
+    const int per = vec4_ok(cols, y, x) && ld % 4 == 0 && src_stride % 4 == 0 && (uintptr_t)res % 16 == 0 ? 4 : 1;
     const dim3 grid((unsigned)ceil_div(rows, CONV_ROWS_PER_BLOCK), (unsigned)ceil_div(cols, CONV_STEPS * 32 * per));
     if (grid.y > 65535)
         gemm_fail(__LINE__, "bf16_to_float_rows", "%d columns - expected at most %d", cols, 65535 * CONV_STEPS * 32 * per);
     const int threads = 32 * CONV_ROWS_PER_BLOCK;
-    if (per == 4) bf16_to_float_rows_kernel<true, ADD><<<grid, threads>>>(y, x, n_src, src_stride, seg, cols, ld);
-    else bf16_to_float_rows_kernel<false, ADD><<<grid, threads>>>(y, x, n_src, src_stride, seg, cols, ld);
+    if (per == 4) bf16_to_float_rows_kernel<true, ADD><<<grid, threads>>>(y, x, n_src, src_stride, seg, cols, ld, res);
+    else bf16_to_float_rows_kernel<false, ADD><<<grid, threads>>>(y, x, n_src, src_stride, seg, cols, ld, res);
     CUDA_CHECK_LAUNCH("bf16_to_float_rows_kernel");
 }
 
@@ -748,7 +757,7 @@ typedef void (*Fp8GemmBf16)(uint16_t *out, const uint8_t *qa, const float *sa, c
 static void fp8_gemm_segments(const char *op, bool dgrad, real *out, bool add, const DgradUnpermute *unpermute,
                               int out_cols, int contraction, int n_mats, const uint8_t *const *qa, const float *const *sa,
                               const uint8_t *const *const *qb, const float *const *const *sb, int n_seg,
-                              const int *rows0, int N, int K) {
+                              const int *rows0, int N, int K, const real *residual = NULL) {
     const SegTable seg = seg_table(op, n_seg, rows0);
     if (seg.rows0[n_seg] == 0 || out_cols <= 0) return;
     if (n_mats < 1 || n_mats > FP8_MAX_DGRAD_MATS)
@@ -783,13 +792,14 @@ static void fp8_gemm_segments(const char *op, bool dgrad, real *out, bool add, c
     }
     if (unpermute) bf16_unpermute_rows(out, add, tmp, seg, out_cols, ld, n_mats, per_mat, unpermute);
     else if (add) bf16_to_float_rows<true>(out, tmp, seg, out_cols, ld, n_mats, per_mat);
-    else bf16_to_float_rows<false>(out, tmp, seg, out_cols, ld, n_mats, per_mat);
+    else bf16_to_float_rows<false>(out, tmp, seg, out_cols, ld, n_mats, per_mat, residual);
 }
 
-extern "C" void cuda_fp8_gemm_fprop_grouped(real *y, const uint8_t *qx, const float *sx, const uint8_t *const *qw,
-                                            const float *const *sw, int n_seg, const int *rows0, int N, int K) {
-    fp8_gemm_segments("fp8_gemm_fprop_grouped", false, y, false, NULL, N, K, 1, &qx, &sx, &qw, &sw, n_seg, rows0, N,
-                      K);
+extern "C" void cuda_fp8_gemm_fprop_grouped(real *y, const real *residual, const uint8_t *qx, const float *sx,
+                                            const uint8_t *const *qw, const float *const *sw, int n_seg,
+                                            const int *rows0, int N, int K) {
+    fp8_gemm_segments("fp8_gemm_fprop_grouped", false, y, false, NULL, N, K, 1, &qx, &sx, &qw, &sw, n_seg, rows0, N, K,
+                      residual);
 }
 
 extern "C" void cuda_fp8_gemm_dgrad_grouped(real *dx, GradStore store, const DgradUnpermute *unpermute, int n_mats,
@@ -908,7 +918,7 @@ extern "C" void cuda_bf16_matmul_backward(real *dinp, real *dweight, const real 
 template <bool DGRAD>
 static void bf16_gemm_segments(const char *op, real *out, bool add, const DgradUnpermute *unpermute, int n_mats,
                                const uint16_t *const *a, const uint16_t *const *const *w, int n_seg, const int *rows0,
-                               int N, int K) {
+                               int N, int K, const real *residual = NULL) {
     for (int g = 0; g < n_seg; g++)  // any number of segments: no table reaches the GPU here
         if (rows0[0] != 0 || rows0[g + 1] < rows0[g])
             gemm_fail(__LINE__, op, "rows0[0] = %d, segment %d has rows %d..%d - expected rows0[0] = 0 and rows0 "
@@ -930,12 +940,12 @@ static void bf16_gemm_segments(const char *op, real *out, bool add, const DgradU
     const SegTable seg = seg_table(op, 1, rows0_all);
     if (unpermute) bf16_unpermute_rows(out, add, tmp, seg, out_cols, out_cols, n_mats, per_mat, unpermute);
     else if (add) bf16_to_float_rows<true>(out, tmp, seg, out_cols, out_cols, n_mats, per_mat);
-    else bf16_to_float_rows<false>(out, tmp, seg, out_cols, out_cols, n_mats, per_mat);
+    else bf16_to_float_rows<false>(out, tmp, seg, out_cols, out_cols, n_mats, per_mat, residual);
 }
 
-extern "C" void cuda_bf16_gemm_fprop_grouped(real *y, const uint16_t *x, const uint16_t *const *w, int n_seg,
-                                             const int *rows0, int N, int K) {
-    bf16_gemm_segments<false>("bf16_gemm_fprop_grouped", y, false, NULL, 1, &x, &w, n_seg, rows0, N, K);
+extern "C" void cuda_bf16_gemm_fprop_grouped(real *y, const real *residual, const uint16_t *x, const uint16_t *const *w,
+                                             int n_seg, const int *rows0, int N, int K) {
+    bf16_gemm_segments<false>("bf16_gemm_fprop_grouped", y, false, NULL, 1, &x, &w, n_seg, rows0, N, K, residual);
 }
 
 extern "C" void cuda_bf16_gemm_dgrad_grouped(real *dx, GradStore store, const DgradUnpermute *unpermute, int n_mats,

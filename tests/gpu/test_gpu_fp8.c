@@ -1612,6 +1612,56 @@ static int unpermute_diff(int T, int K, const float *init, const uint8_t *const 
     return diff;
 }
 
+// A grouped Fprop's residual (kernels.h: the block's, added after MLA's output projection): the bytes of y (rows,
+// N) that differ between the call with the residual and the call without it followed by add_inplace(y, residual),
+// with the residual 16-byte aligned (the float4 conversion) and one float off (the scalar one). fprop runs the
+// Fprop under test into y with the residual given (or NULL).
+typedef void (*FpropWithResidual)(float *y, const float *residual, const void *ctx);
+static int fprop_residual_diff(FpropWithResidual fprop, const void *ctx, int rows, int N, uint64_t seed) {
+    const int64_t n = (int64_t)rows * N;
+    float *res = floats(n + 1);
+    fill_log_uniform(res, n + 1, seed, -6.0, 0.0);
+    float *res_d = gpu_copy_of(res, (size_t)(n + 1) * sizeof(float));
+    int differing = 0;
+    for (int off = 0; off < 2; off++) {
+        float *fused_d = gpu_poisoned((size_t)n * sizeof(float)), *sep_d = gpu_poisoned((size_t)n * sizeof(float));
+        fprop(fused_d, res_d + off, ctx);
+        fprop(sep_d, NULL, ctx);
+        add_inplace(DEVICE_CUDA, sep_d, res_d + off, n);
+        float *fused = host_copy_of(fused_d, (size_t)n * sizeof(float)), *sep = host_copy_of(sep_d, (size_t)n * sizeof(float));
+        differing += count_diff(fused, sep, (size_t)n * sizeof(float));
+        free(fused), free(sep);
+        device_free(DEVICE_CUDA, fused_d), device_free(DEVICE_CUDA, sep_d);
+    }
+    device_free(DEVICE_CUDA, res_d);
+    free(res);
+    return differing;
+}
+
+typedef struct {
+    const uint8_t *qx;
+    const float *sx;
+    const uint8_t *const *qw;
+    const float *const *sw;
+    int n, N, K;
+    const int *rows0;
+} Fp8FpropArgs;
+static void fp8_fprop_with_residual(float *y, const float *residual, const void *ctx) {
+    const Fp8FpropArgs *a = ctx;
+    fp8_gemm_fprop_grouped(DEVICE_CUDA, y, residual, a->qx, a->sx, a->qw, a->sw, a->n, a->rows0, a->N, a->K);
+}
+
+typedef struct {
+    const uint16_t *x;
+    const uint16_t *const *w;
+    int n, N, K;
+    const int *rows0;
+} Bf16FpropArgs;
+static void bf16_fprop_with_residual(float *y, const float *residual, const void *ctx) {
+    const Bf16FpropArgs *a = ctx;
+    bf16_gemm_fprop_grouped(DEVICE_CUDA, y, residual, a->x, a->w, a->n, a->rows0, a->N, a->K);
+}
+
 static void test_fp8_gemm_grouped(void **state) {
     const GroupedGemmCase *gc = *state;
     const int n = gc->n_seg, N = gc->N, K = gc->K;
@@ -1668,7 +1718,7 @@ static void test_fp8_gemm_grouped(void **state) {
                        sdy_d + (int64_t)NB * p16, qwt[g], sw[g], rows, N, K);
         p16 += ceil_div(rows, 16) * 16;
     }
-    fp8_gemm_fprop_grouped(DEVICE_CUDA, y_grp_d + N, qx_d, sx_d, qw, sw, n, rows0, N, K);
+    fp8_gemm_fprop_grouped(DEVICE_CUDA, y_grp_d + N, NULL, qx_d, sx_d, qw, sw, n, rows0, N, K);
     const uint8_t *qdy1[1] = {qdy_d}, *const *qwt1[1] = {qwt};
     const float *sdy1[1] = {sdy_d}, *const *sw1[1] = {sw};
     fp8_gemm_dgrad_grouped(DEVICE_CUDA, dx_grp_d + K, GRAD_ADD, NULL, 1, qdy1, sdy1, qwt1, sw1, n, rows0, N, K);
@@ -1704,12 +1754,15 @@ static void test_fp8_gemm_grouped(void **state) {
     const int y_diff = count_diff(y_grp, y_seg, (size_t)ny * sizeof(float));
     const int dx_diff = count_diff(dx_grp, dx_seg, (size_t)nx * sizeof(float));
     const int y_rows = written_inside_only(y_grp, T, N), dx_rows = written_inside_only(dx_grp, T, K);
+    const Fp8FpropArgs fa = {qx_d, sx_d, qw, sw, n, N, K, rows0};
+    const int res_diff = fprop_residual_diff(fp8_fprop_with_residual, &fa, T, N, 7400 + (uint64_t)gc->seed);
     const int pass = y_diff == 0 && dx_diff == 0 && y_rows && dx_rows && wr_diff == 0 && wr_rows && two_diff == 0 &&
-                     unperm_diff == 0;
+                     unperm_diff == 0 && res_diff == 0;
     printf("%-16s %2d segments, %4d rows, N %-4d K %-4d differing bytes vs per-segment: Fprop %d, Dgrad %d; "
            "Dgrad GRAD_WRITE differing values %d; 2 matrices vs 2 calls: %d bytes; unpermuted vs slot order + "
-           "moe_unpermute_backward: %d bytes; only the rows inside written: %s  %s\n", "fp8 grouped", n, T, N, K, y_diff,
-           dx_diff, wr_diff, two_diff, unperm_diff, y_rows && dx_rows && wr_rows ? "yes" : "NO", pass ? "ok" : "FAIL");
+           "moe_unpermute_backward: %d bytes; Fprop with a residual vs + add_inplace: %d bytes; only the rows inside "
+           "written: %s  %s\n", "fp8 grouped", n, T, N, K, y_diff, dx_diff, wr_diff, two_diff, unperm_diff, res_diff,
+           y_rows && dx_rows && wr_rows ? "yes" : "NO", pass ? "ok" : "FAIL");
     fflush(stdout);
 
     for (int g = 0; g < n; g++) {
@@ -1864,7 +1917,7 @@ static void test_bf16_gemm_grouped(void **state) {
     // CPU results, then two GPU runs (outputs one row longer than the groups: the last row is poison)
     float *y_c = floats(ndy), *dx_c = floats(nx), *dw_c = floats(nw), *y_g[2], *dx_g[2], *dw_g[2];
     memcpy(dx_c, dx0, (size_t)nx * 4), memcpy(dw_c, dw0, (size_t)nw * 4);
-    bf16_gemm_fprop_grouped(DEVICE_CPU, y_c, xb, wg, n, rows0, N, K);
+    bf16_gemm_fprop_grouped(DEVICE_CPU, y_c, NULL, xb, wg, n, rows0, N, K);
     const uint16_t *dyb1[1] = {dyb}, *const *wg1[1] = {wg}, *dyb1_d[1] = {dyb_d}, *const *wg1_d[1] = {wg_d};
     bf16_gemm_dgrad_grouped(DEVICE_CPU, dx_c, GRAD_ADD, NULL, 1, dyb1, wg1, n, rows0, N, K);
     for (int g = 0; g < n; g++)
@@ -1877,7 +1930,7 @@ static void test_bf16_gemm_grouped(void **state) {
         float *dw_d = device_alloc(DEVICE_CUDA, (size_t)nw * 4);
         device_memcpy_from_host(DEVICE_CUDA, dx_d, dx0, (size_t)nx * 4);
         device_memcpy_from_host(DEVICE_CUDA, dw_d, dw0, (size_t)nw * 4);
-        bf16_gemm_fprop_grouped(DEVICE_CUDA, y_d, xb_d, wg_d, n, rows0, N, K);
+        bf16_gemm_fprop_grouped(DEVICE_CUDA, y_d, NULL, xb_d, wg_d, n, rows0, N, K);
         bf16_gemm_dgrad_grouped(DEVICE_CUDA, dx_d, GRAD_ADD, NULL, 1, dyb1_d, wg1_d, n, rows0, N, K);
         for (int g = 0; g < n; g++)
             bf16_gemm_wgrad(DEVICE_CUDA, dw_d + (int64_t)g * N * K, dyb_d + (int64_t)rows0[g] * N,
@@ -1904,11 +1957,14 @@ static void test_bf16_gemm_grouped(void **state) {
         float *wr2 = host_copy_of(wr_d, (size_t)nx * 4), *seq2 = host_copy_of(zero_d, (size_t)nx * 4);
         const int two_diff = memcmp(wr2, seq2, (size_t)nx * 4) != 0;
         const int unperm_diff = unpermute_diff(T, K, dx0, NULL, NULL, dyb2_d, NULL, NULL, wg2_d, n, rows0, N);
+        const Bf16FpropArgs fa = {xb_d, wg_d, n, N, K, rows0};
+        const int res_diff = fprop_residual_diff(bf16_fprop_with_residual, &fa, T, N, 9106 + (uint64_t)gc->seed);
+        const int ok = differing == 0 && tail_ok && !two_diff && unperm_diff == 0 && res_diff == 0;
         printf("%-16s %d groups, %d x %d x %d: Dgrad GRAD_WRITE vs GRAD_ADD onto zeros: %d differing values, last row "
-               "untouched: %s; 2 matrices vs 2 calls: %s; unpermuted vs slot order + moe_unpermute_backward: %d bytes  "
-               "%s\n", "bf16 grouped", n, T, N, K, differing, tail_ok ? "yes" : "NO", two_diff ? "DIFFERENT" : "same bits",
-               unperm_diff, differing == 0 && tail_ok && !two_diff && unperm_diff == 0 ? "ok" : "FAIL");
-        pass &= differing == 0 && tail_ok && !two_diff && unperm_diff == 0;
+               "untouched: %s; 2 matrices vs 2 calls: %s; unpermuted vs slot order + moe_unpermute_backward: %d bytes; "
+               "Fprop with a residual vs + add_inplace: %d bytes  %s\n", "bf16 grouped", n, T, N, K, differing,
+               tail_ok ? "yes" : "NO", two_diff ? "DIFFERENT" : "same bits", unperm_diff, res_diff, ok ? "ok" : "FAIL");
+        pass &= ok;
         free(wr2), free(seq2);
         device_free(DEVICE_CUDA, wr_d), device_free(DEVICE_CUDA, zero_d);
         free(wr), free(zero);

@@ -1246,7 +1246,7 @@ static void test_gemm_grouped(void **state) {
         fp8_gemm_fprop(DEVICE_CPU, y_ref + (size_t)rows0[g] * N, qa, sa, qw[g], sw[g], n, N, K);
         fp8_gemm_dgrad(DEVICE_CPU, dx_ref + (size_t)rows0[g] * K, qb, sb, qwt[g], sw[g], n, N, K);
     }
-    fp8_gemm_fprop_grouped(DEVICE_CPU, y, qx, sx, qw, sw, NSEG, rows0, N, K);
+    fp8_gemm_fprop_grouped(DEVICE_CPU, y, NULL, qx, sx, qw, sw, NSEG, rows0, N, K);
     const uint8_t *qdy1[1] = {qdy}, *const *qwt1[1] = {qwt};
     const float *sdy1[1] = {sdy}, *const *sw1[1] = {sw};
     fp8_gemm_dgrad_grouped(DEVICE_CPU, dx, GRAD_ADD, NULL, 1, qdy1, sdy1, qwt1, sw1, NSEG, rows0, N, K);
@@ -1389,7 +1389,7 @@ static void test_bf16_gemm_grouped(void **state) {
     for (int c = 0; c < N; c++) y[(size_t)T * N + c] = UNTOUCHED;
     for (int c = 0; c < K; c++) dx[(size_t)T * K + c] = UNTOUCHED;
 
-    bf16_gemm_fprop_grouped(DEVICE_CPU, y, xb, wg, G, rows0, N, K);
+    bf16_gemm_fprop_grouped(DEVICE_CPU, y, NULL, xb, wg, G, rows0, N, K);
     const uint16_t *dyb1[1] = {dyb}, *const *wg1[1] = {wg};
     bf16_gemm_dgrad_grouped(DEVICE_CPU, dx, GRAD_ADD, NULL, 1, dyb1, wg1, G, rows0, N, K);
     real *dxw = ralloc((size_t)(T + 1) * K), *dxw_ref = ralloc((size_t)T * K);
