@@ -391,6 +391,34 @@ static void quantize_both(Model *m, Fp8Operand o1, Fp8Operand o2, const Operand 
     profile_end(PHASE_QUANTISE);
 }
 
+// The n_out dYs of a backward into the layouts their GEMMs need (1x128 dy[i] for the Dgrad when dgrad, 128x1 dyt[i]
+// for the Wgrad when dweight[i]), each in one pass; the SwiGLU gradients da and db of one (dout, a, b) - the FFN's
+// w1 and w3 - in one pass for both.
+static void quantize_gradients(Model *m, int n_out, const Fp8Operand *dy, const Fp8Operand *dyt, const Operand *dout,
+                               int dgrad, real *const *dweight, int n_groups, const int *offsets, int OC) {
+    const int swiglu_pair = n_out == 2 && dgrad && dweight[0] && dweight[1] &&
+                            dout[0].kind == OPERAND_SWIGLU && dout[0].value == SWIGLU_DA &&
+                            dout[1].kind == OPERAND_SWIGLU && dout[1].value == SWIGLU_DB &&
+                            dout[0].dout == dout[1].dout && dout[0].a == dout[1].a;
+    if (swiglu_pair) {
+        char err[256];
+        profile_begin(PHASE_QUANTISE);
+        check_quantised(fp8_quantize_swiglu_grads_both_layouts_grouped(m->dev, dy[0].q, dy[0].s, dyt[0].q, dyt[0].s,
+                                                                        dy[1].q, dy[1].s, dyt[1].q, dyt[1].s,
+                                                                        dout[0].dout, dout[0].a, dout[0].b, n_groups,
+                                                                        offsets, OC, err, sizeof err),
+                        "the SwiGLU gradients (Dgrad and Wgrad dY)", err);
+        profile_end(PHASE_QUANTISE);
+        return;
+    }
+    for (int i = 0; i < n_out; i++) {
+        if (dgrad && dweight[i])
+            quantize_both(m, dy[i], dyt[i], &dout[i], n_groups, offsets, OC, "a gradient (Dgrad and Wgrad dY)");
+        else if (dgrad) quantize_1x128(m, dy[i], &dout[i], n_groups, offsets, OC, "a gradient (Dgrad dY)");
+        else if (dweight[i]) quantize_128x1(m, dyt[i], &dout[i], n_groups, offsets, OC, "a gradient (Wgrad dY)");
+    }
+}
+
 _Noreturn static void too_many_shared(int n_out) {
     fprintf(stderr, "fp8moe: train/linear.c: internal error: %d Linears share an input (at most %d)\n", n_out,
             MAX_SHARED);
@@ -460,26 +488,7 @@ static void fp8_backward(Model *m, int n_groups, const int *offsets, int n_out, 
         dy[i] = dinp ? take_1x128(m, &used, z, OC) : (Fp8Operand){NULL, NULL};
         dyt[i] = dweight[i] ? take_128x1(m, &used, z, OC) : (Fp8Operand){NULL, NULL};
     }
-    // The SwiGLU FFN's w1 and w3: their dYs da and db come from one read of d_h, a, b
-    const int swiglu_pair = n_out == 2 && dinp && dweight[0] && dweight[1] && dout[0].kind == OPERAND_SWIGLU &&
-                            dout[0].value == SWIGLU_DA && dout[1].kind == OPERAND_SWIGLU &&
-                            dout[1].value == SWIGLU_DB && dout[0].dout == dout[1].dout && dout[0].a == dout[1].a;
-    if (swiglu_pair) {
-        char err[256];
-        profile_begin(PHASE_QUANTISE);
-        check_quantised(fp8_quantize_swiglu_grads_both_layouts_grouped(m->dev, dy[0].q, dy[0].s, dyt[0].q, dyt[0].s,
-                                                                        dy[1].q, dy[1].s, dyt[1].q, dyt[1].s,
-                                                                        dout[0].dout, dout[0].a, dout[0].b, n_groups,
-                                                                        offsets, OC, err, sizeof err),
-                        "the SwiGLU gradients (Dgrad and Wgrad dY)", err);
-        profile_end(PHASE_QUANTISE);
-    }
-    for (int i = 0; i < n_out && !swiglu_pair; i++) {
-        if (dinp && dweight[i])
-            quantize_both(m, dy[i], dyt[i], &dout[i], n_groups, offsets, OC, "a gradient (Dgrad and Wgrad dY)");
-        else if (dinp) quantize_1x128(m, dy[i], &dout[i], n_groups, offsets, OC, "a gradient (Dgrad dY)");
-        else if (dweight[i]) quantize_128x1(m, dyt[i], &dout[i], n_groups, offsets, OC, "a gradient (Wgrad dY)");
-    }
+    quantize_gradients(m, n_out, dy, dyt, dout, dinp != NULL, dweight, n_groups, offsets, OC);
     if (dinp) {
         const struct LinearWeightCache *c = m->weight_cache;
         const uint8_t *qdy[MAX_SHARED], *const *qwt[MAX_SHARED];
@@ -592,6 +601,11 @@ static void check_inp_rows(const Model *m, const int *inp_rows) {
 static void forward_grouped(Model *m, int n_groups, const int *offsets, int n_out, real *const *out, const real *inp,
                             const int *inp_rows, const real *const *weight, int C, int OC, const real *residual) {
     if (n_out > MAX_SHARED) too_many_shared(n_out);
+    if (residual != NULL && n_out != 1) {
+        fprintf(stderr, "fp8moe: train/linear.c: internal error: a residual with %d Linears (only one takes it)\n",
+                n_out);
+        exit(1);
+    }
     check_inp_rows(m, inp_rows);
     profile_begin(PHASE_OTHER_GEMM);  // the caller may make it an expert GEMM (kernels/profile.h)
     if (m->cfg.precision.mode == PRECISION_FP8) {

@@ -15,28 +15,43 @@
 
 #include <string.h>
 
-// ---------------------------------------------------------------------------- dense SwiGLU
-// x (rows, D) -> out (rows, D) = w2 (silu(w1 x) * w3 x); w1, w3 (width, D), w2 (D, width)
-// The gate h = silu(a) * b is w2's operand, computed inside fp8's quantisers (linear_*_swiglu_grouped); in bf16 and
-// fp32 modes it is written to a->h, a forward transient (see FfnActs).
-void ffn_forward(Model *m, const FfnWeights *w, FfnActs *a, int rows, int D, int width, const real *x,
-                 real *out) {
+// ---------------------------------------------------------------------------- SwiGLU FFNs
+// y = w2 (silu(w1 x) * w3 x) over n_groups groups of rows [offsets[g], offsets[g+1]) with their own weights (one
+// group: the dense FFN and the shared expert; the local experts' segments: the routed ones, weights stacked), row
+// r of x read through x_rows when given. w1, w3 (I, D), w2 (D, I) per group. The gate h = silu(a) * b is w2's
+// operand, computed inside fp8's quantisers (linear_*_swiglu_grouped); bf16 and fp32 write it to a->h, a forward
+// transient (see FfnActs).
+static void swiglu_ffn_forward(Model *m, const FfnWeights *w, FfnActs *a, int n_groups, const int *offsets, int D,
+                               int I, const real *x, const int *x_rows, real *y) {
     real *const ab[2] = {a->a, a->b};
     const real *const w13[2] = {w->w1, w->w3};
-    const int offsets[2] = {0, rows};
-    linear_forward_shared(m, 2, ab, x, w13, rows, D, width);
-    linear_forward_swiglu_grouped(m, 1, offsets, out, a->h, a->a, a->b, w->w2, width, D);
+    linear_forward_grouped(m, n_groups, offsets, 2, ab, x, x_rows, w13, D, I);
+    linear_forward_swiglu_grouped(m, n_groups, offsets, y, a->h, a->a, a->b, w->w2, I, D);
 }
 
-// d_out (rows, D) -> d_x (rows, D) added to (d_x_store GRAD_ADD) or written (GRAD_WRITE), parameter grads +=.
-// h is recomputed from a and b (a forward transient): the same arithmetic on the same inputs, so the same bits.
-// d_h, d_a and d_b are written, not cleared and added to.
+// Its backward from d_y (or d_y_combine, linear.h CombineGrad): parameter gradients +=, d_x written or added to per
+// d_x_store (in token order with unpermute, linear.h). h is recomputed from a and b: the same arithmetic on the
+// same inputs, so the same bits. d_h, d_a and d_b are written, not cleared and added to.
+static void swiglu_ffn_backward(Model *m, const FfnWeights *w, const FfnWeights *g, FfnActs *a, LayerScratch *s,
+                                int n_groups, const int *offsets, int D, int I, const real *x, const int *x_rows,
+                                const real *d_y, const CombineGrad *d_y_combine, real *d_x, GradStore d_x_store,
+                                const DgradUnpermute *unpermute) {
+    const SwigluScratch scratch = {a->h, s->d_h, s->d_a, s->d_b};
+    linear_backward_swiglu_grouped(m, n_groups, offsets, w, g, a->a, a->b, d_y, d_y_combine, x, x_rows, d_x,
+                                   d_x_store, unpermute, &scratch, D, I);
+}
+
+// x (rows, D) -> out (rows, D): the dense FFN and the shared expert, one group.
+void ffn_forward(Model *m, const FfnWeights *w, FfnActs *a, int rows, int D, int width, const real *x,
+                 real *out) {
+    const int offsets[2] = {0, rows};
+    swiglu_ffn_forward(m, w, a, 1, offsets, D, width, x, NULL, out);
+}
+
 void ffn_backward(Model *m, const FfnWeights *w, const FfnWeights *g, FfnActs *a, LayerScratch *s,
                   int rows, int D, int width, const real *x, const real *d_out, real *d_x, GradStore d_x_store) {
     const int offsets[2] = {0, rows};
-    const SwigluScratch scratch = {a->h, s->d_h, s->d_a, s->d_b};
-    linear_backward_swiglu_grouped(m, 1, offsets, w, g, a->a, a->b, d_out, NULL, x, NULL, d_x, d_x_store, NULL,
-                                   &scratch, D, width);
+    swiglu_ffn_backward(m, w, g, a, s, 1, offsets, D, width, x, NULL, d_out, NULL, d_x, d_x_store, NULL);
 }
 
 // ---------------------------------------------------------------------------- routed experts
@@ -48,33 +63,25 @@ int moe_combine_grad_in_quantiser(const Model *m) {
     return m->cfg.precision.mode == PRECISION_FP8 && moe_experts_read_tokens(m);
 }
 
-// Every local expert over its segment of rows, one phase at a time: each Linear runs for all experts
-// (linear_*_grouped), the SwiGLU once over all rows. xs (rows, D) -> ys (rows, D), where
-// row r of xs is row xs_rows[r] of xs when xs_rows is given; segment e of the local experts is rows
-// [offsets[e], offsets[e+1]), offsets[0] = 0. Expert weights are stacked (E_local, ...). The same numbers as
-// running the experts one after another: every op touches only its own expert's rows and weights.
+// Every local expert over its segment of rows, one phase at a time: each Linear runs for all experts, the SwiGLU
+// once over all rows; segment e of the local experts is rows [offsets[e], offsets[e+1]), offsets[0] = 0. The same
+// numbers as running the experts one after another: every op touches only its own expert's rows and weights. Their
+// GEMMs count as expert GEMMs (kernels/profile.h). In the backward the input gradient d_xs is written in slot
+// order, or with unpermute (the rows read through xs_rows) in token order as the gradient of xs itself.
 static void experts_forward(Model *m, const FfnWeights *w, FfnActs *a, const int *offsets, int n_experts,
                             int D, int I, const real *xs, const int *xs_rows, real *ys) {
-    real *const ab[2] = {a->a, a->b};
-    const real *const w13[2] = {w->w1, w->w3};
-    profile_begin(PHASE_EXPERT_GEMM);  // its Linears count as expert GEMMs (kernels/profile.h)
-    linear_forward_grouped(m, n_experts, offsets, 2, ab, xs, xs_rows, w13, D, I);
-    linear_forward_swiglu_grouped(m, n_experts, offsets, ys, a->h, a->a, a->b, w->w2, I, D);
+    profile_begin(PHASE_EXPERT_GEMM);
+    swiglu_ffn_forward(m, w, a, n_experts, offsets, D, I, xs, xs_rows, ys);
     profile_end(PHASE_EXPERT_GEMM);
 }
 
-// h is recomputed from a and b (a forward transient, see FfnActs), as in ffn_backward. The input gradient d_xs
-// is written in slot order, or with unpermute (the rows read through xs_rows) written in token order as the
-// gradient of xs itself (linear.h). The output gradient is d_ys, or d_ys_combine (linear.h CombineGrad).
 static void experts_backward(Model *m, const FfnWeights *w, const FfnWeights *g, FfnActs *a,
                              LayerScratch *s, const int *offsets, int n_experts, int D, int I,
                              const real *xs, const int *xs_rows, const real *d_ys, const CombineGrad *d_ys_combine,
                              real *d_xs, const DgradUnpermute *unpermute) {
-    // d_h, d_a, d_b (and a slot-order d_xs) are written, not cleared and added to
-    const SwigluScratch scratch = {a->h, s->d_h, s->d_a, s->d_b};
     profile_begin(PHASE_EXPERT_GEMM);
-    linear_backward_swiglu_grouped(m, n_experts, offsets, w, g, a->a, a->b, d_ys, d_ys_combine, xs, xs_rows, d_xs,
-                                   GRAD_WRITE, unpermute, &scratch, D, I);
+    swiglu_ffn_backward(m, w, g, a, s, n_experts, offsets, D, I, xs, xs_rows, d_ys, d_ys_combine, d_xs, GRAD_WRITE,
+                        unpermute);
     profile_end(PHASE_EXPERT_GEMM);
 }
 
