@@ -38,7 +38,16 @@ static int *host_ints(ActsArena *a, int64_t n) {
     return p;
 }
 
-static void mla_acts_alloc(ActsArena *ar, MlaActs *a, const Dims *d, const LayerScratch *s) {
+// A Linear input's kept Wgrad operand (linear.h) for `rows` rows of C columns in at most n_groups groups, or
+// nothing (q NULL) unless `keep`.
+static KeptInput kept_alloc(ActsArena *ar, int keep, int64_t rows, int n_groups, int C) {
+    if (!keep) return (KeptInput){0};
+    const int tiles = linear_kept_tiles(rows, n_groups);
+    return (KeptInput){.q = arena_alloc(ar, (size_t)C * tiles * FP8_TILE),
+                       .s = arena_alloc(ar, sizeof(float) * tiles * C), .tiles = tiles, .C = C};
+}
+
+static void mla_acts_alloc(ActsArena *ar, MlaActs *a, const Dims *d, const LayerScratch *s, int keep) {
     int N = d->N, NH = d->N * d->H;
     if (d->qr > 0) {
         a->cq = ARENA_REALS(ar, (int64_t)N * d->qr);
@@ -57,24 +66,34 @@ static void mla_acts_alloc(ActsArena *ar, MlaActs *a, const Dims *d, const Layer
     a->v = ARENA_REALS(ar, (int64_t)NH * d->dv);
     a->att = ARENA_REALS(ar, attention_state_elems(ar->dev, d->B, d->T, d->H));
     a->o = ARENA_REALS(ar, (int64_t)NH * d->dv);
+    a->xn_kept = kept_alloc(ar, keep, N, 1, d->D);
+    a->cqn_kept = kept_alloc(ar, keep && d->qr > 0, N, 1, d->qr);
+    a->ckvn_kept = kept_alloc(ar, keep, N, 1, d->kvr);
+    a->o_kept = kept_alloc(ar, keep, N, 1, d->H * d->dv);
 }
 
-static void ffn_acts_alloc(ActsArena *ar, FfnActs *a, int64_t rows, int width, const LayerScratch *s) {
+// rows of x in n_groups groups (the routed experts: their local experts' segments, x read through the routing
+// plan and not kept); keep: keep the Wgrad operands (fp8).
+static void ffn_acts_alloc(ActsArena *ar, FfnActs *a, int64_t rows, int n_groups, int D, int width,
+                           const LayerScratch *s, int keep) {
     a->a = ARENA_REALS(ar, rows * width);
     a->b = ARENA_REALS(ar, rows * width);
     a->h = s->t_h;
+    a->x_kept = kept_alloc(ar, keep && n_groups == 1, rows, 1, D);
+    a->h_kept = kept_alloc(ar, keep, rows, n_groups, width);
 }
 
-void block_acts_alloc(ActsArena *ar, BlockActs *a, const Dims *d, int is_moe, const LayerScratch *s) {
+void block_acts_alloc(ActsArena *ar, BlockActs *a, const Dims *d, int is_moe, const LayerScratch *s,
+                      int keep_inputs) {
     int N = d->N, D = d->D;
     a->xn1 = s->t_xn;
     a->rstd1 = ARENA_REALS(ar, N);
-    mla_acts_alloc(ar, &a->mla, d, s);
+    mla_acts_alloc(ar, &a->mla, d, s, keep_inputs);
     a->x_mid = ARENA_REALS(ar, (int64_t)N * D);
     a->xn2 = s->t_xn;
     a->rstd2 = ARENA_REALS(ar, N);
     if (!is_moe) {
-        ffn_acts_alloc(ar, &a->ffn, N, d->inter, s);
+        ffn_acts_alloc(ar, &a->ffn, N, 1, D, d->inter, s, keep_inputs);
         return;
     }
     MoeActs *e = &a->moe;
@@ -89,9 +108,9 @@ void block_acts_alloc(ActsArena *ar, BlockActs *a, const Dims *d, int is_moe, co
     e->seg_token = ARENA_INTS(ar, NK);
     e->slot_of = ARENA_INTS(ar, NK);
     e->xp = s->t_xp;
-    ffn_acts_alloc(ar, &e->experts, NK, d->I, s);
+    ffn_acts_alloc(ar, &e->experts, NK, d->E, D, d->I, s, keep_inputs);
     e->eout = ARENA_REALS(ar, NK * D);
-    ffn_acts_alloc(ar, &e->shared, N, d->shared_I, s);
+    ffn_acts_alloc(ar, &e->shared, N, 1, D, d->shared_I, s, keep_inputs);
 }
 
 void layer_scratch_alloc(ActsArena *ar, LayerScratch *s, const Dims *d, int has_moe, int needs_xp, int gate_values,
@@ -171,8 +190,9 @@ void block_backward(Model *m, const BlockWeights *w, const BlockWeights *g, Bloc
     // d_x becomes x_mid's gradient: the output's + the FFN branch's, added in place (rmsnorm_backward adds)
     rmsnorm_backward(dev, d_x, g->ffn_norm, s->d_xn, a->x_mid, w->ffn_norm, a->rstd2, N, D);
     // and x_mid = x_in + MLA(RMSNorm(x_in)): x_in's gradient is x_mid's + the MLA branch's, added in place once
-    // MLA's backward has read x_mid's
-    rmsnorm_forward(dev, a->xn1, s->t_rstd, a->x_in, w->attn_norm, N, D);
+    // MLA's backward has read x_mid's. MLA reads RMSNorm(x_in) only for its Wgrads, so where it kept their operand
+    // (fp8) the recomputation is skipped and xn1 holds another block's values, never read.
+    if (a->mla.xn_kept.q == NULL) rmsnorm_forward(dev, a->xn1, s->t_rstd, a->x_in, w->attn_norm, N, D);
     mla_backward(m, &w->attn, &g->attn, &a->mla, d, s, a->xn1, d_x, s->d_xn);
     rmsnorm_backward(dev, d_x, g->attn_norm, s->d_xn, a->x_in, w->attn_norm, a->rstd1, N, D);
 }

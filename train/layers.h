@@ -11,6 +11,7 @@
 #ifndef FP8MOE_LAYERS_H
 #define FP8MOE_LAYERS_H
 
+#include "train/linear.h"
 #include "train/model.h"
 
 // Bump allocator for one ChunkActs: every buffer is zeroed device memory freed together.
@@ -53,12 +54,20 @@ typedef struct {
     real *v;                       // (N*H, dv)
     real *att;                     // attention backward state: attention_state_elems(dev, B, T, H) reals
     real *o;                       // (N, H*dv) attention output before W_O
+    // fp8 mode: the Linear inputs' Wgrad operands kept from the forward (linear.h KeptInput; q NULL in other
+    // modes): the normalised block input (both down-projections), cqn, ckvn and o
+    KeptInput xn_kept, cqn_kept, ckvn_kept, o_kept;
 } MlaActs;
 
 // ---------------------------------------------------------------------------- FFN and MoE
 // a = w1 x, b = w3 x (rows, width), kept for the backward; h = silu(a) * b (rows, width) is transient:
-// it points into the chunk's LayerScratch and ffn_backward recomputes it from a and b.
-typedef struct { real *a, *b, *h; } FfnActs;
+// it points into the chunk's LayerScratch and ffn_backward recomputes it from a and b. fp8 mode keeps the Wgrad
+// operands of x (not for the routed experts, whose rows are read through the routing plan) and of h (linear.h
+// KeptInput; q NULL where nothing is kept).
+typedef struct {
+    real *a, *b, *h;
+    KeptInput x_kept, h_kept;
+} FfnActs;
 
 typedef struct {
     real *logits, *scores;    // (N, E)
@@ -81,7 +90,8 @@ typedef struct {
 
 typedef struct {
     real *x_in;               // (N, D) block input (points into the chunk's residual stream)
-    real *xn1, *rstd1;        // attention RMSNorm; xn1 is transient (recomputed from x_in in the backward)
+    real *xn1, *rstd1;        // attention RMSNorm; xn1 is transient (recomputed from x_in in the backward, unless
+                              // MLA kept its Wgrad operand: mla.xn_kept)
     MlaActs mla;
     real *x_mid;              // (N, D) after the attention residual
     real *xn2, *rstd2;        // FFN RMSNorm; xn2 is transient (recomputed from x_mid), the same buffer as xn1
@@ -112,10 +122,11 @@ typedef struct {
 // gather their experts' inputs, !moe_experts_read_tokens; gate_values: the FFNs write their gate's h, d_a, d_b,
 // as bf16 and fp32 do - fp8 computes them in its quantisers, linear.h; needs_d_eout: the combine backward writes
 // the experts' output gradient, !moe_combine_grad_in_quantiser), then each block's activations, whose transients
-// point into it.
+// point into it; keep_inputs (fp8 mode): the blocks keep their Linear inputs' Wgrad operands (MlaActs, FfnActs).
 void layer_scratch_alloc(ActsArena *arena, LayerScratch *s, const Dims *d, int has_moe, int needs_xp,
                          int gate_values, int needs_d_eout);
-void block_acts_alloc(ActsArena *arena, BlockActs *a, const Dims *d, int is_moe, const LayerScratch *s);
+void block_acts_alloc(ActsArena *arena, BlockActs *a, const Dims *d, int is_moe, const LayerScratch *s,
+                      int keep_inputs);
 
 // x_out (N, D) = block(x_in); a->x_in is set to x_in.
 void block_forward(Model *m, const BlockWeights *w, BlockActs *a, const Dims *d, const real *x_in,

@@ -278,6 +278,22 @@ static Fp8Operand take_128x1(Model *m, size_t *used, GroupSizes z, int C) {
                         scratch_take(m, used, (size_t)z.tiles * C * sizeof(float))};
 }
 
+int linear_kept_tiles(int64_t rows, int n_groups) {
+    // ceil(a / 128) + ceil(b / 128) <= ceil((a + b) / 128) + 1: each group after the first adds at most one tile
+    return (int)((rows + FP8_TILE - 1) / FP8_TILE) + (n_groups > 1 ? n_groups - 1 : 0);
+}
+
+// The operand `kept` holds for an input of groups z and C columns, or {NULL, NULL} when nothing is kept.
+static Fp8Operand kept_operand(const KeptInput *kept, GroupSizes z, int C) {
+    if (kept == NULL || kept->q == NULL) return (Fp8Operand){NULL, NULL};
+    if (kept->C != C || kept->tiles < z.tiles) {
+        fprintf(stderr, "fp8moe: train/linear.c: internal error: a kept input of %d tiles x %d columns given for %d "
+                        "tiles x %d columns\n", kept->tiles, kept->C, z.tiles, C);
+        exit(1);
+    }
+    return (Fp8Operand){kept->q, kept->s};
+}
+
 static size_t bf16_bytes(int rows, int cols) { return pad_bytes((size_t)rows * cols * sizeof(uint16_t)); }
 
 // The most scratch one call of n_out Linears (OC, C) sharing an input on `rows` rows holds: bf16 the rounded
@@ -448,20 +464,21 @@ static int group_weights(Model *m, int slot, int n_groups, const int *offsets, c
     return used;
 }
 
-// fp8 Fprop: out[i] rows of group g = inp rows of g @ (slice g of weight[i])^T. The input is quantised
-// once, for every group and every weight; each weight's groups are one grouped GEMM call (one output
-// conversion on CUDA).
+// fp8 Fprop: out[i] rows of group g = inp rows of g @ (slice g of weight[i] (OC[i], C))^T. The input is quantised
+// once, for every group and every weight, and into its kept Wgrad operand in the same pass (`kept`); each
+// weight's groups are one grouped GEMM call (one output conversion on CUDA).
 static void fp8_forward(Model *m, int n_groups, const int *offsets, int n_out, real *const *out, const Operand *inp,
-                        const real *const *weight, int C, int OC, const real *residual) {
+                        const real *const *weight, int C, const int *OC, const real *residual, KeptInput *kept) {
     const GroupSizes z = group_sizes(n_groups, offsets);
     scratch_reserve(m, fprop_bytes(z, C));
     size_t used = 0;
-    const Fp8Operand x = take_1x128(m, &used, z, C);
-    quantize_1x128(m, x, inp, n_groups, offsets, C, "an activation (Fprop X)");
+    const Fp8Operand x = take_1x128(m, &used, z, C), xt = kept_operand(kept, z, C);
+    if (xt.q != NULL) quantize_both(m, x, xt, inp, n_groups, offsets, C, "an activation (Fprop X, kept Wgrad X)");
+    else quantize_1x128(m, x, inp, n_groups, offsets, C, "an activation (Fprop X)");
     const struct LinearWeightCache *c = m->weight_cache;
     for (int i = 0; i < n_out; i++) {
-        m->fp8_gemm_count += group_weights(m, 0, n_groups, offsets, weight[i], OC, C);
-        fp8_gemm_fprop_grouped(m->dev, out[i], residual, x.q, x.s, c->q, c->s, n_groups, offsets, OC, C);
+        m->fp8_gemm_count += group_weights(m, 0, n_groups, offsets, weight[i], OC[i], C);
+        fp8_gemm_fprop_grouped(m->dev, out[i], residual, x.q, x.s, c->q, c->s, n_groups, offsets, OC[i], C);
     }
 }
 
@@ -470,14 +487,14 @@ static void fp8_forward(Model *m, int n_groups, const int *offsets, int n_out, r
 // one call, dinp += sum_i dY_i W_i in order of i (W's 128x128 blocks transposed, all groups, one output
 // conversion on CUDA); then Wgrad dW_i += dY_i^T X group by group (dY and X written transposed so the tokens
 // are the contraction axis). Groups write disjoint rows of dinp and slices of dW, so this gives the bits of
-// group-by-group, Linear-by-Linear calls. X's Wgrad operand is quantised once.
+// group-by-group, Linear-by-Linear calls. X's Wgrad operand is the forward's (`kept`) or quantised once.
 static void fp8_backward(Model *m, int n_groups, const int *offsets, int n_out, real *dinp, GradStore dinp_store,
                          const DgradUnpermute *unpermute, real *const *dweight, const Operand *dout, const Operand *inp,
-                         const real *const *weight, int C, int OC) {
+                         const real *const *weight, int C, int OC, const KeptInput *kept) {
     const GroupSizes z = group_sizes(n_groups, offsets);
     scratch_reserve(m, backward_bytes(z, C, OC, n_out));
     size_t used = 0;
-    Fp8Operand xt = {NULL, NULL};
+    Fp8Operand xt = kept_operand(kept, z, C);
     for (int i = 0; i < n_out && xt.q == NULL; i++) {
         if (dweight[i] == NULL) continue;
         xt = take_128x1(m, &used, z, C);
@@ -525,15 +542,15 @@ static void bf16_round_input(Model *m, uint16_t *x, const real *inp, const int *
 }
 
 static void bf16_forward(Model *m, int n_groups, const int *offsets, int n_out, real *const *out, const real *inp,
-                         const int *inp_rows, const real *const *weight, int C, int OC, const real *residual) {
+                         const int *inp_rows, const real *const *weight, int C, const int *OC, const real *residual) {
     const int rows = offsets[n_groups];
     scratch_reserve(m, bf16_bytes(rows, C));
     size_t used = 0;
     uint16_t *x = scratch_take(m, &used, (size_t)rows * C * sizeof(uint16_t));
     bf16_round_input(m, x, inp, inp_rows, rows, C);
     for (int i = 0; i < n_out; i++) {
-        group_weights(m, 0, n_groups, offsets, weight[i], OC, C);
-        bf16_gemm_fprop_grouped(m->dev, out[i], residual, x, m->weight_cache->b, n_groups, offsets, OC, C);
+        group_weights(m, 0, n_groups, offsets, weight[i], OC[i], C);
+        bf16_gemm_fprop_grouped(m->dev, out[i], residual, x, m->weight_cache->b, n_groups, offsets, OC[i], C);
     }
 }
 
@@ -579,14 +596,8 @@ static void bf16_backward(Model *m, int n_groups, const int *offsets, int n_out,
 }
 
 // ---------------------------------------------------------------------------- entry points (linear.h)
-void linear_forward(Model *m, real *out, const real *inp, const real *weight, int N, int C, int OC) {
-    linear_forward_shared(m, 1, &out, inp, &weight, N, C, OC);
-}
-
-void linear_forward_shared(Model *m, int n_out, real *const *out, const real *inp, const real *const *weight, int N,
-                           int C, int OC) {
-    const int offsets[2] = {0, N};
-    linear_forward_grouped(m, 1, offsets, n_out, out, inp, NULL, weight, C, OC);
+void linear_forward(Model *m, real *out, const real *inp, const real *weight, int N, int C, int OC, KeptInput *kept) {
+    linear_forward_shared(m, 1, &out, inp, &weight, N, C, &OC, kept);
 }
 
 // inp_rows is for the FP8 quantisers and the BF16 rounding; fp32 mode gets its rows gathered by the caller.
@@ -597,9 +608,11 @@ static void check_inp_rows(const Model *m, const int *inp_rows) {
     exit(1);
 }
 
-// linear_forward_grouped with a residual (n_out = 1 then; else NULL) added to the output (linear_forward_residual).
+// linear_forward_grouped with Linear i's own output width OC[i] and a residual (n_out = 1 then; else NULL) added to
+// the output (linear_forward_residual).
 static void forward_grouped(Model *m, int n_groups, const int *offsets, int n_out, real *const *out, const real *inp,
-                            const int *inp_rows, const real *const *weight, int C, int OC, const real *residual) {
+                            const int *inp_rows, const real *const *weight, int C, const int *OC, const real *residual,
+                            KeptInput *kept) {
     if (n_out > MAX_SHARED) too_many_shared(n_out);
     if (residual != NULL && n_out != 1) {
         fprintf(stderr, "fp8moe: train/linear.c: internal error: a residual with %d Linears (only one takes it)\n",
@@ -610,46 +623,58 @@ static void forward_grouped(Model *m, int n_groups, const int *offsets, int n_ou
     profile_begin(PHASE_OTHER_GEMM);  // the caller may make it an expert GEMM (kernels/profile.h)
     if (m->cfg.precision.mode == PRECISION_FP8) {
         const Operand x = array_operand(inp, inp_rows);
-        fp8_forward(m, n_groups, offsets, n_out, out, &x, weight, C, OC, residual);
+        fp8_forward(m, n_groups, offsets, n_out, out, &x, weight, C, OC, residual, kept);
     } else if (m->cfg.precision.mode == PRECISION_BF16) {
         bf16_forward(m, n_groups, offsets, n_out, out, inp, inp_rows, weight, C, OC, residual);
     } else {
         for (int g = 0; g < n_groups; g++) {
             const int r0 = offsets[g], n = offsets[g + 1] - offsets[g];
             for (int i = 0; i < n_out && n > 0; i++)
-                matmul_forward(m->dev, out[i] + (int64_t)r0 * OC, inp + (int64_t)r0 * C,
-                               weight[i] + (int64_t)g * OC * C, n, C, OC);
+                matmul_forward(m->dev, out[i] + (int64_t)r0 * OC[i], inp + (int64_t)r0 * C,
+                               weight[i] + (int64_t)g * OC[i] * C, n, C, OC[i]);
         }
-        if (residual != NULL) add_inplace(m->dev, out[0], residual, (int64_t)offsets[n_groups] * OC);
+        if (residual != NULL) add_inplace(m->dev, out[0], residual, (int64_t)offsets[n_groups] * OC[0]);
     }
     profile_end(PHASE_OTHER_GEMM);
 }
 
 void linear_forward_grouped(Model *m, int n_groups, const int *offsets, int n_out, real *const *out, const real *inp,
-                            const int *inp_rows, const real *const *weight, int C, int OC) {
-    forward_grouped(m, n_groups, offsets, n_out, out, inp, inp_rows, weight, C, OC, NULL);
+                            const int *inp_rows, const real *const *weight, int C, int OC, KeptInput *kept) {
+    int widths[MAX_SHARED];
+    if (n_out > MAX_SHARED) too_many_shared(n_out);
+    for (int i = 0; i < n_out; i++) widths[i] = OC;
+    forward_grouped(m, n_groups, offsets, n_out, out, inp, inp_rows, weight, C, widths, NULL, kept);
+}
+
+void linear_forward_shared(Model *m, int n_out, real *const *out, const real *inp, const real *const *weight, int N,
+                           int C, const int *OC, KeptInput *kept) {
+    const int offsets[2] = {0, N};
+    forward_grouped(m, 1, offsets, n_out, out, inp, NULL, weight, C, OC, NULL, kept);
 }
 
 void linear_forward_residual(Model *m, real *out, const real *inp, const real *weight, const real *residual, int N,
-                             int C, int OC) {
+                             int C, int OC, KeptInput *kept) {
     const int offsets[2] = {0, N};
-    forward_grouped(m, 1, offsets, 1, &out, inp, NULL, &weight, C, OC, residual);
+    forward_grouped(m, 1, offsets, 1, &out, inp, NULL, &weight, C, &OC, residual, kept);
 }
 
 void linear_backward(Model *m, real *dinp, GradStore dinp_store, real *dweight, const real *dout, const real *inp,
-                     const real *weight, int N, int C, int OC) {
-    linear_backward_shared(m, 1, dinp, dinp_store, &dweight, &dout, inp, &weight, N, C, OC);
+                     const real *weight, int N, int C, int OC, const KeptInput *kept) {
+    linear_backward_shared(m, 1, dinp, dinp_store, &dweight, &dout, inp, &weight, N, C, OC, kept);
 }
 
 void linear_backward_shared(Model *m, int n_out, real *dinp, GradStore dinp_store, real *const *dweight,
-                            const real *const *dout, const real *inp, const real *const *weight, int N, int C, int OC) {
+                            const real *const *dout, const real *inp, const real *const *weight, int N, int C, int OC,
+                            const KeptInput *kept) {
     const int offsets[2] = {0, N};
-    linear_backward_grouped(m, 1, offsets, n_out, dinp, dinp_store, NULL, dweight, dout, inp, NULL, weight, C, OC);
+    linear_backward_grouped(m, 1, offsets, n_out, dinp, dinp_store, NULL, dweight, dout, inp, NULL, weight, C, OC,
+                            kept);
 }
 
 void linear_backward_grouped(Model *m, int n_groups, const int *offsets, int n_out, real *dinp, GradStore dinp_store,
                              const DgradUnpermute *unpermute, real *const *dweight, const real *const *dout,
-                             const real *inp, const int *inp_rows, const real *const *weight, int C, int OC) {
+                             const real *inp, const int *inp_rows, const real *const *weight, int C, int OC,
+                             const KeptInput *kept) {
     if (n_out > MAX_SHARED) too_many_shared(n_out);
     check_inp_rows(m, inp_rows);
     if (unpermute != NULL && inp_rows == NULL) {
@@ -662,7 +687,7 @@ void linear_backward_grouped(Model *m, int n_groups, const int *offsets, int n_o
         const Operand x = array_operand(inp, inp_rows);
         Operand dy[MAX_SHARED];
         for (int i = 0; i < n_out; i++) dy[i] = array_operand(dout[i], NULL);
-        fp8_backward(m, n_groups, offsets, n_out, dinp, dinp_store, unpermute, dweight, dy, &x, weight, C, OC);
+        fp8_backward(m, n_groups, offsets, n_out, dinp, dinp_store, unpermute, dweight, dy, &x, weight, C, OC, kept);
     } else if (m->cfg.precision.mode == PRECISION_BF16) {
         bf16_backward(m, n_groups, offsets, n_out, dinp, dinp_store, unpermute, dweight, dout, inp, inp_rows, weight, C,
                       OC);
@@ -684,15 +709,15 @@ void linear_backward_grouped(Model *m, int n_groups, const int *offsets, int n_o
 }
 
 void linear_forward_swiglu_grouped(Model *m, int n_groups, const int *offsets, real *y, real *h, const real *a,
-                                   const real *b, const real *w2, int I, int D) {
+                                   const real *b, const real *w2, int I, int D, KeptInput *h_kept) {
     if (m->cfg.precision.mode != PRECISION_FP8) {
         swiglu_forward(m->dev, h, a, b, (int64_t)offsets[n_groups] * I);
-        linear_forward_grouped(m, n_groups, offsets, 1, &y, h, NULL, &w2, I, D);
+        linear_forward_grouped(m, n_groups, offsets, 1, &y, h, NULL, &w2, I, D, h_kept);
         return;
     }
     profile_begin(PHASE_OTHER_GEMM);
     const Operand x = swiglu_operand(SWIGLU_OUT, NULL, a, b);
-    fp8_forward(m, n_groups, offsets, 1, &y, &x, &w2, I, D, NULL);
+    fp8_forward(m, n_groups, offsets, 1, &y, &x, &w2, I, &D, NULL, h_kept);
     profile_end(PHASE_OTHER_GEMM);
 }
 
@@ -700,7 +725,7 @@ void linear_backward_swiglu_grouped(Model *m, int n_groups, const int *offsets, 
                                     const FfnWeights *g, const real *a, const real *b, const real *dy,
                                     const CombineGrad *dy_combine, const real *x, const int *x_rows, real *dx,
                                     GradStore dx_store, const DgradUnpermute *unpermute, const SwigluScratch *s, int D,
-                                    int I) {
+                                    int I, const KeptInput *x_kept, const KeptInput *h_kept) {
     real *const g13[2] = {g->w1, g->w3};
     const real *const w13[2] = {w->w1, w->w3}, *const w2[1] = {w->w2};
     if ((dy_combine != NULL) != (m->cfg.precision.mode == PRECISION_FP8 && dy == NULL)) {
@@ -711,10 +736,12 @@ void linear_backward_swiglu_grouped(Model *m, int n_groups, const int *offsets, 
     if (m->cfg.precision.mode != PRECISION_FP8) {
         const int64_t n = (int64_t)offsets[n_groups] * I;
         swiglu_forward(m->dev, s->h, a, b, n);
-        linear_backward_grouped(m, n_groups, offsets, 1, s->d_h, GRAD_WRITE, NULL, &g->w2, &dy, s->h, NULL, w2, I, D);
+        linear_backward_grouped(m, n_groups, offsets, 1, s->d_h, GRAD_WRITE, NULL, &g->w2, &dy, s->h, NULL, w2, I, D,
+                                h_kept);
         swiglu_backward(m->dev, s->d_a, s->d_b, s->d_h, a, b, n);
         const real *const d_ab[2] = {s->d_a, s->d_b};
-        linear_backward_grouped(m, n_groups, offsets, 2, dx, dx_store, unpermute, g13, d_ab, x, x_rows, w13, D, I);
+        linear_backward_grouped(m, n_groups, offsets, 2, dx, dx_store, unpermute, g13, d_ab, x, x_rows, w13, D, I,
+                                x_kept);
         return;
     }
     check_inp_rows(m, x_rows);
@@ -723,11 +750,11 @@ void linear_backward_swiglu_grouped(Model *m, int n_groups, const int *offsets, 
     const Operand h = swiglu_operand(SWIGLU_OUT, NULL, a, b);
     const Operand dy_w2 = dy_combine ? (Operand){.kind = OPERAND_COMBINE_GRAD, .combine = dy_combine}
                                      : array_operand(dy, NULL);
-    fp8_backward(m, n_groups, offsets, 1, s->d_h, GRAD_WRITE, NULL, &g->w2, &dy_w2, &h, w2, I, D);
+    fp8_backward(m, n_groups, offsets, 1, s->d_h, GRAD_WRITE, NULL, &g->w2, &dy_w2, &h, w2, I, D, h_kept);
     // w1 and w3: their dYs are swiglu_backward's da and db, computed in their quantisers from d_h
     const Operand d_ab[2] = {swiglu_operand(SWIGLU_DA, s->d_h, a, b), swiglu_operand(SWIGLU_DB, s->d_h, a, NULL)};
     const Operand xin = array_operand(x, x_rows);
-    fp8_backward(m, n_groups, offsets, 2, dx, dx_store, unpermute, g13, d_ab, &xin, w13, D, I);
+    fp8_backward(m, n_groups, offsets, 2, dx, dx_store, unpermute, g13, d_ab, &xin, w13, D, I, x_kept);
     profile_end(PHASE_OTHER_GEMM);
 }
 

@@ -18,25 +18,44 @@
 
 #include "train/model.h"
 
-// inp (N, C), weight (OC, C) -> out (N, OC) = inp @ weight^T
-void linear_forward(Model *m, real *out, const real *inp, const real *weight, int N, int C, int OC);
+// A Linear input's Wgrad operand kept from the forward for the backward (fp8 mode; DeepSeek-V3 keeps its
+// Linear inputs in FP8 the same way). The forward quantises the input into its Fprop operand (1x128) and into
+// this one (128x1 tiles along the tokens, transposed, kernels.h fp8_quantize_128x1_transposed_grouped) in one
+// pass; the backward's Wgrad reads it instead of quantising the FP32 input again: 1 byte per element read instead
+// of 4, the same bits. The buffers hold up to `tiles` 128-row tiles of C columns (linear_kept_tiles); a Linear
+// given a KeptInput whose q is NULL (bf16, fp32: nothing is kept) or no KeptInput quantises in the backward. The
+// backward reads the input only for what is not kept.
+typedef struct {
+    uint8_t *q;  // (C, tiles * 128)
+    float *s;    // (tiles, C)
+    int tiles, C;
+} KeptInput;
+// The tiles a KeptInput needs for an input of `rows` rows in at most n_groups groups of rows (each group's tiles
+// are padded to 128 rows).
+int linear_kept_tiles(int64_t rows, int n_groups);
+
+// inp (N, C), weight (OC, C) -> out (N, OC) = inp @ weight^T; `kept` (or NULL) as above.
+void linear_forward(Model *m, real *out, const real *inp, const real *weight, int N, int C, int OC, KeptInput *kept);
 // out = inp @ weight^T + residual (N, OC): the bits of linear_forward then add_inplace(out, residual); in fp8 and
 // bf16 modes the residual is added in the GEMM output's conversion pass (a block's residual branch after MLA).
 void linear_forward_residual(Model *m, real *out, const real *inp, const real *weight, const real *residual, int N,
-                             int C, int OC);
+                             int C, int OC, KeptInput *kept);
 // dinp (N, C) += dout @ weight; dweight (OC, C) += dout^T @ inp   (either may be NULL). With dinp_store =
 // GRAD_WRITE (kernels.h) dinp is written instead, its old contents never read: for an input gradient that only
-// this Linear produces, with no memset before. Weight gradients always accumulate.
+// this Linear produces, with no memset before. Weight gradients always accumulate. `kept`: what the forward kept.
 void linear_backward(Model *m, real *dinp, GradStore dinp_store, real *dweight, const real *dout, const real *inp,
-                     const real *weight, int N, int C, int OC);
-// n_out Linears of the same input inp (N, C), weights (OC, C) each: out[i] = inp @ weight[i]^T, and in the
-// backward dinp += sum_i dout[i] @ weight[i] (in order of i; with GRAD_WRITE the first is written, the rest
-// added), dweight[i] += dout[i]^T @ inp (dweight[i] may be NULL). The same numbers as n_out calls of the functions above; in fp8 mode the input is quantised
-// once instead of n_out times (the SwiGLU FFN's w1 and w3). n_out is at most 4.
+                     const real *weight, int N, int C, int OC, const KeptInput *kept);
+// n_out Linears of the same input inp (N, C), weights (OC[i], C): out[i] = inp @ weight[i]^T, the input quantised
+// (bf16: rounded) once instead of n_out times (MLA's two down-projections of the normalised block input).
+// The same numbers as n_out linear_forward calls. n_out is at most 4.
 void linear_forward_shared(Model *m, int n_out, real *const *out, const real *inp, const real *const *weight, int N,
-                           int C, int OC);
+                           int C, const int *OC, KeptInput *kept);
+// The backward of n_out Linears of one input with weights (OC, C) each: dinp += sum_i dout[i] @ weight[i] (in order
+// of i; with GRAD_WRITE the first is written, the rest added), dweight[i] += dout[i]^T @ inp (dweight[i] may be
+// NULL). The same numbers as n_out linear_backward calls.
 void linear_backward_shared(Model *m, int n_out, real *dinp, GradStore dinp_store, real *const *dweight,
-                            const real *const *dout, const real *inp, const real *const *weight, int N, int C, int OC);
+                            const real *const *dout, const real *inp, const real *const *weight, int N, int C, int OC,
+                            const KeptInput *kept);
 // Grouped Linears (the routed experts): rows [offsets[g], offsets[g+1]) of inp (offsets[0] = 0) go through
 // weight g of each stacked weight[i] (n_groups, OC, C), into the same rows of out[i]; in the backward
 // dinp's rows get sum_i dout[i] W_i,g and dweight[i]'s slice g gets dout[i]^T inp over the group's rows.
@@ -44,31 +63,34 @@ void linear_backward_shared(Model *m, int n_out, real *dinp, GradStore dinp_stor
 // inp_rows (fp8 and bf16 modes; NULL in fp32): an array on the model's device of offsets[n_groups] row numbers,
 // row r of the groups' input being row inp_rows[r] of inp: the quantisers (bf16: the BF16 rounding) gather the
 // rows as they read them (the routed experts' token rows, with no gathered FP32 copy). The same numbers as a
-// gathered inp.
+// gathered inp. An input read through inp_rows is never kept (`kept` NULL).
 void linear_forward_grouped(Model *m, int n_groups, const int *offsets, int n_out, real *const *out, const real *inp,
-                            const int *inp_rows, const real *const *weight, int C, int OC);
+                            const int *inp_rows, const real *const *weight, int C, int OC, KeptInput *kept);
 // unpermute (with inp_rows; else NULL): dinp is then the gradient of inp itself, (unpermute->n_tok, C) in token
 // order (added to, or with GRAD_WRITE written as if added to zeros): row t gets the groups' input-gradient rows
 // unpermute->slot_of[t * topk + j] in order of j - what a slot-order dinp followed by moe_unpermute_backward gives,
 // without the slot-order buffer.
 void linear_backward_grouped(Model *m, int n_groups, const int *offsets, int n_out, real *dinp, GradStore dinp_store,
                              const DgradUnpermute *unpermute, real *const *dweight, const real *const *dout,
-                             const real *inp, const int *inp_rows, const real *const *weight, int C, int OC);
+                             const real *inp, const int *inp_rows, const real *const *weight, int C, int OC,
+                             const KeptInput *kept);
 // The SwiGLU FFN's Linears around its gate (moe.c: the dense FFN, shared and routed experts): a = x w1^T and
 // b = x w3^T (linear_forward_grouped with n_out = 2), h = silu(a) * b, y = h w2^T, per group as above. These two
 // take the gate's values as operands: fp8 mode computes h, and in the backward da and db, inside the quantisers
 // that read them (kernels.h fp8_quantize_swiglu_*), so they never exist in FP32; bf16 and fp32 modes write them
 // to the caller's buffers with swiglu_forward / swiglu_backward first and run the Linears above. The same
 // numbers either way.
-// y (rows, D) = h w2^T; h (rows, I) is written in bf16 and fp32 modes only.
+// y (rows, D) = h w2^T; h (rows, I) is written in bf16 and fp32 modes only; h_kept (or NULL) keeps h's Wgrad
+// operand, computed from a and b in the same pass as its Fprop operand.
 void linear_forward_swiglu_grouped(Model *m, int n_groups, const int *offsets, real *y, real *h, const real *a,
-                                   const real *b, const real *w2, int I, int D);
+                                   const real *b, const real *w2, int I, int D, KeptInput *h_kept);
 // The backward of w2, then of w1 and w3, from dy (rows, D): weight gradients +=, and x's gradient dx as
 // linear_backward_grouped gives it (dx_store, x_rows and unpermute as there). Buffers (rows, I): d_h is written
 // in every mode, h, d_a and d_b in bf16 and fp32 modes only.
 // dy_combine (fp8 mode only, else NULL; dy is then NULL): dy is the routed experts' output gradient read through
 // the routing plan - row s = topk_w[t,k] * d_out[t] for slot s = slot_of[t*K + k] - the rows moe_combine_backward
 // would write, computed in w2's dY quantiser instead (kernels.h fp8_quantize_combine_grad_both_layouts_grouped).
+// x_kept and h_kept (or NULL): what the forwards kept of x (linear_forward_grouped) and of h.
 typedef struct { real *h, *d_h, *d_a, *d_b; } SwigluScratch;
 typedef struct {
     const real *d_out, *topk_w;
@@ -79,7 +101,7 @@ void linear_backward_swiglu_grouped(Model *m, int n_groups, const int *offsets, 
                                     const FfnWeights *g, const real *a, const real *b, const real *dy,
                                     const CombineGrad *dy_combine, const real *x, const int *x_rows, real *dx,
                                     GradStore dx_store, const DgradUnpermute *unpermute, const SwigluScratch *s, int D,
-                                    int I);
+                                    int I, const KeptInput *x_kept, const KeptInput *h_kept);
 // Builds the weight cache and sizes the Linear scratch (fp8: quantised operands, bf16: rounded ones) for
 // every block Linear at `rows` tokens (a micro-batch) and for the routed experts' grouped calls (rows x top-K
 // rows over the local experts), so no step allocates device memory; a no-op in fp32 mode.

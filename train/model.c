@@ -401,8 +401,9 @@ ChunkActs *chunk_acts_create(Model *m, int chunk, int B, int T) {
         for (int k = 0; k < c->mtp.depth; k++) has_moe |= m->w.mtp[k].block.is_moe;
     layer_scratch_alloc(ar, &a->scratch, d, has_moe, has_moe && !moe_experts_read_tokens(m),
                         m->cfg.precision.mode != PRECISION_FP8, has_moe && !moe_combine_grad_in_quantiser(m));
+    const int keep = m->cfg.precision.mode == PRECISION_FP8;  // the Linears' Wgrad operands (linear.h KeptInput)
     for (int i = 0; i < cs->n_blocks; i++)
-        block_acts_alloc(ar, &a->blocks[i], d, m->w.blocks[cs->first_block + i].is_moe, &a->scratch);
+        block_acts_alloc(ar, &a->blocks[i], d, m->w.blocks[cs->first_block + i].is_moe, &a->scratch, keep);
     a->d_cur = ARENA_REALS(ar, N * D);
     if (cs->has_head) {
         a->hn = ARENA_REALS(ar, N * D);
@@ -428,7 +429,7 @@ ChunkActs *chunk_acts_create(Model *m, int chunk, int B, int T) {
             t->cat = ARENA_REALS(ar, 2 * N * D);
             t->x0 = ARENA_REALS(ar, N * D);
             t->x1 = ARENA_REALS(ar, N * D);
-            block_acts_alloc(ar, &t->block, d, m->w.mtp[k].block.is_moe, &a->scratch);
+            block_acts_alloc(ar, &t->block, d, m->w.mtp[k].block.is_moe, &a->scratch, keep);
             t->ho = ARENA_REALS(ar, N * D);
             t->ho_rstd = ARENA_REALS(ar, N);
             t->logits = ARENA_REALS(ar, N * V);
@@ -529,7 +530,7 @@ static double mtp_forward(Model *m, ChunkActs *a, int k) {
     rmsnorm_forward(dev, t->hn, t->hn_rstd, h_prev, w->hnorm, N, D);
     copy_block(dev, t->cat, 2 * D, t->en, D, N, D, 0);  // embedding first, as in released weights
     copy_block(dev, t->cat + D, 2 * D, t->hn, D, N, D, 0);
-    linear_forward(m, t->x0, t->cat, w->eh_proj, N, 2 * D, D);
+    linear_forward(m, t->x0, t->cat, w->eh_proj, N, 2 * D, D, NULL);
     block_forward(m, &w->block, &t->block, d, t->x0, t->x1);
     rmsnorm_forward(dev, t->ho, t->ho_rstd, t->x1, w->norm, N, D);
     head_forward(m, t->logits, t->ho, N, D, V);
@@ -552,7 +553,7 @@ static void mtp_backward(Model *m, ChunkActs *a, int k, real *d_h_prev, real los
     device_memset_zero(dev, a->d_cur, bytes);
     rmsnorm_backward(dev, a->d_cur, g->norm, t->d_h, t->x1, w->norm, t->ho_rstd, N, D);
     block_backward(m, &w->block, &g->block, &t->block, d, &a->scratch, a->d_cur, loss_scale * m->loss_weights.balance);
-    linear_backward(m, a->d_cat, GRAD_WRITE, g->eh_proj, a->d_cur, t->cat, w->eh_proj, N, 2 * D, D);
+    linear_backward(m, a->d_cat, GRAD_WRITE, g->eh_proj, a->d_cur, t->cat, w->eh_proj, N, 2 * D, D, NULL);
     // split d_cat = [d_en ; d_hn] and go back through the two norms
     copy_block(dev, a->d_tmp, D, a->d_cat, 2 * D, N, D, 0);
     device_memset_zero(dev, a->d_cur, bytes);

@@ -340,22 +340,43 @@ static void check_grouped(const char *mode) {
                 o[i] = out_p[i] + (size_t)r0 * I, wg[i] = w[i] + (size_t)g * I * D, gwg[i] = gw[i] + (size_t)g * I * D;
                 dyg[i] = dy[i] + (size_t)r0 * I;
             }
-            linear_forward_shared(&m, n_out, o, x + (size_t)r0 * D, wg, n, D, I);
-            linear_backward_shared(&m, n_out, dx_p + (size_t)r0 * D, GRAD_ADD, gwg, dyg, x + (size_t)r0 * D, wg, n, D, I);
+            const int widths[2] = {I, I};
+            linear_forward_shared(&m, n_out, o, x + (size_t)r0 * D, wg, n, D, widths, NULL);
+            linear_backward_shared(&m, n_out, dx_p + (size_t)r0 * D, GRAD_ADD, gwg, dyg, x + (size_t)r0 * D, wg, n, D, I,
+                                   NULL);
         }
         for (int i = 0; i < n_out; i++) memcpy(gw_p[i], gw[i], sizeof(real) * wn);
         // all groups in one call
         for (int i = 0; i < n_out; i++) memset(gw[i], 0, sizeof(real) * wn);
         // dx_g written over poison (GRAD_WRITE): no element of the old contents may survive or be read
         for (size_t k = 0; k < (size_t)R * D; k++) dx_g[k] = (real)NAN;
-        linear_forward_grouped(&m, G, offsets, n_out, out_g, x, NULL, w, D, I);
+        linear_forward_grouped(&m, G, offsets, n_out, out_g, x, NULL, w, D, I, NULL);
         linear_backward_grouped(&m, G, offsets, n_out, dx_g, GRAD_WRITE, NULL, gw, (const real *const *)dy, x, NULL, w,
-                                D, I);
+                                D, I, NULL);
         for (int i = 0; i < n_out; i++) {
             assert_memory_equal(out_g[i], out_p[i], sizeof(real) * R * I);
             assert_memory_equal(gw[i], gw_p[i], sizeof(real) * wn);
         }
         assert_memory_equal(dx_g, dx_p, sizeof(real) * R * D);
+        if (m.cfg.precision.mode == PRECISION_FP8) {
+            // the input's Wgrad operand kept by the forward (linear.h KeptInput): the same bits, and the backward
+            // does not read the input (given as NaNs, which the FP8 quantiser would report)
+            const int tiles = linear_kept_tiles(R, G);
+            KeptInput kept = {malloc((size_t)D * tiles * FP8_TILE), malloc(sizeof(float) * tiles * D), tiles, D};
+            real *out_k[2], *dx_k = calloc((size_t)R * D, sizeof(real)), *x_nan = malloc(sizeof(real) * R * D);
+            for (size_t k = 0; k < (size_t)R * D; k++) x_nan[k] = (real)NAN;
+            for (int i = 0; i < n_out; i++) out_k[i] = malloc(sizeof(real) * R * I), memset(gw[i], 0, sizeof(real) * wn);
+            linear_forward_grouped(&m, G, offsets, n_out, out_k, x, NULL, w, D, I, &kept);
+            linear_backward_grouped(&m, G, offsets, n_out, dx_k, GRAD_WRITE, NULL, gw, (const real *const *)dy, x_nan,
+                                    NULL, w, D, I, &kept);
+            for (int i = 0; i < n_out; i++) {
+                assert_memory_equal(out_k[i], out_p[i], sizeof(real) * R * I);
+                assert_memory_equal(gw[i], gw_p[i], sizeof(real) * wn);
+                free(out_k[i]);
+            }
+            assert_memory_equal(dx_k, dx_p, sizeof(real) * R * D);
+            free(kept.q), free(kept.s), free(dx_k), free(x_nan);
+        }
         if (m.cfg.precision.mode != PRECISION_FP32) {  // the input read through an index: the same bits
             const int S = R + 9;
             real *src = malloc(sizeof(real) * S * D), *out_i[2], *dx_i = calloc((size_t)R * D, sizeof(real));
@@ -366,9 +387,9 @@ static void check_grouped(const char *mode) {
                 memcpy(src + (size_t)rows[r] * D, x + (size_t)r * D, sizeof(real) * D);
             }
             for (int i = 0; i < n_out; i++) out_i[i] = malloc(sizeof(real) * R * I), memset(gw[i], 0, sizeof(real) * wn);
-            linear_forward_grouped(&m, G, offsets, n_out, out_i, src, rows, w, D, I);
+            linear_forward_grouped(&m, G, offsets, n_out, out_i, src, rows, w, D, I, NULL);
             linear_backward_grouped(&m, G, offsets, n_out, dx_i, GRAD_ADD, NULL, gw, (const real *const *)dy, src, rows, w, D,
-                                    I);  // added to zeros: the same bits as written
+                                    I, NULL);  // added to zeros: the same bits as written
             for (int i = 0; i < n_out; i++) {
                 assert_memory_equal(out_i[i], out_p[i], sizeof(real) * R * I);
                 assert_memory_equal(gw[i], gw_p[i], sizeof(real) * wn);
@@ -397,12 +418,12 @@ static void check_grouped(const char *mode) {
         for (int r = 0; r < R; r++) memcpy(x + (size_t)r * D, src + (size_t)rows[r] * D, sizeof(real) * D);
         for (int i = 0; i < 2; i++) memset(gw[i], 0, sizeof(real) * wn);
         linear_backward_grouped(&m, G, offsets, 2, dx_p, GRAD_WRITE, NULL, gw, (const real *const *)dy, x, NULL, w, D,
-                                I);
+                                I, NULL);
         moe_unpermute_backward(DEVICE_CPU, dtok_ref, dx_p, slot_of, NT, TOPK, D);
         for (int i = 0; i < 2; i++) memcpy(gw_p[i], gw[i], sizeof(real) * wn), memset(gw[i], 0, sizeof(real) * wn);
         const DgradUnpermute unpermute = {slot_of, NT, TOPK};
         linear_backward_grouped(&m, G, offsets, 2, dtok, GRAD_ADD, &unpermute, gw, (const real *const *)dy, src, rows,
-                                w, D, I);
+                                w, D, I, NULL);
         assert_memory_equal(dtok, dtok_ref, sizeof(real) * NT * D);
         for (int i = 0; i < 2; i++) assert_memory_equal(gw[i], gw_p[i], sizeof(real) * wn);
         free(slot_of), free(rows), free(src), free(dtok), free(dtok_ref);
