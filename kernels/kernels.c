@@ -104,21 +104,21 @@ int64_t attention_state_elems(Device dev, int B, int T, int H) {
     return (int64_t)B * H * T * T;
 }
 
-void attention_forward(Device dev, real *out, real *state, const real *q, const real *k, const real *v, int B, int T, int H, int Dqk, int Dv) {
+void attention_forward(Device dev, real *out, real *state, const real *q, const real *kv, const real *k_rope, int B, int T, int H, int Dn, int Dr, int Dv) {
 #ifdef FP8MOE_CUDA
-    if (dev == DEVICE_CUDA) { cuda_attention_forward(out, state, q, k, v, B, T, H, Dqk, Dv); return; }
+    if (dev == DEVICE_CUDA) { cuda_attention_forward(out, state, q, kv, k_rope, B, T, H, Dn, Dr, Dv); return; }
 #endif
     if (dev != DEVICE_CPU) no_cuda_op("attention_forward");
-    cpu_attention_forward(out, state, q, k, v, B, T, H, Dqk, Dv);
+    cpu_attention_forward(out, state, q, kv, k_rope, B, T, H, Dn, Dr, Dv);
 }
 
-void attention_backward(Device dev, real *dq, real *dk, real *dv, const real *dout, const real *out, const real *state, const real *q, const real *k, const real *v, int B, int T, int H, int Dqk, int Dv) {
+void attention_backward(Device dev, real *dq, real *d_kv, real *d_k_rope, const real *dout, const real *out, const real *state, const real *q, const real *kv, const real *k_rope, int B, int T, int H, int Dn, int Dr, int Dv) {
 #ifdef FP8MOE_CUDA
-    if (dev == DEVICE_CUDA) { cuda_attention_backward(dq, dk, dv, dout, out, state, q, k, v, B, T, H, Dqk, Dv); return; }
+    if (dev == DEVICE_CUDA) { cuda_attention_backward(dq, d_kv, d_k_rope, dout, out, state, q, kv, k_rope, B, T, H, Dn, Dr, Dv); return; }
 #endif
     if (dev != DEVICE_CPU) no_cuda_op("attention_backward");
     (void)out;  // the CPU reference takes D from its stored probabilities (kernels/cpu/attention.c)
-    cpu_attention_backward(dq, dk, dv, dout, state, q, k, v, B, T, H, Dqk, Dv);
+    cpu_attention_backward(dq, d_kv, d_k_rope, dout, state, q, kv, k_rope, B, T, H, Dn, Dr, Dv);
 }
 
 void swiglu_forward(Device dev, real *out, const real *a, const real *b, int64_t n) {
@@ -190,22 +190,6 @@ void copy_block(Device dev, real *dst, int dst_ld, const real *src, int src_ld, 
 #endif
     if (dev != DEVICE_CPU) no_cuda_op("copy_block");
     cpu_copy_block(dst, dst_ld, src, src_ld, rows, cols, accumulate);
-}
-
-void broadcast_rows(Device dev, real *dst, int dst_ld, const real *src, int src_ld, int rows, int cols, int repeat) {
-#ifdef FP8MOE_CUDA
-    if (dev == DEVICE_CUDA) { cuda_broadcast_rows(dst, dst_ld, src, src_ld, rows, cols, repeat); return; }
-#endif
-    if (dev != DEVICE_CPU) no_cuda_op("broadcast_rows");
-    cpu_broadcast_rows(dst, dst_ld, src, src_ld, rows, cols, repeat);
-}
-
-void sum_row_groups(Device dev, real *dst, int dst_ld, const real *src, int src_ld, int rows, int cols, int repeat) {
-#ifdef FP8MOE_CUDA
-    if (dev == DEVICE_CUDA) { cuda_sum_row_groups(dst, dst_ld, src, src_ld, rows, cols, repeat); return; }
-#endif
-    if (dev != DEVICE_CPU) no_cuda_op("sum_row_groups");
-    cpu_sum_row_groups(dst, dst_ld, src, src_ld, rows, cols, repeat);
 }
 
 void router_forward(Device dev, int *topk_idx, real *topk_w, real *scores, const real *logits, const real *bias, int N, int E, int K, int n_groups, int n_limited, real route_scale, int freeze) {

@@ -92,11 +92,15 @@ void rope_forward(Device dev, real *out, const real *inp, int ld, int B, int T, 
 void rope_backward(Device dev, real *dinp, const real *dout, int ld, int B, int T, int H, int D, real theta);
 
 // ---------------------------------------------------------------------------- attention core
-// Causal softmax attention, per batch b and head h:
-//   q, k (B, T, H, Dqk), v (B, T, H, Dv) -> out (B, T, H, Dv),
-//   out[t] = sum_{t2 <= t} softmax_t2(scale q[t] . k[t2]) v[t2], scale = 1/sqrt(Dqk).
+// Causal softmax attention, per batch b and head h, on MLA's own layout (DESIGN.md section 3):
+//   q (B, T, H, Dqk), Dqk = Dn + Dr: per token and head [q_nope (Dn) ; q_rope (Dr)];
+//   kv (B, T, H, Dn + Dv): per token and head [k_nope (Dn) ; v (Dv)] (MLA's W_UKV output as it is);
+//   k_rope (B, T, Dr): the rope key, one per token, shared by every head (not read when Dr = 0; may be NULL).
+// The key of (token t, head h) is k[t,h] = [kv[t,h,0:Dn] ; k_rope[t,0:Dr]], its value v[t,h] = kv[t,h,Dn:Dn+Dv]:
+// both are read where they lie, so MLA makes no per-head copies of them. Dn or Dr may be 0 (Dqk >= 1).
+//   out (B, T, H, Dv):  out[t] = sum_{t2 <= t} softmax_t2(scale q[t] . k[t2]) v[t2], scale = 1/sqrt(Dqk).
 // `state` is the backward state: written by attention_forward, read by attention_backward on the same
-// q, k, v. Its size and contents depend on the device; allocate attention_state_elems(dev, B, T, H) reals:
+// q, kv, k_rope. Its size and contents depend on the device; allocate attention_state_elems(dev, B, T, H) reals:
 //   DEVICE_CPU  (B, H, T, T): the softmax probabilities state[b,h,t,t2] (the reference materialises
 //               them; entries above the diagonal are 0).
 //   DEVICE_CUDA (B, H, T): FP32 log-sum-exp of each query row, state[b,h,t] = log sum_{t2 <= t}
@@ -105,18 +109,24 @@ void rope_backward(Device dev, real *dinp, const real *dout, int ld, int B, int 
 // CUDA numerics: q, k, v (and dout in the backward) are rounded to BF16 and multiplied on tensor cores
 // with FP32 accumulation; softmax statistics are FP32; probabilities and score gradients are rounded to
 // BF16 as inputs of the second product. CUDA results agree with the CPU to the BF16 tolerances stated in
-// tests/gpu/test_gpu_attention.c, not to FP32 rounding. Head dims 1..256 on CUDA.
+// tests/gpu/test_gpu_attention.c, not to FP32 rounding. Head dims Dqk, Dv 1..256 on CUDA.
 int64_t attention_state_elems(Device dev, int B, int T, int H);
-void attention_forward(Device dev, real *out, real *state, const real *q, const real *k, const real *v,
-                       int B, int T, int H, int Dqk, int Dv);
-// dq, dk (B,T,H,Dqk), dv (B,T,H,Dv) WRITTEN (old contents never read; a NULL one is skipped); dout
-// (B,T,H,Dv). out (B,T,H,Dv) and state are what
-// attention_forward wrote for the same q, k, v. The CUDA op takes the softmax backward's row term
-// D[t] = dout[t] . out[t] from out (no recomputation of the forward); the CPU reference computes it from
-// the stored probabilities (sum_t2 att[t,t2] (dout[t] . v[t2])), as before, and does not read out.
-void attention_backward(Device dev, real *dq, real *dk, real *dv, const real *dout, const real *out,
-                        const real *state, const real *q, const real *k, const real *v, int B, int T, int H,
-                        int Dqk, int Dv);
+void attention_forward(Device dev, real *out, real *state, const real *q, const real *kv, const real *k_rope,
+                       int B, int T, int H, int Dn, int Dr, int Dv);
+// Gradients, each WRITTEN (old contents never read; a NULL one is skipped, d_k_rope also when Dr = 0):
+//   dq (B,T,H,Dqk);  d_kv (B,T,H,Dn+Dv) = [dk_nope ; dv] per token and head, kv's layout;
+//   d_k_rope (B,T,Dr) = the sum over heads of each head's rope-key gradient g_h (the last Dr columns of its
+//   key's gradient), added in head order from zero, one rounded addition at a time: ((0 + g_0) + g_1) + ...
+//   + g_{H-1}, as a zeroed buffer gets when the heads' gradients are added to it one at a time. Both devices form
+//   every g_h in full before the sum (the CUDA op in an FP32 (B,T,H,Dr) scratch), so the order is fixed and no
+//   atomics are used.
+// dout (B,T,H,Dv). out (B,T,H,Dv) and state are what attention_forward wrote for the same q, kv, k_rope. The
+// CUDA op takes the softmax backward's row term D[t] = dout[t] . out[t] from out (no recomputation of the
+// forward); the CPU reference computes it from the stored probabilities (sum_t2 att[t,t2] (dout[t] . v[t2])),
+// as before, and does not read out.
+void attention_backward(Device dev, real *dq, real *d_kv, real *d_k_rope, const real *dout, const real *out,
+                        const real *state, const real *q, const real *kv, const real *k_rope, int B, int T, int H,
+                        int Dn, int Dr, int Dv);
 
 // ---------------------------------------------------------------------------- SwiGLU
 // elementwise over n: out = silu(a) * b, silu(a) = a * sigmoid(a)   (a = w1 x, b = w3 x)
@@ -144,17 +154,9 @@ void scale_inplace(Device dev, real *x, real s, int64_t n);
 void add_inplace(Device dev, real *y, const real *x, int64_t n);
 // Copy a (rows, cols) block between row-strided buffers: dst[r*dst_ld + c] = src[r*src_ld + c], or
 // += when accumulate != 0 (the backward of a copy is an accumulating copy the other way).
-// Used to slice heads and the rope/nope parts of MLA vectors. Regions must not overlap.
+// Used to slice the rope/nope parts of MLA vectors and MTP's concatenation. Regions must not overlap.
 void copy_block(Device dev, real *dst, int dst_ld, const real *src, int src_ld, int rows, int cols,
                 int accumulate);
-// A row shared by a group of rows, and its backward (MLA's one rope key serves all H heads). dst of
-// broadcast_rows is viewed as rows*repeat rows of stride dst_ld: dst row (r*repeat + j) = src row r (stride
-// src_ld), cols columns, for r < rows, j < repeat. One launch instead of `repeat` copy_block calls.
-void broadcast_rows(Device dev, real *dst, int dst_ld, const real *src, int src_ld, int rows, int cols, int repeat);
-// The backward: dst row r (stride dst_ld) += src row (r*repeat + j) (stride src_ld) for j = 0, 1, ...,
-// repeat-1 in that order, one rounded addition at a time: the bits of `repeat` accumulating copy_block
-// calls in order j. Regions must not overlap.
-void sum_row_groups(Device dev, real *dst, int dst_ld, const real *src, int src_ld, int rows, int cols, int repeat);
 
 // ---------------------------------------------------------------------------- MoE routing
 // DeepSeek-V3 router (DESIGN.md section 3). logits (N, E) = x W_g^T (computed by matmul_forward).

@@ -28,9 +28,10 @@ extern const char *const bench_gemm_usage;
 int bench_step_main(int argc, char **argv);
 extern const char *const bench_step_usage;
 
-// `fp8moe bench attention [--B N] [--T N] [--H N] [--dqk N] [--dv N] [--runs N]`: the CUDA causal attention
-// core alone (kernels.h attention_forward / attention_backward): median ms and TFLOPS of the forward and the
-// backward, default shape that of configs/bench-1gpu.ini. train/bench_attention.c.
+// `fp8moe bench attention [--B N] [--T N] [--H N] [--dn N] [--dr N] [--dv N] [--runs N]`: the CUDA causal
+// attention core alone (kernels.h attention_forward / attention_backward, keys and values in MLA's layout): median
+// ms and TFLOPS of the forward and the backward, default shape that of configs/bench-1gpu.ini.
+// train/bench_attention.c.
 int bench_attention_main(int argc, char **argv);
 extern const char *const bench_attention_usage;
 

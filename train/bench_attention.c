@@ -2,8 +2,9 @@
  * bench_attention.c - `fp8moe bench attention`: how fast the CUDA causal attention core
  * (kernels/cuda/attention.cu, through kernels.h's attention_forward / attention_backward) runs on this GPU,
  * at the shape of configs/bench-1gpu.ini by default (B = 2 sequences of T = 2048, H = 16 heads,
- * Dqk = 192 = 128 nope + 64 rope, Dv = 128). tests/gpu/attention_torch.py times PyTorch's
- * scaled_dot_product_attention the same way, as the comparison point.
+ * Dqk = 192 = Dn 128 nope + Dr 64 rope, Dv = 128), with the keys and values in MLA's layout as the model
+ * passes them (kernels.h: kv (B, T, H, Dn + Dv), k_rope (B, T, Dr)). tests/gpu/attention_torch.py times
+ * PyTorch's scaled_dot_product_attention the same way (its --dqk is Dn + Dr), as the comparison point.
  *
  * FLOPs (the usual flash-attention convention, stated in the output): the causal forward is
  * 2 B H (T (T + 1) / 2) (Dqk + Dv) (Q K^T and P V over the T (T + 1) / 2 unmasked pairs), the backward
@@ -13,8 +14,9 @@
  *
  * Timing: CUDA events around each of `runs` back-to-back calls (default 20) after 3 warm-up calls; the
  * median is reported, forward and backward separately. Each call includes the op's conversion pre-pass
- * (FP32 (B, T, H, D) -> BF16 head-major) as the model pays it. Inputs are random (q in [-2, 2), k, v,
- * dout in [-1, 1)), generated on the host once. After timing, forward and backward are run twice more
+ * (FP32 q, kv, k_rope -> BF16 head-major), and the backward the sum of the heads' rope-key gradients, as
+ * the model pays them. Inputs are random (q in [-2, 2), kv, k_rope, dout in [-1, 1)), generated on the
+ * host once. After timing, forward and backward are run twice more
  * and compared bitwise (the op's determinism), and the outputs checked to be finite.
  */
 #include "train/bench.h"
@@ -27,11 +29,12 @@
 #include "kernels/kernels.h"
 
 const char *const bench_attention_usage =
-    "  fp8moe bench attention [--B N] [--T N] [--H N] [--dqk N] [--dv N] [--runs N]\n"
+    "  fp8moe bench attention [--B N] [--T N] [--H N] [--dn N] [--dr N] [--dv N] [--runs N]\n"
     "      GPU causal attention core (kernels.h attention_forward / attention_backward): median time and\n"
     "      TFLOPS of the forward and of the backward over N runs (default 20) after 3 warm-up runs, then a\n"
-    "      bitwise repeatability check. Defaults: the shape of configs/bench-1gpu.ini, B = 2, T = 2048,\n"
-    "      H = 16, dqk = 192, dv = 128. Needs a CUDA build and a GPU.\n";
+    "      bitwise repeatability check. Head dims: dn (qk nope) + dr (qk rope) = dqk, dv. Defaults: the shape\n"
+    "      of configs/bench-1gpu.ini, B = 2, T = 2048, H = 16, dn = 128, dr = 64, dv = 128. Needs a CUDA\n"
+    "      build and a GPU.\n";
 
 #ifndef FP8MOE_CUDA
 int bench_attention_main(int argc, char **argv) {
@@ -46,9 +49,9 @@ int bench_attention_main(int argc, char **argv) {
 enum { WARMUP = 3 };
 
 typedef struct {
-    int B, T, H, dqk, dv;
-    size_t nq, nv;                     // elements of q (k, dq, dk) and of v (out, dout, dv)
-    float *q, *k, *v, *dout, *out, *state, *dq, *dk, *dv_;
+    int B, T, H, dn, dr, dv;
+    size_t nq, nkv, nr, nv;            // elements of q (dq), kv (d_kv), k_rope (d_k_rope) and of out (dout)
+    float *q, *kv, *k_rope, *dout, *out, *state, *dq, *d_kv, *d_k_rope;
 } Problem;
 
 static float *host_floats(size_t n) {
@@ -76,11 +79,11 @@ static void fill_random(float *d, size_t n, uint64_t seed, float amp) {
 }
 
 static void run_forward(Problem *p) {
-    attention_forward(DEVICE_CUDA, p->out, p->state, p->q, p->k, p->v, p->B, p->T, p->H, p->dqk, p->dv);
+    attention_forward(DEVICE_CUDA, p->out, p->state, p->q, p->kv, p->k_rope, p->B, p->T, p->H, p->dn, p->dr, p->dv);
 }
 static void run_backward(Problem *p) {
-    attention_backward(DEVICE_CUDA, p->dq, p->dk, p->dv_, p->dout, p->out, p->state, p->q, p->k, p->v, p->B, p->T,
-                       p->H, p->dqk, p->dv);
+    attention_backward(DEVICE_CUDA, p->dq, p->d_kv, p->d_k_rope, p->dout, p->out, p->state, p->q, p->kv, p->k_rope,
+                       p->B, p->T, p->H, p->dn, p->dr, p->dv);
 }
 
 static int cmp_float(const void *a, const void *b) {
@@ -123,12 +126,12 @@ static int all_finite(const float *h, size_t n) {
 static void check_repeatability(Problem *p, int *same, int *finite) {
     const size_t ns = (size_t)p->B * p->H * p->T;
     float *first[5], *second[5];
-    const size_t n[5] = {p->nv, p->nq, p->nq, p->nv, ns};
+    const size_t n[5] = {p->nv, p->nq, p->nkv, p->nr, ns};
     for (int rep = 0; rep < 2; rep++) {
         float **snap = rep == 0 ? first : second;
         run_forward(p);
         run_backward(p);
-        const float *bufs[5] = {p->out, p->dq, p->dk, p->dv_, p->state};
+        const float *bufs[5] = {p->out, p->dq, p->d_kv, p->d_k_rope, p->state};
         for (int i = 0; i < 5; i++) snap[i] = snapshot(bufs[i], n[i]);
     }
     *same = 1, *finite = 1;
@@ -155,14 +158,15 @@ static int parse_int(const char *name, const char *text, long lo, long hi, int *
 int bench_attention_main(int argc, char **argv) {
     Problem p;
     memset(&p, 0, sizeof p);
-    p.B = 2, p.T = 2048, p.H = 16, p.dqk = 192, p.dv = 128;
+    p.B = 2, p.T = 2048, p.H = 16, p.dn = 128, p.dr = 64, p.dv = 128;
     int runs = 20;
-    const char *names[] = {"--B", "--T", "--H", "--dqk", "--dv", "--runs"};
-    int *targets[] = {&p.B, &p.T, &p.H, &p.dqk, &p.dv, &runs};
-    const long lo[] = {1, 1, 1, 1, 1, 1}, hi[] = {65535, 1 << 20, 65535, 256, 256, 100000};
+    enum { N_OPTIONS = 7 };
+    const char *names[N_OPTIONS] = {"--B", "--T", "--H", "--dn", "--dr", "--dv", "--runs"};
+    int *targets[N_OPTIONS] = {&p.B, &p.T, &p.H, &p.dn, &p.dr, &p.dv, &runs};
+    const long lo[N_OPTIONS] = {1, 1, 1, 0, 0, 1, 1}, hi[N_OPTIONS] = {65535, 1 << 20, 65535, 256, 256, 256, 100000};
     for (int i = 0; i < argc; i++) {
         int matched = 0;
-        for (int j = 0; j < 6 && !matched; j++) {
+        for (int j = 0; j < N_OPTIONS && !matched; j++) {
             if (strcmp(argv[i], names[j]) != 0) continue;
             if (i + 1 >= argc) {
                 fprintf(stderr, "fp8moe bench attention: %s needs a value\nUsage:\n%s", names[j],
@@ -178,20 +182,29 @@ int bench_attention_main(int argc, char **argv) {
             return 2;
         }
     }
+    const int dqk = p.dn + p.dr;
+    if (dqk < 1 || dqk > 256) {
+        fprintf(stderr, "fp8moe bench attention: --dn %d --dr %d: expected 1 <= dn + dr <= 256 (the key's head dim)\n"
+                        "Usage:\n%s", p.dn, p.dr, bench_attention_usage);
+        return 2;
+    }
     if (cuda_device_count() == 0) {
         fprintf(stderr, "fp8moe bench attention: no CUDA device visible - expected a GPU (this benchmark times the "
                         "CUDA attention kernels)\n");
         return 1;
     }
 
-    p.nq = (size_t)p.B * p.T * p.H * p.dqk, p.nv = (size_t)p.B * p.T * p.H * p.dv;
+    const size_t rows = (size_t)p.B * p.T;
+    p.nq = rows * p.H * dqk, p.nkv = rows * p.H * (p.dn + p.dv), p.nr = rows * p.dr, p.nv = rows * p.H * p.dv;
     const size_t ns = (size_t)attention_state_elems(DEVICE_CUDA, p.B, p.T, p.H);
-    float **bufs[] = {&p.q, &p.k, &p.dq, &p.dk, &p.v, &p.dout, &p.out, &p.dv_};
-    for (int i = 0; i < 8; i++) *bufs[i] = device_alloc(DEVICE_CUDA, (i < 4 ? p.nq : p.nv) * sizeof(float));
+    enum { N_BUFS = 8 };
+    float **bufs[N_BUFS] = {&p.q, &p.dq, &p.kv, &p.d_kv, &p.k_rope, &p.d_k_rope, &p.dout, &p.out};
+    const size_t sizes[N_BUFS] = {p.nq, p.nq, p.nkv, p.nkv, p.nr, p.nr, p.nv, p.nv};
+    for (int i = 0; i < N_BUFS; i++) *bufs[i] = device_alloc(DEVICE_CUDA, sizes[i] * sizeof(float));
     p.state = device_alloc(DEVICE_CUDA, ns * sizeof(float));
     fill_random(p.q, p.nq, 1, 2.0f);
-    fill_random(p.k, p.nq, 2, 1.0f);
-    fill_random(p.v, p.nv, 3, 1.0f);
+    fill_random(p.kv, p.nkv, 2, 1.0f);
+    fill_random(p.k_rope, p.nr, 3, 1.0f);
     fill_random(p.dout, p.nv, 4, 1.0f);
 
     cudaEvent_t *ev = malloc(sizeof(cudaEvent_t) * (size_t)(runs + 1));
@@ -205,10 +218,11 @@ int bench_attention_main(int argc, char **argv) {
     int dev = 0;
     BENCH_CHECK(cudaGetDevice(&dev));
     BENCH_CHECK(cudaGetDeviceProperties(&prop, dev));
-    const double fwd_flop = 2.0 * p.B * p.H * ((double)p.T * (p.T + 1) / 2.0) * (p.dqk + p.dv);
+    const double fwd_flop = 2.0 * p.B * p.H * ((double)p.T * (p.T + 1) / 2.0) * (dqk + p.dv);
     const double bwd_flop = 2.5 * fwd_flop;
-    printf("fp8moe bench attention: %s (%d SMs); causal, B = %d, T = %d, H = %d, dqk = %d, dv = %d; FP32 in and out, "
-           "BF16 tensor-core math\n", prop.name, prop.multiProcessorCount, p.B, p.T, p.H, p.dqk, p.dv);
+    printf("fp8moe bench attention: %s (%d SMs); causal, B = %d, T = %d, H = %d, dqk = %d (dn %d + dr %d), dv = %d; "
+           "FP32 in and out, BF16 tensor-core math\n", prop.name, prop.multiProcessorCount, p.B, p.T, p.H, dqk, p.dn,
+           p.dr, p.dv);
     printf("FLOPs: forward = 2 B H (T (T+1) / 2) (dqk + dv) = %.4g, backward = 2.5 x forward = %.4g (the extra "
            "recomputation of the deterministic backward is not counted)\n", fwd_flop, bwd_flop);
     printf("time: median of %d back-to-back runs after %d warm-up (CUDA events), each including the op's BF16 "
@@ -230,7 +244,7 @@ int bench_attention_main(int argc, char **argv) {
 
     for (int i = 0; i <= runs; i++) BENCH_CHECK(cudaEventDestroy(ev[i]));
     free(ev);
-    for (int i = 0; i < 8; i++) device_free(DEVICE_CUDA, *bufs[i]);
+    for (int i = 0; i < N_BUFS; i++) device_free(DEVICE_CUDA, *bufs[i]);
     device_free(DEVICE_CUDA, p.state);
     return same && finite ? 0 : 1;
 }

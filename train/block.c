@@ -60,10 +60,8 @@ static void mla_acts_alloc(ActsArena *ar, MlaActs *a, const Dims *d, const Layer
     a->ckv_rstd = ARENA_REALS(ar, N);
     a->ckvn = ARENA_REALS(ar, (int64_t)N * d->kvr);
     a->k_rope_raw = s->t_k_rope_raw;
-    a->k_rope = s->t_k_rope;
-    a->kv = s->t_kv;
-    a->kf = ARENA_REALS(ar, (int64_t)NH * d->dqk);
-    a->v = ARENA_REALS(ar, (int64_t)NH * d->dv);
+    a->k_rope = ARENA_REALS(ar, (int64_t)N * d->dr);
+    a->kv = ARENA_REALS(ar, (int64_t)NH * (d->dn + d->dv));
     a->att = ARENA_REALS(ar, attention_state_elems(ar->dev, d->B, d->T, d->H));
     a->o = ARENA_REALS(ar, (int64_t)NH * d->dv);
     a->xn_kept = kept_alloc(ar, keep, N, 1, d->D);
@@ -120,8 +118,6 @@ void layer_scratch_alloc(ActsArena *ar, LayerScratch *s, const Dims *d, int has_
     s->t_rstd = ARENA_REALS(ar, N);
     s->t_kva = ARENA_REALS(ar, N * (d->kvr + d->dr));
     s->t_k_rope_raw = ARENA_REALS(ar, N * d->dr);
-    s->t_k_rope = ARENA_REALS(ar, N * d->dr);
-    s->t_kv = ARENA_REALS(ar, NH * (d->dn + d->dv));
     s->d_xn = ARENA_REALS(ar, N * d->D);
     if (d->qr > 0) {
         s->d_cq = ARENA_REALS(ar, N * d->qr);
@@ -134,8 +130,6 @@ void layer_scratch_alloc(ActsArena *ar, LayerScratch *s, const Dims *d, int has_
     s->d_k_rope = ARENA_REALS(ar, N * d->dr);
     s->d_k_rope_raw = ARENA_REALS(ar, N * d->dr);
     s->d_kv = ARENA_REALS(ar, NH * (d->dn + d->dv));
-    s->d_kf = ARENA_REALS(ar, NH * d->dqk);
-    s->d_v = ARENA_REALS(ar, NH * d->dv);
     s->d_o = ARENA_REALS(ar, NH * d->dv);
     int64_t ffn_elems = N * d->inter;
     if (has_moe) {

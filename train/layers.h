@@ -48,10 +48,10 @@ typedef struct {
                                    // part rotated in place)
     real *kva;                     // (N, kvr + dr) = W_DKV x (transient)
     real *ckv, *ckv_rstd, *ckvn;   // (N, kvr) compressed kv, its rstd, normalised
-    real *k_rope_raw, *k_rope;     // (N, dr) before / after RoPE, shared by all heads (transient)
-    real *kv;                      // (N, H*(dn+dv)) = W_UKV ckvn (transient)
-    real *kf;                      // (N*H, dqk) = [k_nope ; k_rope]
-    real *v;                       // (N*H, dv)
+    real *k_rope_raw;              // (N, dr) the rope key before RoPE (transient)
+    real *k_rope;                  // (N, dr) after RoPE, shared by all heads
+    real *kv;                      // (N, H*(dn+dv)) = W_UKV ckvn = [k_nope ; v] per head; with k_rope, the attention
+                                   // core's keys and values as it reads them (kernels.h)
     real *att;                     // attention backward state: attention_state_elems(dev, B, T, H) reals
     real *o;                       // (N, H*dv) attention output before W_O
     // fp8 mode: the Linear inputs' Wgrad operands kept from the forward (linear.h KeptInput; q NULL in other
@@ -105,13 +105,13 @@ typedef struct {
 // transients before the next block writes them.
 typedef struct {
     real *t_xn, *t_rstd;                  // BlockActs' normalised inputs (N, D), and an rstd (N) to recompute them
-    real *t_kva, *t_k_rope_raw, *t_k_rope, *t_kv;  // MlaActs' transients
+    real *t_kva, *t_k_rope_raw;           // MlaActs' transients
     real *t_h;                            // FfnActs' h, sized for the largest FFN (dense, shared, N*K x I); NULL
                                           // in fp8 mode, as d_a and d_b (linear.h SwigluScratch)
     real *t_xp;                           // MoeActs' xp (N*K, D), MoE chunks that gather it only
     real *d_xn;                           // (N, D)
     real *d_cq, *d_cqn, *d_qf;
-    real *d_kva, *d_ckv, *d_ckvn, *d_k_rope, *d_k_rope_raw, *d_kv, *d_kf, *d_v, *d_o;
+    real *d_kva, *d_ckv, *d_ckvn, *d_k_rope, *d_k_rope_raw, *d_kv, *d_o;
     real *d_a, *d_b, *d_h;                // FFN gradients: dense / shared (N, width), all routed experts (N*K, I)
     real *d_logits, *d_scores, *d_topk_w; // router
     real *d_xp, *d_eout;                  // routed experts, (N*K, D); d_xp only where xp is gathered, d_eout

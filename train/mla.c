@@ -5,8 +5,10 @@
  *   [c_KV ; k_R] = W_DKV h;  k_R = RoPE(k_R), shared by all heads
  *   [k_C ; v] = W_UKV RMSNorm(c_KV) per head
  *   o_i = softmax(q_i . k_i / sqrt(dqk), causal) v_i;  u = W_O [o_1 .. o_H]
- * The CPU reference keeps the full per-head keys and values (no weight absorption): this is the
- * training formulation, and absorption is an inference optimisation.
+ * Every head's full key and value are used (no weight absorption): this is the training formulation, and
+ * absorption is an inference optimisation. They are not copied out per head: the attention core reads the
+ * keys and values in W_UKV's output kv = [k_C ; v] per head and the one k_R per token (kernels.h), and
+ * writes their gradients in the same layout.
  */
 #include "train/layers.h"
 #include "train/linear.h"
@@ -16,7 +18,7 @@
 void mla_forward(Model *m, const MlaWeights *w, MlaActs *a, const Dims *d, const real *xn, const real *residual,
                  real *out) {
     Device dev = m->dev;
-    int N = d->N, H = d->H, dqk = d->dqk, NH = d->N * d->H;
+    int N = d->N, H = d->H, dqk = d->dqk;
     // the down-projections of xn for the queries and for the keys and values are one Linear call (xn quantised
     // once); q (N, H dqk) is qf (N*H, dqk): its projection writes it, then the rope part of every head is rotated
     // in place (stride dqk), the nope part kept
@@ -39,13 +41,10 @@ void mla_forward(Model *m, const MlaWeights *w, MlaActs *a, const Dims *d, const
     rmsnorm_forward(dev, a->ckvn, a->ckv_rstd, a->ckv, w->kv_norm, N, d->kvr);
     int kv_w = d->dn + d->dv;
     linear_forward(m, a->kv, a->ckvn, w->wkv_b, N, d->kvr, H * kv_w, &a->ckvn_kept);
-    copy_block(dev, a->kf, dqk, a->kv, kv_w, NH, d->dn, 0);
-    // the single rope key is shared by every head: kf viewed as (N*H, dqk), row n*H + h gets k_rope row n
-    broadcast_rows(dev, a->kf + d->dn, dqk, a->k_rope, d->dr, N, d->dr, H);
-    copy_block(dev, a->v, d->dv, a->kv + d->dn, kv_w, NH, d->dv, 0);
-    // attention core and output projection
+    // attention core (head h's key [kv's k_C ; the shared k_rope], its value kv's v, read in place) and output
+    // projection
     profile_begin(PHASE_ATTENTION);
-    attention_forward(dev, a->o, a->att, a->qf, a->kf, a->v, d->B, d->T, H, dqk, d->dv);
+    attention_forward(dev, a->o, a->att, a->qf, a->kv, a->k_rope, d->B, d->T, H, d->dn, d->dr, d->dv);
     profile_end(PHASE_ATTENTION);
     linear_forward_residual(m, out, a->o, w->wo, residual, N, H * d->dv, d->D, &a->o_kept);
 }
@@ -53,26 +52,22 @@ void mla_forward(Model *m, const MlaWeights *w, MlaActs *a, const Dims *d, const
 void mla_backward(Model *m, const MlaWeights *w, const MlaWeights *g, MlaActs *a, const Dims *d,
                   LayerScratch *s, const real *xn, const real *d_out, real *d_xn) {
     Device dev = m->dev;
-    int N = d->N, H = d->H, dqk = d->dqk, NH = d->N * d->H;
+    int N = d->N, H = d->H, dqk = d->dqk;
     int kva_w = d->kvr + d->dr, kv_w = d->dn + d->dv;
     size_t R = sizeof(real);
-    device_memset_zero(dev, s->d_k_rope, (size_t)N * d->dr * R);
     device_memset_zero(dev, s->d_ckv, (size_t)N * d->kvr * R);
 
-    // d_o, d_qf, d_kf, d_v, d_kv, d_kva, d_ckvn and d_cqn are each filled by one op (a Linear with GRAD_WRITE,
+    // d_o, d_qf, d_kv, d_k_rope, d_kva, d_ckvn and d_cqn are each filled by one op (a Linear with GRAD_WRITE,
     // attention_backward) or by copies that together cover every column, so they are written, not cleared
     // and added to.
-    // forward was: out = o W_O^T, o = attention(qf, kf, v)
+    // forward was: out = o W_O^T, o = attention(qf, kv, k_rope)
     linear_backward(m, s->d_o, GRAD_WRITE, g->wo, d_out, a->o, w->wo, N, H * d->dv, d->D, &a->o_kept);
+    // d_kv = [d k_C ; dv] per head; d_k_rope, the shared rope key's, collects every head's gradient, added in
+    // head order
     profile_begin(PHASE_ATTENTION);
-    attention_backward(dev, s->d_qf, s->d_kf, s->d_v, s->d_o, a->o, a->att, a->qf, a->kf, a->v, d->B, d->T, H,
-                       dqk, d->dv);
+    attention_backward(dev, s->d_qf, s->d_kv, s->d_k_rope, s->d_o, a->o, a->att, a->qf, a->kv, a->k_rope, d->B,
+                       d->T, H, d->dn, d->dr, d->dv);
     profile_end(PHASE_ATTENTION);
-    // kf and v were sliced out of kv (per head) and k_rope (shared): gather their gradients back
-    copy_block(dev, s->d_kv + d->dn, kv_w, s->d_v, d->dv, NH, d->dv, 0);
-    copy_block(dev, s->d_kv, kv_w, s->d_kf, dqk, NH, d->dn, 0);
-    // k_rope was broadcast to every head: it collects the gradient of every head, added in head order
-    sum_row_groups(dev, s->d_k_rope, d->dr, s->d_kf + d->dn, dqk, N, d->dr, H);
     rope_backward(dev, s->d_k_rope_raw, s->d_k_rope, d->dr, d->B, d->T, 1, d->dr, d->rope_theta);
     copy_block(dev, s->d_kva + d->kvr, kva_w, s->d_k_rope_raw, d->dr, N, d->dr, 0);
     linear_backward(m, s->d_ckvn, GRAD_WRITE, g->wkv_b, s->d_kv, a->ckvn, w->wkv_b, N, d->kvr, H * kv_w,

@@ -5,12 +5,18 @@
  * "state" (attention_state_elems(DEVICE_CPU, ...) = B*H*T*T); the CUDA op keeps only a (B, H, T)
  * log-sum-exp per query row and recomputes the probabilities (kernels/cuda/attention.cu).
  *
- * Each (b, h) pair is independent and writes only its own slices of out, att, dq, dk and dv, so OpenMP
- * splits over (b, h) and every output element is computed by one thread in a fixed order (sums over
- * the key/value position t2 or the head dimension in increasing order): bitwise identical for any
- * thread count. To let the compiler vectorise without reordering any sum, the score loop runs over
- * the key position t2 innermost against a transposed copy of k (and of v in the backward pass), so
- * each score is still summed over d in order.
+ * Keys and values are read in MLA's layout (kernels.h): the key of (t, h) is [kv[t,h,0:Dn] ; k_rope[t]],
+ * its value kv[t,h,Dn:]. Each head's key is assembled only in the transposed copy below (the forward) or
+ * read in its two parts (the backward's dq), element for element the same values and operations as on a
+ * per-head (B, T, H, Dqk) key array.
+ *
+ * Each (b, h) pair is independent and writes only its own slices of out, att, dq and d_kv, and its own
+ * rope-key gradient into a (B, T, H, Dr) scratch, so OpenMP splits over (b, h) and every output element
+ * is computed by one thread in a fixed order (sums over the key/value position t2 or the head dimension
+ * in increasing order). d_k_rope then sums the scratch over the heads in order h = 0, 1, ... from zero.
+ * Bitwise identical for any thread count. To let the compiler vectorise without reordering any sum, the
+ * score loop runs over the key position t2 innermost against a transposed copy of k (and of v in the
+ * backward pass), so each score is still summed over d in order.
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -29,27 +35,38 @@ static real *alloc_or_die(size_t count, const char *what) {
     return p;
 }
 
-// Row (b, t, h) of a (B, T, H, D) tensor.
-static inline size_t row_index(int b, int t, int h, int T, int H, int D) {
-    return (((size_t)b * T + t) * H + h) * D;
+// Start of row (b, t, h) of a (B, T, H, ld) tensor.
+static inline size_t row_index(int b, int t, int h, int T, int H, int ld) {
+    return (((size_t)b * T + t) * H + h) * ld;
 }
 
-// xT (D, T) = x[b, :, h, :] transposed, so that a loop over t2 reads contiguous memory.
-static void transpose_head(real *xT, const real *x, int b, int h, int T, int H, int D) {
+// xT (D, T) = the first D columns of rows (b, :, h) of x, a (B, T, H, ld) tensor, transposed so that a loop
+// over t2 reads contiguous memory. Nothing is read when D = 0 (x may then be NULL).
+static void transpose_head(real *xT, const real *x, int ld, int b, int h, int T, int H, int D) {
+    if (D <= 0) return;
     for (int t2 = 0; t2 < T; t2++) {
-        const real *row = x + row_index(b, t2, h, T, H, D);
+        const real *row = x + row_index(b, t2, h, T, H, ld);
         for (int d = 0; d < D; d++) xT[(size_t)d * T + t2] = row[d];
     }
 }
 
+// kT (Dn + Dr, T) = the keys of head h of batch row b transposed: rows 0..Dn-1 from kv's k_nope, rows Dn.. from
+// the shared k_rope (a (B, T, 1, Dr) tensor).
+static void transpose_keys(real *kT, const real *kv, const real *k_rope, int b, int h, int T, int H, int Dn, int Dr,
+                           int Dv) {
+    transpose_head(kT, kv, Dn + Dv, b, h, T, H, Dn);
+    transpose_head(kT + (size_t)Dn * T, k_rope, Dr, b, 0, T, 1, Dr);
+}
+
 // ---------------------------------------------------------------------------- forward
-// q, k (B, T, H, Dqk), v (B, T, H, Dv) -> out (B, T, H, Dv), att (B, H, T, T).
-// For each (b, h, t):
+// q (B, T, H, Dqk), kv (B, T, H, Dn + Dv), k_rope (B, T, Dr) -> out (B, T, H, Dv), att (B, H, T, T); Dqk = Dn + Dr,
+// k[t2] = [kv[t2, h, 0:Dn] ; k_rope[t2]], v[t2] = kv[t2, h, Dn:]. For each (b, h, t):
 //   score[t2] = (sum_d q[t, d] * k[t2, d]) * scale,  scale = 1/sqrt(Dqk),  t2 <= t
 //   att[t, t2] = exp(score[t2] - max) / sum_t2' exp(score[t2'] - max), 0 for t2 > t
 //   out[t, :] = sum_{t2 <= t} att[t, t2] * v[t2, :]
-void cpu_attention_forward(real *out, real *att, const real *q, const real *k, const real *v, int B, int T,
-                           int H, int Dqk, int Dv) {
+void cpu_attention_forward(real *out, real *att, const real *q, const real *kv, const real *k_rope, int B, int T,
+                           int H, int Dn, int Dr, int Dv) {
+    const int Dqk = Dn + Dr, kv_ld = Dn + Dv;
     const real scale = (real)1 / sqrt((real)Dqk);
 #pragma omp parallel if ((double)B * H * T * T * (Dqk + Dv) > 65536.0)
     {
@@ -57,7 +74,7 @@ void cpu_attention_forward(real *out, real *att, const real *q, const real *k, c
 #pragma omp for schedule(static)
         for (int bh = 0; bh < B * H; bh++) {
             const int b = bh / H, h = bh % H;
-            transpose_head(kT, k, b, h, T, H, Dqk);
+            transpose_keys(kT, kv, k_rope, b, h, T, H, Dn, Dr, Dv);
             for (int t = 0; t < T; t++) {
                 const real *qt = q + row_index(b, t, h, T, H, Dqk);
                 real *p = att + ((size_t)bh * T + t) * T;
@@ -86,7 +103,7 @@ void cpu_attention_forward(real *out, real *att, const real *q, const real *k, c
                 for (int d = 0; d < Dv; d++) ot[d] = 0;
                 for (int t2 = 0; t2 <= t; t2++) {
                     const real a = p[t2];
-                    const real *vt2 = v + row_index(b, t2, h, T, H, Dv);
+                    const real *vt2 = kv + row_index(b, t2, h, T, H, kv_ld) + Dn;
 #pragma omp simd
                     for (int d = 0; d < Dv; d++) ot[d] += a * vt2[d];
                 }
@@ -102,11 +119,17 @@ void cpu_attention_forward(real *out, real *att, const real *q, const real *k, c
 //   datt[t2]  = sum_d g[d] v[t2, d]                   dv[t2] += att[t, t2] * g
 //   dscore[t2] = att[t, t2] * (datt[t2] - sum_j att[t, j] datt[j])      (softmax backward)
 //   dq[t] += scale * sum_t2 dscore[t2] k[t2];        dk[t2] += scale * dscore[t2] q[t]
-// dq, dk (B, T, H, Dqk), dv (B, T, H, Dv) are WRITTEN (kernels.h); any may be NULL. Gradients of one (b, h)
-// are summed in thread-local buffers from 0 (dk and dv over t in increasing order) and stored once.
-void cpu_attention_backward(real *dq, real *dk, real *dv, const real *dout, const real *att, const real *q,
-                            const real *k, const real *v, int B, int T, int H, int Dqk, int Dv) {
-    if (!dq && !dk && !dv) return;
+// dq (B, T, H, Dqk), d_kv (B, T, H, Dn + Dv) = [dk_nope ; dv] and d_k_rope (B, T, Dr) are WRITTEN (kernels.h); any
+// may be NULL. Gradients of one (b, h) are summed in thread-local buffers from 0 (dk and dv over t in increasing
+// order) and stored once: dk's first Dn columns and dv into d_kv, its last Dr columns (the head's gradient of
+// the shared rope key) into rope_g (B, T, H, Dr), which is then summed over the heads in order from 0.
+void cpu_attention_backward(real *dq, real *d_kv, real *d_k_rope, const real *dout, const real *att, const real *q,
+                            const real *kv, const real *k_rope, int B, int T, int H, int Dn, int Dr, int Dv) {
+    const int Dqk = Dn + Dr, kv_ld = Dn + Dv;
+    real *rope_g = d_k_rope && Dr > 0 ? alloc_or_die((size_t)B * T * H * Dr, "attention_backward rope-key gradients")
+                                      : NULL;
+    const int want_dk = (d_kv && Dn > 0) || rope_g, want_dv = d_kv != NULL;
+    if (!dq && !want_dk && !want_dv) return;
     const real scale = (real)1 / sqrt((real)Dqk);
 #pragma omp parallel if ((double)B * H * T * T * (Dqk + Dv) > 65536.0)
     {
@@ -118,13 +141,13 @@ void cpu_attention_backward(real *dq, real *dk, real *dv, const real *dout, cons
 #pragma omp for schedule(static)
         for (int bh = 0; bh < B * H; bh++) {
             const int b = bh / H, h = bh % H;
-            transpose_head(vT, v, b, h, T, H, Dv);
+            transpose_head(vT, kv + Dn, kv_ld, b, h, T, H, Dv);
             memset(dk_local, 0, sizeof(real) * (size_t)T * Dqk);
             memset(dv_local, 0, sizeof(real) * (size_t)T * Dv);
             for (int t = 0; t < T; t++) {
                 const real *p = att + ((size_t)bh * T + t) * T;
                 const real *g = dout + row_index(b, t, h, T, H, Dv);
-                if (dv) {
+                if (want_dv) {
                     for (int t2 = 0; t2 <= t; t2++) {
                         const real a = p[t2];
                         real *dvt2 = dv_local + (size_t)t2 * Dv;
@@ -132,7 +155,7 @@ void cpu_attention_backward(real *dq, real *dk, real *dv, const real *dout, cons
                         for (int d = 0; d < Dv; d++) dvt2[d] += a * g[d];
                     }
                 }
-                if (!dq && !dk) continue;
+                if (!dq && !want_dk) continue;
                 // datt, kept in dscore
                 for (int t2 = 0; t2 <= t; t2++) dscore[t2] = 0;
                 for (int d = 0; d < Dv; d++) {
@@ -150,16 +173,23 @@ void cpu_attention_backward(real *dq, real *dk, real *dv, const real *dout, cons
                 if (dq) {
                     for (int d = 0; d < Dqk; d++) dq_t[d] = 0;
                     for (int t2 = 0; t2 <= t; t2++) {
+                        // the key of t2 in its two parts: each dq_t[d] gets the same product as from [k_nope ; k_rope]
                         const real s = dscore[t2];
-                        const real *kt2 = k + row_index(b, t2, h, T, H, Dqk);
+                        const real *knope = kv + row_index(b, t2, h, T, H, kv_ld);
 #pragma omp simd
-                        for (int d = 0; d < Dqk; d++) dq_t[d] += s * kt2[d];
+                        for (int d = 0; d < Dn; d++) dq_t[d] += s * knope[d];
+                        if (Dr > 0) {
+                            const real *krope = k_rope + row_index(b, t2, 0, T, 1, Dr);
+                            real *dq_rope = dq_t + Dn;
+#pragma omp simd
+                            for (int d = 0; d < Dr; d++) dq_rope[d] += s * krope[d];
+                        }
                     }
                     real *dqt = dq + row_index(b, t, h, T, H, Dqk);
 #pragma omp simd
                     for (int d = 0; d < Dqk; d++) dqt[d] = dq_t[d];
                 }
-                if (dk) {
+                if (want_dk) {
                     for (int t2 = 0; t2 <= t; t2++) {
                         const real s = dscore[t2];
                         real *dkt2 = dk_local + (size_t)t2 * Dqk;
@@ -169,14 +199,20 @@ void cpu_attention_backward(real *dq, real *dk, real *dv, const real *dout, cons
                 }
             }
             for (int t2 = 0; t2 < T; t2++) {
-                if (dk) {
-                    real *dst = dk + row_index(b, t2, h, T, H, Dqk);
-                    const real *src = dk_local + (size_t)t2 * Dqk;
+                const real *dk_row = dk_local + (size_t)t2 * Dqk;
+                if (d_kv && Dn > 0) {
+                    real *dst = d_kv + row_index(b, t2, h, T, H, kv_ld);
 #pragma omp simd
-                    for (int d = 0; d < Dqk; d++) dst[d] = src[d];
+                    for (int d = 0; d < Dn; d++) dst[d] = dk_row[d];
                 }
-                if (dv) {
-                    real *dst = dv + row_index(b, t2, h, T, H, Dv);
+                if (rope_g) {
+                    real *dst = rope_g + row_index(b, t2, h, T, H, Dr);
+                    const real *src = dk_row + Dn;
+#pragma omp simd
+                    for (int d = 0; d < Dr; d++) dst[d] = src[d];
+                }
+                if (want_dv) {
+                    real *dst = d_kv + row_index(b, t2, h, T, H, kv_ld) + Dn;
                     const real *src = dv_local + (size_t)t2 * Dv;
 #pragma omp simd
                     for (int d = 0; d < Dv; d++) dst[d] = src[d];
@@ -189,4 +225,16 @@ void cpu_attention_backward(real *dq, real *dk, real *dv, const real *dout, cons
         free(dk_local);
         free(dv_local);
     }
+    if (!rope_g) return;
+    // d_k_rope[n, c] = ((0 + g_0) + g_1) + ... + g_{H-1}: one rounded addition per head, in head order
+    const int64_t NR = (int64_t)B * T * Dr;
+#pragma omp parallel for if ((double)NR * H > 65536.0) schedule(static)
+    for (int64_t i = 0; i < NR; i++) {
+        const int64_t n = i / Dr, c = i % Dr;
+        const real *g = rope_g + n * H * Dr + c;
+        real sum = 0;
+        for (int h = 0; h < H; h++) sum += g[(int64_t)h * Dr];
+        d_k_rope[i] = sum;
+    }
+    free(rope_g);
 }

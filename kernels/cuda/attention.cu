@@ -18,13 +18,20 @@
  * given the forward's output `out`, so D_i = sum_d dout_id out_id (the softmax backward's row term) is
  * one row-dot pass instead of a recomputation of the forward.
  *
- * Pre-pass (one launch per call, plus one in the backward): q, k, v and dout are copied from FP32
- * (B, T, H, D) into BF16 scratch in head-major layout (B, H, Tpad, DP): DP = D rounded up to 16 (the
- * MMA's k step), Tpad = T rounded up to 128 (the largest tile), zeros in the padding. Every tile a
- * kernel needs is then one contiguous block of BF16 rows, copied to shared memory with 16-byte cp.async
- * and no bounds checks. The backward pre-pass also writes D and lse * log2(e) padded to (B, H, Tpad).
- * The scratch is the counted grow-on-demand cuda_scratch of common.cuh (process-wide; all ops run on
- * the default stream, so consecutive calls cannot overlap on it).
+ * Layouts (kernels.h): q (B, T, H, Dqk) and dq as they are; keys and values in MLA's layout, read and
+ * written where MLA keeps them: kv (B, T, H, Dn + Dv) = [k_nope ; v] per token and head, k_rope (B, T, Dr)
+ * shared by every head; key (t, h) = [k_nope[t, h] ; k_rope[t]], Dqk = Dn + Dr.
+ *
+ * Pre-pass (one launch per call, plus one in the backward): q, k, v and dout are copied from FP32 into
+ * BF16 scratch in head-major layout (B, H, Tpad, DP): DP = D rounded up to 16 (the MMA's k step), Tpad =
+ * T rounded up to 128 (the largest tile), zeros in the padding. q and dout are read from (B, T, H, D);
+ * each key row is assembled from kv's k_nope and the token's k_rope, each value row read from kv (Dn
+ * floats into its row): the same BF16 values, in the same scratch, as per-head (B, T, H, D) copies of
+ * the keys and values would give, so the kernels below see no difference. Every tile a kernel needs is
+ * then one contiguous block of BF16 rows, copied to shared memory with 16-byte cp.async and no bounds
+ * checks. The backward pre-pass also writes D and lse * log2(e) padded to (B, H, Tpad). The scratch is
+ * the counted grow-on-demand cuda_scratch of common.cuh (process-wide; all ops run on the default
+ * stream, so consecutive calls cannot overlap on it).
  *
  * Kernels (each output element is written by exactly one thread, sums in a fixed order, no atomics,
  * so every result is bitwise reproducible run to run):
@@ -43,6 +50,11 @@
  *                                         dS^T = P^T (dP^T - D); dk += (scale dS^T) Q
  *             The groups do equal work (one product over Dqk, one over Dv), and each keeps one
  *             accumulator (16 x max(Dqk, Dv) per warp), which keeps registers low enough for Dqk = 192.
+ *             Stores: dv and dk's first Dn columns (the k_nope gradient) into d_kv (kv's layout), dk's
+ *             last Dr columns (this head's gradient of the shared rope key) into an FP32 (B, T, H, Dr)
+ *             cuda_scratch.
+ *   rope sum  one thread per element of d_k_rope (B, T, Dr): the scratch summed over the heads in order
+ *             h = 0 .. H-1 from 0.0f (the CPU reference's order and bits; no atomics).
  *   Accumulators are register arrays sized by a compile-time capacity of the head dim (64, 128, 192 or
  *   256 columns; dkv has one per group); a head dim below its capacity runs a predicated variant of the
  *   second product. At Dqk = 192, Dv = 128 (ptxas, sm_90): forward 168 registers, dq 242, dkv 212, no
@@ -245,13 +257,17 @@ __device__ __forceinline__ float quad_sum(float v) {
     return v + __shfl_xor_sync(0xffffffffu, v, 2);
 }
 
-// dst[row, col] = acc for the C fragments of a warp's 16 rows (row0 = its row g, row0 + 8 the row g + 8):
-// element (row, col) at dst + row * row_stride + col, only rows < n_rows and cols < n_cols. NORMALISE divides
-// by the row's softmax sum l (the forward's out = o / l); the backward writes its gradients as they are.
+// The columns [col0, col_end) of the C fragments of a warp's 16 rows (row0 = its row g, row0 + 8 the row g + 8):
+// element (row, col) to dst + row * row_stride + (col - col0), only rows < n_rows. A window (col0 > 0, or
+// col_end below the accumulator's columns) lets one accumulator go to two places: the dkv kernel's key gradient
+// [dk_nope ; dk_rope] is stored to kv's layout and to the rope scratch. NORMALISE divides by the row's softmax
+// sum l (the forward's out = o / l); the backward writes its gradients as they are.
 template <int NCAP, bool NORMALISE>
-__device__ __forceinline__ void store_rows(float *dst, size_t row_stride, int row0, int n_rows, int n_cols,
+__device__ __forceinline__ void store_rows(float *dst, size_t row_stride, int row0, int n_rows, int col0, int col_end,
                                            const float acc[NCAP / 8][4], float l0, float l1, int t) {
-    const bool pairs = ((n_cols | (int)row_stride) & 1) == 0 && ((uintptr_t)dst & 7) == 0;
+    // a thread's columns are the pairs (col, col + 1), col even: with col0, col_end and the row stride even and
+    // dst 8-byte aligned, a pair is wholly inside the window or wholly outside, and 8-byte aligned
+    const bool pairs = ((col0 | col_end | (int)row_stride) & 1) == 0 && ((uintptr_t)dst & 7) == 0;
 #pragma unroll
     for (int half = 0; half < 2; half++) {
         const int row = row0 + 8 * half;
@@ -261,25 +277,32 @@ __device__ __forceinline__ void store_rows(float *dst, size_t row_stride, int ro
 #pragma unroll
         for (int nt = 0; nt < NCAP / 8; nt++) {
             const int col = nt * 8 + 2 * t;
-            if (col >= n_cols) continue;
+            if (col >= col_end || col + 1 < col0) continue;  // neither column of the pair is in the window
             float v0 = acc[nt][2 * half], v1 = acc[nt][2 * half + 1];
             if (NORMALISE) v0 = v0 / l, v1 = v1 / l;
-            if (pairs) {  // n_cols even, so col + 1 < n_cols
-                *reinterpret_cast<float2 *>(p + col) = make_float2(v0, v1);
+            if (pairs) {
+                *reinterpret_cast<float2 *>(p + (col - col0)) = make_float2(v0, v1);
             } else {
-                p[col] = v0;
-                if (col + 1 < n_cols) p[col + 1] = v1;
+                if (col >= col0) p[col - col0] = v0;
+                if (col + 1 < col_end) p[col + 1 - col0] = v1;
             }
         }
     }
 }
 
 // ---------------------------------------------------------------------------- pre-pass kernels
-// One FP32 (B, T, H, D) tensor -> BF16 (B, H, Tpad, DP), zeros for t >= T and d >= D.
+// One FP32 operand -> BF16 (B, H, Tpad, DP), zeros for t >= T and d >= D. Row (b, t, h) of the operand is read
+// in up to two parts: columns [0, D1) from the row of a (B, T, H, ld1) tensor at src1 (q; kv's k_nope; kv's v,
+// src1 = kv + Dn), then columns [D1, D) from the row of a (B, T, ld2) tensor at src2 that every head shares
+// (k_rope, for the key; no second part when D1 = D). So the keys and values are staged from MLA's layout as
+// they are, with the same BF16 values a per-head (B, T, H, D) copy of them would give.
 struct ConvertJob {
-    const float *src;
+    const float *src1, *src2;
     bf16 *dst;
-    int D, DP, vec4;  // vec4: D % 4 == 0 and src 16-byte aligned, so rows can be read as float4
+    int ld1, ld2, D1, D, DP;
+    // a part's 8-column chunks can be read as two float4: its rows start 16-byte aligned (ld and base) and, for
+    // part 2, the chunks start at a multiple of 4 columns into its rows (D1 % 4 == 0)
+    int vec1, vec2;
 };
 struct ConvertJobs {
     ConvertJob job[3];
@@ -302,15 +325,23 @@ __global__ void attention_to_bf16_kernel(ConvertJobs jobs, int T, int Tpad, int 
 #pragma unroll
         for (int i = 0; i < 8; i++) x[i] = 0.0f;
         if (t < T) {
-            const float *src = J.src + (((size_t)b * T + t) * H + h) * J.D + c0;
-            if (J.vec4 && c0 + 8 <= J.D) {
-                const float4 lo = *reinterpret_cast<const float4 *>(src);
-                const float4 hi = *reinterpret_cast<const float4 *>(src + 4);
+            const size_t tok = (size_t)b * T + t;
+            const float *row1 = J.src1 + (tok * H + h) * J.ld1;
+            const int64_t row2 = (int64_t)tok * J.ld2 - J.D1;  // src2[row2 + c] is the operand's column c >= D1
+            const float *vsrc = NULL;  // the chunk's 8 floats, when one float4 pair reads them
+            if (J.vec1 && c0 + 8 <= J.D1) vsrc = row1 + c0;
+            else if (J.vec2 && c0 >= J.D1 && c0 + 8 <= J.D) vsrc = J.src2 + (row2 + c0);
+            if (vsrc != NULL) {
+                const float4 lo = *reinterpret_cast<const float4 *>(vsrc);
+                const float4 hi = *reinterpret_cast<const float4 *>(vsrc + 4);
                 x[0] = lo.x, x[1] = lo.y, x[2] = lo.z, x[3] = lo.w, x[4] = hi.x, x[5] = hi.y, x[6] = hi.z, x[7] = hi.w;
             } else {
 #pragma unroll
-                for (int i = 0; i < 8; i++)
-                    if (c0 + i < J.D) x[i] = src[i];
+                for (int i = 0; i < 8; i++) {
+                    const int c = c0 + i;
+                    if (c < J.D1) x[i] = row1[c];
+                    else if (c < J.D) x[i] = J.src2[row2 + c];
+                }
             }
         }
         uint4 packed;
@@ -446,7 +477,7 @@ __global__ void __launch_bounds__(MAX_THREADS)
         warp_c_times_tile<DV_CAP>(o, s, v_addr + buf * v_buf_bytes, ldv * 2, DVP);
     }
 
-    store_rows<DV_CAP, true>(out + ((size_t)b * T * H + h) * Dv, (size_t)H * Dv, row0, T, Dv, o, l0, l1, t);
+    store_rows<DV_CAP, true>(out + ((size_t)b * T * H + h) * Dv, (size_t)H * Dv, row0, T, 0, Dv, o, l0, l1, t);
     if (t == 0 && row0 < T) lse[bh * T + row0] = (m0 + log2f(l0)) * LN2;
     if (t == 0 && row1 < T) lse[bh * T + row1] = (m1 + log2f(l1)) * LN2;
 }
@@ -526,18 +557,22 @@ __global__ void __launch_bounds__(MAX_THREADS)
         warp_c_times_tile<DQK_CAP>(acc, s, k_tile, ldq * 2, DQP);  // dq += (scale dS) K
     }
 
-    store_rows<DQK_CAP, false>(dq + ((size_t)b * T * H + h) * Dqk, (size_t)H * Dqk, row0, T, Dqk, acc, 0.0f, 0.0f, t);
+    store_rows<DQK_CAP, false>(dq + ((size_t)b * T * H + h) * Dqk, (size_t)H * Dqk, row0, T, 0, Dqk, acc, 0.0f, 0.0f,
+                               t);
 }
 
-// dk (B, T, H, Dqk), dv (B, T, H, Dv) written (either may be NULL). Grid (H, B, n_key_tiles), 256 threads:
-// one key tile per block (key tile 0, the longest loop, first), looping over query tiles from the
-// diagonal on; the two warp groups of the file comment. DK_CAP and DV_CAP are the register capacities of
-// Dqk and Dv; each warp's accumulator has the larger.
+// Each key's gradient dk = [dk_nope ; dk_rope] (Dqk = Dn + Dr) and dv written, in kv's layout where kv has them:
+// dk_nope (B, T, H, ld) columns 0..Dn-1 and dv (B, T, H, ld) columns 0..Dv-1, ld = Dn + Dv (the host passes
+// d_kv and d_kv + Dn); dk_rope (B, T, H, Dr), this head's gradient of the shared rope key, which the host then
+// sums over the heads. Any of the three may be NULL (not wanted). Grid (H, B, n_key_tiles), 256 threads: one key
+// tile per block (key tile 0, the longest loop, first), looping over query tiles from the diagonal on; the two
+// warp groups of the file comment. DK_CAP and DV_CAP are the register capacities of Dqk and Dv; each warp's
+// accumulator has the larger.
 template <int DK_CAP, int DV_CAP>
 __global__ void __launch_bounds__(MAX_THREADS)
-    attention_backward_dkv_kernel(float *dk, float *dv, const float *Dg, const float *lse2, const bf16 *qs,
-                                  const bf16 *ks, const bf16 *vs, const bf16 *dos, int T, int Tpad, int H, int Dqk,
-                                  int Dv, int DQP, int DVP, float scale, float scale_log2) {
+    attention_backward_dkv_kernel(float *dk_nope, float *dk_rope, float *dv, const float *Dg, const float *lse2,
+                                  const bf16 *qs, const bf16 *ks, const bf16 *vs, const bf16 *dos, int T, int Tpad,
+                                  int H, int Dn, int Dr, int Dv, int DQP, int DVP, float scale, float scale_log2) {
     extern __shared__ __align__(16) unsigned char smem[];
     const int ldq = DQP + ROW_PAD, ldv = DVP + ROW_PAD;
     // buffer i of Q (dO, lse_s, D_s) is at Qs + i * KT * ldq (dOs + i * KT * ldv, lse_s + i * KT, D_s + i * KT)
@@ -573,8 +608,9 @@ __global__ void __launch_bounds__(MAX_THREADS)
     const uint32_t xb = smem_addr(key_group ? dOs : Qs) + ldsm_lane_offset(x_ld, lane), xb_buf_bytes = KT * x_ld * 2;
     const uint32_t ys = smem_addr(key_group ? Qs : dOs) + ldsm_lane_offset(y_ld, lane), ys_buf_bytes = KT * y_ld * 2;
     // A group whose gradient is not wanted skips its products (the value group still makes P^T for dk).
-    const bool first_product = key_group ? dk != NULL : true;
-    const bool second_product = key_group ? dk != NULL : dv != NULL;
+    const bool want_dk = dk_nope != NULL || dk_rope != NULL;
+    const bool first_product = key_group ? want_dk : true;
+    const bool second_product = key_group ? want_dk : dv != NULL;
 
     constexpr int ACC_CAP = DK_CAP > DV_CAP ? DK_CAP : DV_CAP;
     float acc[ACC_CAP / 8][4];
@@ -631,10 +667,28 @@ __global__ void __launch_bounds__(MAX_THREADS)
         else warp_c_times_tile<DV_CAP>(acc, x, ys + buf * ys_buf_bytes, y_ld * 2, y_dp);
     }
 
-    float *grad = key_group ? dk : dv;
-    const int D = key_group ? Dqk : Dv;
-    if (grad == NULL) return;
-    store_rows<ACC_CAP, false>(grad + ((size_t)b * T * H + h) * D, (size_t)H * D, key0, T, D, acc, 0.0f, 0.0f, t);
+    const size_t ld = (size_t)Dn + Dv, head0 = (size_t)b * T * H + h;  // row (b, 0, h) of a (B, T, H, .) tensor
+    if (key_group) {
+        if (dk_nope != NULL)
+            store_rows<ACC_CAP, false>(dk_nope + head0 * ld, H * ld, key0, T, 0, Dn, acc, 0.0f, 0.0f, t);
+        if (dk_rope != NULL)
+            store_rows<ACC_CAP, false>(dk_rope + head0 * Dr, (size_t)H * Dr, key0, T, Dn, Dn + Dr, acc, 0.0f, 0.0f, t);
+    } else if (dv != NULL) {
+        store_rows<ACC_CAP, false>(dv + head0 * ld, H * ld, key0, T, 0, Dv, acc, 0.0f, 0.0f, t);
+    }
+}
+
+// d_k_rope (N, Dr) = the sum over heads of dk_rope (N, H, Dr), N = B T: one thread per output element, the heads
+// added in order h = 0 .. H-1 from 0.0f, one rounded addition each (__fadd_rn, which is never contracted): the
+// bits of the CPU reference's loop. Consecutive threads read consecutive columns of each head's row.
+__global__ void attention_rope_grad_sum_kernel(float *d_k_rope, const float *dk_rope, int64_t n, int H, int Dr) {
+    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    const int64_t tok = i / Dr;
+    const float *g = dk_rope + tok * H * Dr + (i - tok * Dr);
+    float sum = 0.0f;
+    for (int h = 0; h < H; h++) sum = __fadd_rn(sum, g[(int64_t)h * Dr]);
+    d_k_rope[i] = sum;
 }
 
 // ---------------------------------------------------------------------------- host side
@@ -642,12 +696,15 @@ __global__ void __launch_bounds__(MAX_THREADS)
 static int head_cap(int D) { return D <= 64 ? 64 : D <= 128 ? 128 : D <= 192 ? 192 : 256; }
 static int pad16(int D) { return (D + 15) / 16 * 16; }
 
-static void check_shape(const char *op, int B, int T, int H, int Dqk, int Dv) {
+static void check_shape(const char *op, int B, int T, int H, int Dn, int Dr, int Dv) {
     const int64_t max_t = (int64_t)65535 * KT;  // query/key tiles go in gridDim.z
-    if (Dqk < 1 || Dqk > HEAD_DIM_MAX || Dv < 1 || Dv > HEAD_DIM_MAX || H > 65535 || B > 65535 || T > max_t) {
-        fprintf(stderr, "fp8moe: %s (kernels/cuda/attention.cu): got B = %d, T = %d, H = %d, Dqk = %d, Dv = %d; "
-                        "the CUDA attention core supports head dims 1 .. %d, B, H <= 65535 and T <= %lld\n",
-                op, B, T, H, Dqk, Dv, HEAD_DIM_MAX, (long long)max_t);
+    const int Dqk = Dn + Dr;
+    if (Dn < 0 || Dr < 0 || Dqk < 1 || Dqk > HEAD_DIM_MAX || Dv < 1 || Dv > HEAD_DIM_MAX || H > 65535 || B > 65535 ||
+        T > max_t) {
+        fprintf(stderr, "fp8moe: %s (kernels/cuda/attention.cu): got B = %d, T = %d, H = %d, Dn = %d, Dr = %d, "
+                        "Dv = %d; the CUDA attention core supports Dn, Dr >= 0, head dims Dqk = Dn + Dr and Dv 1 .. %d, "
+                        "B, H <= 65535 and T <= %lld\n",
+                op, B, T, H, Dn, Dr, Dv, HEAD_DIM_MAX, (long long)max_t);
         exit(1);
     }
 }
@@ -685,8 +742,9 @@ static int pick_bm(size_t (*smem)(int, int, int), int DQP, int DVP) {
     return smem(128, DQP, DVP) <= smem_limit() ? 128 : 64;
 }
 
-// The BF16 copies of q, k, v, dout (B, H, Tpad, DP) and the backward's D and lse2 (B, H, Tpad).
-static Scratch bf16_scratch, stats_scratch;
+// The BF16 copies of q, k, v, dout (B, H, Tpad, DP), the backward's D and lse2 (B, H, Tpad), and the per-head
+// rope-key gradients (B, T, H, Dr) that the backward sums over the heads into d_k_rope.
+static Scratch bf16_scratch, stats_scratch, rope_grad_scratch;
 
 typedef struct {
     int Tpad, DQP, DVP;
@@ -694,8 +752,10 @@ typedef struct {
     float *D, *lse2;
 } Staged;
 
-static Staged stage_inputs(const float *q, const float *k, const float *v, int B, int T, int H, int Dqk, int Dv,
-                           int with_stats) {
+// q (B, T, H, Dqk), kv (B, T, H, Dn + Dv), k_rope (B, T, Dr) as in kernels.h.
+static Staged stage_inputs(const float *q, const float *kv, const float *k_rope, int B, int T, int H, int Dn, int Dr,
+                           int Dv, int with_stats) {
+    const int Dqk = Dn + Dr;
     Staged s;
     s.Tpad = (T + T_ALIGN - 1) / T_ALIGN * T_ALIGN, s.DQP = pad16(Dqk), s.DVP = pad16(Dv);
     const size_t nq = (size_t)B * H * s.Tpad * s.DQP, nv = (size_t)B * H * s.Tpad * s.DVP;
@@ -708,15 +768,20 @@ static Staged stage_inputs(const float *q, const float *k, const float *v, int B
         s.D = (float *)cuda_scratch(&stats_scratch, sizeof(float) * 2 * ns);
         s.lse2 = s.D + ns;
     }
+    // q as it is; the key [k_nope from kv ; k_rope]; the value from kv (its rows Dn floats in)
     ConvertJobs jobs;
-    const float *src[3] = {q, k, v};
+    const float *src1[3] = {q, kv, kv + Dn}, *src2[3] = {NULL, k_rope, NULL};
     bf16 *dst[3] = {s.q, s.k, s.v};
-    const int D[3] = {Dqk, Dqk, Dv};
+    const int ld1[3] = {Dqk, Dn + Dv, Dn + Dv}, ld2[3] = {0, Dr, 0};
+    const int D1[3] = {Dqk, Dn, Dv}, D[3] = {Dqk, Dqk, Dv};
     int max_chunks = 0;
     for (int j = 0; j < 3; j++) {
-        jobs.job[j].src = src[j], jobs.job[j].dst = dst[j], jobs.job[j].D = D[j], jobs.job[j].DP = pad16(D[j]);
-        jobs.job[j].vec4 = D[j] % 4 == 0 && (uintptr_t)src[j] % 16 == 0;
-        if (pad16(D[j]) / 8 > max_chunks) max_chunks = pad16(D[j]) / 8;
+        ConvertJob *J = &jobs.job[j];
+        J->src1 = src1[j], J->src2 = D[j] > D1[j] ? src2[j] : NULL, J->dst = dst[j];
+        J->ld1 = ld1[j], J->ld2 = ld2[j], J->D1 = D1[j], J->D = D[j], J->DP = pad16(D[j]);
+        J->vec1 = ld1[j] % 4 == 0 && (uintptr_t)src1[j] % 16 == 0;
+        J->vec2 = J->src2 != NULL && ld2[j] % 4 == 0 && D1[j] % 4 == 0 && (uintptr_t)J->src2 % 16 == 0;
+        if (J->DP / 8 > max_chunks) max_chunks = J->DP / 8;
     }
     jobs.n = 3;
     const int threads = 256;
@@ -739,11 +804,12 @@ static void launch_forward(float *out, float *lse, const Staged *s, int B, int T
 }
 
 // state = lse (B, H, T), see kernels.h.
-extern "C" void cuda_attention_forward(real *out, real *state, const real *q, const real *k, const real *v, int B,
-                                       int T, int H, int Dqk, int Dv) {
-    check_shape("attention_forward", B, T, H, Dqk, Dv);
+extern "C" void cuda_attention_forward(real *out, real *state, const real *q, const real *kv, const real *k_rope,
+                                       int B, int T, int H, int Dn, int Dr, int Dv) {
+    check_shape("attention_forward", B, T, H, Dn, Dr, Dv);
     if (B <= 0 || T <= 0 || H <= 0) return;
-    const Staged s = stage_inputs(q, k, v, B, T, H, Dqk, Dv, 0);
+    const int Dqk = Dn + Dr;
+    const Staged s = stage_inputs(q, kv, k_rope, B, T, H, Dn, Dr, Dv, 0);
     switch (head_cap(Dv)) {
     case 64: launch_forward<64>(out, state, &s, B, T, H, Dqk, Dv); break;
     case 128: launch_forward<128>(out, state, &s, B, T, H, Dqk, Dv); break;
@@ -764,34 +830,45 @@ template <int DQK_CAP> static void launch_dq(float *dq, const Staged *s, int B, 
     CUDA_CHECK_LAUNCH("attention_backward_dq_kernel");
 }
 
+// The dkv kernel's destinations (its comment): dk_nope and dv in d_kv, dk_rope the per-head scratch; NULL = not wanted.
+typedef struct {
+    float *dk_nope, *dk_rope, *dv;
+} DkvOut;
+
 template <int DK_CAP, int DV_CAP>
-static void launch_dkv(float *dk, float *dv, const Staged *s, int B, int T, int H, int Dqk, int Dv) {
+static void launch_dkv(const DkvOut *o, const Staged *s, int B, int T, int H, int Dn, int Dr, int Dv) {
     const size_t smem = dkv_smem(s->DQP, s->DVP);
     allow_smem(attention_backward_dkv_kernel<DK_CAP, DV_CAP>, smem, "attention_backward_dkv_kernel");
     const dim3 grid((unsigned)H, (unsigned)B, (unsigned)((T + KT - 1) / KT));
-    const float scale = 1.0f / sqrtf((float)Dqk);
+    const float scale = 1.0f / sqrtf((float)(Dn + Dr));
     attention_backward_dkv_kernel<DK_CAP, DV_CAP><<<grid, MAX_THREADS, smem>>>(
-        dk, dv, s->D, s->lse2, s->q, s->k, s->v, s->dout, T, s->Tpad, H, Dqk, Dv, s->DQP, s->DVP, scale, scale * LOG2E);
+        o->dk_nope, o->dk_rope, o->dv, s->D, s->lse2, s->q, s->k, s->v, s->dout, T, s->Tpad, H, Dn, Dr, Dv, s->DQP,
+        s->DVP, scale, scale * LOG2E);
     CUDA_CHECK_LAUNCH("attention_backward_dkv_kernel");
 }
 
 template <int DK_CAP>
-static void launch_dkv_any_dv(float *dk, float *dv, const Staged *s, int B, int T, int H, int Dqk, int Dv) {
+static void launch_dkv_any_dv(const DkvOut *o, const Staged *s, int B, int T, int H, int Dn, int Dr, int Dv) {
     switch (head_cap(Dv)) {
-    case 64: launch_dkv<DK_CAP, 64>(dk, dv, s, B, T, H, Dqk, Dv); break;
-    case 128: launch_dkv<DK_CAP, 128>(dk, dv, s, B, T, H, Dqk, Dv); break;
-    case 192: launch_dkv<DK_CAP, 192>(dk, dv, s, B, T, H, Dqk, Dv); break;
-    default: launch_dkv<DK_CAP, 256>(dk, dv, s, B, T, H, Dqk, Dv); break;
+    case 64: launch_dkv<DK_CAP, 64>(o, s, B, T, H, Dn, Dr, Dv); break;
+    case 128: launch_dkv<DK_CAP, 128>(o, s, B, T, H, Dn, Dr, Dv); break;
+    case 192: launch_dkv<DK_CAP, 192>(o, s, B, T, H, Dn, Dr, Dv); break;
+    default: launch_dkv<DK_CAP, 256>(o, s, B, T, H, Dn, Dr, Dv); break;
     }
 }
 
-// out = the forward's output, state = lse (B, H, T), both from cuda_attention_forward on the same q, k, v.
-extern "C" void cuda_attention_backward(real *dq, real *dk, real *dv, const real *dout, const real *out,
-                                        const real *state, const real *q, const real *k, const real *v, int B, int T,
-                                        int H, int Dqk, int Dv) {
-    check_shape("attention_backward", B, T, H, Dqk, Dv);
-    if (B <= 0 || T <= 0 || H <= 0 || (dq == NULL && dk == NULL && dv == NULL)) return;
-    const Staged s = stage_inputs(q, k, v, B, T, H, Dqk, Dv, 1);
+// out = the forward's output, state = lse (B, H, T), both from cuda_attention_forward on the same q, kv, k_rope.
+extern "C" void cuda_attention_backward(real *dq, real *d_kv, real *d_k_rope, const real *dout, const real *out,
+                                        const real *state, const real *q, const real *kv, const real *k_rope, int B,
+                                        int T, int H, int Dn, int Dr, int Dv) {
+    check_shape("attention_backward", B, T, H, Dn, Dr, Dv);
+    const int Dqk = Dn + Dr;
+    const bool want_rope = d_k_rope != NULL && Dr > 0;
+    DkvOut o = {d_kv != NULL && Dn > 0 ? d_kv : NULL, NULL, d_kv != NULL ? d_kv + Dn : NULL};
+    if (B <= 0 || T <= 0 || H <= 0 || (dq == NULL && o.dk_nope == NULL && !want_rope && o.dv == NULL)) return;
+    const int64_t n_rope = (int64_t)B * T * Dr;
+    if (want_rope) o.dk_rope = (float *)cuda_scratch(&rope_grad_scratch, sizeof(float) * (size_t)n_rope * H);
+    const Staged s = stage_inputs(q, kv, k_rope, B, T, H, Dn, Dr, Dv, 1);
     const int threads = 256;  // 8 rows (warps) per block; Tpad is a multiple of 8
     const dim3 prep_grid((unsigned)(s.Tpad / 8), (unsigned)H, (unsigned)B);
     attention_backward_prep_kernel<<<prep_grid, threads>>>(s.dout, s.D, s.lse2, dout, out, state, T, s.Tpad, H, Dv,
@@ -805,12 +882,18 @@ extern "C" void cuda_attention_backward(real *dq, real *dk, real *dv, const real
         default: launch_dq<256>(dq, &s, B, T, H, Dqk); break;
         }
     }
-    if (dk != NULL || dv != NULL) {
+    if (o.dk_nope != NULL || o.dk_rope != NULL || o.dv != NULL) {
         switch (head_cap(Dqk)) {
-        case 64: launch_dkv_any_dv<64>(dk, dv, &s, B, T, H, Dqk, Dv); break;
-        case 128: launch_dkv_any_dv<128>(dk, dv, &s, B, T, H, Dqk, Dv); break;
-        case 192: launch_dkv_any_dv<192>(dk, dv, &s, B, T, H, Dqk, Dv); break;
-        default: launch_dkv_any_dv<256>(dk, dv, &s, B, T, H, Dqk, Dv); break;
+        case 64: launch_dkv_any_dv<64>(&o, &s, B, T, H, Dn, Dr, Dv); break;
+        case 128: launch_dkv_any_dv<128>(&o, &s, B, T, H, Dn, Dr, Dv); break;
+        case 192: launch_dkv_any_dv<192>(&o, &s, B, T, H, Dn, Dr, Dv); break;
+        default: launch_dkv_any_dv<256>(&o, &s, B, T, H, Dn, Dr, Dv); break;
         }
+    }
+    if (want_rope) {  // after the dkv kernel, on the same stream: every head's gradient is in the scratch
+        const int sum_threads = 256;
+        const unsigned blocks = (unsigned)((n_rope + sum_threads - 1) / sum_threads);
+        attention_rope_grad_sum_kernel<<<blocks, sum_threads>>>(d_k_rope, o.dk_rope, n_rope, H, Dr);
+        CUDA_CHECK_LAUNCH("attention_rope_grad_sum_kernel");
     }
 }

@@ -69,9 +69,10 @@ void cuda_float_rows_to_bf16(uint16_t *dst, const float *src, const int *rows, i
 void cuda_bf16_gemm_wgrad(real *dw, const uint16_t *dy, const uint16_t *x, int T, int N, int K);
 
 // Causal attention core, flash-style (kernels/cuda/attention.cu); state = lse (B, H, T), see kernels.h;
-// the backward's out is the forward's output (B, T, H, Dv).
-void cuda_attention_forward(real *out, real *state, const real *q, const real *k, const real *v, int B, int T, int H, int Dqk, int Dv);
-void cuda_attention_backward(real *dq, real *dk, real *dv, const real *dout, const real *out, const real *state, const real *q, const real *k, const real *v, int B, int T, int H, int Dqk, int Dv);
+// the backward's out is the forward's output (B, T, H, Dv); kv (B, T, H, Dn + Dv) and k_rope (B, T, Dr) as in
+// kernels.h.
+void cuda_attention_forward(real *out, real *state, const real *q, const real *kv, const real *k_rope, int B, int T, int H, int Dn, int Dr, int Dv);
+void cuda_attention_backward(real *dq, real *d_kv, real *d_k_rope, const real *dout, const real *out, const real *state, const real *q, const real *kv, const real *k_rope, int B, int T, int H, int Dn, int Dr, int Dv);
 
 // Model glue ops (kernels/cuda/elementwise.cu), FP32 matmul (kernels/cuda/matmul.cu), MoE routing and
 // permutation (kernels/cuda/moe.cu). embedding_forward, router_forward, balance_loss_forward, the permute plan
@@ -81,8 +82,6 @@ void cuda_embedding_backward(real *dtable, const real *dout, const int *tokens, 
 void cuda_rope_forward(real *out, const real *inp, int ld, int B, int T, int H, int D, real theta);
 void cuda_rope_backward(real *dinp, const real *dout, int ld, int B, int T, int H, int D, real theta);
 void cuda_copy_block(real *dst, int dst_ld, const real *src, int src_ld, int rows, int cols, int accumulate);
-void cuda_broadcast_rows(real *dst, int dst_ld, const real *src, int src_ld, int rows, int cols, int repeat);
-void cuda_sum_row_groups(real *dst, int dst_ld, const real *src, int src_ld, int rows, int cols, int repeat);
 void cuda_add_inplace(real *y, const real *x, int64_t n);
 void cuda_scale_inplace(real *x, real s, int64_t n);
 double cuda_sum_squares(const real *x, int64_t n);

@@ -1,15 +1,14 @@
 /*
  * elementwise.cu - CUDA versions of the row-wise and element-wise glue ops of kernels.h: embedding lookup
- * and its scatter-add backward, interleaved RoPE, copy_block, broadcast_rows and sum_row_groups, add_inplace,
- * scale_inplace and sum_squares.
+ * and its scatter-add backward, interleaved RoPE, copy_block, add_inplace, scale_inplace and sum_squares.
  * Same functions as kernels/cpu/elementwise.c, copy.c and optim_ops.c; checked against them by
  * tests/gpu/test_gpu_model_ops.c.
  *
  * Numerics: every float operation is a __f*_rn intrinsic in the order of the CPU reference, so nvcc cannot
  * contract a multiply and an add into an FMA (the CPU builds with -ffp-contract=off). The RoPE cos/sin table
- * is built on the host by the same code as the CPU's. So embedding, RoPE, copy_block, broadcast_rows,
- * sum_row_groups, add and scale give the CPU's bits. sum_squares is a fixed-order tree in double (not the
- * CPU's chunk order: the two differ at the 1e-16 level, and the GPU result is the same on every run).
+ * is built on the host by the same code as the CPU's. So embedding, RoPE, copy_block, add and scale give the
+ * CPU's bits. sum_squares is a fixed-order tree in double (not the CPU's chunk order: the two differ at the
+ * 1e-16 level, and the GPU result is the same on every run).
  *
  * Determinism: no floating-point atomics. The embedding backward adds the rows that share a token. It sorts
  * (token, row) pairs with CUB's radix sort, which is stable, so each token's rows come out in row order, and
@@ -284,90 +283,6 @@ extern "C" void cuda_copy_block(real *dst, int dst_ld, const real *src, int src_
     else
         copy_block_kernel<false><<<grid_for(n, ELEMENTWISE_THREADS), ELEMENTWISE_THREADS>>>(dst, dst_ld, src, src_ld, rows, cols);
     CUDA_CHECK_LAUNCH("copy_block_kernel");
-}
-
-// broadcast_rows and sum_row_groups (kernels.h). A unit is a float4 when cols % 4 == 0 and every row start is
-// 16-byte aligned, else a float. Threads are laid out 2-D: x over the units of a row (consecutive lanes,
-// consecutive addresses), y over source rows, with grid-stride loops, so no index is ever divided.
-// broadcast_rows spreads the `repeat` copies over z: one thread per output unit. sum_row_groups gives each
-// thread one output unit and adds its group's rows one __fadd_rn at a time in j order (no atomics), so the
-// result has the bits of `repeat` accumulating copy_block calls, which is what the CPU computes.
-__device__ inline float add_rn(float a, float b) { return __fadd_rn(a, b); }
-__device__ inline float4 add_rn(float4 a, float4 b) {
-    return make_float4(__fadd_rn(a.x, b.x), __fadd_rn(a.y, b.y), __fadd_rn(a.z, b.z), __fadd_rn(a.w, b.w));
-}
-
-// dst row (r * repeat + j) = src row r; lds and `units` in units of V.
-template <typename V>
-__global__ void broadcast_rows_kernel(V *dst, int dst_ld, const V *src, int src_ld, int rows, int units, int repeat) {
-    for (int j = blockIdx.z; j < repeat; j += gridDim.z)
-        for (int r = blockIdx.y * blockDim.y + threadIdx.y; r < rows; r += gridDim.y * blockDim.y) {
-            V *d = dst + ((int64_t)r * repeat + j) * dst_ld;
-            const V *s = src + (int64_t)r * src_ld;
-            for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < units; c += gridDim.x * blockDim.x) d[c] = s[c];
-        }
-}
-
-// dst row r += src rows r * repeat + j, j = 0 .. repeat-1 in order; lds and `units` in units of V.
-template <typename V>
-__global__ void sum_row_groups_kernel(V *dst, int dst_ld, const V *src, int src_ld, int rows, int units, int repeat) {
-    for (int r = blockIdx.y * blockDim.y + threadIdx.y; r < rows; r += gridDim.y * blockDim.y) {
-        V *d = dst + (int64_t)r * dst_ld;
-        const V *s = src + (int64_t)r * repeat * src_ld;
-        for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < units; c += gridDim.x * blockDim.x) {
-            V acc = d[c];
-            for (int j = 0; j < repeat; j++) acc = add_rn(acc, s[(int64_t)j * src_ld + c]);
-            d[c] = acc;
-        }
-    }
-}
-
-// Launch shape of the row kernels for `rows` rows of `units` units, times `planes` z-planes: a block is at
-// most a warp wide in x (the next power of two >= units) and ELEMENTWISE_THREADS in all; y gets what is left
-// of grid_for's budget of blocks after x and z, and the kernels' grid-stride loops cover the rest.
-typedef struct {
-    dim3 grid, block;
-} RowLaunch;
-
-static RowLaunch row_launch(int units, int rows, int planes) {
-    unsigned bx = 1;
-    while (bx < (unsigned)units && bx < 32) bx *= 2;
-    const unsigned by = ELEMENTWISE_THREADS / bx;
-    const unsigned gx = grid_for(units, (int)bx), gz = planes < 65535 ? (unsigned)planes : 65535u;
-    const int64_t y_blocks = ((int64_t)rows + by - 1) / by;
-    const unsigned gy = grid_for(y_blocks * gx * gz, 1) / (gx * gz);
-    return (RowLaunch){dim3(gx, gy > 0 ? gy : 1, gz), dim3(bx, by, 1)};
-}
-
-// Whether rows of cols floats at dst and src with these lds can be moved as float4.
-static bool rows_as_float4(const real *dst, int dst_ld, const real *src, int src_ld, int cols) {
-    return (cols | dst_ld | src_ld) % 4 == 0 && ((uintptr_t)dst | (uintptr_t)src) % 16 == 0;
-}
-
-extern "C" void cuda_broadcast_rows(real *dst, int dst_ld, const real *src, int src_ld, int rows, int cols, int repeat) {
-    if (rows <= 0 || cols <= 0 || repeat <= 0) return;
-    if (rows_as_float4(dst, dst_ld, src, src_ld, cols)) {
-        const RowLaunch l = row_launch(cols / 4, rows, repeat);
-        broadcast_rows_kernel<float4><<<l.grid, l.block>>>((float4 *)dst, dst_ld / 4, (const float4 *)src, src_ld / 4,
-                                                           rows, cols / 4, repeat);
-    } else {
-        const RowLaunch l = row_launch(cols, rows, repeat);
-        broadcast_rows_kernel<float><<<l.grid, l.block>>>(dst, dst_ld, src, src_ld, rows, cols, repeat);
-    }
-    CUDA_CHECK_LAUNCH("broadcast_rows_kernel");
-}
-
-extern "C" void cuda_sum_row_groups(real *dst, int dst_ld, const real *src, int src_ld, int rows, int cols, int repeat) {
-    if (rows <= 0 || cols <= 0 || repeat <= 0) return;
-    if (rows_as_float4(dst, dst_ld, src, src_ld, cols)) {
-        const RowLaunch l = row_launch(cols / 4, rows, 1);
-        sum_row_groups_kernel<float4><<<l.grid, l.block>>>((float4 *)dst, dst_ld / 4, (const float4 *)src, src_ld / 4,
-                                                           rows, cols / 4, repeat);
-    } else {
-        const RowLaunch l = row_launch(cols, rows, 1);
-        sum_row_groups_kernel<float><<<l.grid, l.block>>>(dst, dst_ld, src, src_ld, rows, cols, repeat);
-    }
-    CUDA_CHECK_LAUNCH("sum_row_groups_kernel");
 }
 
 // y (n) += x (n)

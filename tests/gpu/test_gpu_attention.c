@@ -4,19 +4,28 @@
  * machine with an NVIDIA GPU (tests/gpu/run.sh); with no visible GPU it FAILS, so a GPU job can never
  * pass by testing nothing.
  *
- * For each shape: random non-zero q, k, v, dout (q up to 3 in magnitude so the softmax is neither flat
- * nor one-hot), forward and backward through the kernels.h dispatch on DEVICE_CPU and DEVICE_CUDA,
+ * The op takes MLA's layout (kernels.h): q (B, T, H, Dqk), kv (B, T, H, Dn + Dv) = [k_nope ; v] per head,
+ * k_rope (B, T, Dr) shared by the heads; it writes dq, d_kv = [dk_nope ; dv] and d_k_rope = the heads'
+ * rope-key gradients summed in head order. The f64 reference works per head on the keys and values kv and
+ * k_rope stand for, and its gradients are gathered back into that layout here.
+ *
+ * For each shape: random non-zero q, kv, k_rope, dout (q up to 3 in magnitude so the softmax is neither
+ * flat nor one-hot), forward and backward through the kernels.h dispatch on DEVICE_CPU and DEVICE_CUDA,
  * output and state poisoned with NaN before the forward (an element the kernel does not write fails),
- * gradients poisoned with NaN before the backward (it writes them; an element it reads or skips fails). Checked:
- *   out, dq, dk, dv   against the f64 reference on BF16-ROUNDED inputs (tight: only the kernel's own
- *                     roundings remain) and against the CPU op on the FP32 inputs (looser: adds the
+ * gradients poisoned with NaN before the backward (it writes them; an element it reads or skips fails).
+ * Checked:
+ *   out, dq, d_kv,    against the f64 reference on BF16-ROUNDED inputs (tight: only the kernel's own
+ *   d_k_rope          roundings remain) and against the CPU op on the FP32 inputs (looser: adds the
  *                     effect of rounding the inputs to BF16);
  *   state             = (B, H, T) log-sum-exp (kernels.h), against the f64 reference; nothing beyond it
  *                     is written; attention_state_elems gives the documented sizes;
  *   determinism       forward and backward run twice: bitwise identical;
- *   NULL gradients    dq alone, dk and dv alone, dv alone: bitwise the same as in the full call;
- *   causality         k and v of one position t* changed: out, lse and dq of every row t < t* bitwise
- *                     unchanged (and out at t* changed, so the perturbation was seen).
+ *   NULL gradients    dq alone, d_kv alone, d_k_rope alone: bitwise the same as in the full call;
+ *   one head at a time  H = 1 calls on each head's q, kv, dout (the same k_rope): out and d_kv bitwise the
+ *                     H-head call's head h, and d_k_rope bitwise ((0 + g_0) + g_1) + ... + g_{H-1} of the
+ *                     single-head calls' rope gradients, added on the host: the reduction's head order;
+ *   causality         kv and k_rope of one position t* changed: out, lse and dq of every row t < t*
+ *                     bitwise unchanged (and out at t* changed, so the perturbation was seen).
  *
  * Tolerances. u_b = 2^-8 is the unit roundoff of BF16 (8 significant bits), u = 2^-24 that of FP32; a
  * tensor-core or FP32 sum of n terms is within n * 2^-23 of the sum of |terms| (e_sum(n); a worst case,
@@ -34,7 +43,10 @@
  *   dv:    eps_b = u_b + 2 e_s(E_max) (score and lse) + e_sum(T + Dv) + 16u;  tol = 2 eps_b Mdv + 2u |dv|
  *   dq/dk: dS is within 2 eps_b A (p, dP, D = dout . out with dout rounded to BF16 and out the forward's
  *          FP32 output, computed from the BF16 P; and dS rounded to BF16),
- *          tol = 2 (2 eps_b + e_sum(T)) Mdq + 2u |dq|  (same for dk)
+ *          tol = 2 (2 eps_b + e_sum(T)) Mdq + 2u |dq|  (same for dk, per head)
+ *   d_kv:  dk's tolerance for its k_nope columns, dv's for its v columns.
+ *   d_k_rope: the sum over heads of the heads' dk tolerances (rope columns), plus 2 e_sum(H) sum_h Mdk for
+ *          the FP32 sum over the H heads (on each side of a comparison).
  * GPU vs CPU adds the BF16 rounding of the inputs: scores move by at most 2 u_b E, so log p by 4 u_b E;
  * v (and dout) by u_b each: eps_in = 4 u_b E + u_b for out (E = E_i), 4 u_b E_max + 3 u_b for the
  * gradients, added to eps_f / eps_b in the formulas above. These are loose (E is about 12 here); the
@@ -64,7 +76,7 @@
 static double e_sum(int64_t n) { return (double)n * U_ACC; }
 
 typedef struct {
-    int B, T, H, Dqk, Dv;
+    int B, T, H, Dn, Dr, Dv;  // Dqk = Dn + Dr
 } AttCase;
 
 // ---------------------------------------------------------------------------- buffers
@@ -111,8 +123,8 @@ static void upload(float *d, const float *h, int64_t n) {
 static float bf16_round(float x) { return bf16_to_float(float_to_bf16(x)); }
 
 // ---------------------------------------------------------------------------- f64 reference
-// Exact attention in double on the given (already BF16-rounded) inputs, with the magnitudes of the
-// file comment.
+// Exact attention in double on the given (already BF16-rounded) inputs, per head: k (B, T, H, Dqk) and v
+// (B, T, H, Dv) are the per-head keys and values (expand_kv below), with the magnitudes of the file comment.
 typedef struct {
     double *out, *m_out, *lse, *e_row;               // (B,T,H,Dv), (B,T,H,Dv), (B,H,T), (B,H,T)
     double *dq, *m_dq, *dk, *m_dk, *dv, *m_dv;       // gradients and their magnitudes
@@ -123,7 +135,7 @@ static size_t at4(const AttCase *c, int b, int t, int h, int D) { return (((size
 
 static void reference(Reference *r, const AttCase *c, const float *q, const float *k, const float *v,
                       const float *dout) {
-    const int B = c->B, T = c->T, H = c->H, Dqk = c->Dqk, Dv = c->Dv;
+    const int B = c->B, T = c->T, H = c->H, Dqk = c->Dn + c->Dr, Dv = c->Dv;
     const double scale = (double)(1.0f / sqrtf((float)Dqk));  // the float value both ops use
     const int64_t nq = (int64_t)B * T * H * Dqk, nv = (int64_t)B * T * H * Dv, ns = (int64_t)B * H * T;
     r->out = doubles_zero(nv), r->m_out = doubles_zero(nv), r->lse = doubles_zero(ns), r->e_row = doubles_zero(ns);
@@ -198,9 +210,9 @@ static double worst_ratio(const float *x, const float *y32, const double *y64, c
 }
 
 static void print_header(void) {
-    printf("\n%-24s %-6s %12s %12s %12s %9s  %s\n", "shape (B,T,H,Dqk,Dv)", "output", "gpu-f64/tol", "gpu-cpu/tol",
+    printf("\n%-24s %-8s %12s %12s %12s %9s  %s\n", "shape (B,T,H,Dn+Dr,Dv)", "output", "gpu-f64/tol", "gpu-cpu/tol",
            "max|g-f64|", "bitwise", "result");
-    printf("%-24s %-6s %12s %12s %12s %9s  %s\n", "", "", "(<= 1)", "(<= 1)", "/mag in u_b", "=cpu", "");
+    printf("%-24s %-8s %12s %12s %12s %9s  %s\n", "", "", "(<= 1)", "(<= 1)", "/mag in u_b", "=cpu", "");
 }
 
 // gpu against the f64 reference (tol_ref) and, when cpu != NULL, against the CPU op (tol_cpu). mag is
@@ -222,7 +234,7 @@ static int check_output(const char *shape, const char *output, const float *gpu,
         snprintf(cpu_col, sizeof cpu_col, "%.3g", r_cpu);
         snprintf(bit_col, sizeof bit_col, "%.2f%%", 100.0 * (double)bitwise / (double)n);
     }
-    printf("%-24s %-6s %12.3g %12s %12.3g %9s  %s\n", shape, output, r_ref, cpu_col, rel / U_BF16, bit_col,
+    printf("%-24s %-8s %12.3g %12s %12.3g %9s  %s\n", shape, output, r_ref, cpu_col, rel / U_BF16, bit_col,
            pass ? "ok" : "FAIL");
     if (r_ref > 1.0)
         printf("    worst vs f64 at [%lld]: gpu %.9g, f64 %.12g, tol %.3g, mag %.3g%s\n", (long long)w_ref, gpu[w_ref],
@@ -271,51 +283,107 @@ static int check_rows_before(const char *shape, const char *what, const float *a
     return differ == 0;
 }
 
+// ---------------------------------------------------------------------------- MLA layout
+// The per-head keys (B, T, H, Dqk) and values (B, T, H, Dv) that kv and k_rope stand for (kernels.h):
+// k[t,h] = [kv[t,h,0:Dn] ; k_rope[t]], v[t,h] = kv[t,h,Dn:]. Only the references below use them.
+static void expand_kv(float *k, float *v, const float *kv, const float *k_rope, const AttCase *c) {
+    const int N = c->B * c->T, H = c->H, Dn = c->Dn, Dr = c->Dr, Dv = c->Dv, Dqk = Dn + Dr, ld = Dn + Dv;
+    for (int n = 0; n < N; n++)
+        for (int h = 0; h < H; h++) {
+            const float *row = kv + ((size_t)n * H + h) * ld;
+            float *kr = k + ((size_t)n * H + h) * Dqk, *vr = v + ((size_t)n * H + h) * Dv;
+            for (int d = 0; d < Dn; d++) kr[d] = row[d];
+            for (int d = 0; d < Dr; d++) kr[Dn + d] = k_rope[(size_t)n * Dr + d];
+            for (int d = 0; d < Dv; d++) vr[d] = row[Dn + d];
+        }
+}
+
+// Per-head values x_k (B, T, H, Dqk) and x_v (B, T, H, Dv) (gradients, their magnitudes or tolerances) in the
+// op's layout: kv_out (B, T, H, Dn + Dv) = [x_k's first Dn ; x_v]; rope_out (B, T, Dr) = sum over heads of x_k's
+// last Dr columns, plus, when sum_slack > 0, sum_slack times the sum over heads of rope_mag's last Dr columns (the
+// rounding of the op's FP32 sum over the heads, in tolerances).
+static void gather_kv(double *kv_out, double *rope_out, const double *x_k, const double *x_v, const double *rope_mag,
+                      double sum_slack, const AttCase *c) {
+    const int N = c->B * c->T, H = c->H, Dn = c->Dn, Dr = c->Dr, Dv = c->Dv, Dqk = Dn + Dr, ld = Dn + Dv;
+    for (int n = 0; n < N; n++) {
+        for (int d = 0; d < Dr; d++) rope_out[(size_t)n * Dr + d] = 0.0;
+        for (int h = 0; h < H; h++) {
+            const double *k = x_k + ((size_t)n * H + h) * Dqk, *v = x_v + ((size_t)n * H + h) * Dv;
+            double *row = kv_out + ((size_t)n * H + h) * ld;
+            for (int d = 0; d < Dn; d++) row[d] = k[d];
+            for (int d = 0; d < Dv; d++) row[Dn + d] = v[d];
+            for (int d = 0; d < Dr; d++) {
+                double *out = rope_out + (size_t)n * Dr + d;
+                *out += k[Dn + d];
+                if (sum_slack > 0) *out += sum_slack * rope_mag[((size_t)n * H + h) * Dqk + Dn + d];
+            }
+        }
+    }
+}
+
+// Head h of x (B, T, H, D) -> out (B, T, 1, D).
+static void take_head(float *out, const float *x, const AttCase *c, int h, int D) {
+    for (int n = 0; n < c->B * c->T; n++)
+        memcpy(out + (size_t)n * D, x + ((size_t)n * c->H + h) * D, sizeof(float) * (size_t)D);
+}
+
 // ---------------------------------------------------------------------------- the test
 static void test_attention(void **state) {
     const AttCase *c = *state;
-    const int B = c->B, T = c->T, H = c->H, Dqk = c->Dqk, Dv = c->Dv;
+    const int B = c->B, T = c->T, H = c->H, Dn = c->Dn, Dr = c->Dr, Dv = c->Dv, Dqk = Dn + Dr, ld = Dn + Dv;
     char shape[64];
-    snprintf(shape, sizeof shape, "(%d,%d,%d,%d,%d)", B, T, H, Dqk, Dv);
-    const int64_t nq = (int64_t)B * T * H * Dqk, nv = (int64_t)B * T * H * Dv, ns = (int64_t)B * H * T;
-    const uint64_t seed = (uint64_t)B * 1000003u + (uint64_t)T * 1009u + (uint64_t)Dqk * 31u + (uint64_t)Dv;
+    snprintf(shape, sizeof shape, "(%d,%d,%d,%d+%d,%d)", B, T, H, Dn, Dr, Dv);
+    const int64_t N = (int64_t)B * T, nq = N * H * Dqk, nkv = N * H * ld, nr = N * Dr, nv = N * H * Dv;
+    const int64_t ns = (int64_t)B * H * T;
+    const uint64_t seed = (uint64_t)B * 1000003u + (uint64_t)T * 1009u + (uint64_t)Dn * 131u + (uint64_t)Dr * 31u +
+                          (uint64_t)Dv;
 
     // the documented state sizes
     assert_int_equal(attention_state_elems(DEVICE_CUDA, B, T, H), ns);
     assert_int_equal(attention_state_elems(DEVICE_CPU, B, T, H), ns * T);
 
-    float *q = floats(nq), *k = floats(nq), *v = floats(nv), *dout = floats(nv);
-    float *dq0 = floats(nq), *dk0 = floats(nq), *dv0 = floats(nv);
+    float *q = floats(nq), *kv = floats(nkv), *k_rope = floats(nr), *dout = floats(nv);
+    float *dq0 = floats(nq), *dkv0 = floats(nkv), *dkr0 = floats(nr);
     opcheck_fill_nonzero(q, (size_t)nq, seed + 1, 0.1, 3.0);
-    opcheck_fill_nonzero(k, (size_t)nq, seed + 2, 0.1, 1.0);
-    opcheck_fill_nonzero(v, (size_t)nv, seed + 3, 0.1, 1.0);
+    opcheck_fill_nonzero(kv, (size_t)nkv, seed + 2, 0.1, 1.0);
+    opcheck_fill_nonzero(k_rope, (size_t)nr, seed + 5, 0.1, 1.0);
     opcheck_fill_nonzero(dout, (size_t)nv, seed + 4, 0.1, 1.0);
     // the backward writes its gradients: they start as NaN (poison), never read
-    for (int64_t i = 0; i < nq; i++) dq0[i] = dk0[i] = NAN;
-    for (int64_t i = 0; i < nv; i++) dv0[i] = NAN;
+    for (int64_t i = 0; i < nq; i++) dq0[i] = NAN;
+    for (int64_t i = 0; i < nkv; i++) dkv0[i] = NAN;
+    for (int64_t i = 0; i < nr; i++) dkr0[i] = NAN;
+    const float *kr_in = Dr > 0 ? k_rope : NULL;  // kernels.h: k_rope is not read when Dr = 0
 
     // CPU reference op on the FP32 inputs
     float *c_out = floats(nv), *c_att = floats(ns * T);
-    float *c_dq = copy_floats(dq0, nq), *c_dk = copy_floats(dk0, nq), *c_dv = copy_floats(dv0, nv);
-    attention_forward(DEVICE_CPU, c_out, c_att, q, k, v, B, T, H, Dqk, Dv);
-    attention_backward(DEVICE_CPU, c_dq, c_dk, c_dv, dout, c_out, c_att, q, k, v, B, T, H, Dqk, Dv);
+    float *c_dq = copy_floats(dq0, nq), *c_dkv = copy_floats(dkv0, nkv), *c_dkr = copy_floats(dkr0, nr);
+    attention_forward(DEVICE_CPU, c_out, c_att, q, kv, kr_in, B, T, H, Dn, Dr, Dv);
+    attention_backward(DEVICE_CPU, c_dq, c_dkv, c_dkr, dout, c_out, c_att, q, kv, kr_in, B, T, H, Dn, Dr, Dv);
 
-    // f64 reference on the BF16-rounded inputs
-    float *qr = floats(nq), *kr = floats(nq), *vr = floats(nv), *dor = floats(nv);
-    for (int64_t i = 0; i < nq; i++) qr[i] = bf16_round(q[i]), kr[i] = bf16_round(k[i]);
-    for (int64_t i = 0; i < nv; i++) vr[i] = bf16_round(v[i]), dor[i] = bf16_round(dout[i]);
+    // f64 reference on the BF16-rounded inputs, per head, gathered into the op's layout
+    float *qr = floats(nq), *kvr = floats(nkv), *krr = floats(nr), *dor = floats(nv);
+    float *kh = floats(nq), *vh = floats(nv);
+    for (int64_t i = 0; i < nq; i++) qr[i] = bf16_round(q[i]);
+    for (int64_t i = 0; i < nkv; i++) kvr[i] = bf16_round(kv[i]);
+    for (int64_t i = 0; i < nr; i++) krr[i] = bf16_round(k_rope[i]);
+    for (int64_t i = 0; i < nv; i++) dor[i] = bf16_round(dout[i]);
+    expand_kv(kh, vh, kvr, krr, c);
     Reference r;
-    reference(&r, c, qr, kr, vr, dor);
+    reference(&r, c, qr, kh, vh, dor);
+    double *ref_dkv = doubles_zero(nkv), *ref_dkr = doubles_zero(nr), *mag_dkv = doubles_zero(nkv);
+    double *mag_dkr = doubles_zero(nr);
+    gather_kv(ref_dkv, ref_dkr, r.dk, r.dv, NULL, 0.0, c);
+    gather_kv(mag_dkv, mag_dkr, r.m_dk, r.m_dv, NULL, 0.0, c);
 
     // GPU: out and state (with a tail that must stay untouched) poisoned
     const int64_t tail = 64;
-    float *d_q = gpu_copy_of(q, nq), *d_k = gpu_copy_of(k, nq), *d_v = gpu_copy_of(v, nv);
+    float *d_q = gpu_copy_of(q, nq), *d_kv = gpu_copy_of(kv, nkv), *d_kr = Dr > 0 ? gpu_copy_of(k_rope, nr) : NULL;
     float *d_dout = gpu_copy_of(dout, nv), *d_out = gpu_nan_floats(nv), *d_state = gpu_nan_floats(ns + tail);
-    float *d_dq = gpu_copy_of(dq0, nq), *d_dk = gpu_copy_of(dk0, nq), *d_dv = gpu_copy_of(dv0, nv);
-    attention_forward(DEVICE_CUDA, d_out, d_state, d_q, d_k, d_v, B, T, H, Dqk, Dv);
-    attention_backward(DEVICE_CUDA, d_dq, d_dk, d_dv, d_dout, d_out, d_state, d_q, d_k, d_v, B, T, H, Dqk, Dv);
+    float *d_dq = gpu_copy_of(dq0, nq), *d_dkv = gpu_copy_of(dkv0, nkv), *d_dkr = Dr > 0 ? gpu_copy_of(dkr0, nr) : NULL;
+    attention_forward(DEVICE_CUDA, d_out, d_state, d_q, d_kv, d_kr, B, T, H, Dn, Dr, Dv);
+    attention_backward(DEVICE_CUDA, d_dq, d_dkv, d_dkr, d_dout, d_out, d_state, d_q, d_kv, d_kr, B, T, H, Dn, Dr, Dv);
     float *g_out = host_copy_of(d_out, nv), *g_state = host_copy_of(d_state, ns + tail);
-    float *g_dq = host_copy_of(d_dq, nq), *g_dk = host_copy_of(d_dk, nq), *g_dv = host_copy_of(d_dv, nv);
+    float *g_dq = host_copy_of(d_dq, nq), *g_dkv = host_copy_of(d_dkv, nkv), *g_dkr = host_copy_of(d_dkr, nr);
 
     // tolerances (file comment)
     double *tol_out_ref = doubles_zero(nv), *tol_out_cpu = doubles_zero(nv), *tol_lse = doubles_zero(ns);
@@ -348,6 +416,12 @@ static void test_attention(void **state) {
         tol_dv_ref[i] = 2 * (eps_b * r.m_dv[i] + U_FP32 * fabs(r.dv[i]));
         tol_dv_cpu[i] = 2 * ((eps_b + eps_b_in) * r.m_dv[i] + U_FP32 * fabs(r.dv[i]));
     }
+    // d_kv takes dk's and dv's tolerances element for element; d_k_rope the sum of the heads' dk tolerances plus
+    // 2 e_sum(H) sum_h Mdk (the FP32 sum over H heads, on the GPU and the CPU side alike)
+    double *tol_dkv_ref = doubles_zero(nkv), *tol_dkv_cpu = doubles_zero(nkv);
+    double *tol_dkr_ref = doubles_zero(nr), *tol_dkr_cpu = doubles_zero(nr);
+    gather_kv(tol_dkv_ref, tol_dkr_ref, tol_dk_ref, tol_dv_ref, r.m_dk, 2 * e_sum(H), c);
+    gather_kv(tol_dkv_cpu, tol_dkr_cpu, tol_dk_cpu, tol_dv_cpu, r.m_dk, 2 * e_sum(H), c);
     double *lse_mag = doubles_zero(ns);
     for (int64_t i = 0; i < ns; i++) lse_mag[i] = fabs(r.lse[i]) + 1.0;
 
@@ -355,8 +429,8 @@ static void test_attention(void **state) {
     ok &= check_output(shape, "out", g_out, c_out, r.out, tol_out_ref, tol_out_cpu, r.m_out, nv);
     ok &= check_output(shape, "lse", g_state, NULL, r.lse, tol_lse, NULL, lse_mag, ns);
     ok &= check_output(shape, "dq", g_dq, c_dq, r.dq, tol_dq_ref, tol_dq_cpu, r.m_dq, nq);
-    ok &= check_output(shape, "dk", g_dk, c_dk, r.dk, tol_dk_ref, tol_dk_cpu, r.m_dk, nq);
-    ok &= check_output(shape, "dv", g_dv, c_dv, r.dv, tol_dv_ref, tol_dv_cpu, r.m_dv, nv);
+    ok &= check_output(shape, "d_kv", g_dkv, c_dkv, ref_dkv, tol_dkv_ref, tol_dkv_cpu, mag_dkv, nkv);
+    if (Dr > 0) ok &= check_output(shape, "d_k_rope", g_dkr, c_dkr, ref_dkr, tol_dkr_ref, tol_dkr_cpu, mag_dkr, nr);
     int64_t tail_written = 0;
     for (int64_t i = ns; i < ns + tail; i++) tail_written += !isnan(g_state[i]);
     printf("%-24s %-30s %28s  %s\n", shape, "state beyond (B,H,T)", tail_written ? "WRITTEN" : "untouched",
@@ -365,38 +439,79 @@ static void test_attention(void **state) {
 
     // determinism: the same calls again, bitwise
     float *d_out2 = gpu_nan_floats(nv), *d_state2 = gpu_nan_floats(ns);
-    attention_forward(DEVICE_CUDA, d_out2, d_state2, d_q, d_k, d_v, B, T, H, Dqk, Dv);
-    upload(d_dq, dq0, nq), upload(d_dk, dk0, nq), upload(d_dv, dv0, nv);
-    attention_backward(DEVICE_CUDA, d_dq, d_dk, d_dv, d_dout, d_out2, d_state2, d_q, d_k, d_v, B, T, H, Dqk, Dv);
+    attention_forward(DEVICE_CUDA, d_out2, d_state2, d_q, d_kv, d_kr, B, T, H, Dn, Dr, Dv);
+    upload(d_dq, dq0, nq), upload(d_dkv, dkv0, nkv), upload(d_dkr, dkr0, nr);
+    attention_backward(DEVICE_CUDA, d_dq, d_dkv, d_dkr, d_dout, d_out2, d_state2, d_q, d_kv, d_kr, B, T, H, Dn, Dr, Dv);
     float *h_out2 = host_copy_of(d_out2, nv), *h_state2 = host_copy_of(d_state2, ns);
-    float *h_dq2 = host_copy_of(d_dq, nq), *h_dk2 = host_copy_of(d_dk, nq), *h_dv2 = host_copy_of(d_dv, nv);
+    float *h_dq2 = host_copy_of(d_dq, nq), *h_dkv2 = host_copy_of(d_dkv, nkv), *h_dkr2 = host_copy_of(d_dkr, nr);
     ok &= check_bitwise(shape, "repeat: out", g_out, h_out2, nv);
     ok &= check_bitwise(shape, "repeat: lse", g_state, h_state2, ns);
     ok &= check_bitwise(shape, "repeat: dq", g_dq, h_dq2, nq);
-    ok &= check_bitwise(shape, "repeat: dk", g_dk, h_dk2, nq);
-    ok &= check_bitwise(shape, "repeat: dv", g_dv, h_dv2, nv);
+    ok &= check_bitwise(shape, "repeat: d_kv", g_dkv, h_dkv2, nkv);
+    if (Dr > 0) ok &= check_bitwise(shape, "repeat: d_k_rope", g_dkr, h_dkr2, nr);
 
     // NULL gradients: the others are computed exactly as in the full call
-    upload(d_dq, dq0, nq), upload(d_dk, dk0, nq), upload(d_dv, dv0, nv);
-    attention_backward(DEVICE_CUDA, d_dq, NULL, NULL, d_dout, d_out, d_state, d_q, d_k, d_v, B, T, H, Dqk, Dv);
-    attention_backward(DEVICE_CUDA, NULL, d_dk, NULL, d_dout, d_out, d_state, d_q, d_k, d_v, B, T, H, Dqk, Dv);
-    attention_backward(DEVICE_CUDA, NULL, NULL, d_dv, d_dout, d_out, d_state, d_q, d_k, d_v, B, T, H, Dqk, Dv);
-    float *h_dq3 = host_copy_of(d_dq, nq), *h_dk3 = host_copy_of(d_dk, nq), *h_dv3 = host_copy_of(d_dv, nv);
-    ok &= check_bitwise(shape, "dq alone (dk = dv = NULL)", g_dq, h_dq3, nq);
-    ok &= check_bitwise(shape, "dk alone (dq = dv = NULL)", g_dk, h_dk3, nq);
-    ok &= check_bitwise(shape, "dv alone (dq = dk = NULL)", g_dv, h_dv3, nv);
+    upload(d_dq, dq0, nq), upload(d_dkv, dkv0, nkv), upload(d_dkr, dkr0, nr);
+    attention_backward(DEVICE_CUDA, d_dq, NULL, NULL, d_dout, d_out, d_state, d_q, d_kv, d_kr, B, T, H, Dn, Dr, Dv);
+    attention_backward(DEVICE_CUDA, NULL, d_dkv, NULL, d_dout, d_out, d_state, d_q, d_kv, d_kr, B, T, H, Dn, Dr, Dv);
+    attention_backward(DEVICE_CUDA, NULL, NULL, d_dkr, d_dout, d_out, d_state, d_q, d_kv, d_kr, B, T, H, Dn, Dr, Dv);
+    float *h_dq3 = host_copy_of(d_dq, nq), *h_dkv3 = host_copy_of(d_dkv, nkv), *h_dkr3 = host_copy_of(d_dkr, nr);
+    ok &= check_bitwise(shape, "dq alone", g_dq, h_dq3, nq);
+    ok &= check_bitwise(shape, "d_kv alone", g_dkv, h_dkv3, nkv);
+    if (Dr > 0) ok &= check_bitwise(shape, "d_k_rope alone", g_dkr, h_dkr3, nr);
 
-    // causality: change k and v at t*, rows before t* must not move
-    const int t_star = 2 * T / 3;
-    float *kp = copy_floats(k, nq), *vp = copy_floats(v, nv);
-    for (int b = 0; b < B; b++)
+    // One head at a time (H = 1 calls on head h's q, kv and dout, the same k_rope): each head's blocks compute
+    // exactly what they compute among H heads, so out and d_kv must match the H-head call's head h bitwise, and
+    // d_k_rope must be the heads' rope-key gradients added on the host in head order from 0.0f - the kernels.h
+    // contract, which pins the reduction's order (a single-head call's d_k_rope is 0 + g_h = g_h).
+    {
+        float *qh = floats(N * Dqk), *kvh = floats(N * ld), *doh = floats(N * Dv), *sum = floats(nr);
+        float *d_qh = gpu_nan_floats(N * Dqk), *d_kvh = gpu_nan_floats(N * ld), *d_doh = gpu_nan_floats(N * Dv);
+        float *d_oh = gpu_nan_floats(N * Dv), *d_sh = gpu_nan_floats(N), *d_dkvh = gpu_nan_floats(N * ld);
+        float *d_dkrh = Dr > 0 ? gpu_nan_floats(nr) : NULL;
+        for (int64_t i = 0; i < nr; i++) sum[i] = 0.0f;
+        int64_t differ_out = 0, differ_kv = 0;
         for (int h = 0; h < H; h++) {
-            for (int d = 0; d < Dqk; d++) kp[at4(c, b, t_star, h, Dqk) + d] += 0.75f;
-            for (int d = 0; d < Dv; d++) vp[at4(c, b, t_star, h, Dv) + d] -= 0.5f;
+            take_head(qh, q, c, h, Dqk), take_head(kvh, kv, c, h, ld), take_head(doh, dout, c, h, Dv);
+            upload(d_qh, qh, N * Dqk), upload(d_kvh, kvh, N * ld), upload(d_doh, doh, N * Dv);
+            attention_forward(DEVICE_CUDA, d_oh, d_sh, d_qh, d_kvh, d_kr, B, T, 1, Dn, Dr, Dv);
+            attention_backward(DEVICE_CUDA, NULL, d_dkvh, d_dkrh, d_doh, d_oh, d_sh, d_qh, d_kvh, d_kr, B, T, 1, Dn,
+                               Dr, Dv);
+            float *oh = host_copy_of(d_oh, N * Dv), *dkvh = host_copy_of(d_dkvh, N * ld);
+            float *gh = host_copy_of(d_dkrh, nr);
+            float *want_o = floats(N * Dv), *want_kv = floats(N * ld);
+            take_head(want_o, g_out, c, h, Dv), take_head(want_kv, g_dkv, c, h, ld);
+            for (int64_t i = 0; i < N * Dv; i++) differ_out += memcmp(&oh[i], &want_o[i], sizeof(float)) != 0;
+            for (int64_t i = 0; i < N * ld; i++) differ_kv += memcmp(&dkvh[i], &want_kv[i], sizeof(float)) != 0;
+            for (int64_t i = 0; i < nr; i++) sum[i] += gh[i];
+            free(oh), free(dkvh), free(gh), free(want_o), free(want_kv);
         }
-    upload(d_k, kp, nq), upload(d_v, vp, nv), upload(d_dq, dq0, nq);
-    attention_forward(DEVICE_CUDA, d_out2, d_state2, d_q, d_k, d_v, B, T, H, Dqk, Dv);
-    attention_backward(DEVICE_CUDA, d_dq, NULL, NULL, d_dout, d_out2, d_state2, d_q, d_k, d_v, B, T, H, Dqk, Dv);
+        printf("%-24s %-30s %28s  %s\n", shape, "per head: out", differ_out ? "differs" : "bitwise equal",
+               differ_out ? "FAIL" : "ok");
+        printf("%-24s %-30s %28s  %s\n", shape, "per head: d_kv", differ_kv ? "differs" : "bitwise equal",
+               differ_kv ? "FAIL" : "ok");
+        ok &= differ_out == 0 && differ_kv == 0;
+        if (Dr > 0) ok &= check_bitwise(shape, "d_k_rope = sum of heads, in order", g_dkr, sum, nr);
+        free(qh), free(kvh), free(doh), free(sum);
+        void *dev[] = {d_qh, d_kvh, d_doh, d_oh, d_sh, d_dkvh, d_dkrh};
+        for (size_t i = 0; i < sizeof dev / sizeof dev[0]; i++) device_free(DEVICE_CUDA, dev[i]);
+    }
+
+    // causality: change the key and value of position t* (kv at t*, every head, and k_rope at t*), rows before
+    // t* must not move
+    const int t_star = 2 * T / 3;
+    float *kvp = copy_floats(kv, nkv), *krp = copy_floats(k_rope, nr);
+    for (int b = 0; b < B; b++) {
+        for (int h = 0; h < H; h++) {
+            float *row = kvp + at4(c, b, t_star, h, ld);
+            for (int d = 0; d < Dn; d++) row[d] += 0.75f;
+            for (int d = 0; d < Dv; d++) row[Dn + d] -= 0.5f;
+        }
+        for (int d = 0; d < Dr; d++) krp[((size_t)b * T + t_star) * Dr + d] += 0.75f;
+    }
+    upload(d_kv, kvp, nkv), upload(d_kr, krp, nr), upload(d_dq, dq0, nq);
+    attention_forward(DEVICE_CUDA, d_out2, d_state2, d_q, d_kv, d_kr, B, T, H, Dn, Dr, Dv);
+    attention_backward(DEVICE_CUDA, d_dq, NULL, NULL, d_dout, d_out2, d_state2, d_q, d_kv, d_kr, B, T, H, Dn, Dr, Dv);
     float *h_out4 = host_copy_of(d_out2, nv), *h_state4 = host_copy_of(d_state2, ns), *h_dq4 = host_copy_of(d_dq, nq);
     char what[64];
     snprintf(what, sizeof what, "k,v at t*=%d changed: out", t_star);
@@ -410,13 +525,14 @@ static void test_attention(void **state) {
            seen ? "ok" : "FAIL");
     ok &= seen;
 
-    void *host[] = {q, k, v, dout, dq0, dk0, dv0, c_out, c_att, c_dq, c_dk, c_dv, qr, kr, vr, dor, g_out, g_state,
-                    g_dq, g_dk, g_dv, tol_out_ref, tol_out_cpu, tol_lse, tol_dq_ref, tol_dq_cpu, tol_dk_ref,
-                    tol_dk_cpu, tol_dv_ref, tol_dv_cpu, lse_mag, h_out2, h_state2, h_dq2, h_dk2, h_dv2, h_dq3,
-                    h_dk3, h_dv3, kp, vp, h_out4, h_state4, h_dq4};
+    void *host[] = {q, kv, k_rope, dout, dq0, dkv0, dkr0, c_out, c_att, c_dq, c_dkv, c_dkr, qr, kvr, krr, dor, kh, vh,
+                    ref_dkv, ref_dkr, mag_dkv, mag_dkr, g_out, g_state, g_dq, g_dkv, g_dkr, tol_out_ref, tol_out_cpu,
+                    tol_lse, tol_dq_ref, tol_dq_cpu, tol_dk_ref, tol_dk_cpu, tol_dv_ref, tol_dv_cpu, tol_dkv_ref,
+                    tol_dkv_cpu, tol_dkr_ref, tol_dkr_cpu, lse_mag, h_out2, h_state2, h_dq2, h_dkv2, h_dkr2, h_dq3,
+                    h_dkv3, h_dkr3, kvp, krp, h_out4, h_state4, h_dq4};
     for (size_t i = 0; i < sizeof host / sizeof host[0]; i++) free(host[i]);
     free_reference(&r);
-    void *dev[] = {d_q, d_k, d_v, d_dout, d_out, d_state, d_dq, d_dk, d_dv, d_out2, d_state2};
+    void *dev[] = {d_q, d_kv, d_kr, d_dout, d_out, d_state, d_dq, d_dkv, d_dkr, d_out2, d_state2};
     for (size_t i = 0; i < sizeof dev / sizeof dev[0]; i++) device_free(DEVICE_CUDA, dev[i]);
     assert_true(ok);
 }
@@ -424,16 +540,23 @@ static void test_attention(void **state) {
 // ---------------------------------------------------------------------------- cases
 // Query tiles are 128 rows in the forward and dq kernels (64 in dq when head dims are so large that 128
 // rows do not fit in shared memory, e.g. 256/256), key tiles 64 rows, dk/dv blocks 64 keys; head dims are
-// padded to 16 and accumulators sized 64/128/192/256. The shapes: one partial tile with tiny odd head
-// dims (most warps of the block beyond T); several tiles with T not a multiple of 64; odd head dims in the
-// 256 class with T = 129 (a second query tile of one row, and Dqk != Dv capacities in dk/dv); the
-// largest head dims (dq's 64-row fallback, full 256 accumulators); the model's head dims (192 = 128 nope
-// + 64 rope, Dv 128) over 4 query tiles of 128.
-static AttCase case_tiny = {2, 37, 3, 12, 8};
-static AttCase case_mid = {1, 200, 2, 48, 32};
-static AttCase case_odd = {3, 129, 2, 200, 72};
-static AttCase case_wide = {1, 300, 1, 256, 256};
-static AttCase case_model = {1, 512, 2, 192, 128};
+// padded to 16 and accumulators sized 64/128/192/256. The shapes (B, T, H, Dn + Dr, Dv): one partial tile with
+// tiny head dims (most warps of the block beyond T); several tiles with T not a multiple of 64; odd head dims in
+// the 256 class with T = 129 (a second query tile of one row, and Dqk != Dv capacities in dk/dv); the largest
+// head dims (dq's 64-row fallback, full 256 accumulators); the model's head dims (192 = 128 nope + 64 rope,
+// Dv 128) over 4 query tiles of 128 with 16 heads summed into d_k_rope; head dims that are not multiples of 8 or
+// 4 (Dn = 24, Dr = 8, Dv = 40: pre-pass chunks of 8 that are whole in each part; Dn = 13, Dr = 6, Dv = 20:
+// chunks that straddle k_nope and k_rope, scalar reads of kv's unaligned v rows and element-wise stores of the
+// odd windows of dk); no nope part (Dn = 0: every key the shared rope key) and no rope part (Dr = 0: k_rope NULL).
+static AttCase case_tiny = {2, 37, 3, 8, 4, 8};
+static AttCase case_mid = {1, 200, 2, 32, 16, 32};
+static AttCase case_odd = {3, 129, 2, 136, 64, 72};
+static AttCase case_wide = {1, 300, 1, 192, 64, 256};
+static AttCase case_model = {1, 512, 16, 128, 64, 128};
+static AttCase case_split = {2, 100, 3, 24, 8, 40};
+static AttCase case_ragged = {2, 70, 5, 13, 6, 20};
+static AttCase case_no_nope = {1, 90, 4, 0, 32, 24};
+static AttCase case_no_rope = {1, 90, 3, 40, 0, 24};
 
 int main(void) {
     const int n_gpu = gpucheck_devices("test_gpu_attention");
@@ -447,6 +570,10 @@ int main(void) {
         cmocka_unit_test_prestate(test_attention, &case_odd),
         cmocka_unit_test_prestate(test_attention, &case_wide),
         cmocka_unit_test_prestate(test_attention, &case_model),
+        cmocka_unit_test_prestate(test_attention, &case_split),
+        cmocka_unit_test_prestate(test_attention, &case_ragged),
+        cmocka_unit_test_prestate(test_attention, &case_no_nope),
+        cmocka_unit_test_prestate(test_attention, &case_no_rope),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

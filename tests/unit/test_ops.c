@@ -1,13 +1,13 @@
 /*
  * test_ops.c - unit tests of the CPU reference ops (kernels/cpu: matmul, embedding, RMSNorm, SwiGLU,
- * RoPE, attention, cross-entropy, MLA's row broadcast and group sum), run in the FP32 build.
+ * RoPE, attention, cross-entropy), run in the FP32 build.
  *
  * Every arithmetic op is checked against a naive double-precision reference written here, independently
- * of the code under test (the row broadcast and group sum, which must keep the bits of the copy_block
- * loops they replace, are checked bitwise against those loops). Every backward op is checked twice: against central finite differences of the
- * double reference forward (so the gradient formula is verified without trusting any analytic
- * derivation) and against an analytic double reference (which is itself checked against the finite
- * differences). Tolerances are derived from float rounding and stated at each check. Also covered:
+ * of the code under test (the attention core, which reads MLA's key/value layout in place, is also checked
+ * bitwise against the per-head formulation it replaced). Every backward op is checked twice: against
+ * central finite differences of the double reference forward (so the gradient formula is verified without
+ * trusting any analytic derivation) and against an analytic double reference (which is itself checked
+ * against the finite differences). Tolerances are derived from float rounding and stated at each check. Also covered:
  * accumulation into non-zero gradient buffers (and, for ops that write their gradients, that NaN poison
  * is overwritten), NULL gradients, masked cross-entropy targets, a RoPE case worked by hand, attention
  * causality, and bitwise determinism across OpenMP thread counts.
@@ -670,116 +670,289 @@ static void test_rope_large_positions(void **state) {
 }
 
 // ---------------------------------------------------------------------------- attention
+// The op reads keys and values in MLA's layout (kernels.h): kv (B, T, H, Dn + Dv) = [k_nope ; v] per token and
+// head, k_rope (B, T, Dr) shared by the heads. The double references below work on per-head keys (B, T, H, Dqk)
+// and values (B, T, H, Dv), made from kv and k_rope here; the gradients go back the same way (d_k_rope = the sum
+// of the heads' rope-key gradients).
+static void expand_kv(double *k, double *v, const double *kv, const double *k_rope, int N, int H, int Dn, int Dr,
+                      int Dv) {
+    const int Dqk = Dn + Dr, ld = Dn + Dv;
+    for (int n = 0; n < N; n++)
+        for (int h = 0; h < H; h++) {
+            const double *row = kv + ((size_t)n * H + h) * ld;
+            double *kr = k + ((size_t)n * H + h) * Dqk, *vr = v + ((size_t)n * H + h) * Dv;
+            for (int d = 0; d < Dn; d++) kr[d] = row[d];
+            for (int d = 0; d < Dr; d++) kr[Dn + d] = k_rope[(size_t)n * Dr + d];
+            for (int d = 0; d < Dv; d++) vr[d] = row[Dn + d];
+        }
+}
+static void gather_kv_grad(double *d_kv, double *d_k_rope, const double *dk, const double *dv, int N, int H, int Dn,
+                           int Dr, int Dv) {
+    const int Dqk = Dn + Dr, ld = Dn + Dv;
+    for (int n = 0; n < N; n++) {
+        for (int d = 0; d < Dr; d++) d_k_rope[(size_t)n * Dr + d] = 0;
+        for (int h = 0; h < H; h++) {
+            double *row = d_kv + ((size_t)n * H + h) * ld;
+            const double *kr = dk + ((size_t)n * H + h) * Dqk, *vr = dv + ((size_t)n * H + h) * Dv;
+            for (int d = 0; d < Dn; d++) row[d] = kr[d];
+            for (int d = 0; d < Dv; d++) row[Dn + d] = vr[d];
+            for (int d = 0; d < Dr; d++) d_k_rope[(size_t)n * Dr + d] += kr[Dn + d];
+        }
+    }
+}
+
 typedef struct {
-    double *q, *k, *v, *dout, *out, *att;
-    int B, T, H, Dqk, Dv;
+    double *q, *kv, *k_rope, *dout, *k, *v, *out, *att;
+    int B, T, H, Dn, Dr, Dv;
 } AttnProbe;
 static double attention_loss(void *ctx) {
     AttnProbe *a = ctx;
-    ref_attention(a->out, a->att, a->q, a->k, a->v, a->B, a->T, a->H, a->Dqk, a->Dv);
+    expand_kv(a->k, a->v, a->kv, a->k_rope, a->B * a->T, a->H, a->Dn, a->Dr, a->Dv);
+    ref_attention(a->out, a->att, a->q, a->k, a->v, a->B, a->T, a->H, a->Dn + a->Dr, a->Dv);
     return ddot(a->out, a->dout, (size_t)a->B * a->T * a->H * a->Dv);
 }
 
-static void check_attention(int B, int T, int H, int Dqk, int Dv, uint64_t seed, int finite_differences) {
-    const size_t nqk = (size_t)B * T * H * Dqk, nv = (size_t)B * T * H * Dv, natt = (size_t)B * H * T * T;
-    real *q = ralloc(nqk), *k = ralloc(nqk), *v = ralloc(nv), *out = ralloc(nv), *att = ralloc(natt);
+static void check_attention(int B, int T, int H, int Dn, int Dr, int Dv, uint64_t seed, int finite_differences) {
+    const int Dqk = Dn + Dr, N = B * T;
+    const size_t nqk = (size_t)N * H * Dqk, nkv = (size_t)N * H * (Dn + Dv), nr = (size_t)N * Dr;
+    const size_t nv = (size_t)N * H * Dv, natt = (size_t)B * H * T * T;
+    real *q = ralloc(nqk), *kv = ralloc(nkv), *k_rope = ralloc(nr), *out = ralloc(nv), *att = ralloc(natt);
     real *dout = ralloc(nv);
     opcheck_fill_nonzero(q, nqk, seed, 0.1, 1.5);
-    opcheck_fill_nonzero(k, nqk, seed + 1, 0.1, 1.5);
-    opcheck_fill_nonzero(v, nv, seed + 2, 0.1, 1.0);
+    // k_nope and v share kv: its elements are keys' and values' alike, |.| < 1.5 (the bounds below assume
+    // |k| <= 1.5 and |v| <= 1.5)
+    opcheck_fill_nonzero(kv, nkv, seed + 1, 0.1, 1.5);
+    opcheck_fill_nonzero(k_rope, nr, seed + 2, 0.1, 1.5);
     opcheck_fill_nonzero(dout, nv, seed + 3, 0.1, 1.0);
     opcheck_fill(att, natt, seed + 4, 5, 6); // garbage above the diagonal must become 0
-    cpu_attention_forward(out, att, q, k, v, B, T, H, Dqk, Dv);
+    cpu_attention_forward(out, att, q, kv, Dr > 0 ? k_rope : NULL, B, T, H, Dn, Dr, Dv);
 
-    AttnProbe p = {dcopy(q, nqk), dcopy(k, nqk), dcopy(v, nv), dcopy(dout, nv), dalloc(nv), dalloc(natt),
-                   B, T, H, Dqk, Dv};
-    double *want = dalloc(nv), *want_att = dalloc(natt);
-    ref_attention(want, want_att, p.q, p.k, p.v, B, T, H, Dqk, Dv);
+    AttnProbe p = {dcopy(q, nqk), dcopy(kv, nkv), dcopy(k_rope, nr), dcopy(dout, nv), dalloc(nqk), dalloc(nv),
+                   dalloc(nv), dalloc(natt), B, T, H, Dn, Dr, Dv};
+    double *want = dalloc(nv), *want_att = dalloc(natt), *k = dalloc(nqk), *v = dalloc(nv);
+    expand_kv(k, v, p.kv, p.k_rope, N, H, Dn, Dr, Dv);
+    ref_attention(want, want_att, p.q, k, v, B, T, H, Dqk, Dv);
     // A score is a float dot product of Dqk terms |q k| <= 1.5^2, times 1/sqrt(Dqk): error at most
     // gamma_Dqk * Dqk * 2.25 / sqrt(Dqk) ~ 2.25 Dqk^1.5 u. A score error e moves a probability by at
     // most 2 e p; exp, the sum over <= T terms and the division add (T + 4) u relative. Outputs are
-    // convex combinations of |v| <= 1 summed over <= T terms, adding T u. Absolute bound on both:
-    // (2 * 2.25 Dqk^1.5 + 2 T + 16) u.
+    // convex combinations of |v| <= 1.5 summed over <= T terms, adding 1.5 T u. Absolute bound on the
+    // probabilities: tol = (2 * 2.25 Dqk^1.5 + 2 T + 16) u; on the outputs 1.5 tol (|v| <= 1.5 scales every
+    // term of their error).
     const double tol = (2.0 * 2.25 * Dqk * sqrt((double)Dqk) + 2.0 * T + 16) * U;
     assert_true(opcheck_ratio("attention att", att, want_att, natt, tol, 0) <= 1.0);
-    assert_true(opcheck_ratio("attention out", out, want, nv, tol, 0) <= 1.0);
+    assert_true(opcheck_ratio("attention out", out, want, nv, 1.5 * tol, 0) <= 1.0);
     for (int bh = 0; bh < B * H; bh++)
         for (int t = 0; t < T; t++)
             for (int s = t + 1; s < T; s++) assert_true(att[((size_t)bh * T + t) * T + s] == 0);
 
-    real *dq = ralloc(nqk), *dk = ralloc(nqk), *dv = ralloc(nv);
-    cpu_attention_backward(dq, dk, dv, dout, att, q, k, v, B, T, H, Dqk, Dv);
+    real *dq = ralloc(nqk), *d_kv = ralloc(nkv), *d_k_rope = ralloc(nr);
+    cpu_attention_backward(dq, d_kv, d_k_rope, dout, att, q, kv, k_rope, B, T, H, Dn, Dr, Dv);
     double *ref_dq = dalloc(nqk), *ref_dk = dalloc(nqk), *ref_dv = dalloc(nv);
-    ref_attention_backward(ref_dq, ref_dk, ref_dv, p.dout, p.q, p.k, p.v, B, T, H, Dqk, Dv);
+    double *ref_d_kv = dalloc(nkv), *ref_d_k_rope = dalloc(nr);
+    ref_attention_backward(ref_dq, ref_dk, ref_dv, p.dout, p.q, k, v, B, T, H, Dqk, Dv);
+    gather_kv_grad(ref_d_kv, ref_d_k_rope, ref_dk, ref_dv, N, H, Dn, Dr, Dv);
     // Gradients chain the forward error through further sums over T positions and D dims; measured
-    // against the largest gradient entry with the forward budget scaled by 4 for those extra sums.
+    // against the largest gradient entry with the forward budget scaled by 4 for those extra sums. d_kv holds
+    // dk's nope part and dv, so it takes the looser of the two bounds. d_k_rope adds H heads' rope-key
+    // gradients, each within atol_k, in H - 1 more roundings of at most u H max|dk| each.
     const double gtol = 4 * tol;
     const double atol_q = gtol * max_abs(ref_dq, nqk) + FD_SLACK, atol_k = gtol * max_abs(ref_dk, nqk) + FD_SLACK;
-    const double atol_v = gtol * max_abs(ref_dv, nv) + FD_SLACK;
+    const double atol_v = gtol * max_abs(ref_dv, nv) + FD_SLACK, atol_kv = fmax(atol_k, atol_v);
+    const double atol_kr = H * atol_k + (double)H * H * U * max_abs(ref_dk, nqk);
     assert_true(opcheck_ratio("attention dq vs analytic", dq, ref_dq, nqk, atol_q, 0) <= 1.0);
-    assert_true(opcheck_ratio("attention dk vs analytic", dk, ref_dk, nqk, atol_k, 0) <= 1.0);
-    assert_true(opcheck_ratio("attention dv vs analytic", dv, ref_dv, nv, atol_v, 0) <= 1.0);
+    assert_true(opcheck_ratio("attention d_kv vs analytic", d_kv, ref_d_kv, nkv, atol_kv, 0) <= 1.0);
+    assert_true(opcheck_ratio("attention d_k_rope vs analytic", d_k_rope, ref_d_k_rope, nr, atol_kr, 0) <= 1.0);
     if (finite_differences) {
-        double *fd_q = dalloc(nqk), *fd_k = dalloc(nqk), *fd_v = dalloc(nv);
+        double *fd_q = dalloc(nqk), *fd_kv = dalloc(nkv), *fd_kr = dalloc(nr);
         opcheck_fd_grad(fd_q, p.q, nqk, FD_STEP, attention_loss, &p);
-        opcheck_fd_grad(fd_k, p.k, nqk, FD_STEP, attention_loss, &p);
-        opcheck_fd_grad(fd_v, p.v, nv, FD_STEP, attention_loss, &p);
+        opcheck_fd_grad(fd_kv, p.kv, nkv, FD_STEP, attention_loss, &p);
+        opcheck_fd_grad(fd_kr, p.k_rope, nr, FD_STEP, attention_loss, &p);
         assert_true(opcheck_ratio_d("attention ref dq vs fd", ref_dq, fd_q, nqk, FD_SLACK, 1e-7) <= 1.0);
-        assert_true(opcheck_ratio_d("attention ref dk vs fd", ref_dk, fd_k, nqk, FD_SLACK, 1e-7) <= 1.0);
-        assert_true(opcheck_ratio_d("attention ref dv vs fd", ref_dv, fd_v, nv, FD_SLACK, 1e-7) <= 1.0);
+        assert_true(opcheck_ratio_d("attention ref d_kv vs fd", ref_d_kv, fd_kv, nkv, FD_SLACK, 1e-7) <= 1.0);
+        assert_true(opcheck_ratio_d("attention ref d_k_rope vs fd", ref_d_k_rope, fd_kr, nr, FD_SLACK, 1e-7) <= 1.0);
         assert_true(opcheck_ratio("attention dq vs fd", dq, fd_q, nqk, atol_q, 0) <= 1.0);
-        assert_true(opcheck_ratio("attention dk vs fd", dk, fd_k, nqk, atol_k, 0) <= 1.0);
-        assert_true(opcheck_ratio("attention dv vs fd", dv, fd_v, nv, atol_v, 0) <= 1.0);
+        assert_true(opcheck_ratio("attention d_kv vs fd", d_kv, fd_kv, nkv, atol_kv, 0) <= 1.0);
+        assert_true(opcheck_ratio("attention d_k_rope vs fd", d_k_rope, fd_kr, nr, atol_kr, 0) <= 1.0);
     }
 
     // The gradients are written: over garbage, the same bits as before; and each NULL combination leaves
     // the others unchanged.
-    real *w_q = ralloc(nqk), *w_k = ralloc(nqk), *w_v = ralloc(nv);
+    real *w_q = ralloc(nqk), *w_kv = ralloc(nkv), *w_kr = ralloc(nr);
     opcheck_fill_nonzero(w_q, nqk, seed + 5, 0.5, 3.0);
-    opcheck_fill_nonzero(w_k, nqk, seed + 6, 0.5, 3.0);
-    opcheck_fill_nonzero(w_v, nv, seed + 7, 0.5, 3.0);
-    cpu_attention_backward(w_q, w_k, w_v, dout, att, q, k, v, B, T, H, Dqk, Dv);
+    opcheck_fill_nonzero(w_kv, nkv, seed + 6, 0.5, 3.0);
+    opcheck_fill_nonzero(w_kr, nr, seed + 7, 0.5, 3.0);
+    cpu_attention_backward(w_q, w_kv, w_kr, dout, att, q, kv, k_rope, B, T, H, Dn, Dr, Dv);
     assert_memory_equal(w_q, dq, nqk * sizeof(real));
-    assert_memory_equal(w_k, dk, nqk * sizeof(real));
-    assert_memory_equal(w_v, dv, nv * sizeof(real));
-    real *only_q = ralloc(nqk), *only_k = ralloc(nqk), *only_v = ralloc(nv);
-    cpu_attention_backward(only_q, NULL, NULL, dout, att, q, k, v, B, T, H, Dqk, Dv);
-    cpu_attention_backward(NULL, only_k, NULL, dout, att, q, k, v, B, T, H, Dqk, Dv);
-    cpu_attention_backward(NULL, NULL, only_v, dout, att, q, k, v, B, T, H, Dqk, Dv);
+    assert_memory_equal(w_kv, d_kv, nkv * sizeof(real));
+    if (nr > 0) assert_memory_equal(w_kr, d_k_rope, nr * sizeof(real));
+    real *only_q = ralloc(nqk), *only_kv = ralloc(nkv), *only_kr = ralloc(nr);
+    cpu_attention_backward(only_q, NULL, NULL, dout, att, q, kv, k_rope, B, T, H, Dn, Dr, Dv);
+    cpu_attention_backward(NULL, only_kv, NULL, dout, att, q, kv, k_rope, B, T, H, Dn, Dr, Dv);
+    cpu_attention_backward(NULL, NULL, only_kr, dout, att, q, kv, k_rope, B, T, H, Dn, Dr, Dv);
     assert_memory_equal(only_q, dq, nqk * sizeof(real));
-    assert_memory_equal(only_k, dk, nqk * sizeof(real));
-    assert_memory_equal(only_v, dv, nv * sizeof(real));
+    assert_memory_equal(only_kv, d_kv, nkv * sizeof(real));
+    if (nr > 0) assert_memory_equal(only_kr, d_k_rope, nr * sizeof(real));
     tfree_all();
 }
 
 static void test_attention(void **state) {
     (void)state;
-    check_attention(2, 4, 2, 3, 2, 700, 1);
-    check_attention(1, 6, 3, 5, 4, 710, 1);
-    check_attention(2, 33, 3, 24, 16, 720, 0);
-    check_attention(1, 1, 1, 4, 3, 730, 1); // a single position attends only to itself
+    check_attention(2, 4, 2, 2, 2, 2, 700, 1);
+    check_attention(1, 6, 3, 3, 2, 4, 710, 1);
+    check_attention(2, 33, 3, 16, 8, 16, 720, 0);
+    check_attention(1, 1, 1, 2, 2, 3, 730, 1);  // a single position attends only to itself
+    check_attention(2, 5, 3, 0, 4, 3, 740, 1);  // no nope part: every key is the shared rope key
+    check_attention(1, 5, 2, 5, 0, 3, 750, 1);  // no rope part (k_rope NULL, d_k_rope untouched)
+}
+
+// ---------------------------------------------------------------------------- attention: the per-head formulation
+// The op must give bitwise what MLA computed before it read its layout directly: keys [k_nope ; k_rope broadcast]
+// and values copied into per-head arrays, the attention core run on those, and the gradients gathered back - d_kv
+// copied from dk's nope part and dv, d_k_rope the heads' rope-key gradients added to a zeroed buffer one head at a
+// time in head order (the old copy_block / broadcast_rows / sum_row_groups glue). The reference here is that
+// formulation written out plainly in `real`, one head at a time, in the op's arithmetic order (each score summed
+// over d, each output and gradient summed over t2 or t, in increasing order from 0; the same roundings), so
+// equality is exact: tolerance 0, bitwise, because the op only changed where it reads and writes, not what it
+// computes.
+//
+// exp and sqrt of a float as the op takes them (kernels/cpu/attention.c calls them through <tgmath.h>); this file
+// is built with real = float only.
+_Static_assert(sizeof(real) == sizeof(float), "per_head_attention calls the float functions the op calls");
+static void per_head_attention(real *out, real *att, real *dq, real *dk, real *dv, const real *q, const real *k,
+                               const real *v, const real *dout, int B, int T, int H, int Dqk, int Dv) {
+    const real scale = (real)1 / sqrtf((real)Dqk);
+    real *datt = malloc(sizeof(real) * (size_t)T);
+    assert_non_null(datt);
+    memset(dk, 0, sizeof(real) * (size_t)B * T * H * Dqk);
+    memset(dv, 0, sizeof(real) * (size_t)B * T * H * Dv);
+    for (int b = 0; b < B; b++)
+        for (int h = 0; h < H; h++)
+            for (int t = 0; t < T; t++) {
+                real *p = att + (((size_t)b * H + h) * T + t) * T;
+                real mx = -INFINITY, sum = 0;
+                for (int s = 0; s <= t; s++) {
+                    real dot = 0;
+                    for (int d = 0; d < Dqk; d++) dot += AT(q, b, t, h, Dqk)[d] * AT(k, b, s, h, Dqk)[d];
+                    p[s] = dot * scale;
+                    if (p[s] > mx) mx = p[s];
+                }
+                for (int s = 0; s <= t; s++) {
+                    p[s] = expf(p[s] - mx);
+                    sum += p[s];
+                }
+                for (int s = 0; s < T; s++) p[s] = s <= t ? p[s] / sum : 0;
+                for (int d = 0; d < Dv; d++) {
+                    real o = 0;
+                    for (int s = 0; s <= t; s++) o += p[s] * AT(v, b, s, h, Dv)[d];
+                    AT(out, b, t, h, Dv)[d] = o;
+                }
+                // backward of this query row: dv and dk collect over t in increasing order
+                const real *g = AT(dout, b, t, h, Dv);
+                real pdot = 0;
+                for (int s = 0; s <= t; s++) {
+                    for (int d = 0; d < Dv; d++) AT(dv, b, s, h, Dv)[d] += p[s] * g[d];
+                    real a = 0;
+                    for (int d = 0; d < Dv; d++) a += g[d] * AT(v, b, s, h, Dv)[d];
+                    datt[s] = a;
+                }
+                for (int s = 0; s <= t; s++) pdot += p[s] * datt[s];
+                for (int s = 0; s <= t; s++) datt[s] = (p[s] * (datt[s] - pdot)) * scale;  // dscore
+                for (int d = 0; d < Dqk; d++) {
+                    real acc = 0;
+                    for (int s = 0; s <= t; s++) acc += datt[s] * AT(k, b, s, h, Dqk)[d];
+                    AT(dq, b, t, h, Dqk)[d] = acc;
+                }
+                for (int s = 0; s <= t; s++)
+                    for (int d = 0; d < Dqk; d++) AT(dk, b, s, h, Dqk)[d] += datt[s] * AT(q, b, t, h, Dqk)[d];
+            }
+    free(datt);
+}
+
+static void check_attention_per_head(int B, int T, int H, int Dn, int Dr, int Dv, uint64_t seed) {
+    const int Dqk = Dn + Dr, N = B * T, ld = Dn + Dv;
+    const size_t nqk = (size_t)N * H * Dqk, nkv = (size_t)N * H * ld, nr = (size_t)N * Dr;
+    const size_t nv = (size_t)N * H * Dv, natt = (size_t)B * H * T * T;
+    real *q = ralloc(nqk), *kv = ralloc(nkv), *k_rope = ralloc(nr), *dout = ralloc(nv);
+    opcheck_fill_nonzero(q, nqk, seed, 0.1, 2.0);
+    opcheck_fill_nonzero(kv, nkv, seed + 1, 0.1, 1.5);
+    opcheck_fill_nonzero(k_rope, nr, seed + 2, 0.1, 1.5);
+    opcheck_fill_nonzero(dout, nv, seed + 3, 0.1, 1.0);
+    // the old formulation: per-head copies of the keys (the rope key broadcast to every head) and values, the core
+    // on them
+    real *k = ralloc(nqk), *v = ralloc(nv);
+    for (int n = 0; n < N; n++)
+        for (int h = 0; h < H; h++) {
+            const real *row = kv + ((size_t)n * H + h) * ld;
+            memcpy(k + ((size_t)n * H + h) * Dqk, row, sizeof(real) * (size_t)Dn);
+            memcpy(k + ((size_t)n * H + h) * Dqk + Dn, k_rope + (size_t)n * Dr, sizeof(real) * (size_t)Dr);
+            memcpy(v + ((size_t)n * H + h) * Dv, row + Dn, sizeof(real) * (size_t)Dv);
+        }
+    real *want_out = ralloc(nv), *want_att = ralloc(natt), *want_dq = ralloc(nqk), *dk = ralloc(nqk),
+         *dv = ralloc(nv);
+    per_head_attention(want_out, want_att, want_dq, dk, dv, q, k, v, dout, B, T, H, Dqk, Dv);
+    // and its gradients gathered back: d_kv = [dk_nope ; dv]; d_k_rope zeroed, then each head's rope gradient
+    // added in head order (one rounded addition per head)
+    real *want_d_kv = ralloc(nkv), *want_d_k_rope = ralloc(nr), *reversed = ralloc(nr);
+    for (int n = 0; n < N; n++) {
+        for (int h = 0; h < H; h++) {
+            real *row = want_d_kv + ((size_t)n * H + h) * ld;
+            memcpy(row, dk + ((size_t)n * H + h) * Dqk, sizeof(real) * (size_t)Dn);
+            memcpy(row + Dn, dv + ((size_t)n * H + h) * Dv, sizeof(real) * (size_t)Dv);
+        }
+        for (int d = 0; d < Dr; d++) want_d_k_rope[(size_t)n * Dr + d] = reversed[(size_t)n * Dr + d] = 0;
+        for (int h = 0; h < H; h++)
+            for (int d = 0; d < Dr; d++) {
+                want_d_k_rope[(size_t)n * Dr + d] += dk[((size_t)n * H + h) * Dqk + Dn + d];
+                reversed[(size_t)n * Dr + d] += dk[((size_t)n * H + (H - 1 - h)) * Dqk + Dn + d];
+            }
+    }
+
+    // the op on MLA's layout; gradients over NaN poison (an element not written stays NaN and differs)
+    real *out = nan_ralloc(nv), *att = nan_ralloc(natt), *dq = nan_ralloc(nqk), *d_kv = nan_ralloc(nkv),
+         *d_k_rope = nan_ralloc(nr);
+    cpu_attention_forward(out, att, q, kv, Dr > 0 ? k_rope : NULL, B, T, H, Dn, Dr, Dv);
+    cpu_attention_backward(dq, d_kv, d_k_rope, dout, att, q, kv, Dr > 0 ? k_rope : NULL, B, T, H, Dn, Dr, Dv);
+    assert_memory_equal(out, want_out, nv * sizeof(real));
+    assert_memory_equal(att, want_att, natt * sizeof(real));
+    assert_memory_equal(dq, want_dq, nqk * sizeof(real));
+    assert_memory_equal(d_kv, want_d_kv, nkv * sizeof(real));
+    if (nr > 0) assert_memory_equal(d_k_rope, want_d_k_rope, nr * sizeof(real));
+    // The inputs tell orders apart (heads summed in reverse give other bits), so the check above really pins
+    // head order 0, 1, ..., H-1 wherever there are three or more heads.
+    if (H >= 3 && nr >= 8) assert_memory_not_equal(reversed, want_d_k_rope, nr * sizeof(real));
+    tfree_all();
+}
+
+static void test_attention_per_head_bitwise(void **state) {
+    (void)state;
+    check_attention_per_head(2, 9, 4, 8, 4, 6, 1400);    // an MLA-like split: nope, rope and v all present
+    check_attention_per_head(1, 33, 16, 16, 8, 16, 1410); // many heads, and large enough to open the parallel regions
+    check_attention_per_head(2, 7, 3, 5, 3, 7, 1420);    // odd head dims
+    check_attention_per_head(1, 6, 3, 0, 6, 4, 1430);    // Dn = 0
+    check_attention_per_head(2, 6, 2, 6, 0, 5, 1440);    // Dr = 0
 }
 
 // Changing the query, key and value of position tf may not change anything at earlier positions:
 // outputs and probability rows for t < tf stay bitwise identical, and position tf itself changes.
 static void test_attention_causal(void **state) {
     (void)state;
-    const int B = 2, T = 9, H = 2, Dqk = 6, Dv = 5, tf = 5;
-    const size_t nqk = (size_t)B * T * H * Dqk, nv = (size_t)B * T * H * Dv, natt = (size_t)B * H * T * T;
-    real *q = ralloc(nqk), *k = ralloc(nqk), *v = ralloc(nv);
+    const int B = 2, T = 9, H = 2, Dn = 4, Dr = 2, Dv = 5, Dqk = Dn + Dr, ld = Dn + Dv, tf = 5;
+    const size_t nqk = (size_t)B * T * H * Dqk, nkv = (size_t)B * T * H * ld, nr = (size_t)B * T * Dr;
+    const size_t nv = (size_t)B * T * H * Dv, natt = (size_t)B * H * T * T;
+    real *q = ralloc(nqk), *kv = ralloc(nkv), *k_rope = ralloc(nr);
     real *out1 = ralloc(nv), *att1 = ralloc(natt), *out2 = ralloc(nv), *att2 = ralloc(natt);
     opcheck_fill_nonzero(q, nqk, 750, 0.1, 1.5);
-    opcheck_fill_nonzero(k, nqk, 751, 0.1, 1.5);
-    opcheck_fill_nonzero(v, nv, 752, 0.1, 1.0);
-    cpu_attention_forward(out1, att1, q, k, v, B, T, H, Dqk, Dv);
+    opcheck_fill_nonzero(kv, nkv, 751, 0.1, 1.5);
+    opcheck_fill_nonzero(k_rope, nr, 752, 0.1, 1.5);
+    cpu_attention_forward(out1, att1, q, kv, k_rope, B, T, H, Dn, Dr, Dv);
     for (int b = 0; b < B; b++)
         for (int t = tf; t < T; t++) {
             // the future rows get fresh random values (of the same kind)
             opcheck_fill_nonzero(AT(q, b, t, 0, Dqk), (size_t)H * Dqk, 760 + 10 * b + t, 0.1, 1.5);
-            opcheck_fill_nonzero(AT(k, b, t, 0, Dqk), (size_t)H * Dqk, 860 + 10 * b + t, 0.1, 1.5);
-            opcheck_fill_nonzero(AT(v, b, t, 0, Dv), (size_t)H * Dv, 960 + 10 * b + t, 0.1, 1.0);
+            opcheck_fill_nonzero(AT(kv, b, t, 0, ld), (size_t)H * ld, 860 + 10 * b + t, 0.1, 1.5);
+            opcheck_fill_nonzero(k_rope + ((size_t)b * T + t) * Dr, (size_t)Dr, 960 + 10 * b + t, 0.1, 1.5);
         }
-    cpu_attention_forward(out2, att2, q, k, v, B, T, H, Dqk, Dv);
+    cpu_attention_forward(out2, att2, q, kv, k_rope, B, T, H, Dn, Dr, Dv);
     for (int b = 0; b < B; b++) {
         assert_memory_equal(AT(out1, b, 0, 0, Dv), AT(out2, b, 0, 0, Dv), (size_t)tf * H * Dv * sizeof(real));
         assert_memory_not_equal(AT(out1, b, tf, 0, Dv), AT(out2, b, tf, 0, Dv), (size_t)H * Dv * sizeof(real));
@@ -864,78 +1037,6 @@ static void test_crossentropy(void **state) {
     check_crossentropy(3, 1000, 820);
 }
 
-// ---------------------------------------------------------------------------- row broadcast and its sum
-// broadcast_rows and sum_row_groups replace MLA's loops of `repeat` copy_block calls (one per head) and must
-// give their bits: a data move, and the same rounded additions in the same order. The reference here is
-// the loop itself. dst rows are wider than the block (ld > cols) and start from random values, so a write
-// outside the block, or one missed inside it, shows. Shapes: MLA's (the rope part of (N, H, dqk) keys: an
-// offset, ld dqk), single elements, repeat 1, and one large enough to open the parallel region.
-typedef struct {
-    int rows, cols, repeat, group_ld, shared_ld, offset;  // group_ld: ld of the rows*repeat side
-} GroupCase;
-
-static const GroupCase group_cases[] = {
-    {37, 8, 16, 24, 8, 16}, {37, 64, 16, 192, 64, 128}, {1, 1, 1, 1, 1, 0}, {5, 3, 1, 7, 4, 2},
-    {3, 5, 7, 9, 6, 1},     {300, 20, 16, 23, 21, 3},
-};
-
-static void test_broadcast_rows(void **state) {
-    (void)state;
-    for (size_t t = 0; t < sizeof(group_cases) / sizeof(group_cases[0]); t++) {
-        const GroupCase *g = &group_cases[t];
-        const int ld = g->group_ld;
-        const size_t nsrc = (size_t)g->rows * g->shared_ld, ndst = (size_t)g->rows * g->repeat * ld;
-        real *src = ralloc(nsrc), *dst0 = ralloc(ndst), *got = ralloc(ndst), *want = ralloc(ndst);
-        opcheck_fill_nonzero(src, nsrc, 1000 + t, 0.01, 2.0);
-        opcheck_fill_nonzero(dst0, ndst, 1100 + t, 0.01, 2.0);
-        memcpy(got, dst0, ndst * sizeof(real));
-        memcpy(want, dst0, ndst * sizeof(real));
-        cpu_broadcast_rows(got + g->offset, ld, src, g->shared_ld, g->rows, g->cols, g->repeat);
-        for (int j = 0; j < g->repeat; j++)
-            cpu_copy_block(want + g->offset + (size_t)j * ld, g->repeat * ld, src, g->shared_ld, g->rows, g->cols, 0);
-        assert_memory_equal(got, want, ndst * sizeof(real));
-        // and independently of copy_block: row r*repeat + j is src row r, the rest is untouched
-        for (size_t i = 0; i < ndst; i++) {
-            const size_t q = i / ld, c = i % ld;
-            const int inside = (int)c >= g->offset && (int)c < g->offset + g->cols;
-            const real expect = inside ? src[q / g->repeat * g->shared_ld + (c - g->offset)] : dst0[i];
-            assert_memory_equal(&got[i], &expect, sizeof(real));
-        }
-    }
-    tfree_all();
-}
-
-static void test_sum_row_groups(void **state) {
-    (void)state;
-    for (size_t t = 0; t < sizeof(group_cases) / sizeof(group_cases[0]); t++) {
-        const GroupCase *g = &group_cases[t];
-        const int ld = g->shared_ld;
-        const size_t nsrc = (size_t)g->rows * g->repeat * g->group_ld, ndst = (size_t)g->rows * ld;
-        real *src = ralloc(nsrc), *dst0 = ralloc(ndst), *got = ralloc(ndst), *want = ralloc(ndst), *rev = ralloc(ndst);
-        opcheck_fill_nonzero(src, nsrc, 1200 + t, 0.01, 2.0);
-        opcheck_fill_nonzero(dst0, ndst, 1300 + t, 0.01, 2.0);
-        memcpy(got, dst0, ndst * sizeof(real));
-        memcpy(want, dst0, ndst * sizeof(real));
-        memcpy(rev, dst0, ndst * sizeof(real));
-        cpu_sum_row_groups(got, ld, src + g->offset, g->group_ld, g->rows, g->cols, g->repeat);
-        for (int j = 0; j < g->repeat; j++)
-            cpu_copy_block(want, ld, src + g->offset + (size_t)j * g->group_ld, g->repeat * g->group_ld, g->rows,
-                           g->cols, 1);
-        assert_memory_equal(got, want, ndst * sizeof(real));
-        for (size_t i = 0; i < ndst; i++)
-            if ((int)(i % ld) >= g->cols) assert_memory_equal(&got[i], &dst0[i], sizeof(real));
-        // The inputs tell orders apart (heads summed in reverse give other bits), so the check above
-        // really pins head order 0, 1, ..., repeat-1 wherever there are three or more terms.
-        if (g->repeat >= 3 && g->rows * g->cols >= 8) {
-            for (int j = g->repeat - 1; j >= 0; j--)
-                cpu_copy_block(rev, ld, src + g->offset + (size_t)j * g->group_ld, g->repeat * g->group_ld, g->rows,
-                               g->cols, 1);
-            assert_memory_not_equal(rev, want, ndst * sizeof(real));
-        }
-    }
-    tfree_all();
-}
-
 // ---------------------------------------------------------------------------- determinism
 // Runs every op once with `threads` OpenMP threads on fixed inputs (large enough that each op opens
 // its parallel region) and returns the concatenated outputs.
@@ -949,8 +1050,10 @@ static void append(Outputs *o, const real *x, size_t n) {
     o->n += n;
 }
 
-enum { DET_N = 150, DET_C = 64, DET_OC = 100, DET_V = 300, DET_B = 2, DET_T = 40, DET_H = 3, DET_DQK = 24,
-       DET_DV = 16 };
+enum { DET_N = 150, DET_C = 64, DET_OC = 100, DET_V = 300, DET_B = 2, DET_T = 40, DET_H = 3 };
+// attention: B H T^2 (Dqk + Dv) = 6.6M (threshold 65k), and the heads' sum of the rope-key gradients
+// B T Dr H = 73.7k (threshold 65k)
+enum { DET_AB = 1, DET_AT = 72, DET_AH = 16, DET_DN = 8, DET_DR = 64, DET_DV = 8 };
 
 static void run_all_ops(Outputs *o, int threads) {
     omp_set_num_threads(threads);
@@ -1003,21 +1106,15 @@ static void run_all_ops(Outputs *o, int threads) {
     cpu_rope_backward(drot, g, 96, DET_B, DET_T, DET_H, 96, 10000);
     append(o, rot, nrope); append(o, drot, nrope);
 
-    // attention: B H T^2 (Dqk + Dv) = 384k (threshold 65k); q, k, v, dout are slices of x and g
-    const size_t nqk = (size_t)DET_B * DET_T * DET_H * DET_DQK, nv = (size_t)DET_B * DET_T * DET_H * DET_DV;
-    const size_t natt = (size_t)DET_B * DET_H * DET_T * DET_T;
-    real *att = ralloc(natt), *ao = ralloc(nv), *dq = ralloc(nqk), *dk = ralloc(nqk), *dv = ralloc(nv);
-    cpu_attention_forward(ao, att, x, x + nqk, g, DET_B, DET_T, DET_H, DET_DQK, DET_DV);
-    cpu_attention_backward(dq, dk, dv, g + nv, att, x, x + nqk, g, DET_B, DET_T, DET_H, DET_DQK, DET_DV);
-    append(o, ao, nv); append(o, att, natt); append(o, dq, nqk); append(o, dk, nqk); append(o, dv, nv);
-
-    // the MLA rope-key broadcast and its sum over 16 heads: 250 x 16 x 20 = 80k elements (threshold 65k)
-    const int GR = 250, GH = 16, GC = 20;
-    real *bc = ralloc((size_t)GR * GH * GC), *gsum = ralloc((size_t)GR * GC);
-    memcpy(gsum, g, (size_t)GR * GC * sizeof(real));
-    cpu_broadcast_rows(bc, GC, x, GC, GR, GC, GH);
-    cpu_sum_row_groups(gsum, GC, x, GC, GR, GC, GH);
-    append(o, bc, (size_t)GR * GH * GC); append(o, gsum, (size_t)GR * GC);
+    // attention (sizes above); q is a slice of x, kv, k_rope and dout slices of g
+    const size_t an = (size_t)DET_AB * DET_AT, nqk = an * DET_AH * (DET_DN + DET_DR);
+    const size_t nkv = an * DET_AH * (DET_DN + DET_DV), nkr = an * DET_DR, nv = an * DET_AH * DET_DV;
+    const size_t natt = (size_t)DET_AB * DET_AH * DET_AT * DET_AT;
+    real *att = ralloc(natt), *ao = ralloc(nv), *dq = ralloc(nqk), *d_kv = ralloc(nkv), *d_kr = ralloc(nkr);
+    const real *kv = g, *k_rope = g + nkv, *dout = g + nkv + nkr;
+    cpu_attention_forward(ao, att, x, kv, k_rope, DET_AB, DET_AT, DET_AH, DET_DN, DET_DR, DET_DV);
+    cpu_attention_backward(dq, d_kv, d_kr, dout, att, x, kv, k_rope, DET_AB, DET_AT, DET_AH, DET_DN, DET_DR, DET_DV);
+    append(o, ao, nv); append(o, att, natt); append(o, dq, nqk); append(o, d_kv, nkv); append(o, d_kr, nkr);
 }
 
 static void test_deterministic_across_threads(void **state) {
@@ -1047,10 +1144,9 @@ int main(void) {
         cmocka_unit_test(test_rope),
         cmocka_unit_test(test_rope_large_positions),
         cmocka_unit_test(test_attention),
+        cmocka_unit_test(test_attention_per_head_bitwise),
         cmocka_unit_test(test_attention_causal),
         cmocka_unit_test(test_crossentropy),
-        cmocka_unit_test(test_broadcast_rows),
-        cmocka_unit_test(test_sum_row_groups),
         cmocka_unit_test(test_deterministic_across_threads),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
