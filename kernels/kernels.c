@@ -334,6 +334,15 @@ int fp8_quantize_128x1_transposed_grouped(Device dev, uint8_t *q, float *s, cons
     return cpu_fp8_quantize_128x1_transposed_grouped(q, s, x, x_rows, n_seg, rows0, C, err, err_size);
 }
 
+void fp8_gather_1x128_grouped(Device dev, uint8_t *q, float *s, const uint8_t *qx, const float *sx, int x_n,
+                              const int *x_rows, int n_seg, const int *rows0, int K) {
+#ifdef FP8MOE_CUDA
+    if (dev == DEVICE_CUDA) { cuda_fp8_gather_1x128_grouped(q, s, qx, sx, x_n, x_rows, n_seg, rows0, K); return; }
+#endif
+    if (dev != DEVICE_CPU) no_cuda_op("fp8_gather_1x128_grouped");
+    cpu_fp8_gather_1x128_grouped(q, s, qx, sx, x_n, x_rows, n_seg, rows0, K);
+}
+
 int fp8_quantize_both_layouts_grouped(Device dev, uint8_t *q1, float *s1, uint8_t *q2, float *s2, const real *x,
                                       int n_seg, const int *rows0, int C, char *err, size_t err_size) {
 #ifdef FP8MOE_CUDA
@@ -359,7 +368,7 @@ int fp8_quantize_combine_grad_both_layouts_grouped(Device dev, uint8_t *q1, floa
 }
 
 int fp8_quantize_swiglu_1x128_grouped(Device dev, uint8_t *q, float *s, SwigluValue value, const real *dout,
-                                      const real *a, const real *b, int n_seg, const int *rows0, int C, char *err,
+                                      const uint16_t *a, const uint16_t *b, int n_seg, const int *rows0, int C, char *err,
                                       size_t err_size) {
 #ifdef FP8MOE_CUDA
     if (dev == DEVICE_CUDA)
@@ -370,7 +379,7 @@ int fp8_quantize_swiglu_1x128_grouped(Device dev, uint8_t *q, float *s, SwigluVa
 }
 
 int fp8_quantize_swiglu_128x1_transposed_grouped(Device dev, uint8_t *q, float *s, SwigluValue value,
-                                                 const real *dout, const real *a, const real *b, int n_seg,
+                                                 const real *dout, const uint16_t *a, const uint16_t *b, int n_seg,
                                                  const int *rows0, int C, char *err, size_t err_size) {
 #ifdef FP8MOE_CUDA
     if (dev == DEVICE_CUDA)
@@ -382,7 +391,7 @@ int fp8_quantize_swiglu_128x1_transposed_grouped(Device dev, uint8_t *q, float *
 }
 
 int fp8_quantize_swiglu_both_layouts_grouped(Device dev, uint8_t *q1, float *s1, uint8_t *q2, float *s2,
-                                             SwigluValue value, const real *dout, const real *a, const real *b,
+                                             SwigluValue value, const real *dout, const uint16_t *a, const uint16_t *b,
                                              int n_seg, const int *rows0, int C, char *err, size_t err_size) {
 #ifdef FP8MOE_CUDA
     if (dev == DEVICE_CUDA)
@@ -396,7 +405,7 @@ int fp8_quantize_swiglu_both_layouts_grouped(Device dev, uint8_t *q1, float *s1,
 
 int fp8_quantize_swiglu_grads_both_layouts_grouped(Device dev, uint8_t *qa1, float *sa1, uint8_t *qa2, float *sa2,
                                                    uint8_t *qb1, float *sb1, uint8_t *qb2, float *sb2,
-                                                   const real *dout, const real *a, const real *b, int n_seg,
+                                                   const real *dout, const uint16_t *a, const uint16_t *b, int n_seg,
                                                    const int *rows0, int C, char *err, size_t err_size) {
 #ifdef FP8MOE_CUDA
     if (dev == DEVICE_CUDA)
@@ -435,6 +444,15 @@ void fp8_gemm_dgrad(Device dev, real *dx, const uint8_t *qdy, const float *sdy, 
 // The residual of the grouped Fprops: on the CPU the reference's own order, the product then add_inplace.
 static void add_residual(real *y, const real *residual, int n_seg, const int *rows0, int N) {
     if (residual != NULL && n_seg > 0) cpu_add_inplace(y, residual, (int64_t)rows0[n_seg] * N);
+}
+
+void fp8_gemm_fprop_grouped_bf16(Device dev, uint16_t *y, const uint8_t *qx, const float *sx, const uint8_t *const *qw,
+                                 const float *const *sw, int n_seg, const int *rows0, int N, int K) {
+#ifdef FP8MOE_CUDA
+    if (dev == DEVICE_CUDA) { cuda_fp8_gemm_fprop_grouped_bf16(y, qx, sx, qw, sw, n_seg, rows0, N, K); return; }
+#endif
+    if (dev != DEVICE_CPU) no_cuda_op("fp8_gemm_fprop_grouped_bf16");
+    cpu_fp8_gemm_fprop_grouped_bf16(y, qx, sx, qw, sw, n_seg, rows0, N, K);
 }
 
 void fp8_gemm_fprop_grouped(Device dev, real *y, const real *residual, const uint8_t *qx, const float *sx,

@@ -284,13 +284,23 @@ int fp8_quantize_128x1_transposed_grouped(Device dev, uint8_t *q, float *s, cons
                                           int n_seg, const int *rows0, int C, char *err, size_t err_size);
 int fp8_quantize_both_layouts_grouped(Device dev, uint8_t *q1, float *s1, uint8_t *q2, float *s2, const real *x,
                                       int n_seg, const int *rows0, int C, char *err, size_t err_size);
+// The grouped 1x128 operand of x's rows x_rows[r] (as fp8_quantize_1x128_grouped(x, x_rows) writes it) taken from
+// x's own 1x128 operand qx (R16x, Kp), sx (KB, R16x) of x_n rows (fp8_quantize_1x128 or the 1x128 half of
+// fp8_quantize_both_layouts): a row's 1x128 tiles depend on that row alone, so copying its bytes and scales gives
+// the same bits while reading 1 byte per element instead of 4 (the routed experts' top-K token rows, from the
+// operand the shared expert made of the same rows). Padding rows as the quantiser writes them; x was checked for
+// non-finite values when qx was made. x_rows (on dev) must lie in [0, x_n); the CPU checks it.
+void fp8_gather_1x128_grouped(Device dev, uint8_t *q, float *s, const uint8_t *qx, const float *sx, int x_n,
+                              const int *x_rows, int n_seg, const int *rows0, int K);
 // SwiGLU values quantised as they are computed (fp8 mode's FFNs): `value` of (dout,) a, b (rows0[n_seg], C) -
 // SWIGLU_OUT, h = silu(a) * b as swiglu_forward computes it; SWIGLU_DA / SWIGLU_DB, da / db as swiglu_backward
 // computes them from dout - goes through the grouped quantiser of the same name as an array holding it would,
 // bit for bit. On CUDA no such array is written: the FFN gate's output (w2's Fprop and Wgrad input) and
-// gradients (w1's and w3's dY) never exist in FP32 (the CPU reference computes the array, then quantises it). a, b and dout are in segment order (no row index); dout is read only
-// for DA and DB, b only for OUT and DA (pass NULL otherwise). A non-finite value is reported at its row and
-// column, as the plain quantiser reports it.
+// gradients (w1's and w3's dY) never exist in FP32 (the CPU reference computes the array, then quantises it).
+// a and b are the gate's inputs as w1's and w3's Fprops leave them, BF16 (fp8_gemm_fprop_grouped_bf16: row stride
+// round_up(C, 128)), read as the FP32 values they are; dout is FP32 (rows0[n_seg], C). All in segment order (no
+// row index); dout is read only for DA and DB, b only for OUT and DA (pass NULL otherwise). A non-finite value is
+// reported at its row and column, as the plain quantiser reports it.
 typedef enum { SWIGLU_OUT, SWIGLU_DA, SWIGLU_DB } SwigluValue;
 // The routed experts' output gradient (w2's dY, fp8 mode with the experts reading token rows) read through the
 // routing plan: row s of the segments is topk_w[t,k] * dout[t] (one FP32 product) for the token t = seg_token[s]
@@ -302,13 +312,13 @@ int fp8_quantize_combine_grad_both_layouts_grouped(Device dev, uint8_t *q1, floa
                                                    const real *topk_w, int K, int n_seg, const int *rows0, int C,
                                                    char *err, size_t err_size);
 int fp8_quantize_swiglu_1x128_grouped(Device dev, uint8_t *q, float *s, SwigluValue value, const real *dout,
-                                      const real *a, const real *b, int n_seg, const int *rows0, int C, char *err,
+                                      const uint16_t *a, const uint16_t *b, int n_seg, const int *rows0, int C, char *err,
                                       size_t err_size);
 int fp8_quantize_swiglu_128x1_transposed_grouped(Device dev, uint8_t *q, float *s, SwigluValue value,
-                                                 const real *dout, const real *a, const real *b, int n_seg,
+                                                 const real *dout, const uint16_t *a, const uint16_t *b, int n_seg,
                                                  const int *rows0, int C, char *err, size_t err_size);
 int fp8_quantize_swiglu_both_layouts_grouped(Device dev, uint8_t *q1, float *s1, uint8_t *q2, float *s2,
-                                             SwigluValue value, const real *dout, const real *a, const real *b,
+                                             SwigluValue value, const real *dout, const uint16_t *a, const uint16_t *b,
                                              int n_seg, const int *rows0, int C, char *err, size_t err_size);
 // Both SwiGLU gradients in one pass (the FFN backward's w1 and w3 dY): da into (qa1, sa1, qa2, sa2) and db into
 // (qb1, sb1, qb2, sb2), each exactly what fp8_quantize_swiglu_both_layouts_grouped(SWIGLU_DA / SWIGLU_DB, dout, a,
@@ -319,7 +329,7 @@ int fp8_quantize_swiglu_both_layouts_grouped(Device dev, uint8_t *q1, float *s1,
 // swiglu_backward"), and as two calls in the CUDA call log. On the CPU a bad da returns before db is written.
 int fp8_quantize_swiglu_grads_both_layouts_grouped(Device dev, uint8_t *qa1, float *sa1, uint8_t *qa2, float *sa2,
                                                    uint8_t *qb1, float *sb1, uint8_t *qb2, float *sb2,
-                                                   const real *dout, const real *a, const real *b, int n_seg,
+                                                   const real *dout, const uint16_t *a, const uint16_t *b, int n_seg,
                                                    const int *rows0, int C, char *err, size_t err_size);
 
 // FP8 GEMMs, partial sums promoted to FP32 every 128 elements of the contraction axis (each 128-block's
@@ -365,6 +375,14 @@ typedef struct {
 // residual branch after MLA's output projection).
 void fp8_gemm_fprop_grouped(Device dev, real *y, const real *residual, const uint8_t *qx, const float *sx,
                             const uint8_t *const *qw, const float *const *sw, int n_seg, const int *rows0, int N, int K);
+// The same Fprop with its BF16 product left as it is (the SwiGLU gate's a and b, which only the
+// fp8_quantize_swiglu_* quantisers read): y BF16 bits with row stride round_up(N, 128), row rows0[g] + r of
+// segment g = the BF16 value fp8_gemm_fprop_grouped converts, columns N.. of a row 0. y holds rows0[n_seg] + 15 rows:
+// on CUDA each segment's GEMM writes straight into y, all its rows padded to 16, so its padding rows land on the next
+// segment's first rows before that segment's GEMM (later on the stream) writes them, and past the last segment on
+// 15 rows of scratch. No conversion pass, and half the bytes of FP32.
+void fp8_gemm_fprop_grouped_bf16(Device dev, uint16_t *y, const uint8_t *qx, const float *sx, const uint8_t *const *qw,
+                                 const float *const *sw, int n_seg, const int *rows0, int N, int K);
 void fp8_gemm_dgrad_grouped(Device dev, real *dx, GradStore store, const DgradUnpermute *unpermute, int n_mats,
                             const uint8_t *const *qdy, const float *const *sdy, const uint8_t *const *const *qwt,
                             const float *const *const *sw, int n_seg, const int *rows0, int N, int K);

@@ -71,11 +71,15 @@ static void mla_acts_alloc(ActsArena *ar, MlaActs *a, const Dims *d, const Layer
 }
 
 // rows of x in n_groups groups (the routed experts: their local experts' segments, x read through the routing
-// plan and not kept); keep: keep the Wgrad operands (fp8).
+// plan and not kept); keep (fp8 mode): keep the Wgrad operands, and the gate's inputs in BF16.
 static void ffn_acts_alloc(ActsArena *ar, FfnActs *a, int64_t rows, int n_groups, int D, int width,
                            const LayerScratch *s, int keep) {
-    a->a = ARENA_REALS(ar, rows * width);
-    a->b = ARENA_REALS(ar, rows * width);
+    if (keep) {  // fp8: the Fprops' BF16 products, with 15 rows of scratch (kernels.h fp8_gemm_fprop_grouped_bf16)
+        const size_t bytes = (size_t)(rows + 15) * (size_t)((width + FP8_TILE - 1) / FP8_TILE * FP8_TILE) * 2;
+        a->gate.a16 = arena_alloc(ar, bytes), a->gate.b16 = arena_alloc(ar, bytes);
+    } else {
+        a->gate.a = ARENA_REALS(ar, rows * width), a->gate.b = ARENA_REALS(ar, rows * width);
+    }
     a->h = s->t_h;
     a->x_kept = kept_alloc(ar, keep && n_groups == 1, rows, 1, D);
     a->h_kept = kept_alloc(ar, keep, rows, n_groups, width);
@@ -109,10 +113,11 @@ void block_acts_alloc(ActsArena *ar, BlockActs *a, const Dims *d, int is_moe, co
     ffn_acts_alloc(ar, &e->experts, NK, d->E, D, d->I, s, keep_inputs);
     e->eout = ARENA_REALS(ar, NK * D);
     ffn_acts_alloc(ar, &e->shared, N, 1, D, d->shared_I, s, keep_inputs);
+    e->experts.x_fprop = e->shared.x_fprop = s->t_x_fprop;
 }
 
 void layer_scratch_alloc(ActsArena *ar, LayerScratch *s, const Dims *d, int has_moe, int needs_xp, int gate_values,
-                         int needs_d_eout) {
+                         int needs_d_eout, int shares_fprop) {
     int64_t N = d->N, NH = (int64_t)d->N * d->H, NK = (int64_t)d->N * d->K;
     s->t_xn = ARENA_REALS(ar, N * d->D);
     s->t_rstd = ARENA_REALS(ar, N);
@@ -143,6 +148,12 @@ void layer_scratch_alloc(ActsArena *ar, LayerScratch *s, const Dims *d, int has_
             s->d_xp = ARENA_REALS(ar, NK * d->D);
         }
         if (needs_d_eout) s->d_eout = ARENA_REALS(ar, NK * d->D);
+        if (shares_fprop) {
+            const int64_t R16 = (N + 15) / 16 * 16, KB = (d->D + FP8_TILE - 1) / FP8_TILE;
+            s->t_x_fprop = (SharedFprop){.q = arena_alloc(ar, (size_t)(R16 * KB * FP8_TILE)),
+                                         .s = arena_alloc(ar, sizeof(float) * (size_t)(KB * R16)), .rows = d->N,
+                                         .C = d->D};
+        }
     }
     if (gate_values) {
         s->t_h = ARENA_REALS(ar, ffn_elems);

@@ -60,13 +60,19 @@ typedef struct {
 } MlaActs;
 
 // ---------------------------------------------------------------------------- FFN and MoE
-// a = w1 x, b = w3 x (rows, width), kept for the backward; h = silu(a) * b (rows, width) is transient:
-// it points into the chunk's LayerScratch and ffn_backward recomputes it from a and b. fp8 mode keeps the Wgrad
+// a = w1 x, b = w3 x (rows, width), kept for the backward (linear.h SwigluGate: FP32, or BF16 in fp8 mode); h =
+// silu(a) * b (rows, width) is transient: it points into the chunk's LayerScratch and ffn_backward recomputes it from
+// a and b (fp8 mode computes it in its quantisers and does not write it). fp8 mode keeps the Wgrad
 // operands of x (not for the routed experts, whose rows are read through the routing plan) and of h (linear.h
 // KeptInput; q NULL where nothing is kept).
+// A MoE layer's shared and routed experts also share x's Fprop operand (fp8 with the experts reading token rows;
+// linear.h SharedFprop, a transient in the chunk's LayerScratch; q NULL otherwise): the shared expert writes it,
+// the routed experts copy their rows from it.
 typedef struct {
-    real *a, *b, *h;
+    SwigluGate gate;
+    real *h;
     KeptInput x_kept, h_kept;
+    SharedFprop x_fprop;
 } FfnActs;
 
 typedef struct {
@@ -116,15 +122,17 @@ typedef struct {
     real *d_logits, *d_scores, *d_topk_w; // router
     real *d_xp, *d_eout;                  // routed experts, (N*K, D); d_xp only where xp is gathered, d_eout
                                           // only where the combine backward writes it
+    SharedFprop t_x_fprop;                // FfnActs' x_fprop of MoE blocks (N, D), where shares_fprop
 } LayerScratch;
 
 // The chunk's scratch first (has_moe: any block of the chunk is a MoE block; needs_xp: its MoE blocks
 // gather their experts' inputs, !moe_experts_read_tokens; gate_values: the FFNs write their gate's h, d_a, d_b,
 // as bf16 and fp32 do - fp8 computes them in its quantisers, linear.h; needs_d_eout: the combine backward writes
-// the experts' output gradient, !moe_combine_grad_in_quantiser), then each block's activations, whose transients
-// point into it; keep_inputs (fp8 mode): the blocks keep their Linear inputs' Wgrad operands (MlaActs, FfnActs).
+// the experts' output gradient, !moe_combine_grad_in_quantiser; shares_fprop: the MoE blocks' experts share their
+// input's Fprop operand, FfnActs), then each block's activations, whose transients point into it; keep_inputs (fp8
+// mode): the blocks keep their Linear inputs' Wgrad operands (MlaActs, FfnActs).
 void layer_scratch_alloc(ActsArena *arena, LayerScratch *s, const Dims *d, int has_moe, int needs_xp,
-                         int gate_values, int needs_d_eout);
+                         int gate_values, int needs_d_eout, int shares_fprop);
 void block_acts_alloc(ActsArena *arena, BlockActs *a, const Dims *d, int is_moe, const LayerScratch *s,
                       int keep_inputs);
 

@@ -1,6 +1,8 @@
 /*
  * linear.c - block Linear layers in the precision mode of the job (see linear.h). In fp8 mode every
- * call quantises its activation operands afresh; a weight's 128x128 quantisation (q, its transpose and
+ * call quantises its activation operands afresh, except an input's Wgrad operand that the forward made in
+ * the same pass as its Fprop operand and the block kept (linear.h KeptInput); a weight's 128x128
+ * quantisation (q, its transpose and
  * the scales) is a pure function of the FP32 master weight, so it is kept in a cache and recomputed only
  * when the weights changed (model_weights_changed): once per Linear per optimizer step instead of twice
  * per micro-batch, with the same bits. Activations are quantised once per call for every Linear that
@@ -335,14 +337,15 @@ typedef struct {
     const real *x;
     const int *rows;
     SwigluValue value;
-    const real *dout, *a, *b;
+    const real *dout;
+    const uint16_t *a, *b;  // the SwiGLU gate's BF16 inputs (linear.h SwigluGate)
     const CombineGrad *combine;
 } Operand;
 
 static Operand array_operand(const real *x, const int *rows) {
     return (Operand){.kind = OPERAND_ARRAY, .x = x, .rows = rows};
 }
-static Operand swiglu_operand(SwigluValue value, const real *dout, const real *a, const real *b) {
+static Operand swiglu_operand(SwigluValue value, const real *dout, const uint16_t *a, const uint16_t *b) {
     return (Operand){.kind = OPERAND_SWIGLU, .value = value, .dout = dout, .a = a, .b = b};
 }
 
@@ -464,21 +467,52 @@ static int group_weights(Model *m, int slot, int n_groups, const int *offsets, c
     return used;
 }
 
+// The Fprop operand `fprop` (linear.h SharedFprop) holds for an input of groups z (one group: written) and C
+// columns, or {NULL, NULL} when none is given.
+static Fp8Operand shared_fprop_operand(const SharedFprop *fprop, int writes, int rows, int C) {
+    if (fprop == NULL || fprop->q == NULL) return (Fp8Operand){NULL, NULL};
+    if (fprop->C != C || (writes && fprop->rows != rows)) {
+        fprintf(stderr, "fp8moe: train/linear.c: internal error: a shared Fprop operand of %d rows x %d columns given "
+                        "for %d rows x %d columns\n", fprop->rows, fprop->C, rows, C);
+        exit(1);
+    }
+    return (Fp8Operand){fprop->q, fprop->s};
+}
+
 // fp8 Fprop: out[i] rows of group g = inp rows of g @ (slice g of weight[i] (OC[i], C))^T. The input is quantised
-// once, for every group and every weight, and into its kept Wgrad operand in the same pass (`kept`); each
-// weight's groups are one grouped GEMM call (one output conversion on CUDA).
-static void fp8_forward(Model *m, int n_groups, const int *offsets, int n_out, real *const *out, const Operand *inp,
-                        const real *const *weight, int C, const int *OC, const real *residual, KeptInput *kept) {
+// once, for every group and every weight, and into its kept Wgrad operand in the same pass (`kept`), or its rows
+// are copied from the operand a call in token order shared (`fprop`, inp read through rows); each weight's groups
+// are one grouped GEMM call (one output conversion on CUDA; with out_bf16 instead of out, none: the BF16 products
+// are the outputs, kernels.h fp8_gemm_fprop_grouped_bf16).
+static void fp8_forward(Model *m, int n_groups, const int *offsets, int n_out, real *const *out,
+                        uint16_t *const *out_bf16, const Operand *inp, const real *const *weight, int C, const int *OC,
+                        const real *residual, KeptInput *kept, SharedFprop *fprop) {
     const GroupSizes z = group_sizes(n_groups, offsets);
     scratch_reserve(m, fprop_bytes(z, C));
     size_t used = 0;
-    const Fp8Operand x = take_1x128(m, &used, z, C), xt = kept_operand(kept, z, C);
-    if (xt.q != NULL) quantize_both(m, x, xt, inp, n_groups, offsets, C, "an activation (Fprop X, kept Wgrad X)");
-    else quantize_1x128(m, x, inp, n_groups, offsets, C, "an activation (Fprop X)");
+    const int gathers = inp->kind == OPERAND_ARRAY && inp->rows != NULL;
+    if (fprop != NULL && fprop->q != NULL && !gathers && n_groups != 1) {
+        fprintf(stderr, "fp8moe: train/linear.c: internal error: a shared Fprop operand written by %d groups\n",
+                n_groups);
+        exit(1);
+    }
+    const Fp8Operand shared = shared_fprop_operand(fprop, !gathers, offsets[n_groups], C);
+    const Fp8Operand x = shared.q != NULL && !gathers ? shared : take_1x128(m, &used, z, C), xt = kept_operand(kept, z, C);
+    if (shared.q != NULL && gathers) {
+        profile_begin(PHASE_QUANTISE);
+        fp8_gather_1x128_grouped(m->dev, x.q, x.s, shared.q, shared.s, fprop->rows, inp->rows, n_groups, offsets, C);
+        profile_end(PHASE_QUANTISE);
+    } else if (xt.q != NULL) {
+        quantize_both(m, x, xt, inp, n_groups, offsets, C, "an activation (Fprop X, kept Wgrad X)");
+    } else {
+        quantize_1x128(m, x, inp, n_groups, offsets, C, "an activation (Fprop X)");
+    }
     const struct LinearWeightCache *c = m->weight_cache;
     for (int i = 0; i < n_out; i++) {
         m->fp8_gemm_count += group_weights(m, 0, n_groups, offsets, weight[i], OC[i], C);
-        fp8_gemm_fprop_grouped(m->dev, out[i], residual, x.q, x.s, c->q, c->s, n_groups, offsets, OC[i], C);
+        if (out_bf16 != NULL)
+            fp8_gemm_fprop_grouped_bf16(m->dev, out_bf16[i], x.q, x.s, c->q, c->s, n_groups, offsets, OC[i], C);
+        else fp8_gemm_fprop_grouped(m->dev, out[i], residual, x.q, x.s, c->q, c->s, n_groups, offsets, OC[i], C);
     }
 }
 
@@ -612,7 +646,7 @@ static void check_inp_rows(const Model *m, const int *inp_rows) {
 // the output (linear_forward_residual).
 static void forward_grouped(Model *m, int n_groups, const int *offsets, int n_out, real *const *out, const real *inp,
                             const int *inp_rows, const real *const *weight, int C, const int *OC, const real *residual,
-                            KeptInput *kept) {
+                            KeptInput *kept, SharedFprop *fprop) {
     if (n_out > MAX_SHARED) too_many_shared(n_out);
     if (residual != NULL && n_out != 1) {
         fprintf(stderr, "fp8moe: train/linear.c: internal error: a residual with %d Linears (only one takes it)\n",
@@ -623,7 +657,7 @@ static void forward_grouped(Model *m, int n_groups, const int *offsets, int n_ou
     profile_begin(PHASE_OTHER_GEMM);  // the caller may make it an expert GEMM (kernels/profile.h)
     if (m->cfg.precision.mode == PRECISION_FP8) {
         const Operand x = array_operand(inp, inp_rows);
-        fp8_forward(m, n_groups, offsets, n_out, out, &x, weight, C, OC, residual, kept);
+        fp8_forward(m, n_groups, offsets, n_out, out, NULL, &x, weight, C, OC, residual, kept, fprop);
     } else if (m->cfg.precision.mode == PRECISION_BF16) {
         bf16_forward(m, n_groups, offsets, n_out, out, inp, inp_rows, weight, C, OC, residual);
     } else {
@@ -639,23 +673,24 @@ static void forward_grouped(Model *m, int n_groups, const int *offsets, int n_ou
 }
 
 void linear_forward_grouped(Model *m, int n_groups, const int *offsets, int n_out, real *const *out, const real *inp,
-                            const int *inp_rows, const real *const *weight, int C, int OC, KeptInput *kept) {
+                            const int *inp_rows, const real *const *weight, int C, int OC, KeptInput *kept,
+                            SharedFprop *fprop) {
     int widths[MAX_SHARED];
     if (n_out > MAX_SHARED) too_many_shared(n_out);
     for (int i = 0; i < n_out; i++) widths[i] = OC;
-    forward_grouped(m, n_groups, offsets, n_out, out, inp, inp_rows, weight, C, widths, NULL, kept);
+    forward_grouped(m, n_groups, offsets, n_out, out, inp, inp_rows, weight, C, widths, NULL, kept, fprop);
 }
 
 void linear_forward_shared(Model *m, int n_out, real *const *out, const real *inp, const real *const *weight, int N,
                            int C, const int *OC, KeptInput *kept) {
     const int offsets[2] = {0, N};
-    forward_grouped(m, 1, offsets, n_out, out, inp, NULL, weight, C, OC, NULL, kept);
+    forward_grouped(m, 1, offsets, n_out, out, inp, NULL, weight, C, OC, NULL, kept, NULL);
 }
 
 void linear_forward_residual(Model *m, real *out, const real *inp, const real *weight, const real *residual, int N,
                              int C, int OC, KeptInput *kept) {
     const int offsets[2] = {0, N};
-    forward_grouped(m, 1, offsets, 1, &out, inp, NULL, &weight, C, &OC, residual, kept);
+    forward_grouped(m, 1, offsets, 1, &out, inp, NULL, &weight, C, &OC, residual, kept, NULL);
 }
 
 void linear_backward(Model *m, real *dinp, GradStore dinp_store, real *dweight, const real *dout, const real *inp,
@@ -708,21 +743,32 @@ void linear_backward_grouped(Model *m, int n_groups, const int *offsets, int n_o
     profile_end(PHASE_OTHER_GEMM);
 }
 
-void linear_forward_swiglu_grouped(Model *m, int n_groups, const int *offsets, real *y, real *h, const real *a,
-                                   const real *b, const real *w2, int I, int D, KeptInput *h_kept) {
+void linear_forward_swiglu_grouped(Model *m, int n_groups, const int *offsets, const FfnWeights *w, const real *x,
+                                   const int *x_rows, const SwigluGate *gate, real *h, real *y, int D, int I,
+                                   KeptInput *x_kept, KeptInput *h_kept, SharedFprop *x_fprop) {
+    const real *const w13[2] = {w->w1, w->w3};
     if (m->cfg.precision.mode != PRECISION_FP8) {
-        swiglu_forward(m->dev, h, a, b, (int64_t)offsets[n_groups] * I);
-        linear_forward_grouped(m, n_groups, offsets, 1, &y, h, NULL, &w2, I, D, h_kept);
+        real *const ab[2] = {gate->a, gate->b};
+        linear_forward_grouped(m, n_groups, offsets, 2, ab, x, x_rows, w13, D, I, x_kept, x_fprop);
+        swiglu_forward(m->dev, h, gate->a, gate->b, (int64_t)offsets[n_groups] * I);
+        const real *const w2[1] = {w->w2};
+        linear_forward_grouped(m, n_groups, offsets, 1, &y, h, NULL, w2, I, D, h_kept, NULL);
         return;
     }
+    check_inp_rows(m, x_rows);
     profile_begin(PHASE_OTHER_GEMM);
-    const Operand x = swiglu_operand(SWIGLU_OUT, NULL, a, b);
-    fp8_forward(m, n_groups, offsets, 1, &y, &x, &w2, I, &D, NULL, h_kept);
+    // a and b stay the Fprops' BF16 products; h is computed from them by w2's quantisers
+    const Operand xin = array_operand(x, x_rows), hin = swiglu_operand(SWIGLU_OUT, NULL, gate->a16, gate->b16);
+    uint16_t *const ab16[2] = {gate->a16, gate->b16};
+    const int widths[2] = {I, I};
+    fp8_forward(m, n_groups, offsets, 2, NULL, ab16, &xin, w13, D, widths, NULL, x_kept, x_fprop);
+    const real *const w2[1] = {w->w2};
+    fp8_forward(m, n_groups, offsets, 1, &y, NULL, &hin, w2, I, &D, NULL, h_kept, NULL);
     profile_end(PHASE_OTHER_GEMM);
 }
 
 void linear_backward_swiglu_grouped(Model *m, int n_groups, const int *offsets, const FfnWeights *w,
-                                    const FfnWeights *g, const real *a, const real *b, const real *dy,
+                                    const FfnWeights *g, const SwigluGate *gate, const real *dy,
                                     const CombineGrad *dy_combine, const real *x, const int *x_rows, real *dx,
                                     GradStore dx_store, const DgradUnpermute *unpermute, const SwigluScratch *s, int D,
                                     int I, const KeptInput *x_kept, const KeptInput *h_kept) {
@@ -735,10 +781,10 @@ void linear_backward_swiglu_grouped(Model *m, int n_groups, const int *offsets, 
     }
     if (m->cfg.precision.mode != PRECISION_FP8) {
         const int64_t n = (int64_t)offsets[n_groups] * I;
-        swiglu_forward(m->dev, s->h, a, b, n);
+        swiglu_forward(m->dev, s->h, gate->a, gate->b, n);
         linear_backward_grouped(m, n_groups, offsets, 1, s->d_h, GRAD_WRITE, NULL, &g->w2, &dy, s->h, NULL, w2, I, D,
                                 h_kept);
-        swiglu_backward(m->dev, s->d_a, s->d_b, s->d_h, a, b, n);
+        swiglu_backward(m->dev, s->d_a, s->d_b, s->d_h, gate->a, gate->b, n);
         const real *const d_ab[2] = {s->d_a, s->d_b};
         linear_backward_grouped(m, n_groups, offsets, 2, dx, dx_store, unpermute, g13, d_ab, x, x_rows, w13, D, I,
                                 x_kept);
@@ -747,12 +793,13 @@ void linear_backward_swiglu_grouped(Model *m, int n_groups, const int *offsets, 
     check_inp_rows(m, x_rows);
     profile_begin(PHASE_OTHER_GEMM);
     // w2: X is h, computed in its Wgrad quantiser; d_h is written (the only producer)
-    const Operand h = swiglu_operand(SWIGLU_OUT, NULL, a, b);
+    const Operand h = swiglu_operand(SWIGLU_OUT, NULL, gate->a16, gate->b16);
     const Operand dy_w2 = dy_combine ? (Operand){.kind = OPERAND_COMBINE_GRAD, .combine = dy_combine}
                                      : array_operand(dy, NULL);
     fp8_backward(m, n_groups, offsets, 1, s->d_h, GRAD_WRITE, NULL, &g->w2, &dy_w2, &h, w2, I, D, h_kept);
     // w1 and w3: their dYs are swiglu_backward's da and db, computed in their quantisers from d_h
-    const Operand d_ab[2] = {swiglu_operand(SWIGLU_DA, s->d_h, a, b), swiglu_operand(SWIGLU_DB, s->d_h, a, NULL)};
+    const Operand d_ab[2] = {swiglu_operand(SWIGLU_DA, s->d_h, gate->a16, gate->b16),
+                             swiglu_operand(SWIGLU_DB, s->d_h, gate->a16, NULL)};
     const Operand xin = array_operand(x, x_rows);
     fp8_backward(m, n_groups, offsets, 2, dx, dx_store, unpermute, g13, d_ab, &xin, w13, D, I, x_kept);
     profile_end(PHASE_OTHER_GEMM);

@@ -34,6 +34,18 @@ typedef struct {
 // are padded to 128 rows).
 int linear_kept_tiles(int64_t rows, int n_groups);
 
+// An input's Fprop operand (1x128, kernels.h fp8_quantize_1x128 layout) shared by two Linear calls of one forward
+// (fp8 mode): the call that reads the input in token order writes it here instead of into scratch, and a later call
+// that reads rows of the same input through a row index (the routed experts' token rows, after the shared expert)
+// copies its rows' bytes and scales from here (kernels.h fp8_gather_1x128_grouped) instead of quantising the FP32
+// rows: 1 byte read per element instead of 4, the same bits. Holds `rows` rows of C columns; q NULL (bf16, fp32):
+// not used.
+typedef struct {
+    uint8_t *q;  // (round_up(rows, 16), round_up(C, 128))
+    float *s;    // (ceil(C / 128), round_up(rows, 16))
+    int rows, C;
+} SharedFprop;
+
 // inp (N, C), weight (OC, C) -> out (N, OC) = inp @ weight^T; `kept` (or NULL) as above.
 void linear_forward(Model *m, real *out, const real *inp, const real *weight, int N, int C, int OC, KeptInput *kept);
 // out = inp @ weight^T + residual (N, OC): the bits of linear_forward then add_inplace(out, residual); in fp8 and
@@ -63,9 +75,11 @@ void linear_backward_shared(Model *m, int n_out, real *dinp, GradStore dinp_stor
 // inp_rows (fp8 and bf16 modes; NULL in fp32): an array on the model's device of offsets[n_groups] row numbers,
 // row r of the groups' input being row inp_rows[r] of inp: the quantisers (bf16: the BF16 rounding) gather the
 // rows as they read them (the routed experts' token rows, with no gathered FP32 copy). The same numbers as a
-// gathered inp. An input read through inp_rows is never kept (`kept` NULL).
+// gathered inp. An input read through inp_rows is never kept (`kept` NULL). fprop (or NULL): a SharedFprop of inp,
+// written by a call without inp_rows (one group), read by a call with inp_rows.
 void linear_forward_grouped(Model *m, int n_groups, const int *offsets, int n_out, real *const *out, const real *inp,
-                            const int *inp_rows, const real *const *weight, int C, int OC, KeptInput *kept);
+                            const int *inp_rows, const real *const *weight, int C, int OC, KeptInput *kept,
+                            SharedFprop *fprop);
 // unpermute (with inp_rows; else NULL): dinp is then the gradient of inp itself, (unpermute->n_tok, C) in token
 // order (added to, or with GRAD_WRITE written as if added to zeros): row t gets the groups' input-gradient rows
 // unpermute->slot_of[t * topk + j] in order of j - what a slot-order dinp followed by moe_unpermute_backward gives,
@@ -74,16 +88,25 @@ void linear_backward_grouped(Model *m, int n_groups, const int *offsets, int n_o
                              const DgradUnpermute *unpermute, real *const *dweight, const real *const *dout,
                              const real *inp, const int *inp_rows, const real *const *weight, int C, int OC,
                              const KeptInput *kept);
-// The SwiGLU FFN's Linears around its gate (moe.c: the dense FFN, shared and routed experts): a = x w1^T and
-// b = x w3^T (linear_forward_grouped with n_out = 2), h = silu(a) * b, y = h w2^T, per group as above. These two
-// take the gate's values as operands: fp8 mode computes h, and in the backward da and db, inside the quantisers
-// that read them (kernels.h fp8_quantize_swiglu_*), so they never exist in FP32; bf16 and fp32 modes write them
-// to the caller's buffers with swiglu_forward / swiglu_backward first and run the Linears above. The same
-// numbers either way.
-// y (rows, D) = h w2^T; h (rows, I) is written in bf16 and fp32 modes only; h_kept (or NULL) keeps h's Wgrad
-// operand, computed from a and b in the same pass as its Fprop operand.
-void linear_forward_swiglu_grouped(Model *m, int n_groups, const int *offsets, real *y, real *h, const real *a,
-                                   const real *b, const real *w2, int I, int D, KeptInput *h_kept);
+// The SwiGLU FFN (moe.c: the dense FFN, shared and routed experts): a = x w1^T and b = x w3^T (w1, w3 (I, D)),
+// h = silu(a) * b, y = h w2^T (w2 (D, I)), per group as linear_forward_grouped, x's row r read through x_rows when
+// given. The gate's inputs a and b (rows, I), kept for the backward in a SwigluGate, are FP32 (a, b) in bf16 and fp32
+// modes; in fp8 mode they are the Fprops' BF16 products themselves (a16, b16: kernels.h fp8_gemm_fprop_grouped_bf16's
+// layout, rows + 15 rows of round_up(I, 128)), which only the SwiGLU quantisers read: half the bytes of FP32 and no
+// conversion pass, the same values. The gate's values are operands: fp8 mode computes h, and in the backward da and
+// db, inside the quantisers that read them (kernels.h fp8_quantize_swiglu_*), so they never exist in FP32; bf16 and
+// fp32 modes write them to the caller's buffers with swiglu_forward / swiglu_backward first and run the Linears
+// above. The same numbers either way.
+typedef struct {
+    real *a, *b;         // bf16, fp32
+    uint16_t *a16, *b16; // fp8
+} SwigluGate;
+// y (rows, D); h (rows, I) is written in bf16 and fp32 modes only. x_kept, h_kept (or NULL) keep x's and h's Wgrad
+// operands (h's computed from a and b in the pass that makes its Fprop operand); x_fprop (or NULL) as
+// linear_forward_grouped's fprop.
+void linear_forward_swiglu_grouped(Model *m, int n_groups, const int *offsets, const FfnWeights *w, const real *x,
+                                   const int *x_rows, const SwigluGate *gate, real *h, real *y, int D, int I,
+                                   KeptInput *x_kept, KeptInput *h_kept, SharedFprop *x_fprop);
 // The backward of w2, then of w1 and w3, from dy (rows, D): weight gradients +=, and x's gradient dx as
 // linear_backward_grouped gives it (dx_store, x_rows and unpermute as there). Buffers (rows, I): d_h is written
 // in every mode, h, d_a and d_b in bf16 and fp32 modes only.
@@ -98,7 +121,7 @@ typedef struct {
     int topk;
 } CombineGrad;
 void linear_backward_swiglu_grouped(Model *m, int n_groups, const int *offsets, const FfnWeights *w,
-                                    const FfnWeights *g, const real *a, const real *b, const real *dy,
+                                    const FfnWeights *g, const SwigluGate *gate, const real *dy,
                                     const CombineGrad *dy_combine, const real *x, const int *x_rows, real *dx,
                                     GradStore dx_store, const DgradUnpermute *unpermute, const SwigluScratch *s, int D,
                                     int I, const KeptInput *x_kept, const KeptInput *h_kept);

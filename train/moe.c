@@ -23,10 +23,8 @@
 // transient (see FfnActs).
 static void swiglu_ffn_forward(Model *m, const FfnWeights *w, FfnActs *a, int n_groups, const int *offsets, int D,
                                int I, const real *x, const int *x_rows, real *y) {
-    real *const ab[2] = {a->a, a->b};
-    const real *const w13[2] = {w->w1, w->w3};
-    linear_forward_grouped(m, n_groups, offsets, 2, ab, x, x_rows, w13, D, I, &a->x_kept);
-    linear_forward_swiglu_grouped(m, n_groups, offsets, y, a->h, a->a, a->b, w->w2, I, D, &a->h_kept);
+    linear_forward_swiglu_grouped(m, n_groups, offsets, w, x, x_rows, &a->gate, a->h, y, D, I, &a->x_kept, &a->h_kept,
+                                  &a->x_fprop);
 }
 
 // Its backward from d_y (or d_y_combine, linear.h CombineGrad): parameter gradients +=, d_x written or added to per
@@ -37,7 +35,7 @@ static void swiglu_ffn_backward(Model *m, const FfnWeights *w, const FfnWeights 
                                 const real *d_y, const CombineGrad *d_y_combine, real *d_x, GradStore d_x_store,
                                 const DgradUnpermute *unpermute) {
     const SwigluScratch scratch = {a->h, s->d_h, s->d_a, s->d_b};
-    linear_backward_swiglu_grouped(m, n_groups, offsets, w, g, a->a, a->b, d_y, d_y_combine, x, x_rows, d_x,
+    linear_backward_swiglu_grouped(m, n_groups, offsets, w, g, &a->gate, d_y, d_y_combine, x, x_rows, d_x,
                                    d_x_store, unpermute, &scratch, D, I, &a->x_kept, &a->h_kept);
 }
 

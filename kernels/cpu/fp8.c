@@ -566,6 +566,34 @@ int cpu_fp8_quantize_1x128_grouped(uint8_t *q, float *s, const real *x, const in
                             err_size);
 }
 
+// kernels.h fp8_gather_1x128_grouped: segment by segment, row r's bytes and scales from row x_rows[r] of x's
+// operand, then the padding rows as quantize_1x128_rows writes them.
+void cpu_fp8_gather_1x128_grouped(uint8_t *q, float *s, const uint8_t *qx, const float *sx, int x_n, const int *x_rows,
+                                  int n, const int *rows0, int K) {
+    static const char op[] = "fp8_gather_1x128_grouped";
+    check_segments(op, n, rows0);
+    const size_t KB = (size_t)ceil_div(K, FP8_TILE), Kp = KB * FP8_TILE, R16x = (size_t)round_up16(x_n);
+    size_t p16 = 0;
+    for (int g = 0; g < n; g++) {
+        const int T = rows0[g + 1] - rows0[g], R16 = round_up16(T);
+        if (T == 0) continue;
+        uint8_t *qg = q + Kp * p16;
+        float *sg = s + KB * p16;
+        for (int r = 0; r < R16; r++) {
+            const int src = r < T ? x_rows[rows0[g] + r] : -1;
+            if (r < T && (src < 0 || src >= x_n)) {
+                fprintf(stderr, "fp8moe: %s: x_rows[%d] = %d - expected a row of x in [0, %d)\n", op, rows0[g] + r,
+                        src, x_n);
+                exit(1);
+            }
+            if (src >= 0) memcpy(qg + (size_t)r * Kp, qx + (size_t)src * Kp, Kp);
+            else memset(qg + (size_t)r * Kp, 0, Kp);
+            for (size_t kb = 0; kb < KB; kb++) sg[kb * (size_t)R16 + (size_t)r] = src >= 0 ? sx[kb * R16x + (size_t)src] : 1.0f;
+        }
+        p16 += (size_t)R16;
+    }
+}
+
 int cpu_fp8_quantize_128x1_transposed_grouped(uint8_t *q, float *s, const real *x, const int *x_rows, int n,
                                               const int *rows0, int C, char *err, size_t err_size) {
     return quantize_grouped("fp8_quantize_128x1_transposed_grouped", quantize_128x1_segments, q, s, x, x_rows, n,
@@ -617,19 +645,30 @@ int cpu_fp8_quantize_combine_grad_both_layouts_grouped(uint8_t *q1, float *s1, u
 // ---------------------------------------------------------------------------- SwiGLU values
 // kernels.h's fp8_quantize_swiglu_*: the value computed into a temporary array by the CPU SwiGLU ops, then quantised
 // by the grouped quantiser of the same name - the definition itself (the CUDA kernels compute it as they read).
-static real *swiglu_value(const char *op, SwigluValue value, const real *dout, const real *a, const real *b, int n,
-                          const int *rows0, int C) {
-    check_segments(op, n, rows0);
-    const int64_t count = (int64_t)rows0[n] * C;
-    real *v = alloc_or_die((size_t)(count > 0 ? count : 1) * sizeof(real), "SwiGLU values");
-    if (value == SWIGLU_OUT) cpu_swiglu_forward(v, a, b, count);
-    else if (value == SWIGLU_DA) cpu_swiglu_backward(v, NULL, dout, a, b, count);
-    else cpu_swiglu_backward(NULL, v, dout, a, b, count);
+// The BF16 inputs a and b (row stride round_up(C, 128)) are widened to the FP32 values they hold first.
+static real *bf16_rows_widened(const uint16_t *x, int rows, int C) {
+    const size_t ld = (size_t)ceil_div(C, FP8_TILE) * FP8_TILE;
+    real *v = alloc_or_die((size_t)(rows > 0 ? rows : 1) * (size_t)C * sizeof(real), "SwiGLU inputs");
+    for (size_t r = 0; r < (size_t)rows; r++)
+        for (size_t c = 0; c < (size_t)C; c++) v[r * (size_t)C + c] = (real)bf16_to_float(x[r * ld + c]);
     return v;
 }
 
-int cpu_fp8_quantize_swiglu_1x128_grouped(uint8_t *q, float *s, SwigluValue value, const real *dout, const real *a,
-                                          const real *b, int n, const int *rows0, int C, char *err, size_t err_size) {
+static real *swiglu_value(const char *op, SwigluValue value, const real *dout, const uint16_t *a16,
+                          const uint16_t *b16, int n, const int *rows0, int C) {
+    check_segments(op, n, rows0);
+    const int64_t count = (int64_t)rows0[n] * C;
+    real *v = alloc_or_die((size_t)(count > 0 ? count : 1) * sizeof(real), "SwiGLU values");
+    real *a = bf16_rows_widened(a16, rows0[n], C), *b = b16 ? bf16_rows_widened(b16, rows0[n], C) : NULL;
+    if (value == SWIGLU_OUT) cpu_swiglu_forward(v, a, b, count);
+    else if (value == SWIGLU_DA) cpu_swiglu_backward(v, NULL, dout, a, b, count);
+    else cpu_swiglu_backward(NULL, v, dout, a, b, count);
+    free(a), free(b);
+    return v;
+}
+
+int cpu_fp8_quantize_swiglu_1x128_grouped(uint8_t *q, float *s, SwigluValue value, const real *dout, const uint16_t *a,
+                                          const uint16_t *b, int n, const int *rows0, int C, char *err, size_t err_size) {
     static const char op[] = "fp8_quantize_swiglu_1x128_grouped";
     real *v = swiglu_value(op, value, dout, a, b, n, rows0, C);
     const int rc = quantize_grouped(op, quantize_1x128_segments, q, s, v, NULL, n, rows0, C, err, err_size);
@@ -638,7 +677,7 @@ int cpu_fp8_quantize_swiglu_1x128_grouped(uint8_t *q, float *s, SwigluValue valu
 }
 
 int cpu_fp8_quantize_swiglu_128x1_transposed_grouped(uint8_t *q, float *s, SwigluValue value, const real *dout,
-                                                     const real *a, const real *b, int n, const int *rows0, int C,
+                                                     const uint16_t *a, const uint16_t *b, int n, const int *rows0, int C,
                                                      char *err, size_t err_size) {
     static const char op[] = "fp8_quantize_swiglu_128x1_transposed_grouped";
     real *v = swiglu_value(op, value, dout, a, b, n, rows0, C);
@@ -648,7 +687,7 @@ int cpu_fp8_quantize_swiglu_128x1_transposed_grouped(uint8_t *q, float *s, Swigl
 }
 
 int cpu_fp8_quantize_swiglu_both_layouts_grouped(uint8_t *q1, float *s1, uint8_t *q2, float *s2, SwigluValue value,
-                                                 const real *dout, const real *a, const real *b, int n,
+                                                 const real *dout, const uint16_t *a, const uint16_t *b, int n,
                                                  const int *rows0, int C, char *err, size_t err_size) {
     static const char op[] = "fp8_quantize_swiglu_both_layouts_grouped";
     real *v = swiglu_value(op, value, dout, a, b, n, rows0, C);
@@ -660,7 +699,7 @@ int cpu_fp8_quantize_swiglu_both_layouts_grouped(uint8_t *q1, float *s1, uint8_t
 // kernels.h's fp8_quantize_swiglu_grads_both_layouts_grouped: its definition, the two calls (DA, then DB).
 int cpu_fp8_quantize_swiglu_grads_both_layouts_grouped(uint8_t *qa1, float *sa1, uint8_t *qa2, float *sa2,
                                                        uint8_t *qb1, float *sb1, uint8_t *qb2, float *sb2,
-                                                       const real *dout, const real *a, const real *b, int n,
+                                                       const real *dout, const uint16_t *a, const uint16_t *b, int n,
                                                        const int *rows0, int C, char *err, size_t err_size) {
     if (cpu_fp8_quantize_swiglu_both_layouts_grouped(qa1, sa1, qa2, sa2, SWIGLU_DA, dout, a, b, n, rows0, C, err,
                                                      err_size))
@@ -732,6 +771,19 @@ static void gemm_segments(const char *op, SegmentGemm gemm, real *out, int out_c
 void cpu_fp8_gemm_fprop_grouped(real *y, const uint8_t *qx, const float *sx, const uint8_t *const *qw,
                                 const float *const *sw, int n, const int *rows0, int N, int K) {
     gemm_segments("fp8_gemm_fprop_grouped", cpu_fp8_gemm_fprop, y, N, K, qx, sx, qw, sw, n, rows0, N, K);
+}
+
+// kernels.h fp8_gemm_fprop_grouped_bf16: the FP32 Fprop's values (BF16-rounded already) as BF16 bits, row stride
+// round_up(N, 128), the padding columns and the 15 scratch rows 0.
+void cpu_fp8_gemm_fprop_grouped_bf16(uint16_t *y, const uint8_t *qx, const float *sx, const uint8_t *const *qw,
+                                     const float *const *sw, int n, const int *rows0, int N, int K) {
+    const size_t rows = (size_t)rows0[n], ld = (size_t)ceil_div(N, FP8_TILE) * FP8_TILE;
+    real *v = alloc_or_die((rows > 0 ? rows : 1) * (size_t)N * sizeof(real), "BF16 Fprop output");
+    cpu_fp8_gemm_fprop_grouped(v, qx, sx, qw, sw, n, rows0, N, K);
+    memset(y, 0, (rows + 15) * ld * sizeof(uint16_t));
+    for (size_t r = 0; r < rows; r++)
+        for (size_t c = 0; c < (size_t)N; c++) y[r * ld + c] = float_to_bf16((float)v[r * (size_t)N + c]);
+    free(v);
 }
 
 void cpu_fp8_gemm_dgrad_grouped(real *dx, GradStore store, const uint8_t *qdy, const float *sdy,

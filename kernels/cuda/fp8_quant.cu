@@ -77,6 +77,18 @@ __device__ inline void load4(float v[4], const float *row, int col, int len) {
     }
 }
 
+// The same for BF16 bits (8-byte loads), widened to the FP32 values they hold.
+template <bool VEC4>
+__device__ inline void load4(float v[4], const uint16_t *row, int col, int len) {
+    if (VEC4 && col + 3 < len) {
+        const uint2 w = *reinterpret_cast<const uint2 *>(row + col);
+        v[0] = __uint_as_float(w.x << 16), v[1] = __uint_as_float(w.x & 0xFFFF0000u);
+        v[2] = __uint_as_float(w.y << 16), v[3] = __uint_as_float(w.y & 0xFFFF0000u);
+    } else {
+        for (int j = 0; j < 4; j++) v[j] = (col + j < len) ? __uint_as_float((uint32_t)row[col + j] << 16) : 0.0f;
+    }
+}
+
 static int is_aligned(const void *p, size_t bytes) { return ((uintptr_t)p % bytes) == 0; }
 
 // What an activation quantiser reads: its load4 gives 4 values from `col` of row `row` of the segments' rows (of
@@ -97,21 +109,23 @@ struct ArrayRows {
     }
 };
 
-// A SwiGLU value computed from its inputs (rows of C) as it is read (kernels.h fp8_quantize_swiglu_*), with
-// swiglu.cuh's arithmetic: the bits swiglu_forward / swiglu_backward would have stored. A branch on `value` is
-// the same for the whole grid.
+// A SwiGLU value computed from its inputs as it is read (kernels.h fp8_quantize_swiglu_*), with swiglu.cuh's
+// arithmetic: the bits swiglu_forward / swiglu_backward would have stored. a and b are BF16 rows of stride
+// ld = round_up(C, 128) (the Fprops' own output), dout FP32 rows of C. A branch on `value` is the same for the whole
+// grid.
 struct SwigluRows {
     SwigluValue value;
-    const float *dout, *a, *b;  // dout only for DA and DB, b only for OUT and DA
+    const float *dout;            // only for DA and DB
+    const uint16_t *a, *b;        // b only for OUT and DA
     int C;
     bool aligned16() const { return is_aligned(dout, 16) && is_aligned(a, 16) && is_aligned(b, 16); }
     template <bool VEC4>
     __device__ void load4(float v[4], int64_t row, int col, int len) const {
         float av[4], bv[4] = {0.0f, 0.0f, 0.0f, 0.0f}, gv[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        const int64_t at = row * C;
+        const int64_t at = row * ((C + FP8_TILE - 1) / FP8_TILE * FP8_TILE);
         ::load4<VEC4>(av, a + at, col, len);
         if (value != SWIGLU_DB) ::load4<VEC4>(bv, b + at, col, len);
-        if (value != SWIGLU_OUT) ::load4<VEC4>(gv, dout + at, col, len);
+        if (value != SWIGLU_OUT) ::load4<VEC4>(gv, dout + row * C, col, len);
         for (int j = 0; j < 4; j++) {
             float da, db;
             if (value == SWIGLU_OUT) v[j] = swiglu_element(av[j], bv[j]);
@@ -125,16 +139,17 @@ struct SwigluRows {
 // load4x2 gives da and db of 4 elements - the values SwigluRows gives for SWIGLU_DA and SWIGLU_DB (db does not
 // depend on b, which SwigluRows does not read for it), from one sigmoid per element.
 struct SwigluGradRows {
-    const float *dout, *a, *b;
+    const float *dout;
+    const uint16_t *a, *b;  // BF16, row stride round_up(C, 128), as SwigluRows'
     int C;
     bool aligned16() const { return is_aligned(dout, 16) && is_aligned(a, 16) && is_aligned(b, 16); }
     template <bool VEC4>
     __device__ void load4x2(float da[4], float db[4], int64_t row, int col, int len) const {
         float av[4], bv[4], gv[4];
-        const int64_t at = row * C;
+        const int64_t at = row * ((C + FP8_TILE - 1) / FP8_TILE * FP8_TILE);
         ::load4<VEC4>(av, a + at, col, len);
         ::load4<VEC4>(bv, b + at, col, len);
-        ::load4<VEC4>(gv, dout + at, col, len);
+        ::load4<VEC4>(gv, dout + row * C, col, len);
         for (int j = 0; j < 4; j++) {
             swiglu_backward_element(&da[j], &db[j], gv[j], av[j], bv[j]);
             if (col + j >= len) da[j] = db[j] = 0.0f;  // padding is 0, as SwigluRows'
@@ -308,6 +323,41 @@ extern "C" int cuda_fp8_quantize_1x128_grouped(uint8_t *q, float *s, const real 
                                                const int *rows0, int K, char *err, size_t err_size) {
     return quantize_1x128_segments("fp8_quantize_1x128_grouped", "x", q, s, ArrayRows{x, x_rows, K}, n_seg, rows0, K,
                                    err, err_size);
+}
+
+// ---------------------------------------------------------------------------- 1x128 rows gathered
+// kernels.h fp8_gather_1x128_grouped: q (P16, Kp), s from qx (R16x, Kp), sx (KB, R16x). One warp per operand row:
+// 16-byte copies of its Kp bytes (Kp is a multiple of 128) and lanes kb < KB copy its scales; a padding row is
+// code 0 with scale 1, as the quantiser writes it.
+static const int GATHER_ROWS_PER_BLOCK = 8;
+
+__global__ void gather_1x128_kernel(uint8_t *q, float *s, const uint8_t *qx, const float *sx, int R16x,
+                                    const int *x_rows, const __grid_constant__ SegTable seg, int Kp, int KB) {
+    const int lane = threadIdx.x & 31;
+    const int prow = blockIdx.x * GATHER_ROWS_PER_BLOCK + (threadIdx.x >> 5);
+    if (prow >= seg.p16[seg.n]) return;
+    const int g = segment_of(seg.p16, seg.n, prow);
+    const int r = prow - seg.p16[g], R16 = seg.p16[g + 1] - seg.p16[g];
+    const bool valid = r < seg.rows0[g + 1] - seg.rows0[g];
+    const int64_t src = valid ? x_rows[seg.rows0[g] + r] : 0;
+    uint4 *dst = reinterpret_cast<uint4 *>(q + (int64_t)prow * Kp);
+    const uint4 *from = reinterpret_cast<const uint4 *>(qx + src * Kp);
+    for (int i = lane; i < Kp / 16; i += 32) dst[i] = valid ? from[i] : make_uint4(0, 0, 0, 0);
+    for (int kb = lane; kb < KB; kb += 32)
+        s[(int64_t)KB * seg.p16[g] + (int64_t)kb * R16 + r] = valid ? sx[(int64_t)kb * R16x + src] : 1.0f;
+}
+
+extern "C" void cuda_fp8_gather_1x128_grouped(uint8_t *q, float *s, const uint8_t *qx, const float *sx, int x_n,
+                                              const int *x_rows, int n_seg, const int *rows0, int K) {
+    static const char op[] = "fp8_gather_1x128_grouped";
+    const SegTable seg = seg_table(op, n_seg, rows0);
+    if (seg.p16[n_seg] == 0 || K <= 0) return;
+    require_aligned16(q, op, "q"), require_aligned16(s, op, "s");
+    require_aligned16(qx, op, "qx"), require_aligned16(sx, op, "sx");
+    const int KB = ceil_div(K, FP8_TILE);
+    gather_1x128_kernel<<<ceil_div(seg.p16[n_seg], GATHER_ROWS_PER_BLOCK), 32 * GATHER_ROWS_PER_BLOCK>>>(
+        q, s, qx, sx, ceil_div(x_n, 16) * 16, x_rows, seg, KB * FP8_TILE, KB);
+    CUDA_CHECK_LAUNCH("gather_1x128_kernel");
 }
 
 // ---------------------------------------------------------------------------- 128x128 blocks (+ transpose)
@@ -686,14 +736,14 @@ static const char *swiglu_tensor(SwigluValue value) {
 }
 
 extern "C" int cuda_fp8_quantize_swiglu_1x128_grouped(uint8_t *q, float *s, SwigluValue value, const real *dout,
-                                                      const real *a, const real *b, int n_seg, const int *rows0, int C,
+                                                      const uint16_t *a, const uint16_t *b, int n_seg, const int *rows0, int C,
                                                       char *err, size_t err_size) {
     return quantize_1x128_segments("fp8_quantize_swiglu_1x128_grouped", swiglu_tensor(value), q, s,
                                    SwigluRows{value, dout, a, b, C}, n_seg, rows0, C, err, err_size);
 }
 
 extern "C" int cuda_fp8_quantize_swiglu_128x1_transposed_grouped(uint8_t *q, float *s, SwigluValue value,
-                                                                 const real *dout, const real *a, const real *b,
+                                                                 const real *dout, const uint16_t *a, const uint16_t *b,
                                                                  int n_seg, const int *rows0, int C, char *err,
                                                                  size_t err_size) {
     return quantize_128x1_segments("fp8_quantize_swiglu_128x1_transposed_grouped", swiglu_tensor(value), q, s,
@@ -701,8 +751,8 @@ extern "C" int cuda_fp8_quantize_swiglu_128x1_transposed_grouped(uint8_t *q, flo
 }
 
 extern "C" int cuda_fp8_quantize_swiglu_both_layouts_grouped(uint8_t *q1, float *s1, uint8_t *q2, float *s2,
-                                                             SwigluValue value, const real *dout, const real *a,
-                                                             const real *b, int n_seg, const int *rows0, int C,
+                                                             SwigluValue value, const real *dout, const uint16_t *a,
+                                                             const uint16_t *b, int n_seg, const int *rows0, int C,
                                                              char *err, size_t err_size) {
     return quantize_both_segments("fp8_quantize_swiglu_both_layouts_grouped", swiglu_tensor(value), q1, s1, q2, s2,
                                   SwigluRows{value, dout, a, b, C}, n_seg, rows0, C, err, err_size);
@@ -712,7 +762,7 @@ extern "C" int cuda_fp8_quantize_swiglu_both_layouts_grouped(uint8_t *q1, float 
 // calls, DA's first, so a bad da is reported before any bad db and with the message its call would give.
 extern "C" int cuda_fp8_quantize_swiglu_grads_both_layouts_grouped(uint8_t *qa1, float *sa1, uint8_t *qa2, float *sa2,
                                                                    uint8_t *qb1, float *sb1, uint8_t *qb2, float *sb2,
-                                                                   const real *dout, const real *a, const real *b,
+                                                                   const real *dout, const uint16_t *a, const uint16_t *b,
                                                                    int n_seg, const int *rows0, int C, char *err,
                                                                    size_t err_size) {
     static const char logged[] = "fp8_quantize_swiglu_both_layouts_grouped";

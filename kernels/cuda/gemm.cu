@@ -802,6 +802,23 @@ extern "C" void cuda_fp8_gemm_fprop_grouped(real *y, const real *residual, const
                       residual);
 }
 
+// kernels.h fp8_gemm_fprop_grouped_bf16: each segment's GEMM straight into y at row rows0[g] (row stride Np); its
+// rows padded to 16 spill onto the next segment's first rows, which that segment's GEMM, later on the stream,
+// writes over, and past the last segment onto y's 15 scratch rows. cuBLASLt's pointers stay 16-byte aligned: Np is
+// a multiple of 128.
+extern "C" void cuda_fp8_gemm_fprop_grouped_bf16(uint16_t *y, const uint8_t *qx, const float *sx,
+                                                 const uint8_t *const *qw, const float *const *sw, int n_seg,
+                                                 const int *rows0, int N, int K) {
+    const SegTable seg = seg_table("fp8_gemm_fprop_grouped_bf16", n_seg, rows0);
+    const int CB = ceil_div(K, FP8_TILE), Np = round_up(N, FP8_TILE);
+    for (int g = 0; g < n_seg; g++) {
+        const int p16 = seg.p16[g], T16 = seg.p16[g + 1] - p16;
+        if (T16 == 0) continue;
+        cuda_fp8_gemm_fprop_bf16(y + (size_t)rows0[g] * Np, qx + (size_t)p16 * CB * FP8_TILE, sx + (size_t)CB * p16,
+                                 qw[g], sw[g], T16, N, K);
+    }
+}
+
 extern "C" void cuda_fp8_gemm_dgrad_grouped(real *dx, GradStore store, const DgradUnpermute *unpermute, int n_mats,
                                             const uint8_t *const *qdy, const float *const *sdy,
                                             const uint8_t *const *const *qwt, const float *const *const *sw, int n_seg,

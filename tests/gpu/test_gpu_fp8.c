@@ -500,8 +500,14 @@ static void test_quantize_grouped(void **state) {
     float *src_d = gpu_copy_of(src, (size_t)S * C * sizeof(float));
     int *x_rows_d = gpu_copy_of(x_rows, (size_t)(T + 1) * sizeof(int));
     char err[256] = "";
-    int diff[5] = {0, 0, 0, 0, 0};
-    for (int k = 0; k < 5; k++) {
+    // k = 5: the 1x128 rows through the index copied from src's own 1x128 operand (fp8_gather_1x128_grouped), against
+    // the CPU quantising the gathered rows
+    const int S16 = ceil_div(S, 16) * 16;
+    uint8_t *qs_d = gpu_poisoned((size_t)S16 * Kp);
+    float *ss_d = gpu_poisoned((size_t)KB * S16 * sizeof(float));
+    assert_int_equal(fp8_quantize_1x128(DEVICE_CUDA, qs_d, ss_d, src_d, S, C, err, sizeof err), 0);
+    int diff[6] = {0, 0, 0, 0, 0, 0};
+    for (int k = 0; k < 6; k++) {
         uint8_t *q1 = host_poisoned(b1), *q2 = host_poisoned(b2);
         float *s1 = host_poisoned(n1 * sizeof(float)), *s2 = host_poisoned(n2 * sizeof(float));
         uint8_t *q1_d = gpu_poisoned(b1), *q2_d = gpu_poisoned(b2);
@@ -520,25 +526,29 @@ static void test_quantize_grouped(void **state) {
             assert_int_equal(fp8_quantize_1x128_grouped(DEVICE_CPU, q1, s1, src, x_rows, n, rows0, C, err, sizeof err), 0);
             assert_int_equal(fp8_quantize_1x128_grouped(DEVICE_CUDA, q1_d, s1_d, src_d, x_rows_d, n, rows0, C, err,
                                                         sizeof err), 0);
-        } else {
+        } else if (k == 4) {
             assert_int_equal(fp8_quantize_128x1_transposed_grouped(DEVICE_CPU, q2, s2, src, x_rows, n, rows0, C, err,
                                                                    sizeof err), 0);
             assert_int_equal(fp8_quantize_128x1_transposed_grouped(DEVICE_CUDA, q2_d, s2_d, src_d, x_rows_d, n, rows0, C,
                                                                    err, sizeof err), 0);
+        } else {
+            assert_int_equal(fp8_quantize_1x128_grouped(DEVICE_CPU, q1, s1, src, x_rows, n, rows0, C, err, sizeof err), 0);
+            fp8_gather_1x128_grouped(DEVICE_CUDA, q1_d, s1_d, qs_d, ss_d, S, x_rows_d, n, rows0, C);
         }
         assert_int_equal(fp8_check_finite(DEVICE_CUDA, err, sizeof err), 0);
         uint8_t *g1 = host_copy_of(q1_d, b1), *g2 = host_copy_of(q2_d, b2);
         float *gs1 = host_copy_of(s1_d, n1 * sizeof(float)), *gs2 = host_copy_of(s2_d, n2 * sizeof(float));
-        if (k == 0 || k == 2 || k == 3) diff[k] += count_diff(g1, q1, b1) + count_diff(gs1, s1, n1 * sizeof(float));
+        if (k == 0 || k == 2 || k == 3 || k == 5) diff[k] += count_diff(g1, q1, b1) + count_diff(gs1, s1, n1 * sizeof(float));
         if (k == 1 || k == 2 || k == 4) diff[k] += count_diff(g2, q2, b2) + count_diff(gs2, s2, n2 * sizeof(float));
         device_free(DEVICE_CUDA, q1_d), device_free(DEVICE_CUDA, q2_d), device_free(DEVICE_CUDA, s1_d), device_free(DEVICE_CUDA, s2_d);
         free(q1), free(q2), free(s1), free(s2), free(g1), free(g2), free(gs1), free(gs2);
     }
-    const int all = diff[0] + diff[1] + diff[2] + diff[3] + diff[4];
+    const int all = diff[0] + diff[1] + diff[2] + diff[3] + diff[4] + diff[5];
     printf("%-18s %2d segments, %4d rows x %-5d differing bytes vs CPU: 1x128 %d, 128x1 %d, both %d, through an index: "
-           "1x128 %d, 128x1 %d  %s\n", "quantize_grouped", n, T, C, diff[0], diff[1], diff[2], diff[3], diff[4],
-           all == 0 ? "ok" : "FAIL");
+           "1x128 %d, 128x1 %d, 1x128 gathered from the source's operand %d  %s\n", "quantize_grouped", n, T, C,
+           diff[0], diff[1], diff[2], diff[3], diff[4], diff[5], all == 0 ? "ok" : "FAIL");
     device_free(DEVICE_CUDA, x_d), device_free(DEVICE_CUDA, src_d), device_free(DEVICE_CUDA, x_rows_d);
+    device_free(DEVICE_CUDA, qs_d), device_free(DEVICE_CUDA, ss_d);
     free(x), free(src), free(x_rows);
     assert_int_equal(all, 0);
 }
@@ -591,23 +601,58 @@ static SegLayout seg_layout(int n_seg, const int *rows0, int C) {
     return L;
 }
 
-// The fused op `which` (1x128: q1, s1; 128x1: q2, s2; both: all four), given NULL for the input its value does not
-// read (dout for OUT, b for DB), so reading it would fault.
+// a or b as the SwiGLU quantisers take them (kernels.h: w1's and w3's Fprop products, BF16 bits with row stride
+// round_up(C, 128)) from x (rows x C, on dev), whose values the tests make BF16 values first (bf16_round) so that
+// the CUDA composition on x sees the same numbers. The padding columns hold a NaN, which a read of them would report.
+// Where x does not start 16-byte aligned (a case's offset), the copy starts 4 bytes into its buffer too, so the
+// kernels take their scalar loads. *base gets the buffer (gate_free); NULL stays NULL.
+static uint16_t *gate_bf16(Device dev, const float *x, int rows, int C, void **base) {
+    *base = NULL;
+    if (x == NULL) return NULL;
+    const size_t ld = (size_t)ceil_div(C, FP8_TILE) * FP8_TILE, n = (size_t)rows * ld;
+    const size_t offset = (uintptr_t)x % 16 ? 2 : 0;
+    const float *xh = dev == DEVICE_CUDA ? host_copy_of(x, (size_t)rows * C * sizeof(float)) : x;
+    uint16_t *g = xmalloc((n + offset) * sizeof(uint16_t));
+    for (size_t r = 0; r < (size_t)rows; r++)
+        for (size_t c = 0; c < ld; c++)
+            g[offset + r * ld + c] = c < (size_t)C ? float_to_bf16(xh[r * C + c]) : 0x7FC0;
+    if (dev == DEVICE_CPU) return *base = g, g + offset;
+    free((void *)xh);
+    *base = gpu_copy_of(g, (n + offset) * sizeof(uint16_t));
+    free(g);
+    return (uint16_t *)*base + offset;
+}
+
+static void gate_free(Device dev, void *base) {
+    if (base != NULL && dev == DEVICE_CUDA) device_free(DEVICE_CUDA, base);  // after the call: cudaFree waits for it
+    else free(base);
+}
+
+// The fused op `which` (1x128: q1, s1; 128x1: q2, s2; both: all four) on a and b given to it in BF16 (gate_bf16),
+// given NULL for the input its value does not read (dout for OUT, b for DB), so reading it would fault.
 static int run_swiglu_quant(Device dev, SwigluQuant which, uint8_t *q1, float *s1, uint8_t *q2, float *s2,
-                            SwigluValue value, const float *dout, const float *a, const float *b, const SegLayout *L,
+                            SwigluValue value, const float *dout, const float *a32, const float *b32, const SegLayout *L,
                             char *err, size_t err_size) {
     if (value == SWIGLU_OUT) dout = NULL;
-    if (value == SWIGLU_DB) b = NULL;
+    if (value == SWIGLU_DB) b32 = NULL;
+    void *a_base, *b_base;
+    const int rows = L->rows0[L->n_seg];
+    const uint16_t *a = gate_bf16(dev, a32, rows, L->C, &a_base), *b = gate_bf16(dev, b32, rows, L->C, &b_base);
+    int rc;
     switch (which) {
     case SWQ_1X128:
-        return fp8_quantize_swiglu_1x128_grouped(dev, q1, s1, value, dout, a, b, L->n_seg, L->rows0, L->C, err, err_size);
+        rc = fp8_quantize_swiglu_1x128_grouped(dev, q1, s1, value, dout, a, b, L->n_seg, L->rows0, L->C, err, err_size);
+        break;
     case SWQ_128X1:
-        return fp8_quantize_swiglu_128x1_transposed_grouped(dev, q2, s2, value, dout, a, b, L->n_seg, L->rows0, L->C, err,
-                                                            err_size);
+        rc = fp8_quantize_swiglu_128x1_transposed_grouped(dev, q2, s2, value, dout, a, b, L->n_seg, L->rows0, L->C, err,
+                                                          err_size);
+        break;
     default:
-        return fp8_quantize_swiglu_both_layouts_grouped(dev, q1, s1, q2, s2, value, dout, a, b, L->n_seg, L->rows0, L->C,
-                                                        err, err_size);
+        rc = fp8_quantize_swiglu_both_layouts_grouped(dev, q1, s1, q2, s2, value, dout, a, b, L->n_seg, L->rows0, L->C,
+                                                      err, err_size);
     }
+    gate_free(dev, a_base), gate_free(dev, b_base);
+    return rc;
 }
 
 // The contract's composition on the GPU: the value into v_d by the CUDA SwiGLU op, then the CUDA grouped quantiser.
@@ -697,6 +742,7 @@ static void test_quantize_swiglu(void **state) {
     fill_log_uniform(a, n, 5000 + (uint64_t)sc->seed, -8.0, 4.0);
     fill_log_uniform(b, n, 5100 + (uint64_t)sc->seed, -12.0, 2.0);
     fill_log_uniform(dout, n, 5200 + (uint64_t)sc->seed, -20.0, 0.0);
+    for (int64_t i = 0; i < n; i++) a[i] = bf16_round(a[i]), b[i] = bf16_round(b[i]);  // the fused ops read BF16
     float *a_base = device_alloc(DEVICE_CUDA, (size_t)(n + 1) * sizeof(float));
     float *b_base = device_alloc(DEVICE_CUDA, (size_t)(n + 1) * sizeof(float));
     float *g_base = device_alloc(DEVICE_CUDA, (size_t)(n + 1) * sizeof(float));
@@ -862,10 +908,16 @@ static void grad_operands_free(Device dev, GradOperands *o) {
     }
 }
 
-static int run_swiglu_grads(Device dev, const GradOperands *o, const float *dout, const float *a, const float *b,
+static int run_swiglu_grads(Device dev, const GradOperands *o, const float *dout, const float *a32, const float *b32,
                             const SegLayout *L, char *err, size_t err_size) {
-    return fp8_quantize_swiglu_grads_both_layouts_grouped(dev, o->qa1, o->sa1, o->qa2, o->sa2, o->qb1, o->sb1, o->qb2,
-                                                          o->sb2, dout, a, b, L->n_seg, L->rows0, L->C, err, err_size);
+    void *a_base, *b_base;
+    const int rows = L->rows0[L->n_seg];
+    const uint16_t *a = gate_bf16(dev, a32, rows, L->C, &a_base), *b = gate_bf16(dev, b32, rows, L->C, &b_base);
+    const int rc = fp8_quantize_swiglu_grads_both_layouts_grouped(dev, o->qa1, o->sa1, o->qa2, o->sa2, o->qb1, o->sb1,
+                                                                  o->qb2, o->sb2, dout, a, b, L->n_seg, L->rows0, L->C,
+                                                                  err, err_size);
+    gate_free(dev, a_base), gate_free(dev, b_base);
+    return rc;
 }
 
 // The two calls the joint op stands for, DA then DB (run_swiglu_quant gives DB NULL for b); the first nonzero rc.
@@ -902,6 +954,7 @@ static void test_quantize_swiglu_grads(void **state) {
     fill_log_uniform(a, n, 5400 + (uint64_t)sc->seed, -8.0, 4.0);
     fill_log_uniform(b, n, 5500 + (uint64_t)sc->seed, -12.0, 2.0);
     fill_log_uniform(dout, n, 5600 + (uint64_t)sc->seed, -20.0, 0.0);
+    for (int64_t i = 0; i < n; i++) a[i] = bf16_round(a[i]), b[i] = bf16_round(b[i]);
     float *a_base = device_alloc(DEVICE_CUDA, (size_t)(n + 1) * sizeof(float));
     float *b_base = device_alloc(DEVICE_CUDA, (size_t)(n + 1) * sizeof(float));
     float *g_base = device_alloc(DEVICE_CUDA, (size_t)(n + 1) * sizeof(float));
@@ -1756,12 +1809,26 @@ static void test_fp8_gemm_grouped(void **state) {
     const int y_rows = written_inside_only(y_grp, T, N), dx_rows = written_inside_only(dx_grp, T, K);
     const Fp8FpropArgs fa = {qx_d, sx_d, qw, sw, n, N, K, rows0};
     const int res_diff = fprop_residual_diff(fp8_fprop_with_residual, &fa, T, N, 7400 + (uint64_t)gc->seed);
+    // the BF16 products as they are (fp8_gemm_fprop_grouped_bf16, each segment's GEMM straight into y16 with its
+    // padding rows spilling onto the next segment's): every valid element the BF16 bits of the converted Fprop's
+    // value, the padding columns 0
+    const int Np16 = ceil_div(N, FP8_TILE) * FP8_TILE;
+    uint16_t *y16_d = gpu_poisoned((size_t)(T + 15) * Np16 * sizeof(uint16_t));
+    fp8_gemm_fprop_grouped_bf16(DEVICE_CUDA, y16_d, qx_d, sx_d, qw, sw, n, rows0, N, K);
+    uint16_t *y16 = host_copy_of(y16_d, (size_t)(T + 15) * Np16 * sizeof(uint16_t));
+    int bf16_diff = 0;
+    for (int64_t r = 0; r < T; r++)
+        for (int c = 0; c < Np16; c++)
+            bf16_diff += y16[r * Np16 + c] != (c < N ? float_to_bf16(y_grp[(r + 1) * N + c]) : 0) ||
+                         (c < N && bf16_to_float(y16[r * Np16 + c]) != y_grp[(r + 1) * N + c]);
+    device_free(DEVICE_CUDA, y16_d), free(y16);
     const int pass = y_diff == 0 && dx_diff == 0 && y_rows && dx_rows && wr_diff == 0 && wr_rows && two_diff == 0 &&
-                     unperm_diff == 0 && res_diff == 0;
+                     unperm_diff == 0 && res_diff == 0 && bf16_diff == 0;
     printf("%-16s %2d segments, %4d rows, N %-4d K %-4d differing bytes vs per-segment: Fprop %d, Dgrad %d; "
            "Dgrad GRAD_WRITE differing values %d; 2 matrices vs 2 calls: %d bytes; unpermuted vs slot order + "
-           "moe_unpermute_backward: %d bytes; Fprop with a residual vs + add_inplace: %d bytes; only the rows inside "
-           "written: %s  %s\n", "fp8 grouped", n, T, N, K, y_diff, dx_diff, wr_diff, two_diff, unperm_diff, res_diff,
+           "moe_unpermute_backward: %d bytes; Fprop with a residual vs + add_inplace: %d bytes; BF16-output Fprop vs "
+           "the converted values: %d differing; only the rows inside written: %s  %s\n", "fp8 grouped", n, T, N, K,
+           y_diff, dx_diff, wr_diff, two_diff, unperm_diff, res_diff, bf16_diff,
            y_rows && dx_rows && wr_rows ? "yes" : "NO", pass ? "ok" : "FAIL");
     fflush(stdout);
 

@@ -430,6 +430,24 @@ static void test_quantize_grouped(void **state) {
     assert_memory_equal(bs1, s1, (size_t)KB * p16 * sizeof(float));
     assert_memory_equal(b2, q2, (size_t)C * tiles * 128);
     assert_memory_equal(bs2, s2, (size_t)tiles * C * sizeof(float));
+    // fp8_gather_1x128_grouped: the same operand copied from src's own 1x128 operand, for these rows and for rows
+    // read several times (a token in several experts' segments, as top-K routing reads them); padding bytes poisoned
+    const int S16 = ceil_div(S, 16) * 16;
+    uint8_t *qs = balloc((size_t)S16 * Kp);
+    float *ss = falloc((size_t)KB * S16);
+    assert_int_equal(fp8_quantize_1x128(DEVICE_CPU, qs, ss, src, S, C, err, sizeof err), 0);
+    int *dup_rows = talloc((size_t)T * sizeof(int));
+    for (int r = 0; r < T; r++) dup_rows[r] = x_rows[(r * 7) % 40];
+    const int *const gather_rows[2] = {x_rows, dup_rows};
+    for (int v = 0; v < 2; v++) {
+        assert_int_equal(fp8_quantize_1x128_grouped(DEVICE_CPU, q1, s1, src, gather_rows[v], NSEG, rows0, C, err,
+                                                    sizeof err), 0);
+        memset(b1, 0xA5, (size_t)p16 * Kp);
+        for (size_t i = 0; i < (size_t)KB * p16; i++) bs1[i] = -7.0f;
+        fp8_gather_1x128_grouped(DEVICE_CPU, b1, bs1, qs, ss, S, gather_rows[v], NSEG, rows0, C);
+        assert_memory_equal(b1, q1, (size_t)p16 * Kp);
+        assert_memory_equal(bs1, s1, (size_t)KB * p16 * sizeof(float));
+    }
     tfree_all();
 }
 
@@ -508,10 +526,28 @@ static GroupedSizes grouped_sizes(int n_seg, const int *rows0, int C) {
     return (GroupedSizes){p16 * KB * 128, KB * p16, (size_t)C * 128 * tiles, tiles * (size_t)C};
 }
 
-// The fused op `which`: the 1x128 form writes q1, s1, the 128x1 form q2, s2, the both-layouts form all four.
+// a or b as the SwiGLU quantisers take them (kernels.h: the BF16 products of w1's and w3's Fprops, row stride
+// round_up(C, 128)) from x, whose values the tests make BF16 values first (round_to_bf16) where a composition reads x
+// itself. The padding columns hold a NaN, which the quantisers would report if they read it. NULL stays NULL.
+static const uint16_t *gate_bf16(const real *x, int rows, int C) {
+    if (x == NULL) return NULL;
+    const size_t ld = (size_t)ceil_div(C, 128) * 128;
+    uint16_t *g = talloc((size_t)rows * ld * sizeof(uint16_t) + sizeof(uint16_t));
+    for (size_t r = 0; r < (size_t)rows; r++)
+        for (size_t c = 0; c < ld; c++) g[r * ld + c] = c < (size_t)C ? float_to_bf16((float)x[r * C + c]) : 0x7FC0;
+    return g;
+}
+
+static void round_to_bf16(real *x, size_t n) {
+    for (size_t i = 0; i < n; i++) x[i] = (real)bf16_to_float(float_to_bf16((float)x[i]));
+}
+
+// The fused op `which` on a and b (rows0[n_seg] x C) given to it in BF16 (gate_bf16): the 1x128 form writes q1, s1,
+// the 128x1 form q2, s2, the both-layouts form all four.
 static int swiglu_quant(SwigluQuant which, uint8_t *q1, float *s1, uint8_t *q2, float *s2, SwigluValue value,
-                        const real *dout, const real *a, const real *b, int n_seg, const int *rows0, int C, char *err,
-                        size_t err_size) {
+                        const real *dout, const real *a32, const real *b32, int n_seg, const int *rows0, int C,
+                        char *err, size_t err_size) {
+    const uint16_t *a = gate_bf16(a32, rows0[n_seg], C), *b = gate_bf16(b32, rows0[n_seg], C);
     switch (which) {
     case SWQ_1X128:
         return fp8_quantize_swiglu_1x128_grouped(DEVICE_CPU, q1, s1, value, dout, a, b, n_seg, rows0, C, err, err_size);
@@ -575,6 +611,7 @@ static void test_quantize_swiglu_grouped(void **state) {
             fill_wide(a, n, seed, -8, 4);
             fill_wide(b, n, seed + 1, -12, 2);
             fill_wide(dout, n, seed + 2, -20, 0);
+            round_to_bf16(a, n), round_to_bf16(b, n);  // the fused ops read them in BF16 (gate_bf16)
             const GroupedSizes z = grouped_sizes(n_seg, rows0, C);
             uint8_t *q1 = balloc(z.q1), *q2 = balloc(z.q2), *r1 = balloc(z.q1), *r2 = balloc(z.q2);
             float *s1 = falloc(z.s1), *s2 = falloc(z.s2), *rs1 = falloc(z.s1), *rs2 = falloc(z.s2);
@@ -686,15 +723,18 @@ static GradOperands grad_operands(GroupedSizes z, uint8_t poison) {
 static int swiglu_grads_quant(const GradOperands *o, const real *dout, const real *a, const real *b, int n_seg,
                               const int *rows0, int C, char *err, size_t err_size) {
     return fp8_quantize_swiglu_grads_both_layouts_grouped(DEVICE_CPU, o->qa1, o->sa1, o->qa2, o->sa2, o->qb1, o->sb1,
-                                                          o->qb2, o->sb2, dout, a, b, n_seg, rows0, C, err, err_size);
+                                                          o->qb2, o->sb2, dout, gate_bf16(a, rows0[n_seg], C),
+                                                          gate_bf16(b, rows0[n_seg], C), n_seg, rows0, C, err,
+                                                          err_size);
 }
 
 // The two separate calls (DA, then DB), each with its own error text; returns DA's rc, DB's in *rc_db.
 static int swiglu_grads_separate(const GradOperands *o, const real *dout, const real *a, const real *b, int n_seg,
                                  const int *rows0, int C, char *err_da, char *err_db, size_t err_size, int *rc_db) {
+    const uint16_t *a16 = gate_bf16(a, rows0[n_seg], C), *b16 = gate_bf16(b, rows0[n_seg], C);
     const int rc_da = fp8_quantize_swiglu_both_layouts_grouped(DEVICE_CPU, o->qa1, o->sa1, o->qa2, o->sa2, SWIGLU_DA,
-                                                               dout, a, b, n_seg, rows0, C, err_da, err_size);
-    *rc_db = fp8_quantize_swiglu_both_layouts_grouped(DEVICE_CPU, o->qb1, o->sb1, o->qb2, o->sb2, SWIGLU_DB, dout, a,
+                                                               dout, a16, b16, n_seg, rows0, C, err_da, err_size);
+    *rc_db = fp8_quantize_swiglu_both_layouts_grouped(DEVICE_CPU, o->qb1, o->sb1, o->qb2, o->sb2, SWIGLU_DB, dout, a16,
                                                       NULL, n_seg, rows0, C, err_db, err_size);
     return rc_da;
 }
@@ -1275,6 +1315,19 @@ static void test_gemm_grouped(void **state) {
     for (size_t i = 0; i < (size_t)T * K; i++) assert_true(dx2[i] == dxw[i] + dxw[i]);
     for (int c = 0; c < N; c++) assert_true(y[(size_t)T * N + c] == UNTOUCHED);
     for (int c = 0; c < K; c++) assert_true(dx[(size_t)T * K + c] == UNTOUCHED);
+    // the Fprop's BF16 products as they are (fp8_gemm_fprop_grouped_bf16): row stride Np, every valid element the
+    // BF16 bits of what the converting Fprop wrote, the padding columns 0 (T + 15 rows, poisoned first)
+    uint16_t *y16 = talloc((size_t)(T + 15) * Np * sizeof(uint16_t));
+    memset(y16, 0xA5, (size_t)(T + 15) * Np * sizeof(uint16_t));
+    fp8_gemm_fprop_grouped_bf16(DEVICE_CPU, y16, qx, sx, qw, sw, NSEG, rows0, N, K);
+    for (int r = 0; r < T; r++) {
+        for (int c = 0; c < Np; c++) {
+            const uint16_t want = c < N ? float_to_bf16((float)y_ref[(size_t)r * N + c]) : 0;
+            if (y16[(size_t)r * Np + c] != want) fail_msg("BF16 Fprop: row %d, column %d is 0x%04X, expected 0x%04X", r, c,
+                                                         y16[(size_t)r * Np + c], want);
+            if (c < N) assert_true(bf16_to_float(want) == (float)y_ref[(size_t)r * N + c]);  // the value, exactly
+        }
+    }
     tfree_all();
 }
 

@@ -350,7 +350,7 @@ static void check_grouped(const char *mode) {
         for (int i = 0; i < n_out; i++) memset(gw[i], 0, sizeof(real) * wn);
         // dx_g written over poison (GRAD_WRITE): no element of the old contents may survive or be read
         for (size_t k = 0; k < (size_t)R * D; k++) dx_g[k] = (real)NAN;
-        linear_forward_grouped(&m, G, offsets, n_out, out_g, x, NULL, w, D, I, NULL);
+        linear_forward_grouped(&m, G, offsets, n_out, out_g, x, NULL, w, D, I, NULL, NULL);
         linear_backward_grouped(&m, G, offsets, n_out, dx_g, GRAD_WRITE, NULL, gw, (const real *const *)dy, x, NULL, w,
                                 D, I, NULL);
         for (int i = 0; i < n_out; i++) {
@@ -366,7 +366,7 @@ static void check_grouped(const char *mode) {
             real *out_k[2], *dx_k = calloc((size_t)R * D, sizeof(real)), *x_nan = malloc(sizeof(real) * R * D);
             for (size_t k = 0; k < (size_t)R * D; k++) x_nan[k] = (real)NAN;
             for (int i = 0; i < n_out; i++) out_k[i] = malloc(sizeof(real) * R * I), memset(gw[i], 0, sizeof(real) * wn);
-            linear_forward_grouped(&m, G, offsets, n_out, out_k, x, NULL, w, D, I, &kept);
+            linear_forward_grouped(&m, G, offsets, n_out, out_k, x, NULL, w, D, I, &kept, NULL);
             linear_backward_grouped(&m, G, offsets, n_out, dx_k, GRAD_WRITE, NULL, gw, (const real *const *)dy, x_nan,
                                     NULL, w, D, I, &kept);
             for (int i = 0; i < n_out; i++) {
@@ -387,15 +387,32 @@ static void check_grouped(const char *mode) {
                 memcpy(src + (size_t)rows[r] * D, x + (size_t)r * D, sizeof(real) * D);
             }
             for (int i = 0; i < n_out; i++) out_i[i] = malloc(sizeof(real) * R * I), memset(gw[i], 0, sizeof(real) * wn);
-            linear_forward_grouped(&m, G, offsets, n_out, out_i, src, rows, w, D, I, NULL);
+            linear_forward_grouped(&m, G, offsets, n_out, out_i, src, rows, w, D, I, NULL, NULL);
             linear_backward_grouped(&m, G, offsets, n_out, dx_i, GRAD_ADD, NULL, gw, (const real *const *)dy, src, rows, w, D,
                                     I, NULL);  // added to zeros: the same bits as written
             for (int i = 0; i < n_out; i++) {
                 assert_memory_equal(out_i[i], out_p[i], sizeof(real) * R * I);
                 assert_memory_equal(gw[i], gw_p[i], sizeof(real) * wn);
-                free(out_i[i]);
             }
             assert_memory_equal(dx_i, dx_p, sizeof(real) * R * D);
+            if (m.cfg.precision.mode == PRECISION_FP8) {
+                // the rows' Fprop operand copied from the operand a token-order call on src made (linear.h
+                // SharedFprop): the same outputs
+                const int S16 = (S + 15) / 16 * 16, KB = (D + 127) / 128;
+                SharedFprop fprop = {malloc((size_t)S16 * KB * 128), malloc(sizeof(float) * KB * S16), S, D};
+                real *out_s[2];
+                for (int i = 0; i < n_out; i++) out_s[i] = malloc(sizeof(real) * S * I);
+                const int whole[2] = {0, S};
+                linear_forward_grouped(&m, 1, whole, n_out, out_s, src, NULL, w, D, I, NULL, &fprop);
+                for (int i = 0; i < n_out; i++) memset(out_i[i], 0, sizeof(real) * R * I);
+                linear_forward_grouped(&m, G, offsets, n_out, out_i, src, rows, w, D, I, NULL, &fprop);
+                for (int i = 0; i < n_out; i++) {
+                    assert_memory_equal(out_i[i], out_p[i], sizeof(real) * R * I);
+                    free(out_s[i]);
+                }
+                free(fprop.q), free(fprop.s);
+            }
+            for (int i = 0; i < n_out; i++) free(out_i[i]);
             free(src), free(dx_i), free(rows);
         }
         double sum = 0;  // the outputs are not trivially equal (zeros): the check has something to compare
