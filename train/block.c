@@ -111,7 +111,10 @@ void block_acts_alloc(ActsArena *ar, BlockActs *a, const Dims *d, int is_moe, co
     e->slot_of = ARENA_INTS(ar, NK);
     e->xp = s->t_xp;
     ffn_acts_alloc(ar, &e->experts, NK, d->E, D, d->I, s, keep_inputs);
-    e->eout = ARENA_REALS(ar, NK * D);
+    if (s->t_x_fprop.q != NULL)  // fp8 with the experts reading token rows: outputs kept in BF16 (moe.c)
+        e->eout_bf16 = arena_alloc(ar, (size_t)(NK + 15) * (size_t)((D + FP8_TILE - 1) / FP8_TILE * FP8_TILE) * 2);
+    else
+        e->eout = ARENA_REALS(ar, NK * D);
     ffn_acts_alloc(ar, &e->shared, N, 1, D, d->shared_I, s, keep_inputs);
     e->experts.x_fprop = e->shared.x_fprop = s->t_x_fprop;
 }

@@ -89,7 +89,8 @@ typedef struct {
                               // where the experts read the token rows, moe_experts_read_tokens)
     EpBuffers ep_buf;         // the local experts' rows after ep_dispatch
     FfnActs experts;          // (N*K, I)
-    real *eout;               // (N*K, D) local expert outputs
+    real *eout;               // (N*K, D) local expert outputs (NULL where eout_bf16 holds them)
+    uint16_t *eout_bf16;      // fp8 with one EP rank: w2's BF16 product (N*K + 15 rows of round_up(D, 128))
     const real *eout_perm;    // expert outputs back in this rank's permuted order (after ep_combine)
     FfnActs shared;           // (N, shared_I)
 } MoeActs;

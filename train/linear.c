@@ -744,9 +744,14 @@ void linear_backward_grouped(Model *m, int n_groups, const int *offsets, int n_o
 }
 
 void linear_forward_swiglu_grouped(Model *m, int n_groups, const int *offsets, const FfnWeights *w, const real *x,
-                                   const int *x_rows, const SwigluGate *gate, real *h, real *y, int D, int I,
-                                   KeptInput *x_kept, KeptInput *h_kept, SharedFprop *x_fprop) {
+                                   const int *x_rows, const SwigluGate *gate, real *h, real *y, uint16_t *y_bf16,
+                                   int D, int I, KeptInput *x_kept, KeptInput *h_kept, SharedFprop *x_fprop) {
     const real *const w13[2] = {w->w1, w->w3};
+    if ((y_bf16 != NULL) == (y != NULL) || (y_bf16 != NULL && m->cfg.precision.mode != PRECISION_FP8)) {
+        fprintf(stderr, "fp8moe: train/linear.c: internal error: an FFN's output goes to an FP32 array, or in fp8 mode "
+                        "to a BF16 one\n");
+        exit(1);
+    }
     if (m->cfg.precision.mode != PRECISION_FP8) {
         real *const ab[2] = {gate->a, gate->b};
         linear_forward_grouped(m, n_groups, offsets, 2, ab, x, x_rows, w13, D, I, x_kept, x_fprop);
@@ -763,7 +768,8 @@ void linear_forward_swiglu_grouped(Model *m, int n_groups, const int *offsets, c
     const int widths[2] = {I, I};
     fp8_forward(m, n_groups, offsets, 2, NULL, ab16, &xin, w13, D, widths, NULL, x_kept, x_fprop);
     const real *const w2[1] = {w->w2};
-    fp8_forward(m, n_groups, offsets, 1, &y, NULL, &hin, w2, I, &D, NULL, h_kept, NULL);
+    fp8_forward(m, n_groups, offsets, 1, y_bf16 ? NULL : &y, y_bf16 ? &y_bf16 : NULL, &hin, w2, I, &D, NULL, h_kept,
+                NULL);
     profile_end(PHASE_OTHER_GEMM);
 }
 

@@ -103,10 +103,11 @@ typedef struct {
 } SwigluGate;
 // y (rows, D); h (rows, I) is written in bf16 and fp32 modes only. x_kept, h_kept (or NULL) keep x's and h's Wgrad
 // operands (h's computed from a and b in the pass that makes its Fprop operand); x_fprop (or NULL) as
-// linear_forward_grouped's fprop.
+// linear_forward_grouped's fprop. y_bf16 (fp8 mode only, else NULL; y is then NULL): y is left as w2's BF16 product
+// in y_bf16 (fp8_gemm_fprop_grouped_bf16's layout: the routed experts' outputs, which only the combine reads).
 void linear_forward_swiglu_grouped(Model *m, int n_groups, const int *offsets, const FfnWeights *w, const real *x,
-                                   const int *x_rows, const SwigluGate *gate, real *h, real *y, int D, int I,
-                                   KeptInput *x_kept, KeptInput *h_kept, SharedFprop *x_fprop);
+                                   const int *x_rows, const SwigluGate *gate, real *h, real *y, uint16_t *y_bf16,
+                                   int D, int I, KeptInput *x_kept, KeptInput *h_kept, SharedFprop *x_fprop);
 // The backward of w2, then of w1 and w3, from dy (rows, D): weight gradients +=, and x's gradient dx as
 // linear_backward_grouped gives it (dx_store, x_rows and unpermute as there). Buffers (rows, I): d_h is written
 // in every mode, h, d_a and d_b in bf16 and fp32 modes only.

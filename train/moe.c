@@ -21,10 +21,11 @@
 // r of x read through x_rows when given. w1, w3 (I, D), w2 (D, I) per group. The gate h = silu(a) * b is w2's
 // operand, computed inside fp8's quantisers (linear_*_swiglu_grouped); bf16 and fp32 write it to a->h, a forward
 // transient (see FfnActs).
+// y_bf16 (fp8's routed experts, else NULL; y then NULL): y left as w2's BF16 product (linear.h).
 static void swiglu_ffn_forward(Model *m, const FfnWeights *w, FfnActs *a, int n_groups, const int *offsets, int D,
-                               int I, const real *x, const int *x_rows, real *y) {
-    linear_forward_swiglu_grouped(m, n_groups, offsets, w, x, x_rows, &a->gate, a->h, y, D, I, &a->x_kept, &a->h_kept,
-                                  &a->x_fprop);
+                               int I, const real *x, const int *x_rows, real *y, uint16_t *y_bf16) {
+    linear_forward_swiglu_grouped(m, n_groups, offsets, w, x, x_rows, &a->gate, a->h, y, y_bf16, D, I, &a->x_kept,
+                                  &a->h_kept, &a->x_fprop);
 }
 
 // Its backward from d_y (or d_y_combine, linear.h CombineGrad): parameter gradients +=, d_x written or added to per
@@ -43,7 +44,7 @@ static void swiglu_ffn_backward(Model *m, const FfnWeights *w, const FfnWeights 
 void ffn_forward(Model *m, const FfnWeights *w, FfnActs *a, int rows, int D, int width, const real *x,
                  real *out) {
     const int offsets[2] = {0, rows};
-    swiglu_ffn_forward(m, w, a, 1, offsets, D, width, x, NULL, out);
+    swiglu_ffn_forward(m, w, a, 1, offsets, D, width, x, NULL, out, NULL);
 }
 
 void ffn_backward(Model *m, const FfnWeights *w, const FfnWeights *g, FfnActs *a, LayerScratch *s,
@@ -67,9 +68,9 @@ int moe_combine_grad_in_quantiser(const Model *m) {
 // GEMMs count as expert GEMMs (kernels/profile.h). In the backward the input gradient d_xs is written in slot
 // order, or with unpermute (the rows read through xs_rows) in token order as the gradient of xs itself.
 static void experts_forward(Model *m, const FfnWeights *w, FfnActs *a, const int *offsets, int n_experts,
-                            int D, int I, const real *xs, const int *xs_rows, real *ys) {
+                            int D, int I, const real *xs, const int *xs_rows, real *ys, uint16_t *ys_bf16) {
     profile_begin(PHASE_EXPERT_GEMM);
-    swiglu_ffn_forward(m, w, a, n_experts, offsets, D, I, xs, xs_rows, ys);
+    swiglu_ffn_forward(m, w, a, n_experts, offsets, D, I, xs, xs_rows, ys, ys_bf16);
     profile_end(PHASE_EXPERT_GEMM);
 }
 
@@ -112,11 +113,16 @@ void moe_forward(Model *m, const BlockWeights *w, MoeActs *a, const Dims *d, con
         for (int e = 0; e < E; e++) load[e] += a->seg_offsets_host[e + 1] - a->seg_offsets_host[e];
     }
     ep_dispatch(&m->ep, a->xp, a->seg_offsets_host, D, &a->ep_buf);
+    // fp8 with one EP rank (moe_combine_grad_in_quantiser): the experts' outputs stay w2's BF16 product, which the
+    // combine reads (and its backward, for the gate weights' gradient); ep_combine is the identity there
+    const int bf16_out = moe_combine_grad_in_quantiser(m);
     experts_forward(m, &w->moe.experts, &a->experts, a->ep_buf.seg_offsets, m->ep.experts_per_rank, D, d->I,
-                    direct ? x : a->ep_buf.rows, direct ? a->seg_token : NULL, a->eout);
-    a->eout_perm = ep_combine(&m->ep, &a->ep_buf, a->eout);
+                    direct ? x : a->ep_buf.rows, direct ? a->seg_token : NULL, bf16_out ? NULL : a->eout,
+                    bf16_out ? a->eout_bf16 : NULL);
+    if (!bf16_out) a->eout_perm = ep_combine(&m->ep, &a->ep_buf, a->eout);
     profile_begin(PHASE_PERMUTE);
-    moe_combine_forward(dev, out, a->eout_perm, a->slot_of, a->topk_w, residual, N, K, D);
+    if (bf16_out) moe_combine_forward_bf16(dev, out, a->eout_bf16, a->slot_of, a->topk_w, residual, N, K, D);
+    else moe_combine_forward(dev, out, a->eout_perm, a->slot_of, a->topk_w, residual, N, K, D);
     profile_end(PHASE_PERMUTE);
 }
 
@@ -134,8 +140,8 @@ void moe_backward(Model *m, const BlockWeights *w, const BlockWeights *g, MoeAct
     device_memset_zero(dev, s->d_logits, (size_t)N * E * R);
     // out = shared(x) + sum_k w_k eout[slot(t,k)]
     profile_begin(PHASE_PERMUTE);
-    moe_combine_backward(dev, fused ? NULL : s->d_eout, s->d_topk_w, d_out, a->eout_perm, a->slot_of, a->topk_w, N, K,
-                         D);
+    if (fused) moe_combine_backward_bf16(dev, s->d_topk_w, d_out, a->eout_bf16, a->slot_of, a->topk_w, N, K, D);
+    else moe_combine_backward(dev, s->d_eout, s->d_topk_w, d_out, a->eout_perm, a->slot_of, a->topk_w, N, K, D);
     profile_end(PHASE_PERMUTE);
     const real *d_local_out = fused ? NULL : ep_combine_backward(&m->ep, &a->ep_buf, s->d_eout);
     const CombineGrad combine = {.d_out = d_out, .topk_w = a->topk_w, .seg_token = a->seg_token,

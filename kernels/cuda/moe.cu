@@ -652,10 +652,15 @@ extern "C" void cuda_moe_unpermute_backward(real *dinp, const real *dseg, const 
 }
 
 // ---------------------------------------------------------------------------- combine
-// expert_out (N*K, C) permuted rows, slot_of (N*K), topk_w (N, K) ->
+// The value of an expert output element: FP32, or BF16 bits (the *_bf16 ops) widened exactly.
+__device__ inline float expert_value(float v) { return v; }
+__device__ inline float expert_value(uint16_t v) { return __uint_as_float((uint32_t)v << 16); }
+
+// expert_out (N*K rows of stride ld) permuted rows, slot_of (N*K), topk_w (N, K) ->
 // out (N, C) += sum_k topk_w[t,k] * expert_out[slot_of[t,k]], k in order, then += residual[t] when given. One
 // block per token t.
-__global__ void moe_combine_forward_kernel(float *out, const float *expert_out, const int *slot_of,
+template <typename E>
+__global__ void moe_combine_forward_kernel(float *out, const E *expert_out, int64_t ld, const int *slot_of,
                                            const float *topk_w, const float *residual, int K, int C) {
     extern __shared__ int combine_shared[]; // slots (K) int, then weights (K) float
     int *slots = combine_shared;
@@ -668,7 +673,8 @@ __global__ void moe_combine_forward_kernel(float *out, const float *expert_out, 
     __syncthreads();
     for (int c = threadIdx.x; c < C; c += blockDim.x) {
         float acc = out[t * C + c];
-        for (int k = 0; k < K; k++) acc = __fadd_rn(acc, __fmul_rn(w[k], expert_out[(int64_t)slots[k] * C + c]));
+        for (int k = 0; k < K; k++)
+            acc = __fadd_rn(acc, __fmul_rn(w[k], expert_value(expert_out[(int64_t)slots[k] * ld + c])));
         if (residual != NULL) acc = __fadd_rn(acc, residual[t * C + c]);
         out[t * C + c] = acc;
     }
@@ -677,8 +683,16 @@ __global__ void moe_combine_forward_kernel(float *out, const float *expert_out, 
 extern "C" void cuda_moe_combine_forward(real *out, const real *expert_out, const int *slot_of, const real *topk_w,
                                          const real *residual, int N, int K, int C) {
     if (N <= 0 || K <= 0 || C <= 0) return;
-    moe_combine_forward_kernel<<<N, MOE_THREADS, 2 * sizeof(int) * (size_t)K>>>(out, expert_out, slot_of, topk_w,
+    moe_combine_forward_kernel<<<N, MOE_THREADS, 2 * sizeof(int) * (size_t)K>>>(out, expert_out, C, slot_of, topk_w,
                                                                                  residual, K, C);
+    CUDA_CHECK_LAUNCH("moe_combine_forward_kernel");
+}
+
+extern "C" void cuda_moe_combine_forward_bf16(real *out, const uint16_t *expert_out, const int *slot_of,
+                                              const real *topk_w, const real *residual, int N, int K, int C) {
+    if (N <= 0 || K <= 0 || C <= 0) return;
+    moe_combine_forward_kernel<<<N, MOE_THREADS, 2 * sizeof(int) * (size_t)K>>>(
+        out, expert_out, (int64_t)(C + 127) / 128 * 128, slot_of, topk_w, residual, K, C);
     CUDA_CHECK_LAUNCH("moe_combine_forward_kernel");
 }
 
@@ -694,6 +708,15 @@ __device__ inline float4 scale_rn(float w, float4 d) {
     return make_float4(__fmul_rn(w, d.x), __fmul_rn(w, d.y), __fmul_rn(w, d.z), __fmul_rn(w, d.w));
 }
 __device__ inline double dot_add(double acc, float a, float b) { return __dadd_rn(acc, __dmul_rn((double)a, (double)b)); }
+// Unit u of a row of expert outputs (element u * (units per element) from `row`): FP32 as it is, BF16 widened.
+__device__ inline float load_unit(const float *row, int64_t u, float) { return row[u]; }
+__device__ inline float4 load_unit(const float *row, int64_t u, float4) { return reinterpret_cast<const float4 *>(row)[u]; }
+__device__ inline float load_unit(const uint16_t *row, int64_t u, float) { return expert_value(row[u]); }
+__device__ inline float4 load_unit(const uint16_t *row, int64_t u, float4) {
+    const uint2 w = reinterpret_cast<const uint2 *>(row)[u];  // 4 BF16 values
+    return make_float4(__uint_as_float(w.x << 16), __uint_as_float(w.x & 0xFFFF0000u), __uint_as_float(w.y << 16),
+                       __uint_as_float(w.y & 0xFFFF0000u));
+}
 __device__ inline double dot_add(double acc, float4 a, float4 b) {
     return dot_add(dot_add(dot_add(dot_add(acc, a.x, b.x), a.y, b.y), a.z, b.z), a.w, b.w);
 }
@@ -715,23 +738,25 @@ __device__ inline double dot_add(double acc, float4 a, float4 b) {
 // a warp butterfly per slot, the warps' partials through shared memory, and thread j adds them in warp order.
 // (blockDim.x and the unit follow from C and the pointers' alignment, so a call with the same shapes and
 // alignments gives the same bits.) No atomics; slot_of is a permutation, so blocks write disjoint rows.
-template <typename Unit, int NK>
+// expert_out's rows are ld elements of E apart (E float: ld = C; uint16_t: the BF16 rows of the *_bf16 op).
+template <typename Unit, int NK, typename E>
 __global__ void __launch_bounds__(MOE_THREADS)
 moe_combine_backward_kernel(float *__restrict__ dexpert_out, float *__restrict__ dtopk_w,
-                            const float *__restrict__ dout, const float *__restrict__ expert_out,
+                            const float *__restrict__ dout, const E *__restrict__ expert_out, int64_t ld,
                             const int *__restrict__ slot_of, const float *__restrict__ topk_w, int k0, int K, int C) {
     __shared__ double warp_dots[NK][32];
     const int64_t t = blockIdx.x;
-    const int units = C / (int)(sizeof(Unit) / sizeof(float)); // per row
+    const int per_unit = (int)(sizeof(Unit) / sizeof(float)), units = C / per_unit; // per row
     const Unit *dt = reinterpret_cast<const Unit *>(dout) + t * units;
-    const Unit *eo = reinterpret_cast<const Unit *>(expert_out);
     Unit *de = reinterpret_cast<Unit *>(dexpert_out);
-    int64_t row[NK]; // unit offset of slot k0 + j's row
+    int64_t row[NK]; // unit offset of slot k0 + j's row in dexpert_out, and its element offset in expert_out
+    const E *eo[NK];
     float w[NK];
     double dot[NK];
 #pragma unroll
     for (int j = 0; j < NK; j++) {
-        row[j] = (int64_t)slot_of[t * K + k0 + j] * units;
+        const int64_t slot = slot_of[t * K + k0 + j];
+        row[j] = slot * units, eo[j] = expert_out + slot * ld;
         w[j] = topk_w[t * K + k0 + j];
         dot[j] = 0.0;
     }
@@ -741,7 +766,7 @@ moe_combine_backward_kernel(float *__restrict__ dexpert_out, float *__restrict__
         Unit e[NK];
         if (dtopk_w != NULL) {
 #pragma unroll
-            for (int j = 0; j < NK; j++) e[j] = eo[row[j] + c];
+            for (int j = 0; j < NK; j++) e[j] = load_unit(eo[j], c, Unit());
         }
         if (dexpert_out != NULL) {
 #pragma unroll
@@ -773,36 +798,49 @@ moe_combine_backward_kernel(float *__restrict__ dexpert_out, float *__restrict__
 static const int COMBINE_BWD_MAX_NK = 8;
 
 // Launches the kernel instance for nk slots (1 <= nk <= NK): NK, then NK - 1, ... until it matches.
-template <typename Unit, int NK>
+template <typename Unit, int NK, typename E>
 static void launch_combine_backward(int nk, int N, int threads, float *dexpert_out, float *dtopk_w, const float *dout,
-                                    const float *expert_out, const int *slot_of, const float *topk_w, int k0, int K,
-                                    int C) {
+                                    const E *expert_out, int64_t ld, const int *slot_of, const float *topk_w, int k0,
+                                    int K, int C) {
     if (nk == NK)
-        moe_combine_backward_kernel<Unit, NK><<<N, threads>>>(dexpert_out, dtopk_w, dout, expert_out, slot_of, topk_w,
-                                                              k0, K, C);
+        moe_combine_backward_kernel<Unit, NK, E><<<N, threads>>>(dexpert_out, dtopk_w, dout, expert_out, ld, slot_of,
+                                                                 topk_w, k0, K, C);
     else if constexpr (NK > 1)
-        launch_combine_backward<Unit, NK - 1>(nk, N, threads, dexpert_out, dtopk_w, dout, expert_out, slot_of, topk_w,
-                                              k0, K, C);
+        launch_combine_backward<Unit, NK - 1, E>(nk, N, threads, dexpert_out, dtopk_w, dout, expert_out, ld, slot_of,
+                                                 topk_w, k0, K, C);
 }
 
-extern "C" void cuda_moe_combine_backward(real *dexpert_out, real *dtopk_w, const real *dout, const real *expert_out,
-                                          const int *slot_of, const real *topk_w, int N, int K, int C) {
+// Both forms: expert_out rows ld elements of E apart; float4 units when every row start is 16-byte aligned (8-byte
+// for BF16 rows); expert_out is read only for dtopk_w, dexpert_out written only when given. The scalar path serves
+// any C and alignment.
+template <typename E>
+static void combine_backward(real *dexpert_out, real *dtopk_w, const real *dout, const E *expert_out, int64_t ld,
+                             const int *slot_of, const real *topk_w, int N, int K, int C) {
     if ((dexpert_out == NULL && dtopk_w == NULL) || N <= 0 || K <= 0) return;
-    // float4 when every row start is 16-byte aligned; expert_out is read only for dtopk_w, dexpert_out written
-    // only when given. The scalar path serves any C and alignment.
     const bool vec4 = C % 4 == 0 && (uintptr_t)dout % 16 == 0 && (uintptr_t)dexpert_out % 16 == 0 &&
-                      (dtopk_w == NULL || (uintptr_t)expert_out % 16 == 0);
+                      (dtopk_w == NULL || ((uintptr_t)expert_out % (4 * sizeof(E)) == 0 && ld % 4 == 0));
     const int units = vec4 ? C / 4 : C;
     // Just enough warps to cover a row's units (a small C would leave most of 256 threads idle), at most 256.
     const int threads = units >= MOE_THREADS ? MOE_THREADS : units <= 32 ? 32 : (units + 31) / 32 * 32;
     for (int k0 = 0; k0 < K; k0 += COMBINE_BWD_MAX_NK) {
         const int nk = K - k0 < COMBINE_BWD_MAX_NK ? K - k0 : COMBINE_BWD_MAX_NK;
         if (vec4)
-            launch_combine_backward<float4, COMBINE_BWD_MAX_NK>(nk, N, threads, dexpert_out, dtopk_w, dout, expert_out,
-                                                                slot_of, topk_w, k0, K, C);
+            launch_combine_backward<float4, COMBINE_BWD_MAX_NK, E>(nk, N, threads, dexpert_out, dtopk_w, dout,
+                                                                   expert_out, ld, slot_of, topk_w, k0, K, C);
         else
-            launch_combine_backward<float, COMBINE_BWD_MAX_NK>(nk, N, threads, dexpert_out, dtopk_w, dout, expert_out,
-                                                               slot_of, topk_w, k0, K, C);
+            launch_combine_backward<float, COMBINE_BWD_MAX_NK, E>(nk, N, threads, dexpert_out, dtopk_w, dout,
+                                                                  expert_out, ld, slot_of, topk_w, k0, K, C);
         CUDA_CHECK_LAUNCH("moe_combine_backward_kernel");
     }
+}
+
+extern "C" void cuda_moe_combine_backward(real *dexpert_out, real *dtopk_w, const real *dout, const real *expert_out,
+                                          const int *slot_of, const real *topk_w, int N, int K, int C) {
+    combine_backward(dexpert_out, dtopk_w, dout, expert_out, C, slot_of, topk_w, N, K, C);
+}
+
+extern "C" void cuda_moe_combine_backward_bf16(real *dtopk_w, const real *dout, const uint16_t *expert_out,
+                                               const int *slot_of, const real *topk_w, int N, int K, int C) {
+    combine_backward<uint16_t>(NULL, dtopk_w, dout, expert_out, (int64_t)(C + 127) / 128 * 128, slot_of, topk_w, N,
+                               K, C);
 }

@@ -1125,6 +1125,31 @@ static void test_permute(void **state) {
     moe_combine_backward(DEVICE_CUDA, NULL, d_dw, d_dout, d_eo, d_slot, d_w, N, K, C);
     ok &= check_bitwise_repeat("moe_combine_backward", shape, "dexpert", g_de, host_floats(d_de, NKC), NKC, "rerun, dtopk_w NULL");
     ok &= check_bitwise_repeat("moe_combine_backward", shape, "dtopk_w", g_dw, host_floats(d_dw, NK), NK, "rerun, dexpert NULL");
+
+    // the *_bf16 forms on expert outputs left in BF16 (row stride round_up(C, 128), padding columns NaN): bitwise the
+    // FP32 ops on the same values (eo rounded to BF16)
+    const int64_t ld = (C + 127) / 128 * 128;
+    float *eo_r = floats(NKC);
+    uint16_t *eo16 = malloc((size_t)(NK * ld + 1) * sizeof(uint16_t));
+    for (int64_t r = 0; r < NK; r++)
+        for (int64_t c = 0; c < ld; c++) {
+            if (c < C) eo_r[r * C + c] = bf16_to_float(float_to_bf16(eo[r * C + c]));
+            eo16[r * ld + c] = c < C ? float_to_bf16(eo[r * C + c]) : 0x7FC0;
+        }
+    uint16_t *d_eo16 = device_alloc(DEVICE_CUDA, (size_t)(NK * ld + 1) * sizeof(uint16_t));
+    device_memcpy_from_host(DEVICE_CUDA, d_eo16, eo16, (size_t)(NK * ld + 1) * sizeof(uint16_t));
+    float *d_eo_r = gpu_floats(eo_r, NKC), *d_of = gpu_floats(out0, NC), *d_ob = gpu_floats(out0, NC);
+    moe_combine_forward(DEVICE_CUDA, d_of, d_eo_r, d_slot, d_w, d_res, N, K, C);
+    moe_combine_forward_bf16(DEVICE_CUDA, d_ob, d_eo16, d_slot, d_w, d_res, N, K, C);
+    ok &= check_bitwise_repeat("moe_combine_forward_bf16", shape, "out", host_floats(d_of, NC), host_floats(d_ob, NC), NC,
+                               "vs FP32 op on the values");
+    float *d_wf = gpu_floats(dw0, NK), *d_wb = gpu_floats(dw0, NK);
+    moe_combine_backward(DEVICE_CUDA, NULL, d_wf, d_dout, d_eo_r, d_slot, d_w, N, K, C);
+    moe_combine_backward_bf16(DEVICE_CUDA, d_wb, d_dout, d_eo16, d_slot, d_w, N, K, C);
+    ok &= check_bitwise_repeat("moe_combine_backward_bf16", shape, "dtopk_w", host_floats(d_wf, NK),
+                               host_floats(d_wb, NK), NK, "vs FP32 op on the values");
+    device_free(DEVICE_CUDA, d_eo16);
+    free(eo16);
     free_all();
     assert_true(ok);
 }

@@ -248,6 +248,36 @@ static void test_combine_backward_finite_differences(void **state) {
     check_combine_backward_exact(deo, dw, dw1, dout, eo, slot_of, w, N, K, C);
 }
 
+// The *_bf16 combine ops (fp8 mode's routed experts keep their outputs as w2's BF16 product, row stride
+// round_up(C, 128)): bitwise the FP32 ops on the same values; the rows' padding columns hold NaN, which would show in
+// out or dtopk_w if read. C = 200: a partial last 128-column tile.
+static void test_combine_bf16_rows(void **state) {
+    (void)state;
+    enum { N = 9, K = 3, E = 5, C = 200, LD = 256 };
+    int topk_idx[N * K], seg_offsets[E + 1], seg_token[N * K], slot_of[N * K];
+    for (int t = 0; t < N; t++)
+        for (int k = 0; k < K; k++) topk_idx[t * K + k] = (t + 2 * k) % E;
+    moe_permute_plan(seg_offsets, seg_token, slot_of, topk_idx, N, K, E);
+    static real eo[N * K * C], w[N * K], dout[N * C], res[N * C], out[N * C], out_ref[N * C], dw[N * K], dw_ref[N * K];
+    static uint16_t eo16[N * K * LD];
+    fill_random(eo, N * K * C), fill_random(w, N * K), fill_random(dout, N * C), fill_random(res, N * C);
+    fill_random(out, N * C);
+    for (int r = 0; r < N * K; r++)
+        for (int c = 0; c < LD; c++) {
+            if (c < C) eo[r * C + c] = bf16_to_float(float_to_bf16((float)eo[r * C + c]));
+            eo16[r * LD + c] = c < C ? float_to_bf16((float)eo[r * C + c]) : 0x7FC0;
+        }
+    memcpy(out_ref, out, sizeof out);
+    for (int i = 0; i < N * K; i++) dw[i] = dw_ref[i] = (real)0.5;
+    cpu_moe_combine_forward(out_ref, eo, slot_of, w, res, N, K, C);
+    cpu_moe_combine_forward_bf16(out, eo16, slot_of, w, res, N, K, C);
+    assert_memory_equal(out, out_ref, sizeof out);
+    cpu_moe_combine_backward(NULL, dw_ref, dout, eo, slot_of, w, N, K, C);
+    cpu_moe_combine_backward_bf16(dw, dout, eo16, slot_of, w, N, K, C);
+    assert_memory_equal(dw, dw_ref, sizeof dw);
+    for (int i = 0; i < N * K; i++) assert_true(dw[i] != (real)0.5 && isfinite(dw[i]));
+}
+
 // ---------------------------------------------------------------------------- EP seam, one rank
 // With one rank the EP seam hands back views of the caller's buffers (no copy) and the collectives
 // leave their buffers unchanged; the MoE layer calls through it either way.
@@ -300,6 +330,7 @@ int main(void) {
         cmocka_unit_test(test_gather_unpermute_adjoint),
         cmocka_unit_test(test_combine_forward_hand_case),
         cmocka_unit_test(test_combine_backward_finite_differences),
+        cmocka_unit_test(test_combine_bf16_rows),
         cmocka_unit_test(test_ep_single_rank_is_identity),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
