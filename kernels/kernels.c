@@ -385,7 +385,7 @@ int fp8_quantize_combine_grad_both_layouts_grouped(Device dev, uint8_t *q1, floa
                                                               rows0, C, err, err_size);
 }
 
-int fp8_quantize_swiglu_1x128_grouped(Device dev, uint8_t *q, float *s, SwigluValue value, const real *dout,
+int fp8_quantize_swiglu_1x128_grouped(Device dev, uint8_t *q, float *s, SwigluValue value, const uint16_t *dout,
                                       const uint16_t *a, const uint16_t *b, int n_seg, const int *rows0, int C, char *err,
                                       size_t err_size) {
 #ifdef FP8MOE_CUDA
@@ -397,7 +397,7 @@ int fp8_quantize_swiglu_1x128_grouped(Device dev, uint8_t *q, float *s, SwigluVa
 }
 
 int fp8_quantize_swiglu_128x1_transposed_grouped(Device dev, uint8_t *q, float *s, SwigluValue value,
-                                                 const real *dout, const uint16_t *a, const uint16_t *b, int n_seg,
+                                                 const uint16_t *dout, const uint16_t *a, const uint16_t *b, int n_seg,
                                                  const int *rows0, int C, char *err, size_t err_size) {
 #ifdef FP8MOE_CUDA
     if (dev == DEVICE_CUDA)
@@ -409,7 +409,7 @@ int fp8_quantize_swiglu_128x1_transposed_grouped(Device dev, uint8_t *q, float *
 }
 
 int fp8_quantize_swiglu_both_layouts_grouped(Device dev, uint8_t *q1, float *s1, uint8_t *q2, float *s2,
-                                             SwigluValue value, const real *dout, const uint16_t *a, const uint16_t *b,
+                                             SwigluValue value, const uint16_t *dout, const uint16_t *a, const uint16_t *b,
                                              int n_seg, const int *rows0, int C, char *err, size_t err_size) {
 #ifdef FP8MOE_CUDA
     if (dev == DEVICE_CUDA)
@@ -423,7 +423,7 @@ int fp8_quantize_swiglu_both_layouts_grouped(Device dev, uint8_t *q1, float *s1,
 
 int fp8_quantize_swiglu_grads_both_layouts_grouped(Device dev, uint8_t *qa1, float *sa1, uint8_t *qa2, float *sa2,
                                                    uint8_t *qb1, float *sb1, uint8_t *qb2, float *sb2,
-                                                   const real *dout, const uint16_t *a, const uint16_t *b, int n_seg,
+                                                   const uint16_t *dout, const uint16_t *a, const uint16_t *b, int n_seg,
                                                    const int *rows0, int C, char *err, size_t err_size) {
 #ifdef FP8MOE_CUDA
     if (dev == DEVICE_CUDA)
@@ -471,6 +471,16 @@ void fp8_gemm_fprop_grouped_bf16(Device dev, uint16_t *y, const uint8_t *qx, con
 #endif
     if (dev != DEVICE_CPU) no_cuda_op("fp8_gemm_fprop_grouped_bf16");
     cpu_fp8_gemm_fprop_grouped_bf16(y, qx, sx, qw, sw, n_seg, rows0, N, K);
+}
+
+void fp8_gemm_dgrad_grouped_bf16(Device dev, uint16_t *dx, const uint8_t *qdy, const float *sdy,
+                                 const uint8_t *const *qwt, const float *const *sw, int n_seg, const int *rows0, int N,
+                                 int K) {
+#ifdef FP8MOE_CUDA
+    if (dev == DEVICE_CUDA) { cuda_fp8_gemm_dgrad_grouped_bf16(dx, qdy, sdy, qwt, sw, n_seg, rows0, N, K); return; }
+#endif
+    if (dev != DEVICE_CPU) no_cuda_op("fp8_gemm_dgrad_grouped_bf16");
+    cpu_fp8_gemm_dgrad_grouped_bf16(dx, qdy, sdy, qwt, sw, n_seg, rows0, N, K);
 }
 
 void fp8_gemm_fprop_grouped(Device dev, real *y, const real *residual, const uint8_t *qx, const float *sx,

@@ -305,9 +305,10 @@ void fp8_gather_1x128_grouped(Device dev, uint8_t *q, float *s, const uint8_t *q
 // computes them from dout - goes through the grouped quantiser of the same name as an array holding it would,
 // bit for bit. On CUDA no such array is written: the FFN gate's output (w2's Fprop and Wgrad input) and
 // gradients (w1's and w3's dY) never exist in FP32 (the CPU reference computes the array, then quantises it).
-// a and b are the gate's inputs as w1's and w3's Fprops leave them, BF16 (fp8_gemm_fprop_grouped_bf16: row stride
-// round_up(C, 128)), read as the FP32 values they are; dout is FP32 (rows0[n_seg], C). All in segment order (no
-// row index); dout is read only for DA and DB, b only for OUT and DA (pass NULL otherwise). A non-finite value is
+// a and b are the gate's inputs as w1's and w3's Fprops leave them and dout the gradient of h as w2's Dgrad leaves
+// it, all BF16 (fp8_gemm_fprop_grouped_bf16, fp8_gemm_dgrad_grouped_bf16: row stride round_up(C, 128)), read as the
+// FP32 values they are. All in segment order (no row index); dout is read only for DA and DB, b only for OUT and DA
+// (pass NULL otherwise). A non-finite value is
 // reported at its row and column, as the plain quantiser reports it.
 typedef enum { SWIGLU_OUT, SWIGLU_DA, SWIGLU_DB } SwigluValue;
 // The routed experts' output gradient (w2's dY, fp8 mode with the experts reading token rows) read through the
@@ -319,14 +320,14 @@ int fp8_quantize_combine_grad_both_layouts_grouped(Device dev, uint8_t *q1, floa
                                                    const real *dout, const int *seg_token, const int *slot_of,
                                                    const real *topk_w, int K, int n_seg, const int *rows0, int C,
                                                    char *err, size_t err_size);
-int fp8_quantize_swiglu_1x128_grouped(Device dev, uint8_t *q, float *s, SwigluValue value, const real *dout,
+int fp8_quantize_swiglu_1x128_grouped(Device dev, uint8_t *q, float *s, SwigluValue value, const uint16_t *dout,
                                       const uint16_t *a, const uint16_t *b, int n_seg, const int *rows0, int C, char *err,
                                       size_t err_size);
 int fp8_quantize_swiglu_128x1_transposed_grouped(Device dev, uint8_t *q, float *s, SwigluValue value,
-                                                 const real *dout, const uint16_t *a, const uint16_t *b, int n_seg,
+                                                 const uint16_t *dout, const uint16_t *a, const uint16_t *b, int n_seg,
                                                  const int *rows0, int C, char *err, size_t err_size);
 int fp8_quantize_swiglu_both_layouts_grouped(Device dev, uint8_t *q1, float *s1, uint8_t *q2, float *s2,
-                                             SwigluValue value, const real *dout, const uint16_t *a, const uint16_t *b,
+                                             SwigluValue value, const uint16_t *dout, const uint16_t *a, const uint16_t *b,
                                              int n_seg, const int *rows0, int C, char *err, size_t err_size);
 // Both SwiGLU gradients in one pass (the FFN backward's w1 and w3 dY): da into (qa1, sa1, qa2, sa2) and db into
 // (qb1, sb1, qb2, sb2), each exactly what fp8_quantize_swiglu_both_layouts_grouped(SWIGLU_DA / SWIGLU_DB, dout, a,
@@ -337,7 +338,7 @@ int fp8_quantize_swiglu_both_layouts_grouped(Device dev, uint8_t *q1, float *s1,
 // swiglu_backward"), and as two calls in the CUDA call log. On the CPU a bad da returns before db is written.
 int fp8_quantize_swiglu_grads_both_layouts_grouped(Device dev, uint8_t *qa1, float *sa1, uint8_t *qa2, float *sa2,
                                                    uint8_t *qb1, float *sb1, uint8_t *qb2, float *sb2,
-                                                   const real *dout, const uint16_t *a, const uint16_t *b, int n_seg,
+                                                   const uint16_t *dout, const uint16_t *a, const uint16_t *b, int n_seg,
                                                    const int *rows0, int C, char *err, size_t err_size);
 
 // FP8 GEMMs, partial sums promoted to FP32 every 128 elements of the contraction axis (each 128-block's
@@ -394,6 +395,12 @@ void fp8_gemm_fprop_grouped_bf16(Device dev, uint16_t *y, const uint8_t *qx, con
 void fp8_gemm_dgrad_grouped(Device dev, real *dx, GradStore store, const DgradUnpermute *unpermute, int n_mats,
                             const uint8_t *const *qdy, const float *const *sdy, const uint8_t *const *const *qwt,
                             const float *const *const *sw, int n_seg, const int *rows0, int N, int K);
+// One matrix's Dgrad product left in BF16 as fp8_gemm_fprop_grouped_bf16 leaves the Fprop's: dx (rows0[n_seg] + 15
+// rows, row stride round_up(K, 128)) = the BF16 bits of what fp8_gemm_dgrad_grouped with GRAD_WRITE writes, columns
+// K.. 0 (w2's input gradient d_h, which only the SwiGLU gradient quantisers read).
+void fp8_gemm_dgrad_grouped_bf16(Device dev, uint16_t *dx, const uint8_t *qdy, const float *sdy,
+                                 const uint8_t *const *qwt, const float *const *sw, int n_seg, const int *rows0, int N,
+                                 int K);
 // Wgrad  dw (N, K) += dY^T X: qdyt, sdyt from fp8_quantize_128x1_transposed(dy, T, N); qxt, sxt from
 //        fp8_quantize_128x1_transposed(x, T, K). FP32 result added to the FP32 gradient.
 void fp8_gemm_wgrad(Device dev, real *dw, const uint8_t *qdyt, const float *sdyt, const uint8_t *qxt,

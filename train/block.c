@@ -38,6 +38,8 @@ static int *host_ints(ActsArena *a, int64_t n) {
     return p;
 }
 
+static int64_t round_up128(int64_t n) { return (n + FP8_TILE - 1) / FP8_TILE * FP8_TILE; }
+
 // A Linear input's kept Wgrad operand (linear.h) for `rows` rows of C columns in at most n_groups groups, or
 // nothing (q NULL) unless `keep`.
 static KeptInput kept_alloc(ActsArena *ar, int keep, int64_t rows, int n_groups, int C) {
@@ -162,8 +164,16 @@ void layer_scratch_alloc(ActsArena *ar, LayerScratch *s, const Dims *d, int has_
         s->t_h = ARENA_REALS(ar, ffn_elems);
         s->d_a = ARENA_REALS(ar, ffn_elems);
         s->d_b = ARENA_REALS(ar, ffn_elems);
+        s->d_h = ARENA_REALS(ar, ffn_elems);
+        return;
     }
-    s->d_h = ARENA_REALS(ar, ffn_elems);
+    // fp8: d_h in BF16, rows + 15 rows of round_up(width, 128) for the largest FFN (linear.h SwigluScratch)
+    int64_t d_h16 = (N + 15) * round_up128(d->inter);
+    if (has_moe) {
+        if ((N + 15) * round_up128(d->shared_I) > d_h16) d_h16 = (N + 15) * round_up128(d->shared_I);
+        if ((NK + 15) * round_up128(d->I) > d_h16) d_h16 = (NK + 15) * round_up128(d->I);
+    }
+    s->d_h16 = arena_alloc(ar, (size_t)d_h16 * sizeof(uint16_t));
 }
 
 // ---------------------------------------------------------------------------- forward / backward

@@ -119,7 +119,9 @@ typedef struct {
     real *d_xn;                           // (N, D)
     real *d_cq, *d_cqn, *d_qf;
     real *d_kva, *d_ckv, *d_ckvn, *d_k_rope, *d_k_rope_raw, *d_kv, *d_o;
-    real *d_a, *d_b, *d_h;                // FFN gradients: dense / shared (N, width), all routed experts (N*K, I)
+    real *d_a, *d_b, *d_h;                // FFN gradients: dense / shared (N, width), all routed experts (N*K, I);
+                                          // bf16 and fp32 only
+    uint16_t *d_h16;                      // fp8: d_h in BF16 (linear.h SwigluScratch), the same rows + 15
     real *d_logits, *d_scores, *d_topk_w; // router
     real *d_xp, *d_eout;                  // routed experts, (N*K, D); d_xp only where xp is gathered, d_eout
                                           // only where the combine backward writes it
@@ -127,8 +129,8 @@ typedef struct {
 } LayerScratch;
 
 // The chunk's scratch first (has_moe: any block of the chunk is a MoE block; needs_xp: its MoE blocks
-// gather their experts' inputs, !moe_experts_read_tokens; gate_values: the FFNs write their gate's h, d_a, d_b,
-// as bf16 and fp32 do - fp8 computes them in its quantisers, linear.h; needs_d_eout: the combine backward writes
+// gather their experts' inputs, !moe_experts_read_tokens; gate_values: the FFNs write their gate's h, d_h, d_a,
+// d_b in FP32, as bf16 and fp32 do - fp8 computes h, d_a, d_b in its quantisers and keeps d_h in BF16, linear.h; needs_d_eout: the combine backward writes
 // the experts' output gradient, !moe_combine_grad_in_quantiser; shares_fprop: the MoE blocks' experts share their
 // input's Fprop operand, FfnActs), then each block's activations, whose transients point into it; keep_inputs (fp8
 // mode): the blocks keep their Linear inputs' Wgrad operands (MlaActs, FfnActs).

@@ -337,15 +337,14 @@ typedef struct {
     const real *x;
     const int *rows;
     SwigluValue value;
-    const real *dout;
-    const uint16_t *a, *b;  // the SwiGLU gate's BF16 inputs (linear.h SwigluGate)
+    const uint16_t *dout, *a, *b;  // the SwiGLU gate's BF16 inputs (linear.h SwigluGate) and h's BF16 gradient
     const CombineGrad *combine;
 } Operand;
 
 static Operand array_operand(const real *x, const int *rows) {
     return (Operand){.kind = OPERAND_ARRAY, .x = x, .rows = rows};
 }
-static Operand swiglu_operand(SwigluValue value, const real *dout, const uint16_t *a, const uint16_t *b) {
+static Operand swiglu_operand(SwigluValue value, const uint16_t *dout, const uint16_t *a, const uint16_t *b) {
     return (Operand){.kind = OPERAND_SWIGLU, .value = value, .dout = dout, .a = a, .b = b};
 }
 
@@ -521,10 +520,18 @@ static void fp8_forward(Model *m, int n_groups, const int *offsets, int n_out, r
 // one call, dinp += sum_i dY_i W_i in order of i (W's 128x128 blocks transposed, all groups, one output
 // conversion on CUDA); then Wgrad dW_i += dY_i^T X group by group (dY and X written transposed so the tokens
 // are the contraction axis). Groups write disjoint rows of dinp and slices of dW, so this gives the bits of
-// group-by-group, Linear-by-Linear calls. X's Wgrad operand is the forward's (`kept`) or quantised once.
-static void fp8_backward(Model *m, int n_groups, const int *offsets, int n_out, real *dinp, GradStore dinp_store,
-                         const DgradUnpermute *unpermute, real *const *dweight, const Operand *dout, const Operand *inp,
-                         const real *const *weight, int C, int OC, const KeptInput *kept) {
+// group-by-group, Linear-by-Linear calls. X's Wgrad operand is the forward's (`kept`) or quantised once. With
+// dinp_bf16 instead of dinp (one Linear, written), the input gradient is left as the Dgrad's BF16 product
+// (kernels.h fp8_gemm_dgrad_grouped_bf16).
+static void fp8_backward(Model *m, int n_groups, const int *offsets, int n_out, real *dinp, uint16_t *dinp_bf16,
+                         GradStore dinp_store, const DgradUnpermute *unpermute, real *const *dweight,
+                         const Operand *dout, const Operand *inp, const real *const *weight, int C, int OC,
+                         const KeptInput *kept) {
+    const int dgrad = dinp != NULL || dinp_bf16 != NULL;
+    if (dinp_bf16 != NULL && (dinp != NULL || n_out != 1 || unpermute != NULL || dinp_store != GRAD_WRITE)) {
+        fprintf(stderr, "fp8moe: train/linear.c: internal error: a BF16 input gradient is one Linear's, written\n");
+        exit(1);
+    }
     const GroupSizes z = group_sizes(n_groups, offsets);
     scratch_reserve(m, backward_bytes(z, C, OC, n_out));
     size_t used = 0;
@@ -536,11 +543,11 @@ static void fp8_backward(Model *m, int n_groups, const int *offsets, int n_out, 
     }
     Fp8Operand dy[MAX_SHARED], dyt[MAX_SHARED];
     for (int i = 0; i < n_out; i++) {
-        dy[i] = dinp ? take_1x128(m, &used, z, OC) : (Fp8Operand){NULL, NULL};
+        dy[i] = dgrad ? take_1x128(m, &used, z, OC) : (Fp8Operand){NULL, NULL};
         dyt[i] = dweight[i] ? take_128x1(m, &used, z, OC) : (Fp8Operand){NULL, NULL};
     }
-    quantize_gradients(m, n_out, dy, dyt, dout, dinp != NULL, dweight, n_groups, offsets, OC);
-    if (dinp) {
+    quantize_gradients(m, n_out, dy, dyt, dout, dgrad, dweight, n_groups, offsets, OC);
+    if (dgrad) {
         const struct LinearWeightCache *c = m->weight_cache;
         const uint8_t *qdy[MAX_SHARED], *const *qwt[MAX_SHARED];
         const float *sdy[MAX_SHARED], *const *sw[MAX_SHARED];
@@ -548,7 +555,11 @@ static void fp8_backward(Model *m, int n_groups, const int *offsets, int n_out, 
             m->fp8_gemm_count += group_weights(m, i, n_groups, offsets, weight[i], OC, C);
             qdy[i] = dy[i].q, sdy[i] = dy[i].s, qwt[i] = c->qt + i * c->max_groups, sw[i] = c->s + i * c->max_groups;
         }
-        fp8_gemm_dgrad_grouped(m->dev, dinp, dinp_store, unpermute, n_out, qdy, sdy, qwt, sw, n_groups, offsets, OC, C);
+        if (dinp_bf16 != NULL)
+            fp8_gemm_dgrad_grouped_bf16(m->dev, dinp_bf16, qdy[0], sdy[0], qwt[0], sw[0], n_groups, offsets, OC, C);
+        else
+            fp8_gemm_dgrad_grouped(m->dev, dinp, dinp_store, unpermute, n_out, qdy, sdy, qwt, sw, n_groups, offsets, OC,
+                                   C);
     }
     for (int i = 0; i < n_out; i++) {
         for (int g = 0, tiles = 0; g < n_groups && dweight[i]; g++) {
@@ -722,7 +733,8 @@ void linear_backward_grouped(Model *m, int n_groups, const int *offsets, int n_o
         const Operand x = array_operand(inp, inp_rows);
         Operand dy[MAX_SHARED];
         for (int i = 0; i < n_out; i++) dy[i] = array_operand(dout[i], NULL);
-        fp8_backward(m, n_groups, offsets, n_out, dinp, dinp_store, unpermute, dweight, dy, &x, weight, C, OC, kept);
+        fp8_backward(m, n_groups, offsets, n_out, dinp, NULL, dinp_store, unpermute, dweight, dy, &x, weight, C, OC,
+                     kept);
     } else if (m->cfg.precision.mode == PRECISION_BF16) {
         bf16_backward(m, n_groups, offsets, n_out, dinp, dinp_store, unpermute, dweight, dout, inp, inp_rows, weight, C,
                       OC);
@@ -798,16 +810,16 @@ void linear_backward_swiglu_grouped(Model *m, int n_groups, const int *offsets, 
     }
     check_inp_rows(m, x_rows);
     profile_begin(PHASE_OTHER_GEMM);
-    // w2: X is h, computed in its Wgrad quantiser; d_h is written (the only producer)
+    // w2: X is h, computed in its Wgrad quantiser; d_h is left as the Dgrad's BF16 product (the only producer)
     const Operand h = swiglu_operand(SWIGLU_OUT, NULL, gate->a16, gate->b16);
     const Operand dy_w2 = dy_combine ? (Operand){.kind = OPERAND_COMBINE_GRAD, .combine = dy_combine}
                                      : array_operand(dy, NULL);
-    fp8_backward(m, n_groups, offsets, 1, s->d_h, GRAD_WRITE, NULL, &g->w2, &dy_w2, &h, w2, I, D, h_kept);
+    fp8_backward(m, n_groups, offsets, 1, NULL, s->d_h16, GRAD_WRITE, NULL, &g->w2, &dy_w2, &h, w2, I, D, h_kept);
     // w1 and w3: their dYs are swiglu_backward's da and db, computed in their quantisers from d_h
-    const Operand d_ab[2] = {swiglu_operand(SWIGLU_DA, s->d_h, gate->a16, gate->b16),
-                             swiglu_operand(SWIGLU_DB, s->d_h, gate->a16, NULL)};
+    const Operand d_ab[2] = {swiglu_operand(SWIGLU_DA, s->d_h16, gate->a16, gate->b16),
+                             swiglu_operand(SWIGLU_DB, s->d_h16, gate->a16, NULL)};
     const Operand xin = array_operand(x, x_rows);
-    fp8_backward(m, n_groups, offsets, 2, dx, dx_store, unpermute, g13, d_ab, &xin, w13, D, I, x_kept);
+    fp8_backward(m, n_groups, offsets, 2, dx, NULL, dx_store, unpermute, g13, d_ab, &xin, w13, D, I, x_kept);
     profile_end(PHASE_OTHER_GEMM);
 }
 

@@ -109,13 +109,16 @@ void linear_forward_swiglu_grouped(Model *m, int n_groups, const int *offsets, c
                                    const int *x_rows, const SwigluGate *gate, real *h, real *y, uint16_t *y_bf16,
                                    int D, int I, KeptInput *x_kept, KeptInput *h_kept, SharedFprop *x_fprop);
 // The backward of w2, then of w1 and w3, from dy (rows, D): weight gradients +=, and x's gradient dx as
-// linear_backward_grouped gives it (dx_store, x_rows and unpermute as there). Buffers (rows, I): d_h is written
-// in every mode, h, d_a and d_b in bf16 and fp32 modes only.
+// linear_backward_grouped gives it (dx_store, x_rows and unpermute as there). Buffers (rows, I): h, d_h, d_a and d_b
+// are written in bf16 and fp32 modes, d_h16 (rows + 15 rows of round_up(I, 128)) in fp8 mode.
 // dy_combine (fp8 mode only, else NULL; dy is then NULL): dy is the routed experts' output gradient read through
 // the routing plan - row s = topk_w[t,k] * d_out[t] for slot s = slot_of[t*K + k] - the rows moe_combine_backward
 // would write, computed in w2's dY quantiser instead (kernels.h fp8_quantize_combine_grad_both_layouts_grouped).
 // x_kept and h_kept (or NULL): what the forwards kept of x (linear_forward_grouped) and of h.
-typedef struct { real *h, *d_h, *d_a, *d_b; } SwigluScratch;
+typedef struct {
+    real *h, *d_h, *d_a, *d_b;  // bf16, fp32
+    uint16_t *d_h16;            // fp8: w2's Dgrad product in BF16 (kernels.h fp8_gemm_dgrad_grouped_bf16)
+} SwigluScratch;
 typedef struct {
     const real *d_out, *topk_w;
     const int *seg_token, *slot_of;

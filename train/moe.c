@@ -35,7 +35,7 @@ static void swiglu_ffn_backward(Model *m, const FfnWeights *w, const FfnWeights 
                                 int n_groups, const int *offsets, int D, int I, const real *x, const int *x_rows,
                                 const real *d_y, const CombineGrad *d_y_combine, real *d_x, GradStore d_x_store,
                                 const DgradUnpermute *unpermute) {
-    const SwigluScratch scratch = {a->h, s->d_h, s->d_a, s->d_b};
+    const SwigluScratch scratch = {a->h, s->d_h, s->d_a, s->d_b, s->d_h16};
     linear_backward_swiglu_grouped(m, n_groups, offsets, w, g, &a->gate, d_y, d_y_combine, x, x_rows, d_x,
                                    d_x_store, unpermute, &scratch, D, I, &a->x_kept, &a->h_kept);
 }

@@ -654,20 +654,21 @@ static real *bf16_rows_widened(const uint16_t *x, int rows, int C) {
     return v;
 }
 
-static real *swiglu_value(const char *op, SwigluValue value, const real *dout, const uint16_t *a16,
+static real *swiglu_value(const char *op, SwigluValue value, const uint16_t *dout16, const uint16_t *a16,
                           const uint16_t *b16, int n, const int *rows0, int C) {
     check_segments(op, n, rows0);
     const int64_t count = (int64_t)rows0[n] * C;
     real *v = alloc_or_die((size_t)(count > 0 ? count : 1) * sizeof(real), "SwiGLU values");
     real *a = bf16_rows_widened(a16, rows0[n], C), *b = b16 ? bf16_rows_widened(b16, rows0[n], C) : NULL;
+    real *dout = dout16 ? bf16_rows_widened(dout16, rows0[n], C) : NULL;
     if (value == SWIGLU_OUT) cpu_swiglu_forward(v, a, b, count);
     else if (value == SWIGLU_DA) cpu_swiglu_backward(v, NULL, dout, a, b, count);
     else cpu_swiglu_backward(NULL, v, dout, a, b, count);
-    free(a), free(b);
+    free(a), free(b), free(dout);
     return v;
 }
 
-int cpu_fp8_quantize_swiglu_1x128_grouped(uint8_t *q, float *s, SwigluValue value, const real *dout, const uint16_t *a,
+int cpu_fp8_quantize_swiglu_1x128_grouped(uint8_t *q, float *s, SwigluValue value, const uint16_t *dout, const uint16_t *a,
                                           const uint16_t *b, int n, const int *rows0, int C, char *err, size_t err_size) {
     static const char op[] = "fp8_quantize_swiglu_1x128_grouped";
     real *v = swiglu_value(op, value, dout, a, b, n, rows0, C);
@@ -676,7 +677,7 @@ int cpu_fp8_quantize_swiglu_1x128_grouped(uint8_t *q, float *s, SwigluValue valu
     return rc;
 }
 
-int cpu_fp8_quantize_swiglu_128x1_transposed_grouped(uint8_t *q, float *s, SwigluValue value, const real *dout,
+int cpu_fp8_quantize_swiglu_128x1_transposed_grouped(uint8_t *q, float *s, SwigluValue value, const uint16_t *dout,
                                                      const uint16_t *a, const uint16_t *b, int n, const int *rows0, int C,
                                                      char *err, size_t err_size) {
     static const char op[] = "fp8_quantize_swiglu_128x1_transposed_grouped";
@@ -687,7 +688,7 @@ int cpu_fp8_quantize_swiglu_128x1_transposed_grouped(uint8_t *q, float *s, Swigl
 }
 
 int cpu_fp8_quantize_swiglu_both_layouts_grouped(uint8_t *q1, float *s1, uint8_t *q2, float *s2, SwigluValue value,
-                                                 const real *dout, const uint16_t *a, const uint16_t *b, int n,
+                                                 const uint16_t *dout, const uint16_t *a, const uint16_t *b, int n,
                                                  const int *rows0, int C, char *err, size_t err_size) {
     static const char op[] = "fp8_quantize_swiglu_both_layouts_grouped";
     real *v = swiglu_value(op, value, dout, a, b, n, rows0, C);
@@ -699,7 +700,7 @@ int cpu_fp8_quantize_swiglu_both_layouts_grouped(uint8_t *q1, float *s1, uint8_t
 // kernels.h's fp8_quantize_swiglu_grads_both_layouts_grouped: its definition, the two calls (DA, then DB).
 int cpu_fp8_quantize_swiglu_grads_both_layouts_grouped(uint8_t *qa1, float *sa1, uint8_t *qa2, float *sa2,
                                                        uint8_t *qb1, float *sb1, uint8_t *qb2, float *sb2,
-                                                       const real *dout, const uint16_t *a, const uint16_t *b, int n,
+                                                       const uint16_t *dout, const uint16_t *a, const uint16_t *b, int n,
                                                        const int *rows0, int C, char *err, size_t err_size) {
     if (cpu_fp8_quantize_swiglu_both_layouts_grouped(qa1, sa1, qa2, sa2, SWIGLU_DA, dout, a, b, n, rows0, C, err,
                                                      err_size))
@@ -773,16 +774,32 @@ void cpu_fp8_gemm_fprop_grouped(real *y, const uint8_t *qx, const float *sx, con
     gemm_segments("fp8_gemm_fprop_grouped", cpu_fp8_gemm_fprop, y, N, K, qx, sx, qw, sw, n, rows0, N, K);
 }
 
-// kernels.h fp8_gemm_fprop_grouped_bf16: the FP32 Fprop's values (BF16-rounded already) as BF16 bits, row stride
-// round_up(N, 128), the padding columns and the 15 scratch rows 0.
-void cpu_fp8_gemm_fprop_grouped_bf16(uint16_t *y, const uint8_t *qx, const float *sx, const uint8_t *const *qw,
-                                     const float *const *sw, int n, const int *rows0, int N, int K) {
-    const size_t rows = (size_t)rows0[n], ld = (size_t)ceil_div(N, FP8_TILE) * FP8_TILE;
-    real *v = alloc_or_die((rows > 0 ? rows : 1) * (size_t)N * sizeof(real), "BF16 Fprop output");
-    cpu_fp8_gemm_fprop_grouped(v, qx, sx, qw, sw, n, rows0, N, K);
+// v (rows, cols), BF16 values already, as BF16 bits with row stride round_up(cols, 128); the padding columns and
+// the 15 scratch rows 0 (kernels.h *_grouped_bf16).
+static void store_bf16_rows(uint16_t *y, const real *v, size_t rows, int cols) {
+    const size_t ld = (size_t)ceil_div(cols, FP8_TILE) * FP8_TILE;
     memset(y, 0, (rows + 15) * ld * sizeof(uint16_t));
     for (size_t r = 0; r < rows; r++)
-        for (size_t c = 0; c < (size_t)N; c++) y[r * ld + c] = float_to_bf16((float)v[r * (size_t)N + c]);
+        for (size_t c = 0; c < (size_t)cols; c++) y[r * ld + c] = float_to_bf16((float)v[r * (size_t)cols + c]);
+}
+
+// kernels.h fp8_gemm_fprop_grouped_bf16 and fp8_gemm_dgrad_grouped_bf16: the FP32 GEMMs' values (BF16-rounded
+// already) as BF16 bits.
+void cpu_fp8_gemm_fprop_grouped_bf16(uint16_t *y, const uint8_t *qx, const float *sx, const uint8_t *const *qw,
+                                     const float *const *sw, int n, const int *rows0, int N, int K) {
+    const size_t rows = (size_t)rows0[n];
+    real *v = alloc_or_die((rows > 0 ? rows : 1) * (size_t)N * sizeof(real), "BF16 Fprop output");
+    cpu_fp8_gemm_fprop_grouped(v, qx, sx, qw, sw, n, rows0, N, K);
+    store_bf16_rows(y, v, rows, N);
+    free(v);
+}
+
+void cpu_fp8_gemm_dgrad_grouped_bf16(uint16_t *dx, const uint8_t *qdy, const float *sdy, const uint8_t *const *qwt,
+                                     const float *const *sw, int n, const int *rows0, int N, int K) {
+    const size_t rows = (size_t)rows0[n];
+    real *v = alloc_or_die((rows > 0 ? rows : 1) * (size_t)K * sizeof(real), "BF16 Dgrad output");
+    cpu_fp8_gemm_dgrad_grouped(v, GRAD_WRITE, qdy, sdy, qwt, sw, n, rows0, N, K);
+    store_bf16_rows(dx, v, rows, K);
     free(v);
 }
 

@@ -39,22 +39,24 @@ int cuda_fp8_quantize_combine_grad_both_layouts_grouped(uint8_t *q1, float *s1, 
                                                         const real *dout, const int *seg_token, const int *slot_of,
                                                         const real *topk_w, int K, int n_seg, const int *rows0, int C,
                                                         char *err, size_t err_size);
-int cuda_fp8_quantize_swiglu_1x128_grouped(uint8_t *q, float *s, SwigluValue value, const real *dout, const uint16_t *a,
+int cuda_fp8_quantize_swiglu_1x128_grouped(uint8_t *q, float *s, SwigluValue value, const uint16_t *dout, const uint16_t *a,
                                            const uint16_t *b, int n_seg, const int *rows0, int C, char *err,
                                            size_t err_size);
-int cuda_fp8_quantize_swiglu_128x1_transposed_grouped(uint8_t *q, float *s, SwigluValue value, const real *dout,
+int cuda_fp8_quantize_swiglu_128x1_transposed_grouped(uint8_t *q, float *s, SwigluValue value, const uint16_t *dout,
                                                       const uint16_t *a, const uint16_t *b, int n_seg, const int *rows0, int C,
                                                       char *err, size_t err_size);
 int cuda_fp8_quantize_swiglu_both_layouts_grouped(uint8_t *q1, float *s1, uint8_t *q2, float *s2, SwigluValue value,
-                                                  const real *dout, const uint16_t *a, const uint16_t *b, int n_seg,
+                                                  const uint16_t *dout, const uint16_t *a, const uint16_t *b, int n_seg,
                                                   const int *rows0, int C, char *err, size_t err_size);
 int cuda_fp8_quantize_swiglu_grads_both_layouts_grouped(uint8_t *qa1, float *sa1, uint8_t *qa2, float *sa2,
                                                         uint8_t *qb1, float *sb1, uint8_t *qb2, float *sb2,
-                                                        const real *dout, const uint16_t *a, const uint16_t *b, int n_seg,
+                                                        const uint16_t *dout, const uint16_t *a, const uint16_t *b, int n_seg,
                                                         const int *rows0, int C, char *err, size_t err_size);
 void cuda_fp8_gemm_fprop(real *y, const uint8_t *qx, const float *sx, const uint8_t *qw, const float *sw, int T, int N, int K);
 void cuda_fp8_gemm_dgrad(real *dx, const uint8_t *qdy, const float *sdy, const uint8_t *qwt, const float *sw, int T, int N, int K);
 void cuda_fp8_gemm_fprop_grouped_bf16(uint16_t *y, const uint8_t *qx, const float *sx, const uint8_t *const *qw,
+                                      const float *const *sw, int n_seg, const int *rows0, int N, int K);
+void cuda_fp8_gemm_dgrad_grouped_bf16(uint16_t *dx, const uint8_t *qdy, const float *sdy, const uint8_t *const *qwt,
                                       const float *const *sw, int n_seg, const int *rows0, int N, int K);
 void cuda_fp8_gemm_fprop_grouped(real *y, const real *residual, const uint8_t *qx, const float *sx,
                                  const uint8_t *const *qw, const float *const *sw, int n_seg, const int *rows0, int N,

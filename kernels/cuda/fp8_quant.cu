@@ -110,12 +110,11 @@ struct ArrayRows {
 };
 
 // A SwiGLU value computed from its inputs as it is read (kernels.h fp8_quantize_swiglu_*), with swiglu.cuh's
-// arithmetic: the bits swiglu_forward / swiglu_backward would have stored. a and b are BF16 rows of stride
-// ld = round_up(C, 128) (the Fprops' own output), dout FP32 rows of C. A branch on `value` is the same for the whole
-// grid.
+// arithmetic: the bits swiglu_forward / swiglu_backward would have stored. a, b and dout are BF16 rows of stride
+// round_up(C, 128) (the GEMMs' own outputs). A branch on `value` is the same for the whole grid.
 struct SwigluRows {
     SwigluValue value;
-    const float *dout;            // only for DA and DB
+    const uint16_t *dout;         // only for DA and DB
     const uint16_t *a, *b;        // b only for OUT and DA
     int C;
     bool aligned16() const { return is_aligned(dout, 16) && is_aligned(a, 16) && is_aligned(b, 16); }
@@ -125,7 +124,7 @@ struct SwigluRows {
         const int64_t at = row * ((C + FP8_TILE - 1) / FP8_TILE * FP8_TILE);
         ::load4<VEC4>(av, a + at, col, len);
         if (value != SWIGLU_DB) ::load4<VEC4>(bv, b + at, col, len);
-        if (value != SWIGLU_OUT) ::load4<VEC4>(gv, dout + row * C, col, len);
+        if (value != SWIGLU_OUT) ::load4<VEC4>(gv, dout + at, col, len);
         for (int j = 0; j < 4; j++) {
             float da, db;
             if (value == SWIGLU_OUT) v[j] = swiglu_element(av[j], bv[j]);
@@ -139,8 +138,7 @@ struct SwigluRows {
 // load4x2 gives da and db of 4 elements - the values SwigluRows gives for SWIGLU_DA and SWIGLU_DB (db does not
 // depend on b, which SwigluRows does not read for it), from one sigmoid per element.
 struct SwigluGradRows {
-    const float *dout;
-    const uint16_t *a, *b;  // BF16, row stride round_up(C, 128), as SwigluRows'
+    const uint16_t *dout, *a, *b;  // BF16, row stride round_up(C, 128), as SwigluRows'
     int C;
     bool aligned16() const { return is_aligned(dout, 16) && is_aligned(a, 16) && is_aligned(b, 16); }
     template <bool VEC4>
@@ -149,7 +147,7 @@ struct SwigluGradRows {
         const int64_t at = row * ((C + FP8_TILE - 1) / FP8_TILE * FP8_TILE);
         ::load4<VEC4>(av, a + at, col, len);
         ::load4<VEC4>(bv, b + at, col, len);
-        ::load4<VEC4>(gv, dout + row * C, col, len);
+        ::load4<VEC4>(gv, dout + at, col, len);
         for (int j = 0; j < 4; j++) {
             swiglu_backward_element(&da[j], &db[j], gv[j], av[j], bv[j]);
             if (col + j >= len) da[j] = db[j] = 0.0f;  // padding is 0, as SwigluRows'
@@ -735,7 +733,7 @@ static const char *swiglu_tensor(SwigluValue value) {
     return value == SWIGLU_OUT ? "silu(a) * b" : value == SWIGLU_DA ? "da of swiglu_backward" : "db of swiglu_backward";
 }
 
-extern "C" int cuda_fp8_quantize_swiglu_1x128_grouped(uint8_t *q, float *s, SwigluValue value, const real *dout,
+extern "C" int cuda_fp8_quantize_swiglu_1x128_grouped(uint8_t *q, float *s, SwigluValue value, const uint16_t *dout,
                                                       const uint16_t *a, const uint16_t *b, int n_seg, const int *rows0, int C,
                                                       char *err, size_t err_size) {
     return quantize_1x128_segments("fp8_quantize_swiglu_1x128_grouped", swiglu_tensor(value), q, s,
@@ -743,7 +741,7 @@ extern "C" int cuda_fp8_quantize_swiglu_1x128_grouped(uint8_t *q, float *s, Swig
 }
 
 extern "C" int cuda_fp8_quantize_swiglu_128x1_transposed_grouped(uint8_t *q, float *s, SwigluValue value,
-                                                                 const real *dout, const uint16_t *a, const uint16_t *b,
+                                                                 const uint16_t *dout, const uint16_t *a, const uint16_t *b,
                                                                  int n_seg, const int *rows0, int C, char *err,
                                                                  size_t err_size) {
     return quantize_128x1_segments("fp8_quantize_swiglu_128x1_transposed_grouped", swiglu_tensor(value), q, s,
@@ -751,7 +749,7 @@ extern "C" int cuda_fp8_quantize_swiglu_128x1_transposed_grouped(uint8_t *q, flo
 }
 
 extern "C" int cuda_fp8_quantize_swiglu_both_layouts_grouped(uint8_t *q1, float *s1, uint8_t *q2, float *s2,
-                                                             SwigluValue value, const real *dout, const uint16_t *a,
+                                                             SwigluValue value, const uint16_t *dout, const uint16_t *a,
                                                              const uint16_t *b, int n_seg, const int *rows0, int C,
                                                              char *err, size_t err_size) {
     return quantize_both_segments("fp8_quantize_swiglu_both_layouts_grouped", swiglu_tensor(value), q1, s1, q2, s2,
@@ -762,7 +760,7 @@ extern "C" int cuda_fp8_quantize_swiglu_both_layouts_grouped(uint8_t *q1, float 
 // calls, DA's first, so a bad da is reported before any bad db and with the message its call would give.
 extern "C" int cuda_fp8_quantize_swiglu_grads_both_layouts_grouped(uint8_t *qa1, float *sa1, uint8_t *qa2, float *sa2,
                                                                    uint8_t *qb1, float *sb1, uint8_t *qb2, float *sb2,
-                                                                   const real *dout, const uint16_t *a, const uint16_t *b,
+                                                                   const uint16_t *dout, const uint16_t *a, const uint16_t *b,
                                                                    int n_seg, const int *rows0, int C, char *err,
                                                                    size_t err_size) {
     static const char logged[] = "fp8_quantize_swiglu_both_layouts_grouped";

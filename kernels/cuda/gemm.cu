@@ -754,19 +754,23 @@ typedef void (*Fp8GemmBf16)(uint16_t *out, const uint8_t *qa, const float *sa, c
 // matrix a full extra pass over the FP32 gradient; the GEMMs are the same, so are the bits.
 // The Dgrad (`dgrad`) first transposes the block scales of every weight it uses (matrix i, non-empty segment g,
 // in that order) in one launch into one scratch, at scale_t_stride apart, instead of one launch per GEMM.
+// With out_bf16 (one matrix; out NULL) each segment's GEMM writes its BF16 product straight into out_bf16 at row
+// rows0[g] (row stride ld), its rows padded to 16 spilling onto the next segment's first rows, which that segment's
+// GEMM, later on the stream, writes over (kernels.h *_grouped_bf16: 15 rows of scratch follow the last segment), and
+// nothing is converted.
 static void fp8_gemm_segments(const char *op, bool dgrad, real *out, bool add, const DgradUnpermute *unpermute,
                               int out_cols, int contraction, int n_mats, const uint8_t *const *qa, const float *const *sa,
                               const uint8_t *const *const *qb, const float *const *const *sb, int n_seg,
-                              const int *rows0, int N, int K, const real *residual = NULL) {
+                              const int *rows0, int N, int K, const real *residual = NULL, uint16_t *out_bf16 = NULL) {
     const SegTable seg = seg_table(op, n_seg, rows0);
     if (seg.rows0[n_seg] == 0 || out_cols <= 0) return;
-    if (n_mats < 1 || n_mats > FP8_MAX_DGRAD_MATS)
-        gemm_fail(__LINE__, op, "%d matrices - expected 1 to %d (FP8_MAX_DGRAD_MATS, kernels.h)", n_mats,
-                  FP8_MAX_DGRAD_MATS);
+    if (n_mats < 1 || n_mats > FP8_MAX_DGRAD_MATS || (out_bf16 != NULL && n_mats != 1))
+        gemm_fail(__LINE__, op, "%d matrices - expected 1 to %d (FP8_MAX_DGRAD_MATS, kernels.h), 1 with a BF16 output",
+                  n_mats, FP8_MAX_DGRAD_MATS);
     const int ld = round_up(out_cols, FP8_TILE), CB = ceil_div(contraction, FP8_TILE);
     const int64_t per_mat = (int64_t)seg.p16[n_seg] * ld;
     ctx_init();
-    uint16_t *tmp = (uint16_t *)cuda_scratch(&ctx.out_bf16, sizeof(uint16_t) * (size_t)(per_mat * n_mats));
+    uint16_t *tmp = out_bf16 ? NULL : (uint16_t *)cuda_scratch(&ctx.out_bf16, sizeof(uint16_t) * (size_t)(per_mat * n_mats));
     // The Dgrad's transposed scales live in ctx.scale_t, a buffer other than tmp's; nothing below asks for
     // ctx.scale_t again (the GEMMs get fp8_gemm_dgrad_bf16_t, not the wrapper that uses it), so swt stays valid.
     const Fp8GemmBf16 gemm = dgrad ? fp8_gemm_dgrad_bf16_t : cuda_fp8_gemm_fprop_bf16;
@@ -786,10 +790,12 @@ static void fp8_gemm_segments(const char *op, bool dgrad, real *out, bool add, c
         for (int g = 0; g < n_seg; g++) {
             const int p16 = seg.p16[g], T16 = seg.p16[g + 1] - p16;
             if (T16 == 0) continue;
-            gemm(tmp + i * per_mat + (size_t)p16 * ld, qa[i] + (size_t)p16 * CB * FP8_TILE, sa[i] + (size_t)CB * p16,
-                 qb[i][g], dgrad ? swt + w++ * swt_stride : sb[i][g], T16, N, K);
+            uint16_t *dst = out_bf16 ? out_bf16 + (size_t)rows0[g] * ld : tmp + i * per_mat + (size_t)p16 * ld;
+            gemm(dst, qa[i] + (size_t)p16 * CB * FP8_TILE, sa[i] + (size_t)CB * p16, qb[i][g],
+                 dgrad ? swt + w++ * swt_stride : sb[i][g], T16, N, K);
         }
     }
+    if (out_bf16) return;
     if (unpermute) bf16_unpermute_rows(out, add, tmp, seg, out_cols, ld, n_mats, per_mat, unpermute);
     else if (add) bf16_to_float_rows<true>(out, tmp, seg, out_cols, ld, n_mats, per_mat);
     else bf16_to_float_rows<false>(out, tmp, seg, out_cols, ld, n_mats, per_mat, residual);
@@ -802,21 +808,20 @@ extern "C" void cuda_fp8_gemm_fprop_grouped(real *y, const real *residual, const
                       residual);
 }
 
-// kernels.h fp8_gemm_fprop_grouped_bf16: each segment's GEMM straight into y at row rows0[g] (row stride Np); its
-// rows padded to 16 spill onto the next segment's first rows, which that segment's GEMM, later on the stream,
-// writes over, and past the last segment onto y's 15 scratch rows. cuBLASLt's pointers stay 16-byte aligned: Np is
-// a multiple of 128.
+// kernels.h fp8_gemm_fprop_grouped_bf16 and fp8_gemm_dgrad_grouped_bf16: the GEMMs straight into the BF16 array
+// (fp8_gemm_segments' out_bf16; cuBLASLt's pointers stay 16-byte aligned, the row stride being a multiple of 128).
 extern "C" void cuda_fp8_gemm_fprop_grouped_bf16(uint16_t *y, const uint8_t *qx, const float *sx,
                                                  const uint8_t *const *qw, const float *const *sw, int n_seg,
                                                  const int *rows0, int N, int K) {
-    const SegTable seg = seg_table("fp8_gemm_fprop_grouped_bf16", n_seg, rows0);
-    const int CB = ceil_div(K, FP8_TILE), Np = round_up(N, FP8_TILE);
-    for (int g = 0; g < n_seg; g++) {
-        const int p16 = seg.p16[g], T16 = seg.p16[g + 1] - p16;
-        if (T16 == 0) continue;
-        cuda_fp8_gemm_fprop_bf16(y + (size_t)rows0[g] * Np, qx + (size_t)p16 * CB * FP8_TILE, sx + (size_t)CB * p16,
-                                 qw[g], sw[g], T16, N, K);
-    }
+    fp8_gemm_segments("fp8_gemm_fprop_grouped_bf16", false, NULL, false, NULL, N, K, 1, &qx, &sx, &qw, &sw, n_seg,
+                      rows0, N, K, NULL, y);
+}
+
+extern "C" void cuda_fp8_gemm_dgrad_grouped_bf16(uint16_t *dx, const uint8_t *qdy, const float *sdy,
+                                                 const uint8_t *const *qwt, const float *const *sw, int n_seg,
+                                                 const int *rows0, int N, int K) {
+    fp8_gemm_segments("fp8_gemm_dgrad_grouped_bf16", true, NULL, false, NULL, K, N, 1, &qdy, &sdy, &qwt, &sw, n_seg,
+                      rows0, N, K, NULL, dx);
 }
 
 extern "C" void cuda_fp8_gemm_dgrad_grouped(real *dx, GradStore store, const DgradUnpermute *unpermute, int n_mats,

@@ -601,7 +601,8 @@ static SegLayout seg_layout(int n_seg, const int *rows0, int C) {
     return L;
 }
 
-// a or b as the SwiGLU quantisers take them (kernels.h: w1's and w3's Fprop products, BF16 bits with row stride
+// a, b or dout as the SwiGLU quantisers take them (kernels.h: w1's and w3's Fprop products and w2's Dgrad product,
+// BF16 bits with row stride
 // round_up(C, 128)) from x (rows x C, on dev), whose values the tests make BF16 values first (bf16_round) so that
 // the CUDA composition on x sees the same numbers. The padding columns hold a NaN, which a read of them would report.
 // Where x does not start 16-byte aligned (a case's offset), the copy starts 4 bytes into its buffer too, so the
@@ -631,13 +632,14 @@ static void gate_free(Device dev, void *base) {
 // The fused op `which` (1x128: q1, s1; 128x1: q2, s2; both: all four) on a and b given to it in BF16 (gate_bf16),
 // given NULL for the input its value does not read (dout for OUT, b for DB), so reading it would fault.
 static int run_swiglu_quant(Device dev, SwigluQuant which, uint8_t *q1, float *s1, uint8_t *q2, float *s2,
-                            SwigluValue value, const float *dout, const float *a32, const float *b32, const SegLayout *L,
-                            char *err, size_t err_size) {
-    if (value == SWIGLU_OUT) dout = NULL;
+                            SwigluValue value, const float *dout32, const float *a32, const float *b32,
+                            const SegLayout *L, char *err, size_t err_size) {
+    if (value == SWIGLU_OUT) dout32 = NULL;
     if (value == SWIGLU_DB) b32 = NULL;
-    void *a_base, *b_base;
+    void *a_base, *b_base, *d_base;
     const int rows = L->rows0[L->n_seg];
     const uint16_t *a = gate_bf16(dev, a32, rows, L->C, &a_base), *b = gate_bf16(dev, b32, rows, L->C, &b_base);
+    const uint16_t *dout = gate_bf16(dev, dout32, rows, L->C, &d_base);
     int rc;
     switch (which) {
     case SWQ_1X128:
@@ -651,7 +653,7 @@ static int run_swiglu_quant(Device dev, SwigluQuant which, uint8_t *q1, float *s
         rc = fp8_quantize_swiglu_both_layouts_grouped(dev, q1, s1, q2, s2, value, dout, a, b, L->n_seg, L->rows0, L->C,
                                                       err, err_size);
     }
-    gate_free(dev, a_base), gate_free(dev, b_base);
+    gate_free(dev, a_base), gate_free(dev, b_base), gate_free(dev, d_base);
     return rc;
 }
 
@@ -742,7 +744,8 @@ static void test_quantize_swiglu(void **state) {
     fill_log_uniform(a, n, 5000 + (uint64_t)sc->seed, -8.0, 4.0);
     fill_log_uniform(b, n, 5100 + (uint64_t)sc->seed, -12.0, 2.0);
     fill_log_uniform(dout, n, 5200 + (uint64_t)sc->seed, -20.0, 0.0);
-    for (int64_t i = 0; i < n; i++) a[i] = bf16_round(a[i]), b[i] = bf16_round(b[i]);  // the fused ops read BF16
+    for (int64_t i = 0; i < n; i++)  // the fused ops read BF16
+        a[i] = bf16_round(a[i]), b[i] = bf16_round(b[i]), dout[i] = bf16_round(dout[i]);
     float *a_base = device_alloc(DEVICE_CUDA, (size_t)(n + 1) * sizeof(float));
     float *b_base = device_alloc(DEVICE_CUDA, (size_t)(n + 1) * sizeof(float));
     float *g_base = device_alloc(DEVICE_CUDA, (size_t)(n + 1) * sizeof(float));
@@ -908,15 +911,16 @@ static void grad_operands_free(Device dev, GradOperands *o) {
     }
 }
 
-static int run_swiglu_grads(Device dev, const GradOperands *o, const float *dout, const float *a32, const float *b32,
+static int run_swiglu_grads(Device dev, const GradOperands *o, const float *dout32, const float *a32, const float *b32,
                             const SegLayout *L, char *err, size_t err_size) {
-    void *a_base, *b_base;
+    void *a_base, *b_base, *d_base;
     const int rows = L->rows0[L->n_seg];
     const uint16_t *a = gate_bf16(dev, a32, rows, L->C, &a_base), *b = gate_bf16(dev, b32, rows, L->C, &b_base);
+    const uint16_t *dout = gate_bf16(dev, dout32, rows, L->C, &d_base);
     const int rc = fp8_quantize_swiglu_grads_both_layouts_grouped(dev, o->qa1, o->sa1, o->qa2, o->sa2, o->qb1, o->sb1,
                                                                   o->qb2, o->sb2, dout, a, b, L->n_seg, L->rows0, L->C,
                                                                   err, err_size);
-    gate_free(dev, a_base), gate_free(dev, b_base);
+    gate_free(dev, a_base), gate_free(dev, b_base), gate_free(dev, d_base);
     return rc;
 }
 
@@ -954,7 +958,7 @@ static void test_quantize_swiglu_grads(void **state) {
     fill_log_uniform(a, n, 5400 + (uint64_t)sc->seed, -8.0, 4.0);
     fill_log_uniform(b, n, 5500 + (uint64_t)sc->seed, -12.0, 2.0);
     fill_log_uniform(dout, n, 5600 + (uint64_t)sc->seed, -20.0, 0.0);
-    for (int64_t i = 0; i < n; i++) a[i] = bf16_round(a[i]), b[i] = bf16_round(b[i]);
+    for (int64_t i = 0; i < n; i++) a[i] = bf16_round(a[i]), b[i] = bf16_round(b[i]), dout[i] = bf16_round(dout[i]);
     float *a_base = device_alloc(DEVICE_CUDA, (size_t)(n + 1) * sizeof(float));
     float *b_base = device_alloc(DEVICE_CUDA, (size_t)(n + 1) * sizeof(float));
     float *g_base = device_alloc(DEVICE_CUDA, (size_t)(n + 1) * sizeof(float));
@@ -1822,12 +1826,22 @@ static void test_fp8_gemm_grouped(void **state) {
             bf16_diff += y16[r * Np16 + c] != (c < N ? float_to_bf16(y_grp[(r + 1) * N + c]) : 0) ||
                          (c < N && bf16_to_float(y16[r * Np16 + c]) != y_grp[(r + 1) * N + c]);
     device_free(DEVICE_CUDA, y16_d), free(y16);
+    // the Dgrad's BF16 product as it is (fp8_gemm_dgrad_grouped_bf16): the BF16 bits of the GRAD_WRITE Dgrad's values
+    const int Kp16 = ceil_div(K, FP8_TILE) * FP8_TILE;
+    uint16_t *dx16_d = gpu_poisoned((size_t)(T + 15) * Kp16 * sizeof(uint16_t));
+    fp8_gemm_dgrad_grouped_bf16(DEVICE_CUDA, dx16_d, qdy_d, sdy_d, qwt, sw, n, rows0, N, K);
+    uint16_t *dx16 = host_copy_of(dx16_d, (size_t)(T + 15) * Kp16 * sizeof(uint16_t));
+    for (int64_t r = 0; r < T; r++)
+        for (int c = 0; c < Kp16; c++)
+            bf16_diff += dx16[r * Kp16 + c] != (c < K ? float_to_bf16(dx_wr[(r + 1) * K + c]) : 0) ||
+                         (c < K && bf16_to_float(dx16[r * Kp16 + c]) != dx_wr[(r + 1) * K + c]);
+    device_free(DEVICE_CUDA, dx16_d), free(dx16);
     const int pass = y_diff == 0 && dx_diff == 0 && y_rows && dx_rows && wr_diff == 0 && wr_rows && two_diff == 0 &&
                      unperm_diff == 0 && res_diff == 0 && bf16_diff == 0;
     printf("%-16s %2d segments, %4d rows, N %-4d K %-4d differing bytes vs per-segment: Fprop %d, Dgrad %d; "
            "Dgrad GRAD_WRITE differing values %d; 2 matrices vs 2 calls: %d bytes; unpermuted vs slot order + "
-           "moe_unpermute_backward: %d bytes; Fprop with a residual vs + add_inplace: %d bytes; BF16-output Fprop vs "
-           "the converted values: %d differing; only the rows inside written: %s  %s\n", "fp8 grouped", n, T, N, K,
+           "moe_unpermute_backward: %d bytes; Fprop with a residual vs + add_inplace: %d bytes; BF16-output Fprop and "
+           "Dgrad vs the converted values: %d differing; only the rows inside written: %s  %s\n", "fp8 grouped", n, T, N, K,
            y_diff, dx_diff, wr_diff, two_diff, unperm_diff, res_diff, bf16_diff,
            y_rows && dx_rows && wr_rows ? "yes" : "NO", pass ? "ok" : "FAIL");
     fflush(stdout);

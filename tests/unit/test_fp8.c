@@ -526,8 +526,8 @@ static GroupedSizes grouped_sizes(int n_seg, const int *rows0, int C) {
     return (GroupedSizes){p16 * KB * 128, KB * p16, (size_t)C * 128 * tiles, tiles * (size_t)C};
 }
 
-// a or b as the SwiGLU quantisers take them (kernels.h: the BF16 products of w1's and w3's Fprops, row stride
-// round_up(C, 128)) from x, whose values the tests make BF16 values first (round_to_bf16) where a composition reads x
+// a, b or dout as the SwiGLU quantisers take them (kernels.h: the BF16 products of w1's and w3's Fprops and of w2's
+// Dgrad, row stride round_up(C, 128)) from x, whose values the tests make BF16 values first (round_to_bf16) where a composition reads x
 // itself. The padding columns hold a NaN, which the quantisers would report if they read it. NULL stays NULL.
 static const uint16_t *gate_bf16(const real *x, int rows, int C) {
     if (x == NULL) return NULL;
@@ -545,9 +545,10 @@ static void round_to_bf16(real *x, size_t n) {
 // The fused op `which` on a and b (rows0[n_seg] x C) given to it in BF16 (gate_bf16): the 1x128 form writes q1, s1,
 // the 128x1 form q2, s2, the both-layouts form all four.
 static int swiglu_quant(SwigluQuant which, uint8_t *q1, float *s1, uint8_t *q2, float *s2, SwigluValue value,
-                        const real *dout, const real *a32, const real *b32, int n_seg, const int *rows0, int C,
+                        const real *dout32, const real *a32, const real *b32, int n_seg, const int *rows0, int C,
                         char *err, size_t err_size) {
     const uint16_t *a = gate_bf16(a32, rows0[n_seg], C), *b = gate_bf16(b32, rows0[n_seg], C);
+    const uint16_t *dout = gate_bf16(dout32, rows0[n_seg], C);
     switch (which) {
     case SWQ_1X128:
         return fp8_quantize_swiglu_1x128_grouped(DEVICE_CPU, q1, s1, value, dout, a, b, n_seg, rows0, C, err, err_size);
@@ -611,7 +612,7 @@ static void test_quantize_swiglu_grouped(void **state) {
             fill_wide(a, n, seed, -8, 4);
             fill_wide(b, n, seed + 1, -12, 2);
             fill_wide(dout, n, seed + 2, -20, 0);
-            round_to_bf16(a, n), round_to_bf16(b, n);  // the fused ops read them in BF16 (gate_bf16)
+            round_to_bf16(a, n), round_to_bf16(b, n), round_to_bf16(dout, n);  // the fused ops read BF16 (gate_bf16)
             const GroupedSizes z = grouped_sizes(n_seg, rows0, C);
             uint8_t *q1 = balloc(z.q1), *q2 = balloc(z.q2), *r1 = balloc(z.q1), *r2 = balloc(z.q2);
             float *s1 = falloc(z.s1), *s2 = falloc(z.s2), *rs1 = falloc(z.s1), *rs2 = falloc(z.s2);
@@ -723,7 +724,8 @@ static GradOperands grad_operands(GroupedSizes z, uint8_t poison) {
 static int swiglu_grads_quant(const GradOperands *o, const real *dout, const real *a, const real *b, int n_seg,
                               const int *rows0, int C, char *err, size_t err_size) {
     return fp8_quantize_swiglu_grads_both_layouts_grouped(DEVICE_CPU, o->qa1, o->sa1, o->qa2, o->sa2, o->qb1, o->sb1,
-                                                          o->qb2, o->sb2, dout, gate_bf16(a, rows0[n_seg], C),
+                                                          o->qb2, o->sb2, gate_bf16(dout, rows0[n_seg], C),
+                                                          gate_bf16(a, rows0[n_seg], C),
                                                           gate_bf16(b, rows0[n_seg], C), n_seg, rows0, C, err,
                                                           err_size);
 }
@@ -732,9 +734,10 @@ static int swiglu_grads_quant(const GradOperands *o, const real *dout, const rea
 static int swiglu_grads_separate(const GradOperands *o, const real *dout, const real *a, const real *b, int n_seg,
                                  const int *rows0, int C, char *err_da, char *err_db, size_t err_size, int *rc_db) {
     const uint16_t *a16 = gate_bf16(a, rows0[n_seg], C), *b16 = gate_bf16(b, rows0[n_seg], C);
+    const uint16_t *d16 = gate_bf16(dout, rows0[n_seg], C);
     const int rc_da = fp8_quantize_swiglu_both_layouts_grouped(DEVICE_CPU, o->qa1, o->sa1, o->qa2, o->sa2, SWIGLU_DA,
-                                                               dout, a16, b16, n_seg, rows0, C, err_da, err_size);
-    *rc_db = fp8_quantize_swiglu_both_layouts_grouped(DEVICE_CPU, o->qb1, o->sb1, o->qb2, o->sb2, SWIGLU_DB, dout, a16,
+                                                               d16, a16, b16, n_seg, rows0, C, err_da, err_size);
+    *rc_db = fp8_quantize_swiglu_both_layouts_grouped(DEVICE_CPU, o->qb1, o->sb1, o->qb2, o->sb2, SWIGLU_DB, d16, a16,
                                                       NULL, n_seg, rows0, C, err_db, err_size);
     return rc_da;
 }
@@ -1326,6 +1329,18 @@ static void test_gemm_grouped(void **state) {
             if (y16[(size_t)r * Np + c] != want) fail_msg("BF16 Fprop: row %d, column %d is 0x%04X, expected 0x%04X", r, c,
                                                          y16[(size_t)r * Np + c], want);
             if (c < N) assert_true(bf16_to_float(want) == (float)y_ref[(size_t)r * N + c]);  // the value, exactly
+        }
+    }
+    // the Dgrad's (fp8_gemm_dgrad_grouped_bf16): the BF16 bits of the GRAD_WRITE Dgrad's values, row stride Kp
+    uint16_t *dx16 = talloc((size_t)(T + 15) * Kp * sizeof(uint16_t));
+    memset(dx16, 0xA5, (size_t)(T + 15) * Kp * sizeof(uint16_t));
+    fp8_gemm_dgrad_grouped_bf16(DEVICE_CPU, dx16, qdy, sdy, qwt, sw, NSEG, rows0, N, K);
+    for (int r = 0; r < T; r++) {
+        for (int c = 0; c < Kp; c++) {
+            const uint16_t want = c < K ? float_to_bf16((float)dxw[(size_t)r * K + c]) : 0;
+            if (dx16[(size_t)r * Kp + c] != want) fail_msg("BF16 Dgrad: row %d, column %d is 0x%04X, expected 0x%04X", r,
+                                                          c, dx16[(size_t)r * Kp + c], want);
+            if (c < K) assert_true(bf16_to_float(want) == (float)dxw[(size_t)r * K + c]);
         }
     }
     tfree_all();
