@@ -1,18 +1,19 @@
 /*
- * linear.c - block Linear layers in the precision mode of the job (see linear.h). In fp8 mode every
- * call quantises its activation operands afresh, except an input's Wgrad operand that the forward made in
- * the same pass as its Fprop operand and the block kept (linear.h KeptInput); a weight's 128x128
- * quantisation (q, its transpose and
- * the scales) is a pure function of the FP32 master weight, so it is kept in a cache and recomputed only
- * when the weights changed (model_weights_changed): once per Linear per optimizer step instead of twice
- * per micro-batch, with the same bits. Activations are quantised once per call for every Linear that
- * shares the input (the SwiGLU FFN's w1 and w3: linear_*_shared) and every group of rows (the routed
- * experts: linear_*_grouped, one launch for all experts' segments, kernels.h's *_grouped layouts), and the
- * Fprop and Dgrad of all groups of a weight are one grouped GEMM call (on CUDA one output conversion
- * instead of one per expert). Any row count works: the quantisers pad the token axis themselves, so
- * segments are used where they lie. bf16 mode is built the same way: each weight's BF16 copy is cached per
- * weights version, each activation and dY is rounded to BF16 once per call, and a weight's groups are one
- * grouped call (bitwise the numbers of bf16_matmul_* group by group).
+ * linear.c - block Linear layers in the precision mode of the job (see linear.h). A weight's fp8 128x128
+ * quantisation (q, its transpose and the scales) is a pure function of the FP32 master weight, so it is kept in a
+ * cache and recomputed only when the weights changed (model_weights_changed): once per Linear per optimizer step
+ * instead of twice per micro-batch, with the same bits. Activation operands are quantised once per call for every
+ * Linear that shares the input (MLA's down-projections, the SwiGLU FFN's w1 and w3: linear_*_shared) and every
+ * group of rows (the routed experts: linear_*_grouped, one launch for all experts' segments, kernels.h's *_grouped
+ * layouts), and the Fprop and Dgrad of all groups of a weight are one grouped GEMM call (on CUDA one output
+ * conversion instead of one per expert). fp8 mode also avoids FP32 reads where the bits allow: an input's Wgrad
+ * operand is made in the forward's quantisation pass and kept by the block (KeptInput); the routed experts copy
+ * their rows' Fprop operand from the shared expert's (SharedFprop); and the SwiGLU FFN leaves its gate's inputs,
+ * the gradient of h and the routed experts' outputs as the GEMMs' BF16 products for the ops that read them
+ * (SwigluGate). Any row count works: the quantisers pad the token axis themselves, so segments are used where
+ * they lie. bf16 mode is built the same way: each weight's BF16 copy is cached per weights version, each
+ * activation and dY is rounded to BF16 once per call, and a weight's groups are one grouped call (bitwise the
+ * numbers of bf16_matmul_* group by group).
  */
 #include "train/linear.h"
 
