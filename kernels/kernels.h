@@ -384,6 +384,11 @@ typedef struct {
 // residual branch after MLA's output projection).
 void fp8_gemm_fprop_grouped(Device dev, real *y, const real *residual, const uint8_t *qx, const float *sx,
                             const uint8_t *const *qw, const float *const *sw, int n_seg, const int *rows0, int N, int K);
+// The BF16 arrays of the *_grouped_bf16 GEMMs below (and of the ops that read them: fp8_quantize_swiglu_*,
+// moe_combine_*_bf16): rows of `cols` values at a stride of round_up(cols, 128), and, as the GEMMs write them,
+// 15 rows of scratch after the last; bf16_rows_elems is the size to allocate for `rows` rows.
+static inline int64_t bf16_rows_ld(int cols) { return ((int64_t)cols + 127) / 128 * 128; }
+static inline int64_t bf16_rows_elems(int64_t rows, int cols) { return (rows + 15) * bf16_rows_ld(cols); }
 // The same Fprop with its BF16 product left as it is (the SwiGLU gate's a and b, which only the
 // fp8_quantize_swiglu_* quantisers read): y BF16 bits with row stride round_up(N, 128), row rows0[g] + r of
 // segment g = the BF16 value fp8_gemm_fprop_grouped converts, columns N.. of a row 0. y holds rows0[n_seg] + 15 rows:

@@ -38,8 +38,6 @@ static int *host_ints(ActsArena *a, int64_t n) {
     return p;
 }
 
-static int64_t round_up128(int64_t n) { return (n + FP8_TILE - 1) / FP8_TILE * FP8_TILE; }
-
 // A Linear input's kept Wgrad operand (linear.h) for `rows` rows of C columns in at most n_groups groups, or
 // nothing (q NULL) unless `keep`.
 static KeptInput kept_alloc(ActsArena *ar, int keep, int64_t rows, int n_groups, int C) {
@@ -77,7 +75,7 @@ static void mla_acts_alloc(ActsArena *ar, MlaActs *a, const Dims *d, const Layer
 static void ffn_acts_alloc(ActsArena *ar, FfnActs *a, int64_t rows, int n_groups, int D, int width,
                            const LayerScratch *s, int keep) {
     if (keep) {  // fp8: the Fprops' BF16 products, with 15 rows of scratch (kernels.h fp8_gemm_fprop_grouped_bf16)
-        const size_t bytes = (size_t)(rows + 15) * (size_t)((width + FP8_TILE - 1) / FP8_TILE * FP8_TILE) * 2;
+        const size_t bytes = (size_t)bf16_rows_elems(rows, width) * sizeof(uint16_t);
         a->gate.a16 = arena_alloc(ar, bytes), a->gate.b16 = arena_alloc(ar, bytes);
     } else {
         a->gate.a = ARENA_REALS(ar, rows * width), a->gate.b = ARENA_REALS(ar, rows * width);
@@ -114,7 +112,7 @@ void block_acts_alloc(ActsArena *ar, BlockActs *a, const Dims *d, int is_moe, co
     e->xp = s->t_xp;
     ffn_acts_alloc(ar, &e->experts, NK, d->E, D, d->I, s, keep_inputs);
     if (s->t_x_fprop.q != NULL)  // fp8 with the experts reading token rows: outputs kept in BF16 (moe.c)
-        e->eout_bf16 = arena_alloc(ar, (size_t)(NK + 15) * (size_t)((D + FP8_TILE - 1) / FP8_TILE * FP8_TILE) * 2);
+        e->eout_bf16 = arena_alloc(ar, (size_t)bf16_rows_elems(NK, D) * sizeof(uint16_t));
     else
         e->eout = ARENA_REALS(ar, NK * D);
     ffn_acts_alloc(ar, &e->shared, N, 1, D, d->shared_I, s, keep_inputs);
@@ -168,10 +166,10 @@ void layer_scratch_alloc(ActsArena *ar, LayerScratch *s, const Dims *d, int has_
         return;
     }
     // fp8: d_h in BF16, rows + 15 rows of round_up(width, 128) for the largest FFN (linear.h SwigluScratch)
-    int64_t d_h16 = (N + 15) * round_up128(d->inter);
+    int64_t d_h16 = bf16_rows_elems(N, d->inter);
     if (has_moe) {
-        if ((N + 15) * round_up128(d->shared_I) > d_h16) d_h16 = (N + 15) * round_up128(d->shared_I);
-        if ((NK + 15) * round_up128(d->I) > d_h16) d_h16 = (NK + 15) * round_up128(d->I);
+        if (bf16_rows_elems(N, d->shared_I) > d_h16) d_h16 = bf16_rows_elems(N, d->shared_I);
+        if (bf16_rows_elems(NK, d->I) > d_h16) d_h16 = bf16_rows_elems(NK, d->I);
     }
     s->d_h16 = arena_alloc(ar, (size_t)d_h16 * sizeof(uint16_t));
 }

@@ -128,12 +128,13 @@ typedef struct {
     SharedFprop t_x_fprop;                // FfnActs' x_fprop of MoE blocks (N, D), where shares_fprop
 } LayerScratch;
 
-// The chunk's scratch first (has_moe: any block of the chunk is a MoE block; needs_xp: its MoE blocks
-// gather their experts' inputs, !moe_experts_read_tokens; gate_values: the FFNs write their gate's h, d_h, d_a,
-// d_b in FP32, as bf16 and fp32 do - fp8 computes h, d_a, d_b in its quantisers and keeps d_h in BF16, linear.h; needs_d_eout: the combine backward writes
-// the experts' output gradient, !moe_combine_grad_in_quantiser; shares_fprop: the MoE blocks' experts share their
-// input's Fprop operand, FfnActs), then each block's activations, whose transients point into it; keep_inputs (fp8
-// mode): the blocks keep their Linear inputs' Wgrad operands (MlaActs, FfnActs).
+// The chunk's scratch first, then each block's activations, whose transients point into it. The scratch's flags:
+// has_moe, any block of the chunk is a MoE block; needs_xp, its MoE blocks gather their experts' inputs
+// (!moe_experts_read_tokens); gate_values, the FFNs write their gate's h, d_h, d_a and d_b in FP32, as bf16 and fp32
+// do (fp8 computes h, d_a and d_b in its quantisers and keeps d_h in BF16, linear.h); needs_d_eout, the combine
+// backward writes the experts' output gradient (!moe_combine_grad_in_quantiser); shares_fprop, the MoE blocks'
+// experts share their input's Fprop operand (FfnActs). keep_inputs (fp8 mode): the blocks keep their Linear inputs'
+// Wgrad operands and their FFN gates' inputs in BF16 (MlaActs, FfnActs).
 void layer_scratch_alloc(ActsArena *arena, LayerScratch *s, const Dims *d, int has_moe, int needs_xp,
                          int gate_values, int needs_d_eout, int shares_fprop);
 void block_acts_alloc(ActsArena *arena, BlockActs *a, const Dims *d, int is_moe, const LayerScratch *s,

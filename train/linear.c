@@ -385,11 +385,12 @@ static void quantize_128x1(Model *m, Fp8Operand o, const Operand *x, int n_group
     profile_end(PHASE_QUANTISE);
 }
 
-// Both layouts in one pass; the array form reads rows in order (a dY is never gathered).
+// Both layouts in one pass; the array form reads rows in order (neither a dY nor a kept input is gathered: the
+// routed experts' token rows are not kept, linear.h).
 static void quantize_both(Model *m, Fp8Operand o1, Fp8Operand o2, const Operand *x, int n_groups, const int *offsets,
                           int C, const char *what) {
     if (x->kind == OPERAND_ARRAY && x->rows != NULL) {
-        fprintf(stderr, "fp8moe: train/linear.c: internal error: a gradient read through a row index\n");
+        fprintf(stderr, "fp8moe: train/linear.c: internal error: both layouts of %s read through a row index\n", what);
         exit(1);
     }
     char err[256];
@@ -467,13 +468,14 @@ static int group_weights(Model *m, int slot, int n_groups, const int *offsets, c
     return used;
 }
 
-// The Fprop operand `fprop` (linear.h SharedFprop) holds for an input of groups z (one group: written) and C
-// columns, or {NULL, NULL} when none is given.
-static Fp8Operand shared_fprop_operand(const SharedFprop *fprop, int writes, int rows, int C) {
+// The Fprop operand `fprop` (linear.h SharedFprop) holds for an input of C columns in n_groups groups of `rows` rows
+// in all, or {NULL, NULL} when none is given. A call that writes it (`writes`: the input in token order) is one group
+// of all its rows.
+static Fp8Operand shared_fprop_operand(const SharedFprop *fprop, int writes, int n_groups, int rows, int C) {
     if (fprop == NULL || fprop->q == NULL) return (Fp8Operand){NULL, NULL};
-    if (fprop->C != C || (writes && fprop->rows != rows)) {
+    if (fprop->C != C || (writes && (n_groups != 1 || fprop->rows != rows))) {
         fprintf(stderr, "fp8moe: train/linear.c: internal error: a shared Fprop operand of %d rows x %d columns given "
-                        "for %d rows x %d columns\n", fprop->rows, fprop->C, rows, C);
+                        "for %d groups of %d rows x %d columns\n", fprop->rows, fprop->C, n_groups, rows, C);
         exit(1);
     }
     return (Fp8Operand){fprop->q, fprop->s};
@@ -491,13 +493,10 @@ static void fp8_forward(Model *m, int n_groups, const int *offsets, int n_out, r
     scratch_reserve(m, fprop_bytes(z, C));
     size_t used = 0;
     const int gathers = inp->kind == OPERAND_ARRAY && inp->rows != NULL;
-    if (fprop != NULL && fprop->q != NULL && !gathers && n_groups != 1) {
-        fprintf(stderr, "fp8moe: train/linear.c: internal error: a shared Fprop operand written by %d groups\n",
-                n_groups);
-        exit(1);
-    }
-    const Fp8Operand shared = shared_fprop_operand(fprop, !gathers, offsets[n_groups], C);
-    const Fp8Operand x = shared.q != NULL && !gathers ? shared : take_1x128(m, &used, z, C), xt = kept_operand(kept, z, C);
+    const Fp8Operand shared = shared_fprop_operand(fprop, !gathers, n_groups, offsets[n_groups], C);
+    // a call in token order writes the shared operand instead of scratch; a gathering call copies its rows from it
+    const Fp8Operand x = shared.q != NULL && !gathers ? shared : take_1x128(m, &used, z, C);
+    const Fp8Operand xt = kept_operand(kept, z, C);
     if (shared.q != NULL && gathers) {
         profile_begin(PHASE_QUANTISE);
         fp8_gather_1x128_grouped(m->dev, x.q, x.s, shared.q, shared.s, fprop->rows, inp->rows, n_groups, offsets, C);

@@ -7,8 +7,10 @@
  * normals, subnormals and the overflow to infinity alike. The CUDA side uses __float2bfloat16_rn,
  * which rounds the same way; tests compare the two bit for bit.
  */
-#include "kernels/kernels.h"
+#include "kernels/cpu/cpu_ops.h"
 
+#include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 // NaN keeps its sign and becomes a quiet NaN: truncating the payload could otherwise leave an
@@ -33,4 +35,19 @@ float bf16_to_float(uint16_t h) {
     float f;
     memcpy(&f, &bits, sizeof f);
     return f;
+}
+
+// x (rows of `cols` BF16 values at stride bf16_rows_ld(cols), kernels.h) as a new packed (rows, cols) array of the
+// values they hold, freed by the caller: the CPU reference of the ops that read such rows widens them first.
+real *cpu_bf16_rows_widened(const uint16_t *x, int64_t rows, int cols) {
+    const int64_t ld = bf16_rows_ld(cols);
+    real *v = malloc((size_t)(rows > 0 ? rows : 1) * (size_t)(cols > 0 ? cols : 1) * sizeof(real));
+    if (v == NULL) {
+        fprintf(stderr, "fp8moe: kernels/cpu/bf16.c: out of memory widening %lld BF16 rows of %d\n", (long long)rows,
+                cols);
+        exit(1);
+    }
+    for (int64_t r = 0; r < rows; r++)
+        for (int c = 0; c < cols; c++) v[r * cols + c] = (real)bf16_to_float(x[r * ld + c]);
+    return v;
 }

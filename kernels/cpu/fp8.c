@@ -645,22 +645,14 @@ int cpu_fp8_quantize_combine_grad_both_layouts_grouped(uint8_t *q1, float *s1, u
 // ---------------------------------------------------------------------------- SwiGLU values
 // kernels.h's fp8_quantize_swiglu_*: the value computed into a temporary array by the CPU SwiGLU ops, then quantised
 // by the grouped quantiser of the same name - the definition itself (the CUDA kernels compute it as they read).
-// The BF16 inputs a and b (row stride round_up(C, 128)) are widened to the FP32 values they hold first.
-static real *bf16_rows_widened(const uint16_t *x, int rows, int C) {
-    const size_t ld = (size_t)ceil_div(C, FP8_TILE) * FP8_TILE;
-    real *v = alloc_or_die((size_t)(rows > 0 ? rows : 1) * (size_t)C * sizeof(real), "SwiGLU inputs");
-    for (size_t r = 0; r < (size_t)rows; r++)
-        for (size_t c = 0; c < (size_t)C; c++) v[r * (size_t)C + c] = (real)bf16_to_float(x[r * ld + c]);
-    return v;
-}
-
+// The BF16 inputs (kernels.h bf16_rows_ld) are widened to the FP32 values they hold first.
 static real *swiglu_value(const char *op, SwigluValue value, const uint16_t *dout16, const uint16_t *a16,
                           const uint16_t *b16, int n, const int *rows0, int C) {
     check_segments(op, n, rows0);
     const int64_t count = (int64_t)rows0[n] * C;
     real *v = alloc_or_die((size_t)(count > 0 ? count : 1) * sizeof(real), "SwiGLU values");
-    real *a = bf16_rows_widened(a16, rows0[n], C), *b = b16 ? bf16_rows_widened(b16, rows0[n], C) : NULL;
-    real *dout = dout16 ? bf16_rows_widened(dout16, rows0[n], C) : NULL;
+    real *a = cpu_bf16_rows_widened(a16, rows0[n], C), *b = b16 ? cpu_bf16_rows_widened(b16, rows0[n], C) : NULL;
+    real *dout = dout16 ? cpu_bf16_rows_widened(dout16, rows0[n], C) : NULL;
     if (value == SWIGLU_OUT) cpu_swiglu_forward(v, a, b, count);
     else if (value == SWIGLU_DA) cpu_swiglu_backward(v, NULL, dout, a, b, count);
     else cpu_swiglu_backward(NULL, v, dout, a, b, count);
@@ -777,8 +769,8 @@ void cpu_fp8_gemm_fprop_grouped(real *y, const uint8_t *qx, const float *sx, con
 // v (rows, cols), BF16 values already, as BF16 bits with row stride round_up(cols, 128); the padding columns and
 // the 15 scratch rows 0 (kernels.h *_grouped_bf16).
 static void store_bf16_rows(uint16_t *y, const real *v, size_t rows, int cols) {
-    const size_t ld = (size_t)ceil_div(cols, FP8_TILE) * FP8_TILE;
-    memset(y, 0, (rows + 15) * ld * sizeof(uint16_t));
+    const size_t ld = (size_t)bf16_rows_ld(cols);
+    memset(y, 0, (size_t)bf16_rows_elems((int64_t)rows, cols) * sizeof(uint16_t));
     for (size_t r = 0; r < rows; r++)
         for (size_t c = 0; c < (size_t)cols; c++) y[r * ld + c] = float_to_bf16((float)v[r * (size_t)cols + c]);
 }

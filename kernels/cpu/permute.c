@@ -124,29 +124,17 @@ void cpu_moe_combine_backward(real *dexpert_out, real *dtopk_w, const real *dout
     }
 }
 
-// kernels.h's *_bf16 forms: the ops above on the FP32 values of the BF16 rows (row stride round_up(C, 128)).
-static real *widened_rows(const uint16_t *x, int64_t rows, int C) {
-    const int64_t ld = (C + 127) / 128 * 128;
-    real *v = malloc((size_t)(rows > 0 ? rows : 1) * (size_t)C * sizeof(real));
-    if (v == NULL) {
-        fprintf(stderr, "fp8moe: kernels/cpu/permute.c: out of memory for %lld BF16 rows\n", (long long)rows);
-        exit(1);
-    }
-    for (int64_t r = 0; r < rows; r++)
-        for (int c = 0; c < C; c++) v[r * C + c] = (real)bf16_to_float(x[r * ld + c]);
-    return v;
-}
-
+// kernels.h's *_bf16 forms: the ops above on the FP32 values of the BF16 rows (kernels.h bf16_rows_ld).
 void cpu_moe_combine_forward_bf16(real *out, const uint16_t *expert_out, const int *slot_of, const real *topk_w,
                                   const real *residual, int N, int K, int C) {
-    real *eo = widened_rows(expert_out, (int64_t)N * K, C);
+    real *eo = cpu_bf16_rows_widened(expert_out, (int64_t)N * K, C);
     cpu_moe_combine_forward(out, eo, slot_of, topk_w, residual, N, K, C);
     free(eo);
 }
 
 void cpu_moe_combine_backward_bf16(real *dtopk_w, const real *dout, const uint16_t *expert_out, const int *slot_of,
                                    const real *topk_w, int N, int K, int C) {
-    real *eo = widened_rows(expert_out, (int64_t)N * K, C);
+    real *eo = cpu_bf16_rows_widened(expert_out, (int64_t)N * K, C);
     cpu_moe_combine_backward(NULL, dtopk_w, dout, eo, slot_of, topk_w, N, K, C);
     free(eo);
 }

@@ -103,6 +103,13 @@ static inline unsigned int grid_for(int64_t n, int threads) {
     return (unsigned int)blocks;
 }
 
+// A BF16 value (its 16 bits, in the low half) widened to the FP32 value it is; four of them (8 bytes) at once.
+__device__ inline float bf16_bits_to_float(uint32_t bits16) { return __uint_as_float(bits16 << 16); }
+__device__ inline float4 bf16x4_to_float4(uint2 raw) {
+    return make_float4(bf16_bits_to_float(raw.x & 0xFFFFu), bf16_bits_to_float(raw.x >> 16),
+                       bf16_bits_to_float(raw.y & 0xFFFFu), bf16_bits_to_float(raw.y >> 16));
+}
+
 // Butterfly reductions inside a warp. Every lane ends with the same value, bit for bit (float
 // addition is commutative, and every lane combines the same pairs at each level).
 __device__ inline float warp_sum(float v) {

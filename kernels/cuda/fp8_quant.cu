@@ -81,11 +81,10 @@ __device__ inline void load4(float v[4], const float *row, int col, int len) {
 template <bool VEC4>
 __device__ inline void load4(float v[4], const uint16_t *row, int col, int len) {
     if (VEC4 && col + 3 < len) {
-        const uint2 w = *reinterpret_cast<const uint2 *>(row + col);
-        v[0] = __uint_as_float(w.x << 16), v[1] = __uint_as_float(w.x & 0xFFFF0000u);
-        v[2] = __uint_as_float(w.y << 16), v[3] = __uint_as_float(w.y & 0xFFFF0000u);
+        const float4 f = bf16x4_to_float4(*reinterpret_cast<const uint2 *>(row + col));
+        v[0] = f.x, v[1] = f.y, v[2] = f.z, v[3] = f.w;
     } else {
-        for (int j = 0; j < 4; j++) v[j] = (col + j < len) ? __uint_as_float((uint32_t)row[col + j] << 16) : 0.0f;
+        for (int j = 0; j < 4; j++) v[j] = (col + j < len) ? bf16_bits_to_float(row[col + j]) : 0.0f;
     }
 }
 
@@ -117,11 +116,12 @@ struct SwigluRows {
     const uint16_t *dout;         // only for DA and DB
     const uint16_t *a, *b;        // b only for OUT and DA
     int C;
+    int64_t ld;                   // bf16_rows_ld(C)
     bool aligned16() const { return is_aligned(dout, 16) && is_aligned(a, 16) && is_aligned(b, 16); }
     template <bool VEC4>
     __device__ void load4(float v[4], int64_t row, int col, int len) const {
         float av[4], bv[4] = {0.0f, 0.0f, 0.0f, 0.0f}, gv[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        const int64_t at = row * ((C + FP8_TILE - 1) / FP8_TILE * FP8_TILE);
+        const int64_t at = row * ld;
         ::load4<VEC4>(av, a + at, col, len);
         if (value != SWIGLU_DB) ::load4<VEC4>(bv, b + at, col, len);
         if (value != SWIGLU_OUT) ::load4<VEC4>(gv, dout + at, col, len);
@@ -138,13 +138,14 @@ struct SwigluRows {
 // load4x2 gives da and db of 4 elements - the values SwigluRows gives for SWIGLU_DA and SWIGLU_DB (db does not
 // depend on b, which SwigluRows does not read for it), from one sigmoid per element.
 struct SwigluGradRows {
-    const uint16_t *dout, *a, *b;  // BF16, row stride round_up(C, 128), as SwigluRows'
+    const uint16_t *dout, *a, *b;  // BF16 rows, as SwigluRows'
     int C;
+    int64_t ld;
     bool aligned16() const { return is_aligned(dout, 16) && is_aligned(a, 16) && is_aligned(b, 16); }
     template <bool VEC4>
     __device__ void load4x2(float da[4], float db[4], int64_t row, int col, int len) const {
         float av[4], bv[4], gv[4];
-        const int64_t at = row * ((C + FP8_TILE - 1) / FP8_TILE * FP8_TILE);
+        const int64_t at = row * ld;
         ::load4<VEC4>(av, a + at, col, len);
         ::load4<VEC4>(bv, b + at, col, len);
         ::load4<VEC4>(gv, dout + at, col, len);
@@ -737,7 +738,7 @@ extern "C" int cuda_fp8_quantize_swiglu_1x128_grouped(uint8_t *q, float *s, Swig
                                                       const uint16_t *a, const uint16_t *b, int n_seg, const int *rows0, int C,
                                                       char *err, size_t err_size) {
     return quantize_1x128_segments("fp8_quantize_swiglu_1x128_grouped", swiglu_tensor(value), q, s,
-                                   SwigluRows{value, dout, a, b, C}, n_seg, rows0, C, err, err_size);
+                                   SwigluRows{value, dout, a, b, C, bf16_rows_ld(C)}, n_seg, rows0, C, err, err_size);
 }
 
 extern "C" int cuda_fp8_quantize_swiglu_128x1_transposed_grouped(uint8_t *q, float *s, SwigluValue value,
@@ -745,7 +746,7 @@ extern "C" int cuda_fp8_quantize_swiglu_128x1_transposed_grouped(uint8_t *q, flo
                                                                  int n_seg, const int *rows0, int C, char *err,
                                                                  size_t err_size) {
     return quantize_128x1_segments("fp8_quantize_swiglu_128x1_transposed_grouped", swiglu_tensor(value), q, s,
-                                   SwigluRows{value, dout, a, b, C}, n_seg, rows0, C, err, err_size);
+                                   SwigluRows{value, dout, a, b, C, bf16_rows_ld(C)}, n_seg, rows0, C, err, err_size);
 }
 
 extern "C" int cuda_fp8_quantize_swiglu_both_layouts_grouped(uint8_t *q1, float *s1, uint8_t *q2, float *s2,
@@ -753,7 +754,7 @@ extern "C" int cuda_fp8_quantize_swiglu_both_layouts_grouped(uint8_t *q1, float 
                                                              const uint16_t *b, int n_seg, const int *rows0, int C,
                                                              char *err, size_t err_size) {
     return quantize_both_segments("fp8_quantize_swiglu_both_layouts_grouped", swiglu_tensor(value), q1, s1, q2, s2,
-                                  SwigluRows{value, dout, a, b, C}, n_seg, rows0, C, err, err_size);
+                                  SwigluRows{value, dout, a, b, C, bf16_rows_ld(C)}, n_seg, rows0, C, err, err_size);
 }
 
 // The two calls fp8_quantize_swiglu_both_layouts_grouped(SWIGLU_DA), (SWIGLU_DB) in one launch: logged as those two
@@ -767,5 +768,5 @@ extern "C" int cuda_fp8_quantize_swiglu_grads_both_layouts_grouped(uint8_t *qa1,
     const BothValue val[2] = {{logged, swiglu_tensor(SWIGLU_DA), qa1, sa1, qa2, sa2},
                               {logged, swiglu_tensor(SWIGLU_DB), qb1, sb1, qb2, sb2}};
     return quantize_both_segments<2>("fp8_quantize_swiglu_grads_both_layouts_grouped", val,
-                                     SwigluGradRows{dout, a, b, C}, n_seg, rows0, C, err, err_size);
+                                     SwigluGradRows{dout, a, b, C, bf16_rows_ld(C)}, n_seg, rows0, C, err, err_size);
 }

@@ -408,7 +408,6 @@ static PlanKey fp8_key(int64_t m, int64_t n, int64_t k, cudaDataType_t d_type, i
 
 // These are memory-bound: with VEC4 each thread moves 4 elements per step (16-byte FP32, 8-byte BF16
 // accesses); the callers pick it when the sizes are multiples of 4 and the pointers aligned.
-__device__ inline float bf16_bits_to_float(uint32_t bits16) { return __uint_as_float(bits16 << 16); }
 
 __device__ inline uint32_t bf16x2_bits(float lo, float hi) {
     const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi); // .x = lo in the low half
@@ -426,11 +425,6 @@ __device__ inline uint32_t bf16x2_bits(float lo, float hi) {
 // once per warp (a binary search of the table, the same for all lanes) and no element index is divided.
 static const int CONV_ROWS_PER_BLOCK = 8;
 static const int CONV_STEPS = 4;
-
-__device__ inline float4 bf16x4_to_float4(uint2 raw) {
-    return make_float4(bf16_bits_to_float(raw.x & 0xFFFFu), bf16_bits_to_float(raw.x >> 16),
-                       bf16_bits_to_float(raw.y & 0xFFFFu), bf16_bits_to_float(raw.y >> 16));
-}
 
 // v + the elements at xr + c of outputs 1 .. n_src - 1 (src_stride apart), added in order; 4 or 1 of them.
 __device__ inline float4 add_sources4(float4 v, const uint16_t *xr, int n_src, int64_t src_stride, int c) {

@@ -654,7 +654,7 @@ extern "C" void cuda_moe_unpermute_backward(real *dinp, const real *dseg, const 
 // ---------------------------------------------------------------------------- combine
 // The value of an expert output element: FP32, or BF16 bits (the *_bf16 ops) widened exactly.
 __device__ inline float expert_value(float v) { return v; }
-__device__ inline float expert_value(uint16_t v) { return __uint_as_float((uint32_t)v << 16); }
+__device__ inline float expert_value(uint16_t v) { return bf16_bits_to_float(v); }
 
 // expert_out (N*K rows of stride ld) permuted rows, slot_of (N*K), topk_w (N, K) ->
 // out (N, C) += sum_k topk_w[t,k] * expert_out[slot_of[t,k]], k in order, then += residual[t] when given. One
@@ -692,7 +692,7 @@ extern "C" void cuda_moe_combine_forward_bf16(real *out, const uint16_t *expert_
                                               const real *topk_w, const real *residual, int N, int K, int C) {
     if (N <= 0 || K <= 0 || C <= 0) return;
     moe_combine_forward_kernel<<<N, MOE_THREADS, 2 * sizeof(int) * (size_t)K>>>(
-        out, expert_out, (int64_t)(C + 127) / 128 * 128, slot_of, topk_w, residual, K, C);
+        out, expert_out, bf16_rows_ld(C), slot_of, topk_w, residual, K, C);
     CUDA_CHECK_LAUNCH("moe_combine_forward_kernel");
 }
 
@@ -713,9 +713,7 @@ __device__ inline float load_unit(const float *row, int64_t u, float) { return r
 __device__ inline float4 load_unit(const float *row, int64_t u, float4) { return reinterpret_cast<const float4 *>(row)[u]; }
 __device__ inline float load_unit(const uint16_t *row, int64_t u, float) { return expert_value(row[u]); }
 __device__ inline float4 load_unit(const uint16_t *row, int64_t u, float4) {
-    const uint2 w = reinterpret_cast<const uint2 *>(row)[u];  // 4 BF16 values
-    return make_float4(__uint_as_float(w.x << 16), __uint_as_float(w.x & 0xFFFF0000u), __uint_as_float(w.y << 16),
-                       __uint_as_float(w.y & 0xFFFF0000u));
+    return bf16x4_to_float4(reinterpret_cast<const uint2 *>(row)[u]);  // 4 BF16 values
 }
 __device__ inline double dot_add(double acc, float4 a, float4 b) {
     return dot_add(dot_add(dot_add(dot_add(acc, a.x, b.x), a.y, b.y), a.z, b.z), a.w, b.w);
@@ -841,6 +839,5 @@ extern "C" void cuda_moe_combine_backward(real *dexpert_out, real *dtopk_w, cons
 
 extern "C" void cuda_moe_combine_backward_bf16(real *dtopk_w, const real *dout, const uint16_t *expert_out,
                                                const int *slot_of, const real *topk_w, int N, int K, int C) {
-    combine_backward<uint16_t>(NULL, dtopk_w, dout, expert_out, (int64_t)(C + 127) / 128 * 128, slot_of, topk_w, N,
-                               K, C);
+    combine_backward<uint16_t>(NULL, dtopk_w, dout, expert_out, bf16_rows_ld(C), slot_of, topk_w, N, K, C);
 }

@@ -1089,26 +1089,8 @@ typedef struct {
     int N, K, E, C, offset, seed;  // offset: dout starts 4 bytes into its device buffer (scalar loads)
 } CombineGradCase;
 
-// topk_idx (N, K): per token K distinct experts out of E, never expert `empty` (so its segment is empty), drawn with a
-// skew towards low ids (expert floor(E u^4), u uniform), so segment lengths range from a few rows to many 128-tiles.
-static void random_routing(int *topk_idx, int N, int K, int E, int empty, uint64_t seed) {
-    uint64_t ctr = 0;
-    for (int t = 0; t < N; t++) {
-        for (int k = 0; k < K; k++) {
-            int e, taken;
-            do {
-                const double u = opcheck_uniform(seed, ctr++);
-                e = (int)(E * (u * u) * (u * u));
-                taken = e == empty;
-                for (int j = 0; j < k; j++) taken |= topk_idx[(size_t)t * K + j] == e;
-            } while (taken);
-            topk_idx[(size_t)t * K + k] = e;
-        }
-    }
-}
-
 // The inputs on both sides: host topk_w (N, K) random positive, dout (N, C) random non-zero over many binades, and
-// the routing plan built on the GPU from random_routing's topk_idx, with host copies of it (rows0 = seg_offsets).
+// the routing plan built on the GPU from opcheck_routing's topk_idx, with host copies of it (rows0 = seg_offsets).
 typedef struct {
     int N, K, E, C, empty;
     float *topk_w, *dout;                              // host
@@ -1122,7 +1104,7 @@ static CombineGradInputs combine_grad_inputs(int N, int K, int E, int C, int off
     CombineGradInputs in = {.N = N, .K = K, .E = E, .C = C, .empty = E / 2};
     const size_t NK = (size_t)N * K;
     int *topk_idx = xmalloc(NK * sizeof(int));
-    random_routing(topk_idx, N, K, E, in.empty, seed);
+    opcheck_routing(topk_idx, N, K, E, in.empty, seed);
     in.topk_w = floats((int64_t)NK), in.dout = floats((int64_t)N * C);
     opcheck_fill(in.topk_w, NK, seed + 1, 1.0 / 64, 1.0);
     fill_log_uniform(in.dout, (int64_t)N * C, seed + 2, -20.0, 1.0);

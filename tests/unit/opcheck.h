@@ -140,4 +140,24 @@ static inline void opcheck_fd_grad(double *grad, double *param, size_t n, double
     }
 }
 
+// ---------------------------------------------------------------------------- routing
+// topk_idx (N, K): per token K distinct experts out of E, never expert `empty` (so its segment is empty; -1: none
+// left out), drawn with a skew towards low ids (expert floor(E u^4), u uniform), so segment lengths range from a few
+// rows to many 128-row tiles.
+static inline void opcheck_routing(int *topk_idx, int N, int K, int E, int empty, uint64_t seed) {
+    uint64_t ctr = 0;
+    for (int t = 0; t < N; t++) {
+        for (int k = 0; k < K; k++) {
+            int e, taken;
+            do {
+                const double u = opcheck_uniform(seed, ctr++);
+                e = (int)(E * (u * u) * (u * u));
+                taken = e == empty;
+                for (int j = 0; j < k; j++) taken |= topk_idx[(size_t)t * K + j] == e;
+            } while (taken);
+            topk_idx[(size_t)t * K + k] = e;
+        }
+    }
+}
+
 #endif

@@ -853,25 +853,7 @@ static void test_quantize_swiglu_grads_rejects_non_finite(void **state) {
 // then fp8_quantize_both_layouts_grouped on it with the plan's seg_offsets as the segments.
 static const char combine_grad_op[] = "fp8_quantize_combine_grad_both_layouts_grouped";
 
-// topk_idx (N, K): per token K distinct experts out of E, never expert `empty` (so its segment is empty), drawn with a
-// skew towards low ids (expert floor(E u^4), u uniform), so segment lengths range from a few rows to over a 128-tile.
-static void random_routing(int *topk_idx, int N, int K, int E, int empty, uint64_t seed) {
-    uint64_t ctr = 0;
-    for (int t = 0; t < N; t++) {
-        for (int k = 0; k < K; k++) {
-            int e, taken;
-            do {
-                const double u = opcheck_uniform(seed, ctr++);
-                e = (int)(E * (u * u) * (u * u));
-                taken = e == empty;
-                for (int j = 0; j < k; j++) taken |= topk_idx[(size_t)t * K + j] == e;
-            } while (taken);
-            topk_idx[(size_t)t * K + k] = e;
-        }
-    }
-}
-
-// The routing plan of random_routing(N, K, E, empty, seed) with positive topk_w (N, K) and dout (N, C) random and never
+// The routing plan of opcheck_routing(N, K, E, empty, seed) with positive topk_w (N, K) and dout (N, C) random and never
 // zero, dout over many binades (so tiles reach E4M3 subnormals and values that round to zero).
 typedef struct {
     int N, K, E, C, empty;
@@ -885,7 +867,7 @@ static CombineGradInputs combine_grad_inputs(int N, int K, int E, int C, uint64_
     in.seg_offsets = talloc((size_t)(E + 1) * sizeof(int));
     in.seg_token = talloc((size_t)N * K * sizeof(int));
     in.slot_of = talloc((size_t)N * K * sizeof(int));
-    random_routing(topk_idx, N, K, E, in.empty, seed);
+    opcheck_routing(topk_idx, N, K, E, in.empty, seed);
     moe_permute_plan(in.seg_offsets, in.seg_token, in.slot_of, topk_idx, N, K, E);
     assert_int_equal(in.seg_offsets[E], N * K);
     assert_int_equal(in.seg_offsets[in.empty + 1], in.seg_offsets[in.empty]);
