@@ -76,6 +76,8 @@ $(BUILD)/dobj/%.o: %.c
 $(BUILD)/obj/%.cu.o: %.cu
 	@mkdir -p $(dir $@)
 	$(NVCC) $(NVCCFLAGS) -MMD -MP -c $< -o $@
+# wgmma needs the sm_90a target (docs/gpu.md); only the Hopper attention kernels use it
+$(BUILD)/obj/kernels/cuda/attention_wgmma.cu.o: NVCCFLAGS := $(filter-out -arch=sm_90,$(NVCCFLAGS)) -gencode=arch=compute_90a,code=sm_90a
 
 $(BUILD)/libfp8moe.a: $(LIB_OBJ)
 	@rm -f $@; ar rcs $@ $^

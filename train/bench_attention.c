@@ -32,9 +32,10 @@ const char *const bench_attention_usage =
     "  fp8moe bench attention [--B N] [--T N] [--H N] [--dn N] [--dr N] [--dv N] [--runs N]\n"
     "      GPU causal attention core (kernels.h attention_forward / attention_backward): median time and\n"
     "      TFLOPS of the forward and of the backward over N runs (default 20) after 3 warm-up runs, then a\n"
-    "      bitwise repeatability check. Head dims: dn (qk nope) + dr (qk rope) = dqk, dv. Defaults: the shape\n"
-    "      of configs/bench-1gpu.ini, B = 2, T = 2048, H = 16, dn = 128, dr = 64, dv = 128. Needs a CUDA\n"
-    "      build and a GPU.\n";
+    "      bitwise repeatability check; first as the model runs it (the Hopper wgmma kernels where they serve\n"
+    "      the head dims), then on the mma.sync kernels as the comparison point. Head dims: dn (qk nope) +\n"
+    "      dr (qk rope) = dqk, dv. Defaults: the shape of configs/bench-1gpu.ini, B = 2, T = 2048, H = 16,\n"
+    "      dn = 128, dr = 64, dv = 128. Needs a CUDA build and a GPU.\n";
 
 #ifndef FP8MOE_CUDA
 int bench_attention_main(int argc, char **argv) {
@@ -43,6 +44,7 @@ int bench_attention_main(int argc, char **argv) {
 }
 #else
 
+#include "kernels/cuda/cuda_ops.h"
 #include "train/bench_cuda.h"
 
 
@@ -228,24 +230,32 @@ int bench_attention_main(int argc, char **argv) {
     printf("time: median of %d back-to-back runs after %d warm-up (CUDA events), each including the op's BF16 "
            "conversion pre-pass\n\n", runs, WARMUP);
 
-    run_forward(&p);  // the backward needs out and state
-    const double fwd_ms = median_ms(run_forward, &p, runs, ev);
-    const double bwd_ms = median_ms(run_backward, &p, runs, ev);
-    int same = 0, finite = 0;
-    check_repeatability(&p, &same, &finite);
-
-    printf("%-10s %10s %10s\n", "pass", "ms", "TFLOPS");
-    printf("%-10s %10.3f %10.1f\n", "forward", fwd_ms, fwd_flop / (fwd_ms * 1e-3) * 1e-12);
-    printf("%-10s %10.3f %10.1f\n", "backward", bwd_ms, bwd_flop / (bwd_ms * 1e-3) * 1e-12);
-    printf("%-10s %10.3f %10.1f\n", "fwd+bwd", fwd_ms + bwd_ms,
-           (fwd_flop + bwd_flop) / ((fwd_ms + bwd_ms) * 1e-3) * 1e-12);
-    printf("\nrepeat (forward + backward twice): %s; outputs finite: %s\n",
-           same ? "bitwise identical" : "DIFFERENT (determinism broken)", finite ? "yes" : "NO");
+    // the op as the model runs it, then with the Hopper kernels switched off: the mma.sync kernels on the same
+    // shape, the comparison point (both rows show the same kernels where the Hopper ones do not serve the shape)
+    const char *kernels[2] = {"default", "mma.sync"};
+    int all_same = 1, all_finite_ = 1;
+    printf("%-10s %-10s %10s %10s\n", "kernels", "pass", "ms", "TFLOPS");
+    for (int k = 0; k < 2; k++) {
+        const int before = cuda_attention_wgmma(k == 0);
+        run_forward(&p);  // the backward needs out and state
+        const double fwd_ms = median_ms(run_forward, &p, runs, ev);
+        const double bwd_ms = median_ms(run_backward, &p, runs, ev);
+        int same = 0, finite = 0;
+        check_repeatability(&p, &same, &finite);
+        cuda_attention_wgmma(before);
+        printf("%-10s %-10s %10.3f %10.1f\n", kernels[k], "forward", fwd_ms, fwd_flop / (fwd_ms * 1e-3) * 1e-12);
+        printf("%-10s %-10s %10.3f %10.1f\n", kernels[k], "backward", bwd_ms, bwd_flop / (bwd_ms * 1e-3) * 1e-12);
+        printf("%-10s %-10s %10.3f %10.1f\n", kernels[k], "fwd+bwd", fwd_ms + bwd_ms,
+               (fwd_flop + bwd_flop) / ((fwd_ms + bwd_ms) * 1e-3) * 1e-12);
+        printf("%-10s repeat (forward + backward twice): %s; outputs finite: %s\n", kernels[k],
+               same ? "bitwise identical" : "DIFFERENT (determinism broken)", finite ? "yes" : "NO");
+        all_same &= same, all_finite_ &= finite;
+    }
 
     for (int i = 0; i <= runs; i++) BENCH_CHECK(cudaEventDestroy(ev[i]));
     free(ev);
     for (int i = 0; i < N_BUFS; i++) device_free(DEVICE_CUDA, *bufs[i]);
     device_free(DEVICE_CUDA, p.state);
-    return same && finite ? 0 : 1;
+    return all_same && all_finite_ ? 0 : 1;
 }
 #endif

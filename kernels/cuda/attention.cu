@@ -103,34 +103,14 @@
  * the softmax straight into the next MMA without shared memory. Each row of C is held by the 4 lanes of
  * one group, so row reductions are two butterfly shuffles (xor 1, xor 2).
  */
-#include <cuda_bf16.h>
-#include <stdint.h>
-#include <string.h>
+#include "kernels/cuda/attention.cuh"
 
-#include "kernels/cuda/cuda_ops.h"
-#include "kernels/cuda/common.cuh"
-
-typedef __nv_bfloat16 bf16;
-
-constexpr int KT = 64;             // key rows per tile (forward, dq); query rows per tile and keys per block (dkv)
 constexpr int MAX_THREADS = 256;   // 8 warps
 constexpr int ROW_PAD = 8;         // BF16 of padding per shared-memory row (see the file comment)
-constexpr int T_ALIGN = 128;       // the scratch's rows are padded to a multiple of the largest tile
 constexpr int P_LD = KT + 4;       // row stride (floats) of the dkv kernel's probability tile
 constexpr int HEAD_DIM_MAX = 256;
-constexpr float LOG2E = 1.4426950408889634f;
-constexpr float LN2 = 0.6931471805599453f;
 
 // ---------------------------------------------------------------------------- PTX wrappers
-__device__ __forceinline__ uint32_t smem_addr(const void *p) { return (uint32_t)__cvta_generic_to_shared(p); }
-
-// 16 bytes global -> shared, asynchronous (completes at the next cp_async_wait_all of this thread).
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void *src) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
-
 __device__ __forceinline__ void ldsm_x4(uint32_t r[4], uint32_t addr) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
@@ -150,21 +130,6 @@ __device__ __forceinline__ void mma_bf16(float c[4], const uint32_t a[4], uint32
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// Two floats rounded to BF16 (RNE) in one register, lo in the low half.
-__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
-    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-    uint32_t u;
-    memcpy(&u, &v, sizeof u);
-    return u;
-}
-
-// The A fragment (k = [16j, 16j+16)) made of C fragments x[2j] (columns 16j..16j+7) and x[2j+1].
-__device__ __forceinline__ void pack_a_from_c(uint32_t a[4], const float lo[4], const float hi[4]) {
-    a[0] = pack_bf16(lo[0], lo[1]);
-    a[1] = pack_bf16(lo[2], lo[3]);
-    a[2] = pack_bf16(hi[0], hi[1]);
-    a[3] = pack_bf16(hi[2], hi[3]);
-}
 
 // Byte offset of this lane's ldmatrix row address inside a 16 x 16 block of a tile with row stride ld.
 __device__ __forceinline__ uint32_t ldsm_lane_offset(int ld, int lane) {
@@ -241,54 +206,8 @@ __device__ __forceinline__ void load_tile_async(bf16 *s, int ld, const bf16 *g, 
     }
 }
 
-// KT floats (64, 16-byte aligned) -> shared, by threads [first, first + 16).
-__device__ __forceinline__ void load_row_stats_async(float *s, const float *g, int first) {
-    const int i = (int)threadIdx.x - first;
-    if (i >= 0 && i < KT / 4) cp_async16(smem_addr(s + 4 * i), g + 4 * i);
-}
 
-__device__ __forceinline__ float quad_max(float v) {
-    v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
-    return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
-}
-// The 4 lanes of a group end with the same bits (each level adds the same two values, commuted).
-__device__ __forceinline__ float quad_sum(float v) {
-    v += __shfl_xor_sync(0xffffffffu, v, 1);
-    return v + __shfl_xor_sync(0xffffffffu, v, 2);
-}
 
-// The columns [col0, col_end) of the C fragments of a warp's 16 rows (row0 = its row g, row0 + 8 the row g + 8):
-// element (row, col) to dst + row * row_stride + (col - col0), only rows < n_rows. A window (col0 > 0, or
-// col_end below the accumulator's columns) lets one accumulator go to two places: the dkv kernel's key gradient
-// [dk_nope ; dk_rope] is stored to kv's layout and to the rope scratch. NORMALISE divides by the row's softmax
-// sum l (the forward's out = o / l); the backward writes its gradients as they are.
-template <int NCAP, bool NORMALISE>
-__device__ __forceinline__ void store_rows(float *dst, size_t row_stride, int row0, int n_rows, int col0, int col_end,
-                                           const float acc[NCAP / 8][4], float l0, float l1, int t) {
-    // a thread's columns are the pairs (col, col + 1), col even: with col0, col_end and the row stride even and
-    // dst 8-byte aligned, a pair is wholly inside the window or wholly outside, and 8-byte aligned
-    const bool pairs = ((col0 | col_end | (int)row_stride) & 1) == 0 && ((uintptr_t)dst & 7) == 0;
-#pragma unroll
-    for (int half = 0; half < 2; half++) {
-        const int row = row0 + 8 * half;
-        if (row >= n_rows) continue;
-        float *p = dst + (size_t)row * row_stride;
-        const float l = half ? l1 : l0;
-#pragma unroll
-        for (int nt = 0; nt < NCAP / 8; nt++) {
-            const int col = nt * 8 + 2 * t;
-            if (col >= col_end || col + 1 < col0) continue;  // neither column of the pair is in the window
-            float v0 = acc[nt][2 * half], v1 = acc[nt][2 * half + 1];
-            if (NORMALISE) v0 = v0 / l, v1 = v1 / l;
-            if (pairs) {
-                *reinterpret_cast<float2 *>(p + (col - col0)) = make_float2(v0, v1);
-            } else {
-                if (col >= col0) p[col - col0] = v0;
-                if (col + 1 < col_end) p[col + 1 - col0] = v1;
-            }
-        }
-    }
-}
 
 // ---------------------------------------------------------------------------- pre-pass kernels
 // One FP32 operand -> BF16 (B, H, Tpad, DP), zeros for t >= T and d >= D. Row (b, t, h) of the operand is read
@@ -709,24 +628,6 @@ static void check_shape(const char *op, int B, int T, int H, int Dn, int Dr, int
     }
 }
 
-// The opt-in shared memory per block of the current device (232448 bytes on an H200).
-static size_t smem_limit(void) {
-    int dev = 0, bytes = 0;
-    CUDA_CHECK(cudaGetDevice(&dev));
-    CUDA_CHECK(cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
-    return (size_t)bytes;
-}
-
-// Dynamic shared memory above 48 KiB must be allowed per kernel.
-template <typename Kernel> static void allow_smem(Kernel kernel, size_t bytes, const char *name) {
-    if (bytes > smem_limit()) {
-        fprintf(stderr, "fp8moe: kernels/cuda/attention.cu: %s needs %zu bytes of shared memory per block; this "
-                        "GPU allows %zu (expected an H100/H200-class GPU)\n", name, bytes, smem_limit());
-        exit(1);
-    }
-    CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes));
-}
-
 static size_t bf16_rows(int rows, int DP) { return sizeof(bf16) * (size_t)rows * (size_t)(DP + ROW_PAD); }
 static size_t forward_smem(int BM, int DQP, int DVP) {
     return bf16_rows(BM, DQP) + 2 * (bf16_rows(KT, DQP) + bf16_rows(KT, DVP));
@@ -746,11 +647,13 @@ static int pick_bm(size_t (*smem)(int, int, int), int DQP, int DVP) {
 // rope-key gradients (B, T, H, Dr) that the backward sums over the heads into d_k_rope.
 static Scratch bf16_scratch, stats_scratch, rope_grad_scratch;
 
-typedef struct {
-    int Tpad, DQP, DVP;
-    bf16 *q, *k, *v, *dout;
-    float *D, *lse2;
-} Staged;
+static int wgmma_enabled = 1;  // cuda_attention_wgmma
+extern "C" int cuda_attention_wgmma(int enable) {
+    const int previous = wgmma_enabled;
+    wgmma_enabled = enable != 0;
+    return previous;
+}
+static bool use_wgmma(const Staged *s) { return wgmma_enabled && attention_wgmma_supported(s->DQP, s->DVP); }
 
 // q (B, T, H, Dqk), kv (B, T, H, Dn + Dv), k_rope (B, T, Dr) as in kernels.h.
 static Staged stage_inputs(const float *q, const float *kv, const float *k_rope, int B, int T, int H, int Dn, int Dr,
@@ -810,6 +713,10 @@ extern "C" void cuda_attention_forward(real *out, real *state, const real *q, co
     if (B <= 0 || T <= 0 || H <= 0) return;
     const int Dqk = Dn + Dr;
     const Staged s = stage_inputs(q, kv, k_rope, B, T, H, Dn, Dr, Dv, 0);
+    if (use_wgmma(&s)) {
+        attention_wgmma_forward(out, state, &s, B, T, H, Dqk, Dv);
+        return;
+    }
     switch (head_cap(Dv)) {
     case 64: launch_forward<64>(out, state, &s, B, T, H, Dqk, Dv); break;
     case 128: launch_forward<128>(out, state, &s, B, T, H, Dqk, Dv); break;
@@ -830,10 +737,6 @@ template <int DQK_CAP> static void launch_dq(float *dq, const Staged *s, int B, 
     CUDA_CHECK_LAUNCH("attention_backward_dq_kernel");
 }
 
-// The dkv kernel's destinations (its comment): dk_nope and dv in d_kv, dk_rope the per-head scratch; NULL = not wanted.
-typedef struct {
-    float *dk_nope, *dk_rope, *dv;
-} DkvOut;
 
 template <int DK_CAP, int DV_CAP>
 static void launch_dkv(const DkvOut *o, const Staged *s, int B, int T, int H, int Dn, int Dr, int Dv) {
@@ -874,7 +777,9 @@ extern "C" void cuda_attention_backward(real *dq, real *d_kv, real *d_k_rope, co
     attention_backward_prep_kernel<<<prep_grid, threads>>>(s.dout, s.D, s.lse2, dout, out, state, T, s.Tpad, H, Dv,
                                                            s.DVP);
     CUDA_CHECK_LAUNCH("attention_backward_prep_kernel");
-    if (dq != NULL) {
+    const bool wgmma = use_wgmma(&s);
+    if (dq != NULL && wgmma) attention_wgmma_dq(dq, &s, B, T, H, Dqk);
+    else if (dq != NULL) {
         switch (head_cap(Dqk)) {
         case 64: launch_dq<64>(dq, &s, B, T, H, Dqk); break;
         case 128: launch_dq<128>(dq, &s, B, T, H, Dqk); break;
@@ -882,7 +787,9 @@ extern "C" void cuda_attention_backward(real *dq, real *d_kv, real *d_k_rope, co
         default: launch_dq<256>(dq, &s, B, T, H, Dqk); break;
         }
     }
-    if (o.dk_nope != NULL || o.dk_rope != NULL || o.dv != NULL) {
+    if ((o.dk_nope != NULL || o.dk_rope != NULL || o.dv != NULL) && wgmma) {
+        attention_wgmma_dkv(&o, &s, B, T, H, Dn, Dr, Dv);
+    } else if (o.dk_nope != NULL || o.dk_rope != NULL || o.dv != NULL) {
         switch (head_cap(Dqk)) {
         case 64: launch_dkv_any_dv<64>(&o, &s, B, T, H, Dn, Dr, Dv); break;
         case 128: launch_dkv_any_dv<128>(&o, &s, B, T, H, Dn, Dr, Dv); break;

@@ -79,6 +79,10 @@ void cuda_bf16_gemm_wgrad(real *dw, const uint16_t *dy, const uint16_t *x, int T
 // kernels.h.
 void cuda_attention_forward(real *out, real *state, const real *q, const real *kv, const real *k_rope, int B, int T, int H, int Dn, int Dr, int Dv);
 void cuda_attention_backward(real *dq, real *d_kv, real *d_k_rope, const real *dout, const real *out, const real *state, const real *q, const real *kv, const real *k_rope, int B, int T, int H, int Dn, int Dr, int Dv);
+// Whether the attention core may run its Hopper kernels (kernels/cuda/attention_wgmma.cu) where they serve the
+// head dims (default 1); 0 forces the mma.sync kernels. Returns the previous setting. For the benchmark's and the
+// tests' comparison of the two kernel families on the same shape.
+int cuda_attention_wgmma(int enable);
 
 // Model glue ops (kernels/cuda/elementwise.cu), FP32 matmul (kernels/cuda/matmul.cu), MoE routing and
 // permutation (kernels/cuda/moe.cu). embedding_forward, router_forward, balance_loss_forward, the permute plan

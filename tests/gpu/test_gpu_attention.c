@@ -65,6 +65,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kernels/cuda/cuda_ops.h"
 #include "kernels/kernels.h"
 #include "tests/gpu/gpucheck.h"
 #include "unit/opcheck.h"
@@ -77,6 +78,7 @@ static double e_sum(int64_t n) { return (double)n * U_ACC; }
 
 typedef struct {
     int B, T, H, Dn, Dr, Dv;  // Dqk = Dn + Dr
+    int mma_only;             // 1: the mma.sync kernels even where the Hopper (wgmma) kernels serve the shape
 } AttCase;
 
 // ---------------------------------------------------------------------------- buffers
@@ -332,7 +334,8 @@ static void test_attention(void **state) {
     const AttCase *c = *state;
     const int B = c->B, T = c->T, H = c->H, Dn = c->Dn, Dr = c->Dr, Dv = c->Dv, Dqk = Dn + Dr, ld = Dn + Dv;
     char shape[64];
-    snprintf(shape, sizeof shape, "(%d,%d,%d,%d+%d,%d)", B, T, H, Dn, Dr, Dv);
+    snprintf(shape, sizeof shape, "(%d,%d,%d,%d+%d,%d)%s", B, T, H, Dn, Dr, Dv, c->mma_only ? " mma" : "");
+    const int wgmma_before = cuda_attention_wgmma(!c->mma_only);
     const int64_t N = (int64_t)B * T, nq = N * H * Dqk, nkv = N * H * ld, nr = N * Dr, nv = N * H * Dv;
     const int64_t ns = (int64_t)B * H * T;
     const uint64_t seed = (uint64_t)B * 1000003u + (uint64_t)T * 1009u + (uint64_t)Dn * 131u + (uint64_t)Dr * 31u +
@@ -534,6 +537,7 @@ static void test_attention(void **state) {
     free_reference(&r);
     void *dev[] = {d_q, d_kv, d_kr, d_dout, d_out, d_state, d_dq, d_dkv, d_dkr, d_out2, d_state2};
     for (size_t i = 0; i < sizeof dev / sizeof dev[0]; i++) device_free(DEVICE_CUDA, dev[i]);
+    cuda_attention_wgmma(wgmma_before);
     assert_true(ok);
 }
 
@@ -548,15 +552,22 @@ static void test_attention(void **state) {
 // 4 (Dn = 24, Dr = 8, Dv = 40: pre-pass chunks of 8 that are whole in each part; Dn = 13, Dr = 6, Dv = 20:
 // chunks that straddle k_nope and k_rope, scalar reads of kv's unaligned v rows and element-wise stores of the
 // odd windows of dk); no nope part (Dn = 0: every key the shared rope key) and no rope part (Dr = 0: k_rope NULL).
-static AttCase case_tiny = {2, 37, 3, 8, 4, 8};
-static AttCase case_mid = {1, 200, 2, 32, 16, 32};
-static AttCase case_odd = {3, 129, 2, 136, 64, 72};
-static AttCase case_wide = {1, 300, 1, 192, 64, 256};
-static AttCase case_model = {1, 512, 16, 128, 64, 128};
-static AttCase case_split = {2, 100, 3, 24, 8, 40};
-static AttCase case_ragged = {2, 70, 5, 13, 6, 20};
-static AttCase case_no_nope = {1, 90, 4, 0, 32, 24};
-static AttCase case_no_rope = {1, 90, 3, 40, 0, 24};
+// On an H100/H200 the Hopper kernels (attention_wgmma.cu) serve padded head dims Dqk 128 or 192 with Dv 128: the
+// model's shape, run a second time on the mma.sync kernels ("mma"); Dqk = 96 + 32 over partial query and key
+// tiles (T = 300, B = 2); and Dqk = 190, Dv = 120, zero-padded to 192 and 128 inside the staged operands, over
+// T = 333 with 3 heads. Every other shape runs the mma.sync kernels.
+static AttCase case_tiny = {2, 37, 3, 8, 4, 8, 0};
+static AttCase case_mid = {1, 200, 2, 32, 16, 32, 0};
+static AttCase case_odd = {3, 129, 2, 136, 64, 72, 0};
+static AttCase case_wide = {1, 300, 1, 192, 64, 256, 0};
+static AttCase case_model = {1, 512, 16, 128, 64, 128, 0};
+static AttCase case_split = {2, 100, 3, 24, 8, 40, 0};
+static AttCase case_ragged = {2, 70, 5, 13, 6, 20, 0};
+static AttCase case_no_nope = {1, 90, 4, 0, 32, 24, 0};
+static AttCase case_no_rope = {1, 90, 3, 40, 0, 24, 0};
+static AttCase case_model_mma = {1, 512, 16, 128, 64, 128, 1};
+static AttCase case_wgmma_128 = {2, 300, 2, 96, 32, 128, 0};
+static AttCase case_wgmma_padded = {2, 333, 3, 126, 64, 120, 0};
 
 int main(void) {
     const int n_gpu = gpucheck_devices("test_gpu_attention");
@@ -574,6 +585,9 @@ int main(void) {
         cmocka_unit_test_prestate(test_attention, &case_ragged),
         cmocka_unit_test_prestate(test_attention, &case_no_nope),
         cmocka_unit_test_prestate(test_attention, &case_no_rope),
+        cmocka_unit_test_prestate(test_attention, &case_model_mma),
+        cmocka_unit_test_prestate(test_attention, &case_wgmma_128),
+        cmocka_unit_test_prestate(test_attention, &case_wgmma_padded),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
