@@ -107,13 +107,25 @@ template <int N> __device__ __forceinline__ void wgmma_rs(float *d, const uint32
 }
 
 // ---------------------------------------------------------------------------- tiles
-// rows x DP BF16 (contiguous rows of DP elements at g) -> the swizzled tile at shared address s, by all threads.
-template <int DP> __device__ __forceinline__ void load_tile_sw128(uint32_t s, const bf16 *g, int rows) {
-    constexpr int chunks = DP / 8;  // 16-byte chunks per row
-    for (int i = threadIdx.x; i < rows * chunks; i += THREADS) {
-        const int r = i / chunks, c = i - r * chunks;
-        cp_async16(s + (uint32_t)((c >> 3) * rows * SW + r * SW + (((c & 7) ^ (r & 7)) << 4)), g + (size_t)r * DP + c * 8);
-    }
+// ROWS x DP BF16 (contiguous rows of DP elements at g) -> the swizzled tile at shared address s, by all 256
+// threads. Thread i copies chunk i % 8 of rows i / 8, i / 8 + 32, ... of every column block: 32 rows apart, the
+// rows share their swizzle (r % 8), so each copy's addresses are the first ones plus compile-time offsets.
+template <int DP, int ROWS> __device__ __forceinline__ void load_tile_sw128(uint32_t s, const bf16 *g) {
+    static_assert(DP % 64 == 0 && ROWS % 32 == 0, "load_tile_sw128: whole column blocks, rows in passes of 32");
+    const int c = threadIdx.x & 7, r0 = threadIdx.x >> 3;
+    const uint32_t dst = s + (uint32_t)(r0 * SW + ((c ^ (r0 & 7)) << 4));
+    const bf16 *src = g + (size_t)r0 * DP + c * 8;
+#pragma unroll
+    for (int blk = 0; blk < DP / 64; blk++)
+#pragma unroll
+        for (int r = 0; r < ROWS; r += 32) cp_async16(dst + (uint32_t)((blk * ROWS + r) * SW), src + r * DP + blk * 64);
+}
+
+// 2^x in one MUFU instruction (subnormal results flush to zero: probabilities below 2^-126 become 0).
+__device__ __forceinline__ float exp2_ftz(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
 }
 
 // x (64 x N) = A B^T over DP columns: A = 64 rows of a swizzled tile of a_rows rows (first row a_row0), B = all
@@ -168,9 +180,9 @@ __global__ void __launch_bounds__(THREADS, 1)
     const bf16 *kg = ks + bh * Tpad * DQ, *vg = vs + bh * Tpad * DV;
     const int n_kt = (min(q0 + F_BM, T) - 1) / F_BN + 1;
 
-    load_tile_sw128<DQ>(Qs, qs + (bh * Tpad + q0) * DQ, F_BM);
-    load_tile_sw128<DQ>(Ks, kg, F_BN);
-    load_tile_sw128<DV>(Vs, vg, F_BN);
+    load_tile_sw128<DQ, F_BM>(Qs, qs + (bh * Tpad + q0) * DQ);
+    load_tile_sw128<DQ, F_BN>(Ks, kg);
+    load_tile_sw128<DV, F_BN>(Vs, vg);
     cp_async_commit();
 
     float o[DV / 8][4];
@@ -183,8 +195,8 @@ __global__ void __launch_bounds__(THREADS, 1)
         __syncthreads();  // tile kt is in; every warp is done with tile kt - 1, whose buffers are refilled now
         if (kt + 1 < n_kt) {
             const int nb = (kt + 1) & 1;
-            load_tile_sw128<DQ>(Ks + nb * K_BUF, kg + (size_t)(kt + 1) * F_BN * DQ, F_BN);
-            load_tile_sw128<DV>(Vs + nb * V_BUF, vg + (size_t)(kt + 1) * F_BN * DV, F_BN);
+            load_tile_sw128<DQ, F_BN>(Ks + nb * K_BUF, kg + (size_t)(kt + 1) * F_BN * DQ);
+            load_tile_sw128<DV, F_BN>(Vs + nb * V_BUF, vg + (size_t)(kt + 1) * F_BN * DV);
         }
         cp_async_commit();
         const int k0 = kt * F_BN;
@@ -198,30 +210,32 @@ __global__ void __launch_bounds__(THREADS, 1)
         wgmma_wait_all();
         fence_regs(&s[0][0], F_BN / 2);
 
-        const bool need_mask = k0 + F_BN - 1 > wq0;  // the tile crosses the diagonal of this warpgroup's rows
-        float mx0 = -INFINITY, mx1 = -INFINITY;
+        // in raw score units (scale_log2 > 0 keeps the order): the max, then p = 2^(s c - m c) in one FFMA
+        if (k0 + F_BN - 1 > wq0) {  // the tile crosses the diagonal of this warpgroup's rows
+#pragma unroll
+            for (int nt = 0; nt < F_BN / 8; nt++)
+#pragma unroll
+                for (int e = 0; e < 4; e++)
+                    if (k0 + nt * 8 + 2 * t + (e & 1) > (e < 2 ? row0 : row1)) s[nt][e] = -INFINITY;
+        }
+        float mx0 = m0, mx1 = m1;
 #pragma unroll
         for (int nt = 0; nt < F_BN / 8; nt++) {
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                float x = s[nt][e] * scale_log2;
-                if (need_mask && k0 + nt * 8 + 2 * t + (e & 1) > (e < 2 ? row0 : row1)) x = -INFINITY;
-                s[nt][e] = x;
-                if (e < 2) mx0 = fmaxf(mx0, x);
-                else mx1 = fmaxf(mx1, x);
-            }
+            mx0 = fmaxf(mx0, fmaxf(s[nt][0], s[nt][1]));
+            mx1 = fmaxf(mx1, fmaxf(s[nt][2], s[nt][3]));
         }
-        // a row whose keys of this tile are all masked keeps m = -inf only before its first tile; key 0 is in
-        // tile 0, so every real row has a finite max after tile 0 and alpha = exp2(-inf) = 0 there
-        const float mn0 = fmaxf(m0, quad_max(mx0)), mn1 = fmaxf(m1, quad_max(mx1));
-        const float alpha0 = exp2f(m0 - mn0), alpha1 = exp2f(m1 - mn1);
+        // every row processed here sees key 0 in tile 0 (its first), so the maxima are finite from then on and
+        // alpha = 2^(-inf) = 0 on the first tile
+        const float mn0 = quad_max(mx0), mn1 = quad_max(mx1);
+        const float alpha0 = exp2_ftz((m0 - mn0) * scale_log2), alpha1 = exp2_ftz((m1 - mn1) * scale_log2);
+        const float mc0 = mn0 * scale_log2, mc1 = mn1 * scale_log2;
         float sum0 = 0.0f, sum1 = 0.0f;
 #pragma unroll
         for (int nt = 0; nt < F_BN / 8; nt++) {
-            s[nt][0] = exp2f(s[nt][0] - mn0);
-            s[nt][1] = exp2f(s[nt][1] - mn0);
-            s[nt][2] = exp2f(s[nt][2] - mn1);
-            s[nt][3] = exp2f(s[nt][3] - mn1);
+            s[nt][0] = exp2_ftz(fmaf(s[nt][0], scale_log2, -mc0));
+            s[nt][1] = exp2_ftz(fmaf(s[nt][1], scale_log2, -mc0));
+            s[nt][2] = exp2_ftz(fmaf(s[nt][2], scale_log2, -mc1));
+            s[nt][3] = exp2_ftz(fmaf(s[nt][3], scale_log2, -mc1));
             sum0 += s[nt][0] + s[nt][1];
             sum1 += s[nt][2] + s[nt][3];
         }
@@ -248,8 +262,8 @@ __global__ void __launch_bounds__(THREADS, 1)
     }
 
     store_rows<DV, true>(out + ((size_t)b * T * H + h) * Dv, (size_t)H * Dv, row0, T, 0, Dv, o, l0, l1, t);
-    if (t == 0 && row0 < T) lse[bh * T + row0] = (m0 + log2f(l0)) * LN2;
-    if (t == 0 && row1 < T) lse[bh * T + row1] = (m1 + log2f(l1)) * LN2;
+    if (t == 0 && row0 < T) lse[bh * T + row0] = (m0 * scale_log2 + log2f(l0)) * LN2;
+    if (t == 0 && row1 < T) lse[bh * T + row1] = (m1 * scale_log2 + log2f(l1)) * LN2;
 }
 
 // ---------------------------------------------------------------------------- dq
@@ -278,10 +292,10 @@ __global__ void __launch_bounds__(THREADS, 1)
     const float lse0 = lse2[bh * Tpad + row0], lse1 = lse2[bh * Tpad + row1];  // rows < Tpad always
     const float D0 = Dg[bh * Tpad + row0], D1 = Dg[bh * Tpad + row1];
 
-    load_tile_sw128<DQ>(Qs, qs + (bh * Tpad + q0) * DQ, Q_BM);
-    load_tile_sw128<DV>(dOs, dos + (bh * Tpad + q0) * DV, Q_BM);
-    load_tile_sw128<DQ>(Ks, kg, Q_BN);
-    load_tile_sw128<DV>(Vs, vg, Q_BN);
+    load_tile_sw128<DQ, Q_BM>(Qs, qs + (bh * Tpad + q0) * DQ);
+    load_tile_sw128<DV, Q_BM>(dOs, dos + (bh * Tpad + q0) * DV);
+    load_tile_sw128<DQ, Q_BN>(Ks, kg);
+    load_tile_sw128<DV, Q_BN>(Vs, vg);
     cp_async_commit();
 
     float acc[DQ / 8][4];
@@ -293,8 +307,8 @@ __global__ void __launch_bounds__(THREADS, 1)
         __syncthreads();
         if (kt + 1 < n_kt) {
             const int nb = (kt + 1) & 1;
-            load_tile_sw128<DQ>(Ks + nb * K_BUF, kg + (size_t)(kt + 1) * Q_BN * DQ, Q_BN);
-            load_tile_sw128<DV>(Vs + nb * V_BUF, vg + (size_t)(kt + 1) * Q_BN * DV, Q_BN);
+            load_tile_sw128<DQ, Q_BN>(Ks + nb * K_BUF, kg + (size_t)(kt + 1) * Q_BN * DQ);
+            load_tile_sw128<DV, Q_BN>(Vs + nb * V_BUF, vg + (size_t)(kt + 1) * Q_BN * DV);
         }
         cp_async_commit();
         const int k0 = kt * Q_BN;
@@ -310,16 +324,21 @@ __global__ void __launch_bounds__(THREADS, 1)
         fence_regs(&s[0][0], Q_BN / 2);
         fence_regs(&dp[0][0], Q_BN / 2);
 
-        const bool need_mask = k0 + Q_BN - 1 > wq0;
 #pragma unroll
         for (int nt = 0; nt < Q_BN / 8; nt++) {
 #pragma unroll
             for (int e = 0; e < 4; e++) {
                 const bool lo = e < 2;
-                float p = exp2f(s[nt][e] * scale_log2 - (lo ? lse0 : lse1));
-                if (need_mask && k0 + nt * 8 + 2 * t + (e & 1) > (lo ? row0 : row1)) p = 0.0f;
+                const float p = exp2_ftz(fmaf(s[nt][e], scale_log2, -(lo ? lse0 : lse1)));
                 s[nt][e] = p * (dp[nt][e] - (lo ? D0 : D1)) * scale;  // scale * dS
             }
+        }
+        if (k0 + Q_BN - 1 > wq0) {  // the tile crosses the diagonal: dS = 0 above it
+#pragma unroll
+            for (int nt = 0; nt < Q_BN / 8; nt++)
+#pragma unroll
+                for (int e = 0; e < 4; e++)
+                    if (k0 + nt * 8 + 2 * t + (e & 1) > (e < 2 ? row0 : row1)) s[nt][e] = 0.0f;
         }
         uint32_t ds[Q_BN / 16][4];
 #pragma unroll
@@ -366,10 +385,10 @@ __global__ void __launch_bounds__(THREADS, 1)
     const bf16 *qg = qs + bh * Tpad * DQ, *dog = dos + bh * Tpad * DV;
     const float *lse2g = lse2 + bh * Tpad, *Dgh = Dg + bh * Tpad;
 
-    load_tile_sw128<DQ>(Ks, ks + (bh * Tpad + k0) * DQ, KV_BK);
-    load_tile_sw128<DV>(Vs, vs + (bh * Tpad + k0) * DV, KV_BK);
-    load_tile_sw128<DQ>(Qs, qg + (size_t)k0 * DQ, KT);
-    load_tile_sw128<DV>(dOs, dog + (size_t)k0 * DV, KT);
+    load_tile_sw128<DQ, KV_BK>(Ks, ks + (bh * Tpad + k0) * DQ);
+    load_tile_sw128<DV, KV_BK>(Vs, vs + (bh * Tpad + k0) * DV);
+    load_tile_sw128<DQ, KT>(Qs, qg + (size_t)k0 * DQ);
+    load_tile_sw128<DV, KT>(dOs, dog + (size_t)k0 * DV);
     load_row_stats_async(lse_s, lse2g + k0, 0);
     load_row_stats_async(D_s, Dgh + k0, 32);
     cp_async_commit();
@@ -388,8 +407,8 @@ __global__ void __launch_bounds__(THREADS, 1)
         __syncthreads();  // tile it is in; every warp is done with tile it - 1 (its buffers and Ps)
         if (it + 1 < n_iter) {
             const int qn = k0 + (it + 1) * KT, nb = (it + 1) & 1;
-            load_tile_sw128<DQ>(Qs + nb * Q_BUF, qg + (size_t)qn * DQ, KT);
-            load_tile_sw128<DV>(dOs + nb * DO_BUF, dog + (size_t)qn * DV, KT);
+            load_tile_sw128<DQ, KT>(Qs + nb * Q_BUF, qg + (size_t)qn * DQ);
+            load_tile_sw128<DV, KT>(dOs + nb * DO_BUF, dog + (size_t)qn * DV);
             load_row_stats_async(lse_s + nb * KT, lse2g + qn, 0);
             load_row_stats_async(D_s + nb * KT, Dgh + qn, 32);
         }
@@ -411,15 +430,25 @@ __global__ void __launch_bounds__(THREADS, 1)
             const float *ls = lse_s + buf * KT;
 #pragma unroll
             for (int nt = 0; nt < KT / 8; nt++) {
-#pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    const int ql = nt * 8 + 2 * t + (e & 1), row = q0 + ql;
-                    float p = exp2f(x[nt][e] * scale_log2 - ls[ql]);
-                    if (need_mask && ((e < 2 ? key0 : key1) > row || row >= T)) p = 0.0f;
-                    x[nt][e] = p;
-                    Ps[(nt * 4 + e) * 128 + slot] = p;
-                }
+                const float2 l = *reinterpret_cast<const float2 *>(ls + nt * 8 + 2 * t);
+                x[nt][0] = exp2_ftz(fmaf(x[nt][0], scale_log2, -l.x));
+                x[nt][1] = exp2_ftz(fmaf(x[nt][1], scale_log2, -l.y));
+                x[nt][2] = exp2_ftz(fmaf(x[nt][2], scale_log2, -l.x));
+                x[nt][3] = exp2_ftz(fmaf(x[nt][3], scale_log2, -l.y));
             }
+            if (need_mask) {
+#pragma unroll
+                for (int nt = 0; nt < KT / 8; nt++)
+#pragma unroll
+                    for (int e = 0; e < 4; e++) {
+                        const int row = q0 + nt * 8 + 2 * t + (e & 1);
+                        if ((e < 2 ? key0 : key1) > row || row >= T) x[nt][e] = 0.0f;
+                    }
+            }
+#pragma unroll
+            for (int nt = 0; nt < KT / 8; nt++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) Ps[(nt * 4 + e) * 128 + slot] = x[nt][e];
         }
         __syncthreads();  // Ps complete
         if (!second_product) continue;
@@ -427,11 +456,10 @@ __global__ void __launch_bounds__(THREADS, 1)
             const float *Ds = D_s + buf * KT;
 #pragma unroll
             for (int nt = 0; nt < KT / 8; nt++) {
+                const float2 d = *reinterpret_cast<const float2 *>(Ds + nt * 8 + 2 * t);
 #pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    const int ql = nt * 8 + 2 * t + (e & 1);
-                    x[nt][e] = Ps[(nt * 4 + e) * 128 + slot] * (x[nt][e] - Ds[ql]) * scale;  // scale * dS^T
-                }
+                for (int e = 0; e < 4; e++)
+                    x[nt][e] = Ps[(nt * 4 + e) * 128 + slot] * (x[nt][e] - (e & 1 ? d.y : d.x)) * scale;  // scale dS^T
             }
         }
         uint32_t a[KT / 16][4];
