@@ -9,10 +9,11 @@
  * scales to the CPU reference (kernels/cpu/fp8.c), which tests/gpu/test_gpu_fp8.c checks.
  *
  * Why they match the CPU bit for bit: per tile, amax is a max (exact in any order), s = amax / 448 is one
- * IEEE division (__fdiv_rn, no reciprocal), s = 1 when that is 0, and q = E4M3(x / s) is another IEEE
- * division followed by the hardware conversion cvt.rn.satfinite.e4m3 (round-to-nearest-even, saturating
- * to +-448, sign kept), the same function as fp8_e4m3_from_float. Elements outside the valid region
- * (partial tiles, padding) are 0 and quantise to 0x00.
+ * IEEE division (__fdiv_rn, no reciprocal), s = 1 when that is 0, and q = E4M3(x / s) is the correctly rounded
+ * quotient (fp8_div: the IEEE division's bits from a reciprocal made once per scale and an FMA correction, two
+ * divisions per element having made the both-layouts kernels issue-bound) followed by the hardware conversion
+ * cvt.rn.satfinite.e4m3 (round-to-nearest-even, saturating to +-448, sign kept), the same function as
+ * fp8_e4m3_from_float. Elements outside the valid region (partial tiles, padding) are 0 and quantise to 0x00.
  *
  * NaN/Inf: a non-finite element is recorded by an integer atomicMin of (call number << 40 | its
  * row-major index) into one device word - an integer atomic that only finds the first bad element of the
@@ -31,6 +32,7 @@
  * Vector (float4) loads are used when the row length is a multiple of 4 and every input is 16-byte aligned.
  */
 #include <cuda_fp8.h>
+#include <float.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -48,13 +50,61 @@ __device__ inline float fp8_scale_of(float amax) {
     return s > 0.0f ? s : 1.0f;
 }
 
-__device__ inline uint32_t fp8_byte(float x, float s) {
-    return (uint32_t)__nv_cvt_float_to_fp8(__fdiv_rn(x, s), __NV_SATFINITE, __NV_E4M3);
+// A tile's scale s and its correctly rounded reciprocal r = RN(1 / s), made once per scale so that each element's
+// quotient x / s costs a multiply and two FMAs instead of an IEEE division (fp8_div); fast = s lies in the range
+// where that is exact.
+struct Fp8Divisor {
+    float s, r;
+    bool fast;
+};
+__device__ inline Fp8Divisor fp8_divisor(float s) { return Fp8Divisor{s, __frcp_rn(s), s >= 0x1p-40f && s <= 0x1p40f}; }
+
+// x / s rounded to nearest even: the bits of __fdiv_rn(x, s). With r = RN(1/s), q = RN(x r) is within one ulp of
+// x / s, the remainder x - s q is exact in one FMA, and RN(q + (x - s q) r) is then the correctly rounded quotient
+// (Markstein's correction theorem) as long as nothing underflows or overflows: x and s in [2^-40, 2^40] keep every
+// intermediate a normal number. Other x (zero, whose sign only a division keeps, tiny, huge, non-finite) take the
+// IEEE division. tests/gpu/test_gpu_fp8.c compares this with __fdiv_rn for every FP32 significand of s
+// (cuda_fp8_division_mismatches). (One fallback branch per group of values instead of per element was slower:
+// docs/benchmarks.md.)
+__device__ inline float fp8_div(float x, Fp8Divisor d) {
+    const float q = __fmul_rn(x, d.r);
+    const float q1 = __fmaf_rn(__fmaf_rn(-d.s, q, x), d.r, q);
+    const float ax = fabsf(x);
+    return d.fast && ax >= 0x1p-40f && ax <= 0x1p40f ? q1 : __fdiv_rn(x, d.s);
 }
 
-// Four quantised values packed little-endian (element j in byte j), for one 4-byte store.
-__device__ inline uint32_t fp8_pack4(const float v[4], float s) {
-    return fp8_byte(v[0], s) | (fp8_byte(v[1], s) << 8) | (fp8_byte(v[2], s) << 16) | (fp8_byte(v[3], s) << 24);
+__device__ inline uint32_t fp8_byte(float x, Fp8Divisor d) {
+    return (uint32_t)__nv_cvt_float_to_fp8(fp8_div(x, d), __NV_SATFINITE, __NV_E4M3);
+}
+
+// Four quantised values packed little-endian (element j in byte j), for one 4-byte store; the conversion takes two
+// values per instruction (the same rounding as one at a time).
+__device__ inline uint32_t fp8_pack4(const float v[4], Fp8Divisor d) {
+    const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(fp8_div(v[0], d), fp8_div(v[1], d)), __NV_SATFINITE,
+                                                 __NV_E4M3);
+    const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(fp8_div(v[2], d), fp8_div(v[3], d)), __NV_SATFINITE,
+                                                 __NV_E4M3);
+    return (lo & 0xffffu) | (hi << 16);
+}
+
+// The self-check behind cuda_fp8_division_mismatches: for s = every significand (blockIdx, threadIdx) times
+// 2^e, e in [-30, 30], and `per_scale` pseudo-random x of either sign (|x| in [2^-45, 2^45], so both the fast
+// path and the IEEE fallback are exercised), counts the quotients whose bits differ from __fdiv_rn's (an
+// integer count: the test's only use of an atomic).
+__global__ void fp8_division_check_kernel(int per_scale, unsigned long long *mismatches) {
+    const uint32_t m = blockIdx.x * blockDim.x + threadIdx.x;  // 23-bit significand
+    if (m >= (1u << 23)) return;
+    unsigned long long bad = 0;
+    uint64_t z = 0x9E3779B97F4A7C15ull * (m + 1);
+    for (int k = 0; k < per_scale; k++) {
+        z ^= z >> 31, z *= 0xBF58476D1CE4E5B9ull, z ^= z >> 29;
+        const int es = (int)((z >> 8) % 61) - 30, ex = (int)((z >> 16) % 91) - 45;
+        const float sv = __uint_as_float(((uint32_t)(127 + es) << 23) | m);
+        const float xv = __uint_as_float((uint32_t)(z >> 63) << 31 | ((uint32_t)(127 + ex) << 23) |
+                                         (uint32_t)((z >> 32) & 0x7fffffu));
+        if (__float_as_uint(fp8_div(xv, fp8_divisor(sv))) != __float_as_uint(__fdiv_rn(xv, sv))) bad++;
+    }
+    if (bad) atomicAdd(mismatches, bad);
 }
 
 // Records element `index` (row-major in the input) of the call tagged `call` (call number << 40) as
@@ -285,7 +335,7 @@ __global__ void quantize_1x128_kernel(uint8_t *q, float *s, const __grid_constan
             a = fmaxf(a, fabsf(v[i][j]));
         }
         const float sc = fp8_scale_of(warp_max(a));
-        *reinterpret_cast<uint32_t *>(q + (int64_t)prow * KB * FP8_TILE + col) = fp8_pack4(v[i], sc);
+        *reinterpret_cast<uint32_t *>(q + (int64_t)prow * KB * FP8_TILE + col) = fp8_pack4(v[i], fp8_divisor(sc));
         if (lane == 0) s[(int64_t)KB * seg.p16[g] + (int64_t)(kb0 + i) * R16 + r] = sc;
     }
 }
@@ -404,10 +454,11 @@ __global__ void __launch_bounds__(Q128_THREADS, 2)
         }
     }
     const float sc = fp8_scale_of(block_max(a, scratch));
+    const Fp8Divisor d = fp8_divisor(sc);
 
     for (int p = 0; p < Q128_PASSES; p++) {
         const int r = r0 + Q128_ROWS_PER_PASS * p;
-        const uint32_t packed = fp8_pack4(v[p], sc);
+        const uint32_t packed = fp8_pack4(v[p], d);
         *reinterpret_cast<uint32_t *>(q + (int64_t)(nb * FP8_TILE + r) * Kp + col) = packed;
         if (qt != NULL)
             for (int j = 0; j < 4; j++) tile[r][c + j] = (uint8_t)(packed >> (8 * j));
@@ -511,8 +562,10 @@ __global__ void quantize_128x1_transposed_kernel(uint8_t *q, float *s, const __g
         if (c0 + (int)threadIdx.x < C) s[(int64_t)tb * C + c0 + threadIdx.x] = sc;
     }
     __syncthreads();
-    for (int p = 0; p < 4; p++)
-        for (int j = 0; j < 4; j++) tile[c + j][rg + 32 * p] = (uint8_t)fp8_byte(v[p][j], col_scale[c + j]);
+    for (int j = 0; j < 4; j++) {
+        const Fp8Divisor d = fp8_divisor(col_scale[c + j]);
+        for (int p = 0; p < 4; p++) tile[c + j][rg + 32 * p] = (uint8_t)fp8_byte(v[p][j], d);
+    }
     __syncthreads();
     for (int i = threadIdx.x; i < Q128X1_COLS * (FP8_TILE / 4); i += Q128X1_THREADS) {
         const int cc = i / (FP8_TILE / 4), word = i % (FP8_TILE / 4);
@@ -611,19 +664,28 @@ __global__ void __launch_bounds__(QBOTH_THREADS * NV, 2 / NV)
     }
 #pragma unroll
     for (int i = 0; i < NV; i++) {
+        // non-finite elements are rare: one test over the thread's values, the per-element report only if one fails
+        bool finite = true;
+        for (int p = 0; p < PASSES; p++)
+            for (int j = 0; j < 4; j++) finite &= fabsf(v[i][p][j]) <= FLT_MAX;
+        if (!finite) {
+            for (int p = 0; p < PASSES; p++) {
+                const int t = tb * FP8_TILE + rg + ROW_GROUPS * p;
+                for (int j = 0; j < 4; j++)
+                    if (t < T) note_if_bad(v[i][p][j], (unsigned long long)(row0 + t) * C + col + j, out.call[i], bad);
+            }
+        }
         float a[4] = {0.0f, 0.0f, 0.0f, 0.0f};
         for (int p = 0; p < PASSES; p++) {
             const int t = tb * FP8_TILE + rg + ROW_GROUPS * p;
-            for (int j = 0; j < 4; j++) {
-                if (t < T) note_if_bad(v[i][p][j], (unsigned long long)(row0 + t) * C + col + j, out.call[i], bad);
-                a[j] = fmaxf(a[j], fabsf(v[i][p][j]));
-            }
+            for (int j = 0; j < 4; j++) a[j] = fmaxf(a[j], fabsf(v[i][p][j]));
             // 1x128: this warp holds all 128 columns of row t
             float m = 0.0f;
             for (int j = 0; j < 4; j++) m = fmaxf(m, fabsf(v[i][p][j]));
             const float sc = fp8_scale_of(warp_max(m));
             if (t < R16) {
-                *reinterpret_cast<uint32_t *>(out.q1[i] + at_q1 + (int64_t)t * Kp + col) = fp8_pack4(v[i][p], sc);
+                *reinterpret_cast<uint32_t *>(out.q1[i] + at_q1 + (int64_t)t * Kp + col) =
+                    fp8_pack4(v[i][p], fp8_divisor(sc));
                 if (lane == 0) out.s1[i][at_s1 + (int64_t)kb * R16 + t] = sc;
             }
         }
@@ -641,9 +703,10 @@ __global__ void __launch_bounds__(QBOTH_THREADS * NV, 2 / NV)
     }
     __syncthreads();
     for (int i = 0; i < NV; i++)
-        for (int p = 0; p < PASSES; p++)
-            for (int j = 0; j < 4; j++)
-                sm.tile[i][c + j][rg + ROW_GROUPS * p] = (uint8_t)fp8_byte(v[i][p][j], col_scale[i][c + j]);
+        for (int j = 0; j < 4; j++) {
+            const Fp8Divisor d = fp8_divisor(col_scale[i][c + j]);
+            for (int p = 0; p < PASSES; p++) sm.tile[i][c + j][rg + ROW_GROUPS * p] = (uint8_t)fp8_byte(v[i][p][j], d);
+        }
     __syncthreads();
     for (int i = 0; i < NV; i++) {
         for (int w = threadIdx.x; w < FP8_TILE * (FP8_TILE / 4); w += QBOTH_THREADS * NV) {
@@ -769,4 +832,15 @@ extern "C" int cuda_fp8_quantize_swiglu_grads_both_layouts_grouped(uint8_t *qa1,
                               {logged, swiglu_tensor(SWIGLU_DB), qb1, sb1, qb2, sb2}};
     return quantize_both_segments<2>("fp8_quantize_swiglu_grads_both_layouts_grouped", val,
                                      SwigluGradRows{dout, a, b, C, bf16_rows_ld(C)}, n_seg, rows0, C, err, err_size);
+}
+
+// The number of quotients, out of 2^23 x per_scale, where fp8_div differs from __fdiv_rn (fp8_division_check_kernel).
+extern "C" unsigned long long cuda_fp8_division_mismatches(int per_scale) {
+    static Scratch count;
+    unsigned long long *d = (unsigned long long *)cuda_scratch(&count, sizeof(unsigned long long)), h = 0;
+    CUDA_CHECK(cudaMemset(d, 0, sizeof h));
+    fp8_division_check_kernel<<<(1u << 23) / 256, 256>>>(per_scale, d);
+    CUDA_CHECK_LAUNCH("fp8_division_check_kernel");
+    CUDA_CHECK(cudaMemcpy(&h, d, sizeof h, cudaMemcpyDeviceToHost));
+    return h;
 }
