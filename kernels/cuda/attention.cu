@@ -386,13 +386,7 @@ __global__ void __launch_bounds__(MAX_THREADS)
         l1 = l1 * alpha1 + quad_sum(sum1);
         m0 = mn0;
         m1 = mn1;
-#pragma unroll
-        for (int nt = 0; nt < DV_CAP / 8; nt++) {
-            o[nt][0] *= alpha0;
-            o[nt][1] *= alpha0;
-            o[nt][2] *= alpha1;
-            o[nt][3] *= alpha1;
-        }
+        scale_rows<DV_CAP / 8>(o, alpha0, alpha1);
         warp_c_times_tile<DV_CAP>(o, s, v_addr + buf * v_buf_bytes, ldv * 2, DVP);
     }
 

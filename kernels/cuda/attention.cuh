@@ -64,6 +64,18 @@ __device__ __forceinline__ float quad_sum(float v) {
     return v + __shfl_xor_sync(0xffffffffu, v, 2);
 }
 
+// The online softmax's rescaling of a warp's accumulator when its rows' running maxima grow: row g's columns
+// (elements 0, 1 of each 8-column fragment) times alpha0, row g + 8's (elements 2, 3) times alpha1.
+template <int NT> __device__ __forceinline__ void scale_rows(float (*acc)[4], float alpha0, float alpha1) {
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++) {
+        acc[nt][0] *= alpha0;
+        acc[nt][1] *= alpha0;
+        acc[nt][2] *= alpha1;
+        acc[nt][3] *= alpha1;
+    }
+}
+
 // The columns [col0, col_end) of the C fragments of a warp's 16 rows (row0 = its row g, row0 + 8 the row g + 8):
 // element (row, col) to dst + row * row_stride + (col - col0), only rows < n_rows. A window (col0 > 0, or
 // col_end below the accumulator's columns) lets one accumulator go to two places: the dkv kernel's key gradient

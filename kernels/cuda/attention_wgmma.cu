@@ -243,13 +243,7 @@ __global__ void __launch_bounds__(THREADS, 1)
         l1 = l1 * alpha1 + quad_sum(sum1);
         m0 = mn0;
         m1 = mn1;
-#pragma unroll
-        for (int nt = 0; nt < DV / 8; nt++) {
-            o[nt][0] *= alpha0;
-            o[nt][1] *= alpha0;
-            o[nt][2] *= alpha1;
-            o[nt][3] *= alpha1;
-        }
+        scale_rows<DV / 8>(o, alpha0, alpha1);
         uint32_t p[F_BN / 16][4];
 #pragma unroll
         for (int j = 0; j < F_BN / 16; j++) pack_a_from_c(p[j], s[2 * j], s[2 * j + 1]);
