@@ -1,6 +1,7 @@
 /*
  * bench_attention.c - `fp8moe bench attention`: how fast the CUDA causal attention core
- * (kernels/cuda/attention.cu, through kernels.h's attention_forward / attention_backward) runs on this GPU,
+ * (kernels/cuda/attention.cu and, on Hopper, attention_wgmma.cu, through kernels.h's attention_forward /
+ * attention_backward) runs on this GPU,
  * at the shape of configs/bench-1gpu.ini by default (B = 2 sequences of T = 2048, H = 16 heads,
  * Dqk = 192 = Dn 128 nope + Dr 64 rope, Dv = 128), with the keys and values in MLA's layout as the model
  * passes them (kernels.h: kv (B, T, H, Dn + Dv), k_rope (B, T, Dr)). tests/gpu/attention_torch.py times
@@ -17,7 +18,9 @@
  * (FP32 q, kv, k_rope -> BF16 head-major), and the backward the sum of the heads' rope-key gradients, as
  * the model pays them. Inputs are random (q in [-2, 2), kv, k_rope, dout in [-1, 1)), generated on the
  * host once. After timing, forward and backward are run twice more
- * and compared bitwise (the op's determinism), and the outputs checked to be finite.
+ * and compared bitwise (the op's determinism), and the outputs checked to be finite. All of this runs twice:
+ * with the kernels the model uses (the Hopper wgmma ones where they serve the shape), then with the mma.sync
+ * kernels forced (cuda_attention_wgmma(0)), the comparison point measured in the same run.
  */
 #include "train/bench.h"
 

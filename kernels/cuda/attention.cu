@@ -2,7 +2,10 @@
  * attention.cu - CUDA causal softmax attention core (kernels.h: attention_forward / attention_backward),
  * flash-style: the T x T score matrix of a head is never stored. Same function as the CPU reference
  * kernels/cpu/attention.c, checked against it (and a double-precision reference) by
- * tests/gpu/test_gpu_attention.c; timed by `fp8moe bench attention` (train/bench_attention.c).
+ * tests/gpu/test_gpu_attention.c; timed by `fp8moe bench attention` (train/bench_attention.c). On an H100/H200,
+ * for the head dims they serve (Dqk 128 or 192 and Dv 128 after padding), attention_wgmma.cu's Hopper kernels
+ * replace the three mma.sync kernels below on the same staged operands (the dispatch is at the end of this file;
+ * attention.cuh holds what both families share); everything else described here holds for both.
  *
  * Numerics (DESIGN.md section 4: the attention core stays BF16/FP32): q, k, v and dout are rounded to
  * BF16 (round-to-nearest-even) once per call by a conversion pre-pass; every product of two matrices
