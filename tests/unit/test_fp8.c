@@ -652,14 +652,23 @@ static void test_quantize_swiglu_grouped(void **state) {
     }
 }
 
+// The segments of the SwiGLU non-finite tests (one empty; the third ends in a partial tile) and their inputs:
+// a, b and dout over many binades, from seeds seed, seed + 1, seed + 2.
+static const int swiglu_nf_rows0[] = {0, 37, 37, 200, 333};
+enum { SWIGLU_NF_SEGS = 4, SWIGLU_NF_C = 200 };
+static void fill_swiglu_inputs(real *a, real *b, real *dout, size_t n, uint64_t seed) {
+    fill_wide(a, n, seed, -8, 4);
+    fill_wide(b, n, seed + 1, -12, 2);
+    fill_wide(dout, n, seed + 2, -20, 0);
+}
+
 // A non-finite value: -1, an error naming the op and the first bad element (row-major, row of the segments' rows
 // and column), and nothing written. Two ways to get one: a NaN in a (two of them, the first in row-major order
 // reported), and finite inputs whose value overflows FP32 (a = b = dout = 1e20: h, da and db are all ~1e40), which
 // shows the check is on the value, not only on the inputs.
 static void test_quantize_swiglu_rejects_non_finite(void **state) {
     (void)state;
-    static const int rows0[] = {0, 37, 37, 200, 333};
-    const int n_seg = 4, C = 200, T = rows0[n_seg];
+    const int *rows0 = swiglu_nf_rows0, n_seg = SWIGLU_NF_SEGS, C = SWIGLU_NF_C, T = rows0[n_seg];
     const size_t n = (size_t)T * C;
     real *dout = ralloc(n), *a = ralloc(n), *b = ralloc(n);
     const GroupedSizes z = grouped_sizes(n_seg, rows0, C);
@@ -668,9 +677,7 @@ static void test_quantize_swiglu_rejects_non_finite(void **state) {
     for (int value = SWIGLU_OUT; value <= SWIGLU_DB; value++) {
         for (int which = SWQ_1X128; which <= SWQ_BOTH; which++) {
             for (int overflow = 0; overflow < 2; overflow++) {
-                fill_wide(a, n, 90, -8, 4);
-                fill_wide(b, n, 91, -12, 2);
-                fill_wide(dout, n, 92, -20, 0);
+                fill_swiglu_inputs(a, b, dout, n, 90);
                 int r = 250, c = 77;  // in the fourth segment (rows 200..332)
                 if (overflow) {
                     r = 120, c = 199;  // the third segment's row 83, the last column (the partial tile)
@@ -807,17 +814,14 @@ static void test_quantize_swiglu_grads_grouped(void **state) {
 // = 1e20 and b = 0 give da = 0 (finite) and db = 1e40.
 static void test_quantize_swiglu_grads_rejects_non_finite(void **state) {
     (void)state;
-    static const int rows0[] = {0, 37, 37, 200, 333};
-    const int n_seg = 4, C = 200, T = rows0[n_seg];
+    const int *rows0 = swiglu_nf_rows0, n_seg = SWIGLU_NF_SEGS, C = SWIGLU_NF_C, T = rows0[n_seg];
     const size_t n = (size_t)T * C;
     const GroupedSizes z = grouped_sizes(n_seg, rows0, C);
     enum { NAN_A, NAN_B, DB_EARLIER, DB_ONLY };
     static const char *const names[] = {"NaN in a", "NaN in b", "db overflows before a bad da", "only db overflows"};
     for (int kind = NAN_A; kind <= DB_ONLY; kind++) {
         real *dout = ralloc(n), *a = ralloc(n), *b = ralloc(n);
-        fill_wide(a, n, 190, -8, 4);
-        fill_wide(b, n, 191, -12, 2);
-        fill_wide(dout, n, 192, -20, 0);
+        fill_swiglu_inputs(a, b, dout, n, 190);
         const size_t at = (size_t)250 * C + 77;
         int r = 250, c = 77, da_bad = 1;
         if (kind == NAN_A) a[(size_t)300 * C + 5] = (real)NAN, a[at] = (real)NAN;
