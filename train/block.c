@@ -86,7 +86,7 @@ static void ffn_acts_alloc(ActsArena *ar, FfnActs *a, int64_t rows, int n_groups
 }
 
 void block_acts_alloc(ActsArena *ar, BlockActs *a, const Dims *d, int is_moe, const LayerScratch *s,
-                      int keep_inputs) {
+                      int keep_inputs, int bf16_expert_outputs) {
     int N = d->N, D = d->D;
     a->xn1 = s->t_xn;
     a->rstd1 = ARENA_REALS(ar, N);
@@ -111,7 +111,7 @@ void block_acts_alloc(ActsArena *ar, BlockActs *a, const Dims *d, int is_moe, co
     e->slot_of = ARENA_INTS(ar, NK);
     e->xp = s->t_xp;
     ffn_acts_alloc(ar, &e->experts, NK, d->E, D, d->I, s, keep_inputs);
-    if (s->t_x_fprop.q != NULL)  // fp8 with the experts reading token rows: outputs kept in BF16 (moe.c)
+    if (bf16_expert_outputs)  // read by the combine and its backward in BF16 (moe.c)
         e->eout_bf16 = arena_alloc(ar, (size_t)bf16_rows_elems(NK, D) * sizeof(uint16_t));
     else
         e->eout = ARENA_REALS(ar, NK * D);

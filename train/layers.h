@@ -134,11 +134,13 @@ typedef struct {
 // do (fp8 computes h, d_a and d_b in its quantisers and keeps d_h in BF16, linear.h); needs_d_eout, the combine
 // backward writes the experts' output gradient (!moe_combine_grad_in_quantiser); shares_fprop, the MoE blocks'
 // experts share their input's Fprop operand (FfnActs). keep_inputs (fp8 mode): the blocks keep their Linear inputs'
-// Wgrad operands and their FFN gates' inputs in BF16 (MlaActs, FfnActs).
+// Wgrad operands and their FFN gates' inputs in BF16 (MlaActs, FfnActs). bf16_expert_outputs
+// (moe_combine_grad_in_quantiser): the MoE blocks keep their routed experts' outputs as w2's BF16 product (eout_bf16)
+// instead of in FP32 (eout).
 void layer_scratch_alloc(ActsArena *arena, LayerScratch *s, const Dims *d, int has_moe, int needs_xp,
                          int gate_values, int needs_d_eout, int shares_fprop);
 void block_acts_alloc(ActsArena *arena, BlockActs *a, const Dims *d, int is_moe, const LayerScratch *s,
-                      int keep_inputs);
+                      int keep_inputs, int bf16_expert_outputs);
 
 // x_out (N, D) = block(x_in); a->x_in is set to x_in.
 void block_forward(Model *m, const BlockWeights *w, BlockActs *a, const Dims *d, const real *x_in,

@@ -403,8 +403,9 @@ ChunkActs *chunk_acts_create(Model *m, int chunk, int B, int T) {
                         m->cfg.precision.mode != PRECISION_FP8, has_moe && !moe_combine_grad_in_quantiser(m),
                         has_moe && moe_combine_grad_in_quantiser(m));
     const int keep = m->cfg.precision.mode == PRECISION_FP8;  // the Linears' Wgrad operands (linear.h KeptInput)
+    const int eout16 = moe_combine_grad_in_quantiser(m);
     for (int i = 0; i < cs->n_blocks; i++)
-        block_acts_alloc(ar, &a->blocks[i], d, m->w.blocks[cs->first_block + i].is_moe, &a->scratch, keep);
+        block_acts_alloc(ar, &a->blocks[i], d, m->w.blocks[cs->first_block + i].is_moe, &a->scratch, keep, eout16);
     a->d_cur = ARENA_REALS(ar, N * D);
     if (cs->has_head) {
         a->hn = ARENA_REALS(ar, N * D);
@@ -430,7 +431,7 @@ ChunkActs *chunk_acts_create(Model *m, int chunk, int B, int T) {
             t->cat = ARENA_REALS(ar, 2 * N * D);
             t->x0 = ARENA_REALS(ar, N * D);
             t->x1 = ARENA_REALS(ar, N * D);
-            block_acts_alloc(ar, &t->block, d, m->w.mtp[k].block.is_moe, &a->scratch, keep);
+            block_acts_alloc(ar, &t->block, d, m->w.mtp[k].block.is_moe, &a->scratch, keep, eout16);
             t->ho = ARENA_REALS(ar, N * D);
             t->ho_rstd = ARENA_REALS(ar, N);
             t->logits = ARENA_REALS(ar, N * V);
