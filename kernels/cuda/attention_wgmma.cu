@@ -3,13 +3,19 @@
  * dk/dv), with every matrix product on wgmma (sm_90a warpgroup MMA) instead of mma.sync. Same staged BF16 inputs
  * (attention.cuh Staged), same FP32 softmax statistics and BF16 roundings of P and dS, same fixed summation orders
  * and no atomics, so results are bitwise reproducible run to run; checked against the CPU reference by
- * tests/gpu/test_gpu_attention.c like the mma.sync kernels, timed by `fp8moe bench attention`.
+ * tests/gpu/test_gpu_attention.c like the mma.sync kernels, timed by `fp8moe bench attention`. Each probability is
+ * ex2.approx.ftz of one FFMA, 2^(s c - m c) with the running max m kept in raw score units (attention.cu: exp2f of
+ * a scaled difference), so the two families' results differ in their last bits; both meet the same tolerances.
  *
  * Why: the mma.sync kernels give each warp 16 rows, so every warp streams the whole key (or query) tile from
  * shared memory through ldmatrix for each product, and run at about 110-150 TFLOPS. A wgmma instruction is issued
  * by a warpgroup (4 warps, 64 rows) and reads its B operand from shared memory itself, once for the 64 rows; A
  * comes from shared memory (Q, dO, K, V tiles) or from registers (P, dS: the accumulator of the first product,
- * repacked to BF16 as in attention.cu, whose per-warp fragment layout is the same).
+ * repacked to BF16 as in attention.cu, whose per-warp fragment layout is the same). On an H200 at the benchmark
+ * model's shape these kernels take 0.161 ms forward and 0.454 ms backward against the mma.sync kernels' 0.336 and
+ * 1.086 (docs/benchmarks.md, eighth session). Not done yet: the two warpgroups meet at one barrier per tile, so
+ * their softmax phases coincide instead of overlapping the other's products, and tiles are copied by cp.async
+ * rather than the tensor memory accelerator.
  *
  * Served head dims (attention_wgmma_supported): padded Dqk of 128 or 192 and padded Dv of 128 on a compute
  * capability 9.0 device; everything else runs the mma.sync kernels.
@@ -65,6 +71,9 @@ __device__ __forceinline__ uint64_t sw128_desc(uint32_t addr, uint32_t lbo_bytes
 }
 constexpr uint32_t K_MAJOR_LBO = 16;  // unused by K-major swizzled layouts ("assumed 1")
 
+// The four products below differ only in N and in where A comes from (shared memory: ss; registers: rs, whose B is
+// always N-major here); each writes its accumulator registers out one by one because an asm statement needs a
+// literal operand list (a register's place in it is its place in wgmma's accumulator fragment: file comment).
 // d (64 x 64) = (accumulate ? d : 0) + A B^T, A and B K-major in shared memory (descriptors da, db).
 __device__ __forceinline__ void wgmma_ss_n64(float *d, uint64_t da, uint64_t db, int accumulate) {
     asm volatile(
@@ -97,7 +106,6 @@ __device__ __forceinline__ void wgmma_rs_n192(float *d, const uint32_t a[4], uin
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
 }
-
 
 // d (64 x N) += A B over 16 rows of an N-major tile, N = 128 or 192.
 template <int N> __device__ __forceinline__ void wgmma_rs(float *d, const uint32_t a[4], uint64_t db) {
@@ -161,7 +169,8 @@ __device__ __forceinline__ uint32_t smem_base_1024(const void *smem) { return (s
 // ---------------------------------------------------------------------------- forward
 constexpr int F_BM = 128, F_BN = 128;
 
-// As attention_forward_kernel (attention.cu), the same formulas; DQ, DV the padded head dims.
+// As attention_forward_kernel (attention.cu): the same online softmax, with the exponentials of the file comment;
+// DQ, DV the padded head dims.
 template <int DQ, int DV>
 __global__ void __launch_bounds__(THREADS, 1)
     attention_forward_wgmma_kernel(float *out, float *lse, const bf16 *qs, const bf16 *ks, const bf16 *vs, int T,
