@@ -587,31 +587,39 @@ static void expect_same_bytes(const char *what, const char *where, const void *g
     }
 }
 
+// The segment layouts of the SwiGLU quantiser tests: one segment (a partial 128-tile, rows off 16); a mix (an empty
+// segment, partial 128-tiles, 333 rows; SWIGLU_MIX, which the non-finite tests use); every segment empty.
+static const int swiglu_one[] = {0, 150}, swiglu_mix[] = {0, 37, 37, 200, 333}, swiglu_none[] = {0, 0, 0};
+static const struct {
+    const int *rows0;
+    int n_seg;
+} swiglu_layouts[] = {{swiglu_one, 1}, {swiglu_mix, 4}, {swiglu_none, 2}};
+enum { SWIGLU_MIX = 1, SWIGLU_N_LAYOUTS = 3 };
+static const int swiglu_widths[] = {384, 200};  // whole 128-tiles, and a partial last tile
+
+// The gate's inputs a, b and its output gradient dout over many binades, from seeds seed, seed + 1, seed + 2.
+static void fill_swiglu_inputs(real *a, real *b, real *dout, size_t n, uint64_t seed) {
+    fill_wide(a, n, seed, -8, 4);
+    fill_wide(b, n, seed + 1, -12, 2);
+    fill_wide(dout, n, seed + 2, -20, 0);
+}
+
 // The three fused ops on each value against the composition, every byte of q and every scale of the operands
 // kernels.h defines (padding rows, partial tiles and the scales of the padding included). The two sides' outputs are
-// poisoned with different bytes first, so a byte either side leaves unwritten differs. Segment layouts: one segment
-// (a partial 128-tile, rows off 16); the grouped tests' mix (an empty segment, partial 128-tiles, 333 rows); every
-// segment empty (nothing to write, nothing read). Widths: whole 128-tiles, and 200 (a partial last tile). Inputs
-// are random and never zero: |a| over 2^-8 .. 2^4 (sigmoid from ~0 to ~1, so silu' crosses its zero), b and dout
+// poisoned with different bytes first, so a byte either side leaves unwritten differs. Every layout of
+// swiglu_layouts (the empty one: nothing to write, nothing read) at each of swiglu_widths. Inputs are random and never zero: |a| over 2^-8 .. 2^4 (sigmoid from ~0 to ~1, so silu' crosses its zero), b and dout
 // over many binades, so tiles reach E4M3 subnormals and values that round to zero. The fused call gets NULL for
 // the input its value does not read (dout for SWIGLU_OUT, b for SWIGLU_DB): reading it would crash the test.
 static void test_quantize_swiglu_grouped(void **state) {
     (void)state;
-    static const int one[] = {0, 150}, mix[] = {0, 37, 37, 200, 333}, none[] = {0, 0, 0};
-    const struct {
-        const int *rows0;
-        int n_seg;
-    } layouts[] = {{one, 1}, {mix, 4}, {none, 2}};
-    const int widths[] = {384, 200};
-    for (size_t l = 0; l < sizeof layouts / sizeof layouts[0]; l++) {
-        for (size_t w = 0; w < sizeof widths / sizeof widths[0]; w++) {
-            const int n_seg = layouts[l].n_seg, *rows0 = layouts[l].rows0, C = widths[w], T = rows0[n_seg];
+    for (size_t l = 0; l < SWIGLU_N_LAYOUTS; l++) {
+        for (size_t w = 0; w < sizeof swiglu_widths / sizeof swiglu_widths[0]; w++) {
+            const int n_seg = swiglu_layouts[l].n_seg, *rows0 = swiglu_layouts[l].rows0, C = swiglu_widths[w];
+            const int T = rows0[n_seg];
             const size_t n = (size_t)T * C;
             const uint64_t seed = 80 + 8 * l + 2 * w;
             real *dout = ralloc(n), *a = ralloc(n), *b = ralloc(n), *v = ralloc(n);
-            fill_wide(a, n, seed, -8, 4);
-            fill_wide(b, n, seed + 1, -12, 2);
-            fill_wide(dout, n, seed + 2, -20, 0);
+            fill_swiglu_inputs(a, b, dout, n, seed);
             round_to_bf16(a, n), round_to_bf16(b, n), round_to_bf16(dout, n);  // the fused ops read BF16 (gate_bf16)
             const GroupedSizes z = grouped_sizes(n_seg, rows0, C);
             uint8_t *q1 = balloc(z.q1), *q2 = balloc(z.q2), *r1 = balloc(z.q1), *r2 = balloc(z.q2);
@@ -652,23 +660,14 @@ static void test_quantize_swiglu_grouped(void **state) {
     }
 }
 
-// The segments of the SwiGLU non-finite tests (one empty; the third ends in a partial tile) and their inputs:
-// a, b and dout over many binades, from seeds seed, seed + 1, seed + 2.
-static const int swiglu_nf_rows0[] = {0, 37, 37, 200, 333};
-enum { SWIGLU_NF_SEGS = 4, SWIGLU_NF_C = 200 };
-static void fill_swiglu_inputs(real *a, real *b, real *dout, size_t n, uint64_t seed) {
-    fill_wide(a, n, seed, -8, 4);
-    fill_wide(b, n, seed + 1, -12, 2);
-    fill_wide(dout, n, seed + 2, -20, 0);
-}
-
 // A non-finite value: -1, an error naming the op and the first bad element (row-major, row of the segments' rows
 // and column), and nothing written. Two ways to get one: a NaN in a (two of them, the first in row-major order
 // reported), and finite inputs whose value overflows FP32 (a = b = dout = 1e20: h, da and db are all ~1e40), which
 // shows the check is on the value, not only on the inputs.
 static void test_quantize_swiglu_rejects_non_finite(void **state) {
     (void)state;
-    const int *rows0 = swiglu_nf_rows0, n_seg = SWIGLU_NF_SEGS, C = SWIGLU_NF_C, T = rows0[n_seg];
+    const int *rows0 = swiglu_layouts[SWIGLU_MIX].rows0, n_seg = swiglu_layouts[SWIGLU_MIX].n_seg, C = 200;
+    const int T = rows0[n_seg];
     const size_t n = (size_t)T * C;
     real *dout = ralloc(n), *a = ralloc(n), *b = ralloc(n);
     const GroupedSizes z = grouped_sizes(n_seg, rows0, C);
@@ -770,21 +769,14 @@ static void expect_same_grad(const char *where, int da, const GradOperands *got,
 // two sides' outputs poisoned with different bytes.
 static void test_quantize_swiglu_grads_grouped(void **state) {
     (void)state;
-    static const int one[] = {0, 150}, mix[] = {0, 37, 37, 200, 333}, none[] = {0, 0, 0};
-    const struct {
-        const int *rows0;
-        int n_seg;
-    } layouts[] = {{one, 1}, {mix, 4}, {none, 2}};
-    const int widths[] = {384, 200};
-    for (size_t l = 0; l < sizeof layouts / sizeof layouts[0]; l++) {
-        for (size_t w = 0; w < sizeof widths / sizeof widths[0]; w++) {
-            const int n_seg = layouts[l].n_seg, *rows0 = layouts[l].rows0, C = widths[w], T = rows0[n_seg];
+    for (size_t l = 0; l < SWIGLU_N_LAYOUTS; l++) {
+        for (size_t w = 0; w < sizeof swiglu_widths / sizeof swiglu_widths[0]; w++) {
+            const int n_seg = swiglu_layouts[l].n_seg, *rows0 = swiglu_layouts[l].rows0, C = swiglu_widths[w];
+            const int T = rows0[n_seg];
             const size_t n = (size_t)T * C;
             const uint64_t seed = 180 + 8 * l + 2 * w;
             real *dout = ralloc(n), *a = ralloc(n), *b = ralloc(n);
-            fill_wide(a, n, seed, -8, 4);
-            fill_wide(b, n, seed + 1, -12, 2);
-            fill_wide(dout, n, seed + 2, -20, 0);
+            fill_swiglu_inputs(a, b, dout, n, seed);
             const GroupedSizes z = grouped_sizes(n_seg, rows0, C);
             const GradOperands got = grad_operands(z, 0xA5), want = grad_operands(z, 0x5A);
             char where[128], err[256] = "", err_db[256] = "";
@@ -814,7 +806,8 @@ static void test_quantize_swiglu_grads_grouped(void **state) {
 // = 1e20 and b = 0 give da = 0 (finite) and db = 1e40.
 static void test_quantize_swiglu_grads_rejects_non_finite(void **state) {
     (void)state;
-    const int *rows0 = swiglu_nf_rows0, n_seg = SWIGLU_NF_SEGS, C = SWIGLU_NF_C, T = rows0[n_seg];
+    const int *rows0 = swiglu_layouts[SWIGLU_MIX].rows0, n_seg = swiglu_layouts[SWIGLU_MIX].n_seg, C = 200;
+    const int T = rows0[n_seg];
     const size_t n = (size_t)T * C;
     const GroupedSizes z = grouped_sizes(n_seg, rows0, C);
     enum { NAN_A, NAN_B, DB_EARLIER, DB_ONLY };
