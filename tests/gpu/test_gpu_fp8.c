@@ -830,6 +830,38 @@ static void test_quantize_swiglu(void **state) {
     assert_true(all_pass);
 }
 
+// The segments of the SwiGLU non-finite tests (one empty; the third ends in a partial tile) and their gate inputs
+// a, b, dout (rows x C) on the host and on the device.
+static const int nonfinite_rows0[] = {0, 37, 37, 200, 333};
+typedef struct {
+    int64_t n;
+    float *a, *b, *dout, *a_d, *b_d, *dout_d;
+} GateInputs;
+static GateInputs gate_inputs(SegLayout L) {
+    GateInputs g;
+    g.n = (int64_t)L.rows0[L.n_seg] * L.C;
+    g.a = floats(g.n), g.b = floats(g.n), g.dout = floats(g.n);
+    g.a_d = device_alloc(DEVICE_CUDA, (size_t)g.n * sizeof(float));
+    g.b_d = device_alloc(DEVICE_CUDA, (size_t)g.n * sizeof(float));
+    g.dout_d = device_alloc(DEVICE_CUDA, (size_t)g.n * sizeof(float));
+    return g;
+}
+// The host values over many binades, from seeds seed, seed + 1, seed + 2 (a test then plants its bad elements).
+static void gate_inputs_fill(GateInputs *g, uint64_t seed) {
+    fill_log_uniform(g->a, g->n, seed, -8.0, 4.0);
+    fill_log_uniform(g->b, g->n, seed + 1, -12.0, 2.0);
+    fill_log_uniform(g->dout, g->n, seed + 2, -20.0, 0.0);
+}
+static void gate_inputs_upload(const GateInputs *g) {
+    device_memcpy_from_host(DEVICE_CUDA, g->a_d, g->a, (size_t)g->n * sizeof(float));
+    device_memcpy_from_host(DEVICE_CUDA, g->b_d, g->b, (size_t)g->n * sizeof(float));
+    device_memcpy_from_host(DEVICE_CUDA, g->dout_d, g->dout, (size_t)g->n * sizeof(float));
+}
+static void gate_inputs_free(GateInputs *g) {
+    device_free(DEVICE_CUDA, g->a_d), device_free(DEVICE_CUDA, g->b_d), device_free(DEVICE_CUDA, g->dout_d);
+    free(g->a), free(g->b), free(g->dout);
+}
+
 // A non-finite SwiGLU value on the GPU: the call returns 0 (kernels.h: the check is deferred) and fp8_check_finite
 // then returns -1 naming the op, the shape and the first bad element (row of the segments' rows, column), as the
 // CPU op's -1 does; a second check finds nothing. Two ways to get one: a NaN in a (two of them: the first in
@@ -838,14 +870,10 @@ static void test_quantize_swiglu(void **state) {
 // the call log, so that the call's own return is 0 (every 4096th call checks the ones before it).
 static void test_quantize_swiglu_nonfinite(void **state) {
     (void)state;
-    static const int rows0[] = {0, 37, 37, 200, 333};
-    const SegLayout L = seg_layout(4, rows0, 200);
-    const int C = L.C, T = rows0[L.n_seg];
-    const int64_t n = (int64_t)T * C;
-    float *a = floats(n), *b = floats(n), *dout = floats(n);
-    float *a_d = device_alloc(DEVICE_CUDA, (size_t)n * sizeof(float));
-    float *b_d = device_alloc(DEVICE_CUDA, (size_t)n * sizeof(float));
-    float *dout_d = device_alloc(DEVICE_CUDA, (size_t)n * sizeof(float));
+    const SegLayout L = seg_layout(4, nonfinite_rows0, 200);
+    const int C = L.C;
+    GateInputs in = gate_inputs(L);
+    float *a = in.a, *b = in.b, *dout = in.dout, *a_d = in.a_d, *b_d = in.b_d, *dout_d = in.dout_d;
     uint8_t *q1_d = gpu_poisoned(L.q1), *q2_d = gpu_poisoned(L.q2);
     float *s1_d = gpu_poisoned(L.s1 * sizeof(float)), *s2_d = gpu_poisoned(L.s2 * sizeof(float));
     uint8_t *q1 = host_poisoned(L.q1), *q2 = host_poisoned(L.q2);
@@ -854,9 +882,7 @@ static void test_quantize_swiglu_nonfinite(void **state) {
     for (int value = SWIGLU_OUT; value <= SWIGLU_DB; value++) {
         for (int which = SWQ_1X128; which <= SWQ_BOTH; which++) {
             for (int overflow = 0; overflow < 2; overflow++) {
-                fill_log_uniform(a, n, 5300, -8.0, 4.0);
-                fill_log_uniform(b, n, 5301, -12.0, 2.0);
-                fill_log_uniform(dout, n, 5302, -20.0, 0.0);
+                gate_inputs_fill(&in, 5300);
                 int r = 250, c = 77;  // in the fourth segment (rows 200..332)
                 if (overflow) {
                     r = 120, c = 199;  // the third segment, the last column (in the partial tile)
@@ -865,9 +891,7 @@ static void test_quantize_swiglu_nonfinite(void **state) {
                     a[(int64_t)300 * C + 5] = NAN;  // later in row-major order: not the one named
                     a[(int64_t)r * C + c] = NAN;
                 }
-                device_memcpy_from_host(DEVICE_CUDA, a_d, a, (size_t)n * sizeof(float));
-                device_memcpy_from_host(DEVICE_CUDA, b_d, b, (size_t)n * sizeof(float));
-                device_memcpy_from_host(DEVICE_CUDA, dout_d, dout, (size_t)n * sizeof(float));
+                gate_inputs_upload(&in);
                 char err_gpu[256] = "", err_cpu[256] = "", err_again[256] = "", want[64];
                 const int rc_before = fp8_check_finite(DEVICE_CUDA, err_gpu, sizeof err_gpu);
                 const int rc_call = run_swiglu_quant(DEVICE_CUDA, (SwigluQuant)which, q1_d, s1_d, q2_d, s2_d,
@@ -890,10 +914,10 @@ static void test_quantize_swiglu_nonfinite(void **state) {
             }
         }
     }
-    device_free(DEVICE_CUDA, a_d), device_free(DEVICE_CUDA, b_d), device_free(DEVICE_CUDA, dout_d);
+    gate_inputs_free(&in);
     device_free(DEVICE_CUDA, q1_d), device_free(DEVICE_CUDA, q2_d), device_free(DEVICE_CUDA, s1_d);
     device_free(DEVICE_CUDA, s2_d);
-    free(a), free(b), free(dout), free(q1), free(q2), free(s1), free(s2);
+    free(q1), free(q2), free(s1), free(s2);
     assert_true(all_pass);
 }
 
@@ -1015,14 +1039,10 @@ static void test_quantize_swiglu_grads(void **state) {
 // so its two calls do not fit: it must check the earlier calls first (returning their 0) and log its own two anew.
 static void test_quantize_swiglu_grads_nonfinite(void **state) {
     (void)state;
-    static const int rows0[] = {0, 37, 37, 200, 333};
-    const SegLayout L = seg_layout(4, rows0, 200);
-    const int C = L.C, T = rows0[L.n_seg];
-    const int64_t n = (int64_t)T * C;
-    float *a = floats(n), *b = floats(n), *dout = floats(n);
-    float *a_d = device_alloc(DEVICE_CUDA, (size_t)n * sizeof(float));
-    float *b_d = device_alloc(DEVICE_CUDA, (size_t)n * sizeof(float));
-    float *dout_d = device_alloc(DEVICE_CUDA, (size_t)n * sizeof(float));
+    const SegLayout L = seg_layout(4, nonfinite_rows0, 200);
+    const int C = L.C;
+    GateInputs in = gate_inputs(L);
+    float *a = in.a, *b = in.b, *dout = in.dout, *a_d = in.a_d, *b_d = in.b_d, *dout_d = in.dout_d;
     GradOperands o_d = grad_operands_poisoned(DEVICE_CUDA, &L), o = grad_operands_poisoned(DEVICE_CPU, &L);
     // the tiny quantiser filling the log: one row of 4 ones
     const float ones[4] = {1.0f, 1.0f, 1.0f, 1.0f};
@@ -1033,9 +1053,7 @@ static void test_quantize_swiglu_grads_nonfinite(void **state) {
                                         "only db bad (120, 199)", "NaN in a, log at 4095"};
     int all_pass = 1;
     for (int kind = NAN_A; kind <= NAN_A_LOG_FULL; kind++) {
-        fill_log_uniform(a, n, 5700, -8.0, 4.0);
-        fill_log_uniform(b, n, 5701, -12.0, 2.0);
-        fill_log_uniform(dout, n, 5702, -20.0, 0.0);
+        gate_inputs_fill(&in, 5700);
         const int64_t at = (int64_t)250 * C + 77;
         int r = 250, c = 77, da_bad = 1;
         if (kind == NAN_A || kind == NAN_A_LOG_FULL) a[(int64_t)300 * C + 5] = NAN, a[at] = NAN;
@@ -1045,9 +1063,7 @@ static void test_quantize_swiglu_grads_nonfinite(void **state) {
             r = 120, c = 199, da_bad = 0;  // the third segment, the last column (in the partial tile)
             a[(int64_t)r * C + c] = dout[(int64_t)r * C + c] = 1e20f, b[(int64_t)r * C + c] = 0.0f;
         }
-        device_memcpy_from_host(DEVICE_CUDA, a_d, a, (size_t)n * sizeof(float));
-        device_memcpy_from_host(DEVICE_CUDA, b_d, b, (size_t)n * sizeof(float));
-        device_memcpy_from_host(DEVICE_CUDA, dout_d, dout, (size_t)n * sizeof(float));
+        gate_inputs_upload(&in);
         char err_sep[256] = "", err_gpu[256] = "", err_again[256] = "", err_cpu[256] = "", want[64];
         const int rc_before = fp8_check_finite(DEVICE_CUDA, err_gpu, sizeof err_gpu);  // an empty log
         const int rc_sep_call = run_swiglu_grads_separate(&o_d, dout_d, a_d, b_d, &L, err_sep, sizeof err_sep);
@@ -1075,10 +1091,9 @@ static void test_quantize_swiglu_grads_nonfinite(void **state) {
         fflush(stdout);
         all_pass &= pass;
     }
-    device_free(DEVICE_CUDA, a_d), device_free(DEVICE_CUDA, b_d), device_free(DEVICE_CUDA, dout_d);
+    gate_inputs_free(&in);
     device_free(DEVICE_CUDA, tx_d), device_free(DEVICE_CUDA, ts_d), device_free(DEVICE_CUDA, tq_d);
     grad_operands_free(DEVICE_CUDA, &o_d), grad_operands_free(DEVICE_CPU, &o);
-    free(a), free(b), free(dout);
     assert_true(all_pass);
 }
 
