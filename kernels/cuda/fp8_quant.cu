@@ -156,6 +156,11 @@ struct ArrayRows {
         }
         ::load4<VEC4>(v, x + (rows ? (int64_t)rows[row] : row) * C, col, len);
     }
+    // The same for a row and 4 columns inside the array, 16-byte aligned (the both-layouts kernel's full tiles).
+    __device__ void load4_full(float v[4], int64_t row, int col) const {
+        const float4 f = *reinterpret_cast<const float4 *>(x + (rows ? (int64_t)rows[row] : row) * C + col);
+        v[0] = f.x, v[1] = f.y, v[2] = f.z, v[3] = f.w;
+    }
 };
 
 // A SwiGLU value computed from its inputs as it is read (kernels.h fp8_quantize_swiglu_*), with swiglu.cuh's
@@ -182,6 +187,7 @@ struct SwigluRows {
             if (col + j >= len) v[j] = 0.0f;  // padding is 0 whatever the gate gives for zero inputs
         }
     }
+    __device__ void load4_full(float v[4], int64_t row, int col) const { load4<true>(v, row, col, C); }
 };
 
 // Both SwiGLU gradients from one read of dout, a, b (kernels.h fp8_quantize_swiglu_grads_both_layouts_grouped): its
@@ -203,6 +209,17 @@ struct SwigluGradRows {
             swiglu_backward_element(&da[j], &db[j], gv[j], av[j], bv[j]);
             if (col + j >= len) da[j] = db[j] = 0.0f;  // padding is 0, as SwigluRows'
         }
+    }
+    // The same for 4 columns inside the rows (the both-layouts kernel's full tiles): no padding to clear.
+    __device__ void load4x2_full(float da[4], float db[4], int64_t row, int col) const {
+        const int64_t at = row * ld + col;
+        const float4 av = bf16x4_to_float4(*reinterpret_cast<const uint2 *>(a + at));
+        const float4 bv = bf16x4_to_float4(*reinterpret_cast<const uint2 *>(b + at));
+        const float4 gv = bf16x4_to_float4(*reinterpret_cast<const uint2 *>(dout + at));
+        swiglu_backward_element(&da[0], &db[0], gv.x, av.x, bv.x);
+        swiglu_backward_element(&da[1], &db[1], gv.y, av.y, bv.y);
+        swiglu_backward_element(&da[2], &db[2], gv.z, av.z, bv.z);
+        swiglu_backward_element(&da[3], &db[3], gv.w, av.w, bv.w);
     }
 };
 
@@ -231,6 +248,16 @@ struct CombineGradRows {
             w = slot_of[t * K + k] == row ? wk : w;
         }
         for (int j = 0; j < 4; j++) v[j] = col + j < len ? __fmul_rn(w, v[j]) : 0.0f;  // padding: 0, as an array's
+    }
+    __device__ void load4_full(float v[4], int64_t row, int col) const {
+        const int64_t t = seg_token[row];
+        const float4 f = *reinterpret_cast<const float4 *>(dout + t * C + col);
+        float w = 0.0f;
+        for (int k = 0; k < K; k++) {
+            const float wk = topk_w[t * K + k];
+            w = slot_of[t * K + k] == row ? wk : w;
+        }
+        v[0] = __fmul_rn(w, f.x), v[1] = __fmul_rn(w, f.y), v[2] = __fmul_rn(w, f.z), v[3] = __fmul_rn(w, f.w);
     }
 };
 
@@ -656,11 +683,22 @@ __global__ void __launch_bounds__(QBOTH_THREADS * NV, 2 / NV)
     const int col = kb * FP8_TILE + c;
 
     float v[NV][PASSES][4];
-    for (int p = 0; p < PASSES; p++) {  // every load first (see note_if_bad)
-        const int t = tb * FP8_TILE + rg + ROW_GROUPS * p;
-        const int len = t < T ? C : 0;  // rows past T load as zeros
-        if constexpr (NV == 1) src.template load4<VEC4>(v[0][p], row0 + t, col, len);
-        else src.template load4x2<VEC4>(v[0][p], v[1][p], row0 + t, col, len);
+    // A full tile (every row < T, every column < C, vector loads) loads without the per-row checks; the branch is the
+    // same for the whole block. Every load first (see note_if_bad).
+    if (VEC4 && (tb + 1) * FP8_TILE <= T && (kb + 1) * FP8_TILE <= C) {
+#pragma unroll
+        for (int p = 0; p < PASSES; p++) {
+            const int t = tb * FP8_TILE + rg + ROW_GROUPS * p;
+            if constexpr (NV == 1) src.load4_full(v[0][p], row0 + t, col);
+            else src.load4x2_full(v[0][p], v[1][p], row0 + t, col);
+        }
+    } else {
+        for (int p = 0; p < PASSES; p++) {
+            const int t = tb * FP8_TILE + rg + ROW_GROUPS * p;
+            const int len = t < T ? C : 0;  // rows past T load as zeros
+            if constexpr (NV == 1) src.template load4<VEC4>(v[0][p], row0 + t, col, len);
+            else src.template load4x2<VEC4>(v[0][p], v[1][p], row0 + t, col, len);
+        }
     }
 #pragma unroll
     for (int i = 0; i < NV; i++) {
