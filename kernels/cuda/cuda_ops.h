@@ -20,8 +20,9 @@ void cuda_adamw_update(real *param, const real *grad, uint16_t *m, uint16_t *v, 
 
 // FP8 block scaling and the BF16 baseline GEMMs (kernels/cuda/fp8_quant.cu, kernels/cuda/gemm.cu).
 int cuda_fp8_check_finite(char *err, size_t err_size);
-// The quantisers' fast exact division against __fdiv_rn over every FP32 significand of the scale (fp8_quant.cu):
-// how many of the 2^23 x per_scale quotients differ (the answer must be 0). For tests/gpu/test_gpu_fp8.c.
+// The quantisers' fast division against __fdiv_rn over every FP32 significand of the scale (fp8_quant.cu): how many
+// of the 2^23 x per_scale quotients differ in E4M3 code, or in FP32 bits where the fast path claims them (the answer
+// must be 0). For tests/gpu/test_gpu_fp8.c.
 unsigned long long cuda_fp8_division_mismatches(int per_scale);
 int cuda_fp8_quantize_1x128(uint8_t *q, float *s, const real *x, int rows, int K, char *err, size_t err_size);
 int cuda_fp8_quantize_128x128_batched(uint8_t *q, uint8_t *qt, float *s, const real *w, int batch, int N, int K, char *err,

@@ -10,7 +10,7 @@
  *
  * Why they match the CPU bit for bit: per tile, amax is a max (exact in any order), s = amax / 448 is one
  * IEEE division (__fdiv_rn, no reciprocal), s = 1 when that is 0, and q = E4M3(x / s) is the correctly rounded
- * quotient (fp8_div: the IEEE division's bits from a reciprocal made once per scale and an FMA correction, two
+ * quotient (fp8_div: the IEEE division's E4M3 code from a reciprocal made once per scale and an FMA correction, two
  * divisions per element having made the both-layouts kernels issue-bound) followed by the hardware conversion
  * cvt.rn.satfinite.e4m3 (round-to-nearest-even, saturating to +-448, sign kept), the same function as
  * fp8_e4m3_from_float. Elements outside the valid region (partial tiles, padding) are 0 and quantise to 0x00.
@@ -51,46 +51,55 @@ __device__ inline float fp8_scale_of(float amax) {
 }
 
 // A tile's scale s and its correctly rounded reciprocal r = RN(1 / s), made once per scale so that each element's
-// quotient x / s costs a multiply and two FMAs instead of an IEEE division (fp8_div); fast = s lies in the range
-// where that is exact.
+// quotient x / s costs a multiply, two FMAs and a sign copy instead of an IEEE division (fp8_div); fast = s lies in
+// the range where that gives the division's E4M3 code for every element of the tile.
 struct Fp8Divisor {
     float s, r;
     bool fast;
 };
-__device__ inline Fp8Divisor fp8_divisor(float s) { return Fp8Divisor{s, __frcp_rn(s), s >= 0x1p-40f && s <= 0x1p40f}; }
+__device__ inline Fp8Divisor fp8_divisor(float s) { return Fp8Divisor{s, __frcp_rn(s), s >= 0x1p-20f && s <= 0x1p40f}; }
 
-// x / s rounded to nearest even: the bits of __fdiv_rn(x, s). With r = RN(1/s), q = RN(x r) is within one ulp of
-// x / s, the remainder x - s q is exact in one FMA, and RN(q + (x - s q) r) is then the correctly rounded quotient
-// (Markstein's correction theorem) as long as nothing underflows or overflows: x and s in [2^-40, 2^40] keep every
-// intermediate a normal number. Other x (zero, whose sign only a division keeps, tiny, huge, non-finite) take the
-// IEEE division. tests/gpu/test_gpu_fp8.c compares this with __fdiv_rn for every FP32 significand of s
-// (cuda_fp8_division_mismatches). (One fallback branch per group of values instead of per element was slower:
-// docs/benchmarks.md.)
-__device__ inline float fp8_div(float x, Fp8Divisor d) {
+// x / s for an element x of the tile whose scale is s (|x| <= 448 s, up to s's rounding), with d.fast: a quotient
+// whose E4M3 code (cvt.rn.satfinite) is that of __fdiv_rn(x, s), the CPU's true division. With r = RN(1/s),
+// q = RN(x r) is within one ulp of x / s, the remainder x - s q is exact in one FMA, and RN(q + (x - s q) r) is the
+// correctly rounded quotient (Markstein's correction theorem) while nothing underflows: with s in [2^-20, 2^40] and
+// |x| in [2^-40, 2^49] every intermediate is a normal number, so the quotient is the division's bits. A smaller |x|
+// (zeros included) has x / s and this result both below 3 * 2^-20, far below E4M3's half-subnormal 2^-10: both encode
+// as a zero of x's sign, which copysignf keeps where the correction would lose it (x = -0 gives +0 from the FMAs).
+// So no element needs a range test, only the tile's scale: the IEEE division serves tiles with s outside the range
+// (amax below about 2^-11 or above 2^48, or non-finite). tests/gpu/test_gpu_fp8.c compares the codes with
+// __fdiv_rn's for every FP32 significand of s (cuda_fp8_division_mismatches).
+__device__ inline float fp8_div_fast(float x, Fp8Divisor d) {
     const float q = __fmul_rn(x, d.r);
-    const float q1 = __fmaf_rn(__fmaf_rn(-d.s, q, x), d.r, q);
-    const float ax = fabsf(x);
-    return d.fast && ax >= 0x1p-40f && ax <= 0x1p40f ? q1 : __fdiv_rn(x, d.s);
+    return copysignf(__fmaf_rn(__fmaf_rn(-d.s, q, x), d.r, q), x);
 }
+
+__device__ inline float fp8_div(float x, Fp8Divisor d) { return d.fast ? fp8_div_fast(x, d) : __fdiv_rn(x, d.s); }
 
 __device__ inline uint32_t fp8_byte(float x, Fp8Divisor d) {
     return (uint32_t)__nv_cvt_float_to_fp8(fp8_div(x, d), __NV_SATFINITE, __NV_E4M3);
 }
 
-// Four quantised values packed little-endian (element j in byte j), for one 4-byte store; the conversion takes two
-// values per instruction (the same rounding as one at a time).
+// Four quantised values of one scale packed little-endian (element j in byte j), for one 4-byte store. One branch on
+// the scale for the four (not one per element), and the conversion takes two values per instruction (the same
+// rounding as one at a time).
 __device__ inline uint32_t fp8_pack4(const float v[4], Fp8Divisor d) {
-    const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(fp8_div(v[0], d), fp8_div(v[1], d)), __NV_SATFINITE,
-                                                 __NV_E4M3);
-    const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(fp8_div(v[2], d), fp8_div(v[3], d)), __NV_SATFINITE,
-                                                 __NV_E4M3);
+    float q[4];
+    if (d.fast) {
+        for (int j = 0; j < 4; j++) q[j] = fp8_div_fast(v[j], d);
+    } else {
+        for (int j = 0; j < 4; j++) q[j] = __fdiv_rn(v[j], d.s);
+    }
+    const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(q[0], q[1]), __NV_SATFINITE, __NV_E4M3);
+    const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(q[2], q[3]), __NV_SATFINITE, __NV_E4M3);
     return (lo & 0xffffu) | (hi << 16);
 }
 
-// The self-check behind cuda_fp8_division_mismatches: for s = every significand (blockIdx, threadIdx) times
-// 2^e, e in [-30, 30], and `per_scale` pseudo-random x of either sign (|x| in [2^-45, 2^45], so both the fast
-// path and the IEEE fallback are exercised), counts the quotients whose bits differ from __fdiv_rn's (an
-// integer count: the test's only use of an atomic).
+// The self-check behind cuda_fp8_division_mismatches: for s = every significand (blockIdx, threadIdx) times 2^e,
+// e in [-30, 30] (so tiles on both sides of the fast range's lower end), and `per_scale` pseudo-random elements x of
+// either sign with |x| / s from 2^-70 to 448 (448 itself, and signed zeros, included), counts the elements whose
+// E4M3 code differs from the IEEE division's, and those of the fast path with |x| >= 2^-40 whose FP32 quotient does
+// (the stronger claim, where it holds). Integer counts: the test's only use of an atomic.
 __global__ void fp8_division_check_kernel(int per_scale, unsigned long long *mismatches) {
     const uint32_t m = blockIdx.x * blockDim.x + threadIdx.x;  // 23-bit significand
     if (m >= (1u << 23)) return;
@@ -98,11 +107,17 @@ __global__ void fp8_division_check_kernel(int per_scale, unsigned long long *mis
     uint64_t z = 0x9E3779B97F4A7C15ull * (m + 1);
     for (int k = 0; k < per_scale; k++) {
         z ^= z >> 31, z *= 0xBF58476D1CE4E5B9ull, z ^= z >> 29;
-        const int es = (int)((z >> 8) % 61) - 30, ex = (int)((z >> 16) % 91) - 45;
+        const int es = (int)((z >> 8) % 61) - 30, eu = (int)((z >> 16) % 80) - 71;  // u in [2^-71, 2^9)
         const float sv = __uint_as_float(((uint32_t)(127 + es) << 23) | m);
-        const float xv = __uint_as_float((uint32_t)(z >> 63) << 31 | ((uint32_t)(127 + ex) << 23) |
-                                         (uint32_t)((z >> 32) & 0x7fffffu));
-        if (__float_as_uint(fp8_div(xv, fp8_divisor(sv))) != __float_as_uint(__fdiv_rn(xv, sv))) bad++;
+        const float u = (z & 0xff) == 1 ? 448.0f : (z & 0xff) == 2 ? 0.0f
+                        : fminf(__uint_as_float(((uint32_t)(127 + eu) << 23) | (uint32_t)((z >> 32) & 0x7fffffu)),
+                                448.0f);
+        const float xv = (z >> 63) ? -__fmul_rn(sv, u) : __fmul_rn(sv, u);
+        const Fp8Divisor d = fp8_divisor(sv);
+        const float fast = fp8_div(xv, d), ieee = __fdiv_rn(xv, sv);
+        bad += __nv_cvt_float_to_fp8(fast, __NV_SATFINITE, __NV_E4M3) !=
+               __nv_cvt_float_to_fp8(ieee, __NV_SATFINITE, __NV_E4M3);
+        bad += d.fast && fabsf(xv) >= 0x1p-40f && __float_as_uint(fast) != __float_as_uint(ieee);
     }
     if (bad) atomicAdd(mismatches, bad);
 }
@@ -187,7 +202,22 @@ struct SwigluRows {
             if (col + j >= len) v[j] = 0.0f;  // padding is 0 whatever the gate gives for zero inputs
         }
     }
-    __device__ void load4_full(float v[4], int64_t row, int col) const { load4<true>(v, row, col, C); }
+    // The same for 4 columns inside the rows (the both-layouts kernel's full tiles): no padding to clear.
+    __device__ void load4_full(float v[4], int64_t row, int col) const {
+        const int64_t at = row * ld + col;
+        const float4 av = bf16x4_to_float4(*reinterpret_cast<const uint2 *>(a + at));
+        const float4 bv = value != SWIGLU_DB ? bf16x4_to_float4(*reinterpret_cast<const uint2 *>(b + at))
+                                             : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        const float4 gv = value != SWIGLU_OUT ? bf16x4_to_float4(*reinterpret_cast<const uint2 *>(dout + at))
+                                              : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        const float as[4] = {av.x, av.y, av.z, av.w}, bs[4] = {bv.x, bv.y, bv.z, bv.w};
+        const float gs[4] = {gv.x, gv.y, gv.z, gv.w};
+        for (int j = 0; j < 4; j++) {
+            float da, db;
+            if (value == SWIGLU_OUT) v[j] = swiglu_element(as[j], bs[j]);
+            else swiglu_backward_element(&da, &db, gs[j], as[j], bs[j]), v[j] = value == SWIGLU_DA ? da : db;
+        }
+    }
 };
 
 // Both SwiGLU gradients from one read of dout, a, b (kernels.h fp8_quantize_swiglu_grads_both_layouts_grouped): its
@@ -639,14 +669,16 @@ extern "C" int cuda_fp8_quantize_128x1_transposed_grouped(uint8_t *q, float *s, 
 // x (T, C) -> the 1x128 operand q1 (R16, Kp), s1 (KB, R16) and the 128x1 transposed operand q2 (C, Tp),
 // s2 (TB, C) of the two kernels above, in one pass over x (a gradient dY feeds both Dgrad and Wgrad:
 // reading it once saves 4 of the 10 bytes moved per element). One block of 512 threads per 128 x 128
-// tile (rows tb, columns kb): thread t holds columns 4*(t%32)..+3 of rows t/32 + 16p (p = 0..7), so
-// warp w holds 8 whole rows (row maxima are warp maxima, as in the 1x128 kernel) and the column maxima
-// go through shared memory (as in the 128x1 kernel); the transposed bytes go out through a shared tile.
+// tile (rows tb, columns kb): thread t holds columns 4*(t%32)..+3 of the 8 consecutive rows 8*(t/32) + p
+// (p = 0..7), so warp w holds 8 whole rows (row maxima are warp maxima, as in the 1x128 kernel) and the column
+// maxima go through shared memory (as in the 128x1 kernel). The transposed bytes go out through a shared tile
+// [column][row]: a thread's 8 bytes of one column are consecutive rows, one 8-byte store, at a chunk position
+// XOR-swizzled by the column so that neither those stores nor the row reads behind the global stores conflict.
 // The same kernel quantises NV = 2 values of one element at once (the SwiGLU gradients da and db, read from
 // dout, a, b once: SwigluGradRows): then the block is 1024 threads, thread t holding both values of columns
-// 4*(t%32)..+3 of rows t/32 + 32p (p = 0..3) - the same 32 values per thread (at most 64 registers, and one
-// such block fills an SM as two of 512 do), each warp still holding whole rows. Each value has its own
-// operands, column scales, byte tile and call tag (its non-finite elements are reported as its own call's).
+// 4*(t%32)..+3 of rows 4*(t/32) + p (p = 0..3) - the same 32 values per thread (at most 64 registers, and one
+// such block fills an SM as two of 512 do), each warp still holding whole rows, 4-byte chunks. Each value has its
+// own operands, column scales, byte tile and call tag (its non-finite elements are reported as its own call's).
 // The values are checked, row-maxed and column-reduced one after the other (the loop over them unrolled): that
 // keeps NV = 2 at about 60 registers with no spills (nvcc -Xptxas -v; interleaving them spilled).
 #define QBOTH_THREADS 512  // per value
@@ -664,11 +696,12 @@ __global__ void __launch_bounds__(QBOTH_THREADS * NV, 2 / NV)
     quantize_both_kernel(const __grid_constant__ BothOperands<NV> out, const __grid_constant__ Src src,
                          const __grid_constant__ SegTable seg, int C, int Kp, unsigned long long *bad) {
     constexpr int ROW_GROUPS = QBOTH_THREADS * NV / 32, PASSES = FP8_TILE / ROW_GROUPS; // rows per thread
+    static_assert(PASSES % 4 == 0, "a thread packs its rows of a column 4 to a word");
     // The column partials are dead once the column scales are taken (a barrier before the byte tiles are written),
     // so they share memory with the tiles: two values' separate arrays would exceed 48 KiB.
     __shared__ __align__(16) union {
         float partial[NV][ROW_GROUPS][FP8_TILE + 1];
-        uint8_t tile[NV][FP8_TILE][FP8_TILE + 4];
+        uint8_t tile[NV][FP8_TILE][FP8_TILE];  // [column][row], PASSES-byte chunks at swizzled positions
     } sm;
     __shared__ float col_scale[NV][FP8_TILE];
     // this block's segment: its rows of x and its place in the operands
@@ -680,7 +713,11 @@ __global__ void __launch_bounds__(QBOTH_THREADS * NV, 2 / NV)
     const int64_t at_q2 = (int64_t)C * FP8_TILE * seg.tiles0[g], at_s2 = (int64_t)C * seg.tiles0[g];
     const int kb = blockIdx.x;
     const int lane = threadIdx.x & 31, c = lane * 4, rg = threadIdx.x >> 5;
-    const int col = kb * FP8_TILE + c;
+    const int col = kb * FP8_TILE + c, t0 = tb * FP8_TILE + rg * PASSES;  // this thread's rows: t0 + p
+    // chunk k of column cc of a byte tile (its rows k * PASSES ..) lies at chunk k ^ swizzle(cc): the 16 (NV = 1,
+    // 8-byte chunks: a half-warp's accesses) or 32 (4-byte) columns 4 apart that a warp's chunk stores reach, and
+    // the chunks of one column that a warp's reads take, fall in distinct banks.
+    const auto swizzle = [](int cc) { return (cc >> 2) & (ROW_GROUPS - 1); };
 
     float v[NV][PASSES][4];
     // A full tile (every row < T, every column < C, vector loads) loads without the per-row checks; the branch is the
@@ -688,16 +725,14 @@ __global__ void __launch_bounds__(QBOTH_THREADS * NV, 2 / NV)
     if (VEC4 && (tb + 1) * FP8_TILE <= T && (kb + 1) * FP8_TILE <= C) {
 #pragma unroll
         for (int p = 0; p < PASSES; p++) {
-            const int t = tb * FP8_TILE + rg + ROW_GROUPS * p;
-            if constexpr (NV == 1) src.load4_full(v[0][p], row0 + t, col);
-            else src.load4x2_full(v[0][p], v[1][p], row0 + t, col);
+            if constexpr (NV == 1) src.load4_full(v[0][p], row0 + t0 + p, col);
+            else src.load4x2_full(v[0][p], v[1][p], row0 + t0 + p, col);
         }
     } else {
         for (int p = 0; p < PASSES; p++) {
-            const int t = tb * FP8_TILE + rg + ROW_GROUPS * p;
-            const int len = t < T ? C : 0;  // rows past T load as zeros
-            if constexpr (NV == 1) src.template load4<VEC4>(v[0][p], row0 + t, col, len);
-            else src.template load4x2<VEC4>(v[0][p], v[1][p], row0 + t, col, len);
+            const int len = t0 + p < T ? C : 0;  // rows past T load as zeros
+            if constexpr (NV == 1) src.template load4<VEC4>(v[0][p], row0 + t0 + p, col, len);
+            else src.template load4x2<VEC4>(v[0][p], v[1][p], row0 + t0 + p, col, len);
         }
     }
 #pragma unroll
@@ -707,15 +742,14 @@ __global__ void __launch_bounds__(QBOTH_THREADS * NV, 2 / NV)
         for (int p = 0; p < PASSES; p++)
             for (int j = 0; j < 4; j++) finite &= fabsf(v[i][p][j]) <= FLT_MAX;
         if (!finite) {
-            for (int p = 0; p < PASSES; p++) {
-                const int t = tb * FP8_TILE + rg + ROW_GROUPS * p;
+            for (int p = 0; p < PASSES; p++)
                 for (int j = 0; j < 4; j++)
-                    if (t < T) note_if_bad(v[i][p][j], (unsigned long long)(row0 + t) * C + col + j, out.call[i], bad);
-            }
+                    if (t0 + p < T)
+                        note_if_bad(v[i][p][j], (unsigned long long)(row0 + t0 + p) * C + col + j, out.call[i], bad);
         }
         float a[4] = {0.0f, 0.0f, 0.0f, 0.0f};
         for (int p = 0; p < PASSES; p++) {
-            const int t = tb * FP8_TILE + rg + ROW_GROUPS * p;
+            const int t = t0 + p;
             for (int j = 0; j < 4; j++) a[j] = fmaxf(a[j], fabsf(v[i][p][j]));
             // 1x128: this warp holds all 128 columns of row t
             float m = 0.0f;
@@ -740,18 +774,29 @@ __global__ void __launch_bounds__(QBOTH_THREADS * NV, 2 / NV)
         if (kb * FP8_TILE + cc < C) out.s2[i][at_s2 + (int64_t)tb * C + kb * FP8_TILE + cc] = sc;
     }
     __syncthreads();
+    // 128x1 bytes: column c + j of this thread's rows, packed 4 rows to a word
     for (int i = 0; i < NV; i++)
         for (int j = 0; j < 4; j++) {
             const Fp8Divisor d = fp8_divisor(col_scale[i][c + j]);
-            for (int p = 0; p < PASSES; p++) sm.tile[i][c + j][rg + ROW_GROUPS * p] = (uint8_t)fp8_byte(v[i][p][j], d);
+            uint32_t word[PASSES / 4];
+            for (int h = 0; h < PASSES / 4; h++) {
+                const float rows4[4] = {v[i][4 * h][j], v[i][4 * h + 1][j], v[i][4 * h + 2][j], v[i][4 * h + 3][j]};
+                word[h] = fp8_pack4(rows4, d);
+            }
+            uint8_t *chunk = &sm.tile[i][c + j][(rg ^ swizzle(c + j)) * PASSES];
+            if constexpr (PASSES == 8) *reinterpret_cast<uint2 *>(chunk) = make_uint2(word[0], word[1]);
+            else *reinterpret_cast<uint32_t *>(chunk) = word[0];
         }
     __syncthreads();
+    // q2 row kb * 128 + cc, bytes tb * 128 + k * PASSES ..: chunk k of the tile's column cc
     for (int i = 0; i < NV; i++) {
-        for (int w = threadIdx.x; w < FP8_TILE * (FP8_TILE / 4); w += QBOTH_THREADS * NV) {
-            const int cc = w / (FP8_TILE / 4), word = w % (FP8_TILE / 4);
+        for (int w = threadIdx.x; w < FP8_TILE * ROW_GROUPS; w += QBOTH_THREADS * NV) {
+            const int cc = w / ROW_GROUPS, k = w % ROW_GROUPS;
             if (kb * FP8_TILE + cc >= C) continue;
-            *reinterpret_cast<uint32_t *>(out.q2[i] + at_q2 + (int64_t)(kb * FP8_TILE + cc) * Tp + tb * FP8_TILE +
-                                          4 * word) = *reinterpret_cast<const uint32_t *>(&sm.tile[i][cc][4 * word]);
+            const uint8_t *chunk = &sm.tile[i][cc][(k ^ swizzle(cc)) * PASSES];
+            uint8_t *dst = out.q2[i] + at_q2 + (int64_t)(kb * FP8_TILE + cc) * Tp + tb * FP8_TILE + k * PASSES;
+            if constexpr (PASSES == 8) *reinterpret_cast<uint2 *>(dst) = *reinterpret_cast<const uint2 *>(chunk);
+            else *reinterpret_cast<uint32_t *>(dst) = *reinterpret_cast<const uint32_t *>(chunk);
         }
     }
 }
@@ -872,7 +917,7 @@ extern "C" int cuda_fp8_quantize_swiglu_grads_both_layouts_grouped(uint8_t *qa1,
                                      SwigluGradRows{dout, a, b, C, bf16_rows_ld(C)}, n_seg, rows0, C, err, err_size);
 }
 
-// The number of quotients, out of 2^23 x per_scale, where fp8_div differs from __fdiv_rn (fp8_division_check_kernel).
+// The mismatches of fp8_div against __fdiv_rn in 2^23 x per_scale quotients (fp8_division_check_kernel).
 extern "C" unsigned long long cuda_fp8_division_mismatches(int per_scale) {
     static Scratch count;
     unsigned long long *d = (unsigned long long *)cuda_scratch(&count, sizeof(unsigned long long)), h = 0;

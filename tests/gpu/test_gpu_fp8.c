@@ -249,13 +249,15 @@ typedef struct {
 } QuantCase;
 
 // The quantisers divide by a tile's scale through a reciprocal and an FMA correction instead of an IEEE division
-// (fp8_quant.cu fp8_div); the bit-exact CPU comparisons below need it to give __fdiv_rn's bits. Checked here for
-// every FP32 significand of the scale, with 64 pseudo-random x each (either sign, |x| in [2^-45, 2^45]: inside
-// and outside the range the fast path serves): 2^29 quotients, none may differ.
+// (fp8_quant.cu fp8_div); the bit-exact CPU comparisons below need it to give the E4M3 code of __fdiv_rn's quotient
+// for every element a tile can hold (|x| <= 448 s). Checked here for every FP32 significand of the scale, with 64
+// pseudo-random x each (either sign, |x| / s from 2^-71 to 448, signed zeros; s from 2^-30 to 2^31, inside and
+// outside the range the fast path serves): 2^29 codes, none may differ, nor the FP32 quotient where the fast path
+// claims its bits (|x| >= 2^-40).
 static void test_division_matches_ieee(void **state) {
     (void)state;
     const unsigned long long mismatches = cuda_fp8_division_mismatches(64);
-    printf("fp8_div vs __fdiv_rn: %llu of %llu quotients differ\n", mismatches, 64ull << 23);
+    printf("fp8_div vs __fdiv_rn: %llu mismatches in %llu quotients\n", mismatches, 64ull << 23);
     assert_true(mismatches == 0);
 }
 
