@@ -121,6 +121,31 @@ __device__ inline float warp_max(float v) {
     return v;
 }
 
+// The maxima of P rows at once (P a power of two, 2..32): lane l holds m[p], its part of row p, for every p, and
+// gets the whole of row l / (32 / P). Each of the first log2(P) butterfly steps halves the rows a lane carries
+// (one shuffle per row kept instead of one per row per step), the last steps combine lanes of the same row: 2P - 1
+// + log2(32 / P) shuffles for P rows where P warp_max calls take 5P. A max is exact in any order, so each row's
+// result is warp_max's.
+template <int P>
+__device__ inline float warp_rows_max(float m[P]) {
+    static_assert(P >= 2 && P <= 32 && (P & (P - 1)) == 0, "P rows, a power of two up to 32");
+    const int lane = threadIdx.x & 31;
+    int offset = 16;
+#pragma unroll
+    for (int n = P; n > 1; n /= 2, offset >>= 1) {
+        const bool upper = (lane & offset) != 0;  // keeps rows n/2 .. n-1 of the n it carries
+#pragma unroll
+        for (int i = 0; i < n / 2; i++) {
+            const float send = upper ? m[i] : m[i + n / 2], keep = upper ? m[i + n / 2] : m[i];
+            m[i] = fmaxf(keep, __shfl_xor_sync(0xffffffffu, send, offset));
+        }
+    }
+    float v = m[0];
+#pragma unroll
+    for (; offset > 0; offset >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
+    return v;
+}
+
 // Block-wide reductions; blockDim.x must be a multiple of 32 (at most 1024). Every thread gets the
 // result. The order (per-warp tree, then a tree over the warp partials) depends only on blockDim.x,
 // so a fixed launch configuration gives bitwise-identical sums on every run. `scratch` is a

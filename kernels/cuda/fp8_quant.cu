@@ -57,7 +57,8 @@ struct Fp8Divisor {
     float s, r;
     bool fast;
 };
-__device__ inline Fp8Divisor fp8_divisor(float s) { return Fp8Divisor{s, __frcp_rn(s), s >= 0x1p-20f && s <= 0x1p40f}; }
+__device__ inline bool fp8_fast_scale(float s) { return s >= 0x1p-20f && s <= 0x1p40f; }
+__device__ inline Fp8Divisor fp8_divisor(float s) { return Fp8Divisor{s, __frcp_rn(s), fp8_fast_scale(s)}; }
 
 // x / s for an element x of the tile whose scale is s (|x| <= 448 s, up to s's rounding), with d.fast: a quotient
 // whose E4M3 code (cvt.rn.satfinite) is that of __fdiv_rn(x, s), the CPU's true division. With r = RN(1/s),
@@ -279,13 +280,24 @@ struct CombineGradRows {
         }
         for (int j = 0; j < 4; j++) v[j] = col + j < len ? __fmul_rn(w, v[j]) : 0.0f;  // padding: 0, as an array's
     }
+    // The same for 4 columns of a row inside the array, called by all 32 lanes of a warp for the same row (the
+    // both-layouts kernel's full tiles): lane k < K looks at the token's slot k, and the weight comes from the lane
+    // whose slot is this row (the last such, as above) - two loads per lane instead of 2K.
     __device__ void load4_full(float v[4], int64_t row, int col) const {
         const int64_t t = seg_token[row];
         const float4 f = *reinterpret_cast<const float4 *>(dout + t * C + col);
         float w = 0.0f;
-        for (int k = 0; k < K; k++) {
-            const float wk = topk_w[t * K + k];
-            w = slot_of[t * K + k] == row ? wk : w;
+        if (K <= 32) {
+            const int lane = threadIdx.x & 31;
+            const float wk = lane < K ? topk_w[t * K + lane] : 0.0f;
+            const unsigned hit = __ballot_sync(0xffffffffu, lane < K && slot_of[t * K + lane] == row);
+            const float found = __shfl_sync(0xffffffffu, wk, hit ? 31 - __clz(hit) : 0);
+            w = hit ? found : 0.0f;
+        } else {
+            for (int k = 0; k < K; k++) {
+                const float wk = topk_w[t * K + k];
+                w = slot_of[t * K + k] == row ? wk : w;
+            }
         }
         v[0] = __fmul_rn(w, f.x), v[1] = __fmul_rn(w, f.y), v[2] = __fmul_rn(w, f.z), v[3] = __fmul_rn(w, f.w);
     }
@@ -747,19 +759,23 @@ __global__ void __launch_bounds__(QBOTH_THREADS * NV, 2 / NV)
                     if (t0 + p < T)
                         note_if_bad(v[i][p][j], (unsigned long long)(row0 + t0 + p) * C + col + j, out.call[i], bad);
         }
-        float a[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        // 1x128: this warp holds all 128 columns of its PASSES rows. Lane l takes the scale of row l / LANES_PER_ROW
+        // (warp_rows_max: one reduction for all the rows, one division per lane) and passes it and its reciprocal to
+        // the other lanes.
+        constexpr int LANES_PER_ROW = 32 / PASSES;
+        float a[4] = {0.0f, 0.0f, 0.0f, 0.0f}, m[PASSES];
+        for (int p = 0; p < PASSES; p++) {
+            m[p] = 0.0f;
+            for (int j = 0; j < 4; j++) a[j] = fmaxf(a[j], fabsf(v[i][p][j])), m[p] = fmaxf(m[p], fabsf(v[i][p][j]));
+        }
+        const float my_scale = fp8_scale_of(warp_rows_max<PASSES>(m)), my_recip = __frcp_rn(my_scale);
+        const int my_row = t0 + lane / LANES_PER_ROW;
+        if (lane % LANES_PER_ROW == 0 && my_row < R16) out.s1[i][at_s1 + (int64_t)kb * R16 + my_row] = my_scale;
         for (int p = 0; p < PASSES; p++) {
             const int t = t0 + p;
-            for (int j = 0; j < 4; j++) a[j] = fmaxf(a[j], fabsf(v[i][p][j]));
-            // 1x128: this warp holds all 128 columns of row t
-            float m = 0.0f;
-            for (int j = 0; j < 4; j++) m = fmaxf(m, fabsf(v[i][p][j]));
-            const float sc = fp8_scale_of(warp_max(m));
-            if (t < R16) {
-                *reinterpret_cast<uint32_t *>(out.q1[i] + at_q1 + (int64_t)t * Kp + col) =
-                    fp8_pack4(v[i][p], fp8_divisor(sc));
-                if (lane == 0) out.s1[i][at_s1 + (int64_t)kb * R16 + t] = sc;
-            }
+            const float sc = __shfl_sync(0xffffffffu, my_scale, p * LANES_PER_ROW);
+            const Fp8Divisor d = {sc, __shfl_sync(0xffffffffu, my_recip, p * LANES_PER_ROW), fp8_fast_scale(sc)};
+            if (t < R16) *reinterpret_cast<uint32_t *>(out.q1[i] + at_q1 + (int64_t)t * Kp + col) = fp8_pack4(v[i][p], d);
         }
         // 128x1: this thread's column maxima, one partial of the row groups'
         for (int j = 0; j < 4; j++) sm.partial[i][rg][c + j] = a[j];
