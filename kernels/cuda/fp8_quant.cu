@@ -123,6 +123,14 @@ __global__ void fp8_division_check_kernel(int per_scale, unsigned long long *mis
     if (bad) atomicAdd(mismatches, bad);
 }
 
+// max(a, b), NaN when either is (PTX max.NaN), where fmaxf would drop a NaN: a running maximum of |x| that is finite
+// only when every x was.
+__device__ inline float max_nan(float a, float b) {
+    float r;
+    asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+    return r;
+}
+
 // Records element `index` (row-major in the input) of the call tagged `call` (call number << 40) as
 // non-finite; the smallest (call, index) wins. The kernels issue all of a thread's loads before the first
 // check: the compiler may not move a load of x across this atomic (the pointers might alias), so loads
@@ -478,17 +486,24 @@ extern "C" void cuda_fp8_gather_1x128_grouped(uint8_t *q, float *s, const uint8_
     CUDA_CHECK_LAUNCH("gather_1x128_kernel");
 }
 
+// The transposed byte tiles ([column][row] of a 128 x 128 block in shared memory, filled by threads that each hold
+// PASSES consecutive rows of 4 adjacent columns): chunk k of column cc (its rows k * PASSES ..) lies at chunk
+// k ^ tile_swizzle(cc) of the column's 128 bytes, CHUNKS = 128 / PASSES per column. Then the 16 (8-byte chunks: a
+// half-warp's accesses) or 32 (4-byte) columns 4 apart that a warp's chunk stores reach, and the chunks of one column
+// that a warp's reads take for the global stores, all fall in distinct banks.
+template <int CHUNKS>
+__device__ inline int tile_swizzle(int cc) { return (cc >> 2) & (CHUNKS - 1); }
+
 // ---------------------------------------------------------------------------- 128x128 blocks (+ transpose)
 // w (N, K) -> q (Np, Kp), qt (Kp, Np), s (NB, KB4) with s[nb*KB4 + kb]; s[nb*KB4 + kb] for KB <= kb < KB4
 // is padding, written 1 (the scale of an all-zero block, as the CPU writes). One block of 512 threads per
-// 128x128 block: thread t holds columns 4*(t%32)..+3 of rows t/32 + 16p (p = 0..7), i.e. its 32 values
-// stay in registers between the block max and the quantisation (at most 64 registers, so two blocks,
-// 32 warps, fit on an SM and one block's loads overlap the other's arithmetic). qt is written from a
-// byte copy of the block in shared memory (row stride 129 bytes, so the column reads of the transpose
-// fall in different banks).
+// 128x128 block: thread t holds columns 4*(t%32)..+3 of the 8 consecutive rows 8*(t/32) + p (p = 0..7), i.e. its
+// 32 values stay in registers between the block max and the quantisation (at most 64 registers, so two blocks,
+// 32 warps, fit on an SM and one block's loads overlap the other's arithmetic). qt is written from a byte copy of
+// the block in shared memory: the thread's 4 x 8 codes, transposed in registers (byte permutes), are one 8-byte
+// chunk per column (tile_swizzle).
 #define Q128_THREADS 512
-static const int Q128_ROWS_PER_PASS = Q128_THREADS / 32;
-static const int Q128_PASSES = FP8_TILE / Q128_ROWS_PER_PASS; // 8 passes of 16 rows
+static const int Q128_PASSES = FP8_TILE / (Q128_THREADS / 32); // 8 rows per thread
 
 // Matrix blockIdx.z of a stack (w (batch, N, K) -> q, qt (batch, Np*Kp), s (batch, NB*KB4)); a NaN's index is
 // its row-major position in the stacked (batch * N, K).
@@ -496,19 +511,20 @@ template <bool VEC4>
 __global__ void __launch_bounds__(Q128_THREADS, 2)
     quantize_128x128_kernel(uint8_t *q, uint8_t *qt, float *s, const float *w, int N, int K, int Np, int Kp, int KB,
                             int KB4, unsigned long long call, unsigned long long *bad) {
+    constexpr int CHUNKS = FP8_TILE / Q128_PASSES;
     __shared__ float scratch[32];
-    __shared__ uint8_t tile[FP8_TILE][FP8_TILE + 1];
+    __shared__ __align__(16) uint8_t tile[FP8_TILE][FP8_TILE];  // [column][row], 8-byte chunks (tile_swizzle)
     const int kb = blockIdx.x, nb = blockIdx.y, z = blockIdx.z;
     w += (int64_t)z * N * K, q += (int64_t)z * Np * Kp, s += (int64_t)z * (Np / FP8_TILE) * KB4;
     if (qt != NULL) qt += (int64_t)z * Np * Kp;
     const unsigned long long matrix0 = (unsigned long long)z * N * K;
-    const int c = (threadIdx.x & 31) * 4, r0 = threadIdx.x >> 5;
+    const int c = (threadIdx.x & 31) * 4, rg = threadIdx.x >> 5, r0 = rg * Q128_PASSES;
     const int col = kb * FP8_TILE + c;
 
     float v[Q128_PASSES][4];
     float a = 0.0f;
     for (int p = 0; p < Q128_PASSES; p++) {  // every load first (see note_if_bad)
-        const int row = nb * FP8_TILE + r0 + Q128_ROWS_PER_PASS * p;
+        const int row = nb * FP8_TILE + r0 + p;
         if (row < N) {
             load4<VEC4>(v[p], w + (int64_t)row * K, col, K);
         } else {
@@ -516,7 +532,7 @@ __global__ void __launch_bounds__(Q128_THREADS, 2)
         }
     }
     for (int p = 0; p < Q128_PASSES; p++) {
-        const int row = nb * FP8_TILE + r0 + Q128_ROWS_PER_PASS * p;
+        const int row = nb * FP8_TILE + r0 + p;
         for (int j = 0; j < 4; j++) {
             if (row < N) note_if_bad(v[p][j], matrix0 + (unsigned long long)row * K + col + j, call, bad);
             a = fmaxf(a, fabsf(v[p][j]));
@@ -525,12 +541,10 @@ __global__ void __launch_bounds__(Q128_THREADS, 2)
     const float sc = fp8_scale_of(block_max(a, scratch));
     const Fp8Divisor d = fp8_divisor(sc);
 
+    uint32_t packed[Q128_PASSES];  // row r0 + p, columns c .. c + 3
     for (int p = 0; p < Q128_PASSES; p++) {
-        const int r = r0 + Q128_ROWS_PER_PASS * p;
-        const uint32_t packed = fp8_pack4(v[p], d);
-        *reinterpret_cast<uint32_t *>(q + (int64_t)(nb * FP8_TILE + r) * Kp + col) = packed;
-        if (qt != NULL)
-            for (int j = 0; j < 4; j++) tile[r][c + j] = (uint8_t)(packed >> (8 * j));
+        packed[p] = fp8_pack4(v[p], d);
+        *reinterpret_cast<uint32_t *>(q + (int64_t)(nb * FP8_TILE + r0 + p) * Kp + col) = packed[p];
     }
     if (threadIdx.x == 0) {
         s[(int64_t)nb * KB4 + kb] = sc;
@@ -538,13 +552,24 @@ __global__ void __launch_bounds__(Q128_THREADS, 2)
             for (int k = KB; k < KB4; k++) s[(int64_t)nb * KB4 + k] = 1.0f;
     }
     if (qt == NULL) return;
+    // column[j][h]: column c + j, rows r0 + 4h .. r0 + 4h + 3, one byte each
+    uint32_t column[4][2];
+    for (int h = 0; h < 2; h++) {
+        const uint32_t *x = &packed[4 * h];
+        const uint32_t lo01 = __byte_perm(x[0], x[1], 0x5140), hi01 = __byte_perm(x[0], x[1], 0x7362);
+        const uint32_t lo23 = __byte_perm(x[2], x[3], 0x5140), hi23 = __byte_perm(x[2], x[3], 0x7362);
+        column[0][h] = __byte_perm(lo01, lo23, 0x5410), column[1][h] = __byte_perm(lo01, lo23, 0x7632);
+        column[2][h] = __byte_perm(hi01, hi23, 0x5410), column[3][h] = __byte_perm(hi01, hi23, 0x7632);
+    }
+    for (int j = 0; j < 4; j++)
+        *reinterpret_cast<uint2 *>(&tile[c + j][(rg ^ tile_swizzle<CHUNKS>(c + j)) * Q128_PASSES]) =
+            make_uint2(column[j][0], column[j][1]);
     __syncthreads();
-    // qt row kb*128 + kr holds the block's column kr: bytes tile[c..c+3][kr].
-    for (int p = 0; p < Q128_PASSES; p++) {
-        const int kr = r0 + Q128_ROWS_PER_PASS * p;
-        const uint32_t packed = (uint32_t)tile[c][kr] | ((uint32_t)tile[c + 1][kr] << 8) |
-                                ((uint32_t)tile[c + 2][kr] << 16) | ((uint32_t)tile[c + 3][kr] << 24);
-        *reinterpret_cast<uint32_t *>(qt + (int64_t)(kb * FP8_TILE + kr) * Np + nb * FP8_TILE + c) = packed;
+    // qt row kb*128 + cc, bytes nb*128 + k*8 ..: chunk k of the tile's column cc
+    for (int i = threadIdx.x; i < FP8_TILE * CHUNKS; i += Q128_THREADS) {
+        const int cc = i / CHUNKS, k = i % CHUNKS;
+        *reinterpret_cast<uint2 *>(qt + (int64_t)(kb * FP8_TILE + cc) * Np + nb * FP8_TILE + k * Q128_PASSES) =
+            *reinterpret_cast<const uint2 *>(&tile[cc][(k ^ tile_swizzle<CHUNKS>(cc)) * Q128_PASSES]);
     }
 }
 
@@ -715,7 +740,7 @@ __global__ void __launch_bounds__(QBOTH_THREADS * NV, 2 / NV)
         float partial[NV][ROW_GROUPS][FP8_TILE + 1];
         uint8_t tile[NV][FP8_TILE][FP8_TILE];  // [column][row], PASSES-byte chunks at swizzled positions
     } sm;
-    __shared__ float col_scale[NV][FP8_TILE];
+    __shared__ float col_scale[NV][FP8_TILE], col_recip[NV][FP8_TILE];  // and their reciprocals (Fp8Divisor)
     // this block's segment: its rows of x and its place in the operands
     const int g = segment_of(seg.tiles0, seg.n, blockIdx.y), tb = blockIdx.y - seg.tiles0[g];
     const int T = seg.rows0[g + 1] - seg.rows0[g], R16 = seg.p16[g + 1] - seg.p16[g];
@@ -726,10 +751,6 @@ __global__ void __launch_bounds__(QBOTH_THREADS * NV, 2 / NV)
     const int kb = blockIdx.x;
     const int lane = threadIdx.x & 31, c = lane * 4, rg = threadIdx.x >> 5;
     const int col = kb * FP8_TILE + c, t0 = tb * FP8_TILE + rg * PASSES;  // this thread's rows: t0 + p
-    // chunk k of column cc of a byte tile (its rows k * PASSES ..) lies at chunk k ^ swizzle(cc): the 16 (NV = 1,
-    // 8-byte chunks: a half-warp's accesses) or 32 (4-byte) columns 4 apart that a warp's chunk stores reach, and
-    // the chunks of one column that a warp's reads take, fall in distinct banks.
-    const auto swizzle = [](int cc) { return (cc >> 2) & (ROW_GROUPS - 1); };
 
     float v[NV][PASSES][4];
     // A full tile (every row < T, every column < C, vector loads) loads without the per-row checks; the branch is the
@@ -749,11 +770,14 @@ __global__ void __launch_bounds__(QBOTH_THREADS * NV, 2 / NV)
     }
 #pragma unroll
     for (int i = 0; i < NV; i++) {
-        // non-finite elements are rare: one test over the thread's values, the per-element report only if one fails
-        bool finite = true;
-        for (int p = 0; p < PASSES; p++)
-            for (int j = 0; j < 4; j++) finite &= fabsf(v[i][p][j]) <= FLT_MAX;
-        if (!finite) {
+        // a[j]: the maximum of this thread's part of column c + j, NaN if one of them is (max_nan); m[p]: of row t0 + p
+        float a[4] = {0.0f, 0.0f, 0.0f, 0.0f}, m[PASSES];
+        for (int p = 0; p < PASSES; p++) {
+            m[p] = 0.0f;
+            for (int j = 0; j < 4; j++) a[j] = max_nan(a[j], fabsf(v[i][p][j])), m[p] = fmaxf(m[p], fabsf(v[i][p][j]));
+        }
+        // non-finite elements are rare: the four column maxima tell, the per-element report only if one is not finite
+        if (!(a[0] <= FLT_MAX && a[1] <= FLT_MAX && a[2] <= FLT_MAX && a[3] <= FLT_MAX)) {
             for (int p = 0; p < PASSES; p++)
                 for (int j = 0; j < 4; j++)
                     if (t0 + p < T)
@@ -763,11 +787,6 @@ __global__ void __launch_bounds__(QBOTH_THREADS * NV, 2 / NV)
         // (warp_rows_max: one reduction for all the rows, one division per lane) and passes it and its reciprocal to
         // the other lanes.
         constexpr int LANES_PER_ROW = 32 / PASSES;
-        float a[4] = {0.0f, 0.0f, 0.0f, 0.0f}, m[PASSES];
-        for (int p = 0; p < PASSES; p++) {
-            m[p] = 0.0f;
-            for (int j = 0; j < 4; j++) a[j] = fmaxf(a[j], fabsf(v[i][p][j])), m[p] = fmaxf(m[p], fabsf(v[i][p][j]));
-        }
         const float my_scale = fp8_scale_of(warp_rows_max<PASSES>(m)), my_recip = __frcp_rn(my_scale);
         const int my_row = t0 + lane / LANES_PER_ROW;
         if (lane % LANES_PER_ROW == 0 && my_row < R16) out.s1[i][at_s1 + (int64_t)kb * R16 + my_row] = my_scale;
@@ -786,20 +805,21 @@ __global__ void __launch_bounds__(QBOTH_THREADS * NV, 2 / NV)
         float m = 0.0f;
         for (int grp = 0; grp < ROW_GROUPS; grp++) m = fmaxf(m, sm.partial[i][grp][cc]);
         const float sc = fp8_scale_of(m);
-        col_scale[i][cc] = sc;
+        col_scale[i][cc] = sc, col_recip[i][cc] = __frcp_rn(sc);
         if (kb * FP8_TILE + cc < C) out.s2[i][at_s2 + (int64_t)tb * C + kb * FP8_TILE + cc] = sc;
     }
     __syncthreads();
     // 128x1 bytes: column c + j of this thread's rows, packed 4 rows to a word
     for (int i = 0; i < NV; i++)
         for (int j = 0; j < 4; j++) {
-            const Fp8Divisor d = fp8_divisor(col_scale[i][c + j]);
+            const float sc = col_scale[i][c + j];
+            const Fp8Divisor d = {sc, col_recip[i][c + j], fp8_fast_scale(sc)};
             uint32_t word[PASSES / 4];
             for (int h = 0; h < PASSES / 4; h++) {
                 const float rows4[4] = {v[i][4 * h][j], v[i][4 * h + 1][j], v[i][4 * h + 2][j], v[i][4 * h + 3][j]};
                 word[h] = fp8_pack4(rows4, d);
             }
-            uint8_t *chunk = &sm.tile[i][c + j][(rg ^ swizzle(c + j)) * PASSES];
+            uint8_t *chunk = &sm.tile[i][c + j][(rg ^ tile_swizzle<ROW_GROUPS>(c + j)) * PASSES];
             if constexpr (PASSES == 8) *reinterpret_cast<uint2 *>(chunk) = make_uint2(word[0], word[1]);
             else *reinterpret_cast<uint32_t *>(chunk) = word[0];
         }
@@ -809,7 +829,7 @@ __global__ void __launch_bounds__(QBOTH_THREADS * NV, 2 / NV)
         for (int w = threadIdx.x; w < FP8_TILE * ROW_GROUPS; w += QBOTH_THREADS * NV) {
             const int cc = w / ROW_GROUPS, k = w % ROW_GROUPS;
             if (kb * FP8_TILE + cc >= C) continue;
-            const uint8_t *chunk = &sm.tile[i][cc][(k ^ swizzle(cc)) * PASSES];
+            const uint8_t *chunk = &sm.tile[i][cc][(k ^ tile_swizzle<ROW_GROUPS>(cc)) * PASSES];
             uint8_t *dst = out.q2[i] + at_q2 + (int64_t)(kb * FP8_TILE + cc) * Tp + tb * FP8_TILE + k * PASSES;
             if constexpr (PASSES == 8) *reinterpret_cast<uint2 *>(dst) = *reinterpret_cast<const uint2 *>(chunk);
             else *reinterpret_cast<uint32_t *>(dst) = *reinterpret_cast<const uint32_t *>(chunk);
