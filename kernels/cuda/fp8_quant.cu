@@ -27,8 +27,8 @@
  *
  * Memory traffic is the cost (read 4 bytes, write 1 or 2 bytes per element); every kernel reads and
  * writes whole 128-byte lines: 1x128 with one warp per (row, 4 x 128 columns), 128x128 with one block per
- * block (the transposed copy goes through shared memory), 128x1 with one block per 128 rows x 32 columns
- * (transposed through shared memory, so each output row of 128 bytes is one coalesced store).
+ * block (the transposed copy goes through shared memory), 128x1 and both activation layouts with one block per
+ * 128 x 128 tile (transposed through shared memory, so each output row of 128 bytes is one coalesced store).
  * Vector (float4) loads are used when the row length is a multiple of 4 and every input is 16-byte aligned.
  */
 #include <cuda_fp8.h>
@@ -609,106 +609,14 @@ extern "C" int cuda_fp8_quantize_128x128_batched(uint8_t *q, uint8_t *qt, float 
     return quantize_128x128_stack("fp8_quantize_128x128_batched", q, qt, s, w, batch, N, K, err, err_size);
 }
 
-// ---------------------------------------------------------------------------- 128x1 along T, transposed
-// x (T, C) -> q (C, Tp), s (TB, C). One block of 256 threads per 128 rows (t) x 32 columns (c): thread
-// t holds columns 4*(t%8)..+3 of rows t/8 + 32p (p = 0..3). Column maxima: per-thread partials into
-// shared memory, then 32 threads take the max over the 32 partials of one column. The quantised bytes
-// go to shared memory as [column][t] (row stride 132 bytes) so each output row q[c][t0..t0+127] is
-// written by one warp as 32 consecutive 4-byte words.
-static const int Q128X1_COLS = 32;
-static const int Q128X1_THREADS = 256;
-
-template <bool VEC4, class Src>
-__global__ void quantize_128x1_transposed_kernel(uint8_t *q, float *s, const __grid_constant__ Src src,
-                                                 const __grid_constant__ SegTable seg, int C, unsigned long long call,
-                                                 unsigned long long *bad) {
-    __shared__ float partial[32][Q128X1_COLS + 1];
-    __shared__ float col_scale[Q128X1_COLS];
-    __shared__ __align__(16) uint8_t tile[Q128X1_COLS][FP8_TILE + 4];
-    // this block's segment: its rows of x, its operand (C, Tp) and scales (TB, C)
-    const int g = segment_of(seg.tiles0, seg.n, blockIdx.y), tb = blockIdx.y - seg.tiles0[g];
-    const int T = seg.rows0[g + 1] - seg.rows0[g], Tp = (seg.tiles0[g + 1] - seg.tiles0[g]) * FP8_TILE;
-    const int64_t row0 = seg.rows0[g];
-    q += (int64_t)C * FP8_TILE * seg.tiles0[g], s += (int64_t)C * seg.tiles0[g];
-    const int c0 = blockIdx.x * Q128X1_COLS;
-    const int c = (threadIdx.x & 7) * 4, rg = threadIdx.x >> 3;
-
-    float v[4][4];
-    float a[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    for (int p = 0; p < 4; p++) {  // every load first (see note_if_bad)
-        const int t = tb * FP8_TILE + rg + 32 * p;
-        src.template load4<VEC4>(v[p], row0 + t, c0 + c, t < T ? C : 0); // rows past T load as zeros
-    }
-    for (int p = 0; p < 4; p++) {
-        const int t = tb * FP8_TILE + rg + 32 * p;
-        for (int j = 0; j < 4; j++) {
-            if (t < T) note_if_bad(v[p][j], (unsigned long long)(row0 + t) * C + c0 + c + j, call, bad);
-            a[j] = fmaxf(a[j], fabsf(v[p][j]));
-        }
-    }
-    for (int j = 0; j < 4; j++) partial[rg][c + j] = a[j];
-    __syncthreads();
-    if (threadIdx.x < Q128X1_COLS) {
-        float m = 0.0f;
-        for (int grp = 0; grp < 32; grp++) m = fmaxf(m, partial[grp][threadIdx.x]);
-        const float sc = fp8_scale_of(m);
-        col_scale[threadIdx.x] = sc;
-        if (c0 + (int)threadIdx.x < C) s[(int64_t)tb * C + c0 + threadIdx.x] = sc;
-    }
-    __syncthreads();
-    for (int j = 0; j < 4; j++) {
-        const Fp8Divisor d = fp8_divisor(col_scale[c + j]);
-        for (int p = 0; p < 4; p++) tile[c + j][rg + 32 * p] = (uint8_t)fp8_byte(v[p][j], d);
-    }
-    __syncthreads();
-    for (int i = threadIdx.x; i < Q128X1_COLS * (FP8_TILE / 4); i += Q128X1_THREADS) {
-        const int cc = i / (FP8_TILE / 4), word = i % (FP8_TILE / 4);
-        if (c0 + cc >= C) continue;
-        *reinterpret_cast<uint32_t *>(q + (int64_t)(c0 + cc) * Tp + tb * FP8_TILE + 4 * word) =
-            *reinterpret_cast<const uint32_t *>(&tile[cc][4 * word]);
-    }
-}
-
-template <class Src>
-static int quantize_128x1_segments(const char *op, const char *tensor, uint8_t *q, float *s, const Src &src, int n,
-                                   const int *rows0, int C, char *err, size_t err_size) {
-    const SegTable seg = seg_table(op, n, rows0);
-    if (seg.tiles0[n] == 0 || C <= 0) return 0;
-    require_aligned16(q, op, "q");
-    require_aligned16(s, op, "s");
-    unsigned long long *bad = bad_word();
-    int rc;
-    const unsigned long long call = log_call(op, tensor, rows0[n], C, &rc, err, err_size);
-    const dim3 grid((unsigned)ceil_div(C, Q128X1_COLS), (unsigned)seg.tiles0[n]);
-    if (C % 4 == 0 && src.aligned16())
-        quantize_128x1_transposed_kernel<true><<<grid, Q128X1_THREADS>>>(q, s, src, seg, C, call, bad);
-    else
-        quantize_128x1_transposed_kernel<false><<<grid, Q128X1_THREADS>>>(q, s, src, seg, C, call, bad);
-    CUDA_CHECK_LAUNCH("quantize_128x1_transposed_kernel");
-    return rc;
-}
-
-extern "C" int cuda_fp8_quantize_128x1_transposed(uint8_t *q, float *s, const real *x, int T, int C, char *err,
-                                                  size_t err_size) {
-    if (T <= 0) return 0;
-    const int rows0[2] = {0, T};
-    return quantize_128x1_segments("fp8_quantize_128x1_transposed", "x", q, s, ArrayRows{x, NULL, C}, 1, rows0, C, err,
-                                   err_size);
-}
-
-extern "C" int cuda_fp8_quantize_128x1_transposed_grouped(uint8_t *q, float *s, const real *x, const int *x_rows, int n_seg,
-                                                          const int *rows0, int C, char *err, size_t err_size) {
-    return quantize_128x1_segments("fp8_quantize_128x1_transposed_grouped", "x", q, s, ArrayRows{x, x_rows, C}, n_seg,
-                                   rows0, C, err, err_size);
-}
-
 // ---------------------------------------------------------------------------- both activation layouts
-// x (T, C) -> the 1x128 operand q1 (R16, Kp), s1 (KB, R16) and the 128x1 transposed operand q2 (C, Tp),
-// s2 (TB, C) of the two kernels above, in one pass over x (a gradient dY feeds both Dgrad and Wgrad:
-// reading it once saves 4 of the 10 bytes moved per element). One block of 512 threads per 128 x 128
+// x (T, C) -> the 1x128 operand q1 (R16, Kp), s1 (KB, R16) of the kernel above and the 128x1 transposed operand
+// q2 (C, Tp), s2 (TB, C) (column tiles of 128 rows along T), in one pass over x (a gradient dY feeds both Dgrad and
+// Wgrad: reading it once saves 4 of the 10 bytes moved per element). With ROWWISE = false the same kernel makes the
+// 128x1 operand alone (kernels.h fp8_quantize_128x1_transposed*: an input's Wgrad operand, a dY without Dgrad). One block of 512 threads per 128 x 128
 // tile (rows tb, columns kb): thread t holds columns 4*(t%32)..+3 of the 8 consecutive rows 8*(t/32) + p
 // (p = 0..7), so warp w holds 8 whole rows (row maxima are warp maxima, as in the 1x128 kernel) and the column
-// maxima go through shared memory (as in the 128x1 kernel). The transposed bytes go out through a shared tile
+// maxima go through shared memory. The transposed bytes go out through a shared tile
 // [column][row]: a thread's 8 bytes of one column are consecutive rows, one 8-byte store, at a chunk position
 // XOR-swizzled by the column so that neither those stores nor the row reads behind the global stores conflict.
 // The same kernel quantises NV = 2 values of one element at once (the SwiGLU gradients da and db, read from
@@ -728,7 +636,7 @@ struct BothOperands {
     unsigned long long call[NV];
 };
 
-template <bool VEC4, int NV, class Src>
+template <bool VEC4, int NV, bool ROWWISE, class Src>
 __global__ void __launch_bounds__(QBOTH_THREADS * NV, 2 / NV)
     quantize_both_kernel(const __grid_constant__ BothOperands<NV> out, const __grid_constant__ Src src,
                          const __grid_constant__ SegTable seg, int C, int Kp, unsigned long long *bad) {
@@ -770,12 +678,10 @@ __global__ void __launch_bounds__(QBOTH_THREADS * NV, 2 / NV)
     }
 #pragma unroll
     for (int i = 0; i < NV; i++) {
-        // a[j]: the maximum of this thread's part of column c + j, NaN if one of them is (max_nan); m[p]: of row t0 + p
-        float a[4] = {0.0f, 0.0f, 0.0f, 0.0f}, m[PASSES];
-        for (int p = 0; p < PASSES; p++) {
-            m[p] = 0.0f;
-            for (int j = 0; j < 4; j++) a[j] = max_nan(a[j], fabsf(v[i][p][j])), m[p] = fmaxf(m[p], fabsf(v[i][p][j]));
-        }
+        // a[j]: the maximum of this thread's part of column c + j, NaN if one of them is (max_nan)
+        float a[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        for (int p = 0; p < PASSES; p++)
+            for (int j = 0; j < 4; j++) a[j] = max_nan(a[j], fabsf(v[i][p][j]));
         // non-finite elements are rare: the four column maxima tell, the per-element report only if one is not finite
         if (!(a[0] <= FLT_MAX && a[1] <= FLT_MAX && a[2] <= FLT_MAX && a[3] <= FLT_MAX)) {
             for (int p = 0; p < PASSES; p++)
@@ -783,18 +689,26 @@ __global__ void __launch_bounds__(QBOTH_THREADS * NV, 2 / NV)
                     if (t0 + p < T)
                         note_if_bad(v[i][p][j], (unsigned long long)(row0 + t0 + p) * C + col + j, out.call[i], bad);
         }
-        // 1x128: this warp holds all 128 columns of its PASSES rows. Lane l takes the scale of row l / LANES_PER_ROW
-        // (warp_rows_max: one reduction for all the rows, one division per lane) and passes it and its reciprocal to
-        // the other lanes.
-        constexpr int LANES_PER_ROW = 32 / PASSES;
-        const float my_scale = fp8_scale_of(warp_rows_max<PASSES>(m)), my_recip = __frcp_rn(my_scale);
-        const int my_row = t0 + lane / LANES_PER_ROW;
-        if (lane % LANES_PER_ROW == 0 && my_row < R16) out.s1[i][at_s1 + (int64_t)kb * R16 + my_row] = my_scale;
-        for (int p = 0; p < PASSES; p++) {
-            const int t = t0 + p;
-            const float sc = __shfl_sync(0xffffffffu, my_scale, p * LANES_PER_ROW);
-            const Fp8Divisor d = {sc, __shfl_sync(0xffffffffu, my_recip, p * LANES_PER_ROW), fp8_fast_scale(sc)};
-            if (t < R16) *reinterpret_cast<uint32_t *>(out.q1[i] + at_q1 + (int64_t)t * Kp + col) = fp8_pack4(v[i][p], d);
+        if constexpr (ROWWISE) {
+            // 1x128: this warp holds all 128 columns of its PASSES rows (m[p]: this lane's part of row t0 + p). Lane l
+            // takes the scale of row l / LANES_PER_ROW (warp_rows_max: one reduction for all the rows, one division
+            // per lane) and passes it and its reciprocal to the other lanes.
+            constexpr int LANES_PER_ROW = 32 / PASSES;
+            float m[PASSES];
+            for (int p = 0; p < PASSES; p++) {
+                m[p] = 0.0f;
+                for (int j = 0; j < 4; j++) m[p] = fmaxf(m[p], fabsf(v[i][p][j]));
+            }
+            const float my_scale = fp8_scale_of(warp_rows_max<PASSES>(m)), my_recip = __frcp_rn(my_scale);
+            const int my_row = t0 + lane / LANES_PER_ROW;
+            if (lane % LANES_PER_ROW == 0 && my_row < R16) out.s1[i][at_s1 + (int64_t)kb * R16 + my_row] = my_scale;
+            for (int p = 0; p < PASSES; p++) {
+                const int t = t0 + p;
+                const float sc = __shfl_sync(0xffffffffu, my_scale, p * LANES_PER_ROW);
+                const Fp8Divisor d = {sc, __shfl_sync(0xffffffffu, my_recip, p * LANES_PER_ROW), fp8_fast_scale(sc)};
+                if (t < R16)
+                    *reinterpret_cast<uint32_t *>(out.q1[i] + at_q1 + (int64_t)t * Kp + col) = fp8_pack4(v[i][p], d);
+            }
         }
         // 128x1: this thread's column maxima, one partial of the row groups'
         for (int j = 0; j < 4; j++) sm.partial[i][rg][c + j] = a[j];
@@ -849,7 +763,7 @@ struct BothValue {
 // The NV values val[0..NV-1] of src (NV = 1, or 2 for a Src with load4x2) quantised in one launch. Each value is
 // logged as its own call, in order, so a bad element of value i is reported before any of value i + 1 (the log is
 // checked first when the NV calls would not all fit in it); op names the launch in errors of its arguments.
-template <int NV, class Src>
+template <int NV, bool ROWWISE, class Src>
 static int quantize_both_segments(const char *op, const BothValue *val, const Src &src, int n, const int *rows0, int C,
                                   char *err, size_t err_size) {
     const SegTable seg = seg_table(op, n, rows0);
@@ -869,9 +783,9 @@ static int quantize_both_segments(const char *op, const BothValue *val, const Sr
     }
     const dim3 grid((unsigned)KB, (unsigned)seg.tiles0[n]);
     if (C % 4 == 0 && src.aligned16())
-        quantize_both_kernel<true, NV><<<grid, QBOTH_THREADS * NV>>>(out, src, seg, C, KB * FP8_TILE, bad);
+        quantize_both_kernel<true, NV, ROWWISE><<<grid, QBOTH_THREADS * NV>>>(out, src, seg, C, KB * FP8_TILE, bad);
     else
-        quantize_both_kernel<false, NV><<<grid, QBOTH_THREADS * NV>>>(out, src, seg, C, KB * FP8_TILE, bad);
+        quantize_both_kernel<false, NV, ROWWISE><<<grid, QBOTH_THREADS * NV>>>(out, src, seg, C, KB * FP8_TILE, bad);
     CUDA_CHECK_LAUNCH("quantize_both_kernel");
     return rc;
 }
@@ -881,7 +795,15 @@ template <class Src>
 static int quantize_both_segments(const char *op, const char *tensor, uint8_t *q1, float *s1, uint8_t *q2, float *s2,
                                   const Src &src, int n, const int *rows0, int C, char *err, size_t err_size) {
     const BothValue val = {op, tensor, q1, s1, q2, s2};
-    return quantize_both_segments<1>(op, &val, src, n, rows0, C, err, err_size);
+    return quantize_both_segments<1, true>(op, &val, src, n, rows0, C, err, err_size);
+}
+
+// The 128x1 operand alone (x (T, C) -> q (C, Tp), s (TB, C)): the kernel without its 1x128 pass.
+template <class Src>
+static int quantize_128x1_segments(const char *op, const char *tensor, uint8_t *q, float *s, const Src &src, int n,
+                                   const int *rows0, int C, char *err, size_t err_size) {
+    const BothValue val = {op, tensor, NULL, NULL, q, s};
+    return quantize_both_segments<1, false>(op, &val, src, n, rows0, C, err, err_size);
 }
 
 extern "C" int cuda_fp8_quantize_both_layouts(uint8_t *q1, float *s1, uint8_t *q2, float *s2, const real *x, int T,
@@ -906,6 +828,20 @@ extern "C" int cuda_fp8_quantize_combine_grad_both_layouts_grouped(uint8_t *q1, 
     return quantize_both_segments("fp8_quantize_combine_grad_both_layouts_grouped", "topk_w * dout", q1, s1, q2, s2,
                                   CombineGradRows{dout, seg_token, slot_of, topk_w, K, C}, n_seg, rows0, C, err,
                                   err_size);
+}
+
+extern "C" int cuda_fp8_quantize_128x1_transposed(uint8_t *q, float *s, const real *x, int T, int C, char *err,
+                                                  size_t err_size) {
+    if (T <= 0) return 0;
+    const int rows0[2] = {0, T};
+    return quantize_128x1_segments("fp8_quantize_128x1_transposed", "x", q, s, ArrayRows{x, NULL, C}, 1, rows0, C, err,
+                                   err_size);
+}
+
+extern "C" int cuda_fp8_quantize_128x1_transposed_grouped(uint8_t *q, float *s, const real *x, const int *x_rows, int n_seg,
+                                                          const int *rows0, int C, char *err, size_t err_size) {
+    return quantize_128x1_segments("fp8_quantize_128x1_transposed_grouped", "x", q, s, ArrayRows{x, x_rows, C}, n_seg,
+                                   rows0, C, err, err_size);
 }
 
 // ---------------------------------------------------------------------------- SwiGLU values
@@ -949,7 +885,7 @@ extern "C" int cuda_fp8_quantize_swiglu_grads_both_layouts_grouped(uint8_t *qa1,
     static const char logged[] = "fp8_quantize_swiglu_both_layouts_grouped";
     const BothValue val[2] = {{logged, swiglu_tensor(SWIGLU_DA), qa1, sa1, qa2, sa2},
                               {logged, swiglu_tensor(SWIGLU_DB), qb1, sb1, qb2, sb2}};
-    return quantize_both_segments<2>("fp8_quantize_swiglu_grads_both_layouts_grouped", val,
+    return quantize_both_segments<2, true>("fp8_quantize_swiglu_grads_both_layouts_grouped", val,
                                      SwigluGradRows{dout, a, b, C, bf16_rows_ld(C)}, n_seg, rows0, C, err, err_size);
 }
 
