@@ -18,22 +18,11 @@
  * score loop runs over the key position t2 innermost against a transposed copy of k (and of v in the
  * backward pass), so each score is still summed over d in order.
  */
-#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <tgmath.h>
 
 #include "kernels/cpu/cpu_ops.h"
-
-static real *alloc_or_die(size_t count, const char *what) {
-    real *p = malloc(sizeof(real) * (count > 0 ? count : 1));
-    if (!p) {
-        fprintf(stderr, "fp8moe: kernels/cpu/attention.c:%d: out of memory allocating %zu values for %s\n",
-                __LINE__, count, what);
-        exit(1);
-    }
-    return p;
-}
 
 // Start of row (b, t, h) of a (B, T, H, ld) tensor.
 static inline size_t row_index(int b, int t, int h, int T, int H, int ld) {
@@ -70,7 +59,7 @@ void cpu_attention_forward(real *out, real *att, const real *q, const real *kv, 
     const real scale = (real)1 / sqrt((real)Dqk);
 #pragma omp parallel if ((double)B * H * T * T * (Dqk + Dv) > 65536.0)
     {
-        real *kT = alloc_or_die((size_t)Dqk * T, "attention_forward transposed k");
+        real *kT = cpu_values_or_die((size_t)Dqk * T, "attention_forward transposed k");
 #pragma omp for schedule(static)
         for (int bh = 0; bh < B * H; bh++) {
             const int b = bh / H, h = bh % H;
@@ -126,18 +115,18 @@ void cpu_attention_forward(real *out, real *att, const real *q, const real *kv, 
 void cpu_attention_backward(real *dq, real *d_kv, real *d_k_rope, const real *dout, const real *att, const real *q,
                             const real *kv, const real *k_rope, int B, int T, int H, int Dn, int Dr, int Dv) {
     const int Dqk = Dn + Dr, kv_ld = Dn + Dv;
-    real *rope_g = d_k_rope && Dr > 0 ? alloc_or_die((size_t)B * T * H * Dr, "attention_backward rope-key gradients")
+    real *rope_g = d_k_rope && Dr > 0 ? cpu_values_or_die((size_t)B * T * H * Dr, "attention_backward rope-key gradients")
                                       : NULL;
     const int want_dk = (d_kv && Dn > 0) || rope_g, want_dv = d_kv != NULL;
     if (!dq && !want_dk && !want_dv) return;
     const real scale = (real)1 / sqrt((real)Dqk);
 #pragma omp parallel if ((double)B * H * T * T * (Dqk + Dv) > 65536.0)
     {
-        real *vT = alloc_or_die((size_t)Dv * T, "attention_backward transposed v");
-        real *dscore = alloc_or_die((size_t)T, "attention_backward score gradient");
-        real *dq_t = alloc_or_die((size_t)Dqk, "attention_backward dq row");
-        real *dk_local = alloc_or_die((size_t)T * Dqk, "attention_backward dk");
-        real *dv_local = alloc_or_die((size_t)T * Dv, "attention_backward dv");
+        real *vT = cpu_values_or_die((size_t)Dv * T, "attention_backward transposed v");
+        real *dscore = cpu_values_or_die((size_t)T, "attention_backward score gradient");
+        real *dq_t = cpu_values_or_die((size_t)Dqk, "attention_backward dq row");
+        real *dk_local = cpu_values_or_die((size_t)T * Dqk, "attention_backward dk");
+        real *dv_local = cpu_values_or_die((size_t)T * Dv, "attention_backward dv");
 #pragma omp for schedule(static)
         for (int bh = 0; bh < B * H; bh++) {
             const int b = bh / H, h = bh % H;

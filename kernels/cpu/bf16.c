@@ -9,7 +9,6 @@
  */
 #include "kernels/cpu/cpu_ops.h"
 
-#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -41,12 +40,7 @@ float bf16_to_float(uint16_t h) {
 // values they hold, freed by the caller: the CPU reference of the ops that read such rows widens them first.
 real *cpu_bf16_rows_widened(const uint16_t *x, int64_t rows, int cols) {
     const int64_t ld = bf16_rows_ld(cols);
-    real *v = malloc((size_t)(rows > 0 ? rows : 1) * (size_t)(cols > 0 ? cols : 1) * sizeof(real));
-    if (v == NULL) {
-        fprintf(stderr, "fp8moe: kernels/cpu/bf16.c: out of memory widening %lld BF16 rows of %d\n", (long long)rows,
-                cols);
-        exit(1);
-    }
+    real *v = cpu_values_or_die((size_t)(rows > 0 ? rows : 0) * (size_t)(cols > 0 ? cols : 0), "widened BF16 rows");
     for (int64_t r = 0; r < rows; r++)
         for (int c = 0; c < cols; c++) v[r * cols + c] = (real)bf16_to_float(x[r * ld + c]);
     return v;

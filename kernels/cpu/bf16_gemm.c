@@ -9,27 +9,16 @@
  * in a fixed order"; Fprop and Dgrad outputs are then rounded to BF16, Wgrad's FP32 sum is added to
  * dweight. (In the gradient-check build, real = double, the accumulation is in double.)
  */
-#include <stdio.h>
 #include <stdlib.h>
 
 #include "kernels/cpu/cpu_ops.h"
-
-static real *alloc_or_die(size_t n, const char *what) {
-    real *p = malloc((n > 0 ? n : 1) * sizeof(real));
-    if (!p) {
-        fprintf(stderr, "fp8moe: kernels/cpu/bf16_gemm.c:%d: out of memory allocating %zu values for %s\n",
-                __LINE__, n, what);
-        exit(1);
-    }
-    return p;
-}
 
 static real bf16_round(real x) { return (real)bf16_to_float(float_to_bf16((float)x)); }
 
 // dst (n) = bf16(src); src may be NULL (operand not needed), then dst is NULL.
 static real *bf16_copy(const real *src, size_t n, const char *what) {
     if (!src) return NULL;
-    real *dst = alloc_or_die(n, what);
+    real *dst = cpu_values_or_die(n, what);
 #pragma omp parallel for schedule(static) if (n > 65536)
     for (size_t i = 0; i < n; i++) dst[i] = bf16_round(src[i]);
     return dst;
@@ -56,7 +45,7 @@ static void bf16_backward(real *dinp, GradStore store, real *dweight, const real
     real *dout_b = bf16_copy(dout, (size_t)N * OC, "BF16 copy of dout");
     if (dinp) {
         real *weight_b = bf16_copy(weight, (size_t)OC * C, "BF16 copy of weight");
-        real *dx = alloc_or_die((size_t)N * C, "BF16 Dgrad result");
+        real *dx = cpu_values_or_die((size_t)N * C, "BF16 Dgrad result");
         const size_t n = (size_t)N * C;
         for (size_t i = 0; i < n; i++) dx[i] = 0;
         cpu_matmul_backward(dx, NULL, dout_b, NULL, weight_b, N, C, OC);  // dx = 0 + sum: the plain sum
@@ -97,7 +86,7 @@ void cpu_bf16_round_rows(uint16_t *dst, const real *src, const int *rows, int n_
 }
 
 static real *bf16_expand(const uint16_t *src, size_t n, const char *what) {
-    real *dst = alloc_or_die(n, what);
+    real *dst = cpu_values_or_die(n, what);
 #pragma omp parallel for schedule(static) if (n > 65536)
     for (size_t i = 0; i < n; i++) dst[i] = (real)bf16_to_float(src[i]);
     return dst;

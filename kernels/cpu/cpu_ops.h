@@ -92,6 +92,8 @@ void cpu_bf16_matmul_forward(real *out, const real *inp, const real *weight, int
 void cpu_bf16_matmul_backward(real *dinp, real *dweight, const real *dout, const real *inp, const real *weight, int N, int C, int OC);
 void cpu_bf16_round_array(uint16_t *dst, const real *src, int64_t n);
 real *cpu_bf16_rows_widened(const uint16_t *x, int64_t rows, int cols);
+// `count` reals (at least one) from malloc, freed by the caller, or a message naming `what` and exit (scratch.c).
+real *cpu_values_or_die(size_t count, const char *what);
 void cpu_bf16_round_rows(uint16_t *dst, const real *src, const int *rows, int n_rows, int C);
 void cpu_bf16_gemm_fprop_grouped(real *y, const uint16_t *x, const uint16_t *const *w, int n_seg, const int *rows0, int N, int K);
 void cpu_bf16_gemm_dgrad_grouped(real *dx, GradStore store, const uint16_t *dy, const uint16_t *const *w, int n_seg, const int *rows0, int N, int K);
