@@ -613,10 +613,10 @@ extern "C" int cuda_fp8_quantize_128x128_batched(uint8_t *q, uint8_t *qt, float 
 // x (T, C) -> the 1x128 operand q1 (R16, Kp), s1 (KB, R16) of the kernel above and the 128x1 transposed operand
 // q2 (C, Tp), s2 (TB, C) (column tiles of 128 rows along T), in one pass over x (a gradient dY feeds both Dgrad and
 // Wgrad: reading it once saves 4 of the 10 bytes moved per element). With ROWWISE = false the same kernel makes the
-// 128x1 operand alone (kernels.h fp8_quantize_128x1_transposed*: an input's Wgrad operand, a dY without Dgrad). One block of 512 threads per 128 x 128
-// tile (rows tb, columns kb): thread t holds columns 4*(t%32)..+3 of the 8 consecutive rows 8*(t/32) + p
-// (p = 0..7), so warp w holds 8 whole rows (row maxima are warp maxima, as in the 1x128 kernel) and the column
-// maxima go through shared memory. The transposed bytes go out through a shared tile
+// 128x1 operand alone (kernels.h fp8_quantize_128x1_transposed*: an input's Wgrad operand, a dY without Dgrad).
+// One block of 512 threads per 128 x 128 tile (rows tb, columns kb): thread t holds columns 4*(t%32)..+3 of the 8
+// consecutive rows 8*(t/32) + p (p = 0..7), so warp w holds 8 whole rows (row maxima are warp maxima, as in the
+// 1x128 kernel) and the column maxima go through shared memory. The transposed bytes go out through a shared tile
 // [column][row]: a thread's 8 bytes of one column are consecutive rows, one 8-byte store, at a chunk position
 // XOR-swizzled by the column so that neither those stores nor the row reads behind the global stores conflict.
 // The same kernel quantises NV = 2 values of one element at once (the SwiGLU gradients da and db, read from
