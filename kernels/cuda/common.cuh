@@ -123,7 +123,7 @@ __device__ inline float warp_max(float v) {
 
 // The maxima of P rows at once (P a power of two, 2..32): lane l holds m[p], its part of row p, for every p, and
 // gets the whole of row l / (32 / P). Each of the first log2(P) butterfly steps halves the rows a lane carries
-// (one shuffle per row kept instead of one per row per step), the last steps combine lanes of the same row: 2P - 1
+// (one shuffle per row kept instead of one per row per step), the last steps combine lanes of the same row: P - 1
 // + log2(32 / P) shuffles for P rows where P warp_max calls take 5P. A max is exact in any order, so each row's
 // result is warp_max's.
 template <int P>
