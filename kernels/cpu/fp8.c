@@ -357,7 +357,9 @@ typedef double dvec2 __attribute__((vector_size(16)));
 
 typedef enum { OUT_WRITE_BF16, OUT_ADD_BF16, OUT_ADD_FP32 } OutMode;
 
-static void *alloc_or_die(size_t bytes, const char *what) {
+// 64-byte aligned memory for the GEMMs' decoded operand panels and expanded scales, or a message and exit (plain
+// real arrays come from cpu_values_or_die).
+static void *aligned_or_die(size_t bytes, const char *what) {
     size_t rounded = (bytes + PANEL_ALIGN - 1) / PANEL_ALIGN * PANEL_ALIGN;
     void *p = aligned_alloc(PANEL_ALIGN, rounded > 0 ? rounded : PANEL_ALIGN);
     if (!p) {
@@ -453,7 +455,7 @@ static void block_scaled_gemm(real *out, OutMode mode, const uint8_t *A, const f
     const int KBc = Kc / FP8_TILE;
     const int m_panels = ceil_div(M, MR), n_panels = ceil_div(Ncols, NR);
     const BlockKernel block_kernel = pick_block_kernel();
-    double *bp = alloc_or_die((size_t)n_panels * NR * (size_t)Kc * sizeof(double), "decoded FP8 operand B");
+    double *bp = aligned_or_die((size_t)n_panels * NR * (size_t)Kc * sizeof(double), "decoded FP8 operand B");
     const int parallel = (double)M * Ncols * Kc > 65536.0;
 #pragma omp parallel if (parallel)
     {
@@ -462,7 +464,7 @@ static void block_scaled_gemm(real *out, OutMode mode, const uint8_t *A, const f
             const int cols = Ncols - q * NR < NR ? Ncols - q * NR : NR;
             decode_panel(bp + (size_t)q * NR * Kc, lut, B, (size_t)Kc, q * NR, cols, NR, Kc);
         }
-        double *ap = alloc_or_die((size_t)MR * Kc * sizeof(double), "decoded FP8 operand A");
+        double *ap = aligned_or_die((size_t)MR * Kc * sizeof(double), "decoded FP8 operand A");
 #pragma omp for schedule(static)
         for (int p = 0; p < m_panels; p++) {
             const int m0 = p * MR, rows = M - m0 < MR ? M - m0 : MR;
@@ -542,7 +544,7 @@ static void quantize_128x1_segments(uint8_t *q, float *s, const real *x, int n, 
 // when x_rows is NULL.
 static const real *gathered(const real *x, const int *x_rows, int rows, int cols) {
     if (x_rows == NULL) return x;
-    real *g = alloc_or_die((size_t)rows * cols * sizeof(real), "gathered rows");
+    real *g = cpu_values_or_die((size_t)rows * cols, "gathered rows");
     for (int r = 0; r < rows; r++) memcpy(g + (size_t)r * cols, x + (size_t)x_rows[r] * cols, (size_t)cols * sizeof(real));
     return g;
 }
@@ -624,7 +626,7 @@ int cpu_fp8_quantize_combine_grad_both_layouts_grouped(uint8_t *q1, float *s1, u
     static const char op[] = "fp8_quantize_combine_grad_both_layouts_grouped";
     check_segments(op, n, rows0);
     const int rows = rows0[n];
-    real *dy = alloc_or_die((size_t)(rows > 0 ? rows : 1) * C * sizeof(real), "the combine's gradient rows");
+    real *dy = cpu_values_or_die((size_t)rows * C, "the combine's gradient rows");
     for (int s = 0; s < rows; s++) {
         const int t = seg_token[s];
         int k = 0;
@@ -650,7 +652,7 @@ static real *swiglu_value(const char *op, SwigluValue value, const uint16_t *dou
                           const uint16_t *b16, int n, const int *rows0, int C) {
     check_segments(op, n, rows0);
     const int64_t count = (int64_t)rows0[n] * C;
-    real *v = alloc_or_die((size_t)(count > 0 ? count : 1) * sizeof(real), "SwiGLU values");
+    real *v = cpu_values_or_die((size_t)count, "SwiGLU values");
     real *a = cpu_bf16_rows_widened(a16, rows0[n], C), *b = b16 ? cpu_bf16_rows_widened(b16, rows0[n], C) : NULL;
     real *dout = dout16 ? cpu_bf16_rows_widened(dout16, rows0[n], C) : NULL;
     if (value == SWIGLU_OUT) cpu_swiglu_forward(v, a, b, count);
@@ -709,7 +711,7 @@ int cpu_fp8_quantize_swiglu_grads_both_layouts_grouped(uint8_t *qa1, float *sa1,
 void cpu_fp8_gemm_fprop(real *y, const uint8_t *qx, const float *sx, const uint8_t *qw, const float *sw, int T, int N,
                         int K) {
     const int KB = ceil_div(K, FP8_TILE), KB4 = ceil_div(KB, 4) * 4;
-    float *sbx = alloc_or_die((size_t)KB * N * sizeof(float), "expanded weight scales");
+    float *sbx = aligned_or_die((size_t)KB * N * sizeof(float), "expanded weight scales");
     for (int kb = 0; kb < KB; kb++) {
         for (int n = 0; n < N; n++) sbx[(size_t)kb * N + n] = sw[(size_t)(n / FP8_TILE) * KB4 + kb];
     }
@@ -724,7 +726,7 @@ void cpu_fp8_gemm_fprop(real *y, const uint8_t *qx, const float *sx, const uint8
 static void fp8_dgrad(OutMode mode, real *dx, const uint8_t *qdy, const float *sdy, const uint8_t *qwt,
                       const float *sw, int T, int N, int K) {
     const int KB = ceil_div(K, FP8_TILE), KB4 = ceil_div(KB, 4) * 4, NB = ceil_div(N, FP8_TILE);
-    float *sbx = alloc_or_die((size_t)NB * K * sizeof(float), "expanded weight scales");
+    float *sbx = aligned_or_die((size_t)NB * K * sizeof(float), "expanded weight scales");
     for (int nb = 0; nb < NB; nb++) {
         for (int k = 0; k < K; k++) sbx[(size_t)nb * K + k] = sw[(size_t)nb * KB4 + k / FP8_TILE];
     }
@@ -780,7 +782,7 @@ static void store_bf16_rows(uint16_t *y, const real *v, size_t rows, int cols) {
 void cpu_fp8_gemm_fprop_grouped_bf16(uint16_t *y, const uint8_t *qx, const float *sx, const uint8_t *const *qw,
                                      const float *const *sw, int n, const int *rows0, int N, int K) {
     const size_t rows = (size_t)rows0[n];
-    real *v = alloc_or_die((rows > 0 ? rows : 1) * (size_t)N * sizeof(real), "BF16 Fprop output");
+    real *v = cpu_values_or_die(rows * (size_t)N, "BF16 Fprop output");
     cpu_fp8_gemm_fprop_grouped(v, qx, sx, qw, sw, n, rows0, N, K);
     store_bf16_rows(y, v, rows, N);
     free(v);
@@ -789,7 +791,7 @@ void cpu_fp8_gemm_fprop_grouped_bf16(uint16_t *y, const uint8_t *qx, const float
 void cpu_fp8_gemm_dgrad_grouped_bf16(uint16_t *dx, const uint8_t *qdy, const float *sdy, const uint8_t *const *qwt,
                                      const float *const *sw, int n, const int *rows0, int N, int K) {
     const size_t rows = (size_t)rows0[n];
-    real *v = alloc_or_die((rows > 0 ? rows : 1) * (size_t)K * sizeof(real), "BF16 Dgrad output");
+    real *v = cpu_values_or_die(rows * (size_t)K, "BF16 Dgrad output");
     cpu_fp8_gemm_dgrad_grouped(v, GRAD_WRITE, qdy, sdy, qwt, sw, n, rows0, N, K);
     store_bf16_rows(dx, v, rows, K);
     free(v);

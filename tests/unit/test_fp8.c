@@ -1223,6 +1223,19 @@ static void test_gemm_deterministic_across_threads(void **state) {
     tfree_all();
 }
 
+// got (rows, ld) BF16 bits: row r's first cols the bits of want (rows, cols), values that are BF16 already (checked:
+// the bits hold the value exactly), the padding columns 0.
+static void check_bf16_rows(const char *what, const uint16_t *got, const real *want, int rows, int cols, int ld) {
+    for (int r = 0; r < rows; r++) {
+        for (int c = 0; c < ld; c++) {
+            const uint16_t bits = c < cols ? float_to_bf16((float)want[(size_t)r * cols + c]) : 0;
+            if (got[(size_t)r * ld + c] != bits)
+                fail_msg("%s: row %d, column %d is 0x%04X, expected 0x%04X", what, r, c, got[(size_t)r * ld + c], bits);
+            if (c < cols) assert_true(bf16_to_float(bits) == (float)want[(size_t)r * cols + c]);
+        }
+    }
+}
+
 // Grouped Fprop and Dgrad (kernels.h): segments of 37, 0, 163, 128 and 17 rows (the empty one with NULL
 // weight pointers), each with its own weight (N = 200, K = 300: partial blocks on both axes), on the
 // *_grouped 1x128 operands give bit for bit what the plain GEMMs give on each segment quantised alone; Dgrad
@@ -1302,26 +1315,12 @@ static void test_gemm_grouped(void **state) {
     uint16_t *y16 = talloc((size_t)(T + 15) * Np * sizeof(uint16_t));
     memset(y16, 0xA5, (size_t)(T + 15) * Np * sizeof(uint16_t));
     fp8_gemm_fprop_grouped_bf16(DEVICE_CPU, y16, qx, sx, qw, sw, NSEG, rows0, N, K);
-    for (int r = 0; r < T; r++) {
-        for (int c = 0; c < Np; c++) {
-            const uint16_t want = c < N ? float_to_bf16((float)y_ref[(size_t)r * N + c]) : 0;
-            if (y16[(size_t)r * Np + c] != want) fail_msg("BF16 Fprop: row %d, column %d is 0x%04X, expected 0x%04X", r, c,
-                                                         y16[(size_t)r * Np + c], want);
-            if (c < N) assert_true(bf16_to_float(want) == (float)y_ref[(size_t)r * N + c]);  // the value, exactly
-        }
-    }
+    check_bf16_rows("BF16 Fprop", y16, y_ref, T, N, Np);
     // the Dgrad's (fp8_gemm_dgrad_grouped_bf16): the BF16 bits of the GRAD_WRITE Dgrad's values, row stride Kp
     uint16_t *dx16 = talloc((size_t)(T + 15) * Kp * sizeof(uint16_t));
     memset(dx16, 0xA5, (size_t)(T + 15) * Kp * sizeof(uint16_t));
     fp8_gemm_dgrad_grouped_bf16(DEVICE_CPU, dx16, qdy, sdy, qwt, sw, NSEG, rows0, N, K);
-    for (int r = 0; r < T; r++) {
-        for (int c = 0; c < Kp; c++) {
-            const uint16_t want = c < K ? float_to_bf16((float)dxw[(size_t)r * K + c]) : 0;
-            if (dx16[(size_t)r * Kp + c] != want) fail_msg("BF16 Dgrad: row %d, column %d is 0x%04X, expected 0x%04X", r,
-                                                          c, dx16[(size_t)r * Kp + c], want);
-            if (c < K) assert_true(bf16_to_float(want) == (float)dxw[(size_t)r * K + c]);
-        }
-    }
+    check_bf16_rows("BF16 Dgrad", dx16, dxw, T, K, Kp);
     tfree_all();
 }
 
