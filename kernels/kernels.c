@@ -160,6 +160,36 @@ void crossentropy_backward(Device dev, real *dlogits, const real *probs, const i
     cpu_crossentropy_backward(dlogits, probs, targets, dloss, N, V);
 }
 
+void crossentropy_forward_bf16(Device dev, real *losses, real *row_max, double *row_sum, const uint16_t *logits,
+                               const int *targets, int N, int V) {
+#ifdef FP8MOE_CUDA
+    if (dev == DEVICE_CUDA) { cuda_crossentropy_forward_bf16(losses, row_max, row_sum, logits, targets, N, V); return; }
+#endif
+    if (dev != DEVICE_CPU) no_cuda_op("crossentropy_forward_bf16");
+    cpu_crossentropy_forward_bf16(losses, row_max, row_sum, logits, targets, N, V);
+}
+
+void crossentropy_backward_bf16(Device dev, uint16_t *dlogits, const uint16_t *logits, const real *row_max,
+                                const double *row_sum, const int *targets, real dloss, int N, int V) {
+#ifdef FP8MOE_CUDA
+    if (dev == DEVICE_CUDA) {
+        cuda_crossentropy_backward_bf16(dlogits, logits, row_max, row_sum, targets, dloss, N, V);
+        return;
+    }
+#endif
+    if (dev != DEVICE_CPU) no_cuda_op("crossentropy_backward_bf16");
+    cpu_crossentropy_backward_bf16(dlogits, logits, row_max, row_sum, targets, dloss, N, V);
+}
+
+void crossentropy_probs_bf16(Device dev, real *probs, const uint16_t *logits, const real *row_max,
+                             const double *row_sum, int N, int V) {
+#ifdef FP8MOE_CUDA
+    if (dev == DEVICE_CUDA) { cuda_crossentropy_probs_bf16(probs, logits, row_max, row_sum, N, V); return; }
+#endif
+    if (dev != DEVICE_CPU) no_cuda_op("crossentropy_probs_bf16");
+    cpu_crossentropy_probs_bf16(probs, logits, row_max, row_sum, N, V);
+}
+
 double sum_squares(Device dev, const real *x, int64_t n) {
 #ifdef FP8MOE_CUDA
     if (dev == DEVICE_CUDA) return cuda_sum_squares(x, n);
@@ -561,6 +591,23 @@ void bf16_matmul_backward(Device dev, real *dinp, real *dweight, const real *dou
 #endif
     if (dev != DEVICE_CPU) no_cuda_op("bf16_matmul_backward");
     cpu_bf16_matmul_backward(dinp, dweight, dout, inp, weight, N, C, OC);
+}
+
+void bf16_matmul_forward_bf16(Device dev, uint16_t *out, const real *inp, const real *weight, int N, int C, int OC) {
+#ifdef FP8MOE_CUDA
+    if (dev == DEVICE_CUDA) { cuda_bf16_matmul_forward_bf16(out, inp, weight, N, C, OC); return; }
+#endif
+    if (dev != DEVICE_CPU) no_cuda_op("bf16_matmul_forward_bf16");
+    cpu_bf16_matmul_forward_bf16(out, inp, weight, N, C, OC);
+}
+
+void bf16_matmul_backward_bf16(Device dev, real *dinp, real *dweight, const uint16_t *dout, const real *inp,
+                               const real *weight, int N, int C, int OC) {
+#ifdef FP8MOE_CUDA
+    if (dev == DEVICE_CUDA) { cuda_bf16_matmul_backward_bf16(dinp, dweight, dout, inp, weight, N, C, OC); return; }
+#endif
+    if (dev != DEVICE_CPU) no_cuda_op("bf16_matmul_backward_bf16");
+    cpu_bf16_matmul_backward_bf16(dinp, dweight, dout, inp, weight, N, C, OC);
 }
 
 void bf16_round_array(Device dev, uint16_t *dst, const real *src, int64_t n) {

@@ -145,6 +145,19 @@ void crossentropy_forward(Device dev, real *losses, real *probs, const real *log
 // dloss is the same for every row (e.g. loss_weight / n_valid for a mean).
 void crossentropy_backward(Device dev, real *dlogits, const real *probs, const int *targets, real dloss,
                            int N, int V);
+// The same loss on BF16 logits (N, V) (the output head's rounded products in the bf16 and fp8 modes,
+// bf16_matmul_forward_bf16), without an (N, V) FP32 buffer: the forward writes losses (N) and each row's
+// statistics, row_max (N) and row_sum (N) = sum of exp(x - max) (double: the CPU sums in double); the backward
+// recomputes each probability from them and WRITES dlogits (N, V) as BF16 = bf16((p - onehot) * dloss), 0 for
+// masked rows; dlogits may be logits. crossentropy_probs_bf16 writes the probabilities (N, V) in FP32. On the
+// logits' values, every result has the bits of crossentropy_forward / _backward on the same device (the
+// probabilities, and the gradient then rounded to BF16 as bf16_matmul_backward rounds dout).
+void crossentropy_forward_bf16(Device dev, real *losses, real *row_max, double *row_sum, const uint16_t *logits,
+                               const int *targets, int N, int V);
+void crossentropy_backward_bf16(Device dev, uint16_t *dlogits, const uint16_t *logits, const real *row_max,
+                                const double *row_sum, const int *targets, real dloss, int N, int V);
+void crossentropy_probs_bf16(Device dev, real *probs, const uint16_t *logits, const real *row_max,
+                             const double *row_sum, int N, int V);
 
 // ---------------------------------------------------------------------------- reductions, helpers
 // sum of squares of x (n), accumulated in double in a fixed order; returned as double
@@ -417,6 +430,11 @@ void fp8_gemm_wgrad(Device dev, real *dw, const uint8_t *qdyt, const float *sdyt
 void bf16_matmul_forward(Device dev, real *out, const real *inp, const real *weight, int N, int C, int OC);
 void bf16_matmul_backward(Device dev, real *dinp, real *dweight, const real *dout, const real *inp,
                           const real *weight, int N, int C, int OC);
+// The same two with the (N, OC) side in BF16 bits: out is bf16_matmul_forward's result as BF16, dout is taken as
+// it is (rounding it again would change nothing). The output head's logits and their gradient.
+void bf16_matmul_forward_bf16(Device dev, uint16_t *out, const real *inp, const real *weight, int N, int C, int OC);
+void bf16_matmul_backward_bf16(Device dev, real *dinp, real *dweight, const uint16_t *dout, const real *inp,
+                               const real *weight, int N, int C, int OC);
 // The same GEMMs on operands rounded once by the caller (train/linear.c rounds an activation once for every
 // Linear and group that reads it, and keeps each weight's BF16 copy per weights version, as the FP8 path
 // keeps its quantisation): uint16_t BF16 bits, rows packed.

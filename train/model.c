@@ -343,6 +343,19 @@ double model_flops_per_token(const Model *m, int T) {
 }
 
 // ---------------------------------------------------------------------------- activations
+// One output head's (N, V) buffer. fp32 mode: FP32 logits, then in place their probabilities and their gradient
+// (crossentropy_forward / _backward). bf16 and fp8 modes: the BF16 logits (the head GEMM's rounded products), then
+// in place their BF16 gradient, with each row's max and sum of exponentials in between (crossentropy_*_bf16): half
+// the bytes, and no FP32 copy of the logits to convert, normalise and convert back (about 7 GB of traffic per 8192
+// tokens at V = 32768, docs/benchmarks.md).
+typedef struct {
+    real *logits;              // fp32 mode, else NULL
+    uint16_t *logits16;        // bf16 and fp8 modes, else NULL
+    real *row_max;             // (N), BF16 form
+    double *row_sum;           // (N), BF16 form
+    real *losses;              // (N)
+} HeadActs;
+
 typedef struct {
     int *tok, *tgt;            // (N) host: input token t_{i+k} and target t_{i+k+1} (-1 = masked)
     int *d_tok, *d_tgt;        // the same on the device
@@ -352,7 +365,7 @@ typedef struct {
     real *x0, *x1;             // block input (projection output) and output
     BlockActs block;
     real *ho, *ho_rstd;        // h^k = RMSNorm(x1)
-    real *logits, *probs, *losses;  // probs = logits, as in ChunkActs
+    HeadActs head;
     real *d_h;                 // (N, D) gradient into h^k from depth k+1
     int64_t n_valid;
 } MtpActs;
@@ -371,12 +384,24 @@ struct ChunkActs {
     real *d_cur;               // (N, D) gradient of the residual stream
     // last chunk
     real *hn, *hn_rstd;        // h^0 = final RMSNorm of the residual stream
-    real *logits, *probs, *losses;  // probs = logits: one (N, V) buffer for logits, probabilities and
-                                    // their gradient (crossentropy works in place, kernels.h)
+    HeadActs head;
+    real *probs_row;                // (V) host: chunk_probs_at's probabilities in the BF16 form
     real *d_hn, *d_tmp, *d_cat;     // (N, D), (N, D), (N, 2D)
     MtpActs *mtp;
     LossTerms terms;
 };
+
+static void head_acts_alloc(ActsArena *ar, HeadActs *h, const Model *m, int N, int V) {
+    *h = (HeadActs){0};
+    if (m->cfg.precision.mode == PRECISION_FP32) {
+        h->logits = ARENA_REALS(ar, (int64_t)N * V);
+    } else {
+        h->logits16 = arena_alloc(ar, (size_t)N * V * sizeof(uint16_t));
+        h->row_max = ARENA_REALS(ar, N);
+        h->row_sum = arena_alloc(ar, (size_t)N * sizeof(double));
+    }
+    h->losses = ARENA_REALS(ar, N);
+}
 
 ChunkActs *chunk_acts_create(Model *m, int chunk, int B, int T) {
     ChunkActs *a = calloc(1, sizeof *a);
@@ -410,9 +435,7 @@ ChunkActs *chunk_acts_create(Model *m, int chunk, int B, int T) {
     if (cs->has_head) {
         a->hn = ARENA_REALS(ar, N * D);
         a->hn_rstd = ARENA_REALS(ar, N);
-        a->logits = ARENA_REALS(ar, N * V);
-        a->probs = a->logits;
-        a->losses = ARENA_REALS(ar, N);
+        head_acts_alloc(ar, &a->head, m, N, V);
         a->d_hn = ARENA_REALS(ar, N * D);
         a->d_tmp = ARENA_REALS(ar, N * D);
         a->d_cat = ARENA_REALS(ar, 2 * N * D);
@@ -434,9 +457,7 @@ ChunkActs *chunk_acts_create(Model *m, int chunk, int B, int T) {
             block_acts_alloc(ar, &t->block, d, m->w.mtp[k].block.is_moe, &a->scratch, keep, eout16);
             t->ho = ARENA_REALS(ar, N * D);
             t->ho_rstd = ARENA_REALS(ar, N);
-            t->logits = ARENA_REALS(ar, N * V);
-            t->probs = t->logits;
-            t->losses = ARENA_REALS(ar, N);
+            head_acts_alloc(ar, &t->head, m, N, V);
             t->d_h = ARENA_REALS(ar, N * D);
         }
     }
@@ -456,6 +477,7 @@ void chunk_acts_free(ChunkActs *a) {
     free(a->blocks);
     free(a->targets);
     free(a->host_losses);
+    free(a->probs_row);
     arena_free_all(&a->arena);
     free(a);
 }
@@ -465,31 +487,18 @@ void chunk_acts_free(ChunkActs *a) {
 // accumulation and BF16-rounded logits, as DeepSeek-V3 keeps it, and in fp32 mode the FP32 reference.
 // On an H200 the FP32 head (CUDA cores, no TF32) took 21 ms forward + 46 ms backward per 8192 tokens at
 // V = 32768, D = 2048: a quarter of the fp8 step of configs/bench-1gpu.ini.
-static void head_forward(Model *m, real *logits, const real *h, int N, int D, int V) {
+// Then the mean cross-entropy against targets (d_targets on the device, the same on the host), the per-row
+// losses copied into the host buffer host_losses (N); returns the mean over valid rows.
+static double head_forward(Model *m, HeadActs *o, const real *h, const int *d_targets, const int *targets, int N,
+                           int D, int V, real *host_losses, int64_t *n_valid) {
+    Device dev = m->dev;
     profile_begin(PHASE_OTHER_GEMM);
-    if (m->cfg.precision.mode == PRECISION_FP32) matmul_forward(m->dev, logits, h, m->w.head, N, D, V);
-    else bf16_matmul_forward(m->dev, logits, h, m->w.head, N, D, V);
+    if (o->logits) matmul_forward(dev, o->logits, h, m->w.head, N, D, V);
+    else bf16_matmul_forward_bf16(dev, o->logits16, h, m->w.head, N, D, V);
     profile_end(PHASE_OTHER_GEMM);
-}
-
-// dh (N, D) +=, the head's gradient +=, from d_logits (N, V).
-static void head_backward(Model *m, real *dh, const real *d_logits, const real *h, int N, int D, int V) {
-    profile_begin(PHASE_OTHER_GEMM);
-    if (m->cfg.precision.mode == PRECISION_FP32)
-        matmul_backward(m->dev, dh, m->g.head, d_logits, h, m->w.head, N, D, V);
-    else
-        bf16_matmul_backward(m->dev, dh, m->g.head, d_logits, h, m->w.head, N, D, V);
-    profile_end(PHASE_OTHER_GEMM);
-}
-
-// ---------------------------------------------------------------------------- head and MTP
-// Mean cross-entropy of logits (N, V) against targets (d_targets on the device, the same on the host);
-// fills losses/probs, returns the mean over valid rows.
-// host_losses (N) is a host buffer the per-row losses are copied into.
-static double head_loss(Device dev, real *losses, real *probs, const real *logits, const int *d_targets,
-                        const int *targets, int N, int V, real *host_losses, int64_t *n_valid) {
-    crossentropy_forward(dev, losses, probs, logits, d_targets, N, V);
-    device_memcpy_to_host(dev, host_losses, losses, (size_t)N * sizeof(real));
+    if (o->logits) crossentropy_forward(dev, o->losses, o->logits, o->logits, d_targets, N, V);
+    else crossentropy_forward_bf16(dev, o->losses, o->row_max, o->row_sum, o->logits16, d_targets, N, V);
+    device_memcpy_to_host(dev, host_losses, o->losses, (size_t)N * sizeof(real));
     double sum = 0;
     int64_t n = 0;
     for (int i = 0; i < N; i++) {
@@ -501,6 +510,20 @@ static double head_loss(Device dev, real *losses, real *probs, const real *logit
     return n ? sum / (double)n : 0.0;
 }
 
+// The loss's gradient dloss per valid row back through the head: dh (N, D) +=, the head's gradient +=. The
+// logits' buffer becomes their gradient.
+static void head_backward(Model *m, HeadActs *o, real *dh, const real *h, const int *d_targets, real dloss, int N,
+                          int D, int V) {
+    Device dev = m->dev;
+    if (o->logits) crossentropy_backward(dev, o->logits, o->logits, d_targets, dloss, N, V);
+    else crossentropy_backward_bf16(dev, o->logits16, o->logits16, o->row_max, o->row_sum, d_targets, dloss, N, V);
+    profile_begin(PHASE_OTHER_GEMM);
+    if (o->logits) matmul_backward(dev, dh, m->g.head, o->logits, h, m->w.head, N, D, V);
+    else bf16_matmul_backward_bf16(dev, dh, m->g.head, o->logits16, h, m->w.head, N, D, V);
+    profile_end(PHASE_OTHER_GEMM);
+}
+
+// ---------------------------------------------------------------------------- head and MTP
 // MTP depth k (1-based) at position i of a sequence takes token t_{i+k} as input and predicts t_{i+k+1}.
 // With targets[i] = t_{i+1}: t_{i+k} = targets[i+k-1] and t_{i+k+1} = targets[i+k], inside the sequence.
 // Positions whose input or target falls off the sequence are masked (input token 0, target -1); being the
@@ -535,8 +558,7 @@ static double mtp_forward(Model *m, ChunkActs *a, int k) {
     linear_forward(m, t->x0, t->cat, w->eh_proj, N, 2 * D, D, NULL);
     block_forward(m, &w->block, &t->block, d, t->x0, t->x1);
     rmsnorm_forward(dev, t->ho, t->ho_rstd, t->x1, w->norm, N, D);
-    head_forward(m, t->logits, t->ho, N, D, V);
-    return head_loss(dev, t->losses, t->probs, t->logits, t->d_tgt, t->tgt, N, V, a->host_losses, &t->n_valid);
+    return head_forward(m, &t->head, t->ho, t->d_tgt, t->tgt, N, D, V, a->host_losses, &t->n_valid);
 }
 
 // Backward of MTP depth k: the gradient into h^{k-1} is added to d_h_prev.
@@ -550,8 +572,7 @@ static void mtp_backward(Model *m, ChunkActs *a, int k, real *d_h_prev, real los
     const real *h_prev = k == 0 ? a->hn : a->mtp[k - 1].ho;
     // d h^k = (from this depth's head) + (from depth k+1, already in t->d_h)
     real dloss = t->n_valid ? loss_scale * m->loss_weights.mtp[k] / (real)t->n_valid : 0;
-    crossentropy_backward(dev, t->probs, t->probs, t->d_tgt, dloss, N, V);  // in place: now d logits
-    head_backward(m, t->d_h, t->probs, t->ho, N, D, V);
+    head_backward(m, &t->head, t->d_h, t->ho, t->d_tgt, dloss, N, D, V);
     device_memset_zero(dev, a->d_cur, bytes);
     rmsnorm_backward(dev, a->d_cur, g->norm, t->d_h, t->x1, w->norm, t->ho_rstd, N, D);
     block_backward(m, &w->block, &g->block, &t->block, d, &a->scratch, a->d_cur, loss_scale * m->loss_weights.balance);
@@ -599,9 +620,7 @@ real chunk_forward(Model *m, int chunk, ChunkActs *a, const int *inputs, const i
         return (real)(m->loss_weights.balance * balance);
     }
     rmsnorm_forward(dev, a->hn, a->hn_rstd, x_last, m->w.norm, N, D);
-    head_forward(m, a->logits, a->hn, N, D, V);
-    lt->main = head_loss(dev, a->losses, a->probs, a->logits, a->d_targets, targets, N, V, a->host_losses,
-                         &lt->n_valid);
+    lt->main = head_forward(m, &a->head, a->hn, a->d_targets, targets, N, D, V, a->host_losses, &lt->n_valid);
     double total = m->loss_weights.main * lt->main;
     int depth = m->cfg.mtp.depth;
     for (int k = 0; k < depth; k++) {
@@ -631,8 +650,7 @@ void chunk_backward(Model *m, int chunk, ChunkActs *a, const real *dout_hidden, 
         for (int k = depth - 1; k >= 0; k--)
             mtp_backward(m, a, k, k == 0 ? a->d_hn : a->mtp[k - 1].d_h, loss_scale);
         real dloss = a->terms.n_valid ? loss_scale * m->loss_weights.main / (real)a->terms.n_valid : 0;
-        crossentropy_backward(dev, a->probs, a->probs, a->d_targets, dloss, N, V);  // in place: now d logits
-        head_backward(m, a->d_hn, a->probs, a->hn, N, D, V);
+        head_backward(m, &a->head, a->d_hn, a->hn, a->d_targets, dloss, N, D, V);
         device_memset_zero(dev, a->d_cur, bytes);
         rmsnorm_backward(dev, a->d_cur, m->g.norm, a->d_hn, a->resid + (int64_t)cs->n_blocks * N * D, m->w.norm,
                          a->hn_rstd, N, D);
@@ -651,6 +669,13 @@ void chunk_backward(Model *m, int chunk, ChunkActs *a, const real *dout_hidden, 
 
 LossTerms chunk_losses(const ChunkActs *a) { return a->terms; }
 
-const real *chunk_probs_at(const ChunkActs *a, int b, int t) {
-    return a->probs ? a->probs + ((int64_t)b * a->d.T + t) * a->V : NULL;
+const real *chunk_probs_at(ChunkActs *a, int b, int t) {
+    const HeadActs *o = &a->head;
+    const int64_t row = (int64_t)b * a->d.T + t;
+    if (o->logits) return o->logits + row * a->V;
+    if (!o->logits16) return NULL;
+    if (!a->probs_row && !(a->probs_row = malloc((size_t)a->V * sizeof(real)))) return NULL;
+    crossentropy_probs_bf16(DEVICE_CPU, a->probs_row, o->logits16 + row * a->V, o->row_max + row, o->row_sum + row, 1,
+                            a->V);
+    return a->probs_row;
 }

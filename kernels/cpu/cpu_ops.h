@@ -20,6 +20,12 @@ void cpu_swiglu_forward(real *out, const real *a, const real *b, int64_t n);
 void cpu_swiglu_backward(real *da, real *db, const real *dout, const real *a, const real *b, int64_t n);
 void cpu_crossentropy_forward(real *losses, real *probs, const real *logits, const int *targets, int N, int V);
 void cpu_crossentropy_backward(real *dlogits, const real *probs, const int *targets, real dloss, int N, int V);
+void cpu_crossentropy_forward_bf16(real *losses, real *row_max, double *row_sum, const uint16_t *logits,
+                                   const int *targets, int N, int V);
+void cpu_crossentropy_backward_bf16(uint16_t *dlogits, const uint16_t *logits, const real *row_max,
+                                    const double *row_sum, const int *targets, real dloss, int N, int V);
+void cpu_crossentropy_probs_bf16(real *probs, const uint16_t *logits, const real *row_max, const double *row_sum,
+                                 int N, int V);
 double cpu_sum_squares(const real *x, int64_t n);
 void cpu_scale_inplace(real *x, real s, int64_t n);
 void cpu_add_inplace(real *y, const real *x, int64_t n);
@@ -90,6 +96,9 @@ void cpu_fp8_gemm_wgrad(real *dw, const uint8_t *qdyt, const float *sdyt, const 
 float cpu_fp8_dot_emulated(const uint8_t *qa, const float *sa, const uint8_t *qb, const float *sb, int Kc, int acc_bits, int promote);
 void cpu_bf16_matmul_forward(real *out, const real *inp, const real *weight, int N, int C, int OC);
 void cpu_bf16_matmul_backward(real *dinp, real *dweight, const real *dout, const real *inp, const real *weight, int N, int C, int OC);
+void cpu_bf16_matmul_forward_bf16(uint16_t *out, const real *inp, const real *weight, int N, int C, int OC);
+void cpu_bf16_matmul_backward_bf16(real *dinp, real *dweight, const uint16_t *dout, const real *inp,
+                                   const real *weight, int N, int C, int OC);
 void cpu_bf16_round_array(uint16_t *dst, const real *src, int64_t n);
 real *cpu_bf16_rows_widened(const uint16_t *x, int64_t rows, int cols);
 // `count` reals (at least one) from malloc, freed by the caller, or a message naming `what` and exit (scratch.c).

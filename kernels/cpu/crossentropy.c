@@ -22,10 +22,37 @@ static void check_targets(const char *op, const int *targets, int N, int V) {
     }
 }
 
+// One row's maximum and sum of exp(x - max) (x (V)), with p (V, may be x) = exp(x - max) when given. The
+// normaliser is summed in double: in FP32 a running sum over a large vocabulary drops the smallest terms and is
+// biased low (1.7e-4 relative at V = 129280).
+static void row_stats(real *p, const real *x, int V, real *max_out, double *sum_out) {
+    real maxval = -INFINITY;
+    for (int i = 0; i < V; i++) {
+        if (x[i] > maxval) maxval = x[i];
+    }
+    double sum = 0;
+    for (int i = 0; i < V; i++) {
+        const real e = exp(x[i] - maxval);
+        if (p) p[i] = e;
+        sum += e;
+    }
+    *max_out = maxval, *sum_out = sum;
+}
+
+// -log softmax(x)[target] as log(sum) + max - x[target], not from the rounded probability, so it stays accurate
+// when the target's probability is tiny; 0 for a masked row.
+static real row_loss(int target, real maxval, double sum, real x_target) {
+    return target < 0 ? (real)0 : (real)((log(sum) + maxval) - x_target);
+}
+
+// The probability of logit x in a row of those statistics: the bits the FP32 forward stores.
+static real row_prob(real x, real maxval, double sum) {
+    const real e = exp(x - maxval);
+    return (real)(e / sum);
+}
+
 // logits (N, V), targets (N) int32 with -1 = masked -> probs (N, V) = softmax(logits) for every row,
-// losses (N) = -log probs[target] for unmasked rows, 0 for masked rows. The loss is computed as
-// log(sum) + max - logit[target] rather than from the rounded probability, so it stays accurate
-// when the target's probability is tiny.
+// losses (N) = -log probs[target] for unmasked rows, 0 for masked rows.
 void cpu_crossentropy_forward(real *losses, real *probs, const real *logits, const int *targets, int N, int V) {
     check_targets("crossentropy_forward", targets, N, V);
 #pragma omp parallel for schedule(static) if ((int64_t)N * V >= 16384)
@@ -34,19 +61,56 @@ void cpu_crossentropy_forward(real *losses, real *probs, const real *logits, con
         real *p = probs + (size_t)n * V;
         const int target = targets[n];
         const real x_target = target < 0 ? (real)0 : x[target];  // read before p (may alias x) is written
-        real maxval = -INFINITY;
-        for (int i = 0; i < V; i++) {
-            if (x[i] > maxval) maxval = x[i];
-        }
-        // the normaliser is summed in double: in FP32 a running sum over a large vocabulary drops the
-        // smallest terms and is biased low (1.7e-4 relative at V = 129280)
-        double sum = 0;
-        for (int i = 0; i < V; i++) {
-            p[i] = exp(x[i] - maxval);
-            sum += p[i];
-        }
+        real maxval;
+        double sum;
+        row_stats(p, x, V, &maxval, &sum);
         for (int i = 0; i < V; i++) p[i] = (real)(p[i] / sum);
-        losses[n] = target < 0 ? (real)0 : (real)((log(sum) + maxval) - x_target);
+        losses[n] = row_loss(target, maxval, sum, x_target);
+    }
+}
+
+// BF16 logits (N, V): each row widened to real, then the forward above without its probabilities.
+void cpu_crossentropy_forward_bf16(real *losses, real *row_max, double *row_sum, const uint16_t *logits,
+                                   const int *targets, int N, int V) {
+    check_targets("crossentropy_forward_bf16", targets, N, V);
+#pragma omp parallel if ((int64_t)N * V >= 16384)
+    {
+        real *x = cpu_values_or_die((size_t)V, "a widened logits row");
+#pragma omp for schedule(static)
+        for (int n = 0; n < N; n++) {
+            for (int i = 0; i < V; i++) x[i] = (real)bf16_to_float(logits[(size_t)n * V + i]);
+            row_stats(NULL, x, V, &row_max[n], &row_sum[n]);
+            losses[n] = row_loss(targets[n], row_max[n], row_sum[n], targets[n] < 0 ? (real)0 : x[targets[n]]);
+        }
+        free(x);
+    }
+}
+
+void cpu_crossentropy_probs_bf16(real *probs, const uint16_t *logits, const real *row_max, const double *row_sum,
+                                 int N, int V) {
+#pragma omp parallel for schedule(static) if ((int64_t)N * V >= 16384)
+    for (int n = 0; n < N; n++)
+        for (int i = 0; i < V; i++)
+            probs[(size_t)n * V + i] = row_prob((real)bf16_to_float(logits[(size_t)n * V + i]), row_max[n], row_sum[n]);
+}
+
+// The backward below on the probabilities recomputed from the statistics, its result rounded to BF16 (RNE).
+void cpu_crossentropy_backward_bf16(uint16_t *dlogits, const uint16_t *logits, const real *row_max,
+                                    const double *row_sum, const int *targets, real dloss, int N, int V) {
+    check_targets("crossentropy_backward_bf16", targets, N, V);
+#pragma omp parallel for schedule(static) if ((int64_t)N * V >= 16384)
+    for (int n = 0; n < N; n++) {
+        const uint16_t *x = logits + (size_t)n * V;
+        uint16_t *d = dlogits + (size_t)n * V;
+        const int target = targets[n];
+        for (int i = 0; i < V; i++) {
+            if (target < 0) {
+                d[i] = float_to_bf16(0.0f);
+                continue;
+            }
+            const real p = row_prob((real)bf16_to_float(x[i]), row_max[n], row_sum[n]);
+            d[i] = float_to_bf16((float)(i == target ? (p - (real)1) * dloss : p * dloss));
+        }
     }
 }
 

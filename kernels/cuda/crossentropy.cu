@@ -1,12 +1,16 @@
 /*
  * crossentropy.cu - CUDA softmax cross-entropy over the vocabulary (kernels.h: crossentropy_forward /
- * crossentropy_backward), for the output head and the MTP heads. Same function as cpu_crossentropy_*;
- * checked against it by tests/gpu.
+ * crossentropy_backward on FP32 logits, crossentropy_*_bf16 on BF16 logits), for the output head and the MTP
+ * heads. Same function as cpu_crossentropy_*; checked against it by tests/gpu. The BF16 forms run the same
+ * kernels reading BF16 (one template), keep each row's max and sum instead of writing probabilities, and the
+ * backward recomputes each probability from them: the bits of the FP32 forms on the logits' values.
  *
  * One block per row (token): V is large (50257 for GPT-2 text, 129280 for DeepSeek-V3), so each row
  * is reduced by a whole block in a fixed tree order (deterministic, no atomics). Rows are indexed
  * with int64 so N * V may exceed 2^31.
  */
+#include <cuda_bf16.h>
+
 #include "kernels/cuda/cuda_ops.h"
 #include "kernels/cuda/common.cuh"
 
@@ -21,58 +25,79 @@ __device__ inline float row_loss(int t, int V, float max_x, float sum_exp, float
     return __fsub_rn(__fadd_rn(logf(sum_exp), max_x), x_target);
 }
 
+// The probability of logit x in a row of those statistics (the forward's, the backward's and
+// crossentropy_probs_bf16's: the same bits).
+__device__ inline float row_prob(float x, float max_x, float sum_exp) {
+    return __fdiv_rn(expf(__fsub_rn(x, max_x)), sum_exp);
+}
+
+// Logit j of a row: FP32, or BF16 bits (the head's rounded products, kernels.h crossentropy_*_bf16).
+__device__ inline float logit_at(const float *x, int64_t j) { return x[j]; }
+__device__ inline float logit_at(const uint16_t *x, int64_t j) { return bf16_bits_to_float(x[j]); }
+
+// What a forward writes besides the losses: the probabilities (FP32 logits; probs may alias them), or each row's
+// max and sum (BF16 logits; probs NULL).
+struct CeOut {
+    float *probs, *row_max;
+    double *row_sum;
+};
+
 // logits (N, V), targets (N) int32 in [0, V) or -1 (masked) ->
-//   probs (N, V) = softmax of each row (written for masked rows too: it is the same function),
-//   losses (N) = -log probs[target] = (log(sum_j exp(x_j - max)) + max) - x_target; 0 where masked
+//   probs (N, V) = softmax of each row (written for masked rows too: it is the same function), or the row's
+//   statistics, and losses (N) = -log probs[target] = (log(sum_j exp(x_j - max)) + max) - x_target; 0 where masked
 //   (from the sum, not the rounded probability, so it stays accurate when that probability is tiny).
 // A target outside [-1, V) makes that row's loss NaN, so a bad id shows up in the loss instead of
 // reading out of bounds.
-__global__ void crossentropy_forward_kernel(float *losses, float *probs, const float *logits, const int *targets,
-                                            int V) {
+template <class L>
+__global__ void crossentropy_forward_kernel(float *losses, CeOut out, const L *logits, const int *targets, int V) {
     __shared__ float scratch[32];
     const int64_t row = blockIdx.x;
-    const float *x = logits + row * V;
-    float *p = probs + row * V;
+    const L *x = logits + row * V;
+    float *p = out.probs ? out.probs + row * V : NULL;
     // probs may alias logits: the target's logit is read before the barriers in block_max/block_sum,
     // every other x[j] is read by the thread that later overwrites it
     const int t = targets[row];
-    const float x_target = (threadIdx.x == 0 && t >= 0 && t < V) ? x[t] : 0.0f;
+    const float x_target = (threadIdx.x == 0 && t >= 0 && t < V) ? logit_at(x, t) : 0.0f;
 
     float max_x = -INFINITY;
-    for (int j = threadIdx.x; j < V; j += blockDim.x) max_x = fmaxf(max_x, x[j]);
+    for (int j = threadIdx.x; j < V; j += blockDim.x) max_x = fmaxf(max_x, logit_at(x, j));
     max_x = block_max(max_x, scratch);
 
     float sum_exp = 0.0f;
-    for (int j = threadIdx.x; j < V; j += blockDim.x) sum_exp = __fadd_rn(sum_exp, expf(__fsub_rn(x[j], max_x)));
+    for (int j = threadIdx.x; j < V; j += blockDim.x)
+        sum_exp = __fadd_rn(sum_exp, expf(__fsub_rn(logit_at(x, j), max_x)));
     sum_exp = block_sum(sum_exp, scratch);
 
-    for (int j = threadIdx.x; j < V; j += blockDim.x) p[j] = __fdiv_rn(expf(__fsub_rn(x[j], max_x)), sum_exp);
+    if (p)
+        for (int j = threadIdx.x; j < V; j += blockDim.x) p[j] = row_prob(logit_at(x, j), max_x, sum_exp);
 
-    if (threadIdx.x == 0) losses[row] = row_loss(t, V, max_x, sum_exp, x_target);
+    if (threadIdx.x == 0) {
+        losses[row] = row_loss(t, V, max_x, sum_exp, x_target);
+        if (!p) out.row_max[row] = max_x, out.row_sum[row] = sum_exp;
+    }
 }
 
 // The same function with the row held in registers (V <= PER_THREAD * CE_THREADS): element j stays with thread
 // j % blockDim.x, in slot j / blockDim.x, exactly the elements and order of the loops above, so the max, the sum
 // and every probability have the kernel above's bits. The row is read from memory once instead of three times
-// (the head's logits are N x V floats, 2 GiB per 16384-token micro-batch at V = 32768), and each exponential is
+// (the head's logits are N x V, 2 GiB per 16384-token micro-batch at V = 32768 in FP32), and each exponential is
 // computed once.
-template <int PER_THREAD>
+template <int PER_THREAD, class L>
 __global__ void __launch_bounds__(CE_THREADS)
-    crossentropy_forward_registers_kernel(float *losses, float *probs, const float *logits, const int *targets,
-                                          int V) {
+    crossentropy_forward_registers_kernel(float *losses, CeOut out, const L *logits, const int *targets, int V) {
     __shared__ float scratch[32];
     const int64_t row = blockIdx.x;
-    const float *x = logits + row * V;
-    float *p = probs + row * V;
+    const L *x = logits + row * V;
+    float *p = out.probs ? out.probs + row * V : NULL;
     const int t = targets[row];
-    const float x_target = (threadIdx.x == 0 && t >= 0 && t < V) ? x[t] : 0.0f;  // before any store (aliasing)
+    const float x_target = (threadIdx.x == 0 && t >= 0 && t < V) ? logit_at(x, t) : 0.0f;  // before any store
 
     float v[PER_THREAD];
     float max_x = -INFINITY;
 #pragma unroll
     for (int i = 0; i < PER_THREAD; i++) {
         const int j = threadIdx.x + i * blockDim.x;
-        v[i] = j < V ? x[j] : -INFINITY;
+        v[i] = j < V ? logit_at(x, j) : -INFINITY;
     }
 #pragma unroll
     for (int i = 0; i < PER_THREAD; i++)
@@ -89,28 +114,43 @@ __global__ void __launch_bounds__(CE_THREADS)
     }
     sum_exp = block_sum(sum_exp, scratch);
 
+    if (p) {
 #pragma unroll
-    for (int i = 0; i < PER_THREAD; i++) {
-        const int j = threadIdx.x + i * blockDim.x;
-        if (j < V) p[j] = __fdiv_rn(v[i], sum_exp);
+        for (int i = 0; i < PER_THREAD; i++) {
+            const int j = threadIdx.x + i * blockDim.x;
+            if (j < V) p[j] = __fdiv_rn(v[i], sum_exp);  // row_prob, its exponential already taken
+        }
     }
 
-    if (threadIdx.x == 0) losses[row] = row_loss(t, V, max_x, sum_exp, x_target);
+    if (threadIdx.x == 0) {
+        losses[row] = row_loss(t, V, max_x, sum_exp, x_target);
+        if (!p) out.row_max[row] = max_x, out.row_sum[row] = sum_exp;
+    }
+}
+
+template <class L>
+static void crossentropy_forward_launch(float *losses, CeOut out, const L *logits, const int *targets, int N, int V) {
+    if (N <= 0 || V <= 0) return;
+    const int per_thread = (V + CE_THREADS - 1) / CE_THREADS;  // 64 at V = 32768; larger rows take three passes
+    if (per_thread <= 8)
+        crossentropy_forward_registers_kernel<8><<<N, CE_THREADS>>>(losses, out, logits, targets, V);
+    else if (per_thread <= 32)
+        crossentropy_forward_registers_kernel<32><<<N, CE_THREADS>>>(losses, out, logits, targets, V);
+    else if (per_thread <= 64)
+        crossentropy_forward_registers_kernel<64><<<N, CE_THREADS>>>(losses, out, logits, targets, V);
+    else
+        crossentropy_forward_kernel<<<N, CE_THREADS>>>(losses, out, logits, targets, V);
+    CUDA_CHECK_LAUNCH("crossentropy_forward_kernel");
 }
 
 extern "C" void cuda_crossentropy_forward(real *losses, real *probs, const real *logits, const int *targets, int N,
                                           int V) {
-    if (N <= 0 || V <= 0) return;
-    const int per_thread = (V + CE_THREADS - 1) / CE_THREADS;  // 64 at V = 32768; larger rows take three passes
-    if (per_thread <= 8)
-        crossentropy_forward_registers_kernel<8><<<N, CE_THREADS>>>(losses, probs, logits, targets, V);
-    else if (per_thread <= 32)
-        crossentropy_forward_registers_kernel<32><<<N, CE_THREADS>>>(losses, probs, logits, targets, V);
-    else if (per_thread <= 64)
-        crossentropy_forward_registers_kernel<64><<<N, CE_THREADS>>>(losses, probs, logits, targets, V);
-    else
-        crossentropy_forward_kernel<<<N, CE_THREADS>>>(losses, probs, logits, targets, V);
-    CUDA_CHECK_LAUNCH("crossentropy_forward_kernel");
+    crossentropy_forward_launch(losses, CeOut{probs, NULL, NULL}, logits, targets, N, V);
+}
+
+extern "C" void cuda_crossentropy_forward_bf16(real *losses, real *row_max, double *row_sum, const uint16_t *logits,
+                                               const int *targets, int N, int V) {
+    crossentropy_forward_launch(losses, CeOut{NULL, row_max, row_sum}, logits, targets, N, V);
 }
 
 // ---------------------------------------------------------------------------- backward
@@ -118,6 +158,10 @@ extern "C" void cuda_crossentropy_forward(real *losses, real *probs, const real 
 // WRITES (does not accumulate) dlogits (N, V) = (probs - onehot(target)) * dloss; 0 for masked rows.
 // One block per row so the row's target is read once. dlogits may alias probs (each element is read and
 // written by the same thread).
+__device__ inline float row_grad(float p, int j, int t, float dloss) {
+    return __fmul_rn(__fsub_rn(p, j == t ? 1.0f : 0.0f), dloss);
+}
+
 __global__ void crossentropy_backward_kernel(float *dlogits, const float *probs, const int *targets, float dloss,
                                              int V) {
     const int64_t row = blockIdx.x;
@@ -128,10 +172,7 @@ __global__ void crossentropy_backward_kernel(float *dlogits, const float *probs,
         for (int j = threadIdx.x; j < V; j += blockDim.x) d[j] = 0.0f;
         return;
     }
-    for (int j = threadIdx.x; j < V; j += blockDim.x) {
-        const float indicator = j == t ? 1.0f : 0.0f;
-        d[j] = __fmul_rn(__fsub_rn(p[j], indicator), dloss);
-    }
+    for (int j = threadIdx.x; j < V; j += blockDim.x) d[j] = row_grad(p[j], j, t, dloss);
 }
 
 extern "C" void cuda_crossentropy_backward(real *dlogits, const real *probs, const int *targets, real dloss, int N,
@@ -139,4 +180,42 @@ extern "C" void cuda_crossentropy_backward(real *dlogits, const real *probs, con
     if (N <= 0 || V <= 0) return;
     crossentropy_backward_kernel<<<N, CE_THREADS>>>(dlogits, probs, targets, dloss, V);
     CUDA_CHECK_LAUNCH("crossentropy_backward_kernel");
+}
+
+// The BF16 form: each probability recomputed from the row's statistics (row_prob, the forward's bits), the gradient
+// rounded to BF16 (RNE, as cuda_float_to_bf16 rounds bf16_matmul_backward's dout). dlogits may alias logits.
+__global__ void crossentropy_backward_bf16_kernel(uint16_t *dlogits, const uint16_t *logits, const float *row_max,
+                                                  const double *row_sum, const int *targets, float dloss, int V) {
+    const int64_t row = blockIdx.x;
+    const uint16_t *x = logits + row * V;
+    uint16_t *d = dlogits + row * V;
+    const int t = targets[row];
+    if (t < 0) {
+        for (int j = threadIdx.x; j < V; j += blockDim.x) d[j] = 0;
+        return;
+    }
+    const float max_x = row_max[row], sum_exp = (float)row_sum[row];
+    for (int j = threadIdx.x; j < V; j += blockDim.x)
+        d[j] = __bfloat16_as_ushort(__float2bfloat16_rn(row_grad(row_prob(logit_at(x, j), max_x, sum_exp), j, t, dloss)));
+}
+
+extern "C" void cuda_crossentropy_backward_bf16(uint16_t *dlogits, const uint16_t *logits, const real *row_max,
+                                                const double *row_sum, const int *targets, real dloss, int N, int V) {
+    if (N <= 0 || V <= 0) return;
+    crossentropy_backward_bf16_kernel<<<N, CE_THREADS>>>(dlogits, logits, row_max, row_sum, targets, dloss, V);
+    CUDA_CHECK_LAUNCH("crossentropy_backward_bf16_kernel");
+}
+
+__global__ void crossentropy_probs_bf16_kernel(float *probs, const uint16_t *logits, const float *row_max,
+                                               const double *row_sum, int V) {
+    const int64_t row = blockIdx.x;
+    const float max_x = row_max[row], sum_exp = (float)row_sum[row];
+    for (int j = threadIdx.x; j < V; j += blockDim.x) probs[row * V + j] = row_prob(logit_at(logits + row * V, j), max_x, sum_exp);
+}
+
+extern "C" void cuda_crossentropy_probs_bf16(real *probs, const uint16_t *logits, const real *row_max,
+                                             const double *row_sum, int N, int V) {
+    if (N <= 0 || V <= 0) return;
+    crossentropy_probs_bf16_kernel<<<N, CE_THREADS>>>(probs, logits, row_max, row_sum, V);
+    CUDA_CHECK_LAUNCH("crossentropy_probs_bf16_kernel");
 }

@@ -16,6 +16,12 @@ void cuda_swiglu_forward(real *out, const real *a, const real *b, int64_t n);
 void cuda_swiglu_backward(real *da, real *db, const real *dout, const real *a, const real *b, int64_t n);
 void cuda_crossentropy_forward(real *losses, real *probs, const real *logits, const int *targets, int N, int V);
 void cuda_crossentropy_backward(real *dlogits, const real *probs, const int *targets, real dloss, int N, int V);
+void cuda_crossentropy_forward_bf16(real *losses, real *row_max, double *row_sum, const uint16_t *logits,
+                                    const int *targets, int N, int V);
+void cuda_crossentropy_backward_bf16(uint16_t *dlogits, const uint16_t *logits, const real *row_max,
+                                     const double *row_sum, const int *targets, real dloss, int N, int V);
+void cuda_crossentropy_probs_bf16(real *probs, const uint16_t *logits, const real *row_max, const double *row_sum,
+                                  int N, int V);
 void cuda_adamw_update(real *param, const real *grad, uint16_t *m, uint16_t *v, int64_t n, float lr, float beta1, float beta2, float eps, float weight_decay, float grad_scale, int t);
 
 // FP8 block scaling and the BF16 baseline GEMMs (kernels/cuda/fp8_quant.cu, kernels/cuda/gemm.cu).
@@ -77,6 +83,9 @@ void cuda_bf16_gemm_dgrad_grouped(real *dx, GradStore store, const DgradUnpermut
                                   const uint16_t *const *const *w, int n_seg, const int *rows0, int N, int K);
 void cuda_float_rows_to_bf16(uint16_t *dst, const float *src, const int *rows, int n_rows, int C);
 void cuda_bf16_gemm_wgrad(real *dw, const uint16_t *dy, const uint16_t *x, int T, int N, int K);
+void cuda_bf16_matmul_forward_bf16(uint16_t *out, const real *inp, const real *weight, int N, int C, int OC);
+void cuda_bf16_matmul_backward_bf16(real *dinp, real *dweight, const uint16_t *dout, const real *inp,
+                                    const real *weight, int N, int C, int OC);
 
 // Causal attention core, flash-style (kernels/cuda/attention.cu); state = lse (B, H, T), see kernels.h;
 // the backward's out is the forward's output (B, T, H, Dv); kv (B, T, H, Dn + Dv) and k_rope (B, T, Dr) as in

@@ -891,27 +891,36 @@ extern "C" void cuda_bf16_gemm(void *c, int c_fp32, float beta, const uint16_t *
     lt_matmul(&key, b, a, c, NULL, NULL, beta, op);
 }
 
-// inp (N, C), weight (OC, C) -> out (N, OC) = bf16(bf16(inp) bf16(weight)^T), FP32 accumulation.
-extern "C" void cuda_bf16_matmul_forward(real *out, const real *inp, const real *weight, int N, int C, int OC) {
-    if (N <= 0 || OC <= 0) return;
-    ctx_init();
+// inp (N, C), weight (OC, C) -> o (N, OC) BF16 = bf16(bf16(inp) bf16(weight)^T), FP32 accumulation.
+static void bf16_matmul_forward_into(uint16_t *o, const real *inp, const real *weight, int N, int C, int OC) {
     uint16_t *a = (uint16_t *)cuda_scratch(&ctx.operand_a, sizeof(uint16_t) * (size_t)N * C);
     uint16_t *b = (uint16_t *)cuda_scratch(&ctx.operand_b, sizeof(uint16_t) * (size_t)OC * C);
-    uint16_t *o = (uint16_t *)cuda_scratch(&ctx.out_bf16, sizeof(uint16_t) * (size_t)N * OC);
     cuda_float_to_bf16(a, inp, (int64_t)N * C);
     cuda_float_to_bf16(b, weight, (int64_t)OC * C);
     cuda_bf16_gemm(o, 0, 0.0f, a, 0, b, 1, N, OC, C);
+}
+
+extern "C" void cuda_bf16_matmul_forward(real *out, const real *inp, const real *weight, int N, int C, int OC) {
+    if (N <= 0 || OC <= 0) return;
+    ctx_init();
+    uint16_t *o = (uint16_t *)cuda_scratch(&ctx.out_bf16, sizeof(uint16_t) * (size_t)N * OC);
+    bf16_matmul_forward_into(o, inp, weight, N, C, OC);
     bf16_to_float_plain<false>("bf16_matmul_forward", out, o, N, OC, OC);
 }
 
-// In the forward pass this was out = inp weight^T, so:
-//   dinp (N, C) += bf16(bf16(dout) bf16(weight));  dweight (OC, C) += FP32 bf16(dout)^T bf16(inp).
-extern "C" void cuda_bf16_matmul_backward(real *dinp, real *dweight, const real *dout, const real *inp,
-                                          const real *weight, int N, int C, int OC) {
-    if (N <= 0 || C <= 0 || OC <= 0 || (dinp == NULL && dweight == NULL)) return;
+// The same product left in BF16 (kernels.h bf16_matmul_forward_bf16: the output head's logits).
+extern "C" void cuda_bf16_matmul_forward_bf16(uint16_t *out, const real *inp, const real *weight, int N, int C,
+                                              int OC) {
+    if (N <= 0 || OC <= 0) return;
     ctx_init();
-    uint16_t *g = (uint16_t *)cuda_scratch(&ctx.operand_a, sizeof(uint16_t) * (size_t)N * OC);
-    cuda_float_to_bf16(g, dout, (int64_t)N * OC);
+    require_aligned16(out, "bf16_matmul_forward_bf16", "out");
+    bf16_matmul_forward_into(out, inp, weight, N, C, OC);
+}
+
+// In the forward pass this was out = inp weight^T, so, with g = bf16(dout):
+//   dinp (N, C) += bf16(g bf16(weight));  dweight (OC, C) += FP32 g^T bf16(inp).
+static void bf16_matmul_backward_from(real *dinp, real *dweight, const uint16_t *g, const real *inp,
+                                      const real *weight, int N, int C, int OC) {
     if (dinp != NULL) {
         uint16_t *w = (uint16_t *)cuda_scratch(&ctx.operand_b, sizeof(uint16_t) * (size_t)OC * C);
         uint16_t *o = (uint16_t *)cuda_scratch(&ctx.out_bf16, sizeof(uint16_t) * (size_t)N * C);
@@ -924,6 +933,24 @@ extern "C" void cuda_bf16_matmul_backward(real *dinp, real *dweight, const real 
         cuda_float_to_bf16(x, inp, (int64_t)N * C);
         cuda_bf16_gemm(dweight, 1, 1.0f, g, 1, x, 0, OC, C, N);
     }
+}
+
+extern "C" void cuda_bf16_matmul_backward(real *dinp, real *dweight, const real *dout, const real *inp,
+                                          const real *weight, int N, int C, int OC) {
+    if (N <= 0 || C <= 0 || OC <= 0 || (dinp == NULL && dweight == NULL)) return;
+    ctx_init();
+    uint16_t *g = (uint16_t *)cuda_scratch(&ctx.operand_a, sizeof(uint16_t) * (size_t)N * OC);
+    cuda_float_to_bf16(g, dout, (int64_t)N * OC);
+    bf16_matmul_backward_from(dinp, dweight, g, inp, weight, N, C, OC);
+}
+
+// dout already BF16 (kernels.h bf16_matmul_backward_bf16: the output head's logits' gradient).
+extern "C" void cuda_bf16_matmul_backward_bf16(real *dinp, real *dweight, const uint16_t *dout, const real *inp,
+                                               const real *weight, int N, int C, int OC) {
+    if (N <= 0 || C <= 0 || OC <= 0 || (dinp == NULL && dweight == NULL)) return;
+    ctx_init();
+    require_aligned16(dout, "bf16_matmul_backward_bf16", "dout");
+    bf16_matmul_backward_from(dinp, dweight, dout, inp, weight, N, C, OC);
 }
 
 // kernels.h's BF16 GEMMs on pre-rounded operands (train/linear.c's bf16 mode): segment g's rows of a[i] (packed,

@@ -55,10 +55,11 @@ typedef struct {
 static Tol tol_both(double t) { return (Tol){t, t}; }
 
 // ---------------------------------------------------------------------------- buffers
+// Zeroed (calloc): GCC's -Wmaybe-uninitialized cannot see that the tests fill what they pass on.
 static void *xmalloc(size_t bytes) {
-    void *p = malloc(bytes > 0 ? bytes : 1);
+    void *p = calloc(1, bytes > 0 ? bytes : 1);
     if (p == NULL) {
-        fprintf(stderr, "%s:%d: malloc of %zu bytes failed\n", __FILE__, __LINE__, bytes);
+        fprintf(stderr, "%s:%d: calloc of %zu bytes failed\n", __FILE__, __LINE__, bytes);
         exit(1);
     }
     return p;
@@ -658,6 +659,99 @@ static RmsnormCase rms_small = {37, 300}, rms_wide = {1, 7168}, rms_mid = {300, 
 // path alone (n a multiple of 4), and the scalar kernel (buffers 4 bytes past 16-byte alignment, odd n).
 static SwigluCase swiglu_one = {1, 0}, swiglu_big = {1000003, 0}, swiglu_vec4 = {1048576, 0},
                   swiglu_misaligned = {4099, 1};
+// The output head's BF16 form (kernels.h crossentropy_*_bf16, bf16_matmul_*_bf16) on the GPU: on the same BF16
+// logits, every result must have the bits of the FP32 forms on the same device - the losses, the probabilities
+// recomputed from the kept row statistics, the gradient (then rounded to BF16 as bf16_matmul_backward rounds it) and
+// the head GEMMs' outputs - and the losses must match the CPU's BF16 form within test_crossentropy's tolerance.
+static void test_crossentropy_bf16(void **state) {
+    const CrossentropyCase *tc = (const CrossentropyCase *)*state;
+    const int N = tc->N, V = tc->V, D = 64;
+    const int64_t NV = (int64_t)N * V;
+    char shape[48];
+    snprintf(shape, sizeof shape, "N=%d V=%d", N, V);
+    const uint64_t seed = 5000u + 7u * (uint64_t)N + 13u * (uint64_t)V;
+    int ok = 1;
+    // the logits as the head makes them: h (N, D) w (V, D)^T in BF16
+    float *h = floats((int64_t)N * D), *w = floats((int64_t)V * D);
+    int *targets = xmalloc((size_t)N * sizeof(int));
+    opcheck_fill_nonzero(h, (size_t)N * D, seed, 0.1, 1.0);
+    opcheck_fill_nonzero(w, (size_t)V * D, seed + 1, 0.1, 1.0);
+    opcheck_fill_int(targets, (size_t)N, seed + 2, 0, V);
+    targets[0] = -1;
+    float *d_h = gpu_copy_of(h, (size_t)N * D * 4), *d_w = gpu_copy_of(w, (size_t)V * D * 4);
+    int *d_targets = gpu_copy_of(targets, (size_t)N * sizeof(int));
+    float *d_logits = gpu_nan_floats(NV), *d_loss = gpu_nan_floats(N), *d_loss16 = gpu_nan_floats(N);
+    float *d_max = gpu_nan_floats(N), *d_p16 = gpu_nan_floats(NV);
+    double *d_sum = device_alloc(DEVICE_CUDA, (size_t)N * sizeof(double));
+    uint16_t *d_logits16 = device_alloc(DEVICE_CUDA, (size_t)NV * 2);
+    bf16_matmul_forward(DEVICE_CUDA, d_logits, d_h, d_w, N, D, V);
+    bf16_matmul_forward_bf16(DEVICE_CUDA, d_logits16, d_h, d_w, N, D, V);
+    float *g_logits = host_copy_of(d_logits, NV);
+    uint16_t *g_logits16 = xmalloc((size_t)NV * 2);
+    device_memcpy_to_host(DEVICE_CUDA, g_logits16, d_logits16, (size_t)NV * 2);
+    int64_t differ = 0;
+    for (int64_t i = 0; i < NV; i++) differ += g_logits16[i] != float_to_bf16(g_logits[i]);
+    printf("bf16 head %-14s logits: %lld of %lld differ from bf16_matmul_forward's  %s\n", shape, (long long)differ,
+           (long long)NV, differ ? "FAIL" : "ok");
+    ok &= differ == 0;
+
+    crossentropy_forward(DEVICE_CUDA, d_loss, d_logits, d_logits, d_targets, N, V);  // probs in place
+    crossentropy_forward_bf16(DEVICE_CUDA, d_loss16, d_max, d_sum, d_logits16, d_targets, N, V);
+    crossentropy_probs_bf16(DEVICE_CUDA, d_p16, d_logits16, d_max, d_sum, N, V);
+    float *g_loss = host_copy_of(d_loss, N), *g_loss16 = host_copy_of(d_loss16, N);
+    float *g_p = host_copy_of(d_logits, NV), *g_p16 = host_copy_of(d_p16, NV);
+    const int fwd_ok = memcmp(g_loss, g_loss16, (size_t)N * 4) == 0 && memcmp(g_p, g_p16, (size_t)NV * 4) == 0;
+    printf("bf16 head %-14s losses and probabilities bitwise those of the FP32 form: %s\n", shape, fwd_ok ? "ok" : "FAIL");
+    ok &= fwd_ok;
+
+    // the CPU's BF16 form on the same logits, against f64
+    float *c_loss = nan_floats(N), *c_max = nan_floats(N), *x = floats(NV);
+    double *c_sum = doubles(N), *ref_loss = doubles(N), *sc_loss = doubles(N);
+    crossentropy_forward_bf16(DEVICE_CPU, c_loss, c_max, c_sum, g_logits16, targets, N, V);
+    for (int64_t i = 0; i < NV; i++) x[i] = bf16_to_float(g_logits16[i]);
+    for (int n = 0; n < N; n++) {
+        const float *xr = x + (int64_t)n * V;
+        double mx = -INFINITY, sum = 0.0;
+        for (int j = 0; j < V; j++) mx = fmax(mx, xr[j]);
+        for (int j = 0; j < V; j++) sum += exp((double)xr[j] - mx);
+        const int t = targets[n];
+        ref_loss[n] = t < 0 ? 0.0 : log(sum) + mx - xr[t];
+        sc_loss[n] = 1.0 + fabs(log(sum)) + fabs(mx) + (t < 0 ? 0.0 : fabs((double)xr[t]));
+    }
+    ok &= check_output("crossentropy_fwd_bf16", shape, "losses", g_loss16, c_loss, ref_loss, sc_loss, N,
+                       (Tol){sequential_sum_bound(V), sum_tol(V)});
+
+    // backward in place: the FP32 form's gradient rounded to BF16, bit for bit; then the head's two GEMMs
+    const float dloss = 0.37f;
+    crossentropy_backward(DEVICE_CUDA, d_logits, d_logits, d_targets, dloss, N, V);
+    crossentropy_backward_bf16(DEVICE_CUDA, d_logits16, d_logits16, d_max, d_sum, d_targets, dloss, N, V);
+    float *g_d = host_copy_of(d_logits, NV);
+    uint16_t *g_d16 = xmalloc((size_t)NV * 2);
+    device_memcpy_to_host(DEVICE_CUDA, g_d16, d_logits16, (size_t)NV * 2);
+    differ = 0;
+    for (int64_t i = 0; i < NV; i++) differ += g_d16[i] != float_to_bf16(g_d[i]);
+    printf("bf16 head %-14s dlogits: %lld of %lld differ from bf16(crossentropy_backward)  %s\n", shape,
+           (long long)differ, (long long)NV, differ ? "FAIL" : "ok");
+    ok &= differ == 0;
+    float *d_dh = gpu_copy_of(h, (size_t)N * D * 4), *d_dw = gpu_copy_of(w, (size_t)V * D * 4);  // += onto these
+    float *d_dh16 = gpu_copy_of(h, (size_t)N * D * 4), *d_dw16 = gpu_copy_of(w, (size_t)V * D * 4);
+    bf16_matmul_backward(DEVICE_CUDA, d_dh, d_dw, d_logits, d_h, d_w, N, D, V);
+    bf16_matmul_backward_bf16(DEVICE_CUDA, d_dh16, d_dw16, d_logits16, d_h, d_w, N, D, V);
+    float *g_dh = host_copy_of(d_dh, (int64_t)N * D), *g_dh16 = host_copy_of(d_dh16, (int64_t)N * D);
+    float *g_dw = host_copy_of(d_dw, (int64_t)V * D), *g_dw16 = host_copy_of(d_dw16, (int64_t)V * D);
+    const int bwd_ok = memcmp(g_dh, g_dh16, (size_t)N * D * 4) == 0 && memcmp(g_dw, g_dw16, (size_t)V * D * 4) == 0;
+    printf("bf16 head %-14s dh and dw bitwise bf16_matmul_backward's: %s\n", shape, bwd_ok ? "ok" : "FAIL");
+    ok &= bwd_ok;
+
+    float *host[] = {h, w, g_logits, g_loss, g_loss16, g_p, g_p16, c_loss, c_max, x, g_d, g_dh, g_dh16, g_dw, g_dw16};
+    for (size_t k = 0; k < sizeof host / sizeof host[0]; k++) free(host[k]);
+    free(targets), free(g_logits16), free(g_d16), free(c_sum), free(ref_loss), free(sc_loss);
+    float *dev[] = {d_h, d_w, d_logits, d_loss, d_loss16, d_max, d_p16, d_dh, d_dw, d_dh16, d_dw16};
+    for (size_t k = 0; k < sizeof dev / sizeof dev[0]; k++) device_free(DEVICE_CUDA, dev[k]);
+    device_free(DEVICE_CUDA, d_targets), device_free(DEVICE_CUDA, d_sum), device_free(DEVICE_CUDA, d_logits16);
+    assert_true(ok);
+}
+
 // Rows up to 64 x 512 elements are held in registers (kernels/cuda/crossentropy.cu), longer ones take three passes:
 // tiny and mid (5000) and the bench's vocabulary (32768, the largest register row) take the first path.
 static CrossentropyCase ce_gpt2 = {37, 50257}, ce_dsv3 = {4, 129280}, ce_tiny = {64, 3}, ce_mid = {9, 5000},
@@ -693,6 +787,8 @@ int main(void) {
         cmocka_unit_test_prestate(test_crossentropy, &ce_tiny),
         cmocka_unit_test_prestate(test_crossentropy, &ce_mid),
         cmocka_unit_test_prestate(test_crossentropy, &ce_bench),
+        cmocka_unit_test_prestate(test_crossentropy_bf16, &ce_mid),
+        cmocka_unit_test_prestate(test_crossentropy_bf16, &ce_bench),
         cmocka_unit_test_prestate(test_adamw, &adamw_first),
         cmocka_unit_test_prestate(test_adamw, &adamw_later),
         cmocka_unit_test_prestate(test_adamw, &adamw_one),

@@ -1037,6 +1037,59 @@ static void test_crossentropy(void **state) {
     check_crossentropy(3, 1000, 820);
 }
 
+// The output head's BF16 form (kernels.h crossentropy_*_bf16, bf16_matmul_*_bf16) against the FP32 forms on the
+// same values: the head GEMM's product rounded to BF16 is what both read, and every result must have the FP32
+// form's bits (the losses, the probabilities from the kept row statistics, the gradient rounded to BF16 as
+// bf16_matmul_backward rounds it, and the head's input and weight gradients).
+static void check_head_bf16(int N, int D, int V, uint64_t seed) {
+    const size_t nl = (size_t)N * V;
+    real *h = ralloc((size_t)N * D), *w = ralloc((size_t)V * D), *logits = ralloc(nl), *probs = ralloc(nl);
+    real *losses = ralloc(N), *losses16 = ralloc(N), *row_max = ralloc(N), *probs16 = ralloc(nl);
+    double *row_sum = talloc((size_t)N * sizeof(double));
+    uint16_t *logits16 = talloc(nl * sizeof(uint16_t)), *dlogits16 = talloc(nl * sizeof(uint16_t));
+    int *targets = ialloc(N);
+    opcheck_fill_nonzero(h, (size_t)N * D, seed, 0.1, 2.0);
+    opcheck_fill_nonzero(w, (size_t)V * D, seed + 1, 0.1, 2.0);
+    opcheck_fill_int(targets, N, seed + 2, 0, V);
+    targets[1] = -1;
+    cpu_bf16_matmul_forward(logits, h, w, N, D, V);
+    cpu_bf16_matmul_forward_bf16(logits16, h, w, N, D, V);
+    for (size_t i = 0; i < nl; i++) assert_true(logits16[i] == float_to_bf16((float)logits[i]));
+    for (size_t i = 0; i < nl; i++) assert_true((real)bf16_to_float(logits16[i]) == logits[i]);
+
+    cpu_crossentropy_forward(losses, probs, logits, targets, N, V);
+    opcheck_fill(losses16, N, seed + 3, 5, 6);  // garbage the forward must overwrite
+    cpu_crossentropy_forward_bf16(losses16, row_max, row_sum, logits16, targets, N, V);
+    assert_memory_equal(losses16, losses, (size_t)N * sizeof(real));
+    cpu_crossentropy_probs_bf16(probs16, logits16, row_max, row_sum, N, V);
+    assert_memory_equal(probs16, probs, nl * sizeof(real));
+
+    const real dloss = (real)0.37;
+    real *dlogits = ralloc(nl);
+    cpu_crossentropy_backward(dlogits, probs, targets, dloss, N, V);
+    memcpy(dlogits16, logits16, nl * sizeof(uint16_t));  // in place, as the head runs it
+    cpu_crossentropy_backward_bf16(dlogits16, dlogits16, row_max, row_sum, targets, dloss, N, V);
+    for (size_t i = 0; i < nl; i++) assert_true(dlogits16[i] == float_to_bf16((float)dlogits[i]));
+
+    real *dh = ralloc((size_t)N * D), *dw = ralloc((size_t)V * D), *dh16 = ralloc((size_t)N * D);
+    real *dw16 = ralloc((size_t)V * D);
+    opcheck_fill(dh, (size_t)N * D, seed + 4, 0.1, 1.0);  // both accumulate into the same starting values
+    opcheck_fill(dw, (size_t)V * D, seed + 5, 0.1, 1.0);
+    memcpy(dh16, dh, (size_t)N * D * sizeof(real));
+    memcpy(dw16, dw, (size_t)V * D * sizeof(real));
+    cpu_bf16_matmul_backward(dh, dw, dlogits, h, w, N, D, V);
+    cpu_bf16_matmul_backward_bf16(dh16, dw16, dlogits16, h, w, N, D, V);
+    assert_memory_equal(dh16, dh, (size_t)N * D * sizeof(real));
+    assert_memory_equal(dw16, dw, (size_t)V * D * sizeof(real));
+    tfree_all();
+}
+
+static void test_head_bf16(void **state) {
+    (void)state;
+    check_head_bf16(6, 16, 11, 830);
+    check_head_bf16(5, 24, 300, 840);
+}
+
 // ---------------------------------------------------------------------------- determinism
 // Runs every op once with `threads` OpenMP threads on fixed inputs (large enough that each op opens
 // its parallel region) and returns the concatenated outputs.
@@ -1147,6 +1200,7 @@ int main(void) {
         cmocka_unit_test(test_attention_per_head_bitwise),
         cmocka_unit_test(test_attention_causal),
         cmocka_unit_test(test_crossentropy),
+        cmocka_unit_test(test_head_bf16),
         cmocka_unit_test(test_deterministic_across_threads),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
