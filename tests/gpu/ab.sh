@@ -15,6 +15,8 @@
 # Logs under $OUT (a new temporary folder when unset): ab_new_bench.log, ab_base_bench.log, ab_new_kernels.txt,
 # ab_base_kernels.txt (the kernel profile's top 40), then a side-by-side summary on stdout. Extra arguments after
 # `run` go to bench.sh. AB_PROFILE=0 skips the kernel profiles. Needs nvcc and, for the profiles, ncu.
+# The base is built as $AB/build-base/fp8moe only (tests/ stay the working tree's, which may call new ops) and kept
+# there, so later commands can run it: e.g. BUILD=.ab/build-base tests/gpu/determinism.sh.
 set -u -o pipefail
 cd "$(dirname "$0")/../.."
 AB=.ab
@@ -39,8 +41,8 @@ prepare() {
        "tests/gpu/ab.sh run"
 }
 
-build() {  # label
-  BUILD_ONLY=1 SKIP_CPU_TESTS=1 bash tests/gpu/run.sh > "$OUT/ab_build_$1.log" 2>&1 ||
+build() {  # label, make goals (default all)
+  MAKE_GOALS=${2:-all} BUILD_ONLY=1 SKIP_CPU_TESTS=1 bash tests/gpu/run.sh > "$OUT/ab_build_$1.log" 2>&1 ||
     { echo "ab.sh: the $1 build failed:"; tail -30 "$OUT/ab_build_$1.log"; restore; exit 1; }
 }
 
@@ -106,7 +108,8 @@ case "${1:-}" in
     if [ -z "${OUT:-}" ]; then export OUT=$(mktemp -d); echo "ab.sh: logs in $OUT"; fi
     mkdir -p "$OUT"
     build new && measure new "$@"
-    swap_in_base && build base && measure base "$@"
+    swap_in_base && build base build-gpu/fp8moe && measure base "$@"  # tests/ stay new: they may call new ops
+    mkdir -p "$AB/build-base" && cp build-gpu/fp8moe "$AB/build-base/"  # for later runs: BUILD=$AB/build-base
     restore && build restored
     summary ;;
   *)

@@ -11,6 +11,8 @@
 #   EXTRA_CFLAGS, EXTRA_LDLIBS  passed on to make (the .debs paths are appended when they are used)
 #   SKIP_CPU_TESTS=1  run only the GPU tests (the CPU unit tests are what CI runs anyway)
 #   BUILD_ONLY=1      build, then stop (exit 0 when the full build succeeded): tests/gpu/session.sh uses it
+#   MAKE_GOALS        what the full build makes (default all); tests/gpu/ab.sh builds only $BUILD/fp8moe for a
+#                     base whose tests/ may not match the working tree's kernels
 # Exit status 0 only if every GPU test and every CPU unit test passed. If libinih or HDF5 is missing, the
 # full build is impossible: the GPU tests are then built from kernels/ alone, the CPU unit tests are
 # skipped, and the run ends INCOMPLETE (exit 2) with the reason.
@@ -110,7 +112,9 @@ build_kernels_only() {
   for f in kernels/cuda/*.cu; do
     o="$dir/$(basename "$f").o"
     echo "nvcc $f"
-    nvcc -O2 -arch=sm_90 -std=c++17 -I. -DFP8MOE_CUDA -Xcompiler -Wall,-Wextra,-Werror -c "$f" -o "$o" || return 1
+    local arch=-arch=sm_90  # as the Makefile: wgmma needs sm_90a
+    [ "$f" = kernels/cuda/attention_wgmma.cu ] && arch=-gencode=arch=compute_90a,code=sm_90a
+    nvcc -O2 "$arch" -std=c++17 -I. -DFP8MOE_CUDA -Xcompiler -Wall,-Wextra,-Werror -c "$f" -o "$o" || return 1
     objs+=("$o")
   done
   for f in kernels/*.c kernels/cpu/*.c; do
@@ -127,8 +131,9 @@ build_kernels_only() {
 }
 
 if [ "$FULL_BUILD" = 1 ]; then
-  say "building: make -j$JOBS BUILD=$BUILD EXTRA_CFLAGS='$EXTRA_CFLAGS' EXTRA_LDLIBS='$EXTRA_LIBS' all"
-  if ! make -j"$JOBS" BUILD="$BUILD" EXTRA_CFLAGS="$EXTRA_CFLAGS" EXTRA_LDLIBS="$EXTRA_LIBS" all; then
+  say "building: make -j$JOBS BUILD=$BUILD EXTRA_CFLAGS='$EXTRA_CFLAGS' EXTRA_LDLIBS='$EXTRA_LIBS' ${MAKE_GOALS:-all}"
+  # shellcheck disable=SC2086  # MAKE_GOALS may name several targets
+  if ! make -j"$JOBS" BUILD="$BUILD" EXTRA_CFLAGS="$EXTRA_CFLAGS" EXTRA_LDLIBS="$EXTRA_LIBS" ${MAKE_GOALS:-all}; then
     say "FULL BUILD FAILED (see the compiler output above); trying the kernels-only build so the GPU tests still run"
     FULL_BUILD=0
   fi
