@@ -577,6 +577,21 @@ void fp8_gemm_wgrad(Device dev, real *dw, const uint8_t *qdyt, const float *sdyt
     cpu_fp8_gemm_wgrad(dw, qdyt, sdyt, qxt, sxt, T, N, K);
 }
 
+void fp8_gemm_wgrad_grouped(Device dev, real *dw, const uint8_t *qdyt, const float *sdyt, const uint8_t *qxt,
+                            const float *sxt, int n_seg, const int *rows0, int N, int K) {
+#ifdef FP8MOE_CUDA
+    if (dev == DEVICE_CUDA) { cuda_fp8_gemm_wgrad_grouped(dw, qdyt, sdyt, qxt, sxt, n_seg, rows0, N, K); return; }
+#endif
+    if (dev != DEVICE_CPU) no_cuda_op("fp8_gemm_wgrad_grouped");
+    for (int g = 0, tiles = 0; g < n_seg; g++) {
+        const int T = rows0[g + 1] - rows0[g];
+        if (T == 0) continue;
+        cpu_fp8_gemm_wgrad(dw + (int64_t)g * N * K, qdyt + (size_t)N * FP8_TILE * tiles, sdyt + (size_t)N * tiles,
+                           qxt + (size_t)K * FP8_TILE * tiles, sxt + (size_t)K * tiles, T, N, K);
+        tiles += (T + FP8_TILE - 1) / FP8_TILE;
+    }
+}
+
 void bf16_matmul_forward(Device dev, real *out, const real *inp, const real *weight, int N, int C, int OC) {
 #ifdef FP8MOE_CUDA
     if (dev == DEVICE_CUDA) { cuda_bf16_matmul_forward(out, inp, weight, N, C, OC); return; }
@@ -664,4 +679,16 @@ void bf16_gemm_wgrad(Device dev, real *dw, const uint16_t *dy, const uint16_t *x
 #endif
     if (dev != DEVICE_CPU) no_cuda_op("bf16_gemm_wgrad");
     cpu_bf16_gemm_wgrad(dw, dy, x, T, N, K);
+}
+
+void bf16_gemm_wgrad_grouped(Device dev, real *dw, const uint16_t *dy, const uint16_t *x, int n_seg, const int *rows0,
+                             int N, int K) {
+#ifdef FP8MOE_CUDA
+    if (dev == DEVICE_CUDA) { cuda_bf16_gemm_wgrad_grouped(dw, dy, x, n_seg, rows0, N, K); return; }
+#endif
+    if (dev != DEVICE_CPU) no_cuda_op("bf16_gemm_wgrad_grouped");
+    for (int g = 0; g < n_seg; g++) {
+        const int r0 = rows0[g], T = rows0[g + 1] - rows0[g];
+        if (T > 0) cpu_bf16_gemm_wgrad(dw + (int64_t)g * N * K, dy + (size_t)r0 * N, x + (size_t)r0 * K, T, N, K);
+    }
 }

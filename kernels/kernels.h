@@ -423,6 +423,13 @@ void fp8_gemm_dgrad_grouped_bf16(Device dev, uint16_t *dx, const uint8_t *qdy, c
 //        fp8_quantize_128x1_transposed(x, T, K). FP32 result added to the FP32 gradient.
 void fp8_gemm_wgrad(Device dev, real *dw, const uint8_t *qdyt, const float *sdyt, const uint8_t *qxt,
                     const float *sxt, int T, int N, int K);
+// The Wgrads of n_seg segments (the routed experts), segment g's T_g = rows0[g+1] - rows0[g] rows: dw + g N K (N, K)
+// += dY_g^T X_g, on the 128x1 operands of all segments one after another as fp8_quantize_128x1_transposed_grouped writes them
+// (segment g's from tile t_g = sum over h < g of ceil(T_h / 128): qdyt + N 128 t_g, sdyt + N t_g, qxt + K 128 t_g,
+// sxt + K t_g); empty segments skipped. The bits of fp8_gemm_wgrad per segment; on CUDA the GEMMs may run
+// concurrently (kernels/cuda/gemm.cu, lanes).
+void fp8_gemm_wgrad_grouped(Device dev, real *dw, const uint8_t *qdyt, const float *sdyt, const uint8_t *qxt,
+                            const float *sxt, int n_seg, const int *rows0, int N, int K);
 
 // BF16 baseline GEMMs: operands rounded to BF16 (RNE), products accumulated in FP32.
 //   bf16_matmul_forward: out (N, OC) = bf16(inp) bf16(weight)^T, written rounded to BF16.
@@ -449,6 +456,8 @@ void bf16_matmul_backward_bf16(Device dev, real *dinp, real *dweight, const uint
 //                            with store = GRAD_WRITE the first product is written over them instead;
 //                            unpermute as for fp8_gemm_dgrad_grouped.
 //   bf16_gemm_wgrad:         dw (N, K) += FP32 dy^T x over T rows.
+//   bf16_gemm_wgrad_grouped: for every non-empty segment g, bf16_gemm_wgrad(dw + g N K, rows [rows0[g], rows0[g+1])
+//                            of dy (N columns) and x (K columns)); on CUDA the GEMMs may run concurrently.
 // Bitwise the numbers of bf16_matmul_forward / _backward, group by group, on the unrounded operands.
 void bf16_round_array(Device dev, uint16_t *dst, const real *src, int64_t n);
 void bf16_round_rows(Device dev, uint16_t *dst, const real *src, const int *rows, int n_rows, int C);
@@ -458,6 +467,8 @@ void bf16_gemm_dgrad_grouped(Device dev, real *dx, GradStore store, const DgradU
                              const uint16_t *const *dy,
                              const uint16_t *const *const *w, int n_seg, const int *rows0, int N, int K);
 void bf16_gemm_wgrad(Device dev, real *dw, const uint16_t *dy, const uint16_t *x, int T, int N, int K);
+void bf16_gemm_wgrad_grouped(Device dev, real *dw, const uint16_t *dy, const uint16_t *x, int n_seg, const int *rows0,
+                             int N, int K);
 
 // ---------------------------------------------------------------------------- optimizer
 // AdamW on n elements with BF16 moments m, v (uint16 bit patterns, round-to-nearest-even on store).

@@ -562,15 +562,9 @@ static void fp8_backward(Model *m, int n_groups, const int *offsets, int n_out, 
                                    C);
     }
     for (int i = 0; i < n_out; i++) {
-        for (int g = 0, tiles = 0; g < n_groups && dweight[i]; g++) {
-            const int n = offsets[g + 1] - offsets[g];
-            if (n == 0) continue;
-            fp8_gemm_wgrad(m->dev, dweight[i] + (int64_t)g * OC * C, dyt[i].q + (size_t)OC * FP8_TILE * tiles,
-                           dyt[i].s + (size_t)OC * tiles, xt.q + (size_t)C * FP8_TILE * tiles, xt.s + (size_t)C * tiles,
-                           n, OC, C);
-            m->fp8_gemm_count++;
-            tiles += ceil_div(n, FP8_TILE);
-        }
+        if (dweight[i] == NULL) continue;
+        fp8_gemm_wgrad_grouped(m->dev, dweight[i], dyt[i].q, dyt[i].s, xt.q, xt.s, n_groups, offsets, OC, C);
+        for (int g = 0; g < n_groups; g++) m->fp8_gemm_count += offsets[g + 1] > offsets[g];
     }
 }
 
@@ -630,14 +624,8 @@ static void bf16_backward(Model *m, int n_groups, const int *offsets, int n_out,
         }
         bf16_gemm_dgrad_grouped(m->dev, dinp, dinp_store, unpermute, n_out, dys, w, n_groups, offsets, OC, C);
     }
-    for (int i = 0; i < n_out; i++) {
-        for (int g = 0; g < n_groups && dweight[i]; g++) {
-            const int r0 = offsets[g], n = offsets[g + 1] - offsets[g];
-            if (n > 0)
-                bf16_gemm_wgrad(m->dev, dweight[i] + (int64_t)g * OC * C, dy[i] + (size_t)r0 * OC, x + (size_t)r0 * C,
-                                n, OC, C);
-        }
-    }
+    for (int i = 0; i < n_out; i++)
+        if (dweight[i]) bf16_gemm_wgrad_grouped(m->dev, dweight[i], dy[i], x, n_groups, offsets, OC, C);
 }
 
 // ---------------------------------------------------------------------------- entry points (linear.h)

@@ -54,6 +54,7 @@
  */
 #include <cublasLt.h>
 #include <cuda_bf16.h>
+#include <limits.h>
 #include <stdarg.h>
 #include <stdint.h>
 #include <string.h>
@@ -152,10 +153,21 @@ typedef struct {
     cublasLtMatmulAlgo_t algo;
 } Plan;
 
-enum { MAX_PLANS = 1024 };
+// A stream and the cuBLASLt workspace that only GEMMs on that stream use (split-K algorithms keep partial sums
+// there, so two streams must not share one).
+typedef struct {
+    cudaStream_t stream;
+    void *workspace;
+} Lane;
+
+enum { MAX_PLANS = 1024, MAX_LANES = 4 };
 static struct {
     cublasLtHandle_t handle;
     void *workspace;
+    int n_lanes;                       // FP8MOE_GEMM_LANES (lanes_init)
+    Lane lanes[MAX_LANES];             // created streams; unused when n_lanes == 1
+    cudaEvent_t fork, joined[MAX_LANES];
+    Scratch edge[MAX_LANES];           // a lane's segment whose padding rows would reach another lane's rows
     Plan plans[MAX_PLANS];
     int n_plans;
     Scratch out_bf16, out_f32, scale_t, operand_a, operand_b;
@@ -163,11 +175,16 @@ static struct {
     unsigned int *tune_mismatches;
 } ctx;
 
+static void lanes_init(void);
+
 static void ctx_init(void) {
     if (ctx.handle != NULL) return;
     LT_CHECK(cublasLtCreate(&ctx.handle));
     cuda_counted_malloc(&ctx.workspace, LT_WORKSPACE_BYTES, __FILE__, __LINE__);
+    lanes_init();
 }
+
+static Lane default_lane(void) { return (Lane){0, ctx.workspace}; }
 
 static void plan_destroy(Plan *p) {
     LT_CHECK(cublasLtMatrixLayoutDestroy(p->a));
@@ -381,8 +398,8 @@ static Plan *plan_for_shape(const PlanKey *key, const void *a, const void *b, co
     return p;
 }
 
-// D = A B (+ beta D) through the plan of key's shape; a_scale/b_scale are the block-scale tensors (FP8).
-static void lt_matmul(PlanKey *key, const void *a, const void *b, void *d, const float *a_scale,
+// D = A B (+ beta D) through the plan of key's shape on `lane`; a_scale/b_scale are the block-scale tensors (FP8).
+static void lt_matmul(Lane lane, PlanKey *key, const void *a, const void *b, void *d, const float *a_scale,
                       const float *b_scale, float beta, const char *op) {
     ctx_init();
     key->align_a = alignment_of(a), key->align_b = alignment_of(b), key->align_d = alignment_of(d);
@@ -391,7 +408,84 @@ static void lt_matmul(PlanKey *key, const void *a, const void *b, void *d, const
     set_exact_shape(p, key);
     const float alpha = 1.0f;
     LT_CHECK(cublasLtMatmul(ctx.handle, p->desc, &alpha, a, p->a, b, p->b, &beta, d, p->d, d, p->d, &p->algo,
-                            ctx.workspace, LT_WORKSPACE_BYTES, 0));
+                            lane.workspace, LT_WORKSPACE_BYTES, lane.stream));
+}
+
+// ---------------------------------------------------------------------------- lanes
+// A routed-expert Linear is one GEMM per expert, each small (bench-1gpu.ini: about 3072 x 1024 x 2048, 10-30 us),
+// so run one after another on one stream each GEMM's last partial wave of tiles leaves SMs idle. The grouped
+// calls below therefore spread their segments over FP8MOE_GEMM_LANES streams (default DEFAULT_LANES; 1 = all on
+// the default stream), each with its own workspace: the lanes wait for the default stream's work so far (fork)
+// and the default stream waits for the lanes (join), so to everything else a grouped call is still one step of the
+// default stream. Each GEMM writes its own rows (or its own expert's gradient) with the algorithm its shape
+// selects, so the bits do not depend on the lanes or their timing.
+static const int DEFAULT_LANES = 1;
+
+static void lanes_init(void) {
+    const char *env = getenv("FP8MOE_GEMM_LANES");
+    ctx.n_lanes = DEFAULT_LANES;
+    if (env != NULL) {
+        char *end = NULL;
+        const long n = strtol(env, &end, 10);
+        if (end == env || *end != '\0' || n < 1 || n > MAX_LANES) {
+            fprintf(stderr, "%s:%d: FP8MOE_GEMM_LANES = '%s' - expected an integer from 1 to %d (streams for the "
+                            "GEMMs of a grouped call; docs/gpu.md)\n", __FILE__, __LINE__, env, MAX_LANES);
+            exit(1);
+        }
+        ctx.n_lanes = (int)n;
+    }
+    if (ctx.n_lanes == 1) return;
+    CUDA_CHECK(cudaEventCreateWithFlags(&ctx.fork, cudaEventDisableTiming));
+    for (int l = 0; l < ctx.n_lanes; l++) {
+        CUDA_CHECK(cudaStreamCreateWithFlags(&ctx.lanes[l].stream, cudaStreamNonBlocking));
+        cuda_counted_malloc(&ctx.lanes[l].workspace, LT_WORKSPACE_BYTES, __FILE__, __LINE__);
+        CUDA_CHECK(cudaEventCreateWithFlags(&ctx.joined[l], cudaEventDisableTiming));
+    }
+}
+
+// The lanes a call with these segments uses: all of them when at least two segments have rows, else none (the
+// call runs on the default stream: a fork and join would only add latency). lane_of says which segment goes where.
+static int lanes_for(const int *prefix, int n_seg) {
+    int busy = 0;
+    for (int g = 0; g < n_seg && busy < 2; g++) busy += prefix[g + 1] > prefix[g];
+    return busy < 2 ? 1 : ctx.n_lanes;
+}
+
+// The lane of segment g: segments go to lanes in order, in contiguous runs of about equal rows (by the midpoint of
+// each segment's rows in prefix), so a lane runs its segments in row order.
+static Lane lane_of(const int *prefix, int n_seg, int g, int n_lanes) {
+    if (n_lanes == 1) return default_lane();
+    const int64_t total = prefix[n_seg], mid2 = (int64_t)prefix[g] + prefix[g + 1];  // twice the midpoint
+    const int l = (int)(mid2 * n_lanes / (2 * total));
+    return ctx.lanes[l < n_lanes ? l : n_lanes - 1];
+}
+
+static int lane_index(Lane lane) {
+    for (int l = 0; l < ctx.n_lanes; l++)
+        if (ctx.lanes[l].stream == lane.stream) return l;
+    return 0;
+}
+
+// The first output row (rows0) of the segments after g that another lane than g's runs; INT_MAX when none.
+static int next_lane_row(const SegTable &seg, int g, int n_lanes) {
+    const cudaStream_t mine = lane_of(seg.p16, seg.n, g, n_lanes).stream;
+    for (int h = g + 1; h < seg.n; h++)
+        if (seg.p16[h + 1] > seg.p16[h] && lane_of(seg.p16, seg.n, h, n_lanes).stream != mine) return seg.rows0[h];
+    return INT_MAX;
+}
+
+static void lanes_fork(int n_lanes) {
+    if (n_lanes == 1) return;
+    CUDA_CHECK(cudaEventRecord(ctx.fork, 0));
+    for (int l = 0; l < n_lanes; l++) CUDA_CHECK(cudaStreamWaitEvent(ctx.lanes[l].stream, ctx.fork, 0));
+}
+
+static void lanes_join(int n_lanes) {
+    if (n_lanes == 1) return;
+    for (int l = 0; l < n_lanes; l++) {
+        CUDA_CHECK(cudaEventRecord(ctx.joined[l], ctx.lanes[l].stream));
+        CUDA_CHECK(cudaStreamWaitEvent(0, ctx.joined[l], 0));
+    }
 }
 
 static PlanKey fp8_key(int64_t m, int64_t n, int64_t k, cudaDataType_t d_type, int a_scale_mode, int b_scale_mode) {
@@ -673,8 +767,8 @@ static void check_rows16(const char *op, int T) {
                                 "zero rows to a multiple of 16 (DESIGN.md section 4)", T);
 }
 
-extern "C" void cuda_fp8_gemm_fprop_bf16(uint16_t *y, const uint8_t *qx, const float *sx, const uint8_t *qw,
-                                         const float *sw, int T, int N, int K) {
+static void fp8_gemm_fprop_bf16_on(Lane lane, uint16_t *y, const uint8_t *qx, const float *sx, const uint8_t *qw,
+                                   const float *sw, int T, int N, int K) {
     static const char op[] = "fp8_gemm_fprop";
     if (T <= 0 || N <= 0 || K <= 0) return;
     check_rows16(op, T);
@@ -683,7 +777,13 @@ extern "C" void cuda_fp8_gemm_fprop_bf16(uint16_t *y, const uint8_t *qx, const f
     const int Np = round_up(N, FP8_TILE), Kp = round_up(K, FP8_TILE);
     PlanKey key = fp8_key(Np, T, Kp, CUDA_R_16BF, CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F,
                           CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F);
-    lt_matmul(&key, qw, qx, y, sw, sx, 0.0f, op);
+    lt_matmul(lane, &key, qw, qx, y, sw, sx, 0.0f, op);
+}
+
+extern "C" void cuda_fp8_gemm_fprop_bf16(uint16_t *y, const uint8_t *qx, const float *sx, const uint8_t *qw,
+                                         const float *sw, int T, int N, int K) {
+    ctx_init();
+    fp8_gemm_fprop_bf16_on(default_lane(), y, qx, sx, qw, sw, T, N, K);
 }
 
 // Floats between consecutive transposed scale arrays of (N, K) weights in one scratch: KB x NB4, a multiple of
@@ -711,7 +811,7 @@ static void transpose_block_scales(float *swt, const float *const *sw, int n, in
 
 // The Dgrad GEMM alone, on scales swt already transposed to (KB, NB4) (transpose_block_scales); otherwise
 // cuda_fp8_gemm_dgrad_bf16. The grouped Dgrad transposes all its weights' scales at once and calls this.
-static void fp8_gemm_dgrad_bf16_t(uint16_t *dx, const uint8_t *qdy, const float *sdy, const uint8_t *qwt,
+static void fp8_gemm_dgrad_bf16_t(Lane lane, uint16_t *dx, const uint8_t *qdy, const float *sdy, const uint8_t *qwt,
                                   const float *swt, int T, int N, int K) {
     static const char op[] = "fp8_gemm_dgrad";
     if (T <= 0 || N <= 0 || K <= 0) return;
@@ -721,7 +821,7 @@ static void fp8_gemm_dgrad_bf16_t(uint16_t *dx, const uint8_t *qdy, const float 
     const int Np = round_up(N, FP8_TILE), Kp = round_up(K, FP8_TILE);
     PlanKey key = fp8_key(Kp, T, Np, CUDA_R_16BF, CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F,
                           CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F);
-    lt_matmul(&key, qwt, qdy, dx, swt, sdy, 0.0f, op);
+    lt_matmul(lane, &key, qwt, qdy, dx, swt, sdy, 0.0f, op);
 }
 
 extern "C" void cuda_fp8_gemm_dgrad_bf16(uint16_t *dx, const uint8_t *qdy, const float *sdy, const uint8_t *qwt,
@@ -730,13 +830,13 @@ extern "C" void cuda_fp8_gemm_dgrad_bf16(uint16_t *dx, const uint8_t *qdy, const
     ctx_init();
     float *swt = (float *)cuda_scratch(&ctx.scale_t, sizeof(float) * (size_t)scale_t_stride(N, K));
     transpose_block_scales(swt, &sw, 1, N, K);
-    fp8_gemm_dgrad_bf16_t(dx, qdy, sdy, qwt, swt, T, N, K);
+    fp8_gemm_dgrad_bf16_t(default_lane(), dx, qdy, sdy, qwt, swt, T, N, K);
 }
 
-// The BF16-output Fprop (gemm.h) or Dgrad (on transposed scales: fp8_gemm_dgrad_bf16_t): out (T, ld) BF16 from
-// a (T rows of a 1x128 operand) and b (a weight).
-typedef void (*Fp8GemmBf16)(uint16_t *out, const uint8_t *qa, const float *sa, const uint8_t *qb, const float *sb, int T,
-                            int N, int K);
+// The BF16-output Fprop (fp8_gemm_fprop_bf16_on) or Dgrad (on transposed scales: fp8_gemm_dgrad_bf16_t) on a
+// lane: out (T, ld) BF16 from a (T rows of a 1x128 operand) and b (a weight).
+typedef void (*Fp8GemmBf16)(Lane lane, uint16_t *out, const uint8_t *qa, const float *sa, const uint8_t *qb,
+                            const float *sb, int T, int N, int K);
 
 // kernels.h's Fprop and Dgrad take any T and any number of segments (the routed experts: *_grouped), and the
 // Dgrad several matrices. Segment g's 1x128 operand is T16_g rows (the padding rows are zero) at row p16[g]
@@ -767,7 +867,7 @@ static void fp8_gemm_segments(const char *op, bool dgrad, real *out, bool add, c
     uint16_t *tmp = out_bf16 ? NULL : (uint16_t *)cuda_scratch(&ctx.out_bf16, sizeof(uint16_t) * (size_t)(per_mat * n_mats));
     // The Dgrad's transposed scales live in ctx.scale_t, a buffer other than tmp's; nothing below asks for
     // ctx.scale_t again (the GEMMs get fp8_gemm_dgrad_bf16_t, not the wrapper that uses it), so swt stays valid.
-    const Fp8GemmBf16 gemm = dgrad ? fp8_gemm_dgrad_bf16_t : cuda_fp8_gemm_fprop_bf16;
+    const Fp8GemmBf16 gemm = dgrad ? fp8_gemm_dgrad_bf16_t : fp8_gemm_fprop_bf16_on;
     float *swt = NULL;
     const int64_t swt_stride = dgrad ? scale_t_stride(N, K) : 0;
     if (dgrad) {
@@ -779,16 +879,30 @@ static void fp8_gemm_segments(const char *op, bool dgrad, real *out, bool add, c
         swt = (float *)cuda_scratch(&ctx.scale_t, sizeof(float) * (size_t)(swt_stride * n_w));
         transpose_block_scales(swt, sw, n_w, N, K);
     }
+    // Into tmp each segment writes its own padded rows p16[g].. (the lanes cannot collide); into out_bf16 a segment's
+    // padding rows land on the next segment's first rows, which the next GEMM on the same lane writes later, so a
+    // segment whose padding would reach the rows of a later lane writes into its lane's edge scratch, and the copy of
+    // its valid rows follows it on that lane.
+    const int n_lanes = lanes_for(seg.p16, n_seg);
+    lanes_fork(n_lanes);
     int w = 0;  // the Dgrad's weight number: its transposed scales are at swt + w * swt_stride
     for (int i = 0; i < n_mats; i++) {
         for (int g = 0; g < n_seg; g++) {
             const int p16 = seg.p16[g], T16 = seg.p16[g + 1] - p16;
             if (T16 == 0) continue;
+            const Lane lane = lane_of(seg.p16, n_seg, g, n_lanes);
             uint16_t *dst = out_bf16 ? out_bf16 + (size_t)rows0[g] * ld : tmp + i * per_mat + (size_t)p16 * ld;
-            gemm(dst, qa[i] + (size_t)p16 * CB * FP8_TILE, sa[i] + (size_t)CB * p16, qb[i][g],
+            const bool edge = out_bf16 && n_lanes > 1 && rows0[g] + T16 > next_lane_row(seg, g, n_lanes);
+            uint16_t *into = edge ? (uint16_t *)cuda_scratch(&ctx.edge[lane_index(lane)], sizeof(uint16_t) * (size_t)T16 * ld)
+                                  : dst;
+            gemm(lane, into, qa[i] + (size_t)p16 * CB * FP8_TILE, sa[i] + (size_t)CB * p16, qb[i][g],
                  dgrad ? swt + w++ * swt_stride : sb[i][g], T16, N, K);
+            if (edge)
+                CUDA_CHECK(cudaMemcpyAsync(dst, into, sizeof(uint16_t) * (size_t)(rows0[g + 1] - rows0[g]) * ld,
+                                           cudaMemcpyDeviceToDevice, lane.stream));
         }
     }
+    lanes_join(n_lanes);
     if (out_bf16) return;
     if (unpermute) bf16_unpermute_rows(out, add, tmp, seg, out_cols, ld, n_mats, per_mat, unpermute);
     else if (add) bf16_to_float_rows<true>(out, tmp, seg, out_cols, ld, n_mats, per_mat);
@@ -844,8 +958,10 @@ extern "C" void cuda_fp8_gemm_dgrad(real *dx, const uint8_t *qdy, const float *s
     fp8_gemm_segments("fp8_gemm_dgrad", true, dx, true, NULL, K, N, 1, &qdy, &sdy, &qwts, &sws, 1, rows0, N, K);
 }
 
-extern "C" void cuda_fp8_gemm_wgrad(real *dw, const uint8_t *qdyt, const float *sdyt, const uint8_t *qxt,
-                                    const float *sxt, int T, int N, int K) {
+// On `lane`; a dw that is not 16-byte aligned goes through the shared out_f32 scratch, so only the default lane
+// may be given one (cuda_fp8_gemm_wgrad_grouped checks).
+static void fp8_gemm_wgrad_on(Lane lane, real *dw, const uint8_t *qdyt, const float *sdyt, const uint8_t *qxt,
+                              const float *sxt, int T, int N, int K) {
     static const char op[] = "fp8_gemm_wgrad";
     if (T <= 0 || N <= 0 || K <= 0) return;
     if (N % 4 != 0 || K % 4 != 0)
@@ -857,27 +973,51 @@ extern "C" void cuda_fp8_gemm_wgrad(real *dw, const uint8_t *qdyt, const float *
     PlanKey key = fp8_key(K, N, Tp, CUDA_R_32F, CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F,
                           CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F);
     if (alignment_of(dw) >= 16) {
-        lt_matmul(&key, qxt, qdyt, dw, sxt, sdyt, 1.0f, op);
+        lt_matmul(lane, &key, qxt, qdyt, dw, sxt, sdyt, 1.0f, op);
         return;
     }
-    ctx_init();
+    if (lane.stream != 0) gemm_fail(__LINE__, op, "internal error: an unaligned dw on a lane other than the default");
     const int64_t n = (int64_t)N * K;
     float *tmp = (float *)cuda_scratch(&ctx.out_f32, sizeof(float) * (size_t)n);
-    lt_matmul(&key, qxt, qdyt, tmp, sxt, sdyt, 0.0f, op);
+    lt_matmul(lane, &key, qxt, qdyt, tmp, sxt, sdyt, 0.0f, op);
     add_float_kernel<<<grid_for(n, ELEMENTWISE_THREADS), ELEMENTWISE_THREADS>>>(dw, tmp, n);
     CUDA_CHECK_LAUNCH("add_float_kernel");
 }
 
+extern "C" void cuda_fp8_gemm_wgrad(real *dw, const uint8_t *qdyt, const float *sdyt, const uint8_t *qxt,
+                                    const float *sxt, int T, int N, int K) {
+    ctx_init();
+    fp8_gemm_wgrad_on(default_lane(), dw, qdyt, sdyt, qxt, sxt, T, N, K);
+}
+
+// kernels.h fp8_gemm_wgrad_grouped: one Wgrad per non-empty segment, spread over the lanes (every segment has its
+// own gradient, dw + g N K); all on the default stream when an expert's gradient is not 16-byte aligned.
+extern "C" void cuda_fp8_gemm_wgrad_grouped(real *dw, const uint8_t *qdyt, const float *sdyt, const uint8_t *qxt,
+                                            const float *sxt, int n_seg, const int *rows0, int N, int K) {
+    const SegTable seg = seg_table("fp8_gemm_wgrad_grouped", n_seg, rows0);
+    ctx_init();
+    const int n_lanes = alignment_of(dw) >= 16 && ((int64_t)N * K) % 4 == 0 ? lanes_for(seg.rows0, n_seg) : 1;
+    lanes_fork(n_lanes);
+    for (int g = 0; g < n_seg; g++) {
+        const int T = rows0[g + 1] - rows0[g], tiles = seg.tiles0[g];
+        if (T == 0) continue;
+        fp8_gemm_wgrad_on(lane_of(seg.rows0, n_seg, g, n_lanes), dw + (int64_t)g * N * K,
+                          qdyt + (size_t)N * FP8_TILE * tiles, sdyt + (size_t)N * tiles,
+                          qxt + (size_t)K * FP8_TILE * tiles, sxt + (size_t)K * tiles, T, N, K);
+    }
+    lanes_join(n_lanes);
+}
+
 // ---------------------------------------------------------------------------- BF16 GEMMs
-extern "C" void cuda_bf16_gemm(void *c, int c_fp32, float beta, const uint16_t *a, int a_trans, const uint16_t *b,
-                               int b_trans, int M, int N, int K) {
+static void bf16_gemm_on(Lane lane, void *c, int c_fp32, float beta, const uint16_t *a, int a_trans,
+                         const uint16_t *b, int b_trans, int M, int N, int K) {
     static const char op[] = "cuda_bf16_gemm";
     if (M <= 0 || N <= 0) return;
     if (!c_fp32 && beta != 0.0f)
         gemm_fail(__LINE__, op, "beta = %g with a BF16 output (M, N, K = %d, %d, %d) - expected beta = 0 or an FP32 "
                                 "output", (double)beta, M, N, K);
     if (K <= 0) { // empty contraction: C = beta C
-        if (beta == 0.0f) CUDA_CHECK(cudaMemset(c, 0, (size_t)M * N * (c_fp32 ? 4 : 2)));
+        if (beta == 0.0f) CUDA_CHECK(cudaMemsetAsync(c, 0, (size_t)M * N * (c_fp32 ? 4 : 2), lane.stream));
         return;
     }
     // column-major view: C^T (N, M) = op(B)^T (N, K) op(A)^T (K, M); cuBLASLt's A is our B
@@ -888,7 +1028,13 @@ extern "C" void cuda_bf16_gemm(void *c, int c_fp32, float beta, const uint16_t *
     key.op_b = a_trans ? CUBLAS_OP_T : CUBLAS_OP_N;
     key.m = N, key.n = M, key.k = K;
     key.a_scale_mode = NO_SCALE, key.b_scale_mode = NO_SCALE;
-    lt_matmul(&key, b, a, c, NULL, NULL, beta, op);
+    lt_matmul(lane, &key, b, a, c, NULL, NULL, beta, op);
+}
+
+extern "C" void cuda_bf16_gemm(void *c, int c_fp32, float beta, const uint16_t *a, int a_trans, const uint16_t *b,
+                               int b_trans, int M, int N, int K) {
+    ctx_init();
+    bf16_gemm_on(default_lane(), c, c_fp32, beta, a, a_trans, b, b_trans, M, N, K);
 }
 
 // inp (N, C), weight (OC, C) -> o (N, OC) BF16 = bf16(bf16(inp) bf16(weight)^T), FP32 accumulation.
@@ -971,14 +1117,17 @@ static void bf16_gemm_segments(const char *op, real *out, bool add, const DgradU
     const int64_t per_mat = ((int64_t)rows * out_cols + 7) / 8 * 8;  // each scratch 16-byte aligned
     ctx_init();
     uint16_t *tmp = (uint16_t *)cuda_scratch(&ctx.out_bf16, sizeof(uint16_t) * (size_t)(per_mat * n_mats));
+    const int n_lanes = lanes_for(rows0, n_seg);  // each segment writes its own rows of tmp
+    lanes_fork(n_lanes);
     for (int i = 0; i < n_mats; i++) {
         for (int g = 0; g < n_seg; g++) {
             const int r0 = rows0[g], n = rows0[g + 1] - rows0[g];
             if (n <= 0) continue;
-            cuda_bf16_gemm(tmp + i * per_mat + (size_t)r0 * out_cols, 0, 0.0f, a[i] + (size_t)r0 * in_cols, 0, w[i][g],
-                           DGRAD ? 0 : 1, n, out_cols, in_cols);
+            bf16_gemm_on(lane_of(rows0, n_seg, g, n_lanes), tmp + i * per_mat + (size_t)r0 * out_cols, 0, 0.0f,
+                         a[i] + (size_t)r0 * in_cols, 0, w[i][g], DGRAD ? 0 : 1, n, out_cols, in_cols);
         }
     }
+    lanes_join(n_lanes);
     const int rows0_all[2] = {0, rows};
     const SegTable seg = seg_table(op, 1, rows0_all);
     if (unpermute) bf16_unpermute_rows(out, add, tmp, seg, out_cols, out_cols, n_mats, per_mat, unpermute);
@@ -1001,4 +1150,20 @@ extern "C" void cuda_bf16_gemm_dgrad_grouped(real *dx, GradStore store, const Dg
 extern "C" void cuda_bf16_gemm_wgrad(real *dw, const uint16_t *dy, const uint16_t *x, int T, int N, int K) {
     if (T <= 0 || N <= 0 || K <= 0) return;
     cuda_bf16_gemm(dw, 1, 1.0f, dy, 1, x, 0, N, K, T);
+}
+
+// kernels.h bf16_gemm_wgrad_grouped: one Wgrad per non-empty segment (its own gradient dw + g N K), over the lanes.
+extern "C" void cuda_bf16_gemm_wgrad_grouped(real *dw, const uint16_t *dy, const uint16_t *x, int n_seg,
+                                             const int *rows0, int N, int K) {
+    if (N <= 0 || K <= 0) return;
+    ctx_init();
+    const int n_lanes = lanes_for(rows0, n_seg);
+    lanes_fork(n_lanes);
+    for (int g = 0; g < n_seg; g++) {
+        const int r0 = rows0[g], T = rows0[g + 1] - rows0[g];
+        if (T > 0)
+            bf16_gemm_on(lane_of(rows0, n_seg, g, n_lanes), dw + (int64_t)g * N * K, 1, 1.0f, dy + (size_t)r0 * N, 1,
+                         x + (size_t)r0 * K, 0, N, K, T);
+    }
+    lanes_join(n_lanes);
 }
