@@ -35,7 +35,7 @@
  * aligned (a slice of a flat buffer) it goes to a scratch buffer and is added by a kernel (same FP32 sum,
  * same bits).
  *
- * Runtime context: one per process (STYLE.md allows one): the cuBLASLt handle, a 32 MiB workspace, a
+ * Runtime context: one per process (STYLE.md allows one): the cuBLASLt handle, a 32 MiB workspace per stream, a
  * cache of plans (descriptors, layouts and the heuristic's algorithm) and scratch buffers grown on demand.
  * The heuristic is asked about SIZE CLASSES, not exact sizes: m, n and k rounded up to 4 significant bits
  * (1536 stays, 1600 -> 1664; at most 8 classes per octave). A routed expert's token count changes every
@@ -46,9 +46,10 @@
  * (operands are packed: ld = stored rows). A new plan of a large GEMM times the heuristic's answers once and
  * keeps the fastest of those that compute the same bits as its first answer (tune_plan). The numbers are
  * thus a function of the shape alone, never of which shapes came first or of timing, so a resumed run
- * matches an uninterrupted one. All work runs on
- * the default stream, so the reuse of scratch buffers between calls is ordered; not thread-safe (one
- * host thread drives the GPU). The same algorithm for the same shape makes results bitwise
+ * matches an uninterrupted one. Every call is one step of
+ * the default stream: the grouped calls' GEMMs may run on several streams ("lanes", below) between a fork from and
+ * a join into it, so the reuse of scratch buffers between calls is ordered; not thread-safe (one host thread drives
+ * the GPU). The same algorithm for the same shape makes results bitwise
  * reproducible (no atomics: split-K variants reduce in a fixed order through the workspace).
  * Every cuBLASLt status is checked: a failure stops with file:line, the call, and the status name.
  */
@@ -209,7 +210,8 @@ static void set_exact_shape(Plan *p, const PlanKey *key) {
 // keeps the fastest whose output has exactly the bits of the first answer's. The choice is timing, so it may
 // differ between runs; the numbers may not: every candidate kept computes the same output, bit for bit, as
 // the heuristic's first answer (all of lt_sweep's did: they differ in tile shape, not in summation order),
-// so a resumed run still matches an uninterrupted one. Small GEMMs (a chance agreement of a short output is
+// so a resumed run still matches an uninterrupted one. (Timing while other lanes run makes the choice noisier, not the
+// numbers different.) Small GEMMs (a chance agreement of a short output is
 // conceivable there, and they have little to gain) and outputs above LT_TUNE_BYTES keep the first answer.
 static const int LT_CANDIDATES = 8;
 static const double LT_TUNE_MIN_WORK = 1073741824.0;   // m x n x k at which tuning starts (2 GFLOP)
@@ -418,8 +420,10 @@ static void lt_matmul(Lane lane, PlanKey *key, const void *a, const void *b, voi
 // the default stream), each with its own workspace: the lanes wait for the default stream's work so far (fork)
 // and the default stream waits for the lanes (join), so to everything else a grouped call is still one step of the
 // default stream. Each GEMM writes its own rows (or its own expert's gradient) with the algorithm its shape
-// selects, so the bits do not depend on the lanes or their timing.
-static const int DEFAULT_LANES = 1;
+// selects, so the bits do not depend on the lanes or their timing. Two lanes took the expert GEMM phases of
+// `fp8moe bench step` from 128 to 115 ms per step in fp8 and 232 to 222 in bf16 (H200, docs/benchmarks.md); three
+// were no faster.
+static const int DEFAULT_LANES = 2;
 
 static void lanes_init(void) {
     const char *env = getenv("FP8MOE_GEMM_LANES");

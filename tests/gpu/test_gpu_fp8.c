@@ -1847,13 +1847,49 @@ static void test_fp8_gemm_grouped(void **state) {
             bf16_diff += dx16[r * Kp16 + c] != (c < K ? float_to_bf16(dx_wr[(r + 1) * K + c]) : 0) ||
                          (c < K && bf16_to_float(dx16[r * Kp16 + c]) != dx_wr[(r + 1) * K + c]);
     device_free(DEVICE_CUDA, dx16_d), free(dx16);
+    // Wgrad per segment (fp8_gemm_wgrad_grouped, whose GEMMs may run on several streams) against one plain call per
+    // segment: the same bits, into gradients that start from random values. cuBLASLt's block-scaled Wgrad needs N and
+    // K multiples of 4, so the cases with other widths skip it (dw_diff -1).
+    int dw_diff = -1, dw_moved = 0;
+    if (N % 4 == 0 && K % 4 == 0) {
+        int TB = 0;
+        for (int g = 0; g < n; g++) TB += ceil_div(rows0[g + 1] - rows0[g], FP8_TILE);
+        uint8_t *qxt_d = gpu_poisoned((size_t)K * FP8_TILE * (TB ? TB : 1)), *qdyt_d = gpu_poisoned((size_t)N * FP8_TILE * (TB ? TB : 1));
+        float *sxt_d = gpu_poisoned((size_t)K * (TB ? TB : 1) * sizeof(float));
+        float *sdyt_d = gpu_poisoned((size_t)N * (TB ? TB : 1) * sizeof(float));
+        assert_int_equal(fp8_quantize_128x1_transposed_grouped(DEVICE_CUDA, qxt_d, sxt_d, x_d, NULL, n, rows0, K, err,
+                                                               sizeof err), 0);
+        assert_int_equal(fp8_quantize_128x1_transposed_grouped(DEVICE_CUDA, qdyt_d, sdyt_d, dy_d, NULL, n, rows0, N, err,
+                                                               sizeof err), 0);
+        const int64_t nw = (int64_t)n * N * K;
+        float *dw0 = floats(nw);
+        fill_log_uniform(dw0, nw, 7500 + (uint64_t)gc->seed, -6.0, 0.0);
+        float *dw_seg_d = gpu_copy_of(dw0, (size_t)nw * sizeof(float)), *dw_grp_d = gpu_copy_of(dw0, (size_t)nw * sizeof(float));
+        for (int g = 0, tiles = 0; g < n; g++) {
+            const int rows = rows0[g + 1] - rows0[g];
+            if (rows == 0) continue;
+            fp8_gemm_wgrad(DEVICE_CUDA, dw_seg_d + (int64_t)g * N * K, qdyt_d + (size_t)N * FP8_TILE * tiles,
+                           sdyt_d + (size_t)N * tiles, qxt_d + (size_t)K * FP8_TILE * tiles, sxt_d + (size_t)K * tiles, rows,
+                           N, K);
+            tiles += ceil_div(rows, FP8_TILE);
+    }
+    fp8_gemm_wgrad_grouped(DEVICE_CUDA, dw_grp_d, qdyt_d, sdyt_d, qxt_d, sxt_d, n, rows0, N, K);
+    float *dw_seg = host_copy_of(dw_seg_d, (size_t)nw * sizeof(float)), *dw_grp = host_copy_of(dw_grp_d, (size_t)nw * sizeof(float));
+    dw_diff = count_diff(dw_grp, dw_seg, (size_t)nw * sizeof(float));
+    for (int64_t i = 0; i < nw; i++) dw_moved += dw_grp[i] != dw0[i];  // the check means something only if they moved
+    device_free(DEVICE_CUDA, qxt_d), device_free(DEVICE_CUDA, qdyt_d), device_free(DEVICE_CUDA, sxt_d);
+    device_free(DEVICE_CUDA, sdyt_d), device_free(DEVICE_CUDA, dw_seg_d), device_free(DEVICE_CUDA, dw_grp_d);
+    free(dw0), free(dw_seg), free(dw_grp);
+    }
     const int pass = y_diff == 0 && dx_diff == 0 && y_rows && dx_rows && wr_diff == 0 && wr_rows && two_diff == 0 &&
-                     unperm_diff == 0 && res_diff == 0 && bf16_diff == 0;
+                     unperm_diff == 0 && res_diff == 0 && bf16_diff == 0 &&
+                     (dw_diff == -1 || (dw_diff == 0 && (T == 0 || dw_moved > 0)));
     printf("%-16s %2d segments, %4d rows, N %-4d K %-4d differing bytes vs per-segment: Fprop %d, Dgrad %d; "
            "Dgrad GRAD_WRITE differing values %d; 2 matrices vs 2 calls: %d bytes; unpermuted vs slot order + "
            "moe_unpermute_backward: %d bytes; Fprop with a residual vs + add_inplace: %d bytes; BF16-output Fprop and "
-           "Dgrad vs the converted values: %d differing; only the rows inside written: %s  %s\n", "fp8 grouped", n, T, N, K,
-           y_diff, dx_diff, wr_diff, two_diff, unperm_diff, res_diff, bf16_diff,
+           "Dgrad vs the converted values: %d differing; Wgrad grouped vs per segment: %d bytes (%d values changed); "
+           "only the rows inside written: %s  %s\n", "fp8 grouped", n, T, N, K,
+           y_diff, dx_diff, wr_diff, two_diff, unperm_diff, res_diff, bf16_diff, dw_diff, dw_moved,
            y_rows && dx_rows && wr_rows ? "yes" : "NO", pass ? "ok" : "FAIL");
     fflush(stdout);
 
@@ -1974,10 +2010,10 @@ static void test_bf16_matmul(void **state) {
 
 // ---------------------------------------------------------------------------- main
 // ---------------------------------------------------------------------------- BF16 GEMMs on rounded operands
-// bf16_gemm_fprop_grouped / _dgrad_grouped / bf16_gemm_wgrad (train/linear.c's bf16 mode): groups of
+// bf16_gemm_fprop_grouped / _dgrad_grouped / _wgrad_grouped (train/linear.c's bf16 mode): groups of
 // random length (every fifth empty) with their own weights; each output against the CPU's grouped result
-// and a double reference with test_bf16_matmul's bounds, a second run bitwise equal, and the row after
-// the outputs (poisoned) untouched.
+// and a double reference with test_bf16_matmul's bounds, a second run bitwise equal (its Wgrad as one plain
+// bf16_gemm_wgrad per group), and the row after the outputs (poisoned) untouched.
 static void test_bf16_gemm_grouped(void **state) {
     const GroupedGemmCase *gc = *state;
     const int n = gc->n_seg, N = gc->N, K = gc->K;
@@ -2012,9 +2048,7 @@ static void test_bf16_gemm_grouped(void **state) {
     bf16_gemm_fprop_grouped(DEVICE_CPU, y_c, NULL, xb, wg, n, rows0, N, K);
     const uint16_t *dyb1[1] = {dyb}, *const *wg1[1] = {wg}, *dyb1_d[1] = {dyb_d}, *const *wg1_d[1] = {wg_d};
     bf16_gemm_dgrad_grouped(DEVICE_CPU, dx_c, GRAD_ADD, NULL, 1, dyb1, wg1, n, rows0, N, K);
-    for (int g = 0; g < n; g++)
-        bf16_gemm_wgrad(DEVICE_CPU, dw_c + (int64_t)g * N * K, dyb + (int64_t)rows0[g] * N, xb + (int64_t)rows0[g] * K,
-                        rows0[g + 1] - rows0[g], N, K);
+    bf16_gemm_wgrad_grouped(DEVICE_CPU, dw_c, dyb, xb, n, rows0, N, K);
     float *poison = host_poisoned((size_t)(N > K ? N : K) * 4);
     int pass = 1;
     for (int rep = 0; rep < 2; rep++) {
@@ -2024,9 +2058,13 @@ static void test_bf16_gemm_grouped(void **state) {
         device_memcpy_from_host(DEVICE_CUDA, dw_d, dw0, (size_t)nw * 4);
         bf16_gemm_fprop_grouped(DEVICE_CUDA, y_d, NULL, xb_d, wg_d, n, rows0, N, K);
         bf16_gemm_dgrad_grouped(DEVICE_CUDA, dx_d, GRAD_ADD, NULL, 1, dyb1_d, wg1_d, n, rows0, N, K);
-        for (int g = 0; g < n; g++)
-            bf16_gemm_wgrad(DEVICE_CUDA, dw_d + (int64_t)g * N * K, dyb_d + (int64_t)rows0[g] * N,
-                            xb_d + (int64_t)rows0[g] * K, rows0[g + 1] - rows0[g], N, K);
+        if (rep == 0) {
+            bf16_gemm_wgrad_grouped(DEVICE_CUDA, dw_d, dyb_d, xb_d, n, rows0, N, K);
+        } else {  // one plain call per group: the grouped call's GEMMs (on several streams) must give these bits
+            for (int g = 0; g < n; g++)
+                bf16_gemm_wgrad(DEVICE_CUDA, dw_d + (int64_t)g * N * K, dyb_d + (int64_t)rows0[g] * N,
+                                xb_d + (int64_t)rows0[g] * K, rows0[g + 1] - rows0[g], N, K);
+        }
         y_g[rep] = host_copy_of(y_d, (size_t)(ndy + N) * 4), dx_g[rep] = host_copy_of(dx_d, (size_t)(nx + K) * 4);
         dw_g[rep] = host_copy_of(dw_d, (size_t)nw * 4);
         pass &= memcmp(y_g[rep] + ndy, poison, (size_t)N * 4) == 0 && memcmp(dx_g[rep] + nx, poison, (size_t)K * 4) == 0;
