@@ -16,8 +16,9 @@
  * also holds the SwiGLU activation between the experts' GEMMs.
  *
  * Timing: on DEVICE_CPU the host clock (omp_get_wtime) at every push/pop; on DEVICE_CUDA a cudaEvent
- * recorded on the default stream (where every op runs) at every push/pop, from a preallocated pool
- * (grown if a step needs more); the intervals are summed at collect after cudaEventSynchronize.
+ * recorded on the default stream (every op is a step of it: gemm.cu's lanes join back into it) at every
+ * push/pop, from a preallocated pool (grown if a step needs more); the intervals are summed at collect
+ * after cudaEventSynchronize.
  * Marks must come from one host thread (the ops' OpenMP parallelism lives inside the ops).
  * Misuse (end without the matching begin, nesting deeper than PROFILE_MAX_DEPTH, collect with phases
  * open) stops the process with a message naming the phase: it is a bug in the marks, not user input.

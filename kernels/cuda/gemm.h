@@ -3,7 +3,7 @@
  * (the benchmark now, the model's FP8 path later). kernels.h's fp8_gemm_fprop/dgrad and bf16_matmul_*
  * write `real` (float) and are built on these plus a BF16 -> float conversion.
  *
- * All pointers are device pointers; everything runs on the default stream. BF16 values are uint16_t
+ * All pointers are device pointers; everything here runs on the default stream. BF16 values are uint16_t
  * bit patterns (the same as kernels.h's float_to_bf16). Shapes are row-major, last index fastest;
  * "M x N x K" means an (M, N) output and a contraction of length K.
  */
