@@ -120,6 +120,12 @@ static const ConfigKey key_table[] = {
 
     ENUM(precision, mode, PrecisionMode, precision_words, "fp32",
          "block Linears: fp32 reference, bf16 baseline, or fp8 (E4M3, 1x128 / 128x128 scaling, docs/fp8.md)"),
+    {"precision", "bf16_fprop", KEY_BOOL, OFF_INT(precision.bf16_fprop), 0, 0, 0, 0, "false", NULL, 0,
+     "fp8 mode: run the Linears' forward GEMMs (Y = X W^T) in BF16, as bf16 mode does (a diagnostic, docs/fp8.md)"},
+    {"precision", "bf16_dgrad", KEY_BOOL, OFF_INT(precision.bf16_dgrad), 0, 0, 0, 0, "false", NULL, 0,
+     "fp8 mode: run the input-gradient GEMMs (dX = dY W) in BF16 (a diagnostic, docs/fp8.md)"},
+    {"precision", "bf16_wgrad", KEY_BOOL, OFF_INT(precision.bf16_wgrad), 0, 0, 0, 0, "false", NULL, 0,
+     "fp8 mode: run the weight-gradient GEMMs (dW = dY^T X) in BF16 (a diagnostic, docs/fp8.md)"},
 
     INT(parallel, pp, 1, 4096, "1", "pipeline-parallel stages"),
     INT(parallel, ep, 1, 65536, "1", "expert-parallel ranks; divides dp and moe.n_routed_experts"),
@@ -738,6 +744,16 @@ static int check_config(ParseState *st) {
                  "%d per rank in fp8 mode (the grouped FP8 quantisers take one segment per local expert); raise "
                  "parallel.ep",
              at, e->n_routed_experts, p->ep, local_experts, FP8_MAX_SEGMENTS);
+        return -1;
+    }
+    const PrecisionConfig *pc = &c->precision;
+    if (pc->mode != PRECISION_FP8 && (pc->bf16_fprop || pc->bf16_dgrad || pc->bf16_wgrad)) {
+        const int k = pc->bf16_fprop ? KEY_INDEX(precision, bf16_fprop)
+                                     : pc->bf16_dgrad ? KEY_INDEX(precision, bf16_dgrad) : KEY_INDEX(precision, bf16_wgrad);
+        format_origin(st, k, at, sizeof at);
+        fail(st, "%s: precision.%s: true in precision.mode = %s - expected only in fp8 mode (the other modes run no FP8 "
+                 "GEMMs to replace)",
+             at, key_table[k].name, precision_words[pc->mode]);
         return -1;
     }
     if (c->optim.min_lr > c->optim.lr) {

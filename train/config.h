@@ -49,6 +49,9 @@ typedef struct {
 typedef enum { PRECISION_FP32 = 0, PRECISION_BF16 = 1, PRECISION_FP8 = 2 } PrecisionMode;
 typedef struct {
     PrecisionMode mode;
+    // fp8 mode only: GEMM kinds of the block Linears run in BF16 instead (the bf16 mode's GEMMs), for finding
+    // which kind makes fp8 differ from bf16 (TransformerEngine's override_linear_precision does the same)
+    int bf16_fprop, bf16_dgrad, bf16_wgrad;
 } PrecisionConfig;
 
 typedef struct {

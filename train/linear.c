@@ -106,11 +106,13 @@ static void weight_cache_create(Model *m) {
         fprintf(stderr, "fp8moe: train/linear.c: out of host memory for the Linear weight cache\n");
         exit(1);
     }
-    // One allocation in three regions (fp8: every q, then every qt, then every s; bf16: every BF16 copy), each
-    // in parameter order, so the weights of a routed-expert stack have their quantisations (q (E, Np, Kp), qt,
+    // One allocation in four regions (fp8: every q, then every qt, then every s; then, for bf16, every BF16 copy),
+    // each in parameter order, so the weights of a routed-expert stack have their quantisations (q (E, Np, Kp), qt,
     // s (E, NB, KB4)) or BF16 copies stacked too and are converted in one call (refresh_stack). q sizes are
     // multiples of 128 x 128 bytes and s sizes of 16 bytes, so every array stays 16-byte aligned.
-    const int fp8 = m->cfg.precision.mode == PRECISION_FP8;
+    const PrecisionConfig *pc = &m->cfg.precision;
+    const int fp8 = pc->mode == PRECISION_FP8;  // BF16 copies for bf16 mode and fp8 mode's BF16 Fprop or Dgrad
+    const int bf16 = pc->mode == PRECISION_BF16 || (fp8 && (pc->bf16_fprop || pc->bf16_dgrad));
     size_t q_total = 0, s_total = 0, b_total = 0;
     for (int pass = 0; pass < 2; pass++) {  // sizes, then pointers into the one allocation
         size_t q_at = 0, s_at = 0, b_at = 0;
@@ -121,16 +123,15 @@ static void weight_cache_create(Model *m) {
             const int OC = p->shape[0], C = p->shape[1], NB = ceil_div(OC, FP8_TILE), KB = ceil_div(C, FP8_TILE);
             const size_t q = fp8 ? (size_t)NB * KB * FP8_TILE * FP8_TILE : 0;
             const size_t sb = fp8 ? (size_t)NB * (ceil_div(KB, 4) * 4) * sizeof(float) : 0;
-            const size_t b = fp8 ? 0 : pad_bytes((size_t)OC * C * sizeof(uint16_t));
+            const size_t b = bf16 ? pad_bytes((size_t)OC * C * sizeof(uint16_t)) : 0;
             if (pass == 1) {
                 CachedWeight *e = &c->entries[c->n];
                 if (fp8) {
                     e->q = (uint8_t *)(base + q_at);
                     e->qt = (uint8_t *)(base + q_total + q_at);
                     e->s = (float *)(base + 2 * q_total + s_at);
-                } else {
-                    e->b = (uint16_t *)(base + b_at);
                 }
+                if (bf16) e->b = (uint16_t *)(base + 2 * q_total + s_total + b_at);
             } else {
                 c->entries[c->n] = (CachedWeight){.offset = p->offset, .OC = OC, .C = C};
             }
@@ -180,9 +181,9 @@ static int find_entry(const Model *m, const real *weight, int OC, int C) {
 // out so; stacked_entries checks it). The same bits as entry by entry.
 static void refresh_entries(Model *m, int i0, int n, const real *weight, int OC, int C) {
     CachedWeight *e0 = &m->weight_cache->entries[i0];
-    if (e0->b != NULL) {  // bf16 (inside the caller's GEMM phase)
+    if (e0->b != NULL)  // bf16 (inside the caller's GEMM phase)
         bf16_round_array(m->dev, e0->b, weight, (int64_t)n * OC * C);
-    } else {
+    if (e0->q != NULL) {
         char err[256];
         profile_begin(PHASE_QUANTISE);
         check_quantised(fp8_quantize_128x128_batched(m->dev, e0->q, e0->qt, e0->s, weight, n, OC, C, err, sizeof err),
@@ -202,8 +203,8 @@ static int stacked_stale_entries(const Model *m, int i0, int n, int OC, int C) {
     const size_t bn = (size_t)OC * C;
     for (int g = 0; g < n; g++) {
         const CachedWeight *e = &c->entries[i0 + g];
-        const int arrays = e0->b != NULL ? e->b == e0->b + g * bn
-                                         : e->q == e0->q + g * qn && e->qt == e0->qt + g * qn && e->s == e0->s + g * sn;
+        const int arrays = (e0->b == NULL || e->b == e0->b + g * bn) &&
+                           (e0->q == NULL || (e->q == e0->q + g * qn && e->qt == e0->qt + g * qn && e->s == e0->s + g * sn));
         if (e->offset != e0->offset + (int64_t)g * OC * C || e->OC != OC || e->C != C || !arrays ||
             e->version == m->weights_version)
             return 0;
@@ -303,10 +304,11 @@ static size_t bf16_bytes(int rows, int cols) { return pad_bytes((size_t)rows * c
 // input and the rounded dYs (unpadded); fp8 the larger of a forward and a backward, its groups' padding adding
 // at most 15 rows (1x128) and one tile (128x1) per group of the `padded_groups`.
 static size_t call_scratch_bytes(const Model *m, int rows, int padded_groups, int C, int OC, int n_out) {
-    if (m->cfg.precision.mode == PRECISION_BF16) return bf16_bytes(rows, C) + (size_t)n_out * bf16_bytes(rows, OC);
+    const size_t bf16 = bf16_bytes(rows, C) + (size_t)n_out * bf16_bytes(rows, OC);
+    if (m->cfg.precision.mode == PRECISION_BF16) return bf16;
     const GroupSizes z = {round_up(rows, 16) + 15 * padded_groups, ceil_div(rows, FP8_TILE) + padded_groups};
-    const size_t f = fprop_bytes(z, C), b = backward_bytes(z, C, OC, n_out);
-    return f > b ? f : b;
+    const size_t f = fprop_bytes(z, C), b = backward_bytes(z, C, OC, n_out), fp8 = f > b ? f : b;
+    return linear_fp8_fused(m) || fp8 > bf16 ? fp8 : bf16;  // BF16 GEMM kinds use the bf16 mode's scratch
 }
 
 void linear_reserve_scratch(Model *m, int rows) {
@@ -327,6 +329,18 @@ void linear_reserve_scratch(Model *m, int rows) {
     }
     scratch_reserve(m, most);
 }
+
+int linear_fp8_fused(const Model *m) {
+    const PrecisionConfig *p = &m->cfg.precision;
+    return p->mode == PRECISION_FP8 && !p->bf16_fprop && !p->bf16_dgrad && !p->bf16_wgrad;
+}
+
+// The bf16 mode's Linears (below), which fp8 mode also runs for the GEMM kinds a job asks in BF16.
+static void bf16_forward(Model *m, int n_groups, const int *offsets, int n_out, real *const *out, const real *inp,
+                         const int *inp_rows, const real *const *weight, int C, const int *OC, const real *residual);
+static void bf16_backward(Model *m, int n_groups, const int *offsets, int n_out, real *dinp, GradStore dinp_store,
+                          const DgradUnpermute *unpermute, real *const *dweight, const real *const *dout,
+                          const real *inp, const int *inp_rows, const real *const *weight, int C, int OC);
 
 // ---------------------------------------------------------------------------- fp8 Linears
 // What the fp8 quantisers read for an activation operand (an input X or a gradient dY): an FP32 array, row r read
@@ -439,6 +453,14 @@ static void quantize_gradients(Model *m, int n_out, const Fp8Operand *dy, const 
     }
 }
 
+// Stops the process: a job with GEMM kinds in BF16 runs the plain paths (linear_fp8_fused), so every operand is
+// an FP32 array and every output FP32; anything else is a bug in the caller.
+_Noreturn static void not_plain(const char *what) {
+    fprintf(stderr, "fp8moe: train/linear.c: internal error: %s with a fused operand or a BF16 output in a job that "
+                    "runs GEMM kinds in BF16 (expected the plain paths: linear_fp8_fused)\n", what);
+    exit(1);
+}
+
 _Noreturn static void too_many_shared(int n_out) {
     fprintf(stderr, "fp8moe: train/linear.c: internal error: %d Linears share an input (at most %d)\n", n_out,
             MAX_SHARED);
@@ -489,6 +511,11 @@ static Fp8Operand shared_fprop_operand(const SharedFprop *fprop, int writes, int
 static void fp8_forward(Model *m, int n_groups, const int *offsets, int n_out, real *const *out,
                         uint16_t *const *out_bf16, const Operand *inp, const real *const *weight, int C, const int *OC,
                         const real *residual, KeptInput *kept, SharedFprop *fprop) {
+    if (m->cfg.precision.bf16_fprop) {  // the plain paths (linear_fp8_fused): an FP32 array in, FP32 out
+        if (inp->kind != OPERAND_ARRAY || out_bf16 != NULL) not_plain("an Fprop");
+        bf16_forward(m, n_groups, offsets, n_out, out, inp->x, inp->rows, weight, C, OC, residual);
+        return;
+    }
     const GroupSizes z = group_sizes(n_groups, offsets);
     scratch_reserve(m, fprop_bytes(z, C));
     size_t used = 0;
@@ -527,6 +554,21 @@ static void fp8_backward(Model *m, int n_groups, const int *offsets, int n_out, 
                          GradStore dinp_store, const DgradUnpermute *unpermute, real *const *dweight,
                          const Operand *dout, const Operand *inp, const real *const *weight, int C, int OC,
                          const KeptInput *kept) {
+    const PrecisionConfig *pc = &m->cfg.precision;
+    real *no_dweight[MAX_SHARED] = {NULL};
+    if (pc->bf16_dgrad || pc->bf16_wgrad) {  // those GEMMs as bf16 mode runs them, on the plain paths' FP32 arrays
+        const real *dys[MAX_SHARED];
+        for (int i = 0; i < n_out; i++) {
+            if (dout[i].kind != OPERAND_ARRAY || dout[i].rows != NULL) not_plain("a gradient dY");
+            dys[i] = dout[i].x;
+        }
+        if (inp->kind != OPERAND_ARRAY || dinp_bf16 != NULL) not_plain("a backward");
+        bf16_backward(m, n_groups, offsets, n_out, pc->bf16_dgrad ? dinp : NULL, dinp_store,
+                      pc->bf16_dgrad ? unpermute : NULL, pc->bf16_wgrad ? dweight : no_dweight, dys, inp->x,
+                      inp->rows, weight, C, OC);
+        if (pc->bf16_dgrad) dinp = NULL, unpermute = NULL;
+        if (pc->bf16_wgrad) dweight = no_dweight;
+    }
     const int dgrad = dinp != NULL || dinp_bf16 != NULL;
     if (dinp_bf16 != NULL && (dinp != NULL || n_out != 1 || unpermute != NULL || dinp_store != GRAD_WRITE)) {
         fprintf(stderr, "fp8moe: train/linear.c: internal error: a BF16 input gradient is one Linear's, written\n");
@@ -747,12 +789,12 @@ void linear_forward_swiglu_grouped(Model *m, int n_groups, const int *offsets, c
                                    const int *x_rows, const SwigluGate *gate, real *h, real *y, uint16_t *y_bf16,
                                    int D, int I, KeptInput *x_kept, KeptInput *h_kept, SharedFprop *x_fprop) {
     const real *const w13[2] = {w->w1, w->w3};
-    if ((y_bf16 != NULL) == (y != NULL) || (y_bf16 != NULL && m->cfg.precision.mode != PRECISION_FP8)) {
+    if ((y_bf16 != NULL) == (y != NULL) || (y_bf16 != NULL && !linear_fp8_fused(m))) {
         fprintf(stderr, "fp8moe: train/linear.c: internal error: an FFN's output goes to an FP32 array, or in fp8 mode "
                         "to a BF16 one\n");
         exit(1);
     }
-    if (m->cfg.precision.mode != PRECISION_FP8) {
+    if (!linear_fp8_fused(m)) {
         real *const ab[2] = {gate->a, gate->b};
         linear_forward_grouped(m, n_groups, offsets, 2, ab, x, x_rows, w13, D, I, x_kept, x_fprop);
         swiglu_forward(m->dev, h, gate->a, gate->b, (int64_t)offsets[n_groups] * I);
@@ -780,12 +822,12 @@ void linear_backward_swiglu_grouped(Model *m, int n_groups, const int *offsets, 
                                     int I, const KeptInput *x_kept, const KeptInput *h_kept) {
     real *const g13[2] = {g->w1, g->w3};
     const real *const w13[2] = {w->w1, w->w3}, *const w2[1] = {w->w2};
-    if ((dy_combine != NULL) != (m->cfg.precision.mode == PRECISION_FP8 && dy == NULL)) {
+    if ((dy_combine != NULL) != (linear_fp8_fused(m) && dy == NULL)) {
         fprintf(stderr, "fp8moe: train/linear.c: internal error: an FFN's output gradient must be an array, or in fp8 "
                         "mode the combine's gradient through the routing plan\n");
         exit(1);
     }
-    if (m->cfg.precision.mode != PRECISION_FP8) {
+    if (!linear_fp8_fused(m)) {
         const int64_t n = (int64_t)offsets[n_groups] * I;
         swiglu_forward(m->dev, s->h, gate->a, gate->b, n);
         linear_backward_grouped(m, n_groups, offsets, 1, s->d_h, GRAD_WRITE, NULL, &g->w2, &dy, s->h, NULL, w2, I, D,

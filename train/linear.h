@@ -46,6 +46,12 @@ typedef struct {
     int rows, C;
 } SharedFprop;
 
+// Whether the job runs fp8 mode with its fused paths: the kept FP8 inputs (KeptInput), the shared Fprop operand
+// (SharedFprop), the SwiGLU gate's BF16 inputs and the combine's gradient inside the quantisers. They all assume
+// every GEMM kind in FP8, so a job that runs a kind in BF16 (precision.bf16_fprop / _dgrad / _wgrad) takes the
+// plain paths instead, as bf16 mode does: FP32 activations, each GEMM kind through its own mode's functions.
+int linear_fp8_fused(const Model *m);
+
 // inp (N, C), weight (OC, C) -> out (N, OC) = inp @ weight^T; `kept` (or NULL) as above.
 void linear_forward(Model *m, real *out, const real *inp, const real *weight, int N, int C, int OC, KeptInput *kept);
 // out = inp @ weight^T + residual (N, OC): the bits of linear_forward then add_inplace(out, residual); in fp8 and

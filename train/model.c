@@ -425,9 +425,9 @@ ChunkActs *chunk_acts_create(Model *m, int chunk, int B, int T) {
     if (cs->has_head)
         for (int k = 0; k < c->mtp.depth; k++) has_moe |= m->w.mtp[k].block.is_moe;
     layer_scratch_alloc(ar, &a->scratch, d, has_moe, has_moe && !moe_experts_read_tokens(m),
-                        m->cfg.precision.mode != PRECISION_FP8, has_moe && !moe_combine_grad_in_quantiser(m),
+                        !linear_fp8_fused(m), has_moe && !moe_combine_grad_in_quantiser(m),
                         has_moe && moe_combine_grad_in_quantiser(m));
-    const int keep = m->cfg.precision.mode == PRECISION_FP8;  // the Linears' Wgrad operands (linear.h KeptInput)
+    const int keep = linear_fp8_fused(m);  // the Linears' Wgrad operands (linear.h KeptInput)
     const int eout16 = moe_combine_grad_in_quantiser(m);
     for (int i = 0; i < cs->n_blocks; i++)
         block_acts_alloc(ar, &a->blocks[i], d, m->w.blocks[cs->first_block + i].is_moe, &a->scratch, keep, eout16);

@@ -59,7 +59,7 @@ int moe_experts_read_tokens(const Model *m) {
 }
 
 int moe_combine_grad_in_quantiser(const Model *m) {
-    return m->cfg.precision.mode == PRECISION_FP8 && moe_experts_read_tokens(m);
+    return linear_fp8_fused(m) && moe_experts_read_tokens(m);
 }
 
 // Every local expert over its segment of rows, one phase at a time: each Linear runs for all experts, the SwiGLU
