@@ -5,7 +5,8 @@
 # 1% of the bf16 run's. Extra arguments go to both runs (e.g. --set train.grad_accum=1 for a quicker,
 # smaller-batch run; say so when quoting the result). PARALLEL=1 runs fp8 on GPU 0 and bf16 on GPU 1 at
 # the same time (a 2-GPU machine: the job's full batch then fits one 10-minute call). Needs $BUILD
-# (default build-gpu).
+# (default build-gpu). FP8_ARGS: extra arguments for the fp8 run only (e.g. FP8_ARGS="--set precision.bf16_dgrad=true",
+# options bf16 mode refuses).
 set -u -o pipefail
 cd "$(dirname "$0")/../.."
 BUILD=${BUILD:-build-gpu} STEPS=${STEPS:-300}
@@ -18,12 +19,13 @@ train_mode() {  # mode gpu extra-args...
     --set train.steps="$STEPS" --set train.eval_every=0 --set log.every=50 --set checkpoint.dir="$TMP/$mode" "$@" \
     --set data.text="${FP8MOE_SHAKESPEARE:-../shared/data/tinyshakespeare.txt}" > "$TMP/$mode.log" 2>&1
 }
+read -r -a fp8_args <<< "${FP8_ARGS:-}"
 if [ "${PARALLEL:-0}" = 1 ]; then
-  train_mode fp8 0 "$@" & p8=$!
+  train_mode fp8 0 "$@" "${fp8_args[@]}" & p8=$!
   train_mode bf16 1 "$@" & p16=$!
   wait $p8; r8=$?; wait $p16; r16=$?
 else
-  train_mode fp8 "${CUDA_VISIBLE_DEVICES:-0}" "$@"; r8=$?
+  train_mode fp8 "${CUDA_VISIBLE_DEVICES:-0}" "$@" "${fp8_args[@]}"; r8=$?
   train_mode bf16 "${CUDA_VISIBLE_DEVICES:-0}" "$@"; r16=$?
 fi
 for mode in fp8 bf16; do
