@@ -674,7 +674,16 @@ const real *chunk_probs_at(ChunkActs *a, int b, int t) {
     const int64_t row = (int64_t)b * a->d.T + t;
     if (o->logits) return o->logits + row * a->V;
     if (!o->logits16) return NULL;
-    if (!a->probs_row && !(a->probs_row = malloc((size_t)a->V * sizeof(real)))) return NULL;
+    if (a->arena.dev != DEVICE_CPU) {  // the row is made on the host from the statistics
+        fprintf(stderr, "fp8moe: train/model.c: chunk_probs_at: the BF16 head's probabilities are made on the CPU "
+                        "device only (sampling runs there)\n");
+        exit(1);
+    }
+    if (!a->probs_row && !(a->probs_row = malloc((size_t)a->V * sizeof(real)))) {
+        fprintf(stderr, "fp8moe: train/model.c: chunk_probs_at: out of host memory for a row of %d probabilities\n",
+                a->V);
+        exit(1);
+    }
     crossentropy_probs_bf16(DEVICE_CPU, a->probs_row, o->logits16 + row * a->V, o->row_max + row, o->row_sum + row, 1,
                             a->V);
     return a->probs_row;

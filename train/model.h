@@ -150,8 +150,9 @@ typedef struct {
     int64_t n_valid;              // positions with a main target
 } LossTerms;
 LossTerms chunk_losses(const ChunkActs *a);
-// Probabilities (V) of position t of sequence b from the last forward pass (sampling, on the CPU device), or NULL
-// (no head, or out of memory); valid until the next call. A backward pass overwrites what they are made from.
+// Probabilities (V) of position t of sequence b from the last forward pass (sampling, on the CPU device: in bf16 and
+// fp8 modes they are made on the host from the row's statistics, and another device stops the process), or NULL
+// when the chunk has no head; valid until the next call. A backward pass overwrites what they are made from.
 const real *chunk_probs_at(ChunkActs *a, int b, int t);
 
 // MTP depth k (1-based) at position i takes t_{i+k} as input and predicts t_{i+k+1}. From the main

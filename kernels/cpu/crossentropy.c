@@ -103,11 +103,11 @@ void cpu_crossentropy_backward_bf16(uint16_t *dlogits, const uint16_t *logits, c
         const uint16_t *x = logits + (size_t)n * V;
         uint16_t *d = dlogits + (size_t)n * V;
         const int target = targets[n];
+        if (target < 0) {
+            for (int i = 0; i < V; i++) d[i] = float_to_bf16(0.0f);
+            continue;
+        }
         for (int i = 0; i < V; i++) {
-            if (target < 0) {
-                d[i] = float_to_bf16(0.0f);
-                continue;
-            }
             const real p = row_prob((real)bf16_to_float(x[i]), row_max[n], row_sum[n]);
             d[i] = float_to_bf16((float)(i == target ? (p - (real)1) * dloss : p * dloss));
         }
