@@ -1852,11 +1852,11 @@ static void test_fp8_gemm_grouped(void **state) {
     // K multiples of 4, so the cases with other widths skip it (dw_diff -1).
     int dw_diff = -1, dw_moved = 0;
     if (N % 4 == 0 && K % 4 == 0) {
-        int TB = 0;
+        int TB = 0;  // 128-row tiles of all segments (at least one buffer's worth when every segment is empty)
         for (int g = 0; g < n; g++) TB += ceil_div(rows0[g + 1] - rows0[g], FP8_TILE);
-        uint8_t *qxt_d = gpu_poisoned((size_t)K * FP8_TILE * (TB ? TB : 1)), *qdyt_d = gpu_poisoned((size_t)N * FP8_TILE * (TB ? TB : 1));
-        float *sxt_d = gpu_poisoned((size_t)K * (TB ? TB : 1) * sizeof(float));
-        float *sdyt_d = gpu_poisoned((size_t)N * (TB ? TB : 1) * sizeof(float));
+        const size_t tb = TB > 0 ? (size_t)TB : 1;
+        uint8_t *qxt_d = gpu_poisoned((size_t)K * FP8_TILE * tb), *qdyt_d = gpu_poisoned((size_t)N * FP8_TILE * tb);
+        float *sxt_d = gpu_poisoned((size_t)K * tb * sizeof(float)), *sdyt_d = gpu_poisoned((size_t)N * tb * sizeof(float));
         assert_int_equal(fp8_quantize_128x1_transposed_grouped(DEVICE_CUDA, qxt_d, sxt_d, x_d, NULL, n, rows0, K, err,
                                                                sizeof err), 0);
         assert_int_equal(fp8_quantize_128x1_transposed_grouped(DEVICE_CUDA, qdyt_d, sdyt_d, dy_d, NULL, n, rows0, N, err,
