@@ -67,27 +67,6 @@ void cpu_bf16_matmul_backward(real *dinp, real *dweight, const real *dout, const
     bf16_backward(dinp, GRAD_ADD, dweight, dout, inp, weight, N, C, OC);
 }
 
-// The (N, OC) side in BF16 bits (the output head): the forward's result is BF16-valued, so storing its bits is
-// exact; dout's values are BF16 already, so bf16_backward's rounding of them changes nothing.
-void cpu_bf16_matmul_forward_bf16(uint16_t *out, const real *inp, const real *weight, int N, int C, int OC) {
-    const size_t n = (size_t)N * OC;
-    real *v = cpu_values_or_die(n, "BF16 Fprop output");
-    cpu_bf16_matmul_forward(v, inp, weight, N, C, OC);
-#pragma omp parallel for schedule(static) if (n > 65536)
-    for (size_t i = 0; i < n; i++) out[i] = float_to_bf16((float)v[i]);
-    free(v);
-}
-
-void cpu_bf16_matmul_backward_bf16(real *dinp, real *dweight, const uint16_t *dout, const real *inp,
-                                   const real *weight, int N, int C, int OC) {
-    const size_t n = (size_t)N * OC;
-    real *g = cpu_values_or_die(n, "BF16 output gradient");
-#pragma omp parallel for schedule(static) if (n > 65536)
-    for (size_t i = 0; i < n; i++) g[i] = (real)bf16_to_float(dout[i]);
-    bf16_backward(dinp, GRAD_ADD, dweight, g, inp, weight, N, C, OC);
-    free(g);
-}
-
 // ---------------------------------------------------------------------------- pre-rounded operands
 // The same GEMMs on operands already rounded to BF16 (uint16_t bits, kernels.h bf16_gemm_*): train/linear.c
 // rounds an activation once for every Linear and group that reads it, and keeps each weight's BF16 copy
@@ -111,6 +90,22 @@ static real *bf16_expand(const uint16_t *src, size_t n, const char *what) {
 #pragma omp parallel for schedule(static) if (n > 65536)
     for (size_t i = 0; i < n; i++) dst[i] = (real)bf16_to_float(src[i]);
     return dst;
+}
+
+// bf16_matmul_* with the (N, OC) side in BF16 bits (the output head): the forward's result is BF16-valued, so
+// storing its bits is exact; dout's values are BF16 already, so bf16_backward's rounding of them changes nothing.
+void cpu_bf16_matmul_forward_bf16(uint16_t *out, const real *inp, const real *weight, int N, int C, int OC) {
+    real *v = cpu_values_or_die((size_t)N * OC, "BF16 Fprop output");
+    cpu_bf16_matmul_forward(v, inp, weight, N, C, OC);
+    cpu_bf16_round_array(out, v, (int64_t)N * OC);
+    free(v);
+}
+
+void cpu_bf16_matmul_backward_bf16(real *dinp, real *dweight, const uint16_t *dout, const real *inp,
+                                   const real *weight, int N, int C, int OC) {
+    real *g = bf16_expand(dout, (size_t)N * OC, "BF16 output gradient");
+    bf16_backward(dinp, GRAD_ADD, dweight, g, inp, weight, N, C, OC);
+    free(g);
 }
 
 void cpu_bf16_gemm_fprop_grouped(real *y, const uint16_t *x, const uint16_t *const *w, int n_seg, const int *rows0,
