@@ -57,11 +57,13 @@ void cpu_attention_forward(real *out, real *att, const real *q, const real *kv, 
                            int H, int Dn, int Dr, int Dv) {
     const int Dqk = Dn + Dr, kv_ld = Dn + Dv;
     const real scale = (real)1 / sqrt((real)Dqk);
+    CpuRegionError err = {0};  // a thread's scratch that cannot be allocated (scratch.c)
 #pragma omp parallel if ((double)B * H * T * T * (Dqk + Dv) > 65536.0)
     {
-        real *kT = cpu_values_or_die((size_t)Dqk * T, "attention_forward transposed k");
+        real *kT = cpu_region_alloc(&err, sizeof(real) * (size_t)Dqk * T, 0, "attention_forward transposed k");
 #pragma omp for schedule(static)
         for (int bh = 0; bh < B * H; bh++) {
+            if (kT == NULL) continue;
             const int b = bh / H, h = bh % H;
             transpose_keys(kT, kv, k_rope, b, h, T, H, Dn, Dr, Dv);
             for (int t = 0; t < T; t++) {
@@ -100,6 +102,7 @@ void cpu_attention_forward(real *out, real *att, const real *q, const real *kv, 
         }
         free(kT);
     }
+    cpu_region_check(&err);
 }
 
 // ---------------------------------------------------------------------------- backward
@@ -120,15 +123,18 @@ void cpu_attention_backward(real *dq, real *d_kv, real *d_k_rope, const real *do
     const int want_dk = (d_kv && Dn > 0) || rope_g, want_dv = d_kv != NULL;
     if (!dq && !want_dk && !want_dv) return;
     const real scale = (real)1 / sqrt((real)Dqk);
+    CpuRegionError err = {0};  // a thread's scratch that cannot be allocated (scratch.c)
 #pragma omp parallel if ((double)B * H * T * T * (Dqk + Dv) > 65536.0)
     {
-        real *vT = cpu_values_or_die((size_t)Dv * T, "attention_backward transposed v");
-        real *dscore = cpu_values_or_die((size_t)T, "attention_backward score gradient");
-        real *dq_t = cpu_values_or_die((size_t)Dqk, "attention_backward dq row");
-        real *dk_local = cpu_values_or_die((size_t)T * Dqk, "attention_backward dk");
-        real *dv_local = cpu_values_or_die((size_t)T * Dv, "attention_backward dv");
+        real *vT = cpu_region_alloc(&err, sizeof(real) * (size_t)Dv * T, 0, "attention_backward transposed v");
+        real *dscore = cpu_region_alloc(&err, sizeof(real) * (size_t)T, 0, "attention_backward score gradient");
+        real *dq_t = cpu_region_alloc(&err, sizeof(real) * (size_t)Dqk, 0, "attention_backward dq row");
+        real *dk_local = cpu_region_alloc(&err, sizeof(real) * (size_t)T * Dqk, 0, "attention_backward dk");
+        real *dv_local = cpu_region_alloc(&err, sizeof(real) * (size_t)T * Dv, 0, "attention_backward dv");
+        const int have_scratch = vT && dscore && dq_t && dk_local && dv_local;
 #pragma omp for schedule(static)
         for (int bh = 0; bh < B * H; bh++) {
+            if (!have_scratch) continue;
             const int b = bh / H, h = bh % H;
             transpose_head(vT, kv + Dn, kv_ld, b, h, T, H, Dv);
             memset(dk_local, 0, sizeof(real) * (size_t)T * Dqk);
@@ -214,6 +220,7 @@ void cpu_attention_backward(real *dq, real *d_kv, real *d_k_rope, const real *do
         free(dk_local);
         free(dv_local);
     }
+    cpu_region_check(&err);
     if (!rope_g) return;
     // d_k_rope[n, c] = ((0 + g_0) + g_1) + ... + g_{H-1}: one rounded addition per head, in head order
     const int64_t NR = (int64_t)B * T * Dr;

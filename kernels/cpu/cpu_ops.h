@@ -102,7 +102,27 @@ void cpu_bf16_matmul_backward_bf16(real *dinp, real *dweight, const uint16_t *do
 void cpu_bf16_round_array(uint16_t *dst, const real *src, int64_t n);
 real *cpu_bf16_rows_widened(const uint16_t *x, int64_t rows, int cols);
 // `count` reals (at least one) from malloc, freed by the caller, or a message naming `what` and exit (scratch.c).
+// Not inside an OpenMP parallel region: there, use cpu_region_alloc.
 real *cpu_values_or_die(size_t count, const char *what);
+// An error found inside an OpenMP parallel region (a NaN input, a thread's scratch that could not be allocated):
+// exit() there would run the exit handlers on every thread that finds one, at once (a double free, a crash). A
+// thread records it instead (cpu_region_fail: "file:line: op: what was found; expected what", of all the errors
+// recorded the one at the lowest `at` is kept, so the message does not depend on the thread count) and goes on
+// or skips its rows; after the region the calling thread reports it once and exits 1 (cpu_region_check):
+//     CpuRegionError err = {0};
+//     #pragma omp parallel { ... cpu_region_fail(&err, row, "kernels/cpu/x.c:%d: ...", __LINE__, ...); ... }
+//     cpu_region_check(&err);
+typedef struct {
+    int failed;
+    int64_t at;
+    char msg[512];
+} CpuRegionError;
+void cpu_region_fail(CpuRegionError *e, int64_t at, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+// malloc (align 0) or aligned_alloc (align > 0, bytes rounded up to it) inside a region: NULL, with the failure
+// recorded in e (ahead of any other error), when out of memory. Freed with free().
+void *cpu_region_alloc(CpuRegionError *e, size_t bytes, size_t align, const char *what);
+// After the region: when an error was recorded, prints "fp8moe: <message>" to stderr once and exits 1.
+void cpu_region_check(const CpuRegionError *e);
 void cpu_bf16_round_rows(uint16_t *dst, const real *src, const int *rows, int n_rows, int C);
 void cpu_bf16_gemm_fprop_grouped(real *y, const uint16_t *x, const uint16_t *const *w, int n_seg, const int *rows0, int N, int K);
 void cpu_bf16_gemm_dgrad_grouped(real *dx, GradStore store, const uint16_t *dy, const uint16_t *const *w, int n_seg, const int *rows0, int N, int K);

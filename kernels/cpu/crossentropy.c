@@ -73,17 +73,20 @@ void cpu_crossentropy_forward(real *losses, real *probs, const real *logits, con
 void cpu_crossentropy_forward_bf16(real *losses, real *row_max, double *row_sum, const uint16_t *logits,
                                    const int *targets, int N, int V) {
     check_targets("crossentropy_forward_bf16", targets, N, V);
+    CpuRegionError err = {0};  // a thread's row that cannot be allocated (scratch.c)
 #pragma omp parallel if ((int64_t)N * V >= 16384)
     {
-        real *x = cpu_values_or_die((size_t)V, "a widened logits row");
+        real *x = cpu_region_alloc(&err, sizeof(real) * (size_t)V, 0, "a widened logits row");
 #pragma omp for schedule(static)
         for (int n = 0; n < N; n++) {
+            if (x == NULL) continue;
             for (int i = 0; i < V; i++) x[i] = (real)bf16_to_float(logits[(size_t)n * V + i]);
             row_stats(NULL, x, V, &row_max[n], &row_sum[n]);
             losses[n] = row_loss(targets[n], row_max[n], row_sum[n], targets[n] < 0 ? (real)0 : x[targets[n]]);
         }
         free(x);
     }
+    cpu_region_check(&err);
 }
 
 void cpu_crossentropy_probs_bf16(real *probs, const uint16_t *logits, const real *row_max, const double *row_sum,

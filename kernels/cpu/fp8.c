@@ -457,6 +457,7 @@ static void block_scaled_gemm(real *out, OutMode mode, const uint8_t *A, const f
     const BlockKernel block_kernel = pick_block_kernel();
     double *bp = aligned_or_die((size_t)n_panels * NR * (size_t)Kc * sizeof(double), "decoded FP8 operand B");
     const int parallel = (double)M * Ncols * Kc > 65536.0;
+    CpuRegionError err = {0};  // a thread's panel that cannot be allocated (scratch.c)
 #pragma omp parallel if (parallel)
     {
 #pragma omp for schedule(static)
@@ -464,9 +465,10 @@ static void block_scaled_gemm(real *out, OutMode mode, const uint8_t *A, const f
             const int cols = Ncols - q * NR < NR ? Ncols - q * NR : NR;
             decode_panel(bp + (size_t)q * NR * Kc, lut, B, (size_t)Kc, q * NR, cols, NR, Kc);
         }
-        double *ap = aligned_or_die((size_t)MR * Kc * sizeof(double), "decoded FP8 operand A");
+        double *ap = cpu_region_alloc(&err, (size_t)MR * Kc * sizeof(double), PANEL_ALIGN, "decoded FP8 operand A");
 #pragma omp for schedule(static)
         for (int p = 0; p < m_panels; p++) {
+            if (ap == NULL) continue;
             const int m0 = p * MR, rows = M - m0 < MR ? M - m0 : MR;
             decode_panel(ap, lut, A, (size_t)Kc, m0, rows, MR, Kc);
             for (int q = 0; q < n_panels; q++) {
@@ -493,6 +495,7 @@ static void block_scaled_gemm(real *out, OutMode mode, const uint8_t *A, const f
         }
         free(ap);
     }
+    cpu_region_check(&err);
     free(bp);
 }
 

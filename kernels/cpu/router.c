@@ -16,7 +16,8 @@
 
 #include "kernels/cpu/cpu_ops.h"
 
-// Stops the process with the op, this file and line, what was found and what was expected.
+// Stops the process with the op, this file and line, what was found and what was expected. Not inside a
+// parallel region: there, ROUTER_REGION_FAIL records the error for cpu_region_check after the region.
 #define ROUTER_CHECK(cond, ...)                                                   \
     do {                                                                          \
         if (!(cond)) {                                                            \
@@ -26,6 +27,9 @@
             exit(1);                                                              \
         }                                                                         \
     } while (0)
+
+#define ROUTER_REGION_FAIL(err, at, fmt, ...) \
+    cpu_region_fail((err), (at), "%s:%d: " fmt, __FILE__, __LINE__, __VA_ARGS__)
 
 static void *router_xmalloc(size_t bytes) {
     void *p = malloc(bytes ? bytes : 1);
@@ -89,25 +93,34 @@ void cpu_router_forward(int *topk_idx, real *topk_w, real *scores, const real *l
                  n_limited * group_size);
     if (freeze) check_topk_input("router_forward", topk_idx, N, K, E);
 
+    // A NaN logit is recorded (the first, in row order) and its thread computes no further rows: the
+    // process stops after the region (cpu_region_check).
+    CpuRegionError err = {0};
     #pragma omp parallel
     {
-        real *masked = router_xmalloc((size_t)E * sizeof(real));
-        real *group_score = router_xmalloc((size_t)n_groups * sizeof(real));
-        int *kept_groups = router_xmalloc((size_t)n_limited * sizeof(int));
-        unsigned char *taken = router_xmalloc((size_t)(E > n_groups ? E : n_groups));
+        real *masked = cpu_region_alloc(&err, (size_t)E * sizeof(real), 0, "router scratch");
+        real *group_score = cpu_region_alloc(&err, (size_t)n_groups * sizeof(real), 0, "router scratch");
+        int *kept_groups = cpu_region_alloc(&err, (size_t)n_limited * sizeof(int), 0, "router scratch");
+        unsigned char *taken = cpu_region_alloc(&err, (size_t)(E > n_groups ? E : n_groups), 0, "router scratch");
+        int stopped = !masked || !group_score || !kept_groups || !taken;
 
         #pragma omp for schedule(static)
         for (int t = 0; t < N; t++) {
+            if (stopped) continue;
             const real *lt = logits + (size_t)t * E;
             real *st = scores + (size_t)t * E;
             int *it = topk_idx + (size_t)t * K;
             real *wt = topk_w + (size_t)t * K;
 
-            for (int e = 0; e < E; e++) {
-                ROUTER_CHECK(!isnan(lt[e]), "router_forward: logits[%d, %d] is NaN; expected a finite "
-                             "router logit (the model diverged or its input is corrupt)", t, e);
+            for (int e = 0; e < E && !stopped; e++) {
+                if (isnan(lt[e])) {
+                    ROUTER_REGION_FAIL(&err, (int64_t)t * E + e, "router_forward: logits[%d, %d] is NaN; expected a "
+                                       "finite router logit (the model diverged or its input is corrupt)", t, e);
+                    stopped = 1;
+                }
                 st[e] = sigmoid_real(lt[e]);
             }
+            if (stopped) continue;
 
             if (!freeze) {
                 // biased scores choose the experts; the bias never reaches the weights
@@ -144,6 +157,7 @@ void cpu_router_forward(int *topk_idx, real *topk_w, real *scores, const real *l
         free(kept_groups);
         free(taken);
     }
+    cpu_region_check(&err);
 }
 
 // ---------------------------------------------------------------------------- router backward
@@ -158,12 +172,14 @@ void cpu_router_backward(real *dlogits, const real *dtopk_w, const real *dscores
     if (dlogits == NULL || (dtopk_w == NULL && dscores == NULL)) return;
     if (dtopk_w) check_topk_input("router_backward", topk_idx, N, K, E);
 
+    CpuRegionError err = {0};
     #pragma omp parallel
     {
-        double *dscore = router_xmalloc((size_t)E * sizeof(double));
+        double *dscore = cpu_region_alloc(&err, (size_t)E * sizeof(double), 0, "router_backward scratch");
 
         #pragma omp for schedule(static)
         for (int t = 0; t < N; t++) {
+            if (dscore == NULL) continue;
             const real *st = scores + (size_t)t * E;
             for (int e = 0; e < E; e++) dscore[e] = dscores ? (double)dscores[(size_t)t * E + e] : 0.0;
 
@@ -187,6 +203,7 @@ void cpu_router_backward(real *dlogits, const real *dtopk_w, const real *dscores
         }
         free(dscore);
     }
+    cpu_region_check(&err);
 }
 
 // ---------------------------------------------------------------------------- balance loss
@@ -202,14 +219,16 @@ real cpu_balance_loss_forward(int *plain_topk, const real *scores, int B, int T,
         check_topk_input("balance_loss_forward", plain_topk, N, K, E);
     } else {
         // plain top-K: unbiased scores, no group limit, ties to the lower index
+        CpuRegionError err = {0};
         #pragma omp parallel
         {
-            unsigned char *taken = router_xmalloc((size_t)E);
+            unsigned char *taken = cpu_region_alloc(&err, (size_t)E, 0, "balance_loss_forward scratch");
             #pragma omp for schedule(static)
             for (int t = 0; t < N; t++)
-                select_topk(plain_topk + (size_t)t * K, scores + (size_t)t * E, E, K, taken);
+                if (taken) select_topk(plain_topk + (size_t)t * K, scores + (size_t)t * E, E, K, taken);
             free(taken);
         }
+        cpu_region_check(&err);
     }
 
     double *row_sum = router_xmalloc((size_t)T * sizeof(double));  // S_t of the current sequence

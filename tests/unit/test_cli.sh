@@ -63,6 +63,38 @@ fi
 run parallel 1 "$BIN" train configs/tiny.ini --set parallel.dp=2 && has parallel err 'parallel.dp = 2' \
   && has parallel err 'expected 1' && pass "a parallel layout is refused, not run as one process"
 
+# ---- errors found inside OpenMP parallel regions: one message, exit status 1, with two threads.
+# A text the test makes (no file from outside the repository), a model trained with a learning rate too
+# small to move a weight (its norm weights stay exactly 1.0), then every run of 32 ones (dim = 32: the
+# RMSNorm weights) in the weights file set to NaN: sampling from it sends NaN logits to the router, whose
+# check runs inside an OpenMP region. It used to exit() on every thread that found one: two messages,
+# or SIGABRT (134) / SIGSEGV (139) in the exit handlers, depending on timing (on a busy 2-core machine
+# mostly one message and status 1; test_router's test_router_nan_two_threads_one_message_exit_1 makes
+# the race certain). This is the same path end to end.
+OWN_TEXT=$TMP/own_text.txt
+for i in $(seq 1 1500); do echo "line $i: the quick brown fox jumps over the lazy dog, and the dog sleeps on."; done >"$OWN_TEXT"
+if run nan_train 0 "$BIN" train configs/tiny.ini --set train.steps=1 --set "checkpoint.dir=$TMP/nanrun" \
+     --set "data.text=$OWN_TEXT" --set "data.cache_dir=$TMP/nancache" --set optim.lr=1e-30 --set optim.min_lr=0 \
+     --set train.threads=2 --set train.eval_every=0 --set train.eval_batches=1; then
+  cp "$TMP/nanrun/weights.h5" "$TMP/nan.h5"
+  n_patched=$(perl -0777 -i -pe 'BEGIN { $n = 0 } $n += s/(?:\x00\x00\x80\x3f){32}/"\x00\x00\xc0\x7f" . ("\x00\x00\x80\x3f" x 31)/ge; END { print STDERR "$n\n" }' "$TMP/nan.h5" 2>&1)
+  if [ "${n_patched:-0}" -lt 1 ]; then
+    fail "nan weights: no run of 32 FP32 ones found in weights.h5 to set to NaN"
+  else
+    for attempt in 1 2 3; do
+      OMP_NUM_THREADS=2 "$BIN" sample "$TMP/nan.h5" --prompt "line 1" --steps 2 >"$TMP/nan_sample.out" 2>"$TMP/nan_sample.err"
+      got=$?
+      n_err=$(grep -c '^fp8moe' "$TMP/nan_sample.err")
+      if [ "$got" -ne 1 ] || [ "$n_err" -ne 1 ] || ! grep -Eq 'NaN|non-finite' "$TMP/nan_sample.err"; then
+        fail "sample on NaN weights, 2 threads (attempt $attempt): exit status $got with $n_err fp8moe message(s), expected 1 and one"
+        sed 's/^/  | /' "$TMP/nan_sample.err" | tail -5
+        break
+      fi
+      [ "$attempt" -eq 3 ] && pass "sample on NaN weights with 2 threads: exit 1, one message ($(head -c 90 "$TMP/nan_sample.err")...)"
+    done
+  fi
+fi
+
 # ---- train 3 steps, then sample
 if [ ! -f configs/tiny.ini ]; then
   echo "SKIP: configs/tiny.ini missing: training and sampling not tested"

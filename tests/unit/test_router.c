@@ -8,12 +8,16 @@
  * and the backward passes are checked against central finite differences with routing frozen.
  */
 #include <math.h>
+#include <omp.h>
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <cmocka.h>
 
@@ -415,7 +419,81 @@ static void test_router_backward_dscores_through_sigmoid(void **state) {
     ASSERT_NEAR(dlogits[3], 4 * 0.1049935854, 1e-6);
 }
 
-int main(void) {
+// ---------------------------------------------------------------------------- errors inside the parallel region
+// A NaN logit stops the process with one message and exit status 1, however many threads find one. The check runs
+// inside the router's OpenMP region; calling exit() there made every thread that found a NaN print and exit at
+// once: two messages, then SIGABRT ("double free or corruption") or SIGSEGV in the exit handlers. The router
+// runs in a fresh process (this binary again, NAN_CHILD_ARG, OMP_NUM_THREADS=2), not a forked copy: libgomp's
+// thread pool does not survive fork().
+#define NAN_CHILD_ARG "--router-nan-child"
+enum { NAN_N = 64, NAN_E = 8 };
+
+// An exit handler that takes its time, as a real process's do (HDF5 closing its library, the C library flushing
+// streams): while it runs, a second thread that reached exit() too runs them again, at the same time.
+static void slow_exit_handler(void) {
+    static int entered;
+    if (__atomic_add_fetch(&entered, 1, __ATOMIC_SEQ_CST) > 1)
+        fprintf(stderr, "router_nan_child: exit handlers entered twice, by two threads at once\n");
+    usleep(300 * 1000);
+}
+
+// Rows 0..31 go to thread 0 and 32..63 to thread 1 (schedule(static)); each finds a NaN in its first row.
+static int router_nan_child(void) {
+    if (omp_get_max_threads() < 2) {
+        fprintf(stderr, "router_nan_child: %d OpenMP thread(s); expected at least 2\n", omp_get_max_threads());
+        return 3;
+    }
+    atexit(slow_exit_handler);
+    static real logits[NAN_N * NAN_E], scores[NAN_N * NAN_E], w[NAN_N * 2];
+    static int idx[NAN_N * 2];
+    for (int i = 0; i < NAN_N * NAN_E; i++) logits[i] = (real)((i % 7) - 3) * 0.25f;
+    logits[0 * NAN_E + 3] = NAN;   // the first in row order: the one reported
+    logits[32 * NAN_E + 1] = NAN;  // thread 1's first row
+    for (int t = 40; t < NAN_N; t++) logits[t * NAN_E] = NAN;
+    cpu_router_forward(idx, w, scores, logits, NULL, NAN_N, NAN_E, 2, 4, 2, 1.0f, 0);
+    fprintf(stderr, "router_nan_child: router_forward returned on NaN logits\n");
+    return 0;
+}
+
+static void test_router_nan_two_threads_one_message_exit_1(void **state) {
+    (void)state;
+    for (int run = 0; run < 3; run++) {
+        char path[] = "/tmp/fp8moe_router_nan_XXXXXX";
+        const int fd = mkstemp(path);
+        assert_true(fd >= 0);
+        fflush(NULL);
+        const pid_t pid = fork();
+        assert_true(pid >= 0);
+        if (pid == 0) {
+            dup2(fd, 2);
+            setenv("OMP_NUM_THREADS", "2", 1);
+            setenv("OMP_DYNAMIC", "false", 1);
+            execl("/proc/self/exe", "test_router", NAN_CHILD_ARG, (char *)NULL);
+            _exit(127);
+        }
+        int status = 0;
+        assert_int_equal(waitpid(pid, &status, 0), pid);
+        char text[4096] = {0};
+        const ssize_t got = pread(fd, text, sizeof text - 1, 0);
+        close(fd);
+        unlink(path);
+        if (!WIFEXITED(status))
+            fail_msg("run %d: the router stopped by signal %d (exit status %d), expected exit(1); stderr:\n%s", run,
+                     WIFSIGNALED(status) ? WTERMSIG(status) : 0, 128 + (WIFSIGNALED(status) ? WTERMSIG(status) : 0),
+                     text);
+        if (WEXITSTATUS(status) != 1) fail_msg("run %d: exit status %d, expected 1; stderr:\n%s", run, WEXITSTATUS(status), text);
+        assert_true(got > 0);
+        int messages = 0, lines = 0;
+        for (const char *p = text; (p = strstr(p, "is NaN")) != NULL; p++) messages++;
+        for (const char *p = text; *p; p++) lines += *p == '\n';
+        if (messages != 1 || lines != 1) fail_msg("run %d: %d NaN messages in %d lines, expected 1:\n%s", run, messages, lines, text);
+        if (strstr(text, "fp8moe: kernels/cpu/router.c:") != text || !strstr(text, "router_forward: logits[0, 3] is NaN"))
+            fail_msg("run %d: expected the first NaN in row order, logits[0, 3], with file and line:\n%s", run, text);
+    }
+}
+
+int main(int argc, char **argv) {
+    if (argc == 2 && strcmp(argv[1], NAN_CHILD_ARG) == 0) return router_nan_child();
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_group_score_uses_biased_scores),
         cmocka_unit_test(test_masked_group_expert_never_chosen),
@@ -429,6 +507,7 @@ int main(void) {
         cmocka_unit_test(test_balance_loss_perfect_balance_is_alpha),
         cmocka_unit_test(test_balance_loss_hand_imbalanced),
         cmocka_unit_test(test_balance_loss_backward_finite_differences),
+        cmocka_unit_test(test_router_nan_two_threads_one_message_exit_1),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
