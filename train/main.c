@@ -25,7 +25,9 @@ static const char *const usage_train =
     "      e.g. --set train.steps=100 --set checkpoint.dir=runs/try1. Prints the resolved config, a\n"
     "      line per log.every steps and val_loss=... at each evaluation; writes\n"
     "      <checkpoint.dir>/metrics.jsonl and <checkpoint.dir>/weights.h5. Ctrl-C stops after the\n"
-    "      current step and saves the weights; a second Ctrl-C quits at once.\n";
+    "      current step and saves the weights; a second Ctrl-C quits at once unless the save has\n"
+    "      begun. An earlier run's files in checkpoint.dir are kept as weights.prev.h5 and\n"
+    "      metrics.prev.jsonl; a checkpoint.dir that another live run holds is refused.\n";
 static const char *const usage_prep =
     "  fp8moe prep [--text FILE...] --out DIR\n"
     "      Turn text files (concatenated in order; the last 10% is validation) into byte-level token\n"

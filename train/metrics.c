@@ -7,8 +7,14 @@
 #include "train/metrics.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <math.h>
 #include <string.h>
+#include <sys/file.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "train/run_dir.h"
 
 // ---------------------------------------------------------------------------- human-readable pieces
 
@@ -61,12 +67,82 @@ void format_eval_line(char *buf, size_t size, const EvalMetrics *e) {
 
 // ---------------------------------------------------------------------------- JSON Lines
 
-int metrics_open(MetricsLog *log, const char *path, char *err, size_t err_size) {
+static int write_line(MetricsLog *log, const char *line, char *err, size_t err_size) {
+    if (!log->f) {
+        snprintf(err, err_size, "metrics file is not open");
+        return -1;
+    }
+    if (fprintf(log->f, "%s}\n", line) < 0 || fflush(log->f) != 0) {
+        snprintf(err, err_size, "%s: cannot write metrics: %s", log->path, strerror(errno));
+        return -1;
+    }
+    return 0;
+}
+
+// 1 when the first bytes are those of a metrics file this program wrote (any of its record types).
+static int looks_like_metrics(const char *head) {
+    return !strncmp(head, "{\"type\":\"run\"", 13) || !strncmp(head, "{\"type\":\"step\"", 14) ||
+           !strncmp(head, "{\"type\":\"eval\"", 14);
+}
+
+// Refuses to truncate a path that holds something other than an earlier metrics file (the job file,
+// a weights file: a typo in log.jsonl must not destroy it), or that a live run is writing (it holds
+// an exclusive flock on the file).
+static int check_replaceable(const char *path, char *err, size_t err_size) {
+    struct stat st;
+    if (stat(path, &st) != 0) return 0;  // a new file
+    if (S_ISDIR(st.st_mode)) {
+        snprintf(err, err_size, "%s is a directory; expected a metrics file path (log.jsonl)", path);
+        return -1;
+    }
+    if (!S_ISREG(st.st_mode)) return 0;  // /dev/null and the like: written, never replaced
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return 0;  // unreadable: fopen for writing below reports what is wrong
+    int rc = 0;
+    char head[32] = "";
+    if (flock(fd, LOCK_SH | LOCK_NB) != 0 && errno == EWOULDBLOCK) {
+        snprintf(err, err_size, "%s is being written by another fp8moe run; choose another log.jsonl", path);
+        rc = -1;
+    } else if (st.st_size > 0) {
+        ssize_t n = pread(fd, head, sizeof head - 1, 0);
+        head[n > 0 ? n : 0] = '\0';
+        if (!looks_like_metrics(head)) {
+            for (char *c = head; *c; c++)
+                if (*c < 32 || *c > 126) *c = '.';
+            snprintf(err, err_size, "%s exists and is not an fp8moe metrics file (it starts with \"%.16s\"); "
+                     "refusing to overwrite it: set log.jsonl to another path or remove the file", path, head);
+            rc = -1;
+        }
+    }
+    close(fd);
+    return rc;
+}
+
+int metrics_open(MetricsLog *log, const char *path, const char *job, char *err, size_t err_size) {
     memset(log, 0, sizeof *log);
     snprintf(log->path, sizeof log->path, "%s", path);
+    if (check_replaceable(path, err, err_size) != 0) return -1;
+    if (run_dir_keep_previous(path, "log.jsonl", err, err_size) != 0) return -1;
     log->f = fopen(path, "w");
     if (!log->f) {
         snprintf(err, err_size, "%s: cannot open the metrics file for writing: %s", path, strerror(errno));
+        return -1;
+    }
+    flock(fileno(log->f), LOCK_EX | LOCK_NB);  // tells a second run (check_replaceable) the file is live
+    // The first record is written now, so an output that cannot take data (/dev/full, a full disk)
+    // stops the run before its first step instead of after it.
+    char line[1400];
+    snprintf(line, sizeof line, "{\"type\":\"run\",\"format\":\"%s\",\"pid\":%ld,\"job\":\"", METRICS_FORMAT,
+             (long)getpid());
+    size_t len = strlen(line);
+    for (const char *c = job; *c && len + 8 < sizeof line; c++) {  // JSON string escaping of the job path
+        if (*c == '"' || *c == '\\') line[len++] = '\\';
+        if ((unsigned char)*c < 32) len += (size_t)snprintf(line + len, sizeof line - len, "\\u%04x", *c);
+        else line[len++] = *c;
+    }
+    snprintf(line + len, sizeof line - len, "\"");
+    if (write_line(log, line, err, err_size) != 0) {
+        metrics_close(log);
         return -1;
     }
     return 0;
@@ -78,18 +154,6 @@ static void json_number(char *buf, size_t size, const char *key, double x) {
     if (len >= size) return;
     if (isfinite(x)) snprintf(buf + len, size - len, ",\"%s\":%.9g", key, x);
     else snprintf(buf + len, size - len, ",\"%s\":null", key);
-}
-
-static int write_line(MetricsLog *log, const char *line, char *err, size_t err_size) {
-    if (!log->f) {
-        snprintf(err, err_size, "metrics file is not open");
-        return -1;
-    }
-    if (fprintf(log->f, "%s}\n", line) < 0 || fflush(log->f) != 0) {
-        snprintf(err, err_size, "%s: cannot write metrics: %s", log->path, strerror(errno));
-        return -1;
-    }
-    return 0;
 }
 
 int metrics_write_step(MetricsLog *log, const StepMetrics *s, char *err, size_t err_size) {

@@ -54,8 +54,14 @@ typedef struct {
     char path[1024];
 } MetricsLog;
 
-// Opens (truncates) path; creates nothing else. Returns 0, or -1 with `path: reason` in err.
-int metrics_open(MetricsLog *log, const char *path, char *err, size_t err_size);
+#define METRICS_FORMAT "fp8moe-metrics-1"
+
+// Opens path for a new run and writes its first record, {"type":"run","format":METRICS_FORMAT,
+// "pid":N,"job":JOB}, flushed, so an output that cannot take data fails here, before any training.
+// Refuses (-1) a path that holds anything but an earlier metrics file, or one that another live run
+// is writing; an earlier run's metrics file is kept as <stem>.prev.jsonl (run_dir_keep_previous).
+// Returns 0, or -1 with `path: reason` in err.
+int metrics_open(MetricsLog *log, const char *path, const char *job, char *err, size_t err_size);
 // {"type":"step","step":12,...}; non-finite numbers are written as null (JSON has no NaN).
 // Returns 0, or -1 with `path: reason` in err.
 int metrics_write_step(MetricsLog *log, const StepMetrics *s, char *err, size_t err_size);

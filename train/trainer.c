@@ -29,60 +29,49 @@
 #include "optim/lr_schedule.h"
 #include "train/metrics.h"
 #include "train/model.h"
+#include "train/run_dir.h"
 #include "train/weights_io.h"
 
 #define ERR_MAX 2048
 
 // ---------------------------------------------------------------------------- stop signals
 
-// Set by the first SIGINT/SIGTERM: the loop finishes its step, saves and returns. A second signal
-// means the user does not want to wait, so the handler leaves at once.
+// Set by the first SIGINT/SIGTERM: the loop finishes its step (an evaluation stops at its next batch),
+// saves and returns. A second signal means the user does not want to wait, so the handler leaves at
+// once, except while the weights are being written: leaving then would lose the run's result and
+// leave a temp file behind, so from the start of the save to the return of trainer_run further
+// interrupts are only acknowledged (SIGKILL still ends it, and then the earlier weights file, if any,
+// is untouched: weights_save renames into place only when complete).
 static volatile sig_atomic_t stop_requested = 0;
+static volatile sig_atomic_t saving_weights = 0;
+
+static void say(const char *msg, size_t len) {
+    ssize_t r = write(STDERR_FILENO, msg, len);
+    (void)r;
+}
 
 static void on_stop_signal(int sig) {
     (void)sig;
+    if (saving_weights) {
+        static const char msg[] = "\nfp8moe: still saving the weights; they are complete in a moment\n";
+        say(msg, sizeof msg - 1);
+        stop_requested = 1;
+        return;
+    }
     if (stop_requested) {
         static const char msg[] = "\nfp8moe: second interrupt, exiting now without saving\n";
-        ssize_t r = write(STDERR_FILENO, msg, sizeof msg - 1);
-        (void)r;
+        say(msg, sizeof msg - 1);
         _exit(130);
     }
     stop_requested = 1;
     static const char msg[] = "\nfp8moe: interrupt: finishing this step, then saving (interrupt again to quit now)\n";
-    ssize_t r = write(STDERR_FILENO, msg, sizeof msg - 1);
-    (void)r;
+    say(msg, sizeof msg - 1);
 }
 
 static double now_s(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
-// mkdir -p: creates dir and its missing parents.
-static int make_dirs(const char *dir, char *err, size_t err_size) {
-    char path[CONFIG_PATH_MAX];
-    if (snprintf(path, sizeof path, "%s", dir) >= (int)sizeof path) {
-        snprintf(err, err_size, "%s: path too long", dir);
-        return -1;
-    }
-    for (char *p = path + 1;; p++) {
-        if (*p != '/' && *p != '\0') continue;
-        char saved = *p;
-        *p = '\0';
-        if (mkdir(path, 0755) != 0 && errno != EEXIST) {
-            snprintf(err, err_size, "cannot create directory %s: %s", path, strerror(errno));
-            return -1;
-        }
-        *p = saved;
-        if (saved == '\0') break;
-    }
-    struct stat st;
-    if (stat(dir, &st) != 0 || !S_ISDIR(st.st_mode)) {
-        snprintf(err, err_size, "%s: exists but is not a directory", dir);
-        return -1;
-    }
-    return 0;
 }
 
 // ---------------------------------------------------------------------------- data
@@ -204,9 +193,10 @@ typedef struct {
 } Batch;
 
 // Mean main-head CE over the validation pass (or its first max_batches batches when > 0).
-// Load counting is off: evaluation must not move the router biases.
+// Load counting is off: evaluation must not move the router biases. A stop request ends it at the
+// next batch (an evaluation can take longer than a step); *interrupted then says its number is partial.
 static EvalMetrics evaluate(Model *m, ChunkActs *acts, DataLoader *val, const Batch *bt, int max_batches,
-                            int step) {
+                            int step, int *interrupted) {
     double t0 = now_s();
     int saved_count_load = m->count_load;
     m->count_load = 0;
@@ -215,7 +205,12 @@ static EvalMetrics evaluate(Model *m, ChunkActs *acts, DataLoader *val, const Ba
     if (max_batches > 0 && max_batches < batches) batches = max_batches;
     double loss_sum = 0;
     int64_t n_targets_total = 0;
+    *interrupted = 0;
     for (int64_t i = 0; i < batches; i++) {
+        if (stop_requested) {
+            *interrupted = 1;
+            break;
+        }
         int64_t n_targets = 0;
         if (!loader_next_eval(val, bt->rows, bt->labels, &n_targets)) break;
         if (n_targets == 0) continue;  // pure padding rows
@@ -247,6 +242,7 @@ typedef struct {
     Batch batch;
     ParamGroup *groups;
     MetricsLog log;
+    RunDir out_dir;
     struct sigaction old_int, old_term;
     int signals_set;
 } Run;
@@ -257,6 +253,7 @@ static void run_free(Run *r) {
         sigaction(SIGTERM, &r->old_term, NULL);
     }
     metrics_close(&r->log);
+    run_dir_close(&r->out_dir);
     free(r->groups);
     free(r->batch.rows);
     free(r->batch.labels);
@@ -269,14 +266,63 @@ static void run_free(Run *r) {
     if (r->model_ok) model_free(&r->model);
 }
 
-static int save_weights(const Run *r, const Config *cfg, char *path, size_t path_size) {
-    char err[ERR_MAX];
-    snprintf(path, path_size, "%s/weights.h5", cfg->checkpoint.dir);
-    if (weights_save(&r->model, path, err, sizeof err) != 0) {
+// Writes checkpoint.dir/weights.h5 with further interrupts held off (on_stop_signal). Returns 0 or -1
+// (message printed).
+static int save_weights(const Run *r, const Config *cfg) {
+    char err[ERR_MAX], path[CONFIG_PATH_MAX + 32];
+    snprintf(path, sizeof path, "%s/weights.h5", cfg->checkpoint.dir);
+    printf("saving weights to %s\n", path);
+    fflush(stdout);
+    saving_weights = 1;
+    int rc = weights_save(&r->model, path, err, sizeof err);
+    if (rc != 0) {
         fprintf(stderr, "fp8moe: saving weights failed: %s\n", err);
         return -1;
     }
+    printf("weights saved to %s\n", path);
     return 0;
+}
+
+// Every output location is checked, locked and tidied before the data and the model are touched, so
+// an unwritable directory or a mistyped log.jsonl costs nothing (run_dir.h). Returns 0 or -1 (message
+// printed).
+static int open_outputs(Run *r, const Config *cfg) {
+    char err[ERR_MAX];
+    const char *outputs[2];
+    int n_outputs = 0;
+    if (cfg->checkpoint.save_weights) outputs[n_outputs++] = "weights.h5";
+    if (!cfg->log.jsonl[0]) outputs[n_outputs++] = "metrics.jsonl";
+    if (n_outputs > 0) {
+        if (run_dir_open(&r->out_dir, cfg->checkpoint.dir, outputs, n_outputs, err, sizeof err) != 0) {
+            fprintf(stderr, "fp8moe: checkpoint.dir: %s\n", err);
+            return -1;
+        }
+        if (cfg->checkpoint.save_weights) {
+            char path[CONFIG_PATH_MAX + 32];
+            snprintf(path, sizeof path, "%s/weights.h5", cfg->checkpoint.dir);
+            if (run_dir_keep_previous(path, "checkpoint.dir", err, sizeof err) != 0) {
+                fprintf(stderr, "fp8moe: checkpoint.dir: %s\n", err);
+                return -1;
+            }
+        }
+    }
+    char jsonl[CONFIG_PATH_MAX + 32];
+    if (cfg->log.jsonl[0]) snprintf(jsonl, sizeof jsonl, "%s", cfg->log.jsonl);
+    else snprintf(jsonl, sizeof jsonl, "%s/metrics.jsonl", cfg->checkpoint.dir);
+    if (metrics_open(&r->log, jsonl, cfg->path, err, sizeof err) != 0) {
+        fprintf(stderr, "fp8moe: log.jsonl: %s\n", err);
+        return -1;
+    }
+    printf("metrics: %s\n", jsonl);
+    return 0;
+}
+
+// A metrics write failed mid-run (disk full, a file system gone read-only): the weights the run has
+// trained so far are saved before stopping, so the failure costs the log, not the run.
+static void save_after_write_error(const Run *r, const Config *cfg, int step) {
+    if (!cfg->checkpoint.save_weights) return;
+    fprintf(stderr, "fp8moe: saving the weights of step %d before stopping\n", step);
+    save_weights(r, cfg);
 }
 
 // A parallel layout is refused rather than silently run as one process. Returns -1 (message printed).
@@ -361,6 +407,9 @@ int trainer_run(const Config *cfg) {
     if (cfg->train.threads > 0) omp_set_num_threads(cfg->train.threads);
     printf("threads: %d%s\n", omp_get_max_threads(), cfg->train.threads > 0 ? "" : " (OpenMP default)");
 
+    // ---- outputs
+    if (open_outputs(&r, cfg) != 0) goto done;
+
     // ---- data
     char shard_dir[CONFIG_PATH_MAX + 32];
     if (trainer_prepare_data(cfg, shard_dir, sizeof shard_dir, err, sizeof err) != 0) {
@@ -408,21 +457,8 @@ int trainer_run(const Config *cfg) {
         goto done;
     }
 
-    // ---- outputs
-    if (make_dirs(cfg->checkpoint.dir, err, sizeof err) != 0) {
-        fprintf(stderr, "fp8moe: checkpoint.dir: %s\n", err);
-        goto done;
-    }
-    char jsonl[CONFIG_PATH_MAX + 32];
-    if (cfg->log.jsonl[0]) snprintf(jsonl, sizeof jsonl, "%s", cfg->log.jsonl);
-    else snprintf(jsonl, sizeof jsonl, "%s/metrics.jsonl", cfg->checkpoint.dir);
-    if (metrics_open(&r.log, jsonl, err, sizeof err) != 0) {
-        fprintf(stderr, "fp8moe: log.jsonl: %s\n", err);
-        goto done;
-    }
-    printf("metrics: %s\n", jsonl);
-
     stop_requested = 0;
+    saving_weights = 0;
     struct sigaction sa;
     memset(&sa, 0, sizeof sa);
     sa.sa_handler = on_stop_signal;
@@ -511,39 +547,47 @@ int trainer_run(const Config *cfg) {
         }
         if (metrics_write_step(&r.log, &sm, err, sizeof err) != 0) {
             fprintf(stderr, "fp8moe: %s\n", err);
+            save_after_write_error(&r, cfg, s);
             goto done;
         }
         if (!stop_requested && cfg->train.eval_every > 0 && s % cfg->train.eval_every == 0 && s < total_steps) {
-            EvalMetrics em = evaluate(m, r.acts, &r.val, &r.batch, cfg->train.eval_batches, s);
+            int interrupted;
+            EvalMetrics em = evaluate(m, r.acts, &r.val, &r.batch, cfg->train.eval_batches, s, &interrupted);
+            last_eval_step = s;
+            if (interrupted) {
+                printf("eval step %d: interrupted, not recorded\n", s);
+                break;
+            }
             char line[256];
             format_eval_line(line, sizeof line, &em);
             printf("%s\n", line);
             fflush(stdout);
-            last_eval_step = s;
             if (metrics_write_eval(&r.log, &em, err, sizeof err) != 0) {
                 fprintf(stderr, "fp8moe: %s\n", err);
+                save_after_write_error(&r, cfg, s);
                 goto done;
             }
         }
     }
 
-    char weights_path[CONFIG_PATH_MAX + 32] = "";
-    if (stop_requested) {
-        printf("interrupted after step %d of %d\n", step, total_steps);
-    } else if (last_eval_step != step) {
-        EvalMetrics em = evaluate(m, r.acts, &r.val, &r.batch, cfg->train.eval_batches, step);
-        char line[256];
-        format_eval_line(line, sizeof line, &em);
-        printf("%s\n", line);
-        if (metrics_write_eval(&r.log, &em, err, sizeof err) != 0) {
-            fprintf(stderr, "fp8moe: %s\n", err);
-            goto done;
+    if (!stop_requested && last_eval_step != step) {
+        int interrupted;
+        EvalMetrics em = evaluate(m, r.acts, &r.val, &r.batch, cfg->train.eval_batches, step, &interrupted);
+        if (interrupted) {
+            printf("eval step %d: interrupted, not recorded\n", step);
+        } else {
+            char line[256];
+            format_eval_line(line, sizeof line, &em);
+            printf("%s\n", line);
+            if (metrics_write_eval(&r.log, &em, err, sizeof err) != 0) {
+                fprintf(stderr, "fp8moe: %s\n", err);
+                save_after_write_error(&r, cfg, step);
+                goto done;
+            }
         }
     }
-    if (cfg->checkpoint.save_weights) {
-        if (save_weights(&r, cfg, weights_path, sizeof weights_path) != 0) goto done;
-        printf("weights saved to %s\n", weights_path);
-    }
+    if (stop_requested) printf("interrupted after step %d of %d\n", step, total_steps);
+    if (cfg->checkpoint.save_weights && save_weights(&r, cfg) != 0) goto done;
     char took[32];
     format_duration(took, sizeof took, now_s() - t_start);
     printf("done: %d steps in %s\n", step, took);

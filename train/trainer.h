@@ -4,8 +4,9 @@
  * trainer_run prepares the data (or uses data.shards), builds the model and AdamW, then runs
  * train.steps optimizer steps of grad_accum micro-batches each, with global-norm clipping, the LR
  * schedule, the aux-loss-free bias update, periodic validation, a log line per log.every steps and a
- * JSON Lines metrics file. SIGINT/SIGTERM finish the current step, save the weights and return 0; a
- * second signal exits at once (status 130).
+ * JSON Lines metrics file. Every output location is checked and locked before the first step
+ * (train/run_dir.h). SIGINT/SIGTERM finish the current step (or stop an evaluation), save the weights
+ * and return 0; a second signal exits at once (status 130) unless the save has begun.
  */
 #ifndef FP8MOE_TRAINER_H
 #define FP8MOE_TRAINER_H
