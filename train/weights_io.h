@@ -28,16 +28,33 @@
 
 #define WEIGHTS_FORMAT "fp8moe-weights-1"
 
-// Writes m's weights, router biases and config to `path` atomically: the file is written as
-// `path.tmp.<pid>` and renamed over `path` only when complete. Returns 0 or -1 (err set).
+// Writes m's weights, router biases and config to `path` atomically and durably: the file is
+// written as `path.tmp.<pid>`, fsync'ed, renamed over `path` only when complete, and the directory
+// is fsync'ed after the rename. Returns 0 or -1 (err set). When a write fails (a full disk, an I/O
+// error) the message says so with the system's reason ("No space left on device"), the temporary
+// file is removed, `path` is untouched, and every HDF5 id is closed, so the process can go on or
+// exit normally. One save at a time per process (the temporary name is kept for
+// weights_remove_partial).
 int weights_save(const Model *m, const char *path, char *err, size_t err_size);
 
+// Removes the temporary file (`path.tmp.<pid>`) of a weights_save in progress in this process, for
+// a save that will not be finished: call it from a SIGINT/SIGTERM handler just before _exit, so an
+// interrupted save leaves nothing behind. Async-signal-safe (one unlink(2) of a name stored before
+// the save began; errno is preserved). Returns 1 when it removed the file, 0 when no save is in
+// progress (or its file is already gone), -1 when unlink failed. If the handler returns instead of
+// exiting, the save goes on writing to the removed file and then fails with a message saying so.
+int weights_remove_partial(void);
+
 // Reads the "config" attribute of `path` into cfg (config_defaults, then the stored INI text).
+// The "format" attribute must be WEIGHTS_FORMAT (the message names the file, the attribute, what
+// was found and what was expected).
 int weights_read_config(const char *path, Config *cfg, char *err, size_t err_size);
 
 // Loads every tensor and router bias of `path` into m, which must have been built from the same
-// model shape (normally from weights_read_config). Every dataset m expects must exist with the
-// expected shape, and the file must hold no dataset m does not expect. Returns 0 or -1 (err set).
+// model shape (normally from weights_read_config). The "format" attribute must be WEIGHTS_FORMAT,
+// every dataset m expects must exist with the expected shape and hold only finite values (a NaN or
+// infinity is refused, naming the dataset and the element), and the file must hold no dataset m
+// does not expect. Returns 0 or -1 (err set).
 int weights_load(Model *m, const char *path, char *err, size_t err_size);
 
 // The dataset name of the router bias of MoE layer `moe_index` (0 .. m->n_moe_layers-1): the name of
