@@ -19,6 +19,7 @@
 #include <string.h>
 #include <sys/stat.h>
 
+#include "data/prep.h"
 #include "data/shard.h"
 #include "train/rng.h"
 
@@ -131,11 +132,26 @@ int loader_open(DataLoader *L, const LoaderOptions *opt, char *err, size_t errsz
         free(counts);
         goto oom;
     }
+    // A directory prepared by fp8moe (data/prep.h) records each shard's checksum in its stamp: the
+    // shards it lists must still be what was written. Others (llm.c's own shards) have none.
+    char *stamp = data_stamp_load(L->dir_copy);
     int64_t base = 0, w = 0, ew = 0;
     for (int s = 0; s < L->n_shards; s++) {
         uint16_t *buf = NULL;
         int64_t n = 0;
-        if (shard_read(L->shard_paths[s], opt->vocab_size, &buf, &n, err, errsz) != 0) {
+        uint64_t sum = 0, recorded = 0;
+        if (shard_read_checksum(L->shard_paths[s], opt->vocab_size, &buf, &n, stamp ? &sum : NULL, err, errsz) != 0) {
+            free(stamp);
+            free(counts);
+            goto fail;
+        }
+        if (stamp && data_stamp_shard_sum(stamp, strrchr(L->shard_paths[s], '/') + 1, &recorded) && sum != recorded) {
+            set_err(err, errsz,
+                    "%s: checksum %016" PRIx64 " differs from %016" PRIx64 " recorded for it in %s/%s: the shard was "
+                    "corrupted or changed after it was prepared (prepare it again: fp8moe prep, or data.text)",
+                    L->shard_paths[s], sum, recorded, dir, DATA_PREP_STAMP);
+            free(buf);
+            free(stamp);
             free(counts);
             goto fail;
         }
@@ -143,6 +159,7 @@ int loader_open(DataLoader *L, const LoaderOptions *opt, char *err, size_t errsz
             set_err(err, errsz, "%s: token count changed from %" PRId64 " to %" PRId64 " while loading", L->shard_paths[s],
                     counts[s], n);
             free(buf);
+            free(stamp);
             free(counts);
             goto fail;
         }
@@ -156,6 +173,7 @@ int loader_open(DataLoader *L, const LoaderOptions *opt, char *err, size_t errsz
         if (n >= 2) L->eval_targets += n - 1;
         base += n;
     }
+    free(stamp);
     free(counts);
 
     L->per_epoch = L->n_windows / opt->dp_size * opt->dp_size;

@@ -7,6 +7,7 @@
 #include "data/prep.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <inttypes.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -15,6 +16,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "data/durable.h"
 #include "data/shard.h"
 
 static void set_err(char *err, size_t errsz, const char *fmt, ...) {
@@ -23,15 +25,6 @@ static void set_err(char *err, size_t errsz, const char *fmt, ...) {
     va_start(ap, fmt);
     vsnprintf(err, errsz, fmt, ap);
     va_end(ap);
-}
-
-uint64_t data_fnv1a64(const void *data, size_t n, uint64_t h) {
-    const unsigned char *p = data;
-    for (size_t i = 0; i < n; i++) {
-        h ^= p[i];
-        h *= 0x100000001b3ULL;  // the 64-bit FNV prime
-    }
-    return h;
 }
 
 // ---------------------------------------------------------------------------- default text
@@ -87,6 +80,45 @@ static void source_free(SourceText *s) {
     memset(s, 0, sizeof *s);
 }
 
+static const char *file_kind(mode_t mode) {
+    if (S_ISCHR(mode)) return "a character device";
+    if (S_ISBLK(mode)) return "a block device";
+    if (S_ISFIFO(mode)) return "a FIFO";
+    if (S_ISSOCK(mode)) return "a socket";
+    if (S_ISDIR(mode)) return "a directory";
+    return "a file of another kind";
+}
+
+// Opens a text file for reading, refusing anything but a regular file (a device such as /dev/zero
+// never ends, a FIFO blocks). O_NONBLOCK keeps the open itself from blocking on a FIFO; the type is
+// checked on the open descriptor, so a file swapped after a check cannot slip through.
+static FILE *open_text(const char *path, char *err, size_t errsz) {
+    int fd = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+    if (fd < 0) {
+        set_err(err, errsz, "%s: cannot read text file: %s", path, strerror(errno));
+        return NULL;
+    }
+    struct stat st;
+    if (fstat(fd, &st) != 0) {
+        set_err(err, errsz, "%s: cannot read text file: %s", path, strerror(errno));
+        close(fd);
+        return NULL;
+    }
+    if (!S_ISREG(st.st_mode)) {
+        set_err(err, errsz, "%s: not a regular file (it is %s); data.text and `fp8moe prep --text` take regular text "
+                "files", path, file_kind(st.st_mode));
+        close(fd);
+        return NULL;
+    }
+    int flags = fcntl(fd, F_GETFL);
+    FILE *f = flags >= 0 && fcntl(fd, F_SETFL, flags & ~O_NONBLOCK) == 0 ? fdopen(fd, "rb") : NULL;
+    if (!f) {
+        set_err(err, errsz, "%s: cannot read text file: %s", path, strerror(errno));
+        close(fd);
+    }
+    return f;
+}
+
 // Read every source (keep_bytes: also keep the concatenated content). Returns 0 or -1 with err.
 static int read_sources(const char *const *paths, int n, int keep_bytes, SourceText *s, char *err,
                         size_t errsz) {
@@ -107,9 +139,8 @@ static int read_sources(const char *const *paths, int n, int keep_bytes, SourceT
             source_free(s);
             return -1;
         }
-        FILE *f = fopen(paths[i], "rb");
+        FILE *f = open_text(paths[i], err, errsz);
         if (!f) {
-            set_err(err, errsz, "%s: cannot read text file: %s", paths[i], strerror(errno));
             source_free(s);
             return -1;
         }
@@ -222,9 +253,13 @@ static int make_dirs(const char *dir, char *err, size_t errsz) {
     return ok ? 0 : -1;
 }
 
-// Write tokens [begin, begin+count) of the text as shards <split>_000000.. and remove stale
-// higher-numbered shards of the same split left by an earlier, larger prep.
-static int write_split(const char *dir, const char *split, const unsigned char *bytes, int64_t count,
+// The stamp's shard section: this line, then one "shard <16 hex digits> <file name>" line per shard.
+#define STAMP_SHARDS_LINE "# shards: FNV-1a 64 of each shard file (header and tokens), then its name\n"
+
+// Write tokens [begin, begin+count) of the text as shards <split>_000000.., print each one's stamp
+// line to `lines`, and remove stale higher-numbered shards of the same split left by an earlier,
+// larger prep.
+static int write_split(const char *dir, const char *split, const unsigned char *bytes, int64_t count, FILE *lines,
                        char *err, size_t errsz) {
     int64_t n_shards = shards_for(count);
     int64_t piece = count < DATA_PREP_SHARD_TOKENS ? count : DATA_PREP_SHARD_TOKENS;
@@ -240,6 +275,7 @@ static int write_split(const char *dir, const char *split, const unsigned char *
         char *path = shard_path(dir, split, k);
         int rc = path ? shard_write(path, tokens, n, err, errsz) : -1;
         if (!path) set_err(err, errsz, "%s: out of memory", dir);
+        if (rc == 0) fprintf(lines, "shard %016" PRIx64 " %s\n", shard_checksum(tokens, n), strrchr(path, '/') + 1);
         free(path);
         if (rc != 0) {
             free(tokens);
@@ -257,7 +293,7 @@ static int write_split(const char *dir, const char *split, const unsigned char *
     return 0;
 }
 
-// Write text to path via a temporary file and rename.
+// Write text to path via a temporary file, fsync and rename (then fsync of the directory).
 static int write_text_atomic(const char *path, const char *text, char *err, size_t errsz) {
     size_t tmp_len = strlen(path) + 32;
     char *tmp = malloc(tmp_len);
@@ -272,7 +308,7 @@ static int write_text_atomic(const char *path, const char *text, char *err, size
         ok = fputs(text, f) >= 0 && fflush(f) == 0 && fsync(fileno(f)) == 0;
         ok = (fclose(f) == 0) && ok;
     }
-    if (ok) ok = rename(tmp, path) == 0;
+    if (ok) ok = durable_rename(tmp, path) == 0;
     if (!ok) {
         set_err(err, errsz, "%s: cannot write: %s", path, strerror(errno));
         unlink(tmp);
@@ -299,6 +335,9 @@ int data_prep(const char *const *text_paths, int n_paths, const char *out_dir, c
     }
     char *stamp = stamp_text(text_paths, n_paths, &s);
     char *stamp_path = join_path(out_dir, DATA_PREP_STAMP);
+    char *section = NULL;
+    size_t section_len = 0;
+    FILE *lines = NULL;
     int rc = -1;
     if (!stamp || !stamp_path) {
         set_err(err, errsz, "%s: out of memory", out_dir);
@@ -310,33 +349,130 @@ int data_prep(const char *const *text_paths, int n_paths, const char *out_dir, c
         goto done;
     }
     int64_t val = val_tokens_for(s.total), train = s.total - val;
-    if (write_split(out_dir, "train", s.bytes, train, err, errsz) != 0) goto done;
-    if (write_split(out_dir, "val", s.bytes + train, val, err, errsz) != 0) goto done;
+    lines = open_memstream(&section, &section_len);
+    if (!lines) {
+        set_err(err, errsz, "%s: out of memory", out_dir);
+        goto done;
+    }
+    fputs(STAMP_SHARDS_LINE, lines);
+    if (write_split(out_dir, "train", s.bytes, train, lines, err, errsz) != 0) goto done;
+    if (write_split(out_dir, "val", s.bytes + train, val, lines, err, errsz) != 0) goto done;
+    int closed = fclose(lines);
+    lines = NULL;
+    char *full = closed == 0 ? malloc(strlen(stamp) + section_len + 1) : NULL;
+    if (!full) {
+        set_err(err, errsz, "%s: out of memory", out_dir);
+        goto done;
+    }
+    memcpy(full, stamp, strlen(stamp));
+    memcpy(full + strlen(stamp), section, section_len + 1);
+    free(stamp);
+    stamp = full;
     if (write_text_atomic(stamp_path, stamp, err, errsz) != 0) goto done;
     rc = 0;
 done:
+    if (lines) fclose(lines);
+    free(section);
     free(stamp);
     free(stamp_path);
     source_free(&s);
     return rc;
 }
 
-// Each split's shards exist with the token counts the stamp implies.
-static int shards_match(const char *dir, const char *split, int64_t count) {
+// ---------------------------------------------------------------------------- checking a prep
+char *data_stamp_load(const char *dir) {
+    char *path = join_path(dir, DATA_PREP_STAMP);
+    FILE *f = path ? fopen(path, "rb") : NULL;
+    free(path);
+    if (!f) return NULL;
+    struct stat st;
+    char *text = NULL;
+    if (fstat(fileno(f), &st) == 0 && S_ISREG(st.st_mode) && st.st_size <= (16 << 20) &&
+        (text = malloc((size_t)st.st_size + 1)) != NULL) {
+        size_t got = fread(text, 1, (size_t)st.st_size, f);
+        if (got != (size_t)st.st_size || memchr(text, '\0', got)) {
+            free(text);
+            text = NULL;
+        } else {
+            text[got] = '\0';
+        }
+    }
+    fclose(f);
+    return text;
+}
+
+// Parses "shard <16 lowercase hex> " at p; returns the name's start, or NULL.
+static const char *parse_shard_line(const char *p, uint64_t *sum) {
+    if (strncmp(p, "shard ", 6) != 0) return NULL;
+    uint64_t v = 0;
+    for (int i = 0; i < 16; i++) {
+        char c = p[6 + i];
+        int d = c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : -1;
+        if (d < 0) return NULL;
+        v = v << 4 | (uint64_t)d;
+    }
+    if (p[22] != ' ') return NULL;
+    *sum = v;
+    return p + 23;
+}
+
+int data_stamp_shard_sum(const char *stamp, const char *name, uint64_t *sum) {
+    size_t nl = strlen(name);
+    for (const char *line = stamp; line && *line; line = strchr(line, '\n'), line = line ? line + 1 : NULL) {
+        uint64_t v;
+        const char *at = parse_shard_line(line, &v);
+        if (at && strncmp(at, name, nl) == 0 && (at[nl] == '\n' || at[nl] == '\0')) {
+            *sum = v;
+            return 1;
+        }
+    }
+    return 0;
+}
+
+// Checks the shard lines of a split at *rest (advanced past them) against the files in dir: each
+// expected shard in order, with its token count and checksum. Returns 1, or 0 with why set.
+static int check_split(const char *dir, const char *split, int64_t count, const char *stamp_path, const char **rest,
+                       char *why, size_t whysz) {
     int64_t n_shards = shards_for(count);
     for (int64_t k = 0; k < n_shards; k++) {
         int64_t want = count - k * DATA_PREP_SHARD_TOKENS;
         if (want > DATA_PREP_SHARD_TOKENS) want = DATA_PREP_SHARD_TOKENS;
         char *path = shard_path(dir, split, k);
+        if (!path) {
+            set_err(why, whysz, "%s: out of memory", dir);
+            return 0;
+        }
+        const char *name = strrchr(path, '/') + 1;
+        uint64_t recorded = 0, actual = 0;
+        const char *at = parse_shard_line(*rest, &recorded);
+        size_t nl = strlen(name);
+        if (!at || strncmp(at, name, nl) != 0 || at[nl] != '\n') {
+            set_err(why, whysz, "%s: no checksum line for %s where expected (stamp edited?)", stamp_path, name);
+            free(path);
+            return 0;
+        }
+        *rest = at + nl + 1;
         int64_t n = -1;
-        int ok = path && shard_open(path, &n, NULL, 0) == 0 && n == want;
+        char err[512];
+        if (shard_file_checksum(path, &n, &actual, err, sizeof err) != 0) {
+            set_err(why, whysz, "%s", err);
+        } else if (n != want) {
+            set_err(why, whysz, "%s: holds %" PRId64 " tokens, %s says %" PRId64, path, n, stamp_path, want);
+        } else if (actual != recorded) {
+            set_err(why, whysz, "%s: checksum %016" PRIx64 " differs from %016" PRIx64 " recorded in %s (the shard was "
+                    "corrupted or changed after it was prepared)", path, actual, recorded, stamp_path);
+        } else {
+            free(path);
+            continue;
+        }
         free(path);
-        if (!ok) return 0;
+        return 0;
     }
     return 1;
 }
 
-int data_prep_is_current(const char *const *text_paths, int n_paths, const char *out_dir) {
+int data_prep_check(const char *const *text_paths, int n_paths, const char *out_dir, char *why, size_t whysz) {
+    set_err(why, whysz, "%s", "");
     if (n_paths == 0) {
         text_paths = data_default_text(&n_paths);
         if (!text_paths) return 0;
@@ -346,22 +482,36 @@ int data_prep_is_current(const char *const *text_paths, int n_paths, const char 
     int current = 0;
     char *expected = stamp_text(text_paths, n_paths, &s);
     char *stamp_path = join_path(out_dir, DATA_PREP_STAMP);
-    FILE *f = stamp_path ? fopen(stamp_path, "r") : NULL;
-    if (expected && f && s.total >= 2) {
-        size_t len = strlen(expected);
-        char *actual = malloc(len + 1);
-        // one byte more than expected is read, so a longer stamp does not compare equal
-        size_t got = actual ? fread(actual, 1, len + 1, f) : 0;
-        current = actual && got == len && memcmp(actual, expected, len) == 0;
-        free(actual);
-    }
-    if (f) fclose(f);
-    if (current) {
+    char *stamp = data_stamp_load(out_dir);
+    if (expected && stamp_path && stamp && s.total >= 2 && strncmp(stamp, expected, strlen(expected)) == 0) {
+        // the stamp is of these texts; now the shards must be what it says
+        const char *rest = stamp + strlen(expected);
         int64_t val = val_tokens_for(s.total);
-        current = shards_match(out_dir, "train", s.total - val) && shards_match(out_dir, "val", val);
+        if (strncmp(rest, STAMP_SHARDS_LINE, strlen(STAMP_SHARDS_LINE)) != 0) {
+            set_err(why, whysz, "%s: lists no shard checksums (written by an older fp8moe, or edited)", stamp_path);
+        } else {
+            rest += strlen(STAMP_SHARDS_LINE);
+            current = check_split(out_dir, "train", s.total - val, stamp_path, &rest, why, whysz) &&
+                      check_split(out_dir, "val", val, stamp_path, &rest, why, whysz);
+            if (current && *rest) {
+                set_err(why, whysz, "%s: unexpected lines after the shard checksums (stamp edited?)", stamp_path);
+                current = 0;
+            }
+        }
     }
+    free(stamp);
     free(expected);
     free(stamp_path);
     source_free(&s);
+    return current;
+}
+
+int data_prep_is_current(const char *const *text_paths, int n_paths, const char *out_dir) {
+    char why[1024];
+    int current = data_prep_check(text_paths, n_paths, out_dir, why, sizeof why);
+    if (!current && why[0]) {
+        fprintf(stderr, "fp8moe: warning: %s; preparing the text again\n", why);
+        fflush(stderr);
+    }
     return current;
 }

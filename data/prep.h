@@ -8,9 +8,14 @@
  * *_train_*.bin / *_val_*.bin patterns find it:
  *   out_dir/bytes_train_000000.bin (.. _000001 .. when training text exceeds 100M bytes, llm.c's shard size)
  *   out_dir/bytes_val_000000.bin
- *   out_dir/SOURCE.txt   the stamp: each source path with its byte size and 64-bit FNV-1a hash
- * Every file is written to a temporary name and renamed into place; SOURCE.txt is removed first and
- * written last, so an interrupted prep never looks current.
+ *   out_dir/SOURCE.txt   the stamp: each source path with its byte size and 64-bit FNV-1a hash, then
+ *                        each shard's name with the FNV-1a 64 of its file (header and tokens):
+ *                          # shards: FNV-1a 64 of each shard file (header and tokens), then its name
+ *                          shard 05ba1a5b5b10d6f2 bytes_train_000000.bin
+ * Every file is written to a temporary name, fsync'ed and renamed into place (then its directory is
+ * fsync'ed); SOURCE.txt is removed first and written last, so an interrupted prep never looks current.
+ * Text inputs must be regular files: a device, FIFO, socket or directory is refused by name (reading
+ * /dev/zero or a FIFO would never end).
  */
 #ifndef FP8MOE_PREP_H
 #define FP8MOE_PREP_H
@@ -18,15 +23,13 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "data/shard.h"  // data_fnv1a64, DATA_FNV1A64_INIT
+
 #define DATA_PREP_NAME "bytes"             // shard name prefix: bytes_train_000000.bin
 #define DATA_PREP_VOCAB 256                // byte-level vocabulary
 #define DATA_PREP_SHARD_TOKENS 100000000   // tokens per shard at most (llm.c's FineWeb shard size)
 #define DATA_PREP_STAMP "SOURCE.txt"
 #define DATA_FORTUNES_DIR "/usr/share/games/fortunes"
-
-#define DATA_FNV1A64_INIT 0xcbf29ce484222325ULL
-// 64-bit FNV-1a of data (n bytes), continuing from h (start with DATA_FNV1A64_INIT).
-uint64_t data_fnv1a64(const void *data, size_t n, uint64_t h);
 
 // Prepare shards in out_dir (created with its parents when missing) from text_paths (n_paths files,
 // concatenated in order). n_paths == 0 means the default text (data_default_text below).
@@ -36,9 +39,24 @@ uint64_t data_fnv1a64(const void *data, size_t n, uint64_t h);
 int data_prep(const char *const *text_paths, int n_paths, const char *out_dir, char *err, size_t errsz);
 
 // 1 when out_dir/SOURCE.txt matches text_paths exactly (same paths in the same order, same sizes and
-// content hashes) and the shards it lists exist with the token counts it lists; 0 otherwise
-// (including when a text file cannot be read: data_prep then reports why). n_paths == 0: default text.
+// content hashes) and every shard it lists exists with its token count and the checksum it records
+// (each shard is read whole); 0 otherwise (including when a text file cannot be read: data_prep then
+// reports why). n_paths == 0: default text. `why` gets "" when out_dir simply holds no preparation
+// of these texts (none yet, or of other texts), and one line when the stamp matches the texts but
+// the shards cannot be trusted: a shard missing, invalid, or with a checksum that differs from the
+// stamp's (corrupted or edited after preparation), or a stamp without shard checksums (written by an
+// older fp8moe). Either way data_prep makes the directory current again.
+int data_prep_check(const char *const *text_paths, int n_paths, const char *out_dir, char *why, size_t whysz);
+
+// data_prep_check that prints its non-empty reason to stderr ("fp8moe: warning: ...; preparing the
+// text again"), so a caller that then runs data_prep tells the user why the work is redone.
 int data_prep_is_current(const char *const *text_paths, int n_paths, const char *out_dir);
+
+// The stamp of a prepared directory (dir/SOURCE.txt) as one malloc'd NUL-terminated string, or NULL
+// when there is none (or it cannot be read, or is over 16 MiB).
+char *data_stamp_load(const char *dir);
+// 1 and *sum when the stamp text lists shard `name` (a file name, no directory) with a checksum, else 0.
+int data_stamp_shard_sum(const char *stamp, const char *name, uint64_t *sum);
 
 // The default text: the English fortune files of Debian's `fortunes` package (and `fortunes-min`, which
 // it depends on) that exist under /usr/share/games/fortunes, sorted by name. A fixed list of the

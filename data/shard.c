@@ -6,6 +6,8 @@
  */
 #include "data/shard.h"
 
+#include "data/durable.h"
+
 #include <errno.h>
 #include <inttypes.h>
 #include <stdarg.h>
@@ -27,6 +29,29 @@ static void set_err(char *err, size_t errsz, const char *fmt, ...) {
     va_end(ap);
 }
 
+uint64_t data_fnv1a64(const void *data, size_t n, uint64_t h) {
+    const unsigned char *p = data;
+    for (size_t i = 0; i < n; i++) {
+        h ^= p[i];
+        h *= 0x100000001b3ULL;  // the 64-bit FNV prime
+    }
+    return h;
+}
+
+static void make_header(int32_t header[SHARD_HEADER_INTS], int64_t n) {
+    memset(header, 0, SHARD_HEADER_BYTES);
+    header[0] = SHARD_MAGIC;
+    header[1] = SHARD_VERSION;
+    header[2] = (int32_t)n;
+}
+
+uint64_t shard_checksum(const uint16_t *tokens, int64_t n) {
+    int32_t header[SHARD_HEADER_INTS];
+    make_header(header, n);
+    uint64_t h = data_fnv1a64(header, sizeof header, DATA_FNV1A64_INIT);
+    return n > 0 ? data_fnv1a64(tokens, (size_t)n * sizeof *tokens, h) : h;
+}
+
 // ---------------------------------------------------------------------------- write
 int shard_write(const char *path, const uint16_t *tokens, int64_t n, char *err, size_t errsz) {
     if (n < 0 || n > SHARD_MAX_TOKENS) {
@@ -34,10 +59,8 @@ int shard_write(const char *path, const uint16_t *tokens, int64_t n, char *err, 
                 path, n, SHARD_MAX_TOKENS);
         return -1;
     }
-    int32_t header[SHARD_HEADER_INTS] = {0};
-    header[0] = SHARD_MAGIC;
-    header[1] = SHARD_VERSION;
-    header[2] = (int32_t)n;
+    int32_t header[SHARD_HEADER_INTS];
+    make_header(header, n);
 
     // the temporary name is unique per process, so concurrent writers of one path never share a file
     size_t tmp_len = strlen(path) + 32;
@@ -67,8 +90,10 @@ int shard_write(const char *path, const uint16_t *tokens, int64_t n, char *err, 
         free(tmp);
         return -1;
     }
-    if (rename(tmp, path) != 0) {
-        set_err(err, errsz, "%s: cannot rename %s into place: %s", path, tmp, strerror(errno));
+    int renamed = durable_rename(tmp, path);
+    if (renamed != 0) {
+        if (renamed == -1) set_err(err, errsz, "%s: cannot rename %s into place: %s", path, tmp, strerror(errno));
+        else set_err(err, errsz, "%s: written, but the fsync of its directory failed: %s", path, strerror(errno));
         unlink(tmp);
         free(tmp);
         return -1;
@@ -78,8 +103,9 @@ int shard_write(const char *path, const uint16_t *tokens, int64_t n, char *err, 
 }
 
 // ---------------------------------------------------------------------------- read
-// Opens `path`, checks magic, version and size; leaves f positioned at the first token.
-static FILE *open_checked(const char *path, int64_t *n_tokens, char *err, size_t errsz) {
+// Opens `path`, checks magic, version and size; leaves f positioned at the first token. When hsum is
+// not NULL, *hsum = FNV-1a 64 of the header bytes as read (the start of the shard's checksum).
+static FILE *open_checked(const char *path, int64_t *n_tokens, uint64_t *hsum, char *err, size_t errsz) {
     FILE *f = fopen(path, "rb");
     if (!f) {
         set_err(err, errsz, "%s: cannot open token shard: %s", path, strerror(errno));
@@ -128,20 +154,51 @@ static FILE *open_checked(const char *path, int64_t *n_tokens, char *err, size_t
         return NULL;
     }
     *n_tokens = n;
+    if (hsum) *hsum = data_fnv1a64(header, sizeof header, DATA_FNV1A64_INIT);
     return f;
 }
 
 int shard_open(const char *path, int64_t *n_tokens, char *err, size_t errsz) {
     int64_t n = 0;
-    FILE *f = open_checked(path, &n, err, errsz);
+    FILE *f = open_checked(path, &n, NULL, err, errsz);
     if (!f) return -1;
     fclose(f);
     *n_tokens = n;
     return 0;
 }
 
+int shard_file_checksum(const char *path, int64_t *n_tokens, uint64_t *sum, char *err, size_t errsz) {
+    int64_t n = 0;
+    uint64_t h = 0;
+    FILE *f = open_checked(path, &n, &h, err, errsz);
+    if (!f) return -1;
+    unsigned char chunk[1 << 16];
+    int64_t left = 2 * n;
+    while (left > 0) {
+        size_t want = left < (int64_t)sizeof chunk ? (size_t)left : sizeof chunk;
+        size_t got = fread(chunk, 1, want, f);
+        if (got != want) {
+            set_err(err, errsz, "%s: read error after the header: %s", path,
+                    ferror(f) ? strerror(errno) : "unexpected end of file (file changed while reading?)");
+            fclose(f);
+            return -1;
+        }
+        h = data_fnv1a64(chunk, got, h);
+        left -= (int64_t)got;
+    }
+    fclose(f);
+    *n_tokens = n;
+    *sum = h;
+    return 0;
+}
+
 int shard_read(const char *path, int vocab_size, uint16_t **tokens, int64_t *n_tokens, char *err,
                size_t errsz) {
+    return shard_read_checksum(path, vocab_size, tokens, n_tokens, NULL, err, errsz);
+}
+
+int shard_read_checksum(const char *path, int vocab_size, uint16_t **tokens, int64_t *n_tokens, uint64_t *sum,
+                        char *err, size_t errsz) {
     *tokens = NULL;
     *n_tokens = 0;
     if (vocab_size < 1 || vocab_size > 65536) {
@@ -150,7 +207,8 @@ int shard_read(const char *path, int vocab_size, uint16_t **tokens, int64_t *n_t
         return -1;
     }
     int64_t n = 0;
-    FILE *f = open_checked(path, &n, err, errsz);
+    uint64_t h = 0;
+    FILE *f = open_checked(path, &n, sum ? &h : NULL, err, errsz);
     if (!f) return -1;
     uint16_t *buf = NULL;
     if (n > 0) {
@@ -177,6 +235,7 @@ int shard_read(const char *path, int vocab_size, uint16_t **tokens, int64_t *n_t
             return -1;
         }
     }
+    if (sum) *sum = n > 0 ? data_fnv1a64(buf, (size_t)n * sizeof *buf, h) : h;
     *tokens = buf;
     *n_tokens = n;
     return 0;

@@ -24,9 +24,21 @@
 #define SHARD_HEADER_BYTES (SHARD_HEADER_INTS * 4)
 #define SHARD_MAX_TOKENS INT32_MAX  // header[2] is an int32
 
-// Write tokens (n) to `path` atomically: a temporary file in the same directory, then rename(2), so a
-// reader never sees a half-written shard. Returns 0, or -1 with a one-line message in err.
+// Write tokens (n) to `path` atomically and durably: a temporary file in the same directory, fsync,
+// rename(2), fsync of the directory, so a reader never sees a half-written shard. Returns 0, or -1
+// with a one-line message in err.
 int shard_write(const char *path, const uint16_t *tokens, int64_t n, char *err, size_t errsz);
+
+// 64-bit FNV-1a of data (n bytes), continuing from h (start with DATA_FNV1A64_INIT): the project's
+// one checksum (prep stamps hash their texts and shards with it).
+#define DATA_FNV1A64_INIT 0xcbf29ce484222325ULL
+uint64_t data_fnv1a64(const void *data, size_t n, uint64_t h);
+
+// Shard checksums: FNV-1a 64 of every byte of the shard file, header and tokens.
+// shard_checksum: of the file shard_write writes for tokens (n), computed in memory.
+uint64_t shard_checksum(const uint16_t *tokens, int64_t n);
+// shard_file_checksum: of the file on disk; validates it like shard_open and sets *n_tokens. 0 or -1.
+int shard_file_checksum(const char *path, int64_t *n_tokens, uint64_t *sum, char *err, size_t errsz);
 
 // Check the header and the file size of `path` and set *n_tokens; reads no tokens. Returns 0 or -1.
 int shard_open(const char *path, int64_t *n_tokens, char *err, size_t errsz);
@@ -36,5 +48,8 @@ int shard_open(const char *path, int64_t *n_tokens, char *err, size_t errsz);
 // empty) and 0 is returned. On error returns -1, *tokens = NULL, *n_tokens = 0.
 int shard_read(const char *path, int vocab_size, uint16_t **tokens, int64_t *n_tokens, char *err,
                size_t errsz);
+// shard_read that also sets *sum (when not NULL) to the checksum of the bytes it read.
+int shard_read_checksum(const char *path, int vocab_size, uint16_t **tokens, int64_t *n_tokens, uint64_t *sum,
+                        char *err, size_t errsz);
 
 #endif
