@@ -16,9 +16,12 @@
 #include "train/config.h"
 
 #include "kernels/kernels.h"  // FP8_MAX_SEGMENTS
+#include "train/model.h"      // MTP_MAX_DEPTH
 
 #include <errno.h>
+#include <float.h>
 #include <ini.h>
+#include <limits.h>
 #include <math.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -81,7 +84,8 @@ static const ConfigSection section_table[] = {
     {"moe", "Mixture-of-Experts FFN of layers `n_dense_layers .. n_layers-1` and of the MTP blocks."},
     {"mtp", "Multi-token prediction modules."},
     {"precision", "Number format of the Linear layers inside blocks."},
-    {"parallel", "Parallel layout: world = pp * dp ranks; EP groups of ep ranks are formed inside dp."},
+    {"parallel", "Parallel layout: world = pp * dp ranks; EP groups of ep ranks are formed inside dp. This build trains "
+                 "in one process: a job with pp, ep or dp above 1 is refused."},
     {"optim", "AdamW and the learning-rate schedule."},
     {"train", "Steps, batch shape, seed and device."},
     {"data", "Training text and token shards."},
@@ -91,7 +95,8 @@ static const ConfigSection section_table[] = {
 #define N_SECTIONS ((int)(sizeof(section_table) / sizeof(section_table[0])))
 
 static const ConfigKey key_table[] = {
-    INT(model, vocab_size, 2, 16777216, "256", "vocabulary size: 256 for byte-level text, 50257 for GPT-2 shards"),
+    INT(model, vocab_size, 2, 65536, "256",
+        "vocabulary size: 256 for byte-level text, 50257 for GPT-2 shards (token shards hold uint16 ids)"),
     INT(model, dim, 1, 65536, "64", "model width d"),
     INT(model, n_layers, 1, 1024, "2", "Transformer blocks in the main model"),
     INT(model, n_dense_layers, 0, 1024, "1", "first_k_dense_replace: blocks 0 .. n_dense_layers-1 use a dense FFN"),
@@ -115,7 +120,7 @@ static const ConfigKey key_table[] = {
     DBL(moe, bias_update_speed, 0, 0, 1, 0, "0.001", "gamma of the aux-loss-free bias update; 0 = off"),
     DBL(moe, balance_loss_alpha, 0, 0, 1, 0, "1e-4", "alpha of the sequence-wise balance loss; 0 = off"),
 
-    INT(mtp, depth, 0, 16, "1", "D, multi-token prediction modules; 0 = off"),
+    INT(mtp, depth, 0, MTP_MAX_DEPTH, "1", "D, multi-token prediction modules; 0 = off"),
     DBL(mtp, loss_weight, 0, 0, 10, 0, "0.3", "lambda: L = L_main + lambda / D * sum of the MTP losses + L_bal"),
 
     ENUM(precision, mode, PrecisionMode, precision_words, "fp32",
@@ -321,6 +326,18 @@ static int parse_value(Config *c, const ConfigKey *key, const char *value, char 
             snprintf(msg, msg_size, "%s is out of range - expected %s", quoted, expected);
             return -1;
         }
+        // The trainer computes in FP32: a value that is 0 there (optim.eps = 1e-46 made AdamW divide 0 by 0)
+        // or beyond its range is not the value the job asked for.
+        if (fabs(v) > FLT_MAX) {  // first: converting such a double to float is undefined
+            snprintf(msg, msg_size, "%s overflows FP32 - expected %s of magnitude at most %.9g (the largest FP32 "
+                                    "number)", quoted, expected, (double)FLT_MAX);
+            return -1;
+        }
+        if (v != 0 && (float)v == 0) {
+            snprintf(msg, msg_size, "%s is 0 in FP32 - expected %s of magnitude at least %.7g (the smallest FP32 "
+                                    "number)", quoted, expected, (double)FLT_TRUE_MIN);
+            return -1;
+        }
         *(double *)field = v;
         return 0;
     }
@@ -487,6 +504,13 @@ static int next_raw_line(ParseState *st) {
             return 0;
         }
         n = (size_t)got;
+        // every later step reads the line as a C string: a NUL byte would silently cut it there
+        const char *nul = memchr(st->line, 0, n);
+        if (nul != NULL) {
+            fail(st, "%s:%d: a NUL byte at column %zu - expected a text file (no NUL bytes)", st->name, st->lineno + 1,
+                 (size_t)(nul - st->line) + 1);
+            return 0;
+        }
         if (n > 0 && st->line[n - 1] == '\n') st->line[--n] = 0;
     } else {
         if (st->text == NULL || *st->text == 0) return 0;
@@ -664,6 +688,83 @@ static int apply_override(ParseState *st, int i) {
 
 #define KEY_INDEX(sec, key) find_key(#sec, #key)
 
+// The parameters of one block (attention, norms, and its dense FFN or MoE), counted as model.c's table lays them
+// out; in double, so that no shape the key ranges allow can overflow.
+static double block_params(const Config *c, int is_moe) {
+    const ModelConfig *m = &c->model;
+    const MoeConfig *e = &c->moe;
+    const double D = m->dim, H = m->n_heads, dqk = (double)m->qk_nope_head_dim + m->qk_rope_head_dim;
+    double n = 2 * D;  // attn_norm, ffn_norm
+    if (m->q_lora_rank > 0) n += (double)m->q_lora_rank * (D + 1 + H * dqk);
+    else n += H * dqk * D;
+    n += ((double)m->kv_lora_rank + m->qk_rope_head_dim) * D + m->kv_lora_rank;
+    n += H * ((double)m->qk_nope_head_dim + m->v_head_dim) * m->kv_lora_rank + D * H * m->v_head_dim;
+    if (!is_moe) return n + 3.0 * m->inter_dim * D;
+    return n + (double)e->n_routed_experts * D + 3.0 * e->n_shared_experts * e->moe_inter_dim * D +
+           3.0 * e->n_routed_experts * e->moe_inter_dim * D;
+}
+
+// "1.5 TiB", "512 GiB", "3.2 MiB"
+static void format_bytes(double bytes, char *buf, size_t size) {
+    static const char *const units[] = {"bytes", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"};
+    int u = 0;
+    while (bytes >= 1024 && u < 6) bytes /= 1024, u++;
+    snprintf(buf, size, "%.*f %s", u == 0 ? 0 : 1, bytes, units[u]);
+}
+
+// The most one process is let to need: far beyond any single machine's memory (the 671B-parameter DeepSeek-V3
+// would need 7.3 TiB for its weights, gradients and AdamW moments), so only shapes no run could ever allocate are
+// refused here, with their keys named, instead of failing an allocation or overflowing a size at step 1.
+#define CONFIG_MAX_BYTES 17592186044416.0  // 16 TiB
+
+// Sizes the model and the trainer compute: token rows are counted in int (a micro-batch's tokens times the heads
+// or the routed slots per token), and the memory is bounded below by the FP32 weights and gradients, the BF16
+// AdamW moments, the residual stream and the logits of every output head.
+static int check_sizes(ParseState *st) {
+    const Config *c = st->config;
+    char at[CONFIG_PATH_MAX * 4 + 8];
+    const double tokens = (double)c->train.micro_batch_size * c->train.seq_len;
+    const int per_token = c->model.n_heads > c->moe.n_activated_experts ? c->model.n_heads : c->moe.n_activated_experts;
+    const double max_tokens = floor((double)INT_MAX / per_token);
+    if (tokens > max_tokens) {
+        const int k = st->origin[KEY_INDEX(train, seq_len)] != 0 ? KEY_INDEX(train, seq_len)
+                                                                  : KEY_INDEX(train, micro_batch_size);
+        format_origin(st, k, at, sizeof at);
+        fail(st, "%s: train.micro_batch_size * train.seq_len: %d * %d = %.0f tokens per micro-batch - expected at most "
+                 "%.0f = %d / %d (max(model.n_heads, moe.n_activated_experts) rows per token; token rows are counted "
+                 "in 32-bit integers)",
+             at, c->train.micro_batch_size, c->train.seq_len, tokens, max_tokens, INT_MAX, per_token);
+        return -1;
+    }
+    const ModelConfig *m = &c->model;
+    const int L = m->n_layers, dense = m->n_dense_layers, depth = c->mtp.depth;
+    const double D = m->dim, V = m->vocab_size;
+    double params = 2 * V * D + D;  // embedding, head, final norm
+    params += dense * block_params(c, 0) + (L - dense) * block_params(c, 1);
+    params += depth * (3 * D + 2 * D * D + block_params(c, L > dense));  // MTP: enorm, hnorm, norm, eh_proj, block
+    const double logit_bytes = c->precision.mode == PRECISION_FP32 ? 4 : 2;
+    const double weight_bytes = params * (4 + 4 + 2 + 2);
+    const double act_bytes = tokens * (4 * D * (L + 1) + logit_bytes * V * (1 + depth));
+    if (weight_bytes + act_bytes > CONFIG_MAX_BYTES) {
+        char need[32], w[32], a[32], cap[32];
+        format_bytes(weight_bytes + act_bytes, need, sizeof need);
+        format_bytes(weight_bytes, w, sizeof w);
+        format_bytes(act_bytes, a, sizeof a);
+        format_bytes(CONFIG_MAX_BYTES, cap, sizeof cap);
+        const int blame_batch = act_bytes > weight_bytes;
+        const int k = blame_batch ? KEY_INDEX(train, seq_len) : KEY_INDEX(model, dim);
+        format_origin(st, k, at, sizeof at);
+        fail(st, "%s: %s: the job needs at least %s (%s for %.4g parameters with their gradients and AdamW moments, "
+                 "%s of activations for train.micro_batch_size * train.seq_len = %.0f tokens) - expected at most %s in "
+                 "one process; lower %s",
+             at, blame_batch ? "train.micro_batch_size * train.seq_len" : "model", need, w, params, a, tokens, cap,
+             blame_batch ? "train.micro_batch_size or train.seq_len"
+                         : "model.dim, model.n_layers, model.vocab_size, moe.n_routed_experts or moe.moe_inter_dim");
+        return -1;
+    }
+    return 0;
+}
+
 static int check_config(ParseState *st) {
     const Config *c = st->config;
     char at[CONFIG_PATH_MAX * 4 + 8];
@@ -768,6 +869,19 @@ static int check_config(ParseState *st) {
         format_origin(st, KEY_INDEX(train, seq_len), at, sizeof at);
         fail(st, "%s: train.seq_len: %d is too short for mtp.depth = %d - expected at least 2 + mtp.depth = %d", at,
              c->train.seq_len, c->mtp.depth, 2 + c->mtp.depth);
+        return -1;
+    }
+    if (check_sizes(st) != 0) return -1;
+    // Last, so that a layout that could never work is named for what is wrong with it first.
+    static const char *const what[3] = {"pipeline stages", "data-parallel ranks", "expert-parallel ranks"};
+    const int values[3] = {p->pp, p->dp, p->ep};
+    const int keys[3] = {KEY_INDEX(parallel, pp), KEY_INDEX(parallel, dp), KEY_INDEX(parallel, ep)};
+    for (int i = 0; i < 3; i++) {
+        if (values[i] == 1) continue;
+        format_origin(st, keys[i], at, sizeof at);
+        fail(st, "%s: parallel.%s: %d %s - expected 1: this build trains in one process (pipeline, data and expert "
+                 "parallelism come in a later release)",
+             at, key_table[keys[i]].name, values[i], what[i]);
         return -1;
     }
     return 0;

@@ -60,8 +60,23 @@ if ! command -v nvidia-smi >/dev/null 2>&1; then
   run nocuda 1 "$BIN" train configs/tiny.ini --set train.device=cuda && has nocuda err 'train.device = cuda, but' \
     && pass "train.device = cuda without a GPU stops with the reason"
 fi
-run parallel 1 "$BIN" train configs/tiny.ini --set parallel.dp=2 && has parallel err 'parallel.dp = 2' \
-  && has parallel err 'expected 1' && pass "a parallel layout is refused, not run as one process"
+# a parallel layout is an invalid job in this build (one process): exit 2 as for any invalid job, the key named
+run parallel 2 "$BIN" train configs/tiny.ini --set "checkpoint.dir=$TMP/parallel" --set parallel.dp=2 \
+  && has parallel err '^--set parallel.dp=2: parallel.dp: 2 data-parallel ranks - expected 1: this build trains in one process' \
+  && pass "a parallel layout is refused as an invalid job (exit 2), not run as one process"
+run parallel_pp 2 "$BIN" train configs/tiny.ini --set "checkpoint.dir=$TMP/parallel" --set parallel.pp=2 && has parallel_pp err '^--set parallel.pp=2: parallel.pp: ' \
+  && pass "parallel.pp = 2 exits 2 naming the key"
+# values the trainer would see as 0 in FP32, absurd sizes and a NUL byte: exit 2 before anything runs, keys named
+run eps_fp32 2 "$BIN" train configs/tiny.ini --set "checkpoint.dir=$TMP/eps_fp32" --set train.steps=1 --set optim.eps=1e-46 \
+  && has eps_fp32 err '^--set optim.eps=1e-46: optim.eps: "1e-46" is 0 in FP32' && pass "optim.eps = 1e-46 (0 in FP32) is refused"
+run tokens_int 2 "$BIN" train configs/tiny.ini --set "checkpoint.dir=$TMP/tokens_int" --set train.steps=1 --set train.micro_batch_size=65536 --set train.seq_len=65537 \
+  && has tokens_int err '^--set train.seq_len=65537: train.micro_batch_size \* train.seq_len: 65536 \* 65537 = 4295032832 tokens' \
+  && pass "micro_batch_size * seq_len beyond 32-bit token rows is refused naming both keys"
+run memory 2 "$BIN" train configs/tiny.ini --set "checkpoint.dir=$TMP/memory" --set train.steps=1 --set model.dim=65536 --set model.n_layers=1024 --set moe.moe_inter_dim=1048576 \
+  && has memory err '^--set model.dim=65536: model: the job needs at least .* - expected at most 16.0 TiB in one process; lower model.dim' \
+  && pass "a model no machine could hold is refused with the memory it needs"
+printf '[model]\ndim = 3\0002\n' >"$TMP/nul.ini"
+run nul 2 "$BIN" train "$TMP/nul.ini" --set train.steps=1 --set "checkpoint.dir=$TMP/nulrun" && has nul err "^$TMP/nul.ini:2: a NUL byte at column 8" && pass "a NUL byte in a job file is refused"
 
 # ---- errors found inside OpenMP parallel regions: one message, exit status 1, with two threads.
 # A text the test makes (no file from outside the repository), a model trained with a learning rate too

@@ -175,12 +175,21 @@ static const char *full_job =
     "every = 10\n"
     "jsonl = m.jsonl\n";
 
+// This build trains in one process: the file's parallel layout is read, then refused as a whole job (exit 2), and
+// the rest is checked with the layout set back to one process.
+static const char *const one_process[] = {"parallel.pp=1", "parallel.ep=1", "parallel.dp=1"};
+
 static void test_full_file(void **state) {
     (void)state;
     Config c;
-    char path[64];
+    char path[64], want[160];
     write_temp(path, sizeof path, full_job);
     int rc = config_load(&c, path, NULL, 0, err, sizeof err);
+    assert_int_equal(rc, -1);
+    snprintf(want, sizeof want, "%s:33: parallel.pp: 4 pipeline stages - expected 1: this build trains in one process",
+             path);
+    if (strncmp(err, want, strlen(want)) != 0) fail_msg("wanted %s...\ngot %s", want, err);
+    rc = config_load(&c, path, one_process, 3, err, sizeof err);
     unlink(path);
     if (rc != 0) fail_msg("%s", err);
     assert_string_equal(c.path, path);
@@ -209,9 +218,9 @@ static void test_full_file(void **state) {
     assert_int_equal(c.mtp.depth, 2);
     assert_true(c.mtp.loss_weight == 0.1);
     assert_int_equal(c.precision.mode, PRECISION_FP32);
-    assert_int_equal(c.parallel.pp, 4);
-    assert_int_equal(c.parallel.ep, 2);
-    assert_int_equal(c.parallel.dp, 6);
+    assert_int_equal(c.parallel.pp, 1);
+    assert_int_equal(c.parallel.ep, 1);
+    assert_int_equal(c.parallel.dp, 1);
     assert_true(c.optim.lr == 0.0007);
     assert_true(c.optim.min_lr == 7e-05);
     assert_int_equal(c.optim.warmup_steps, 33);
@@ -404,6 +413,131 @@ static void test_error_cross_key(void **state) {
     expect_error("[moe]\nn_routed_experts = 6\n", NULL, 0, "job.ini: moe.n_expert_groups: 4 does not divide moe.n_routed_experts = 6");
 }
 
+// Numbers the trainer would see as something else in FP32: 0 instead of a tiny positive value (optim.eps = 1e-46
+// made AdamW divide 0 by 0, NaN weights at step 2, then a crash in the router), or beyond the FP32 range.
+static void test_error_fp32_values(void **state) {
+    (void)state;
+    Config c;
+    expect_error("[optim]\neps = 1e-46\n", NULL, 0,
+                 "job.ini:2: optim.eps: \"1e-46\" is 0 in FP32 - expected a number in (0, 1] of magnitude at least "
+                 "1.401298e-45 (the smallest FP32 number)");
+    expect_error("[optim]\neps = 5e-324\n", NULL, 0, "job.ini:2: optim.eps: \"5e-324\" is 0 in FP32");
+    const char *tiny_lr[] = {"optim.lr=1e-300", "optim.min_lr=0"};
+    expect_error("", tiny_lr, 2, "--set optim.lr=1e-300: optim.lr: \"1e-300\" is 0 in FP32");
+    expect_error("[optim]\nmin_lr = 1e-50\n", NULL, 0, "job.ini:2: optim.min_lr: \"1e-50\" is 0 in FP32");
+    expect_error("[moe]\nbalance_loss_alpha = 7e-46\n", NULL, 0, "job.ini:2: moe.balance_loss_alpha: \"7e-46\" is 0 in FP32");
+    // 0 itself where the range allows it, and the smallest FP32 numbers, are what they say
+    assert_int_equal(load(&c, "[optim]\nmin_lr = 0\neps = 1e-45\n[moe]\nbalance_loss_alpha = 8e-46\n"), 0);
+    assert_true(c.optim.min_lr == 0.0 && c.optim.eps == 1e-45 && c.moe.balance_loss_alpha == 8e-46);
+    assert_true((float)c.optim.eps > 0 && (float)c.moe.balance_loss_alpha > 0);
+    // beyond FP32 (3.4e38): every number key's range stops well below it, and says so
+    expect_error("[model]\nrope_theta = 1e39\n", NULL, 0, "job.ini:2: model.rope_theta: \"1e39\" is out of range");
+    expect_error("[optim]\ngrad_clip = 3.5e38\n", NULL, 0, "job.ini:2: optim.grad_clip: \"3.5e38\" is out of range");
+}
+
+// Sizes the program computes from several keys: a micro-batch's token rows are 32-bit ints, and the memory a job
+// needs is bounded (both used to overflow or fail an allocation at step 1: 65536 * 65537 tokens).
+static void test_error_sizes(void **state) {
+    (void)state;
+    Config c;
+    const char *big[] = {"train.micro_batch_size=65536", "train.seq_len=65537"};
+    expect_error("", big, 2,
+                 "--set train.seq_len=65537: train.micro_batch_size * train.seq_len: 65536 * 65537 = 4295032832 tokens "
+                 "per micro-batch - expected at most 536870911 = 2147483647 / 4 (max(model.n_heads, "
+                 "moe.n_activated_experts) rows per token");
+    // the bound is 2^31 - 1 rows over the larger of n_heads (4) and n_activated_experts (2): 65536 * 8192 is one over
+    const char *over[] = {"train.micro_batch_size=65536", "train.seq_len=8192"};
+    expect_error("", over, 2, "--set train.seq_len=8192: train.micro_batch_size * train.seq_len: 65536 * 8192 = 536870912");
+    const char *under[] = {"train.micro_batch_size=65536", "train.seq_len=8191"};
+    if (config_load_string(&c, "job.ini", "", under, 2, err, sizeof err) != 0) fail_msg("%s", err);
+    const char *routed[] = {"moe.n_activated_experts=8", "moe.n_limited_groups=4", "train.micro_batch_size=65536",
+                            "train.seq_len=4096"};
+    expect_error("", routed, 4, "--set train.seq_len=4096: train.micro_batch_size * train.seq_len: 65536 * 4096 = "
+                                "268435456 tokens per micro-batch - expected at most 268435455 = 2147483647 / 8");
+    // seq_len left at its default: the line of micro_batch_size is the one pointed at
+    expect_error("[train]\nmicro_batch_size = 65536\n[model]\nn_heads = 1024\n", NULL, 0,
+                 "job.ini:2: train.micro_batch_size * train.seq_len: 65536 * 256 = 16777216 tokens per micro-batch - "
+                 "expected at most 2097151 = 2147483647 / 1024");
+    // memory: 1.4e19 parameters
+    const char *huge[] = {"model.dim=65536", "model.n_layers=1024", "moe.n_routed_experts=65536",
+                          "moe.n_expert_groups=1", "moe.n_limited_groups=1", "moe.moe_inter_dim=1048576"};
+    expect_error("", huge, 6, "--set model.dim=65536: model: the job needs at least 144.0 EiB (144.0 EiB for 1.384e+19 "
+                              "parameters with their gradients and AdamW moments, ");
+    assert_non_null(strstr(err, "- expected at most 16.0 TiB in one process; lower model.dim, model.n_layers, "
+                                "model.vocab_size, moe.n_routed_experts or moe.moe_inter_dim"));
+    // activations: 2^29 tokens of 65536-wide logits
+    const char *acts[] = {"model.vocab_size=65536", "train.micro_batch_size=65536", "train.seq_len=8191"};
+    expect_error("", acts, 3, "--set train.seq_len=8191: train.micro_batch_size * train.seq_len: the job needs at least ");
+    assert_non_null(strstr(err, "of activations for train.micro_batch_size * train.seq_len = 536805376 tokens) - "
+                                "expected at most 16.0 TiB in one process; lower train.micro_batch_size or "
+                                "train.seq_len"));
+    // DeepSeek-V3's shape (671B parameters, 7.3 TiB with gradients and moments) is below the bound
+    const char *v3[] = {"model.vocab_size=65536", "model.dim=7168", "model.n_layers=61", "model.n_dense_layers=3",
+                        "model.inter_dim=18432", "model.n_heads=128", "model.q_lora_rank=1536",
+                        "model.kv_lora_rank=512", "model.qk_nope_head_dim=128", "model.qk_rope_head_dim=64",
+                        "model.v_head_dim=128", "moe.n_routed_experts=256", "moe.n_activated_experts=8",
+                        "moe.n_expert_groups=8", "moe.n_limited_groups=4", "moe.moe_inter_dim=2048",
+                        "train.micro_batch_size=1", "train.seq_len=4096"};
+    if (config_load_string(&c, "job.ini", "", v3, 18, err, sizeof err) != 0) fail_msg("%s", err);
+}
+
+// The ranges are what the program accepts: the model has at most 8 MTP modules (MTP_MAX_DEPTH) and token shards
+// hold uint16 ids (a vocabulary of at most 65536).
+static void test_ranges_match_the_program(void **state) {
+    (void)state;
+    Config c;
+    expect_error("[mtp]\ndepth = 9\n[train]\nseq_len = 64\n", NULL, 0,
+                 "job.ini:2: mtp.depth: \"9\" is out of range - expected an integer in [0, 8]");
+    assert_int_equal(load(&c, "[mtp]\ndepth = 8\n[train]\nseq_len = 64\n"), 0);
+    assert_int_equal(c.mtp.depth, 8);
+    expect_error("[model]\nvocab_size = 65537\n", NULL, 0,
+                 "job.ini:2: model.vocab_size: \"65537\" is out of range - expected an integer in [2, 65536]");
+    assert_int_equal(load(&c, "[model]\nvocab_size = 65536\n"), 0);
+    assert_int_equal(c.model.vocab_size, 65536);
+}
+
+// A parallel layout is an invalid job in this build (one process): named by its key, after the checks that say
+// what would be wrong with the layout itself.
+static void test_error_parallel_layout(void **state) {
+    (void)state;
+    expect_error("[parallel]\npp = 2\n", NULL, 0,
+                 "job.ini:2: parallel.pp: 2 pipeline stages - expected 1: this build trains in one process (pipeline, "
+                 "data and expert parallelism come in a later release)");
+    const char *dp[] = {"parallel.dp=4"};
+    expect_error("", dp, 1, "--set parallel.dp=4: parallel.dp: 4 data-parallel ranks - expected 1: this build");
+    expect_error("[parallel]\ndp = 2\nep = 2\n", NULL, 0, "job.ini:2: parallel.dp: 2 data-parallel ranks - expected 1");
+    expect_error("[parallel]\nep = 2\n", NULL, 0, "job.ini:2: parallel.ep: 2 does not divide parallel.dp = 1");
+}
+
+// A NUL byte used to end the line silently where it stood (`dim = 3<NUL>2` read as dim = 3): it is refused, with
+// the file, the line and the column.
+static void test_error_nul_byte(void **state) {
+    (void)state;
+    static const char text[] = "[model]\ndim = 3\0" "2\nn_heads = 2\n";
+    char path[64];
+    snprintf(path, sizeof path, "/tmp/fp8moe_test_config_XXXXXX");
+    const int fd = mkstemp(path);
+    assert_true(fd >= 0);
+    assert_int_equal(write(fd, text, sizeof text - 1), (ssize_t)(sizeof text - 1));
+    close(fd);
+    Config c;
+    const int rc = config_load(&c, path, NULL, 0, err, sizeof err);
+    char want[128];
+    snprintf(want, sizeof want, "%s:2: a NUL byte at column 8 - expected a text file (no NUL bytes)", path);
+    assert_int_equal(rc, -1);
+    assert_string_equal(err, want);
+    // in a comment too: the file is not text
+    static const char comment[] = "; a\0b\n[model]\ndim = 3\n";
+    FILE *f = fopen(path, "w");
+    assert_non_null(f);
+    assert_int_equal(fwrite(comment, 1, sizeof comment - 1, f), sizeof comment - 1);
+    fclose(f);
+    assert_int_equal(config_load(&c, path, NULL, 0, err, sizeof err), -1);
+    snprintf(want, sizeof want, "%s:1: a NUL byte at column 4", path);
+    unlink(path);
+    if (strncmp(err, want, strlen(want)) != 0) fail_msg("wanted %s...\ngot %s", want, err);
+}
+
 // ---------------------------------------------------------------------------- overrides
 
 static void test_overrides(void **state) {
@@ -460,10 +594,11 @@ static void test_round_trip(void **state) {
     snprintf(set_theta, sizeof set_theta, "model.rope_theta=%.17g", 1e6 * r[1] + 1.0);
     snprintf(set_std, sizeof set_std, "model.init_std=%.17g", r[2] * 1e-3);
     snprintf(set_wd, sizeof set_wd, "optim.weight_decay=%.17g", r[3]);
-    const char *sets[] = {set_dir, set_lr, set_theta, set_std, set_wd, "optim.min_lr=0"};
+    const char *sets[] = {set_dir, set_lr, set_theta, set_std, set_wd, "optim.min_lr=0",
+                          one_process[0], one_process[1], one_process[2]};
 
     Config a, b;
-    int rc = config_load_string(&a, "full.ini", full_job, sets, 6, err, sizeof err);
+    int rc = config_load_string(&a, "full.ini", full_job, sets, 9, err, sizeof err);
     if (rc != 0) fail_msg("%s", err);
     assert_string_equal(a.checkpoint.dir, longdir);
 
@@ -545,6 +680,11 @@ int main(void) {
         cmocka_unit_test(test_error_duplicate_key),
         cmocka_unit_test(test_error_missing_file),
         cmocka_unit_test(test_error_cross_key),
+        cmocka_unit_test(test_error_fp32_values),
+        cmocka_unit_test(test_error_sizes),
+        cmocka_unit_test(test_ranges_match_the_program),
+        cmocka_unit_test(test_error_parallel_layout),
+        cmocka_unit_test(test_error_nul_byte),
         cmocka_unit_test(test_overrides),
         cmocka_unit_test(test_round_trip),
         cmocka_unit_test(test_doc_up_to_date),
