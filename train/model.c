@@ -6,6 +6,7 @@
  */
 #include "train/model.h"
 
+#include <limits.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -23,7 +24,15 @@ Dims dims_from_config(const Config *c, int B, int T) {
     memset(&d, 0, sizeof d);
     d.B = B;
     d.T = T;
-    d.N = B * T;
+    // in 64 bits: train/config.c bounds micro_batch_size * seq_len so that the token rows fit an int
+    const int64_t N = (int64_t)B * T;
+    if (B < 0 || T < 0 || N > INT_MAX) {
+        fprintf(stderr, "fp8moe: train/model.c: internal error: %d sequences of %d tokens are %lld token rows - "
+                        "expected at most %d (the job check bounds train.micro_batch_size * train.seq_len)\n",
+                B, T, (long long)N, INT_MAX);
+        exit(1);
+    }
+    d.N = (int)N;
     d.D = c->model.dim;
     d.H = c->model.n_heads;
     d.dn = c->model.qk_nope_head_dim;
