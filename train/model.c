@@ -12,6 +12,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "data/shard.h"
 #include "kernels/profile.h"
 #include "optim/bias_balance.h"
 #include "train/layers.h"
@@ -194,14 +195,16 @@ static void build_table(TableBuilder *tb, const Config *c) {
 
 // ---------------------------------------------------------------------------- create / free
 static void init_weights(Model *m, const double *init_std) {
-    // Drawn on the host from a counter-based stream per tensor, so values do not depend on layout
-    // or thread count, then copied to the device.
+    // Drawn on the host from a counter-based stream per tensor, keyed by the tensor's global name
+    // ("layers.3.ffn.experts.5.w1.weight" names expert 5 of layer 3 whatever rank holds it), so a
+    // tensor gets the same values under every placement and thread count; then copied to the device.
     uint64_t seed = m->cfg.train.seed;
     for (int i = 0; i < m->n_params; i++) {
         const ParamInfo *p = &m->params[i];
         real *host = malloc((size_t)p->numel * sizeof(real));
         if (!host) { fprintf(stderr, "fp8moe: out of host memory initialising %s\n", p->name); exit(1); }
-        uint64_t key = rng_key(seed, 0x5041524dULL /* "PARM" */, (uint64_t)i, 0);
+        uint64_t name_hash = data_fnv1a64(p->name, strlen(p->name), DATA_FNV1A64_INIT);
+        uint64_t key = rng_key(seed, 0x5041524dULL /* "PARM" */, name_hash, 0);
         double std = init_std[i];
         // element j depends only on (key, j): threads change the speed (billions of draws for a large
         // model), never the values
