@@ -3,27 +3,20 @@
  * in one run, with tokens/s, model TFLOPS, peak memory and where the step's time goes (kernels/profile.h
  * phases). It exists to answer "how much does the FP8 recipe buy on this job, and what is left".
  *
- * The step is the trainer's step (train/trainer.c) without its logging, evaluation and checkpoints:
- * grad_accum micro-batches of chunk_forward + chunk_backward, the global gradient norm, AdamW, the
- * expert-bias update. AdamW gets one parameter group over the whole flat buffer (weight decay
- * everywhere): the same work per element as the trainer's groups, and a benchmark needs no exact
- * decay mask. Steps before --warmup are run and discarded (first-step allocation, cuBLASLt heuristics).
+ * The step is the trainer's own (train_step, train/step.h) on the same TrainState, without the
+ * trainer's logging, evaluation and checkpoints. Steps before --warmup are run and discarded
+ * (first-step allocation, cuBLASLt heuristics).
  */
-#include <math.h>
 #include <omp.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
-#include "data/loader.h"
 #include "kernels/profile.h"
-#include "optim/adamw.h"
-#include "optim/clip.h"
-#include "optim/lr_schedule.h"
 #include "train/bench.h"
-#include "train/model.h"
-#include "train/trainer.h"
+#include "train/step.h"
+#include "train/train_state.h"
 
 const char *const bench_step_usage =
     "  fp8moe bench step [JOB.ini] [--steps N] [--warmup N] [--set section.key=value]...\n"
@@ -65,46 +58,25 @@ static int bench_precision(const char *job, const char **overrides, int n_overri
         return 2;
     }
     int rc = 1;
-    Model model;
-    int model_ok = 0, loader_ok = 0, opt_ok = 0;
-    DataLoader loader;
-    AdamW opt;
-    ChunkActs *acts = NULL;
-    int *rows = NULL, *inputs = NULL, *targets = NULL;
+    TrainState ts;
+    memset(&ts, 0, sizeof ts);
+    StepOp *ops = NULL;
     const int B = cfg->train.micro_batch_size, T = cfg->train.seq_len, A = cfg->train.grad_accum;
     Device dev;
     printf("\n# bench step: precision %s\n", mode);
-    if (trainer_pick_device(cfg, &dev) != 0) goto done;
+    if (train_state_pick_device(cfg, &dev) != 0) goto done;
     if (cfg->train.threads > 0) omp_set_num_threads(cfg->train.threads);
-    char shard_dir[CONFIG_PATH_MAX + 32];
-    if (trainer_prepare_data(cfg, shard_dir, sizeof shard_dir, err, sizeof err) != 0) {
-        fprintf(stderr, "fp8moe: data: %s\n", err);
+    if (train_state_create(&ts, cfg, dev, warmup + steps, 0, err, sizeof err) != 0) {
+        fprintf(stderr, "fp8moe: %s\n", err);
         goto done;
     }
-    if (trainer_open_loader(cfg, shard_dir, LOADER_TRAIN, B, T, &loader, err, sizeof err) != 0) {
-        fprintf(stderr, "fp8moe: data: %s\n", err);
+    Model *m = &ts.model;
+    if (!(ops = malloc((size_t)2 * A * sizeof *ops))) {
+        fprintf(stderr, "fp8moe: out of host memory for the step's %d ops\n", 2 * A);
         goto done;
     }
-    loader_ok = 1;
-    if (model_create(&model, cfg, dev, 1, err, sizeof err) != 0) {
-        fprintf(stderr, "fp8moe: %s: model: %s\n", cfg->path, err);
-        goto done;
-    }
-    model_ok = 1;
-    Model *m = &model;
-    const int64_t n_elems = m->n_dense_elems + m->n_expert_elems;
-    adamw_init(&opt, dev, n_elems, &cfg->optim);
-    opt_ok = 1;
-    const ParamGroup all = {0, n_elems, 1};
-    acts = chunk_acts_create(m, 0, B, T);
-    rows = malloc((size_t)B * (T + 1) * sizeof *rows);
-    inputs = malloc((size_t)B * T * sizeof *inputs);
-    targets = malloc((size_t)B * T * sizeof *targets);
-    if (!acts || !rows || !inputs || !targets) {
-        fprintf(stderr, "fp8moe: out of memory for the activations of %d x %d tokens\n", B, T);
-        goto done;
-    }
-    *out = (StepBench){.steps = steps, .tokens_per_step = (int64_t)A * B * T,
+    const int n_ops = step_ops_one_process(ops, 2 * A, A);
+    *out = (StepBench){.steps = steps, .tokens_per_step = ts.tokens_per_step,
                        .flops_per_token = model_flops_per_token(m, T), .dev = dev};
     printf("bench step: %lld parameters, %d x %d x %d tokens per step, %d warm-up + %d timed steps\n",
            (long long)model_num_params(m), A, B, T, warmup, steps);
@@ -116,37 +88,11 @@ static int bench_precision(const char *job, const char **overrides, int n_overri
         double phase_s[PHASE_COUNT];
         profile_step_collect(phase_s);  // waits for the device: the step starts from idle
         const double t0 = now_s();
-        model_zero_grads(m);
-        m->count_load = 1;
-        for (int mb = 0; mb < A; mb++) {
-            if (loader_next(&loader, rows) != 0) {
-                fprintf(stderr, "fp8moe: bench step %d: the training loader returned no batch\n", step + 1);
-                goto done;
-            }
-            trainer_split_batch(rows, rows, B, T, inputs, targets);
-            chunk_forward(m, 0, acts, inputs, targets, NULL, NULL);
-            chunk_backward(m, 0, acts, NULL, NULL, (real)(1.0 / A));
-        }
-        m->count_load = 0;
-        char fp8_err[512];
-        if (fp8_check_finite(dev, fp8_err, sizeof fp8_err) != 0) {
-            fprintf(stderr, "fp8moe: bench step %d (%s): %s\n", step + 1, mode, fp8_err);
+        StepResult sr;
+        if (train_step(&ts, ops, n_ops, NULL, &sr, err, sizeof err) != 0) {
+            fprintf(stderr, "fp8moe: bench step (%s): %s\n", mode, err);
             goto done;
         }
-        profile_begin(PHASE_OPTIMIZER);
-        const double gnorm = grad_global_norm(dev, m->grads, n_elems);
-        if (!isfinite(gnorm)) {
-            fprintf(stderr, "fp8moe: bench step %d (%s): the gradient norm is not finite (%g)\n", step + 1, mode,
-                    gnorm);
-            profile_end(PHASE_OPTIMIZER);
-            goto done;
-        }
-        const double lr = lr_at(&cfg->optim, step, warmup + steps);
-        adamw_step(&opt, m->weights, m->grads, &all, 1, (float)lr, clip_scale(gnorm, cfg->optim.grad_clip),
-                   step + 1);
-        model_weights_changed(m);
-        profile_end(PHASE_OPTIMIZER);
-        model_update_router_bias(m);
         profile_step_collect(phase_s);
         const double t1 = now_s();
         if (step < warmup) continue;
@@ -157,13 +103,8 @@ static int bench_precision(const char *job, const char **overrides, int n_overri
     rc = 0;
 done:
     profile_enable(dev, 0);
-    free(rows);
-    free(inputs);
-    free(targets);
-    if (acts) chunk_acts_free(acts);
-    if (opt_ok) adamw_free(&opt);
-    if (model_ok) model_free(&model);
-    if (loader_ok) loader_close(&loader);
+    free(ops);
+    train_state_free(&ts);
     free(cfg);
     return rc;
 }

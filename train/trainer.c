@@ -1,35 +1,26 @@
 /*
  * trainer.c - the single-process training loop behind `fp8moe train` (see trainer.h).
  *
- * Order of the file follows the order of a run: signals, data preparation, the optimizer's parameter
- * groups, evaluation, then trainer_run (setup, the step loop, the final save). One process holds the
- * whole model as one chunk; the pipeline executor and the communicators of later issues replace the
- * micro-batch loop here without changing the step's arithmetic: mean loss over micro-batches
- * (loss_scale = 1/grad_accum), global-norm clipping, AdamW with BF16 moments over the flat buffer,
- * then the expert-bias update from the step's load counts.
+ * Order of the file follows the order of a run: signals, evaluation, the outputs (train/run_dir.h),
+ * then trainer_run: the TrainState (train/train_state.h), the step loop of train_step (train/step.h,
+ * where the step's arithmetic lives) with its log lines, metrics and evaluations, and the final save.
  */
 #include "train/trainer.h"
 
-#include <errno.h>
 #include <math.h>
 #include <omp.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 
-#include "data/loader.h"
-#include "data/prep.h"
-#include "optim/adamw.h"
-#include "optim/bias_balance.h"
-#include "optim/clip.h"
-#include "optim/lr_schedule.h"
 #include "train/metrics.h"
 #include "train/model.h"
 #include "train/run_dir.h"
+#include "train/step.h"
+#include "train/train_state.h"
 #include "train/weights_io.h"
 
 #define ERR_MAX 2048
@@ -74,123 +65,7 @@ static double now_s(void) {
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
-// ---------------------------------------------------------------------------- data
-
-// Splits data.text ("a.txt, b.txt") into trimmed paths, stored in buf. Returns the count, or -1 with
-// err when an entry is empty.
-static int split_text_list(const char *list, char *buf, size_t buf_size, const char **paths, int max_paths,
-                           char *err, size_t err_size) {
-    snprintf(buf, buf_size, "%s", list);
-    int n = 0;
-    int only_space = 1;
-    for (const char *c = list; *c; c++) only_space &= (*c == ' ' || *c == '\t');
-    if (only_space) return 0;
-    for (char *tok = buf, *next; tok; tok = next) {
-        next = strchr(tok, ',');
-        if (next) *next++ = '\0';
-        while (*tok == ' ' || *tok == '\t') tok++;
-        char *end = tok + strlen(tok);
-        while (end > tok && (end[-1] == ' ' || end[-1] == '\t')) *--end = '\0';
-        if (*tok == '\0') {
-            snprintf(err, err_size, "data.text = \"%s\": empty entry in the comma-separated list of text files",
-                     list);
-            return -1;
-        }
-        if (n == max_paths) {
-            snprintf(err, err_size, "data.text: more than %d text files", max_paths);
-            return -1;
-        }
-        paths[n++] = tok;
-    }
-    return n;
-}
-
-// Picks the shard directory: data.shards as given, or the text files prepared (when not already
-// current) into data.cache_dir/<16 hex digits of FNV-1a over the path list>.
-int trainer_prepare_data(const Config *cfg, char *shard_dir, size_t shard_dir_size, char *err, size_t err_size) {
-    if (cfg->data.shards[0]) {
-        snprintf(shard_dir, shard_dir_size, "%s", cfg->data.shards);
-        printf("data: shards in %s (data.shards)\n", shard_dir);
-        return 0;
-    }
-    char list_buf[CONFIG_PATH_MAX];
-    const char *paths[256];
-    int n = split_text_list(cfg->data.text, list_buf, sizeof list_buf, paths, 256, err, err_size);
-    if (n < 0) return -1;
-    // The directory name identifies which files (the stamp inside checks their content).
-    const char *const *hashed = paths;
-    int n_hashed = n;
-    if (n == 0) hashed = data_default_text(&n_hashed);
-    uint64_t h = DATA_FNV1A64_INIT;
-    for (int i = 0; i < n_hashed; i++) h = data_fnv1a64(hashed[i], strlen(hashed[i]) + 1, h);
-    snprintf(shard_dir, shard_dir_size, "%s/%016llx", cfg->data.cache_dir, (unsigned long long)h);
-    const char *what = n ? "data.text" : "the default text";
-    if (data_prep_is_current(paths, n, shard_dir)) {
-        printf("data: %s is already prepared in %s\n", what, shard_dir);
-        return 0;
-    }
-    printf("data: preparing %s (%d file%s) into %s\n", what, n ? n : n_hashed, (n ? n : n_hashed) == 1 ? "" : "s",
-           shard_dir);
-    fflush(stdout);
-    return data_prep(paths, n, shard_dir, err, err_size);
-}
-
-// ---------------------------------------------------------------------------- optimizer groups
-
-static int compare_param_offset(const void *a, const void *b) {
-    const ParamInfo *x = *(const ParamInfo *const *)a, *y = *(const ParamInfo *const *)b;
-    return x->offset < y->offset ? -1 : x->offset > y->offset;
-}
-
-// Groups that tile [0, n) of the flat buffer in order (adamw.h): consecutive tensors with the same
-// decay choice merged; any gap between tensors (alignment padding) is a no-decay group, whose zero
-// gradients leave it unchanged. Returns a malloc'd array, or NULL on a malformed table (err set).
-static ParamGroup *build_param_groups(const Model *m, int64_t n, int *n_groups, char *err, size_t err_size) {
-    const ParamInfo **sorted = malloc((size_t)m->n_params * sizeof *sorted);
-    ParamGroup *groups = malloc((size_t)(2 * m->n_params + 1) * sizeof *groups);
-    if (!sorted || !groups) {
-        free(sorted);
-        free(groups);
-        snprintf(err, err_size, "out of memory for %d parameter groups", m->n_params);
-        return NULL;
-    }
-    for (int p = 0; p < m->n_params; p++) sorted[p] = &m->params[p];
-    qsort(sorted, (size_t)m->n_params, sizeof *sorted, compare_param_offset);
-    int ng = 0;
-    int64_t pos = 0;
-    for (int p = 0; p < m->n_params; p++) {
-        const ParamInfo *pi = sorted[p];
-        if (pi->offset < pos || pi->offset + pi->numel > n) {
-            snprintf(err, err_size, "model parameter table: %s at offset %lld (%lld elements) overlaps the "
-                     "previous tensor or passes the %lld-element buffer", pi->name, (long long)pi->offset,
-                     (long long)pi->numel, (long long)n);
-            free(sorted);
-            free(groups);
-            return NULL;
-        }
-        if (pi->offset > pos) groups[ng++] = (ParamGroup){pos, pi->offset - pos, 0};
-        int decay = !pi->no_decay;
-        ParamGroup *prev = ng > 0 ? &groups[ng - 1] : NULL;
-        if (prev && prev->apply_weight_decay == decay && prev->offset + prev->count == pi->offset)
-            prev->count += pi->numel;
-        else groups[ng++] = (ParamGroup){pi->offset, pi->numel, decay};
-        pos = pi->offset + pi->numel;
-    }
-    if (pos < n) groups[ng++] = (ParamGroup){pos, n - pos, 0};
-    free(sorted);
-    *n_groups = ng;
-    return groups;
-}
-
 // ---------------------------------------------------------------------------- evaluation
-
-typedef struct {
-    int B, T;
-    int *rows;     // (B, T+1) tokens from the loader
-    int *labels;   // (B, T+1) eval labels (-1 = masked)
-    int *inputs;   // (B*T)
-    int *targets;  // (B*T)
-} Batch;
 
 // Mean main-head CE over the validation pass (or its first max_batches batches when > 0).
 // Load counting is off: evaluation must not move the router biases. A stop request ends it at the
@@ -214,7 +89,7 @@ static EvalMetrics evaluate(Model *m, ChunkActs *acts, DataLoader *val, const Ba
         int64_t n_targets = 0;
         if (!loader_next_eval(val, bt->rows, bt->labels, &n_targets)) break;
         if (n_targets == 0) continue;  // pure padding rows
-        trainer_split_batch(bt->rows, bt->labels, bt->B, bt->T, bt->inputs, bt->targets);
+        train_split_batch(bt->rows, bt->labels, bt->B, bt->T, bt->inputs, bt->targets);
         chunk_forward(m, 0, acts, bt->inputs, bt->targets, NULL, NULL);
         LossTerms lt = chunk_losses(acts);
         loss_sum += lt.main * (double)lt.n_valid;
@@ -232,15 +107,8 @@ static EvalMetrics evaluate(Model *m, ChunkActs *acts, DataLoader *val, const Ba
 
 // Everything trainer_run owns, so one cleanup path frees it all.
 typedef struct {
-    Model model;
-    int model_ok;
-    AdamW opt;
-    int opt_ok;
-    DataLoader train, val;
-    int train_ok, val_ok;
-    ChunkActs *acts;
-    Batch batch;
-    ParamGroup *groups;
+    TrainState ts;
+    StepOp *ops;  // the step's op list: F0 B0 F1 B1 ... (step_ops_one_process)
     MetricsLog log;
     RunDir out_dir;
     struct sigaction old_int, old_term;
@@ -254,16 +122,8 @@ static void run_free(Run *r) {
     }
     metrics_close(&r->log);
     run_dir_close(&r->out_dir);
-    free(r->groups);
-    free(r->batch.rows);
-    free(r->batch.labels);
-    free(r->batch.inputs);
-    free(r->batch.targets);
-    if (r->acts) chunk_acts_free(r->acts);
-    if (r->val_ok) loader_close(&r->val);
-    if (r->train_ok) loader_close(&r->train);
-    if (r->opt_ok) adamw_free(&r->opt);
-    if (r->model_ok) model_free(&r->model);
+    free(r->ops);
+    train_state_free(&r->ts);
 }
 
 // Writes checkpoint.dir/weights.h5 with further interrupts held off (on_stop_signal). Returns 0 or -1
@@ -274,7 +134,7 @@ static int save_weights(const Run *r, const Config *cfg) {
     printf("saving weights to %s\n", path);
     fflush(stdout);
     saving_weights = 1;
-    int rc = weights_save(&r->model, path, err, sizeof err);
+    int rc = weights_save(&r->ts.model, path, err, sizeof err);
     if (rc != 0) {
         fprintf(stderr, "fp8moe: saving weights failed: %s\n", err);
         return -1;
@@ -337,60 +197,6 @@ static int check_parallel_layout(const Config *cfg) {
     return 0;
 }
 
-// Selects the device; prints the choice and why. Returns -1 (message printed) when it cannot run.
-// auto takes the GPU when this build has CUDA and a GPU is visible, else the CPU; cuda insists.
-int trainer_pick_device(const Config *cfg, Device *dev) {
-    *dev = DEVICE_CPU;
-    int gpus = cuda_device_count();
-    switch (cfg->train.device) {
-    case DEVICE_SEL_CPU:
-        printf("device: cpu (train.device = cpu)\n");
-        return 0;
-    case DEVICE_SEL_AUTO:
-        if (gpus > 0) {
-            *dev = DEVICE_CUDA;
-            printf("device: cuda (auto: %d GPU%s visible, using GPU 0)\n", gpus, gpus == 1 ? "" : "s");
-        } else {
-#ifdef FP8MOE_CUDA
-            printf("device: cpu (auto: no CUDA device is visible)\n");
-#else
-            printf("device: cpu (auto: this build has no CUDA)\n");
-#endif
-        }
-        return 0;
-    case DEVICE_SEL_CUDA:
-        if (gpus == 0) {
-            fprintf(stderr, "fp8moe: %s: train.device = cuda, but %s; set train.device = cpu or auto\n", cfg->path,
-#ifdef FP8MOE_CUDA
-                    "no CUDA device is visible"
-#else
-                    "this build has no CUDA (nvcc >= 12.9 was not found at build time)"
-#endif
-            );
-            return -1;
-        }
-        *dev = DEVICE_CUDA;
-        printf("device: cuda (train.device = cuda)\n");
-        return 0;
-    }
-    return 0;
-}
-
-int trainer_open_loader(const Config *cfg, const char *shard_dir, LoaderSplit split, int B, int T, DataLoader *loader,
-                        char *err, size_t err_size) {
-    LoaderOptions lo = {.dir = shard_dir, .split = split, .vocab_size = cfg->model.vocab_size, .B = B, .T = T,
-                        .seed = cfg->train.seed, .dp_rank = 0, .dp_size = 1};
-    return loader_open(loader, &lo, err, err_size);
-}
-
-void trainer_split_batch(const int *rows, const int *labels, int B, int T, int *inputs, int *targets) {
-    for (int b = 0; b < B; b++)
-        for (int t = 0; t < T; t++) {
-            inputs[b * T + t] = rows[b * (T + 1) + t];
-            targets[b * T + t] = labels[b * (T + 1) + t + 1];
-        }
-}
-
 int trainer_run(const Config *cfg) {
     Run r;
     memset(&r, 0, sizeof r);
@@ -403,59 +209,27 @@ int trainer_run(const Config *cfg) {
     config_print(cfg, stdout);
     printf("\n");
     Device dev;
-    if (check_parallel_layout(cfg) != 0 || trainer_pick_device(cfg, &dev) != 0) return 1;
+    if (check_parallel_layout(cfg) != 0 || train_state_pick_device(cfg, &dev) != 0) return 1;
     if (cfg->train.threads > 0) omp_set_num_threads(cfg->train.threads);
     printf("threads: %d%s\n", omp_get_max_threads(), cfg->train.threads > 0 ? "" : " (OpenMP default)");
 
-    // ---- outputs
+    // ---- outputs, then data, model and optimizer
     if (open_outputs(&r, cfg) != 0) goto done;
-
-    // ---- data
-    char shard_dir[CONFIG_PATH_MAX + 32];
-    if (trainer_prepare_data(cfg, shard_dir, sizeof shard_dir, err, sizeof err) != 0) {
-        fprintf(stderr, "fp8moe: data: %s\n", err);
-        goto done;
-    }
-    if (trainer_open_loader(cfg, shard_dir, LOADER_TRAIN, B, T, &r.train, err, sizeof err) != 0) {
-        fprintf(stderr, "fp8moe: data: %s\n", err);
-        goto done;
-    }
-    r.train_ok = 1;
-    if (trainer_open_loader(cfg, shard_dir, LOADER_VAL, B, T, &r.val, err, sizeof err) != 0) {
-        fprintf(stderr, "fp8moe: data: %s\n", err);
-        goto done;
-    }
-    r.val_ok = 1;
-    printf("data: %lld train tokens (%lld windows of %d+1), %lld validation targets\n",
-           (long long)r.train.n_tokens, (long long)r.train.n_windows, T, (long long)loader_eval_targets(&r.val));
-
-    // ---- model and optimizer
-    if (model_create(&r.model, cfg, dev, 1, err, sizeof err) != 0) {
-        fprintf(stderr, "fp8moe: %s: model: %s\n", cfg->path, err);
-        goto done;
-    }
-    r.model_ok = 1;
-    Model *m = &r.model;
-    const int64_t n_elems = m->n_dense_elems + m->n_expert_elems;
-    printf("model: %lld parameters, %lld active per token, %d MoE layers, MTP depth %d\n",
-           (long long)model_num_params(m), (long long)model_active_params(m), m->n_moe_layers, cfg->mtp.depth);
-    adamw_init(&r.opt, dev, n_elems, &cfg->optim);
-    r.opt_ok = 1;
-    int n_groups = 0;
-    if (!(r.groups = build_param_groups(m, n_elems, &n_groups, err, sizeof err))) {
+    TrainState *ts = &r.ts;
+    if (train_state_create(ts, cfg, dev, total_steps, 1, err, sizeof err) != 0) {
         fprintf(stderr, "fp8moe: %s\n", err);
         goto done;
     }
-    r.acts = chunk_acts_create(m, 0, B, T);
-    r.batch = (Batch){.B = B, .T = T};
-    r.batch.rows = malloc((size_t)B * (T + 1) * sizeof(int));
-    r.batch.labels = malloc((size_t)B * (T + 1) * sizeof(int));
-    r.batch.inputs = malloc((size_t)B * T * sizeof(int));
-    r.batch.targets = malloc((size_t)B * T * sizeof(int));
-    if (!r.acts || !r.batch.rows || !r.batch.labels || !r.batch.inputs || !r.batch.targets) {
-        fprintf(stderr, "fp8moe: out of memory for the activations of %d x %d tokens\n", B, T);
+    Model *m = &ts->model;
+    printf("data: %lld train tokens (%lld windows of %d+1), %lld validation targets\n",
+           (long long)ts->train.n_tokens, (long long)ts->train.n_windows, T, (long long)loader_eval_targets(&ts->val));
+    printf("model: %lld parameters, %lld active per token, %d MoE layers, MTP depth %d\n",
+           (long long)model_num_params(m), (long long)model_active_params(m), m->n_moe_layers, cfg->mtp.depth);
+    if (!(r.ops = malloc((size_t)2 * A * sizeof *r.ops))) {
+        fprintf(stderr, "fp8moe: out of host memory for the step's %d ops\n", 2 * A);
         goto done;
     }
+    const int n_ops = step_ops_one_process(r.ops, 2 * A, A);
 
     stop_requested = 0;
     saving_weights = 0;
@@ -470,71 +244,32 @@ int trainer_run(const Config *cfg) {
     // ---- steps
     const double flops_per_token = model_flops_per_token(m, T);
     int64_t allocations_after_step1 = 0;
-    const int64_t tokens_per_step = (int64_t)A * B * T;
     const double t_start = now_s();
     double train_s = 0, train_s_at_last_line = 0;
     int64_t tokens_since_line = 0;
-    int step = 0, last_eval_step = -1;
+    int last_eval_step = -1;
     model_zero_load(m);
     printf("training: %d steps of %d x %d x %d tokens\n", total_steps, A, B, T);
     fflush(stdout);
-    while (step < total_steps && !stop_requested) {
+    while (ts->step < total_steps && !stop_requested) {
         const double t0 = now_s();
-        const int s = step + 1;  // 1-based in logs; lr_at and AdamW's bias correction use their own bases
-        model_zero_grads(m);
-        m->count_load = 1;
-        double loss_sum = 0, mtp_sum = 0, bal_sum = 0;
-        const int64_t fp8_gemms_before = m->fp8_gemm_count;
-        for (int mb = 0; mb < A; mb++) {
-            if (loader_next(&r.train, r.batch.rows) != 0) {
-                fprintf(stderr, "fp8moe: step %d: the training loader returned no batch\n", s);
-                goto done;
-            }
-            trainer_split_batch(r.batch.rows, r.batch.rows, B, T, r.batch.inputs, r.batch.targets);
-            real weighted = chunk_forward(m, 0, r.acts, r.batch.inputs, r.batch.targets, NULL, NULL);
-            LossTerms lt = chunk_losses(r.acts);
-            if (!isfinite((double)weighted) || !isfinite(lt.main) || !isfinite(lt.mtp_mean) ||
-                !isfinite(lt.balance)) {
-                fprintf(stderr, "fp8moe: step %d, micro-batch %d: the loss is not finite (loss %g, mtp %g, "
-                        "bal %g); stopping. Lower optim.lr or check the data.\n", s, mb + 1, lt.main,
-                        lt.mtp_mean, lt.balance);
-                goto done;
-            }
-            chunk_backward(m, 0, r.acts, NULL, NULL, (real)(1.0 / A));
-            loss_sum += lt.main;
-            mtp_sum += lt.mtp_mean;
-            bal_sum += lt.balance;
-        }
-        m->count_load = 0;
-        char fp8_err[512];
-        if (fp8_check_finite(dev, fp8_err, sizeof fp8_err) != 0) {  // deferred on the GPU (kernels.h)
-            fprintf(stderr, "fp8moe: step %d: FP8 quantisation met a non-finite value: %s; stopping\n", s, fp8_err);
+        StepResult sr;
+        if (train_step(ts, r.ops, n_ops, NULL, &sr, err, sizeof err) != 0) {
+            fprintf(stderr, "fp8moe: %s\n", err);
             goto done;
         }
-        const double gnorm = grad_global_norm(dev, m->grads, n_elems);
-        if (!isfinite(gnorm)) {
-            fprintf(stderr, "fp8moe: step %d: the gradient norm is not finite (%g) though the loss was %.4f; "
-                    "stopping\n", s, gnorm, loss_sum / A);
-            goto done;
-        }
-        const float scale = clip_scale(gnorm, cfg->optim.grad_clip);
-        const double lr = lr_at(&cfg->optim, step, total_steps);
-        adamw_step(&r.opt, m->weights, m->grads, r.groups, n_groups, (float)lr, scale, s);
-        model_weights_changed(m);
-        const double worst_load = model_update_router_bias(m);
-        step = s;
+        const int s = ts->step;
         if (s == 1) allocations_after_step1 = device_allocation_count();
         const double t1 = now_s();
         train_s += t1 - t0;
-        tokens_since_line += tokens_per_step;
+        tokens_since_line += ts->tokens_per_step;
 
-        StepMetrics sm = {.step = s, .total_steps = total_steps, .loss = loss_sum / A,
-                          .has_mtp = cfg->mtp.depth > 0, .mtp = mtp_sum / A, .balance = bal_sum / A,
-                          .has_moe = m->n_moe_layers > 0, .load_max_mean = worst_load, .lr = lr,
-                          .grad_norm = gnorm, .elapsed_s = t1 - t_start,
+        StepMetrics sm = {.step = s, .total_steps = total_steps, .loss = sr.loss,
+                          .has_mtp = cfg->mtp.depth > 0, .mtp = sr.mtp, .balance = sr.balance,
+                          .has_moe = m->n_moe_layers > 0, .load_max_mean = sr.worst_load, .lr = sr.lr,
+                          .grad_norm = sr.grad_norm, .elapsed_s = t1 - t_start,
                           .eta_s = train_s / s * (total_steps - s),
-                          .has_fp8 = cfg->precision.mode == PRECISION_FP8,
-                          .fp8_gemms = m->fp8_gemm_count - fp8_gemms_before};
+                          .has_fp8 = cfg->precision.mode == PRECISION_FP8, .fp8_gemms = sr.fp8_gemms};
         sm.tokens_per_s = tokens_since_line / fmax(train_s - train_s_at_last_line, 1e-9);
         sm.model_tflops = sm.tokens_per_s * flops_per_token * 1e-12;
         if (s % cfg->log.every == 0 || s == 1 || s == total_steps) {
@@ -552,7 +287,7 @@ int trainer_run(const Config *cfg) {
         }
         if (!stop_requested && cfg->train.eval_every > 0 && s % cfg->train.eval_every == 0 && s < total_steps) {
             int interrupted;
-            EvalMetrics em = evaluate(m, r.acts, &r.val, &r.batch, cfg->train.eval_batches, s, &interrupted);
+            EvalMetrics em = evaluate(m, ts->acts, &ts->val, &ts->batch, cfg->train.eval_batches, s, &interrupted);
             last_eval_step = s;
             if (interrupted) {
                 printf("eval step %d: interrupted, not recorded\n", s);
@@ -570,9 +305,10 @@ int trainer_run(const Config *cfg) {
         }
     }
 
+    const int step = ts->step;
     if (!stop_requested && last_eval_step != step) {
         int interrupted;
-        EvalMetrics em = evaluate(m, r.acts, &r.val, &r.batch, cfg->train.eval_batches, step, &interrupted);
+        EvalMetrics em = evaluate(m, ts->acts, &ts->val, &ts->batch, cfg->train.eval_batches, step, &interrupted);
         if (interrupted) {
             printf("eval step %d: interrupted, not recorded\n", step);
         } else {

@@ -11,26 +11,10 @@
 #ifndef FP8MOE_TRAINER_H
 #define FP8MOE_TRAINER_H
 
-#include "data/loader.h"
-#include "kernels/kernels.h"
 #include "train/config.h"
 
 // Returns 0 on success (also after a requested stop), 1 on an error (already printed to stderr,
 // naming the file, key or step at fault).
 int trainer_run(const Config *cfg);
-
-// The setup steps of trainer_run, shared with `fp8moe bench step` (train/bench_step.c).
-// Puts the shard directory of cfg's data into shard_dir (data.shards, or data.text prepared into
-// data.cache_dir when not already current). Returns 0, or -1 with err set.
-int trainer_prepare_data(const Config *cfg, char *shard_dir, size_t shard_dir_size, char *err, size_t err_size);
-// Picks the device train.device asks for and prints the choice. Returns 0, or -1 (message printed).
-int trainer_pick_device(const Config *cfg, Device *dev);
-// Opens the `split` loader of the shards in shard_dir for B x T micro-batches (cfg's vocabulary and
-// seed, one data-parallel rank). Returns 0, or -1 with err set.
-int trainer_open_loader(const Config *cfg, const char *shard_dir, LoaderSplit split, int B, int T, DataLoader *loader,
-                        char *err, size_t err_size);
-// rows (B, T+1) token windows -> inputs (B, T) = rows[:, :T] and targets (B, T) = labels[:, 1:]
-// (labels is rows itself for training batches, the masked labels for evaluation).
-void trainer_split_batch(const int *rows, const int *labels, int B, int T, int *inputs, int *targets);
 
 #endif

@@ -1,0 +1,234 @@
+/*
+ * train_state.c - building and releasing a TrainState (see train_state.h): data, loaders, model,
+ * optimizer and its parameter groups, activations and batch buffers, in that order.
+ */
+#include "train/train_state.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "data/prep.h"
+
+// ---------------------------------------------------------------------------- device
+
+int train_state_pick_device(const Config *cfg, Device *dev) {
+    *dev = DEVICE_CPU;
+    int gpus = cuda_device_count();
+    switch (cfg->train.device) {
+    case DEVICE_SEL_CPU:
+        printf("device: cpu (train.device = cpu)\n");
+        return 0;
+    case DEVICE_SEL_AUTO:
+        if (gpus > 0) {
+            *dev = DEVICE_CUDA;
+            printf("device: cuda (auto: %d GPU%s visible, using GPU 0)\n", gpus, gpus == 1 ? "" : "s");
+        } else {
+#ifdef FP8MOE_CUDA
+            printf("device: cpu (auto: no CUDA device is visible)\n");
+#else
+            printf("device: cpu (auto: this build has no CUDA)\n");
+#endif
+        }
+        return 0;
+    case DEVICE_SEL_CUDA:
+        if (gpus == 0) {
+            fprintf(stderr, "fp8moe: %s: train.device = cuda, but %s; set train.device = cpu or auto\n", cfg->path,
+#ifdef FP8MOE_CUDA
+                    "no CUDA device is visible"
+#else
+                    "this build has no CUDA (nvcc >= 12.9 was not found at build time)"
+#endif
+            );
+            return -1;
+        }
+        *dev = DEVICE_CUDA;
+        printf("device: cuda (train.device = cuda)\n");
+        return 0;
+    }
+    return 0;
+}
+
+// ---------------------------------------------------------------------------- data
+
+// Splits data.text ("a.txt, b.txt") into trimmed paths, stored in buf. Returns the count, or -1 with
+// err when an entry is empty.
+static int split_text_list(const char *list, char *buf, size_t buf_size, const char **paths, int max_paths,
+                           char *err, size_t err_size) {
+    snprintf(buf, buf_size, "%s", list);
+    int n = 0;
+    int only_space = 1;
+    for (const char *c = list; *c; c++) only_space &= (*c == ' ' || *c == '\t');
+    if (only_space) return 0;
+    for (char *tok = buf, *next; tok; tok = next) {
+        next = strchr(tok, ',');
+        if (next) *next++ = '\0';
+        while (*tok == ' ' || *tok == '\t') tok++;
+        char *end = tok + strlen(tok);
+        while (end > tok && (end[-1] == ' ' || end[-1] == '\t')) *--end = '\0';
+        if (*tok == '\0') {
+            snprintf(err, err_size, "data.text = \"%s\": empty entry in the comma-separated list of text files",
+                     list);
+            return -1;
+        }
+        if (n == max_paths) {
+            snprintf(err, err_size, "data.text: more than %d text files", max_paths);
+            return -1;
+        }
+        paths[n++] = tok;
+    }
+    return n;
+}
+
+// Picks the shard directory: data.shards as given, or the text files prepared (when not already
+// current) into data.cache_dir/<16 hex digits of FNV-1a over the path list>.
+static int prepare_data(const Config *cfg, char *shard_dir, size_t shard_dir_size, char *err, size_t err_size) {
+    if (cfg->data.shards[0]) {
+        snprintf(shard_dir, shard_dir_size, "%s", cfg->data.shards);
+        printf("data: shards in %s (data.shards)\n", shard_dir);
+        return 0;
+    }
+    char list_buf[CONFIG_PATH_MAX];
+    const char *paths[256];
+    int n = split_text_list(cfg->data.text, list_buf, sizeof list_buf, paths, 256, err, err_size);
+    if (n < 0) return -1;
+    // The directory name identifies which files (the stamp inside checks their content).
+    const char *const *hashed = paths;
+    int n_hashed = n;
+    if (n == 0) hashed = data_default_text(&n_hashed);
+    uint64_t h = DATA_FNV1A64_INIT;
+    for (int i = 0; i < n_hashed; i++) h = data_fnv1a64(hashed[i], strlen(hashed[i]) + 1, h);
+    snprintf(shard_dir, shard_dir_size, "%s/%016llx", cfg->data.cache_dir, (unsigned long long)h);
+    const char *what = n ? "data.text" : "the default text";
+    if (data_prep_is_current(paths, n, shard_dir)) {
+        printf("data: %s is already prepared in %s\n", what, shard_dir);
+        return 0;
+    }
+    printf("data: preparing %s (%d file%s) into %s\n", what, n ? n : n_hashed, (n ? n : n_hashed) == 1 ? "" : "s",
+           shard_dir);
+    fflush(stdout);
+    return data_prep(paths, n, shard_dir, err, err_size);
+}
+
+static int open_loader(const Config *cfg, const char *shard_dir, LoaderSplit split, int B, int T, DataLoader *loader,
+                        char *err, size_t err_size) {
+    LoaderOptions lo = {.dir = shard_dir, .split = split, .vocab_size = cfg->model.vocab_size, .B = B, .T = T,
+                        .seed = cfg->train.seed, .dp_rank = 0, .dp_size = 1};
+    return loader_open(loader, &lo, err, err_size);
+}
+
+void train_split_batch(const int *rows, const int *labels, int B, int T, int *inputs, int *targets) {
+    for (int b = 0; b < B; b++)
+        for (int t = 0; t < T; t++) {
+            inputs[b * T + t] = rows[b * (T + 1) + t];
+            targets[b * T + t] = labels[b * (T + 1) + t + 1];
+        }
+}
+
+// ---------------------------------------------------------------------------- optimizer groups
+
+static int compare_param_offset(const void *a, const void *b) {
+    const ParamInfo *x = *(const ParamInfo *const *)a, *y = *(const ParamInfo *const *)b;
+    return x->offset < y->offset ? -1 : x->offset > y->offset;
+}
+
+// Groups that tile [0, n) of the flat buffer in order (adamw.h): consecutive tensors with the same
+// decay choice merged; any gap between tensors (alignment padding) is a no-decay group, whose zero
+// gradients leave it unchanged. Returns a malloc'd array, or NULL on a malformed table (err set).
+static ParamGroup *build_param_groups(const Model *m, int64_t n, int *n_groups, char *err, size_t err_size) {
+    const ParamInfo **sorted = malloc((size_t)m->n_params * sizeof *sorted);
+    ParamGroup *groups = malloc((size_t)(2 * m->n_params + 1) * sizeof *groups);
+    if (!sorted || !groups) {
+        free(sorted);
+        free(groups);
+        snprintf(err, err_size, "out of memory for %d parameter groups", m->n_params);
+        return NULL;
+    }
+    for (int p = 0; p < m->n_params; p++) sorted[p] = &m->params[p];
+    qsort(sorted, (size_t)m->n_params, sizeof *sorted, compare_param_offset);
+    int ng = 0;
+    int64_t pos = 0;
+    for (int p = 0; p < m->n_params; p++) {
+        const ParamInfo *pi = sorted[p];
+        if (pi->offset < pos || pi->offset + pi->numel > n) {
+            snprintf(err, err_size, "model parameter table: %s at offset %lld (%lld elements) overlaps the "
+                     "previous tensor or passes the %lld-element buffer", pi->name, (long long)pi->offset,
+                     (long long)pi->numel, (long long)n);
+            free(sorted);
+            free(groups);
+            return NULL;
+        }
+        if (pi->offset > pos) groups[ng++] = (ParamGroup){pos, pi->offset - pos, 0};
+        int decay = !pi->no_decay;
+        ParamGroup *prev = ng > 0 ? &groups[ng - 1] : NULL;
+        if (prev && prev->apply_weight_decay == decay && prev->offset + prev->count == pi->offset)
+            prev->count += pi->numel;
+        else groups[ng++] = (ParamGroup){pi->offset, pi->numel, decay};
+        pos = pi->offset + pi->numel;
+    }
+    if (pos < n) groups[ng++] = (ParamGroup){pos, n - pos, 0};
+    free(sorted);
+    *n_groups = ng;
+    return groups;
+}
+
+// ---------------------------------------------------------------------------- create / free
+
+int train_state_create(TrainState *ts, const Config *cfg, Device dev, int total_steps, int with_val, char *err,
+                       size_t err_size) {
+    memset(ts, 0, sizeof *ts);
+    ts->cfg = cfg;
+    ts->dev = dev;
+    ts->total_steps = total_steps;
+    const int B = cfg->train.micro_batch_size, T = cfg->train.seq_len;
+    ts->tokens_per_step = (int64_t)cfg->train.grad_accum * B * T;
+    char shard_dir[CONFIG_PATH_MAX + 32], why[1536];
+    if (prepare_data(cfg, shard_dir, sizeof shard_dir, why, sizeof why) != 0 ||
+        open_loader(cfg, shard_dir, LOADER_TRAIN, B, T, &ts->train, why, sizeof why) != 0) {
+        snprintf(err, err_size, "data: %s", why);
+        return -1;
+    }
+    ts->train_ok = 1;
+    if (with_val) {
+        if (open_loader(cfg, shard_dir, LOADER_VAL, B, T, &ts->val, why, sizeof why) != 0) {
+            snprintf(err, err_size, "data: %s", why);
+            return -1;
+        }
+        ts->val_ok = 1;
+    }
+    if (model_create(&ts->model, cfg, dev, 1, why, sizeof why) != 0) {
+        snprintf(err, err_size, "%s: model: %s", cfg->path, why);
+        return -1;
+    }
+    ts->model_ok = 1;
+    const int64_t n_elems = ts->model.n_dense_elems + ts->model.n_expert_elems;
+    adamw_init(&ts->opt, dev, n_elems, &cfg->optim);
+    ts->opt_ok = 1;
+    if (!(ts->groups = build_param_groups(&ts->model, n_elems, &ts->n_groups, err, err_size))) return -1;
+    ts->acts = chunk_acts_create(&ts->model, 0, B, T);
+    Batch *bt = &ts->batch;
+    *bt = (Batch){.B = B, .T = T};
+    bt->rows = malloc((size_t)B * (T + 1) * sizeof(int));
+    bt->labels = malloc((size_t)B * (T + 1) * sizeof(int));
+    bt->inputs = malloc((size_t)B * T * sizeof(int));
+    bt->targets = malloc((size_t)B * T * sizeof(int));
+    if (!ts->acts || !bt->rows || !bt->labels || !bt->inputs || !bt->targets) {
+        snprintf(err, err_size, "out of memory for the activations of %d x %d tokens", B, T);
+        return -1;
+    }
+    return 0;
+}
+
+void train_state_free(TrainState *ts) {
+    free(ts->groups);
+    free(ts->batch.rows);
+    free(ts->batch.labels);
+    free(ts->batch.inputs);
+    free(ts->batch.targets);
+    if (ts->acts) chunk_acts_free(ts->acts);
+    if (ts->val_ok) loader_close(&ts->val);
+    if (ts->train_ok) loader_close(&ts->train);
+    if (ts->opt_ok) adamw_free(&ts->opt);
+    if (ts->model_ok) model_free(&ts->model);
+    memset(ts, 0, sizeof *ts);
+}

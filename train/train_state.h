@@ -1,0 +1,62 @@
+/*
+ * train_state.h - everything a training run owns between steps: the model (this process's part of
+ * it), AdamW with its parameter groups, the training and validation loaders with their cursors, the
+ * activations and batch buffers, and the step counters. It is the root that a checkpoint writer walks
+ * and a resume restores (DESIGN.md section 2, "TrainState"), and the one setup that `fp8moe train`,
+ * `fp8moe bench step` and the tests share, so none of them builds the pieces its own way.
+ *
+ * Ownership: train_state_create allocates every member; train_state_free releases what was created,
+ * also after a failed create. The config is the caller's and must outlive the state.
+ */
+#ifndef FP8MOE_TRAIN_STATE_H
+#define FP8MOE_TRAIN_STATE_H
+
+#include <stdint.h>
+
+#include "data/loader.h"
+#include "optim/adamw.h"
+#include "train/config.h"
+#include "train/model.h"
+
+// One micro-batch's token buffers on the host: rows and labels (B, T+1) as the loader returns them,
+// inputs and targets (B, T) as the model takes them (train_split_batch).
+typedef struct {
+    int B, T;
+    int *rows, *labels, *inputs, *targets;
+} Batch;
+
+typedef struct {
+    const Config *cfg;
+    Device dev;
+    Model model;
+    AdamW opt;
+    ParamGroup *groups;  // tile the flat buffer: decay for matrices, none for norms and padding
+    int n_groups;
+    DataLoader train, val;
+    ChunkActs *acts;     // one micro-batch's activations (the one-process op list keeps one live)
+    Batch batch;
+    int step;            // optimizer steps taken
+    int total_steps;     // steps of the LR schedule
+    int64_t tokens_per_step;
+    // what exists, so train_state_free can run after a create that failed half-way
+    int model_ok, opt_ok, train_ok, val_ok;
+} TrainState;
+
+// Picks the device train.device asks for and prints the choice and why. auto takes the GPU when this
+// build has CUDA and a GPU is visible, else the CPU; cuda insists. Returns 0, or -1 (message printed).
+int train_state_pick_device(const Config *cfg, Device *dev);
+
+// Builds the state for cfg on dev: the data (data.shards, or data.text prepared into data.cache_dir
+// when not already current; prints what it does), the training loader and, when with_val, the
+// validation loader; the model initialised from train.seed, AdamW, the parameter groups, one
+// micro-batch's activations and buffers. total_steps is the LR schedule's length. Returns 0, or -1
+// with a message in err that names the file or key at fault.
+int train_state_create(TrainState *ts, const Config *cfg, Device dev, int total_steps, int with_val, char *err,
+                       size_t err_size);
+void train_state_free(TrainState *ts);
+
+// rows (B, T+1) token windows -> inputs (B, T) = rows[:, :T] and targets (B, T) = labels[:, 1:]
+// (labels is rows itself for training batches, the masked labels for evaluation).
+void train_split_batch(const int *rows, const int *labels, int B, int T, int *inputs, int *targets);
+
+#endif
