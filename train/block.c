@@ -115,8 +115,12 @@ void block_acts_alloc(ActsArena *ar, BlockActs *a, const Dims *d, int is_moe, co
         e->eout_bf16 = arena_alloc(ar, (size_t)bf16_rows_elems(NK, D) * sizeof(uint16_t));
     else
         e->eout = ARENA_REALS(ar, NK * D);
-    ffn_acts_alloc(ar, &e->shared, N, 1, D, d->shared_I, s, keep_inputs);
-    e->experts.x_fprop = e->shared.x_fprop = s->t_x_fprop;
+    // the routed experts copy their Fprop operand's rows from the shared expert's (linear.h SharedFprop); without
+    // shared experts (moe.n_shared_experts = 0: no shared FFN runs, moe.c) they quantise their rows themselves
+    if (d->shared_I > 0) {
+        ffn_acts_alloc(ar, &e->shared, N, 1, D, d->shared_I, s, keep_inputs);
+        e->experts.x_fprop = e->shared.x_fprop = s->t_x_fprop;
+    }
 }
 
 void layer_scratch_alloc(ActsArena *ar, LayerScratch *s, const Dims *d, int has_moe, int needs_xp, int gate_values,
@@ -151,7 +155,7 @@ void layer_scratch_alloc(ActsArena *ar, LayerScratch *s, const Dims *d, int has_
             s->d_xp = ARENA_REALS(ar, NK * d->D);
         }
         if (needs_d_eout) s->d_eout = ARENA_REALS(ar, NK * d->D);
-        if (shares_fprop) {
+        if (shares_fprop && d->shared_I > 0) {
             const int64_t R16 = (N + 15) / 16 * 16, KB = (d->D + FP8_TILE - 1) / FP8_TILE;
             s->t_x_fprop = (SharedFprop){.q = arena_alloc(ar, (size_t)(R16 * KB * FP8_TILE)),
                                          .s = arena_alloc(ar, sizeof(float) * (size_t)(KB * R16)), .rows = d->N,

@@ -99,8 +99,10 @@ void moe_forward(Model *m, const BlockWeights *w, MoeActs *a, const Dims *d, con
     if (d->balance_alpha > 0)
         a->balance_loss = balance_loss_forward(dev, a->plain_topk, a->scores, d->B, d->T, E, K, d->balance_alpha,
                                                m->freeze_routing);
-    // shared expert writes out, routed experts are added on top
-    ffn_forward(m, &w->moe.shared, &a->shared, N, D, d->shared_I, x, out);
+    // shared expert writes out, routed experts are added on top; without shared experts (moe.n_shared_experts = 0)
+    // out starts from zeros: the bits of a shared expert whose output is 0
+    if (d->shared_I > 0) ffn_forward(m, &w->moe.shared, &a->shared, N, D, d->shared_I, x, out);
+    else device_memset_zero(dev, out, (size_t)N * D * sizeof(real));
     profile_begin(PHASE_PERMUTE);
     moe_permute_plan_device(dev, a->seg_offsets, a->seg_token, a->slot_of, a->topk_idx, N, K, E);
     device_memcpy_to_host(dev, a->seg_offsets_host, a->seg_offsets, (size_t)(E + 1) * sizeof(int));
@@ -169,7 +171,8 @@ void moe_backward(Model *m, const BlockWeights *w, const BlockWeights *g, MoeAct
         moe_unpermute_backward(dev, d_x, d_perm, a->slot_of, N, K, D);
         profile_end(PHASE_PERMUTE);
     }
-    ffn_backward(m, &w->moe.shared, &g->moe.shared, &a->shared, s, N, D, d->shared_I, x, d_out, d_x, GRAD_ADD);
+    if (d->shared_I > 0)
+        ffn_backward(m, &w->moe.shared, &g->moe.shared, &a->shared, s, N, D, d->shared_I, x, d_out, d_x, GRAD_ADD);
     // router: gate weights and, when the balance loss is on, its gradient through the scores
     real *d_scores = NULL;
     if (d->balance_alpha > 0 && d_balance != 0) {

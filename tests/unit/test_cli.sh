@@ -81,11 +81,12 @@ run nul 2 "$BIN" train "$TMP/nul.ini" --set train.steps=1 --set "checkpoint.dir=
 # ---- errors found inside OpenMP parallel regions: one message, exit status 1, with two threads.
 # A text the test makes (no file from outside the repository), a model trained with a learning rate too
 # small to move a weight (its norm weights stay exactly 1.0), then every run of 32 ones (dim = 32: the
-# RMSNorm weights) in the weights file set to NaN: sampling from it sends NaN logits to the router, whose
-# check runs inside an OpenMP region. It used to exit() on every thread that found one: two messages,
-# or SIGABRT (134) / SIGSEGV (139) in the exit handlers, depending on timing (on a busy 2-core machine
-# mostly one message and status 1; test_router's test_router_nan_two_threads_one_message_exit_1 makes
-# the race certain). This is the same path end to end.
+# RMSNorm weights) in the weights file set to NaN. Such a file is now refused at load, naming the tensor
+# (weights_io); before that check, sampling from it sent NaN logits to the router, whose check runs inside
+# an OpenMP region and used to exit() on every thread that found one: two messages, or SIGABRT (134) /
+# SIGSEGV (139) in the exit handlers, depending on timing. test_router's
+# test_router_nan_two_threads_one_message_exit_1 tests the router itself (and makes that race certain);
+# this checks the whole command: one message and status 1 with two threads, whichever check stops it.
 OWN_TEXT=$TMP/own_text.txt
 for i in $(seq 1 1500); do echo "line $i: the quick brown fox jumps over the lazy dog, and the dog sleeps on."; done >"$OWN_TEXT"
 if run nan_train 0 "$BIN" train configs/tiny.ini --set train.steps=1 --set "checkpoint.dir=$TMP/nanrun" \
@@ -109,6 +110,15 @@ if run nan_train 0 "$BIN" train configs/tiny.ini --set train.steps=1 --set "chec
     done
   fi
 fi
+
+# ---- a MoE without shared experts (moe.n_shared_experts = 0, range [0, 64]) trains in every mode: bf16 and
+# fp8 used to stop at step 1 (train/linear.c: "weight ... (32 x 0) is not a cached block Linear weight")
+for mode in fp32 bf16 fp8; do
+  run "noshared_$mode" 0 "$BIN" train configs/tiny.ini --set train.steps=2 --set "checkpoint.dir=$TMP/noshared_$mode" \
+      --set "data.text=$OWN_TEXT" --set "data.cache_dir=$TMP/nancache" --set moe.n_shared_experts=0 \
+      --set precision.mode=$mode --set train.threads=1 --set train.eval_every=0 --set train.eval_batches=1 \
+    && has "noshared_$mode" out '^step 2/2 \| loss [0-9]+\.[0-9]{4} ' && pass "moe.n_shared_experts = 0 trains in $mode"
+done
 
 # ---- train 3 steps, then sample
 if [ ! -f configs/tiny.ini ]; then

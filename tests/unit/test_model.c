@@ -458,6 +458,50 @@ static void test_linear_grouped(void **state) {
     check_grouped("fp32");
 }
 
+// moe.n_shared_experts = 0 (range [0, 64]): a MoE without shared experts, in every precision mode. bf16 and fp8
+// used to stop at the first forward (train/linear.c: "weight ... (32 x 0) is not a cached block Linear weight":
+// the shared expert's empty weights have no cache entry). The loss and every gradient are finite, the shared
+// expert's tensors are empty and get no gradient, the routed experts and the gate get one, and the three modes
+// agree to their rounding. fp32 keeps its bits: it computed the empty shared expert's output as zeros before.
+static void test_no_shared_experts(void **state) {
+    (void)state;
+    static const char *const modes[] = {"fp32", "bf16", "fp8"};
+    double loss[3];
+    int inputs[B * T], targets[B * T];
+    random_batch(inputs, targets, 21);
+    for (int i = 0; i < 3; i++) {
+        Config cfg;
+        char err[1024], mode[64];
+        snprintf(mode, sizeof mode, "precision.mode=%s", modes[i]);
+        const char *ov[] = {"train.seq_len=16", "train.micro_batch_size=2", "moe.n_shared_experts=0", mode};
+        if (config_load(&cfg, "configs/tiny.ini", ov, 4, err, sizeof err) != 0) fail_msg("%s", err);
+        Model m;
+        assert_int_equal(model_create(&m, &cfg, DEVICE_CPU, 1, err, sizeof err), 0);
+        loss[i] = run_step(&m, inputs, targets);
+        // L = L_main + 0.3 L_mtp + L_bal, each cross-entropy near log(256) = 5.55 at init: about 7.2
+        if (!isfinite(loss[i]) || loss[i] < 6 || loss[i] > 8.5) fail_msg("%s: loss %g, expected about 1.3 log(256) = 7.2", modes[i], loss[i]);
+        const int64_t n = model_num_params(&m);
+        for (int64_t j = 0; j < n; j++)
+            if (!isfinite(m.grads[j])) fail_msg("%s: gradient %lld is %g", modes[i], (long long)j, (double)m.grads[j]);
+        int shared = 0;
+        for (int p = 0; p < m.n_params; p++) {
+            const ParamInfo *pi = &m.params[p];
+            if (strstr(pi->name, ".shared_experts.") != NULL) {
+                shared++;
+                assert_int_equal(pi->numel, 0);
+            } else if (strstr(pi->name, "layers.1.ffn.gate.weight") || strstr(pi->name, "layers.2.ffn.experts.0.w2.weight")) {
+                double sq = 0;
+                for (int64_t j = 0; j < pi->numel; j++) sq += (double)m.grads[pi->offset + j] * m.grads[pi->offset + j];
+                if (!(sq > 0)) fail_msg("%s: %s has no gradient", modes[i], pi->name);
+            }
+        }
+        assert_int_equal(shared, 3 * 3);  // w1, w2, w3 of 2 MoE layers and the MTP block
+        model_free(&m);
+    }
+    for (int i = 1; i < 3; i++)
+        if (fabs(loss[i] - loss[0]) > 0.01 * loss[0]) fail_msg("%s loss %.6f vs fp32 %.6f", modes[i], loss[i], loss[0]);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_mtp_alignment),
@@ -468,6 +512,7 @@ int main(void) {
         cmocka_unit_test(test_fp8_gemm_count),
         cmocka_unit_test(test_fp8_weight_cache),
         cmocka_unit_test(test_linear_grouped),
+        cmocka_unit_test(test_no_shared_experts),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
