@@ -79,10 +79,10 @@ struct LinearWeightCache {
     const uint16_t **b;
 };
 
-// The block Linears: 2-D parameters except the embedding, the output head and the routers.
+// The block Linears, as the parameter table records them: every Linear inside a block or MTP module, the
+// routed experts' included; not the embedding, the output head or the routers.
 static int is_block_linear(const ParamInfo *p) {
-    return p->ndim == 2 && strcmp(p->name, "embed.weight") != 0 && strcmp(p->name, "head.weight") != 0 &&
-           strstr(p->name, ".ffn.gate.weight") == NULL;
+    return p->role == PARAM_BLOCK_LINEAR || p->role == PARAM_ROUTED_EXPERT;
 }
 
 static int by_offset(const void *a, const void *b) {
@@ -320,9 +320,9 @@ void linear_reserve_scratch(Model *m, int rows) {
     for (int i = 0; i < m->n_params; i++) {
         const ParamInfo *p = &m->params[i];
         if (!is_block_linear(p)) continue;
-        const int expert = strstr(p->name, ".ffn.experts.") != NULL;
+        const int expert = p->role == PARAM_ROUTED_EXPERT;
         // a SwiGLU FFN's w1 and w3 run their backward as one call (linear_backward_shared / _grouped)
-        const int shared = strstr(p->name, ".w1.weight") != NULL || strstr(p->name, ".w3.weight") != NULL ? 2 : 1;
+        const int shared = p->shares_input ? 2 : 1;
         const size_t b =
             call_scratch_bytes(m, expert ? routed : rows, expert ? groups : 0, p->shape[1], p->shape[0], shared);
         if (b > most) most = b;

@@ -55,26 +55,65 @@ Dims dims_from_config(const Config *c, int B, int T) {
     return d;
 }
 
+// ---------------------------------------------------------------------------- placement
+Placement placement_whole(const Config *cfg) {
+    return (Placement){.first_layer = 0, .n_layers = cfg->model.n_layers, .embeds_input = 1, .has_embedding = 1,
+                       .has_head = 1, .expert0 = 0, .n_experts = cfg->moe.n_routed_experts};
+}
+
+int placement_stage(const Config *cfg, int s, int n_stages, Placement *p, char *err, size_t err_size) {
+    const int L = cfg->model.n_layers;
+    if (n_stages < 1 || n_stages > L || s < 0 || s >= n_stages) {
+        snprintf(err, err_size, "stage %d of %d: expected 1 <= stages <= model.n_layers = %d and 0 <= stage < stages",
+                 s, n_stages, L);
+        return -1;
+    }
+    const int base = L / n_stages, extra = L % n_stages;
+    *p = placement_whole(cfg);
+    p->first_layer = s * base + (s < extra ? s : extra);
+    p->n_layers = base + (s < extra);
+    p->embeds_input = s == 0;
+    p->has_head = s == n_stages - 1;
+    p->has_embedding = p->embeds_input || (p->has_head && cfg->mtp.depth > 0);
+    return 0;
+}
+
+int placement_set_experts(const Config *cfg, Placement *p, int expert0, int n_experts, char *err, size_t err_size) {
+    const int E = cfg->moe.n_routed_experts;
+    if (n_experts < 1 || expert0 < 0 || expert0 + n_experts > E) {
+        snprintf(err, err_size, "experts [%d, %d): expected a non-empty range inside [0, moe.n_routed_experts = %d)",
+                 expert0, expert0 + n_experts, E);
+        return -1;
+    }
+    p->expert0 = expert0;
+    p->n_experts = n_experts;
+    return 0;
+}
+
 // ---------------------------------------------------------------------------- parameter table
-// Built in two passes over the same description: non-expert tensors first, then routed-expert tensors,
-// so the expert part of the flat buffer is contiguous. Each entry remembers where its weight and
-// gradient pointers go; the pointers are bound once the buffers exist.
+// Built in two passes over the same description, restricted to the placement: non-expert tensors first,
+// then routed-expert tensors, so the expert part of the flat buffer is contiguous. Each entry records its
+// role, reduction group, layer and expert, and remembers where its weight and gradient pointers go; the
+// pointers are bound once the buffers exist.
 typedef struct {
     Model *m;
     int expert_pass;   // 0: collect non-expert tensors, 1: expert tensors
     int64_t offset;
     int cap;
+    int layer;         // main-model layer of the tensors being added, or -1
+    int expert;        // global expert index of the tensors being added, or -1
+    int shares_input;  // the tensors being added are SwiGLU w1 / w3
     real ***wslots, ***gslots;  // per table entry: where to store the weight / gradient pointer
     double *init_std;           // per entry; 0 = ones (norm weights)
 } TableBuilder;
 
-static void add_param(TableBuilder *tb, int is_expert, real **wslot, real **gslot, double init_std,
-                      int no_decay, int ndim, int s0, int s1, int s2, const char *fmt, ...)
-    __attribute__((format(printf, 11, 12)));
+static void add_param(TableBuilder *tb, ParamRole role, real **wslot, real **gslot, double init_std, int ndim,
+                      int s0, int s1, int s2, const char *fmt, ...) __attribute__((format(printf, 10, 11)));
 
 #include <stdarg.h>
-static void add_param(TableBuilder *tb, int is_expert, real **wslot, real **gslot, double init_std,
-                      int no_decay, int ndim, int s0, int s1, int s2, const char *fmt, ...) {
+static void add_param(TableBuilder *tb, ParamRole role, real **wslot, real **gslot, double init_std, int ndim,
+                      int s0, int s1, int s2, const char *fmt, ...) {
+    const int is_expert = role == PARAM_ROUTED_EXPERT;
     if (is_expert != tb->expert_pass) return;
     Model *m = tb->m;
     if (m->n_params == tb->cap) {
@@ -100,8 +139,13 @@ static void add_param(TableBuilder *tb, int is_expert, real **wslot, real **gslo
     p->shape[2] = s2;
     p->numel = (int64_t)s0 * (ndim > 1 ? s1 : 1) * (ndim > 2 ? s2 : 1);
     p->offset = tb->offset;
+    p->role = role;
+    p->reduce = is_expert ? REDUCE_EDP : role == PARAM_EMBEDDING ? REDUCE_TIED_EMBEDDING : REDUCE_DP;
+    p->layer = tb->layer;
+    p->expert = is_expert ? tb->expert : -1;
     p->is_expert = is_expert;
-    p->no_decay = no_decay;
+    p->no_decay = role == PARAM_NORM;
+    p->shares_input = tb->shares_input;
     tb->wslots[m->n_params] = wslot;
     tb->gslots[m->n_params] = gslot;
     tb->init_std[m->n_params] = init_std;
@@ -109,36 +153,42 @@ static void add_param(TableBuilder *tb, int is_expert, real **wslot, real **gslo
     m->n_params++;
 }
 
-// a Linear weight (out, in) / a norm weight (n)
-#define LINEAR(field, out_dim, in_dim, std, ...) \
-    add_param(tb, 0, &(w->field), &(g->field), (std), 0, 2, (out_dim), (in_dim), 0, __VA_ARGS__)
-#define NORM(field, n, ...) add_param(tb, 0, &(w->field), &(g->field), 0.0, 1, 1, (n), 0, 0, __VA_ARGS__)
+// a Linear weight (out, in) of the given role / a norm weight (n)
+#define LINEAR(role, field, out_dim, in_dim, std, ...) \
+    add_param(tb, (role), &(w->field), &(g->field), (std), 2, (out_dim), (in_dim), 0, __VA_ARGS__)
+#define NORM(field, n, ...) add_param(tb, PARAM_NORM, &(w->field), &(g->field), 0.0, 1, (n), 0, 0, __VA_ARGS__)
 
 static void add_ffn(TableBuilder *tb, FfnWeights *w, FfnWeights *g, int D, int width, double std,
                     double out_std, const char *prefix) {
-    LINEAR(w1, width, D, std, "%s.w1.weight", prefix);
-    LINEAR(w2, D, width, out_std, "%s.w2.weight", prefix);
-    LINEAR(w3, width, D, std, "%s.w3.weight", prefix);
+    tb->shares_input = 1;
+    LINEAR(PARAM_BLOCK_LINEAR, w1, width, D, std, "%s.w1.weight", prefix);
+    tb->shares_input = 0;
+    LINEAR(PARAM_BLOCK_LINEAR, w2, D, width, out_std, "%s.w2.weight", prefix);
+    tb->shares_input = 1;
+    LINEAR(PARAM_BLOCK_LINEAR, w3, width, D, std, "%s.w3.weight", prefix);
+    tb->shares_input = 0;
 }
 
 static void add_block(TableBuilder *tb, BlockWeights *w, BlockWeights *g, const Config *c, const char *prefix) {
     const ModelConfig *mc = &c->model;
+    const Placement *pl = &tb->m->placement;
     int D = mc->dim, H = mc->n_heads, dqk = mc->qk_nope_head_dim + mc->qk_rope_head_dim;
     double std = mc->init_std, out_std = mc->init_std / sqrt(2.0 * (mc->n_layers + c->mtp.depth));
     char name[MODEL_NAME_MAX];
     NORM(attn_norm, D, "%s.attn_norm.weight", prefix);
     if (mc->q_lora_rank > 0) {
-        LINEAR(attn.wq_a, mc->q_lora_rank, D, std, "%s.attn.wq_a.weight", prefix);
+        LINEAR(PARAM_BLOCK_LINEAR, attn.wq_a, mc->q_lora_rank, D, std, "%s.attn.wq_a.weight", prefix);
         NORM(attn.q_norm, mc->q_lora_rank, "%s.attn.q_norm.weight", prefix);
-        LINEAR(attn.wq_b, H * dqk, mc->q_lora_rank, std, "%s.attn.wq_b.weight", prefix);
+        LINEAR(PARAM_BLOCK_LINEAR, attn.wq_b, H * dqk, mc->q_lora_rank, std, "%s.attn.wq_b.weight", prefix);
     } else {
-        LINEAR(attn.wq, H * dqk, D, std, "%s.attn.wq.weight", prefix);
+        LINEAR(PARAM_BLOCK_LINEAR, attn.wq, H * dqk, D, std, "%s.attn.wq.weight", prefix);
     }
-    LINEAR(attn.wkv_a, mc->kv_lora_rank + mc->qk_rope_head_dim, D, std, "%s.attn.wkv_a.weight", prefix);
+    LINEAR(PARAM_BLOCK_LINEAR, attn.wkv_a, mc->kv_lora_rank + mc->qk_rope_head_dim, D, std, "%s.attn.wkv_a.weight",
+           prefix);
     NORM(attn.kv_norm, mc->kv_lora_rank, "%s.attn.kv_norm.weight", prefix);
-    LINEAR(attn.wkv_b, H * (mc->qk_nope_head_dim + mc->v_head_dim), mc->kv_lora_rank, std,
+    LINEAR(PARAM_BLOCK_LINEAR, attn.wkv_b, H * (mc->qk_nope_head_dim + mc->v_head_dim), mc->kv_lora_rank, std,
            "%s.attn.wkv_b.weight", prefix);
-    LINEAR(attn.wo, D, H * mc->v_head_dim, out_std, "%s.attn.wo.weight", prefix);
+    LINEAR(PARAM_BLOCK_LINEAR, attn.wo, D, H * mc->v_head_dim, out_std, "%s.attn.wo.weight", prefix);
     NORM(ffn_norm, D, "%s.ffn_norm.weight", prefix);
     if (!w->is_moe) {
         snprintf(name, sizeof name, "%s.ffn", prefix);
@@ -146,48 +196,60 @@ static void add_block(TableBuilder *tb, BlockWeights *w, BlockWeights *g, const 
         return;
     }
     const MoeConfig *e = &c->moe;
-    LINEAR(moe.gate, e->n_routed_experts, D, std, "%s.ffn.gate.weight", prefix);
+    LINEAR(PARAM_ROUTER, moe.gate, e->n_routed_experts, D, std, "%s.ffn.gate.weight", prefix);
     snprintf(name, sizeof name, "%s.ffn.shared_experts", prefix);
     add_ffn(tb, &w->moe.shared, &g->moe.shared, D, e->n_shared_experts * e->moe_inter_dim, std, out_std, name);
-    // Routed experts: one table entry per expert and matrix (names as in DeepSeek's checkpoints), laid out
-    // so that each matrix is stacked over experts; only expert 0's entry binds the stacked pointer.
+    // Routed experts of the placement: one table entry per expert and matrix (global names, as in DeepSeek's
+    // checkpoints), laid out so that each matrix is stacked over the local experts; only the first local
+    // expert's entry binds the stacked pointer.
     int I = e->moe_inter_dim;
     for (int which = 0; which < 3; which++) {
-        for (int x = 0; x < e->n_routed_experts; x++) {
+        tb->shares_input = which != 1;
+        for (int x = pl->expert0; x < pl->expert0 + pl->n_experts; x++) {
             real **ws = NULL, **gs = NULL;
-            if (x == 0) {
+            if (x == pl->expert0) {
                 ws = which == 0 ? &w->moe.experts.w1 : which == 1 ? &w->moe.experts.w2 : &w->moe.experts.w3;
                 gs = which == 0 ? &g->moe.experts.w1 : which == 1 ? &g->moe.experts.w2 : &g->moe.experts.w3;
             }
             int out_dim = which == 1 ? D : I, in_dim = which == 1 ? I : D;
-            add_param(tb, 1, ws, gs, which == 1 ? out_std : std, 0, 2, out_dim, in_dim, 0,
+            tb->expert = x;
+            add_param(tb, PARAM_ROUTED_EXPERT, ws, gs, which == 1 ? out_std : std, 2, out_dim, in_dim, 0,
                       "%s.ffn.experts.%d.w%d.weight", prefix, x, which + 1);
         }
+        tb->expert = -1;
+        tb->shares_input = 0;
     }
 }
 
 static void build_table(TableBuilder *tb, const Config *c) {
     Model *m = tb->m;
+    const Placement *pl = &m->placement;
     ModelWeights *w = &m->w, *g = &m->g;
     const ModelConfig *mc = &c->model;
     int D = mc->dim, V = mc->vocab_size;
     char prefix[64];
-    LINEAR(embed, V, D, mc->init_std, "embed.weight");
-    for (int l = 0; l < mc->n_layers; l++) {
+    tb->layer = -1;
+    tb->expert = -1;
+    if (pl->has_embedding) LINEAR(PARAM_EMBEDDING, embed, V, D, mc->init_std, "embed.weight");
+    for (int l = pl->first_layer; l < pl->first_layer + pl->n_layers; l++) {
         snprintf(prefix, sizeof prefix, "layers.%d", l);
+        tb->layer = l;
         add_block(tb, &w->blocks[l], &g->blocks[l], c, prefix);
     }
+    tb->layer = -1;
+    if (!pl->has_head) return;
     NORM(norm, D, "norm.weight");
-    LINEAR(head, V, D, mc->init_std, "head.weight");
+    LINEAR(PARAM_HEAD, head, V, D, mc->init_std, "head.weight");
     for (int k = 0; k < c->mtp.depth; k++) {
         MtpWeights *mw = &w->mtp[k], *mg = &g->mtp[k];
         snprintf(prefix, sizeof prefix, "mtp.%d", k);
-        add_param(tb, 0, &mw->enorm, &mg->enorm, 0.0, 1, 1, D, 0, 0, "%s.enorm.weight", prefix);
-        add_param(tb, 0, &mw->hnorm, &mg->hnorm, 0.0, 1, 1, D, 0, 0, "%s.hnorm.weight", prefix);
-        add_param(tb, 0, &mw->eh_proj, &mg->eh_proj, mc->init_std, 0, 2, D, 2 * D, 0, "%s.eh_proj.weight", prefix);
+        add_param(tb, PARAM_NORM, &mw->enorm, &mg->enorm, 0.0, 1, D, 0, 0, "%s.enorm.weight", prefix);
+        add_param(tb, PARAM_NORM, &mw->hnorm, &mg->hnorm, 0.0, 1, D, 0, 0, "%s.hnorm.weight", prefix);
+        add_param(tb, PARAM_BLOCK_LINEAR, &mw->eh_proj, &mg->eh_proj, mc->init_std, 2, D, 2 * D, 0, "%s.eh_proj.weight",
+                  prefix);
         snprintf(prefix, sizeof prefix, "mtp.%d.block", k);
         add_block(tb, &mw->block, &mg->block, c, prefix);
-        add_param(tb, 0, &mw->norm, &mg->norm, 0.0, 1, 1, D, 0, 0, "mtp.%d.norm.weight", k);
+        add_param(tb, PARAM_NORM, &mw->norm, &mg->norm, 0.0, 1, D, 0, 0, "mtp.%d.norm.weight", k);
     }
 }
 #undef LINEAR
@@ -215,14 +277,25 @@ static void init_weights(Model *m, const double *init_std) {
     }
 }
 
-int model_create(Model *m, const Config *cfg, Device dev, int n_chunks, char *err, size_t err_size) {
+// Builds the part of the model that *pl holds, as n_chunks chunks over its layers.
+static int model_build(Model *m, const Config *cfg, Device dev, const Placement *pl, int n_chunks, char *err,
+                       size_t err_size) {
     memset(m, 0, sizeof *m);
     m->cfg = *cfg;
     m->dev = dev;
+    m->placement = *pl;
     const ModelConfig *mc = &cfg->model;
     int L = mc->n_layers, depth = cfg->mtp.depth;
-    if (n_chunks < 1 || n_chunks > L) {
-        snprintf(err, err_size, "cannot split %d layers into %d chunks", L, n_chunks);
+    if (pl->first_layer < 0 || pl->n_layers < 1 || pl->first_layer + pl->n_layers > L || pl->expert0 < 0 ||
+        pl->n_experts < 1 || pl->expert0 + pl->n_experts > cfg->moe.n_routed_experts ||
+        pl->has_embedding < pl->embeds_input) {
+        snprintf(err, err_size, "placement of layers [%d, %d) and experts [%d, %d) does not fit the model's %d layers "
+                 "and %d experts", pl->first_layer, pl->first_layer + pl->n_layers, pl->expert0,
+                 pl->expert0 + pl->n_experts, L, cfg->moe.n_routed_experts);
+        return -1;
+    }
+    if (n_chunks < 1 || n_chunks > pl->n_layers) {
+        snprintf(err, err_size, "cannot split %d layers into %d chunks", pl->n_layers, n_chunks);
         return -1;
     }
     if (depth > MTP_MAX_DEPTH) {
@@ -273,12 +346,23 @@ int model_create(Model *m, const Config *cfg, Device dev, int n_chunks, char *er
 
     m->n_chunks = n_chunks;
     m->chunks = calloc((size_t)n_chunks, sizeof(ChunkSpec));
+    const int PL = pl->n_layers;
     for (int c = 0; c < n_chunks; c++) {
-        int first = (int)((int64_t)L * c / n_chunks), last = (int)((int64_t)L * (c + 1) / n_chunks);
-        m->chunks[c] = (ChunkSpec){first, last - first, c == 0, c == n_chunks - 1};
+        int first = (int)((int64_t)PL * c / n_chunks), last = (int)((int64_t)PL * (c + 1) / n_chunks);
+        m->chunks[c] = (ChunkSpec){pl->first_layer + first, last - first, c == 0 && pl->embeds_input,
+                                   c == n_chunks - 1 && pl->has_head};
     }
     ep_group_init(&m->ep, comm_world_single(), E);
     return 0;
+}
+
+int model_create(Model *m, const Config *cfg, Device dev, int n_chunks, char *err, size_t err_size) {
+    const Placement whole = placement_whole(cfg);
+    return model_build(m, cfg, dev, &whole, n_chunks, err, err_size);
+}
+
+int model_create_placement(Model *m, const Config *cfg, Device dev, const Placement *p, char *err, size_t err_size) {
+    return model_build(m, cfg, dev, p, 1, err, err_size);
 }
 
 void model_weights_changed(Model *m) { m->weights_version++; }
@@ -307,7 +391,7 @@ int64_t model_active_params(const Model *m) {
     const MoeConfig *e = &m->cfg.moe;
     for (int i = 0; i < m->n_params; i++) {
         const ParamInfo *p = &m->params[i];
-        if (strcmp(p->name, "embed.weight") == 0) continue;
+        if (p->role == PARAM_EMBEDDING) continue;
         active += p->is_expert ? (double)p->numel * e->n_activated_experts / e->n_routed_experts : (double)p->numel;
     }
     return (int64_t)llround(active);
@@ -436,6 +520,14 @@ ChunkActs *chunk_acts_create(Model *m, int chunk, int B, int T) {
     for (int i = 0; i < cs->n_blocks; i++) has_moe |= m->w.blocks[cs->first_block + i].is_moe;
     if (cs->has_head)
         for (int k = 0; k < c->mtp.depth; k++) has_moe |= m->w.mtp[k].block.is_moe;
+    if (has_moe && m->placement.n_experts < c->moe.n_routed_experts) {
+        fprintf(stderr, "fp8moe: train/model.c: chunk_acts_create: this placement holds experts [%d, %d) of %d; its "
+                        "MoE layers need the other experts' ranks (expert parallelism), which this build does not "
+                        "run yet\n", m->placement.expert0, m->placement.expert0 + m->placement.n_experts,
+                c->moe.n_routed_experts);
+        chunk_acts_free(a);
+        return NULL;
+    }
     layer_scratch_alloc(ar, &a->scratch, d, has_moe, has_moe && !moe_experts_read_tokens(m),
                         !linear_fp8_fused(m), has_moe && !moe_combine_grad_in_quantiser(m),
                         has_moe && moe_combine_grad_in_quantiser(m));
@@ -609,7 +701,6 @@ real chunk_forward(Model *m, int chunk, ChunkActs *a, const int *inputs, const i
     const ChunkSpec *cs = &m->chunks[chunk];
     const Dims *d = &a->d;
     int N = d->N, D = d->D, V = m->cfg.model.vocab_size;
-    size_t bytes = (size_t)N * D * sizeof(real);
     memcpy(a->targets, targets, (size_t)N * sizeof(int));
     device_memcpy_from_host(dev, a->d_inputs, inputs, (size_t)N * sizeof(int));
     device_memcpy_from_host(dev, a->d_targets, targets, (size_t)N * sizeof(int));
@@ -617,7 +708,7 @@ real chunk_forward(Model *m, int chunk, ChunkActs *a, const int *inputs, const i
     if (cs->has_embedding)
         embedding_forward(dev, a->resid, a->d_inputs, m->w.embed, N, D);
     else
-        device_memcpy_from_host(dev, a->resid, in_hidden, bytes);  // host pointer in one process
+        copy_block(dev, a->resid, D, in_hidden, D, N, D, 0);  // a device buffer (model.h)
     double balance = 0;
     for (int i = 0; i < cs->n_blocks; i++) {
         const BlockWeights *w = &m->w.blocks[cs->first_block + i];
@@ -627,7 +718,7 @@ real chunk_forward(Model *m, int chunk, ChunkActs *a, const int *inputs, const i
     real *x_last = a->resid + (int64_t)cs->n_blocks * N * D;
     LossTerms *lt = &a->terms;
     if (!cs->has_head) {
-        device_memcpy_to_host(dev, out_hidden, x_last, bytes);
+        copy_block(dev, out_hidden, D, x_last, D, N, D, 0);
         lt->balance = balance;
         return (real)(m->loss_weights.balance * balance);
     }
@@ -667,7 +758,7 @@ void chunk_backward(Model *m, int chunk, ChunkActs *a, const real *dout_hidden, 
         rmsnorm_backward(dev, a->d_cur, m->g.norm, a->d_hn, a->resid + (int64_t)cs->n_blocks * N * D, m->w.norm,
                          a->hn_rstd, N, D);
     } else {
-        device_memcpy_from_host(dev, a->d_cur, dout_hidden, bytes);
+        copy_block(dev, a->d_cur, D, dout_hidden, D, N, D, 0);
     }
     for (int i = cs->n_blocks - 1; i >= 0; i--) {
         int l = cs->first_block + i;
@@ -676,7 +767,7 @@ void chunk_backward(Model *m, int chunk, ChunkActs *a, const real *dout_hidden, 
     if (cs->has_embedding)
         embedding_backward(dev, m->g.embed, a->d_cur, a->d_inputs, N, D);
     else
-        device_memcpy_to_host(dev, din_hidden, a->d_cur, bytes);
+        copy_block(dev, din_hidden, D, a->d_cur, D, N, D, 0);
 }
 
 LossTerms chunk_losses(const ChunkActs *a) { return a->terms; }

@@ -24,15 +24,61 @@
 #define MODEL_NAME_MAX 96
 #define MTP_MAX_DEPTH 8
 
+// What a parameter is, recorded by the table builder so that no code recovers it from a name.
+typedef enum {
+    PARAM_BLOCK_LINEAR,   // a Linear inside a block or MTP module: FP8 in fp8 mode, BF16 in bf16 mode
+    PARAM_ROUTED_EXPERT,  // a routed expert's w1, w2 or w3 (also a block Linear, grouped over experts)
+    PARAM_EMBEDDING,      // the token embedding (V, D)
+    PARAM_HEAD,           // the output head (V, D)
+    PARAM_ROUTER,         // an MoE layer's gate (E, D): FP32, never FP8
+    PARAM_NORM,           // an RMSNorm weight: no weight decay
+} ParamRole;
+
+// Over which ranks a parameter's gradient is summed (DESIGN.md section 5). One process sums nothing;
+// the distributed issues read this instead of guessing from names.
+typedef enum {
+    REDUCE_DP,               // non-expert parameters: every data-parallel replica
+    REDUCE_EDP,              // routed experts: the replicas of this expert (dp / ep of them)
+    REDUCE_TIED_EMBEDDING,   // the embedding: dp, and the copy on the last stage when MTP needs one
+} ReduceGroup;
+
 typedef struct {
-    char name[MODEL_NAME_MAX];
+    char name[MODEL_NAME_MAX];  // global name, as in DeepSeek's reference code
     int ndim;
-    int shape[3];
+    int shape[3];               // global shape (a routed expert's tensor is one expert's)
     int64_t numel;
-    int64_t offset;   // element offset in the flat parameter buffer
-    int is_expert;    // a routed-expert tensor (second part of the buffer, reduced over EDP)
+    int64_t offset;   // element offset in this placement's flat parameter buffer
+    ParamRole role;
+    ReduceGroup reduce;
+    int layer;        // main-model layer, or -1 (embedding, head, final norm, MTP modules)
+    int expert;       // global routed-expert index, or -1
+    int is_expert;    // role == PARAM_ROUTED_EXPERT (second part of the buffer, reduced over EDP)
     int no_decay;     // norms: no weight decay
+    int shares_input; // SwiGLU's w1 and w3: their backward runs as one call over their shared input
 } ParamInfo;
+
+// What this process holds of the model (DESIGN.md section 2, "Placement"): a contiguous range of the
+// main model's layers; the embedding (the first stage, and the last one too when MTP needs it); the
+// final norm, output head and MTP modules (the last stage); the routed experts [expert0, expert0 +
+// n_experts) of every MoE layer. Tensors are the full model's, by global name, with the same initial
+// values under every placement; memory is allocated for the placement's tensors only.
+typedef struct {
+    int first_layer, n_layers;
+    int embeds_input;   // the first stage: the chunk starts from the embedding of its input tokens
+    int has_embedding;  // holds the embedding table: embeds_input, or the last stage with mtp.depth > 0
+    int has_head;       // final norm, output head, MTP modules
+    int expert0, n_experts;
+} Placement;
+
+// The whole model: every layer, the embedding, the head and MTP, every expert.
+Placement placement_whole(const Config *cfg);
+// Stage s of n_stages (0-based) of a pipeline: layers split as evenly as the count allows (the first
+// n_layers % n_stages stages one more), every expert. Returns 0, or -1 with err when n_stages is not in
+// [1, n_layers] or s not in [0, n_stages).
+int placement_stage(const Config *cfg, int s, int n_stages, Placement *p, char *err, size_t err_size);
+// Restricts p to routed experts [expert0, expert0 + n_experts). Returns 0, or -1 with err when the range
+// is not inside [0, n_routed_experts) or empty.
+int placement_set_experts(const Config *cfg, Placement *p, int expert0, int n_experts, char *err, size_t err_size);
 
 typedef struct { real *w1, *w2, *w3; } FfnWeights;  // SwiGLU: w2(silu(w1 x) * w3 x)
 typedef struct {
@@ -82,6 +128,7 @@ typedef struct {
 typedef struct {
     Config cfg;
     Device dev;
+    Placement placement;
     ParamInfo *params;
     int n_params;
     int64_t n_dense_elems, n_expert_elems;  // the flat buffer is n_dense_elems + n_expert_elems long
@@ -107,9 +154,13 @@ typedef struct {
 // Activations of one chunk for one micro-batch (B sequences of T tokens), kept for its backward pass.
 typedef struct ChunkActs ChunkActs;
 
-// Build the model for `cfg` on `dev` with n_chunks equal chunks (1 in one process) and initialise the
-// weights from cfg->train.seed. Returns 0, or -1 with a message in err.
+// Build the whole model for `cfg` on `dev` with n_chunks equal chunks (1 in one process) and initialise
+// the weights from cfg->train.seed. Returns 0, or -1 with a message in err.
 int model_create(Model *m, const Config *cfg, Device dev, int n_chunks, char *err, size_t err_size);
+// The same for the part of the model a placement holds, as one chunk. A placement with only some of
+// the routed experts builds and initialises, but its MoE layers run only with expert parallelism
+// (chunk_acts_create refuses them until then). Returns 0, or -1 with a message in err.
+int model_create_placement(Model *m, const Config *cfg, Device dev, const Placement *p, char *err, size_t err_size);
 void model_free(Model *m);
 // Whoever writes m->weights (the optimizer step, a weights load) calls this afterwards: cached copies
 // derived from the weights (the FP8 128x128 quantisation, train/linear.c) are then recomputed at their
@@ -128,15 +179,17 @@ void chunk_acts_free(ChunkActs *a);
 // Forward of one chunk for one micro-batch.
 //   inputs (B*T) token ids, targets (B*T) next-token ids (-1 = no target); every chunk gets them (the
 //   first for the embedding, the last for the losses and the MTP inputs).
-//   in_hidden (B*T, D): the previous chunk's output; NULL on the first chunk.
-//   out_hidden (B*T, D): this chunk's output for the next chunk; NULL on the last chunk.
+//   in_hidden (B*T, D): the previous chunk's output, on m->dev; NULL on the first chunk.
+//   out_hidden (B*T, D): this chunk's output for the next chunk, on m->dev; NULL on the last chunk.
+//   (The boundary tensors are device buffers, so an executor sends and receives them as they are.)
 // Returns this chunk's weighted loss terms: the balance loss of its blocks, plus on the last chunk the
 // main and MTP terms and the MTP blocks' balance loss; summed over chunks this is L.
 real chunk_forward(Model *m, int chunk, ChunkActs *a, const int *inputs, const int *targets,
                    const real *in_hidden, real *out_hidden);
 // Backward of the same micro-batch: accumulates parameter gradients into m->grads.
-//   dout_hidden (B*T, D): gradient of this chunk's output (NULL on the last chunk).
-//   din_hidden (B*T, D): receives the gradient of in_hidden (NULL on the first chunk); overwritten.
+//   dout_hidden (B*T, D): gradient of this chunk's output, on m->dev (NULL on the last chunk).
+//   din_hidden (B*T, D): receives the gradient of in_hidden, on m->dev (NULL on the first chunk);
+//   overwritten.
 //   loss_scale multiplies every loss term's gradient (1/grad_accum for a mean over micro-batches).
 void chunk_backward(Model *m, int chunk, ChunkActs *a, const real *dout_hidden, real *din_hidden,
                     real loss_scale);

@@ -91,9 +91,9 @@ int weights_router_bias_name(const Model *m, int moe_index, char *buf, size_t si
         int64_t offset = blk->moe.gate - m->weights;
         for (int p = 0; p < m->n_params; p++) {
             const ParamInfo *pi = &m->params[p];
-            size_t len = strlen(pi->name);
-            if (pi->offset != offset || len < 7 || strcmp(pi->name + len - 7, ".weight") != 0) continue;
-            snprintf(buf, size, "%.*s.bias", (int)(len - 7), pi->name);
+            if (pi->role != PARAM_ROUTER || pi->offset != offset) continue;
+            size_t len = strlen(pi->name);  // the table builder names every gate "<layer>.ffn.gate.weight"
+            snprintf(buf, size, "%.*s.bias", (int)(len - strlen(".weight")), pi->name);
             return 0;
         }
     }
