@@ -17,7 +17,7 @@
 #include <stdint.h>
 
 #include "kernels/kernels.h"
-#include "train/config.h"
+#include "optim/optim_config.h"
 
 typedef struct {
     Device dev;

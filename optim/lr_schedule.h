@@ -21,7 +21,7 @@
 #ifndef FP8MOE_LR_SCHEDULE_H
 #define FP8MOE_LR_SCHEDULE_H
 
-#include "train/config.h"
+#include "optim/optim_config.h"
 
 double lr_at(const OptimConfig *o, int step, int total_steps);
 

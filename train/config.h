@@ -11,6 +11,8 @@
 #include <stdint.h>
 #include <stdio.h>
 
+#include "optim/optim_config.h"  // OptimConfig: optim/ owns the numbers it takes
+
 #define CONFIG_PATH_MAX 1024
 
 typedef struct {
@@ -60,17 +62,6 @@ typedef struct {
     int dp;  // data-parallel ranks
 } ParallelConfig;
 
-typedef enum { LR_COSINE = 0, LR_WSD = 1 } LrSchedule;
-typedef struct {
-    double lr;            // peak learning rate
-    double min_lr;        // final learning rate of the decay
-    int warmup_steps;
-    LrSchedule schedule;
-    double decay_frac;    // wsd: fraction of steps spent in the final decay
-    double beta1, beta2, eps;
-    double weight_decay;
-    double grad_clip;     // max global grad norm; 0 = off
-} OptimConfig;
 
 typedef enum { DEVICE_SEL_AUTO = 0, DEVICE_SEL_CPU = 1, DEVICE_SEL_CUDA = 2 } DeviceSelect;
 typedef struct {

@@ -185,18 +185,6 @@ static void save_after_write_error(const Run *r, const Config *cfg, int step) {
     save_weights(r, cfg);
 }
 
-// A parallel layout is refused rather than silently run as one process. Returns -1 (message printed).
-static int check_parallel_layout(const Config *cfg) {
-    const ParallelConfig *p = &cfg->parallel;
-    if (p->pp * p->dp > 1 || p->ep > 1) {  // no silent single-process run of a parallel job
-        fprintf(stderr, "fp8moe: %s: parallel.pp = %d, parallel.dp = %d, parallel.ep = %d: this build runs one "
-                "process; expected 1 for each (pipeline, data and expert parallelism come in a later release)\n",
-                cfg->path, p->pp, p->dp, p->ep);
-        return -1;
-    }
-    return 0;
-}
-
 int trainer_run(const Config *cfg) {
     Run r;
     memset(&r, 0, sizeof r);
@@ -209,7 +197,7 @@ int trainer_run(const Config *cfg) {
     config_print(cfg, stdout);
     printf("\n");
     Device dev;
-    if (check_parallel_layout(cfg) != 0 || train_state_pick_device(cfg, &dev) != 0) return 1;
+    if (train_state_pick_device(cfg, &dev) != 0) return 1;  // (config_load refuses pp, dp, ep > 1)
     if (cfg->train.threads > 0) omp_set_num_threads(cfg->train.threads);
     printf("threads: %d%s\n", omp_get_max_threads(), cfg->train.threads > 0 ? "" : " (OpenMP default)");
 
