@@ -21,7 +21,7 @@
 
 #include "data/prep.h"
 #include "data/shard.h"
-#include "train/rng.h"
+#include "kernels/rng.h"
 
 // purpose tag of the data-order stream, so it never coincides with another stream of the same seed
 #define LOADER_RNG_PURPOSE 0x646174616f726472ULL  // "dataordr"

@@ -14,7 +14,7 @@
  *
  * Order.
  *  - train: epoch e visits the W windows in a permutation made by Fisher-Yates driven by the
- *    counter-based RNG keyed by (seed, e) (train/rng.h), so the same seed gives the same batches on
+ *    counter-based RNG keyed by (seed, e) (kernels/rng.h), so the same seed gives the same batches on
  *    any machine and thread count, and any epoch's order can be recreated from (seed, e) alone.
  *  - val: windows in id order, the same every epoch (no shuffle).
  * Data parallelism: rank r of dp_size takes entries r, r+dp, r+2dp, ... of the epoch's order; each

@@ -14,10 +14,10 @@
 
 #include "data/shard.h"
 #include "kernels/profile.h"
+#include "kernels/rng.h"
 #include "optim/bias_balance.h"
 #include "train/layers.h"
 #include "train/linear.h"
-#include "train/rng.h"
 
 // ---------------------------------------------------------------------------- shapes
 Dims dims_from_config(const Config *c, int B, int T) {

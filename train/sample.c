@@ -12,9 +12,9 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kernels/rng.h"
 #include "train/config.h"
 #include "train/model.h"
-#include "train/rng.h"
 #include "train/weights_io.h"
 
 #define SAMPLE_RNG_PURPOSE 0x53414d50ULL  // "SAMP": keeps this stream apart from init and data streams

@@ -10,7 +10,7 @@
 #include <stdlib.h>
 
 #include "kernels/kernels.h"
-#include "train/rng.h"
+#include "kernels/rng.h"
 
 static int cmp_double(const void *a, const void *b) {
     double x = *(const double *)a, y = *(const double *)b;

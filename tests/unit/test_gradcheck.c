@@ -24,9 +24,9 @@
 #include <string.h>
 
 #include "kernels/kernels.h"
+#include "kernels/rng.h"
 #include "train/config.h"
 #include "train/model.h"
-#include "train/rng.h"
 
 enum { B = 3, T = 8, N_SAMPLE = 32, ALL_BELOW = 256 };
 

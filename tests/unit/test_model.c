@@ -16,10 +16,10 @@
 
 #include <cmocka.h>
 
+#include "kernels/rng.h"
 #include "train/config.h"
 #include "train/linear.h"
 #include "train/model.h"
-#include "train/rng.h"
 
 enum { B = 2, T = 16 };
 

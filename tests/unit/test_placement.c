@@ -22,9 +22,9 @@
 
 #include <cmocka.h>
 
+#include "kernels/rng.h"
 #include "train/config.h"
 #include "train/model.h"
-#include "train/rng.h"
 
 enum { B = 2, T = 16 };
 

@@ -37,9 +37,9 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "kernels/rng.h"
 #include "train/config.h"
 #include "train/model.h"
-#include "train/rng.h"
 #include "train/sample.h"
 #include "train/weights_io.h"
 
