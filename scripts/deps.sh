@@ -5,10 +5,12 @@
 #                                  is missing and the command to run, and exit 1
 #   bash scripts/deps.sh --check   only check: list the missing packages, exit 1 if any
 #
-# `make deps` runs the first form, `make run` the second. Every library comes from Debian packages
-# (DESIGN.md section 8); the project vendors none. The CUDA toolkit is not a Debian package here: the
-# GPU build needs NVIDIA's CUDA >= 12.9 (Debian's nvidia-cuda-toolkit is too old for block-scaled FP8
-# GEMMs), so this script only reports what nvcc it sees; the Makefile decides whether to build CUDA.
+# The README's first commands run the first form directly (`bash scripts/deps.sh && make test`): a bare
+# Debian has no make until build-essential is in. `make deps` runs the same form, `make run` the second.
+# Every library comes from Debian packages (DESIGN.md section 8); the project vendors none. The CUDA
+# toolkit is not a Debian package here: the GPU build needs NVIDIA's CUDA >= 12.9 (Debian's
+# nvidia-cuda-toolkit is too old for block-scaled FP8 GEMMs), so this script only reports what nvcc it
+# sees; the Makefile decides whether to build CUDA.
 # Idempotent: with everything present it installs nothing and prints one line.
 set -euo pipefail
 
@@ -24,6 +26,7 @@ PACKAGES=(
   libibverbs-dev    # NIC discovery for the topology
   gnuplot-nox       # loss and benchmark plots
   fortunes          # the text the default job (configs/shakespeare.ini) trains on
+  python3           # the script tests (tests/unit/*.sh) read metrics.jsonl with it
 )
 
 usage() {

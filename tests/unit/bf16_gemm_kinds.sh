@@ -7,7 +7,8 @@
 #   - the options in another precision mode are refused with a message naming the key.
 set -u
 BIN=${FP8MOE_BUILD:-build}/fp8moe
-TEXT=${FP8MOE_SHAKESPEARE:-../shared/data/tinyshakespeare.txt}
+TEXT=tests/data/shakespeare.txt  # committed (tests/data/README.md); run from the repository root
+[ -f "$TEXT" ] || { echo "FAIL: $TEXT not found (run from the repository root)"; exit 1; }
 TMP=$(mktemp -d /tmp/fp8moe_kinds_XXXXXX)
 trap 'rm -rf "$TMP"' EXIT
 run() {  # tag, --set arguments...

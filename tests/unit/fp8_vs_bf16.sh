@@ -6,7 +6,8 @@
 # in the sanitizer pass (FP8MOE_SANITIZE=1), whose unit tests cover the same ops.
 set -u
 BIN=${FP8MOE_BUILD:-build}/fp8moe
-TEXT=${FP8MOE_SHAKESPEARE:-../shared/data/tinyshakespeare.txt}
+TEXT=tests/data/shakespeare.txt  # committed (tests/data/README.md); run from the repository root
+[ -f "$TEXT" ] || { echo "FAIL: $TEXT not found (run from the repository root)"; exit 1; }
 if [ "${FP8MOE_SANITIZE:-0}" = 1 ]; then echo "fp8_vs_bf16.sh: skipped under sanitizers"; exit 0; fi
 TMP=$(mktemp -d /tmp/fp8moe_fp8bf16_XXXXXX)
 trap 'rm -rf "$TMP"' EXIT

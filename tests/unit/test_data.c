@@ -333,17 +333,20 @@ static void test_fnv1a64_vectors(void **state) {
     assert_true(data_fnv1a64("bar", 3, data_fnv1a64("foo", 3, DATA_FNV1A64_INIT)) == 0x85944171f73967e8ULL);
 }
 
-static const char *shakespeare_path(void) {
-    const char *p = getenv("FP8MOE_SHAKESPEARE");
-    return p && *p ? p : "../shared/data/tinyshakespeare.txt";
-}
+// The committed text (tests/data/README.md: the first 299,868 bytes of Tiny Shakespeare), read relative to the
+// repository root, where tests/run_unit.sh runs the tests. Its size and FNV-1a 64 hash were measured outside
+// the code under test (`wc -c`, and the hash in Python over the file's bytes).
+#define SHAKESPEARE_TEXT "tests/data/shakespeare.txt"
+#define SHAKESPEARE_BYTES 299868L
+#define SHAKESPEARE_FNV1A64 0xd072a9d0114c9a36ULL
 
 static void test_prep_shakespeare(void **state) {
     char *dir = *state;
-    const char *text = shakespeare_path();
+    const char *text = SHAKESPEARE_TEXT;
     long size = 0;
     unsigned char *bytes = read_all(text, &size);
-    if (!bytes) fail_msg("cannot read %s (set FP8MOE_SHAKESPEARE to tinyshakespeare.txt)", text);
+    if (!bytes) fail_msg("cannot read %s (run the tests from the repository root)", text);
+    assert_int_equal(size, SHAKESPEARE_BYTES);
     char *out = path_in(dir, "cache/bytes"), err[512];  // out_dir does not exist yet
     const char *paths[1] = {text};
     assert_int_equal(data_prep_is_current(paths, 1, out), 0);
@@ -355,7 +358,8 @@ static void test_prep_shakespeare(void **state) {
     assert_int_equal(shard_read(train_p, 256, &train, &n_train, err, sizeof err), 0);
     assert_int_equal(shard_read(val_p, 256, &val, &n_val, err, sizeof err), 0);
     assert_int_equal(n_train + n_val, size);
-    assert_int_equal(n_val, size / 10);  // floor(10%)
+    assert_int_equal(n_val, 29986);  // floor(10% of 299,868 bytes)
+    assert_int_equal(n_train, 269882);
     for (int64_t i = 0; i < n_train; i++)
         if (train[i] != bytes[i]) fail_msg("train token %lld is %u, text byte is %u", (long long)i, train[i], bytes[i]);
     for (int64_t i = 0; i < n_val; i++)
@@ -365,6 +369,7 @@ static void test_prep_shakespeare(void **state) {
     // the stamp lists the path with its size and its FNV-1a hash (hash computed here byte by byte)
     uint64_t h = 0xcbf29ce484222325ULL;
     for (long i = 0; i < size; i++) h = (h ^ bytes[i]) * 0x100000001b3ULL;
+    assert_true(h == SHAKESPEARE_FNV1A64);
     char line[1200];
     snprintf(line, sizeof line, "%ld %016llx %s\n", size, (unsigned long long)h, text);
     char *stamp_p = path_in(out, "SOURCE.txt");
