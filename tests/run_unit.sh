@@ -5,11 +5,8 @@ set -u
 BUILD=${BUILD:-build}
 export FP8MOE_BUILD=$BUILD
 # Every test reads only files of the repository, files `scripts/deps.sh` installs, or files it makes. The
-# text the tests train on is tests/data/shakespeare.txt (tests/data/README.md): test_data, fp8_vs_bf16.sh
-# and bf16_gemm_kinds.sh name it themselves; test_cli.sh reads it from FP8MOE_SHAKESPEARE, set here
-# whatever the caller's environment says (the tests' numbers are those of this file).
-# tests/unit/no_outside_files.sh checks that no test reaches outside the checkout.
-export FP8MOE_SHAKESPEARE="$(cd "$(dirname "$0")/.." && pwd)/tests/data/shakespeare.txt"
+# text the tests train on is tests/data/shakespeare.txt (tests/data/README.md), which each test names
+# itself. tests/unit/no_outside_files.sh checks that no test reaches outside the checkout.
 passed=0; failed=0; failed_names=()
 for t in "$BUILD"/tests/test_*; do
   [ -x "$t" ] || continue

@@ -2,8 +2,7 @@
 # no_outside_files.sh - a fresh clone passes `make test` with nothing beside it (issue 17, part 1):
 #   - no test that `make test` runs (tests/run_unit.sh, tests/unit/*, the Makefile, .ci/run, the configs
 #     the tests train) names a file outside the checkout: no `shared/` and no `tinyshakespeare` outside
-#     comments. The one form allowed is a `${FP8MOE_SHAKESPEARE:-...}` default, and only when
-#     FP8MOE_SHAKESPEARE is set (tests/run_unit.sh sets it) to a file inside the checkout;
+#     comments;
 #   - the text the tests train on, tests/data/shakespeare.txt, is in the repository (git ls-files);
 #   - the README's first commands work on a bare Debian 12, which has no make: each starts with
 #     `bash scripts/deps.sh` (deps.sh installs build-essential), none with make; and .ci/run's last line
@@ -15,18 +14,6 @@ fail() { echo "FAIL: $*"; failures=$((failures + 1)); }
 pass() { echo "ok: $*"; }
 root=$(pwd -P)
 
-# ---- FP8MOE_SHAKESPEARE, as the suite sets it
-env_ok=0
-if [ -n "${FP8MOE_SHAKESPEARE:-}" ]; then
-  real=$(realpath -e -- "$FP8MOE_SHAKESPEARE" 2>/dev/null)
-  case "$real" in
-    "$root"/*) env_ok=1; pass "FP8MOE_SHAKESPEARE is a file of the checkout (${real#"$root"/})" ;;
-    *) fail "FP8MOE_SHAKESPEARE=$FP8MOE_SHAKESPEARE is not a file inside $root" ;;
-  esac
-else
-  echo "note: FP8MOE_SHAKESPEARE unset (not run by tests/run_unit.sh): its defaults count as outside references"
-fi
-
 # ---- references to files outside the checkout, in what make test runs
 files=(tests/run_unit.sh Makefile .ci/run configs/tiny.ini configs/tiny-fp8.ini configs/shakespeare.ini)
 for f in tests/unit/*; do [ -f "$f" ] && [ "$f" != tests/unit/no_outside_files.sh ] && files+=("$f"); done
@@ -36,10 +23,6 @@ for f in "${files[@]}"; do
   # drop comment lines (#, //, /* and * continuation lines), keep the rest with their line numbers
   while IFS= read -r hit; do
     line=${hit#*:}
-    if [ "$env_ok" = 1 ] && [[ "$line" =~ \$\{FP8MOE_SHAKESPEARE:-[^}]*\} ]]; then
-      stripped=${line//"${BASH_REMATCH[0]}"/}
-      grep -Eq 'shared/|tinyshakespeare' <<< "$stripped" || continue
-    fi
     fail "$f:${hit%%:*} names a file outside the checkout: $(sed 's/^[[:space:]]*//' <<< "$line")"
     bad=$((bad + 1))
   done < <(grep -nE 'shared/|tinyshakespeare' -- "$f" | grep -vE '^[0-9]+:[[:space:]]*(#|//|/\*|\*)')

@@ -4,11 +4,11 @@
 # metrics.jsonl) and sampling from the weights it wrote. The run uses one thread (train.threads=1,
 # which sample takes from the stored config): the tiny model's OpenMP regions are so short that on a
 # busy 2-core CI machine two threads mostly wait for each other.
-# Uses $FP8MOE_BUILD/fp8moe (default build/) and $FP8MOE_SHAKESPEARE (default
-# ../shared/data/tinyshakespeare.txt relative to the repo root). Run from the repository root.
+# Uses $FP8MOE_BUILD/fp8moe (default build/) and the committed text tests/data/shakespeare.txt. Run from
+# the repository root.
 set -u
 BIN=${FP8MOE_BUILD:-build}/fp8moe
-TEXT=${FP8MOE_SHAKESPEARE:-../shared/data/tinyshakespeare.txt}
+TEXT=tests/data/shakespeare.txt
 TMP=$(mktemp -d /tmp/fp8moe_cli_XXXXXX)
 trap 'rm -rf "$TMP"' EXIT
 failures=0
@@ -121,10 +121,8 @@ for mode in fp32 bf16 fp8; do
 done
 
 # ---- train 3 steps, then sample
-if [ ! -f configs/tiny.ini ]; then
-  echo "SKIP: configs/tiny.ini missing: training and sampling not tested"
-elif [ ! -f "$TEXT" ]; then
-  echo "SKIP: $TEXT missing (set FP8MOE_SHAKESPEARE): training and sampling not tested"
+if [ ! -f configs/tiny.ini ] || [ ! -f "$TEXT" ]; then
+  fail "configs/tiny.ini or $TEXT missing: training and sampling not tested"
 else
   RUN=$TMP/run
   if run train 0 "$BIN" train configs/tiny.ini --set train.steps=3 --set "checkpoint.dir=$RUN" \

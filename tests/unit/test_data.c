@@ -30,7 +30,7 @@
 #define GPT2_VOCAB 50257
 
 // ---------------------------------------------------------------------------- helpers
-static uint64_t test_rng(uint64_t *state) {  // splitmix64, independent of train/rng.h
+static uint64_t test_rng(uint64_t *state) {  // splitmix64, independent of kernels/rng.h
     uint64_t z = (*state += 0x9e3779b97f4a7c15ULL);
     z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
     z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
