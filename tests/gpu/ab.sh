@@ -4,9 +4,10 @@
 # in ONE call. Two steps:
 #
 #   tests/gpu/ab.sh prepare BASE   (here, in the git checkout) copies BASE's version of every file under kernels/,
-#                                  train/ and optim/ that differs from the working tree into .ab/base/ (git-ignored;
+#                                  train/, optim/ and data/ that differs from the working tree into .ab/base/ (git-ignored;
 #                                  carry ".ab" to the device). A file the working tree added is listed in
-#                                  .ab/added and is moved aside for the base build.
+#                                  .ab/added and is moved aside for the base build; one it deleted (or moved)
+#                                  is listed in .ab/deleted, put back for the base build and removed after.
 #   tests/gpu/ab.sh run            (on the GPU machine, after tests/gpu/run.sh's libraries are in .debs) builds the
 #                                  working tree ("new"), runs `tests/gpu/bench.sh` and `tests/gpu/kernel_profile.sh`,
 #                                  swaps the base files in, rebuilds and measures again ("base"), then restores the
@@ -26,16 +27,18 @@ prepare() {
   git rev-parse --verify --quiet "$base^{commit}" > /dev/null || { echo "ab.sh: '$base' is not a commit"; exit 2; }
   rm -rf "$AB" && mkdir -p "$AB/base"
   : > "$AB/added"
+  : > "$AB/deleted"
   local n=0 f status
   while IFS=$'\t' read -r status f; do
     case $status in
       A) echo "$f" >> "$AB/added" ;;
       M) mkdir -p "$AB/base/$(dirname "$f")" && git show "$base:$f" > "$AB/base/$f" ;;
-      *) echo "ab.sh: $f is $status against $base (only added or modified files can be swapped)"; exit 2 ;;
+      D) mkdir -p "$AB/base/$(dirname "$f")" && git show "$base:$f" > "$AB/base/$f" && echo "$f" >> "$AB/deleted" ;;
+      *) echo "ab.sh: $f is $status against $base (only added, modified or deleted files can be swapped)"; exit 2 ;;
     esac
     n=$((n + 1))
-  done < <(git diff --no-renames --name-status "$base" -- kernels train optim)
-  if [ "$n" = 0 ]; then echo "ab.sh: the working tree's kernels/, train/ and optim/ equal $base's"; exit 2; fi
+  done < <(git diff --no-renames --name-status "$base" -- kernels train optim data)
+  if [ "$n" = 0 ]; then echo "ab.sh: the working tree's kernels/, train/, optim/ and data/ equal $base's"; exit 2; fi
   git rev-parse --short "$base" > "$AB/base_rev"
   echo "ab.sh: $n files differ from $base ($(wc -l < "$AB/added") added); carry \"$AB\" to the device and run" \
        "tests/gpu/ab.sh run"
@@ -61,8 +64,9 @@ measure() {  # label, bench args...
 
 swap_in_base() {  # the working tree's versions go to $AB/new, the base's come in; added files move aside
   local f
-  (cd "$AB/base" && find . -type f) | while read -r f; do
-    mkdir -p "$AB/new/$(dirname "$f")" && cp -p "$f" "$AB/new/$f" && cp "$AB/base/$f" "$f"
+  (cd "$AB/base" && find . -type f) | while read -r f; do  # a file the working tree deleted has no new copy
+    if [ -e "$f" ]; then mkdir -p "$AB/new/$(dirname "$f")" && cp -p "$f" "$AB/new/$f"; fi
+    mkdir -p "$(dirname "$f")" && cp "$AB/base/$f" "$f"
   done
   while read -r f; do [ -n "$f" ] && mkdir -p "$AB/new/$(dirname "$f")" && mv "$f" "$AB/new/$f"; done < "$AB/added"
 }
@@ -70,6 +74,7 @@ swap_in_base() {  # the working tree's versions go to $AB/new, the base's come i
 restore() {  # touched, so that make rebuilds them
   [ -d "$AB/new" ] || return 0
   (cd "$AB/new" && find . -type f) | while read -r f; do cp "$AB/new/$f" "$f" && touch "$f"; done
+  while read -r f; do [ -n "$f" ] && rm -f "$f"; done < "$AB/deleted"  # the base's files the working tree lacks
   rm -rf "$AB/new"
 }
 
