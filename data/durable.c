@@ -1,5 +1,5 @@
 /*
- * durable.c - fsync by path and rename with a directory fsync (see durable.h).
+ * durable.c - fsync by path, rename with a directory fsync, mkdir -p (see durable.h).
  */
 #include "data/durable.h"
 
@@ -8,6 +8,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 int durable_fsync_path(const char *path) {
@@ -38,4 +39,29 @@ int durable_rename(const char *from, const char *to) {
     free(dir);
     errno = saved;
     return rc;
+}
+
+int durable_make_dirs(const char *dir, char *err, size_t err_size) {
+    char path[1024];
+    if (snprintf(path, sizeof path, "%s", dir) >= (int)sizeof path) {
+        snprintf(err, err_size, "%s: path too long", dir);
+        return -1;
+    }
+    for (char *p = path + 1;; p++) {
+        if (*p != '/' && *p != '\0') continue;
+        char saved = *p;
+        *p = '\0';
+        if (mkdir(path, 0755) != 0 && errno != EEXIST) {
+            snprintf(err, err_size, "cannot create directory %s: %s", path, strerror(errno));
+            return -1;
+        }
+        *p = saved;
+        if (saved == '\0') break;
+    }
+    struct stat st;
+    if (stat(dir, &st) != 0 || !S_ISDIR(st.st_mode)) {
+        snprintf(err, err_size, "%s: exists but is not a directory", dir);
+        return -1;
+    }
+    return 0;
 }

@@ -227,32 +227,6 @@ static char *stamp_text(const char *const *paths, int n, const SourceText *s) {
     return t;
 }
 
-// mkdir -p
-static int make_dirs(const char *dir, char *err, size_t errsz) {
-    char *p = strdup(dir);
-    if (!p) {
-        set_err(err, errsz, "%s: out of memory", dir);
-        return -1;
-    }
-    size_t len = strlen(p);
-    for (size_t i = 1; i <= len; i++) {
-        if (p[i] != '/' && p[i] != '\0') continue;
-        char saved = p[i];
-        p[i] = '\0';
-        if (mkdir(p, 0777) != 0 && errno != EEXIST) {
-            set_err(err, errsz, "%s: cannot create directory %s: %s", dir, p, strerror(errno));
-            free(p);
-            return -1;
-        }
-        p[i] = saved;
-    }
-    struct stat st;
-    int ok = stat(dir, &st) == 0 && S_ISDIR(st.st_mode);
-    if (!ok) set_err(err, errsz, "%s: exists but is not a directory (expected the shard output directory)", dir);
-    free(p);
-    return ok ? 0 : -1;
-}
-
 // The stamp's shard section: this line, then one "shard <16 hex digits> <file name>" line per shard.
 #define STAMP_SHARDS_LINE "# shards: FNV-1a 64 of each shard file (header and tokens), then its name\n"
 
@@ -343,7 +317,7 @@ int data_prep(const char *const *text_paths, int n_paths, const char *out_dir, c
         set_err(err, errsz, "%s: out of memory", out_dir);
         goto done;
     }
-    if (make_dirs(out_dir, err, errsz) != 0) goto done;
+    if (durable_make_dirs(out_dir, err, errsz) != 0) goto done;
     if (unlink(stamp_path) != 0 && errno != ENOENT) {  // a crash below must not leave an old stamp
         set_err(err, errsz, "%s: cannot remove the old stamp: %s", stamp_path, strerror(errno));
         goto done;

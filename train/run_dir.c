@@ -16,30 +16,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-int run_dir_make_dirs(const char *dir, char *err, size_t err_size) {
-    char path[1024];
-    if (snprintf(path, sizeof path, "%s", dir) >= (int)sizeof path) {
-        snprintf(err, err_size, "%s: path too long", dir);
-        return -1;
-    }
-    for (char *p = path + 1;; p++) {
-        if (*p != '/' && *p != '\0') continue;
-        char saved = *p;
-        *p = '\0';
-        if (mkdir(path, 0755) != 0 && errno != EEXIST) {
-            snprintf(err, err_size, "cannot create directory %s: %s", path, strerror(errno));
-            return -1;
-        }
-        *p = saved;
-        if (saved == '\0') break;
-    }
-    struct stat st;
-    if (stat(dir, &st) != 0 || !S_ISDIR(st.st_mode)) {
-        snprintf(err, err_size, "%s: exists but is not a directory", dir);
-        return -1;
-    }
-    return 0;
-}
+#include "data/durable.h"
 
 // "a/weights.h5" -> "a/weights.prev.h5"; "a/metrics" -> "a/metrics.prev". The extension is the part
 // after the last '.' of the file name (not of a directory).
@@ -97,7 +74,7 @@ int run_dir_open(RunDir *rd, const char *dir, const char *const *outputs, int n_
         snprintf(err, err_size, "%s: path too long", dir);
         return -1;
     }
-    if (run_dir_make_dirs(dir, err, err_size) != 0) return -1;
+    if (durable_make_dirs(dir, err, err_size) != 0) return -1;
 
     char lock_path[1100];
     snprintf(lock_path, sizeof lock_path, "%s/.lock", dir);

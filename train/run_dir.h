@@ -39,7 +39,4 @@ void run_dir_close(RunDir *rd);
 // `what: kept the earlier run's PATH as PREV`. Returns 0 (also when path does not exist), or -1.
 int run_dir_keep_previous(const char *path, const char *what, char *err, size_t err_size);
 
-// mkdir -p. Returns 0, or -1 with err set.
-int run_dir_make_dirs(const char *dir, char *err, size_t err_size);
-
 #endif
