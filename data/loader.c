@@ -13,7 +13,6 @@
 #include <errno.h>
 #include <fnmatch.h>
 #include <inttypes.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -21,18 +20,11 @@
 
 #include "data/prep.h"
 #include "data/shard.h"
+#include "kernels/error.h"
 #include "kernels/rng.h"
 
 // purpose tag of the data-order stream, so it never coincides with another stream of the same seed
 #define LOADER_RNG_PURPOSE 0x646174616f726472ULL  // "dataordr"
-
-static void set_err(char *err, size_t errsz, const char *fmt, ...) {
-    if (!err || errsz == 0) return;
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(err, errsz, fmt, ap);
-    va_end(ap);
-}
 
 static const char *split_pattern(LoaderSplit s) { return s == LOADER_TRAIN ? "*_train_*.bin" : "*_val_*.bin"; }
 

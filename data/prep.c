@@ -9,7 +9,6 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <inttypes.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -18,14 +17,7 @@
 
 #include "data/durable.h"
 #include "data/shard.h"
-
-static void set_err(char *err, size_t errsz, const char *fmt, ...) {
-    if (!err || errsz == 0) return;
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(err, errsz, fmt, ap);
-    va_end(ap);
-}
+#include "kernels/error.h"
 
 // ---------------------------------------------------------------------------- default text
 // Plain fortune files of Debian's `fortunes` and `fortunes-min` (1:1.99.1), sorted by strcmp.

@@ -7,10 +7,10 @@
 #include "data/shard.h"
 
 #include "data/durable.h"
+#include "kernels/error.h"
 
 #include <errno.h>
 #include <inttypes.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -20,14 +20,6 @@
 #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
 #error "llm.c shards are little-endian; this build writes host byte order"
 #endif
-
-static void set_err(char *err, size_t errsz, const char *fmt, ...) {
-    if (!err || errsz == 0) return;
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(err, errsz, fmt, ap);
-    va_end(ap);
-}
 
 uint64_t data_fnv1a64(const void *data, size_t n, uint64_t h) {
     const unsigned char *p = data;
