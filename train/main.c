@@ -1,9 +1,10 @@
 /*
- * main.c - the fp8moe command line: train, prep, sample, bench, config-doc, help.
+ * main.c - the fp8moe command line: train, compare, prep, sample, bench, config-doc, help.
  *
  * Only argument parsing lives here; each subcommand is one call into the library (trainer_run,
- * data_prep, sample_run, config_print_reference). Exit status: 0 success, 1 a failure while running,
- * 2 bad usage or an invalid job file / override (the message names the argument, file, line or key).
+ * compare_main, data_prep, sample_run, config_print_reference). Exit status: 0 success, 1 a failure
+ * while running, 2 bad usage or an invalid job file / override (the message names the argument, file,
+ * line or key).
  */
 #include <errno.h>
 #include <stdint.h>
@@ -13,6 +14,7 @@
 
 #include "data/prep.h"
 #include "train/bench.h"
+#include "train/compare.h"
 #include "train/config.h"
 #include "train/sample.h"
 #include "train/trainer.h"
@@ -41,10 +43,10 @@ static const char *const usage_config_doc =
     "      Print the reference of every job-file key (Markdown, as docs/config.md).\n";
 
 static void print_usage(FILE *f) {
-    fprintf(f, "fp8moe - FP8 mixture-of-experts training (DeepSeek-V3 architecture)\n\nUsage:\n%s%s%s%s%s%s%s"
+    fprintf(f, "fp8moe - FP8 mixture-of-experts training (DeepSeek-V3 architecture)\n\nUsage:\n%s%s%s%s%s%s%s%s"
                "  fp8moe help | --help\n      Show this text. `fp8moe help COMMAND` shows one command.\n",
-            usage_train, usage_prep, usage_sample, usage_config_doc, bench_gemm_usage, bench_step_usage,
-            bench_attention_usage);
+            usage_train, compare_usage, usage_prep, usage_sample, usage_config_doc, bench_gemm_usage,
+            bench_step_usage, bench_attention_usage);
 }
 
 // Prints "fp8moe CMD: message" and the command's usage to stderr; returns the usage exit status.
@@ -242,6 +244,7 @@ int main(int argc, char **argv) {
     }
     const char *cmd = argv[1];
     if (!strcmp(cmd, "train")) return cmd_train(argc - 2, argv + 2);
+    if (!strcmp(cmd, "compare")) return compare_main(argc - 2, argv + 2);
     if (!strcmp(cmd, "prep")) return cmd_prep(argc - 2, argv + 2);
     if (!strcmp(cmd, "sample")) return cmd_sample(argc - 2, argv + 2);
     if (!strcmp(cmd, "bench")) {
@@ -265,7 +268,8 @@ int main(int argc, char **argv) {
     if (!strcmp(cmd, "help") || is_help(cmd)) {
         if (argc > 2) {
             const char *topic = argv[2];
-            const char *u = !strcmp(topic, "train") ? usage_train : !strcmp(topic, "prep") ? usage_prep
+            const char *u = !strcmp(topic, "train") ? usage_train : !strcmp(topic, "compare") ? compare_usage
+                          : !strcmp(topic, "prep") ? usage_prep
                           : !strcmp(topic, "sample") ? usage_sample : !strcmp(topic, "config-doc") ? usage_config_doc
                           : !strcmp(topic, "bench") ? bench_gemm_usage : NULL;
             if (!u) {
@@ -280,7 +284,8 @@ int main(int argc, char **argv) {
         print_usage(stdout);
         return 0;
     }
-    fprintf(stderr, "fp8moe: unknown command '%s' (expected train, prep, sample, bench, config-doc or help)\n", cmd);
+    fprintf(stderr, "fp8moe: unknown command '%s' (expected train, compare, prep, sample, bench, config-doc or help)\n",
+            cmd);
     print_usage(stderr);
     return EXIT_USAGE;
 }

@@ -1,0 +1,1082 @@
+/*
+ * compare.c - `fp8moe compare` (see compare.h): a job trained in each precision mode over seeds, and the
+ * relative loss gaps of every mode against the first one.
+ *
+ * Why child processes: a run is then exactly `fp8moe train JOB --set ...` (same code path, same
+ * numbers, its own log and run directory, no state carried from one run to the next, CUDA set up fresh
+ * in each), and up to --jobs of them can run side by side. The parent validates every run's config
+ * before the first one starts (a typo costs nothing), then reads each run's metrics.jsonl.
+ *
+ * Order of the file: options, the runs (overrides, spawning, waiting, reading metrics), the statistics,
+ * the outputs (compare.csv, compare_windows.csv, summary.txt, compare.gp -> compare.png), compare_main.
+ * Gap of mode m at step s and seed k: (L_m - L_first) / L_first, L the training loss of that step or the
+ * validation loss of an evaluation at that step; over seeds: mean and sample standard deviation.
+ */
+#include "train/compare.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <math.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "train/config.h"
+#include "train/metrics.h"
+
+#define EXIT_USAGE 2
+#define MAX_ARMS 4         // fp32, bf16, fp8 and the null arm
+#define MAX_SEEDS 1000
+#define MAX_JOBS 64
+#define NULL_LR_FACTOR 1.0001  // the null arm: the first mode with optim.lr changed by 1 in 10,000
+#define PATHN (CONFIG_PATH_MAX + 64)
+
+const char *const compare_usage =
+    "  fp8moe compare JOB.ini [--modes bf16,fp8[,fp32]] [--seeds N] [--steps N] [--out DIR]\n"
+    "                 [--null] [--jobs N] [--resume] [--no-plot] [--set section.key=value]...\n"
+    "      Train JOB.ini once per mode (default bf16,fp8) and seed (train.seed, +1, ... N seeds; default\n"
+    "      1), the same initial weights and data order in every mode, each run a child `fp8moe train`\n"
+    "      into DIR/<mode>-seed<S>/ (DIR default <checkpoint.dir>-compare). Then writes DIR/compare.csv\n"
+    "      (per step: each run's train and val loss, the relative gaps vs the first mode, their mean and\n"
+    "      sd over seeds), DIR/compare.png (gnuplot) and DIR/summary.txt (printed too): the mean val gap\n"
+    "      over the last 10% of steps +- sd over seeds, the max gap, the first step where the gap leaves\n"
+    "      its seed spread. --steps overrides train.steps; --null adds the first mode with optim.lr x\n"
+    "      1.0001 (the null spread); --jobs runs N trainings at once (CPU threads split between them);\n"
+    "      --resume keeps finished runs whose config is unchanged; --no-plot skips compare.png.\n";
+
+static int usage_error(const char *fmt, const char *arg) {
+    fprintf(stderr, "fp8moe compare: ");
+    fprintf(stderr, fmt, arg);
+    fprintf(stderr, "\nUsage:\n%s", compare_usage);
+    return EXIT_USAGE;
+}
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+// ---------------------------------------------------------------------------- options
+
+typedef struct {
+    const char *job;
+    const char *modes[3];
+    int n_modes;
+    int seeds;
+    int steps;  // 0 = the job's train.steps
+    const char *out;
+    int null_arm, jobs, resume, plot;
+    const char **sets;
+    int n_sets;
+} Options;
+
+static int parse_count(const char *opt, const char *v, int lo, int hi, int *out) {
+    char *end;
+    errno = 0;
+    long long x = strtoll(v, &end, 10);
+    if (errno || end == v || *end || x < lo || x > hi) {
+        fprintf(stderr, "fp8moe compare: %s %s: expected an integer from %d to %d\nUsage:\n%s", opt, v, lo, hi,
+                compare_usage);
+        return -1;
+    }
+    *out = (int)x;
+    return 0;
+}
+
+// "bf16,fp8" -> modes; each of fp32, bf16, fp8 at most once. Returns 0 or the usage status (printed).
+static int parse_modes(const char *list, Options *o) {
+    static const char *const known[3] = {"fp32", "bf16", "fp8"};
+    o->n_modes = 0;
+    const char *p = list;
+    for (;;) {
+        const char *e = strchr(p, ',');
+        size_t len = e ? (size_t)(e - p) : strlen(p);
+        int k = -1;
+        for (int i = 0; i < 3; i++)
+            if (strlen(known[i]) == len && !strncmp(p, known[i], len)) k = i;
+        if (k < 0) {
+            fprintf(stderr, "fp8moe compare: --modes %s: unknown mode '%.*s'; expected a comma-separated list of "
+                    "fp32, bf16 and fp8 (e.g. bf16,fp8)\nUsage:\n%s", list, (int)len, p, compare_usage);
+            return EXIT_USAGE;
+        }
+        for (int i = 0; i < o->n_modes; i++)
+            if (o->modes[i] == known[k]) {
+                fprintf(stderr, "fp8moe compare: --modes %s: %s appears twice; expected each mode once\nUsage:\n%s",
+                        list, known[k], compare_usage);
+                return EXIT_USAGE;
+            }
+        o->modes[o->n_modes++] = known[k];
+        if (!e) break;
+        p = e + 1;
+    }
+    return 0;
+}
+
+// Returns 0, 1 when help was printed (exit 0), or the usage status (message printed).
+static int parse_options(int argc, char **argv, Options *o) {
+    memset(o, 0, sizeof *o);
+    o->modes[0] = "bf16";
+    o->modes[1] = "fp8";
+    o->n_modes = 2;
+    o->seeds = 1;
+    o->jobs = 1;
+    o->plot = 1;
+    o->sets = calloc((size_t)argc + 1, sizeof *o->sets);
+    if (!o->sets) return 1;
+    for (int i = 0; i < argc; i++) {
+        const char *a = argv[i];
+        int takes_value = !strcmp(a, "--modes") || !strcmp(a, "--seeds") || !strcmp(a, "--steps") ||
+                          !strcmp(a, "--out") || !strcmp(a, "--jobs") || !strcmp(a, "--set");
+        if (takes_value && i + 1 >= argc) return usage_error("%s needs a value", a);
+        const char *v = takes_value ? argv[++i] : NULL;
+        if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
+            printf("Usage:\n%s", compare_usage);
+            return 1;
+        } else if (!strcmp(a, "--modes")) {
+            int rc = parse_modes(v, o);
+            if (rc) return rc;
+        } else if (!strcmp(a, "--seeds")) {
+            if (parse_count(a, v, 1, MAX_SEEDS, &o->seeds)) return EXIT_USAGE;
+        } else if (!strcmp(a, "--steps")) {
+            if (parse_count(a, v, 1, 100000000, &o->steps)) return EXIT_USAGE;
+        } else if (!strcmp(a, "--jobs")) {
+            if (parse_count(a, v, 1, MAX_JOBS, &o->jobs)) return EXIT_USAGE;
+        } else if (!strcmp(a, "--out")) {
+            if (!v[0]) return usage_error("--out needs a directory; got an empty string%s", "");
+            o->out = v;
+        } else if (!strcmp(a, "--set") || !strncmp(a, "--set=", 6)) {
+            const char *kv = v ? v : a + 6;
+            if (!strchr(kv, '=') || !strchr(kv, '.')) return usage_error("--set %s: expected section.key=value", kv);
+            o->sets[o->n_sets++] = kv;
+        } else if (!strcmp(a, "--null")) {
+            o->null_arm = 1;
+        } else if (!strcmp(a, "--resume")) {
+            o->resume = 1;
+        } else if (!strcmp(a, "--no-plot")) {
+            o->plot = 0;
+        } else if (a[0] == '-' && a[1] != '\0') {
+            return usage_error("unknown option %s", a);
+        } else if (o->job) {
+            return usage_error("one job file expected; got a second one: %s", a);
+        } else {
+            o->job = a;
+        }
+    }
+    if (!o->job) return usage_error("missing the job file (JOB.ini)%s", "");
+    if (o->n_modes + o->null_arm < 2)
+        return usage_error("--modes %s: a comparison needs at least two modes (or one mode and --null)",
+                           o->modes[0]);
+    return 0;
+}
+
+// ---------------------------------------------------------------------------- runs
+
+typedef struct {
+    char name[16];       // "bf16", "fp8", "bf16-null"
+    const char *mode;
+    int is_null;
+} Arm;
+
+typedef struct {
+    int arm, seed_index;
+    uint64_t seed;
+    char dir[PATHN];
+    char **args;         // argv of the child: fp8moe train JOB --set ... (NULL-terminated)
+    char *config_text;   // the resolved config, as DIR/<run>/compare-job.ini holds it
+    pid_t pid;
+    double t0;
+    int state;           // 0 pending, 1 running, 2 finished
+    double *train, *val; // [steps + 1], NaN where the run has no record
+    int n_train, last_val_step;
+} Run;
+
+// The running children, for the signal handler (which forwards SIGTERM: a terminal's Ctrl-C reaches
+// them anyway, a `kill` or `timeout` of this process does not).
+static volatile sig_atomic_t stop_requested = 0;
+static pid_t running_pids[MAX_JOBS];
+
+static void on_stop_signal(int sig) {
+    if (stop_requested) {
+        for (int i = 0; i < MAX_JOBS; i++)
+            if (running_pids[i] > 0) kill(running_pids[i], SIGKILL);
+        static const char msg[] = "\nfp8moe compare: second interrupt, stopping the runs now\n";
+        ssize_t r = write(STDERR_FILENO, msg, sizeof msg - 1);
+        (void)r;
+        _exit(130);
+    }
+    stop_requested = 1;
+    if (sig == SIGTERM)
+        for (int i = 0; i < MAX_JOBS; i++)
+            if (running_pids[i] > 0) kill(running_pids[i], SIGTERM);
+    static const char msg[] = "\nfp8moe compare: interrupt: the running trainings finish their step and stop; "
+                              "no further run starts (interrupt again to quit now)\n";
+    ssize_t r = write(STDERR_FILENO, msg, sizeof msg - 1);
+    (void)r;
+}
+
+static int make_dirs(const char *dir, char *err, size_t err_size) {
+    char path[PATHN];
+    if (snprintf(path, sizeof path, "%s", dir) >= (int)sizeof path) {
+        snprintf(err, err_size, "%s: path too long", dir);
+        return -1;
+    }
+    for (char *p = path + 1;; p++) {
+        if (*p != '/' && *p != '\0') continue;
+        char saved = *p;
+        *p = '\0';
+        if (mkdir(path, 0755) != 0 && errno != EEXIST) {
+            snprintf(err, err_size, "cannot create directory %s: %s", path, strerror(errno));
+            return -1;
+        }
+        *p = saved;
+        if (saved == '\0') break;
+    }
+    struct stat st;
+    if (stat(dir, &st) != 0 || !S_ISDIR(st.st_mode)) {
+        snprintf(err, err_size, "%s exists but is not a directory", dir);
+        return -1;
+    }
+    return 0;
+}
+
+static char *xstrdup_printf(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+static char *xstrdup_printf(const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    char *s = NULL;
+    if (vasprintf(&s, fmt, ap) < 0) s = NULL;
+    va_end(ap);
+    if (!s) {
+        fprintf(stderr, "fp8moe compare: out of memory\n");
+        exit(1);
+    }
+    return s;
+}
+
+// The resolved config as config_print writes it (malloc'd).
+static char *config_text(const Config *c) {
+    char *buf = NULL;
+    size_t len = 0;
+    FILE *f = open_memstream(&buf, &len);
+    if (!f) return xstrdup_printf("%s", "");
+    config_print(c, f);
+    fclose(f);
+    return buf;
+}
+
+static char *read_file(const char *path) {
+    FILE *f = fopen(path, "rb");
+    if (!f) return NULL;
+    char *buf = NULL;
+    size_t len = 0;
+    FILE *m = open_memstream(&buf, &len);
+    if (!m) {
+        fclose(f);
+        return NULL;
+    }
+    char chunk[4096];
+    size_t n;
+    while ((n = fread(chunk, 1, sizeof chunk, f)) > 0) fwrite(chunk, 1, n, m);
+    fclose(f);
+    fclose(m);
+    return buf;
+}
+
+static int write_file(const char *path, const char *text, char *err, size_t err_size) {
+    FILE *f = fopen(path, "w");
+    if (!f || fputs(text, f) < 0 || fclose(f) != 0) {
+        snprintf(err, err_size, "%s: cannot write: %s", path, strerror(errno));
+        if (f) fclose(f);
+        return -1;
+    }
+    return 0;
+}
+
+// Value of "key": in a JSON line (key given with its quotes and colon); NaN when absent or null.
+static double json_number(const char *line, const char *key) {
+    const char *p = strstr(line, key);
+    if (!p) return NAN;
+    p += strlen(key);
+    if (!strncmp(p, "null", 4)) return NAN;
+    char *end;
+    double v = strtod(p, &end);
+    return end == p ? NAN : v;
+}
+
+// Reads a run's metrics.jsonl into r->train / r->val (steps 1..steps). Returns 0, or -1 with err set.
+static int read_metrics(Run *r, int steps, char *err, size_t err_size) {
+    char path[PATHN + 16];
+    snprintf(path, sizeof path, "%s/metrics.jsonl", r->dir);
+    for (int s = 0; s <= steps; s++) r->train[s] = r->val[s] = NAN;
+    r->n_train = 0;
+    r->last_val_step = 0;
+    FILE *f = fopen(path, "r");
+    if (!f) {
+        snprintf(err, err_size, "%s: cannot read: %s", path, strerror(errno));
+        return -1;
+    }
+    char *line = NULL;
+    size_t cap = 0;
+    while (getline(&line, &cap, f) > 0) {
+        int is_step = strstr(line, "\"type\":\"step\"") != NULL, is_eval = strstr(line, "\"type\":\"eval\"") != NULL;
+        if (!is_step && !is_eval) continue;
+        double st = json_number(line, "\"step\":");
+        if (!(st >= 1 && st <= steps)) continue;
+        int s = (int)st;
+        if (is_step) {
+            r->train[s] = json_number(line, "\"loss\":");
+            r->n_train++;
+        } else {
+            r->val[s] = json_number(line, "\"val_loss\":");
+            if (s > r->last_val_step) r->last_val_step = s;
+        }
+    }
+    free(line);
+    fclose(f);
+    return 0;
+}
+
+// 1 when the run holds all `steps` step records and its final evaluation.
+static int run_complete(const Run *r, int steps) { return r->n_train == steps && r->last_val_step == steps; }
+
+static pid_t spawn_run(Run *r, char *err, size_t err_size) {
+    char log[PATHN + 16];
+    snprintf(log, sizeof log, "%s/train.log", r->dir);
+    fflush(stdout);
+    fflush(stderr);
+    pid_t pid = fork();
+    if (pid < 0) {
+        snprintf(err, err_size, "cannot start a training process: %s", strerror(errno));
+        return -1;
+    }
+    if (pid == 0) {
+        int fd = open(log, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+        if (fd < 0) {
+            fprintf(stderr, "fp8moe compare: %s: cannot write: %s\n", log, strerror(errno));
+            _exit(127);
+        }
+        dup2(fd, STDOUT_FILENO);
+        dup2(fd, STDERR_FILENO);
+        execv("/proc/self/exe", r->args);
+        fprintf(stderr, "fp8moe compare: cannot run /proc/self/exe (this fp8moe binary): %s\n", strerror(errno));
+        _exit(127);
+    }
+    return pid;
+}
+
+// Last `n` lines of a file to stderr, indented (a failed run's reason).
+static void print_tail(const char *path, int n) {
+    char *text = read_file(path);
+    if (!text) return;
+    size_t len = strlen(text);
+    const char *p = text + len;
+    int lines = 0;
+    while (p > text && lines <= n) {
+        p--;
+        if (*p == '\n' && p != text + len - 1) lines++;
+    }
+    if (*p == '\n') p++;
+    for (const char *q = p; *q;) {
+        const char *e = strchr(q, '\n');
+        int l = e ? (int)(e - q) : (int)strlen(q);
+        fprintf(stderr, "    %.*s\n", l, q);
+        q += l + (e ? 1 : 0);
+    }
+    free(text);
+}
+
+// ---------------------------------------------------------------------------- statistics
+
+typedef struct {
+    double mean, sd;  // sd: sample standard deviation; NaN when fewer than 2 values
+    int n;
+} Stat;
+
+static Stat stat_of(const double *x, int n) {
+    Stat s = {NAN, NAN, 0};
+    double sum = 0;
+    for (int i = 0; i < n; i++)
+        if (isfinite(x[i])) {
+            sum += x[i];
+            s.n++;
+        }
+    if (s.n == 0) return s;
+    s.mean = sum / s.n;
+    if (s.n > 1) {
+        double ss = 0;
+        for (int i = 0; i < n; i++)
+            if (isfinite(x[i])) ss += (x[i] - s.mean) * (x[i] - s.mean);
+        s.sd = sqrt(ss / (s.n - 1));
+    }
+    return s;
+}
+
+static double rel_gap(double a, double base) {
+    return isfinite(a) && isfinite(base) && base != 0 ? (a - base) / base : NAN;
+}
+
+// Gap of the mean loss over steps [s0, s1] of run a against run b: only steps where both have a value
+// (val = 1: evaluations, else training steps). NaN when there is none.
+static double window_gap(const Run *a, const Run *b, int s0, int s1, int val, int *count) {
+    double sa = 0, sb = 0;
+    int c = 0;
+    for (int s = s0; s <= s1; s++) {
+        double x = val ? a->val[s] : a->train[s], y = val ? b->val[s] : b->train[s];
+        if (isfinite(x) && isfinite(y)) {
+            sa += x;
+            sb += y;
+            c++;
+        }
+    }
+    if (count) *count = c;
+    return c ? rel_gap(sa / c, sb / c) : NAN;
+}
+
+static void fmt_pct(char *buf, size_t n, double x) {
+    if (isfinite(x)) snprintf(buf, n, "%+.3f%%", 100 * x);
+    else snprintf(buf, n, "n/a");
+}
+
+// "+0.123% +- 0.045% (3 seeds; standard error 0.026%)" or "+0.123% (1 seed: no spread)"
+static void fmt_stat(char *buf, size_t n, Stat s) {
+    char m[32], d[32], e[32];
+    fmt_pct(m, sizeof m, s.mean);
+    if (s.n >= 2) {
+        snprintf(d, sizeof d, "%.3f%%", 100 * s.sd);
+        snprintf(e, sizeof e, "%.3f%%", 100 * s.sd / sqrt(s.n));
+        snprintf(buf, n, "%s +- %s (sd over %d seeds; standard error %s)", m, d, s.n, e);
+    } else {
+        snprintf(buf, n, "%s (%d seed: no spread)", m, s.n);
+    }
+}
+
+// ---------------------------------------------------------------------------- outputs
+
+typedef struct {
+    const Options *o;
+    const char *out;
+    Arm arms[MAX_ARMS];
+    int n_arms, n_seeds, steps, win;  // win: the smoothing window of the train-loss gaps, in steps
+    uint64_t seed0;
+    Run *runs;  // [seed_index * n_arms + arm]
+} Compare;
+
+static Run *run_at(const Compare *c, int arm, int k) { return &c->runs[k * c->n_arms + arm]; }
+
+// compare.csv, with the column numbers (1-based) the plot script needs.
+typedef struct {
+    int train_mean[MAX_ARMS], val_mean[MAX_ARMS];
+    int gap_train_mean[MAX_ARMS], gap_train_sd[MAX_ARMS], gap_val_mean[MAX_ARMS], gap_val_sd[MAX_ARMS];
+} CsvColumns;
+
+static void put_num(FILE *f, double x) {
+    if (isfinite(x)) fprintf(f, ",%.9g", x);
+    else fputs(",", f);
+}
+
+static int write_csv(const Compare *c, CsvColumns *col, char *err, size_t err_size) {
+    char path[PATHN];
+    snprintf(path, sizeof path, "%s/compare.csv", c->out);
+    FILE *f = fopen(path, "w");
+    if (!f) {
+        snprintf(err, err_size, "%s: cannot write: %s", path, strerror(errno));
+        return -1;
+    }
+    int ci = 1;
+    fputs("step", f);
+    for (int a = 0; a < c->n_arms; a++)
+        for (int k = 0; k < c->n_seeds; k++) {
+            unsigned long long sd = (unsigned long long)run_at(c, a, k)->seed;
+            fprintf(f, ",%s_s%llu_train,%s_s%llu_val", c->arms[a].name, sd, c->arms[a].name, sd);
+            ci += 2;
+        }
+    for (int a = 0; a < c->n_arms; a++) {
+        fprintf(f, ",%s_train_mean,%s_val_mean", c->arms[a].name, c->arms[a].name);
+        col->train_mean[a] = ++ci;
+        col->val_mean[a] = ++ci;
+    }
+    for (int a = 1; a < c->n_arms; a++) {
+        for (int k = 0; k < c->n_seeds; k++) {
+            unsigned long long sd = (unsigned long long)run_at(c, a, k)->seed;
+            fprintf(f, ",gap_%s_s%llu_train,gap_%s_s%llu_val", c->arms[a].name, sd, c->arms[a].name, sd);
+            ci += 2;
+        }
+        const char *n = c->arms[a].name;
+        fprintf(f, ",gap_%s_train_mean,gap_%s_train_sd,gap_%s_val_mean,gap_%s_val_sd", n, n, n, n);
+        col->gap_train_mean[a] = ++ci;
+        col->gap_train_sd[a] = ++ci;
+        col->gap_val_mean[a] = ++ci;
+        col->gap_val_sd[a] = ++ci;
+    }
+    fputs("\n", f);
+    double *tmp = malloc(sizeof(double) * (size_t)c->n_seeds * 2);
+    if (!tmp) {
+        fclose(f);
+        snprintf(err, err_size, "out of memory");
+        return -1;
+    }
+    double *tmp2 = tmp + c->n_seeds;
+    for (int s = 1; s <= c->steps; s++) {
+        fprintf(f, "%d", s);
+        for (int a = 0; a < c->n_arms; a++)
+            for (int k = 0; k < c->n_seeds; k++) {
+                put_num(f, run_at(c, a, k)->train[s]);
+                put_num(f, run_at(c, a, k)->val[s]);
+            }
+        for (int a = 0; a < c->n_arms; a++) {
+            for (int k = 0; k < c->n_seeds; k++) {
+                tmp[k] = run_at(c, a, k)->train[s];
+                tmp2[k] = run_at(c, a, k)->val[s];
+            }
+            put_num(f, stat_of(tmp, c->n_seeds).mean);
+            put_num(f, stat_of(tmp2, c->n_seeds).mean);
+        }
+        for (int a = 1; a < c->n_arms; a++) {
+            for (int k = 0; k < c->n_seeds; k++) {
+                const Run *r = run_at(c, a, k), *b = run_at(c, 0, k);
+                tmp[k] = rel_gap(r->train[s], b->train[s]);
+                tmp2[k] = rel_gap(r->val[s], b->val[s]);
+                put_num(f, tmp[k]);
+                put_num(f, tmp2[k]);
+            }
+            Stat t = stat_of(tmp, c->n_seeds), v = stat_of(tmp2, c->n_seeds);
+            put_num(f, t.mean);
+            put_num(f, t.sd);
+            put_num(f, v.mean);
+            put_num(f, v.sd);
+        }
+        fputs("\n", f);
+    }
+    free(tmp);
+    if (fclose(f) != 0) {
+        snprintf(err, err_size, "%s: cannot write: %s", path, strerror(errno));
+        return -1;
+    }
+    return 0;
+}
+
+// Gap of each seed's mean training loss over windows of c->win steps: Stat over seeds per window.
+static Stat window_stat(const Compare *c, int arm, int s0, int s1, int val, double *per_seed) {
+    for (int k = 0; k < c->n_seeds; k++)
+        per_seed[k] = window_gap(run_at(c, arm, k), run_at(c, 0, k), s0, s1, val, NULL);
+    return stat_of(per_seed, c->n_seeds);
+}
+
+static int write_windows_csv(const Compare *c, char *err, size_t err_size) {
+    char path[PATHN];
+    snprintf(path, sizeof path, "%s/compare_windows.csv", c->out);
+    FILE *f = fopen(path, "w");
+    if (!f) {
+        snprintf(err, err_size, "%s: cannot write: %s", path, strerror(errno));
+        return -1;
+    }
+    double *tmp = malloc(sizeof(double) * (size_t)c->n_seeds);
+    fputs("first_step,last_step", f);
+    for (int a = 1; a < c->n_arms; a++)
+        fprintf(f, ",gap_%s_train_mean,gap_%s_train_sd", c->arms[a].name, c->arms[a].name);
+    fputs("\n", f);
+    for (int s0 = 1; tmp && s0 <= c->steps; s0 += c->win) {
+        int s1 = s0 + c->win - 1 < c->steps ? s0 + c->win - 1 : c->steps;
+        fprintf(f, "%d,%d", s0, s1);
+        for (int a = 1; a < c->n_arms; a++) {
+            Stat st = window_stat(c, a, s0, s1, 0, tmp);
+            put_num(f, st.mean);
+            put_num(f, st.sd);
+        }
+        fputs("\n", f);
+    }
+    free(tmp);
+    if (fclose(f) != 0 || !tmp) {
+        snprintf(err, err_size, "%s: cannot write: %s", path, tmp ? strerror(errno) : "out of memory");
+        return -1;
+    }
+    return 0;
+}
+
+// The summary (see docs/training.md, "Comparing precision modes") into f.
+static void write_summary(const Compare *c, FILE *f) {
+    const int N = c->steps, last = (N + 9) / 10, s_from = N - last + 1;
+    double *per_seed = malloc(sizeof(double) * (size_t)c->n_seeds);
+    if (!per_seed) return;
+    char buf[256], b2[64];
+    fprintf(f, "fp8moe compare: %s, %d steps, modes", c->o->job, N);
+    for (int a = 0; a < c->n_arms; a++)
+        fprintf(f, "%s %s%s", a ? "," : "", c->arms[a].name, a == 0 ? " (baseline)" : "");
+    fprintf(f, "; %d seed%s (", c->n_seeds, c->n_seeds == 1 ? "" : "s");
+    for (int k = 0; k < c->n_seeds; k++)
+        fprintf(f, "%s%llu", k ? " " : "", (unsigned long long)run_at(c, 0, k)->seed);
+    fprintf(f, "); runs in %s/<mode>-seed<S>/\n", c->out);
+    if (c->o->null_arm)
+        fprintf(f, "%s = %s with optim.lr x %.4f (a null perturbation: its gap is the run-to-run spread)\n",
+                c->arms[c->n_arms - 1].name, c->arms[0].name, NULL_LR_FACTOR);
+    fprintf(f, "gap = (loss - %s's loss) / %s's loss, per seed at the same step; +- = sample standard deviation "
+            "over seeds\n", c->arms[0].name, c->arms[0].name);
+    for (int a = 1; a < c->n_arms; a++) {
+        fprintf(f, "\n%s vs %s%s:\n", c->arms[a].name, c->arms[0].name, c->arms[a].is_null ? " (null spread)" : "");
+        // the headline: validation gap over the last 10% of steps (training loss when no evaluation is there)
+        int evals = 0, val = 1;
+        for (int k = 0; k < c->n_seeds; k++) {
+            int cnt = 0;
+            window_gap(run_at(c, a, k), run_at(c, 0, k), s_from, N, 1, &cnt);
+            if (cnt == 0) val = 0;
+            if (k == 0) evals = cnt;
+        }
+        Stat head = window_stat(c, a, s_from, N, val, per_seed);
+        fmt_stat(buf, sizeof buf, head);
+        if (val)
+            fprintf(f, "  mean val gap over the last 10%% of steps (%d-%d, %d evaluation%s per run): %s\n", s_from, N,
+                    evals, evals == 1 ? "" : "s", buf);
+        else
+            fprintf(f, "  mean gap over the last 10%% of steps (%d-%d): %s\n  (training loss: the runs have no "
+                    "validation evaluation in these steps)\n", s_from, N, buf);
+        fprintf(f, "    per seed:");
+        for (int k = 0; k < c->n_seeds; k++) {
+            fmt_pct(b2, sizeof b2, per_seed[k]);
+            fprintf(f, " %llu %s", (unsigned long long)run_at(c, a, k)->seed, b2);
+        }
+        fprintf(f, "\n");
+        if (val) {
+            Stat tr = window_stat(c, a, s_from, N, 0, per_seed);
+            fmt_stat(buf, sizeof buf, tr);
+            fprintf(f, "  mean training-loss gap over the same steps: %s\n", buf);
+        }
+        // max gap: of the seed-mean train gap over windows, and of the seed-mean val gap at evaluations
+        Stat best = {NAN, NAN, 0};
+        int best_s0 = 0, best_s1 = 0, first_out = 0, first_out_s1 = 0, stays_out = 0;
+        for (int s0 = 1; s0 <= N; s0 += c->win) {
+            int s1 = s0 + c->win - 1 < N ? s0 + c->win - 1 : N;
+            Stat st = window_stat(c, a, s0, s1, 0, per_seed);
+            if (isfinite(st.mean) && !(fabs(st.mean) <= fabs(best.mean))) {
+                best = st;
+                best_s0 = s0;
+                best_s1 = s1;
+            }
+            int out = isfinite(st.sd) && fabs(st.mean) > st.sd;
+            if (out && !first_out) {
+                first_out = s0;
+                first_out_s1 = s1;
+                stays_out = 1;
+            } else if (!out && first_out) {
+                stays_out = 0;
+            }
+        }
+        fmt_pct(b2, sizeof b2, best.mean);
+        fprintf(f, "  max gap: %s (training loss, steps %d-%d", b2, best_s0, best_s1);
+        if (best.n >= 2) fprintf(f, ", sd over seeds %.3f%%", 100 * best.sd);
+        fprintf(f, ")");
+        double vbest = NAN;
+        int vstep = 0;
+        for (int s = 1; s <= N; s++) {
+            for (int k = 0; k < c->n_seeds; k++)
+                per_seed[k] = rel_gap(run_at(c, a, k)->val[s], run_at(c, 0, k)->val[s]);
+            Stat st = stat_of(per_seed, c->n_seeds);
+            if (isfinite(st.mean) && !(fabs(st.mean) <= fabs(vbest))) {
+                vbest = st.mean;
+                vstep = s;
+            }
+        }
+        fmt_pct(b2, sizeof b2, vbest);
+        if (vstep) fprintf(f, "; validation: %s at step %d", b2, vstep);
+        fprintf(f, "\n");
+        if (c->n_seeds < 2)
+            fprintf(f, "  gap leaves its seed spread: n/a (1 seed; --seeds 2 or more measures the spread)\n");
+        else if (!first_out)
+            fprintf(f, "  gap leaves its seed spread: never (|mean| <= sd over seeds in every %d-step window)\n",
+                    c->win);
+        else
+            fprintf(f, "  gap leaves its seed spread: first at steps %d-%d (|mean| > sd over seeds)%s\n", first_out,
+                    first_out_s1, stays_out ? ", and stays outside to the end" : "; back inside later");
+    }
+    fprintf(f, "\nper-step and per-window numbers: %s/compare.csv, %s/compare_windows.csv (%d-step windows of the "
+            "training loss)\n", c->out, c->out, c->win);
+    free(per_seed);
+}
+
+// compare.gp (run in DIR: `cd DIR && gnuplot compare.gp` redraws compare.png).
+static int write_plot_script(const Compare *c, const CsvColumns *col, char *err, size_t err_size) {
+    char path[PATHN];
+    snprintf(path, sizeof path, "%s/compare.gp", c->out);
+    FILE *f = fopen(path, "w");
+    if (!f) {
+        snprintf(err, err_size, "%s: cannot write: %s", path, strerror(errno));
+        return -1;
+    }
+    static const char *const colors[MAX_ARMS] = {"#000000", "#d62728", "#1f77b4", "#2ca02c"};
+    fprintf(f, "# compare.gp - written by fp8moe compare; `gnuplot compare.gp` in this directory redraws compare.png\n"
+               "set terminal pngcairo size 1200,900 font ',10'\nset output 'compare.png'\n"
+               "set datafile separator ','\nset datafile missing ''\nset grid\nset key top right\n"
+               "set multiplot layout 2,1 title '%s: %d steps, %d seed%s'\n", c->o->job, c->steps, c->n_seeds,
+            c->n_seeds == 1 ? "" : "s");
+    fprintf(f, "set title 'loss, mean over seeds (lines: training loss per step; points: validation loss)'\n"
+               "set xlabel 'step'\nset ylabel 'loss (nats/token)'\nset logscale y\nplot ");
+    for (int a = 0; a < c->n_arms; a++)
+        fprintf(f, "%s'compare.csv' skip 1 using 1:%d with lines lw 1 lc rgb '%s' title '%s train', "
+                   "'compare.csv' skip 1 using 1:%d with points pt 7 ps 1 lc rgb '%s' title '%s val'",
+                a ? ", \\\n     " : "", col->train_mean[a], colors[a], c->arms[a].name, col->val_mean[a], colors[a],
+                c->arms[a].name);
+    fprintf(f, "\nunset logscale y\n");
+    fprintf(f, "set title 'relative gap vs %s in %%: thin = per step, thick = %d-step windows%s; points: validation'\n"
+               "set ylabel 'gap (%%)'\nplot 0 with lines dt 2 lc rgb '#808080' notitle", c->arms[0].name, c->win,
+            c->n_seeds >= 2 ? ", band = +- sd over seeds" : "");
+    for (int a = 1; a < c->n_arms; a++) {
+        int m = 3 + 2 * (a - 1), sd = m + 1;  // columns of compare_windows.csv
+        if (c->n_seeds >= 2)
+            fprintf(f, ", \\\n     'compare_windows.csv' skip 1 using (($1+$2)/2):(100*($%d-$%d)):(100*($%d+$%d)) "
+                       "with filledcurves fs transparent solid 0.2 noborder lc rgb '%s' notitle",
+                    m, sd, m, sd, colors[a]);
+        fprintf(f, ", \\\n     'compare.csv' skip 1 using 1:(100*$%d) with lines lw 0.5 lc rgb '%s' notitle",
+                col->gap_train_mean[a], colors[a]);
+        fprintf(f, ", \\\n     'compare_windows.csv' skip 1 using (($1+$2)/2):(100*$%d) with lines lw 2.5 lc rgb '%s' "
+                   "title '%s train'", m, colors[a], c->arms[a].name);
+        if (c->n_seeds >= 2)
+            fprintf(f, ", \\\n     'compare.csv' skip 1 using 1:(100*$%d):(100*$%d) with yerrorbars pt 7 lc rgb '%s' "
+                       "title '%s val (+- sd)'", col->gap_val_mean[a], col->gap_val_sd[a], colors[a], c->arms[a].name);
+        else
+            fprintf(f, ", \\\n     'compare.csv' skip 1 using 1:(100*$%d) with points pt 7 lc rgb '%s' title '%s val'",
+                    col->gap_val_mean[a], colors[a], c->arms[a].name);
+    }
+    fprintf(f, "\nunset multiplot\n");
+    if (fclose(f) != 0) {
+        snprintf(err, err_size, "%s: cannot write: %s", path, strerror(errno));
+        return -1;
+    }
+    return 0;
+}
+
+// 1 when an executable `name` is on PATH.
+static int on_path(const char *name) {
+    const char *path = getenv("PATH");
+    if (!path) path = "/usr/bin:/bin";
+    while (*path) {
+        const char *e = strchr(path, ':');
+        size_t len = e ? (size_t)(e - path) : strlen(path);
+        char full[PATHN];
+        snprintf(full, sizeof full, "%.*s/%s", (int)len, len ? path : ".", name);
+        if (access(full, X_OK) == 0) return 1;
+        if (!e) break;
+        path = e + 1;
+    }
+    return 0;
+}
+
+// Runs gnuplot compare.gp in DIR (its messages go to DIR/gnuplot.log). Returns 0, or -1 (printed).
+static int run_gnuplot(const char *out) {
+    char log[PATHN], png[PATHN];
+    snprintf(log, sizeof log, "%s/gnuplot.log", out);
+    snprintf(png, sizeof png, "%s/compare.png", out);
+    fflush(stdout);
+    pid_t pid = fork();
+    if (pid < 0) {
+        fprintf(stderr, "fp8moe compare: cannot start gnuplot: %s\n", strerror(errno));
+        return -1;
+    }
+    if (pid == 0) {
+        int fd = open(log, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+        if (fd < 0 || chdir(out) != 0) _exit(127);
+        dup2(fd, STDOUT_FILENO);
+        dup2(fd, STDERR_FILENO);
+        execlp("gnuplot", "gnuplot", "compare.gp", (char *)NULL);
+        fprintf(stderr, "cannot run gnuplot: %s\n", strerror(errno));
+        _exit(127);
+    }
+    int status = 0;
+    while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {}
+    struct stat st;
+    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0 || stat(png, &st) != 0 || st.st_size == 0) {
+        fprintf(stderr, "fp8moe compare: gnuplot failed to draw %s (exit status %d); its messages (%s):\n", png,
+                WIFEXITED(status) ? WEXITSTATUS(status) : -1, log);
+        print_tail(log, 10);
+        return -1;
+    }
+    return 0;
+}
+
+// ---------------------------------------------------------------------------- compare_main
+
+static void free_runs(Run *runs, int n) {
+    for (int i = 0; runs && i < n; i++) {
+        if (runs[i].args)
+            for (char **p = runs[i].args; *p; p++) free(*p);
+        free(runs[i].args);
+        free(runs[i].config_text);
+        free(runs[i].train);
+        free(runs[i].val);
+    }
+    free(runs);
+}
+
+int compare_main(int argc, char **argv) {
+    Options o;
+    int rc = parse_options(argc, argv, &o);
+    if (rc) {
+        free(o.sets);
+        return rc == 1 ? 0 : rc;
+    }
+    Compare c;
+    memset(&c, 0, sizeof c);
+    c.o = &o;
+    char err[4096];
+    Config *cfg = malloc(sizeof *cfg);
+    const char **ov = calloc((size_t)o.n_sets + 16, sizeof *ov);
+    char *out_default = NULL;
+    int n_runs = 0;
+    rc = 1;
+    if (!cfg || !ov) goto done;
+
+    // The job with the user's overrides: the seed, learning rate and run directory the runs derive from.
+    for (int i = 0; i < o.n_sets; i++) ov[i] = o.sets[i];
+    int n_ov = o.n_sets;
+    char steps_set[64];
+    if (o.steps) {
+        snprintf(steps_set, sizeof steps_set, "train.steps=%d", o.steps);
+        ov[n_ov++] = steps_set;
+    }
+    if (config_load(cfg, o.job, ov, n_ov, err, sizeof err) != 0) {
+        fprintf(stderr, "%s\n", err);
+        rc = EXIT_USAGE;
+        goto done;
+    }
+    if (o.plot && !on_path("gnuplot")) {
+        fprintf(stderr, "fp8moe compare: gnuplot is not on PATH, and it draws compare.png: install Debian's "
+                "gnuplot-nox (`make deps` does, or `apt-get install gnuplot-nox`), or pass --no-plot to do without "
+                "the plot\n");
+        goto done;
+    }
+    c.steps = cfg->train.steps;
+    c.win = c.steps >= 20 ? c.steps / 20 : 1;
+    c.seed0 = cfg->train.seed;
+    c.n_seeds = o.seeds;
+    const double lr = cfg->optim.lr;
+    const int threads = cfg->train.threads;
+    if (!o.out) o.out = out_default = xstrdup_printf("%s-compare", cfg->checkpoint.dir);
+    c.out = o.out;
+    for (int i = 0; i < o.n_modes; i++) {
+        snprintf(c.arms[c.n_arms].name, sizeof c.arms[0].name, "%s", o.modes[i]);
+        c.arms[c.n_arms++].mode = o.modes[i];
+    }
+    if (o.null_arm) {
+        snprintf(c.arms[c.n_arms].name, sizeof c.arms[0].name, "%s-null", o.modes[0]);
+        c.arms[c.n_arms].mode = o.modes[0];
+        c.arms[c.n_arms++].is_null = 1;
+    }
+    if (c.seed0 > UINT64_MAX - (uint64_t)o.seeds) {
+        fprintf(stderr, "fp8moe compare: train.seed = %llu: the seeds train.seed .. train.seed + %d overflow 64 "
+                "bits; expected a smaller train.seed\n", (unsigned long long)c.seed0, o.seeds - 1);
+        rc = EXIT_USAGE;
+        goto done;
+    }
+
+    // Every run's overrides, checked now: an invalid combination stops before any training.
+    n_runs = c.n_arms * c.n_seeds;
+    c.runs = calloc((size_t)n_runs, sizeof *c.runs);
+    if (!c.runs) goto done;
+    int jobs = o.jobs < n_runs ? o.jobs : n_runs;
+    long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
+    for (int k = 0; k < c.n_seeds; k++)
+        for (int a = 0; a < c.n_arms; a++) {
+            Run *r = run_at(&c, a, k);
+            r->arm = a;
+            r->seed_index = k;
+            r->seed = c.seed0 + (uint64_t)k;
+            if (snprintf(r->dir, sizeof r->dir, "%s/%s-seed%llu", c.out, c.arms[a].name,
+                         (unsigned long long)r->seed) >= (int)sizeof r->dir - 32) {
+                fprintf(stderr, "fp8moe compare: --out %s: path too long\n", c.out);
+                rc = EXIT_USAGE;
+                goto done;
+            }
+            int n = n_ov;
+            ov[n++] = xstrdup_printf("precision.mode=%s", c.arms[a].mode);
+            ov[n++] = xstrdup_printf("train.seed=%llu", (unsigned long long)r->seed);
+            ov[n++] = xstrdup_printf("checkpoint.dir=%s", r->dir);
+            ov[n++] = xstrdup_printf("log.jsonl=");
+            if (c.arms[a].is_null) ov[n++] = xstrdup_printf("optim.lr=%.17g", lr * NULL_LR_FACTOR);
+            if (jobs > 1 && threads == 0)  // CPU runs side by side share the cores (no effect on the numbers)
+                ov[n++] = xstrdup_printf("train.threads=%ld", ncpu / jobs > 1 ? ncpu / jobs : 1);
+            Config *rc_cfg = malloc(sizeof *rc_cfg);
+            int bad = !rc_cfg || config_load(rc_cfg, o.job, ov, n, err, sizeof err) != 0;
+            if (bad) {
+                fprintf(stderr, "fp8moe compare: the %s run of seed %llu: %s\n", c.arms[a].name,
+                        (unsigned long long)r->seed, rc_cfg ? err : "out of memory");
+            } else {
+                r->config_text = config_text(rc_cfg);
+                r->args = calloc((size_t)(2 * n + 4), sizeof *r->args);
+                int j = 0;
+                r->args[j++] = xstrdup_printf("fp8moe");
+                r->args[j++] = xstrdup_printf("train");
+                r->args[j++] = xstrdup_printf("%s", o.job);
+                for (int i = 0; i < n; i++) {
+                    r->args[j++] = xstrdup_printf("--set");
+                    r->args[j++] = xstrdup_printf("%s", ov[i]);
+                }
+            }
+            free(rc_cfg);
+            for (int i = n_ov; i < n; i++) free((void *)ov[i]);
+            r->train = malloc(sizeof(double) * (size_t)(c.steps + 1));
+            r->val = malloc(sizeof(double) * (size_t)(c.steps + 1));
+            if (bad) {
+                rc = EXIT_USAGE;
+                goto done;
+            }
+            if (!r->train || !r->val) {
+                fprintf(stderr, "fp8moe compare: out of memory for %d steps\n", c.steps);
+                goto done;
+            }
+        }
+    if (make_dirs(c.out, err, sizeof err) != 0) {
+        fprintf(stderr, "fp8moe compare: --out: %s\n", err);
+        goto done;
+    }
+
+    // ---- the runs: up to `jobs` at a time, seed by seed (so an interrupted compare has whole pairs first)
+    struct sigaction sa, old_int, old_term;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = on_stop_signal;
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGINT, &sa, &old_int);
+    sigaction(SIGTERM, &sa, &old_term);
+    stop_requested = 0;
+    printf("compare: %s, %d steps, %d run%s (%d mode%s x %d seed%s), %d at a time, into %s\n", o.job, c.steps, n_runs,
+           n_runs == 1 ? "" : "s", c.n_arms, c.n_arms == 1 ? "" : "s", c.n_seeds, c.n_seeds == 1 ? "" : "s", jobs,
+           c.out);
+    int next = 0, running = 0, failed = 0, finished = 0;
+    const double t_start = now_s();
+    while ((next < n_runs && !stop_requested && !failed) || running > 0) {
+        while (next < n_runs && running < jobs && !stop_requested && !failed) {
+            Run *r = &c.runs[next++];
+            char job_path[PATHN + 32];
+            snprintf(job_path, sizeof job_path, "%s/compare-job.ini", r->dir);
+            if (make_dirs(r->dir, err, sizeof err) != 0) {
+                fprintf(stderr, "fp8moe compare: %s\n", err);
+                failed = 1;
+                break;
+            }
+            if (o.resume) {
+                char *old = read_file(job_path);
+                int same = old && !strcmp(old, r->config_text);
+                free(old);
+                if (same && read_metrics(r, c.steps, err, sizeof err) == 0 && run_complete(r, c.steps)) {
+                    r->state = 2;
+                    finished++;
+                    printf("compare: [%d/%d] %s seed %llu: reusing the finished run in %s (--resume)\n", finished,
+                           n_runs, c.arms[r->arm].name, (unsigned long long)r->seed, r->dir);
+                    continue;
+                }
+            }
+            if (write_file(job_path, r->config_text, err, sizeof err) != 0) {
+                fprintf(stderr, "fp8moe compare: %s\n", err);
+                failed = 1;
+                break;
+            }
+            r->pid = spawn_run(r, err, sizeof err);
+            if (r->pid < 0) {
+                fprintf(stderr, "fp8moe compare: %s\n", err);
+                failed = 1;
+                break;
+            }
+            for (int i = 0; i < MAX_JOBS; i++)
+                if (running_pids[i] <= 0) {
+                    running_pids[i] = r->pid;
+                    break;
+                }
+            r->state = 1;
+            r->t0 = now_s();
+            running++;
+            printf("compare: %s seed %llu: training (log %s/train.log)\n", c.arms[r->arm].name,
+                   (unsigned long long)r->seed, r->dir);
+        }
+        if (running == 0) break;
+        int status;
+        pid_t pid = waitpid(-1, &status, 0);
+        if (pid < 0) {
+            if (errno == EINTR) continue;
+            fprintf(stderr, "fp8moe compare: waitpid: %s\n", strerror(errno));
+            break;
+        }
+        Run *r = NULL;
+        for (int i = 0; i < n_runs; i++)
+            if (c.runs[i].state == 1 && c.runs[i].pid == pid) r = &c.runs[i];
+        if (!r) continue;
+        for (int i = 0; i < MAX_JOBS; i++)
+            if (running_pids[i] == pid) running_pids[i] = 0;
+        r->state = 2;
+        running--;
+        finished++;
+        char took[32], log[PATHN + 16];
+        format_duration(took, sizeof took, now_s() - r->t0);
+        snprintf(log, sizeof log, "%s/train.log", r->dir);
+        int code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+        if (code == 0 && read_metrics(r, c.steps, err, sizeof err) == 0 && run_complete(r, c.steps)) {
+            printf("compare: [%d/%d] %s seed %llu done in %s: step %d loss %.4f, val_loss %.4f\n", finished, n_runs,
+                   c.arms[r->arm].name, (unsigned long long)r->seed, took, c.steps, r->train[c.steps],
+                   r->val[c.steps]);
+        } else if (code == 0 || stop_requested) {
+            fprintf(stderr, "fp8moe compare: %s seed %llu stopped before its last step (interrupted; %s)\n",
+                    c.arms[r->arm].name, (unsigned long long)r->seed, log);
+            failed = 1;
+        } else {
+            fprintf(stderr, "fp8moe compare: the %s run of seed %llu failed (exit status %d) after %s; the end of "
+                    "%s:\n", c.arms[r->arm].name, (unsigned long long)r->seed, code, took, log);
+            print_tail(log, 6);
+            failed = 1;
+        }
+        fflush(stdout);
+    }
+    sigaction(SIGINT, &old_int, NULL);
+    sigaction(SIGTERM, &old_term, NULL);
+    if (failed || stop_requested || finished < n_runs) {
+        fprintf(stderr, "fp8moe compare: %s; no comparison written. Finished runs are kept in %s (`--resume` reuses "
+                "them)\n", stop_requested ? "interrupted" : "a run did not finish", c.out);
+        goto done;
+    }
+    char took[32];
+    format_duration(took, sizeof took, now_s() - t_start);
+    printf("compare: %d runs in %s\n\n", n_runs, took);
+
+    // ---- outputs
+    CsvColumns col;
+    memset(&col, 0, sizeof col);
+    if (write_csv(&c, &col, err, sizeof err) != 0 || write_windows_csv(&c, err, sizeof err) != 0) {
+        fprintf(stderr, "fp8moe compare: %s\n", err);
+        goto done;
+    }
+    char *summary = NULL;
+    size_t summary_len = 0;
+    FILE *sf = open_memstream(&summary, &summary_len);
+    if (!sf) goto done;
+    write_summary(&c, sf);
+    fclose(sf);
+    fputs(summary, stdout);
+    char path[PATHN];
+    snprintf(path, sizeof path, "%s/summary.txt", c.out);
+    int bad = write_file(path, summary, err, sizeof err) != 0;
+    free(summary);
+    if (bad) {
+        fprintf(stderr, "fp8moe compare: %s\n", err);
+        goto done;
+    }
+    if (o.plot) {
+        if (write_plot_script(&c, &col, err, sizeof err) != 0) {
+            fprintf(stderr, "fp8moe compare: %s\n", err);
+            goto done;
+        }
+        if (run_gnuplot(c.out) != 0) goto done;
+    }
+    printf("wrote %s/compare.csv, %s/summary.txt%s%s%s\n", c.out, c.out, o.plot ? ", " : "", o.plot ? c.out : "",
+           o.plot ? "/compare.png" : " (no plot: --no-plot)");
+    rc = 0;
+done:
+    free_runs(c.runs, n_runs);
+    free(out_default);
+    free(ov);
+    free(cfg);
+    free(o.sets);
+    return rc;
+}
