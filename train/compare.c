@@ -650,7 +650,8 @@ static void write_summary(const Compare *c, FILE *f) {
         }
         // max gap: of the seed-mean train gap over windows, and of the seed-mean val gap at evaluations
         Stat best = {NAN, NAN, 0};
-        int best_s0 = 0, best_s1 = 0, first_out = 0, first_out_s1 = 0, stays_out = 0;
+        // first_out: the first window outside the spread; out_from: the window after the last one inside
+        int best_s0 = 0, best_s1 = 0, first_out = 0, first_out_s1 = 0, out_from = 1;
         for (int s0 = 1; s0 <= N; s0 += c->win) {
             int s1 = s0 + c->win - 1 < N ? s0 + c->win - 1 : N;
             Stat st = window_stat(c, a, s0, s1, 0, per_seed);
@@ -663,10 +664,8 @@ static void write_summary(const Compare *c, FILE *f) {
             if (out && !first_out) {
                 first_out = s0;
                 first_out_s1 = s1;
-                stays_out = 1;
-            } else if (!out && first_out) {
-                stays_out = 0;
             }
+            if (!out) out_from = s1 + 1;
         }
         fmt_pct(b2, sizeof b2, best.mean);
         fprintf(f, "  max gap: %s (training loss, steps %d-%d", b2, best_s0, best_s1);
@@ -691,9 +690,12 @@ static void write_summary(const Compare *c, FILE *f) {
         else if (!first_out)
             fprintf(f, "  gap leaves its seed spread: never (|mean| <= sd over seeds in every %d-step window)\n",
                     c->win);
+        else if (out_from <= N)
+            fprintf(f, "  gap leaves its seed spread: first at steps %d-%d (|mean| > sd over seeds); outside in every "
+                    "%d-step window from step %d to the end\n", first_out, first_out_s1, c->win, out_from);
         else
-            fprintf(f, "  gap leaves its seed spread: first at steps %d-%d (|mean| > sd over seeds)%s\n", first_out,
-                    first_out_s1, stays_out ? ", and stays outside to the end" : "; back inside later");
+            fprintf(f, "  gap leaves its seed spread: first at steps %d-%d (|mean| > sd over seeds); back inside in "
+                    "the last %d-step window\n", first_out, first_out_s1, c->win);
     }
     fprintf(f, "\nper-step and per-window numbers: %s/compare.csv, %s/compare_windows.csv (%d-step windows of the "
             "training loss)\n", c->out, c->out, c->win);
