@@ -28,6 +28,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "data/durable.h"
 #include "train/config.h"
 #include "train/metrics.h"
 
@@ -220,31 +221,6 @@ static void on_stop_signal(int sig) {
                               "no further run starts (interrupt again to quit now)\n";
     ssize_t r = write(STDERR_FILENO, msg, sizeof msg - 1);
     (void)r;
-}
-
-static int make_dirs(const char *dir, char *err, size_t err_size) {
-    char path[PATHN];
-    if (snprintf(path, sizeof path, "%s", dir) >= (int)sizeof path) {
-        snprintf(err, err_size, "%s: path too long", dir);
-        return -1;
-    }
-    for (char *p = path + 1;; p++) {
-        if (*p != '/' && *p != '\0') continue;
-        char saved = *p;
-        *p = '\0';
-        if (mkdir(path, 0755) != 0 && errno != EEXIST) {
-            snprintf(err, err_size, "cannot create directory %s: %s", path, strerror(errno));
-            return -1;
-        }
-        *p = saved;
-        if (saved == '\0') break;
-    }
-    struct stat st;
-    if (stat(dir, &st) != 0 || !S_ISDIR(st.st_mode)) {
-        snprintf(err, err_size, "%s exists but is not a directory", dir);
-        return -1;
-    }
-    return 0;
 }
 
 static char *xstrdup_printf(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
@@ -932,7 +908,7 @@ int compare_main(int argc, char **argv) {
                 goto done;
             }
         }
-    if (make_dirs(c.out, err, sizeof err) != 0) {
+    if (durable_make_dirs(c.out, err, sizeof err) != 0) {
         fprintf(stderr, "fp8moe compare: --out: %s\n", err);
         goto done;
     }
@@ -955,7 +931,7 @@ int compare_main(int argc, char **argv) {
             Run *r = &c.runs[next++];
             char job_path[PATHN + 32];
             snprintf(job_path, sizeof job_path, "%s/compare-job.ini", r->dir);
-            if (make_dirs(r->dir, err, sizeof err) != 0) {
+            if (durable_make_dirs(r->dir, err, sizeof err) != 0) {
                 fprintf(stderr, "fp8moe compare: %s\n", err);
                 failed = 1;
                 break;
