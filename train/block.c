@@ -181,7 +181,7 @@ void layer_scratch_alloc(ActsArena *ar, LayerScratch *s, const Dims *d, int has_
 // ---------------------------------------------------------------------------- forward / backward
 void block_forward(Model *m, const BlockWeights *w, BlockActs *a, const Dims *d, const real *x_in,
                    real *x_out) {
-    Device dev = m->dev;
+    Device dev = m->rc.dev;
     int N = d->N, D = d->D;
     a->x_in = (real *)x_in;
     rmsnorm_forward(dev, a->xn1, a->rstd1, x_in, w->attn_norm, N, D);
@@ -197,7 +197,7 @@ void block_forward(Model *m, const BlockWeights *w, BlockActs *a, const Dims *d,
 
 void block_backward(Model *m, const BlockWeights *w, const BlockWeights *g, BlockActs *a, const Dims *d,
                     LayerScratch *s, real *d_x, real d_balance) {
-    Device dev = m->dev;
+    Device dev = m->rc.dev;
     int N = d->N, D = d->D;
     // forward was x_out = x_mid + FFN(RMSNorm(x_mid)); RMSNorm(x_mid) is recomputed (a forward
     // transient, see BlockActs): the same op on the same input, so the same bits

@@ -27,30 +27,30 @@
 
 // Scratch for quantised operands, grown on demand and kept with the model (no allocation per call
 // once the largest shape has been seen).
-static void *scratch_take(Model *m, size_t *used, size_t bytes) {
+static void *scratch_take(RunCtx *rc, size_t *used, size_t bytes) {
     size_t aligned = (bytes + 63) & ~(size_t)63;
-    if (*used + aligned > m->linear_scratch_bytes) {  // scratch_reserve was given the total beforehand
+    if (*used + aligned > rc->linear_scratch_bytes) {  // scratch_reserve was given the total beforehand
         fprintf(stderr, "fp8moe: train/linear.c: internal error: FP8 scratch too small\n");
         exit(1);
     }
-    void *p = (char *)m->linear_scratch + *used;
+    void *p = (char *)rc->linear_scratch + *used;
     *used += aligned;
     return p;
 }
 
-static void scratch_reserve(Model *m, size_t bytes) {
-    if (bytes <= m->linear_scratch_bytes) return;
-    device_free(m->dev, m->linear_scratch);
-    m->linear_scratch = device_alloc(m->dev, bytes);
-    m->linear_scratch_bytes = bytes;
+static void scratch_reserve(RunCtx *rc, size_t bytes) {
+    if (bytes <= rc->linear_scratch_bytes) return;
+    device_free(rc->dev, rc->linear_scratch);
+    rc->linear_scratch = device_alloc(rc->dev, bytes);
+    rc->linear_scratch_bytes = bytes;
 }
 
 static int ceil_div(int a, int b) { return (a + b - 1) / b; }
 static int round_up(int a, int b) { return ceil_div(a, b) * b; }
 static size_t pad_bytes(size_t bytes) { return (bytes + 63) & ~(size_t)63; }
 
-static void check_quantised(int rc, const char *what, const char *err) {
-    if (rc == 0) return;
+static void check_quantised(int status, const char *what, const char *err) {
+    if (status == 0) return;
     fprintf(stderr, "fp8moe: FP8 quantisation of %s failed: %s\n", what, err);
     exit(1);
 }
@@ -58,12 +58,12 @@ static void check_quantised(int rc, const char *what, const char *err) {
 // ---------------------------------------------------------------------------- weight cache
 // fp8 mode keeps each block Linear weight's 128x128 quantisation, bf16 mode its BF16 copy.
 typedef struct {
-    int64_t offset;   // of the weight (OC, C) in m->weights
+    int64_t offset;   // of the weight (OC, C) in rc->weights
     int OC, C;
     uint8_t *q, *qt;  // fp8: (Np, Kp) and its transpose (Kp, Np)
     float *s;         // fp8: (NB, KB4), kernels.h fp8_quantize_128x128
     uint16_t *b;      // bf16: (OC, C) BF16 bits
-    int64_t version;  // the m->weights_version converted (0: not yet)
+    int64_t version;  // the rc->weights_version converted (0: not yet)
 } CachedWeight;
 
 struct LinearWeightCache {
@@ -90,10 +90,10 @@ static int by_offset(const void *a, const void *b) {
     return (x > y) - (x < y);
 }
 
-static void weight_cache_create(Model *m) {
+static void weight_cache_create(RunCtx *rc, const ParamInfo *params, int n_params) {
     int n = 0;
-    for (int i = 0; i < m->n_params; i++) n += is_block_linear(&m->params[i]);
-    const size_t groups = (size_t)(m->ep.experts_per_rank > 1 ? m->ep.experts_per_rank : 1);
+    for (int i = 0; i < n_params; i++) n += is_block_linear(&params[i]);
+    const size_t groups = (size_t)(rc->max_groups > 1 ? rc->max_groups : 1);
     struct LinearWeightCache *c = calloc(1, sizeof *c);
     if (c != NULL) {
         c->max_groups = (int)groups;
@@ -110,15 +110,15 @@ static void weight_cache_create(Model *m) {
     // each in parameter order, so the weights of a routed-expert stack have their quantisations (q (E, Np, Kp), qt,
     // s (E, NB, KB4)) or BF16 copies stacked too and are converted in one call (refresh_stack). q sizes are
     // multiples of 128 x 128 bytes and s sizes of 16 bytes, so every array stays 16-byte aligned.
-    const PrecisionConfig *pc = &m->cfg.precision;
+    const PrecisionConfig *pc = &rc->precision;
     const int fp8 = pc->mode == PRECISION_FP8;  // BF16 copies for bf16 mode and fp8 mode's BF16 Fprop or Dgrad
     const int bf16 = pc->mode == PRECISION_BF16 || (fp8 && (pc->bf16_fprop || pc->bf16_dgrad));
     size_t q_total = 0, s_total = 0, b_total = 0;
     for (int pass = 0; pass < 2; pass++) {  // sizes, then pointers into the one allocation
         size_t q_at = 0, s_at = 0, b_at = 0;
         char *base = pass ? c->buf : NULL;
-        for (int i = 0; i < m->n_params; i++) {
-            const ParamInfo *p = &m->params[i];
+        for (int i = 0; i < n_params; i++) {
+            const ParamInfo *p = &params[i];
             if (!is_block_linear(p)) continue;
             const int OC = p->shape[0], C = p->shape[1], NB = ceil_div(OC, FP8_TILE), KB = ceil_div(C, FP8_TILE);
             const size_t q = fp8 ? (size_t)NB * KB * FP8_TILE * FP8_TILE : 0;
@@ -141,11 +141,11 @@ static void weight_cache_create(Model *m) {
         if (pass == 0) {
             q_total = q_at, s_total = s_at, b_total = b_at;
             const size_t bytes = 2 * q_total + s_total + b_total;
-            c->buf = device_alloc(m->dev, bytes ? bytes : 1), c->n = 0;
+            c->buf = device_alloc(rc->dev, bytes ? bytes : 1), c->n = 0;
         }
     }
     qsort(c->entries, (size_t)c->n, sizeof *c->entries, by_offset);
-    m->weight_cache = c;
+    rc->weight_cache = c;
 }
 
 // Stops the process: fp8 Linears are called only on the model's block Linear weights, after
@@ -157,12 +157,12 @@ _Noreturn static void not_cached(const real *weight, int OC, int C) {
 }
 
 // The index of the cache entry of `weight` (OC, C).
-static int find_entry(const Model *m, const real *weight, int OC, int C) {
-    const struct LinearWeightCache *c = m->weight_cache;
-    const uintptr_t w = (uintptr_t)weight, lo = (uintptr_t)m->weights;
-    if (c == NULL || w < lo || w >= lo + (uintptr_t)(m->n_dense_elems + m->n_expert_elems) * sizeof(real))
+static int find_entry(const RunCtx *rc, const real *weight, int OC, int C) {
+    const struct LinearWeightCache *c = rc->weight_cache;
+    const uintptr_t w = (uintptr_t)weight, lo = (uintptr_t)rc->weights;
+    if (c == NULL || w < lo || w >= lo + (uintptr_t)rc->n_weights * sizeof(real))
         not_cached(weight, OC, C);
-    const int64_t offset = weight - m->weights;
+    const int64_t offset = weight - rc->weights;
     int a = 0, b = c->n - 1;
     while (a <= b) {
         const int mid = (a + b) / 2;
@@ -179,23 +179,23 @@ static int find_entry(const Model *m, const real *weight, int OC, int C) {
 // weights in one call: fp8 one batched 128x128 quantisation, bf16 one rounding (a routed-expert Linear's 32
 // weights were 32 launches of ~8 us). The entries' arrays must be stacked too (weight_cache_create lays a stack
 // out so; stacked_entries checks it). The same bits as entry by entry.
-static void refresh_entries(Model *m, int i0, int n, const real *weight, int OC, int C) {
-    CachedWeight *e0 = &m->weight_cache->entries[i0];
+static void refresh_entries(RunCtx *rc, int i0, int n, const real *weight, int OC, int C) {
+    CachedWeight *e0 = &rc->weight_cache->entries[i0];
     if (e0->b != NULL)  // bf16 (inside the caller's GEMM phase)
-        bf16_round_array(m->dev, e0->b, weight, (int64_t)n * OC * C);
+        bf16_round_array(rc->dev, e0->b, weight, (int64_t)n * OC * C);
     if (e0->q != NULL) {
         char err[256];
         profile_begin(PHASE_QUANTISE);
-        check_quantised(fp8_quantize_128x128_batched(m->dev, e0->q, e0->qt, e0->s, weight, n, OC, C, err, sizeof err),
+        check_quantised(fp8_quantize_128x128_batched(rc->dev, e0->q, e0->qt, e0->s, weight, n, OC, C, err, sizeof err),
                         n > 1 ? "a stack of weights" : "a weight", err);
         profile_end(PHASE_QUANTISE);
     }
-    for (int g = 0; g < n; g++) m->weight_cache->entries[i0 + g].version = m->weights_version;
+    for (int g = 0; g < n; g++) rc->weight_cache->entries[i0 + g].version = rc->weights_version;
 }
 
 // Whether entries i0 .. i0 + n - 1 are the stack (n, OC, C) with stacked arrays, all out of date.
-static int stacked_stale_entries(const Model *m, int i0, int n, int OC, int C) {
-    const struct LinearWeightCache *c = m->weight_cache;
+static int stacked_stale_entries(const RunCtx *rc, int i0, int n, int OC, int C) {
+    const struct LinearWeightCache *c = rc->weight_cache;
     if (i0 + n > c->n) return 0;
     const CachedWeight *e0 = &c->entries[i0];
     const size_t qn = (size_t)ceil_div(OC, FP8_TILE) * ceil_div(C, FP8_TILE) * FP8_TILE * FP8_TILE;
@@ -206,34 +206,34 @@ static int stacked_stale_entries(const Model *m, int i0, int n, int OC, int C) {
         const int arrays = (e0->b == NULL || e->b == e0->b + g * bn) &&
                            (e0->q == NULL || (e->q == e0->q + g * qn && e->qt == e0->qt + g * qn && e->s == e0->s + g * sn));
         if (e->offset != e0->offset + (int64_t)g * OC * C || e->OC != OC || e->C != C || !arrays ||
-            e->version == m->weights_version)
+            e->version == rc->weights_version)
             return 0;
     }
     return 1;
 }
 
 // The cached quantisation (bf16: BF16 copy) of `weight` (OC, C), brought up to date with the weights first.
-static const CachedWeight *cached_weight(Model *m, const real *weight, int OC, int C) {
-    const int i = find_entry(m, weight, OC, C);
-    if (m->weight_cache->entries[i].version != m->weights_version) refresh_entries(m, i, 1, weight, OC, C);
-    return &m->weight_cache->entries[i];
+static const CachedWeight *cached_weight(RunCtx *rc, const real *weight, int OC, int C) {
+    const int i = find_entry(rc, weight, OC, C);
+    if (rc->weight_cache->entries[i].version != rc->weights_version) refresh_entries(rc, i, 1, weight, OC, C);
+    return &rc->weight_cache->entries[i];
 }
 
 // The n stacked weights (n, OC, C) at `weight` refreshed in one call when all are out of date; otherwise
 // cached_weight refreshes them one by one.
-static void refresh_stack(Model *m, int n, const real *weight, int OC, int C) {
+static void refresh_stack(RunCtx *rc, int n, const real *weight, int OC, int C) {
     if (n < 2) return;
-    const int i0 = find_entry(m, weight, OC, C);
-    if (stacked_stale_entries(m, i0, n, OC, C)) refresh_entries(m, i0, n, weight, OC, C);
+    const int i0 = find_entry(rc, weight, OC, C);
+    if (stacked_stale_entries(rc, i0, n, OC, C)) refresh_entries(rc, i0, n, weight, OC, C);
 }
 
-static void weight_cache_free(Model *m) {
-    if (m->weight_cache == NULL) return;
-    struct LinearWeightCache *c = m->weight_cache;
-    device_free(m->dev, c->buf);
+static void weight_cache_free(RunCtx *rc) {
+    if (rc->weight_cache == NULL) return;
+    struct LinearWeightCache *c = rc->weight_cache;
+    device_free(rc->dev, c->buf);
     free(c->entries), free(c->q), free(c->qt), free(c->s), free(c->b);
     free(c);
-    m->weight_cache = NULL;
+    rc->weight_cache = NULL;
 }
 
 // ---------------------------------------------------------------------------- quantised operands
@@ -272,14 +272,14 @@ static size_t backward_bytes(GroupSizes z, int C, int OC, int n_out) {
     return (size_t)n_out * (bytes_1x128(z.p16, OC) + bytes_128x1(z.tiles, OC)) + bytes_128x1(z.tiles, C);
 }
 
-static Fp8Operand take_1x128(Model *m, size_t *used, GroupSizes z, int C) {
+static Fp8Operand take_1x128(RunCtx *rc, size_t *used, GroupSizes z, int C) {
     const int KB = ceil_div(C, FP8_TILE);
-    return (Fp8Operand){scratch_take(m, used, (size_t)z.p16 * KB * FP8_TILE),
-                        scratch_take(m, used, (size_t)KB * z.p16 * sizeof(float))};
+    return (Fp8Operand){scratch_take(rc, used, (size_t)z.p16 * KB * FP8_TILE),
+                        scratch_take(rc, used, (size_t)KB * z.p16 * sizeof(float))};
 }
-static Fp8Operand take_128x1(Model *m, size_t *used, GroupSizes z, int C) {
-    return (Fp8Operand){scratch_take(m, used, (size_t)C * z.tiles * FP8_TILE),
-                        scratch_take(m, used, (size_t)z.tiles * C * sizeof(float))};
+static Fp8Operand take_128x1(RunCtx *rc, size_t *used, GroupSizes z, int C) {
+    return (Fp8Operand){scratch_take(rc, used, (size_t)C * z.tiles * FP8_TILE),
+                        scratch_take(rc, used, (size_t)z.tiles * C * sizeof(float))};
 }
 
 int linear_kept_tiles(int64_t rows, int n_groups) {
@@ -303,42 +303,41 @@ static size_t bf16_bytes(int rows, int cols) { return pad_bytes((size_t)rows * c
 // The most scratch one call of n_out Linears (OC, C) sharing an input on `rows` rows holds: bf16 the rounded
 // input and the rounded dYs (unpadded); fp8 the larger of a forward and a backward, its groups' padding adding
 // at most 15 rows (1x128) and one tile (128x1) per group of the `padded_groups`.
-static size_t call_scratch_bytes(const Model *m, int rows, int padded_groups, int C, int OC, int n_out) {
+static size_t call_scratch_bytes(const RunCtx *rc, int rows, int padded_groups, int C, int OC, int n_out) {
     const size_t bf16 = bf16_bytes(rows, C) + (size_t)n_out * bf16_bytes(rows, OC);
-    if (m->cfg.precision.mode == PRECISION_BF16) return bf16;
+    if (rc->precision.mode == PRECISION_BF16) return bf16;
     const GroupSizes z = {round_up(rows, 16) + 15 * padded_groups, ceil_div(rows, FP8_TILE) + padded_groups};
     const size_t f = fprop_bytes(z, C), b = backward_bytes(z, C, OC, n_out), fp8 = f > b ? f : b;
-    return linear_fp8_fused(m) || fp8 > bf16 ? fp8 : bf16;  // BF16 GEMM kinds use the bf16 mode's scratch
+    return linear_fp8_fused(rc) || fp8 > bf16 ? fp8 : bf16;  // BF16 GEMM kinds use the bf16 mode's scratch
 }
 
-void linear_reserve_scratch(Model *m, int rows) {
-    if (m->cfg.precision.mode == PRECISION_FP32) return;
-    if (m->weight_cache == NULL) weight_cache_create(m);
-    // a plain Linear runs on `rows` rows; the routed experts on rows x top-K rows in E_local groups
-    const int routed = rows * m->cfg.moe.n_activated_experts, groups = m->ep.experts_per_rank;
+void linear_reserve_scratch(RunCtx *rc, const ParamInfo *params, int n_params, int rows, int routed_rows) {
+    if (rc->precision.mode == PRECISION_FP32) return;
+    if (rc->weight_cache == NULL) weight_cache_create(rc, params, n_params);
+    // a plain Linear runs on `rows` rows; the routed experts on routed_rows rows in max_groups groups
     size_t most = 0;
-    for (int i = 0; i < m->n_params; i++) {
-        const ParamInfo *p = &m->params[i];
+    for (int i = 0; i < n_params; i++) {
+        const ParamInfo *p = &params[i];
         if (!is_block_linear(p)) continue;
         const int expert = p->role == PARAM_ROUTED_EXPERT;
         // a SwiGLU FFN's w1 and w3 run their backward as one call (linear_backward_shared / _grouped)
         const int shared = p->shares_input ? 2 : 1;
-        const size_t b =
-            call_scratch_bytes(m, expert ? routed : rows, expert ? groups : 0, p->shape[1], p->shape[0], shared);
+        const size_t b = call_scratch_bytes(rc, expert ? routed_rows : rows, expert ? rc->max_groups : 0,
+                                            p->shape[1], p->shape[0], shared);
         if (b > most) most = b;
     }
-    scratch_reserve(m, most);
+    scratch_reserve(rc, most);
 }
 
-int linear_fp8_fused(const Model *m) {
-    const PrecisionConfig *p = &m->cfg.precision;
+int linear_fp8_fused(const RunCtx *rc) {
+    const PrecisionConfig *p = &rc->precision;
     return p->mode == PRECISION_FP8 && !p->bf16_fprop && !p->bf16_dgrad && !p->bf16_wgrad;
 }
 
 // The bf16 mode's Linears (below), which fp8 mode also runs for the GEMM kinds a job asks in BF16.
-static void bf16_forward(Model *m, int n_groups, const int *offsets, int n_out, real *const *out, const real *inp,
+static void bf16_forward(RunCtx *rc, int n_groups, const int *offsets, int n_out, real *const *out, const real *inp,
                          const int *inp_rows, const real *const *weight, int C, const int *OC, const real *residual);
-static void bf16_backward(Model *m, int n_groups, const int *offsets, int n_out, real *dinp, GradStore dinp_store,
+static void bf16_backward(RunCtx *rc, int n_groups, const int *offsets, int n_out, real *dinp, GradStore dinp_store,
                           const DgradUnpermute *unpermute, real *const *dweight, const real *const *dout,
                           const real *inp, const int *inp_rows, const real *const *weight, int C, int OC);
 
@@ -371,64 +370,64 @@ _Noreturn static void unsupported_operand(const char *layout) {
 
 // x's 1x128 operand (Fprop X, Dgrad dY), its 128x1 operand (Wgrad X, dY) or both (a dY feeding Dgrad and Wgrad),
 // for all groups in one call. `what` names the operand in an error.
-static void quantize_1x128(Model *m, Fp8Operand o, const Operand *x, int n_groups, const int *offsets, int C,
+static void quantize_1x128(RunCtx *rc, Fp8Operand o, const Operand *x, int n_groups, const int *offsets, int C,
                            const char *what) {
     if (x->kind == OPERAND_COMBINE_GRAD) unsupported_operand("1x128");
     char err[256];
     profile_begin(PHASE_QUANTISE);
-    const int rc = x->kind == OPERAND_SWIGLU
-                       ? fp8_quantize_swiglu_1x128_grouped(m->dev, o.q, o.s, x->value, x->dout, x->a, x->b, n_groups,
+    const int status = x->kind == OPERAND_SWIGLU
+                       ? fp8_quantize_swiglu_1x128_grouped(rc->dev, o.q, o.s, x->value, x->dout, x->a, x->b, n_groups,
                                                            offsets, C, err, sizeof err)
-                       : fp8_quantize_1x128_grouped(m->dev, o.q, o.s, x->x, x->rows, n_groups, offsets, C, err,
+                       : fp8_quantize_1x128_grouped(rc->dev, o.q, o.s, x->x, x->rows, n_groups, offsets, C, err,
                                                     sizeof err);
-    check_quantised(rc, what, err);
+    check_quantised(status, what, err);
     profile_end(PHASE_QUANTISE);
 }
 
-static void quantize_128x1(Model *m, Fp8Operand o, const Operand *x, int n_groups, const int *offsets, int C,
+static void quantize_128x1(RunCtx *rc, Fp8Operand o, const Operand *x, int n_groups, const int *offsets, int C,
                            const char *what) {
     if (x->kind == OPERAND_COMBINE_GRAD) unsupported_operand("128x1");
     char err[256];
     profile_begin(PHASE_QUANTISE);
-    const int rc = x->kind == OPERAND_SWIGLU
-                       ? fp8_quantize_swiglu_128x1_transposed_grouped(m->dev, o.q, o.s, x->value, x->dout, x->a, x->b,
+    const int status = x->kind == OPERAND_SWIGLU
+                       ? fp8_quantize_swiglu_128x1_transposed_grouped(rc->dev, o.q, o.s, x->value, x->dout, x->a, x->b,
                                                                       n_groups, offsets, C, err, sizeof err)
-                       : fp8_quantize_128x1_transposed_grouped(m->dev, o.q, o.s, x->x, x->rows, n_groups, offsets, C,
+                       : fp8_quantize_128x1_transposed_grouped(rc->dev, o.q, o.s, x->x, x->rows, n_groups, offsets, C,
                                                                err, sizeof err);
-    check_quantised(rc, what, err);
+    check_quantised(status, what, err);
     profile_end(PHASE_QUANTISE);
 }
 
 // Both layouts in one pass; the array form reads rows in order (neither a dY nor a kept input is gathered: the
 // routed experts' token rows are not kept, linear.h).
-static void quantize_both(Model *m, Fp8Operand o1, Fp8Operand o2, const Operand *x, int n_groups, const int *offsets,
+static void quantize_both(RunCtx *rc, Fp8Operand o1, Fp8Operand o2, const Operand *x, int n_groups, const int *offsets,
                           int C, const char *what) {
     if (x->kind == OPERAND_ARRAY && x->rows != NULL) {
         fprintf(stderr, "fp8moe: train/linear.c: internal error: both layouts of %s read through a row index\n", what);
         exit(1);
     }
     char err[256];
-    int rc;
+    int status;
     profile_begin(PHASE_QUANTISE);
     if (x->kind == OPERAND_SWIGLU)
-        rc = fp8_quantize_swiglu_both_layouts_grouped(m->dev, o1.q, o1.s, o2.q, o2.s, x->value, x->dout, x->a, x->b,
+        status = fp8_quantize_swiglu_both_layouts_grouped(rc->dev, o1.q, o1.s, o2.q, o2.s, x->value, x->dout, x->a, x->b,
                                                       n_groups, offsets, C, err, sizeof err);
     else if (x->kind == OPERAND_COMBINE_GRAD)
-        rc = fp8_quantize_combine_grad_both_layouts_grouped(m->dev, o1.q, o1.s, o2.q, o2.s, x->combine->d_out,
+        status = fp8_quantize_combine_grad_both_layouts_grouped(rc->dev, o1.q, o1.s, o2.q, o2.s, x->combine->d_out,
                                                             x->combine->seg_token, x->combine->slot_of,
                                                             x->combine->topk_w, x->combine->topk, n_groups, offsets, C,
                                                             err, sizeof err);
     else
-        rc = fp8_quantize_both_layouts_grouped(m->dev, o1.q, o1.s, o2.q, o2.s, x->x, n_groups, offsets, C, err,
+        status = fp8_quantize_both_layouts_grouped(rc->dev, o1.q, o1.s, o2.q, o2.s, x->x, n_groups, offsets, C, err,
                                                sizeof err);
-    check_quantised(rc, what, err);
+    check_quantised(status, what, err);
     profile_end(PHASE_QUANTISE);
 }
 
 // The n_out dYs of a backward into the layouts their GEMMs need (1x128 dy[i] for the Dgrad when dgrad, 128x1 dyt[i]
 // for the Wgrad when dweight[i]), each in one pass; the SwiGLU gradients da and db of one (dout, a, b) - the FFN's
 // w1 and w3 - in one pass for both.
-static void quantize_gradients(Model *m, int n_out, const Fp8Operand *dy, const Fp8Operand *dyt, const Operand *dout,
+static void quantize_gradients(RunCtx *rc, int n_out, const Fp8Operand *dy, const Fp8Operand *dyt, const Operand *dout,
                                int dgrad, real *const *dweight, int n_groups, const int *offsets, int OC) {
     const int swiglu_pair = n_out == 2 && dgrad && dweight[0] && dweight[1] &&
                             dout[0].kind == OPERAND_SWIGLU && dout[0].value == SWIGLU_DA &&
@@ -437,7 +436,7 @@ static void quantize_gradients(Model *m, int n_out, const Fp8Operand *dy, const 
     if (swiglu_pair) {
         char err[256];
         profile_begin(PHASE_QUANTISE);
-        check_quantised(fp8_quantize_swiglu_grads_both_layouts_grouped(m->dev, dy[0].q, dy[0].s, dyt[0].q, dyt[0].s,
+        check_quantised(fp8_quantize_swiglu_grads_both_layouts_grouped(rc->dev, dy[0].q, dy[0].s, dyt[0].q, dyt[0].s,
                                                                         dy[1].q, dy[1].s, dyt[1].q, dyt[1].s,
                                                                         dout[0].dout, dout[0].a, dout[0].b, n_groups,
                                                                         offsets, OC, err, sizeof err),
@@ -447,9 +446,9 @@ static void quantize_gradients(Model *m, int n_out, const Fp8Operand *dy, const 
     }
     for (int i = 0; i < n_out; i++) {
         if (dgrad && dweight[i])
-            quantize_both(m, dy[i], dyt[i], &dout[i], n_groups, offsets, OC, "a gradient (Dgrad and Wgrad dY)");
-        else if (dgrad) quantize_1x128(m, dy[i], &dout[i], n_groups, offsets, OC, "a gradient (Dgrad dY)");
-        else if (dweight[i]) quantize_128x1(m, dyt[i], &dout[i], n_groups, offsets, OC, "a gradient (Wgrad dY)");
+            quantize_both(rc, dy[i], dyt[i], &dout[i], n_groups, offsets, OC, "a gradient (Dgrad and Wgrad dY)");
+        else if (dgrad) quantize_1x128(rc, dy[i], &dout[i], n_groups, offsets, OC, "a gradient (Dgrad dY)");
+        else if (dweight[i]) quantize_128x1(rc, dyt[i], &dout[i], n_groups, offsets, OC, "a gradient (Wgrad dY)");
     }
 }
 
@@ -470,19 +469,19 @@ _Noreturn static void too_many_shared(int n_out) {
 // The cached arrays of slice g of the stacked weight (n_groups, OC, C) for every group g into slot `slot` of the
 // cache's per-call arrays (fp8: q, qt, s; bf16: b; at slot * max_groups; NULL for empty groups). Returns the
 // number of non-empty groups.
-static int group_weights(Model *m, int slot, int n_groups, const int *offsets, const real *weight, int OC, int C) {
-    struct LinearWeightCache *c = m->weight_cache;
+static int group_weights(RunCtx *rc, int slot, int n_groups, const int *offsets, const real *weight, int OC, int C) {
+    struct LinearWeightCache *c = rc->weight_cache;
     if (n_groups > c->max_groups) {
         fprintf(stderr, "fp8moe: train/linear.c: internal error: %d groups in one Linear call (at most %d, the "
                         "local experts)\n", n_groups, c->max_groups);
         exit(1);
     }
-    refresh_stack(m, n_groups, weight, OC, C);
+    refresh_stack(rc, n_groups, weight, OC, C);
     const int at = slot * c->max_groups;
     int used = 0;
     for (int g = 0; g < n_groups; g++) {
         const CachedWeight *e =
-            offsets[g + 1] == offsets[g] ? NULL : cached_weight(m, weight + (int64_t)g * OC * C, OC, C);
+            offsets[g + 1] == offsets[g] ? NULL : cached_weight(rc, weight + (int64_t)g * OC * C, OC, C);
         c->q[at + g] = e ? e->q : NULL, c->qt[at + g] = e ? e->qt : NULL;
         c->s[at + g] = e ? e->s : NULL, c->b[at + g] = e ? e->b : NULL;
         used += e != NULL;
@@ -508,37 +507,37 @@ static Fp8Operand shared_fprop_operand(const SharedFprop *fprop, int writes, int
 // are copied from the operand a call in token order shared (`fprop`, inp read through rows); each weight's groups
 // are one grouped GEMM call (one output conversion on CUDA; with out_bf16 instead of out, none: the BF16 products
 // are the outputs, kernels.h fp8_gemm_fprop_grouped_bf16).
-static void fp8_forward(Model *m, int n_groups, const int *offsets, int n_out, real *const *out,
+static void fp8_forward(RunCtx *rc, int n_groups, const int *offsets, int n_out, real *const *out,
                         uint16_t *const *out_bf16, const Operand *inp, const real *const *weight, int C, const int *OC,
                         const real *residual, KeptInput *kept, SharedFprop *fprop) {
-    if (m->cfg.precision.bf16_fprop) {  // the plain paths (linear_fp8_fused): an FP32 array in, FP32 out
+    if (rc->precision.bf16_fprop) {  // the plain paths (linear_fp8_fused): an FP32 array in, FP32 out
         if (inp->kind != OPERAND_ARRAY || out_bf16 != NULL) not_plain("an Fprop");
-        bf16_forward(m, n_groups, offsets, n_out, out, inp->x, inp->rows, weight, C, OC, residual);
+        bf16_forward(rc, n_groups, offsets, n_out, out, inp->x, inp->rows, weight, C, OC, residual);
         return;
     }
     const GroupSizes z = group_sizes(n_groups, offsets);
-    scratch_reserve(m, fprop_bytes(z, C));
+    scratch_reserve(rc, fprop_bytes(z, C));
     size_t used = 0;
     const int gathers = inp->kind == OPERAND_ARRAY && inp->rows != NULL;
     const Fp8Operand shared = shared_fprop_operand(fprop, !gathers, n_groups, offsets[n_groups], C);
     // a call in token order writes the shared operand instead of scratch; a gathering call copies its rows from it
-    const Fp8Operand x = shared.q != NULL && !gathers ? shared : take_1x128(m, &used, z, C);
+    const Fp8Operand x = shared.q != NULL && !gathers ? shared : take_1x128(rc, &used, z, C);
     const Fp8Operand xt = kept_operand(kept, z, C);
     if (shared.q != NULL && gathers) {
         profile_begin(PHASE_QUANTISE);
-        fp8_gather_1x128_grouped(m->dev, x.q, x.s, shared.q, shared.s, fprop->rows, inp->rows, n_groups, offsets, C);
+        fp8_gather_1x128_grouped(rc->dev, x.q, x.s, shared.q, shared.s, fprop->rows, inp->rows, n_groups, offsets, C);
         profile_end(PHASE_QUANTISE);
     } else if (xt.q != NULL) {
-        quantize_both(m, x, xt, inp, n_groups, offsets, C, "an activation (Fprop X, kept Wgrad X)");
+        quantize_both(rc, x, xt, inp, n_groups, offsets, C, "an activation (Fprop X, kept Wgrad X)");
     } else {
-        quantize_1x128(m, x, inp, n_groups, offsets, C, "an activation (Fprop X)");
+        quantize_1x128(rc, x, inp, n_groups, offsets, C, "an activation (Fprop X)");
     }
-    const struct LinearWeightCache *c = m->weight_cache;
+    const struct LinearWeightCache *c = rc->weight_cache;
     for (int i = 0; i < n_out; i++) {
-        m->fp8_gemm_count += group_weights(m, 0, n_groups, offsets, weight[i], OC[i], C);
+        rc->fp8_gemm_count += group_weights(rc, 0, n_groups, offsets, weight[i], OC[i], C);
         if (out_bf16 != NULL)
-            fp8_gemm_fprop_grouped_bf16(m->dev, out_bf16[i], x.q, x.s, c->q, c->s, n_groups, offsets, OC[i], C);
-        else fp8_gemm_fprop_grouped(m->dev, out[i], residual, x.q, x.s, c->q, c->s, n_groups, offsets, OC[i], C);
+            fp8_gemm_fprop_grouped_bf16(rc->dev, out_bf16[i], x.q, x.s, c->q, c->s, n_groups, offsets, OC[i], C);
+        else fp8_gemm_fprop_grouped(rc->dev, out[i], residual, x.q, x.s, c->q, c->s, n_groups, offsets, OC[i], C);
     }
 }
 
@@ -550,11 +549,11 @@ static void fp8_forward(Model *m, int n_groups, const int *offsets, int n_out, r
 // group-by-group, Linear-by-Linear calls. X's Wgrad operand is the forward's (`kept`) or quantised once. With
 // dinp_bf16 instead of dinp (one Linear, written), the input gradient is left as the Dgrad's BF16 product
 // (kernels.h fp8_gemm_dgrad_grouped_bf16).
-static void fp8_backward(Model *m, int n_groups, const int *offsets, int n_out, real *dinp, uint16_t *dinp_bf16,
+static void fp8_backward(RunCtx *rc, int n_groups, const int *offsets, int n_out, real *dinp, uint16_t *dinp_bf16,
                          GradStore dinp_store, const DgradUnpermute *unpermute, real *const *dweight,
                          const Operand *dout, const Operand *inp, const real *const *weight, int C, int OC,
                          const KeptInput *kept) {
-    const PrecisionConfig *pc = &m->cfg.precision;
+    const PrecisionConfig *pc = &rc->precision;
     real *no_dweight[MAX_SHARED] = {NULL};
     if (pc->bf16_dgrad || pc->bf16_wgrad) {  // those GEMMs as bf16 mode runs them, on the plain paths' FP32 arrays
         const real *dys[MAX_SHARED];
@@ -563,7 +562,7 @@ static void fp8_backward(Model *m, int n_groups, const int *offsets, int n_out, 
             dys[i] = dout[i].x;
         }
         if (inp->kind != OPERAND_ARRAY || dinp_bf16 != NULL) not_plain("a backward");
-        bf16_backward(m, n_groups, offsets, n_out, pc->bf16_dgrad ? dinp : NULL, dinp_store,
+        bf16_backward(rc, n_groups, offsets, n_out, pc->bf16_dgrad ? dinp : NULL, dinp_store,
                       pc->bf16_dgrad ? unpermute : NULL, pc->bf16_wgrad ? dweight : no_dweight, dys, inp->x,
                       inp->rows, weight, C, OC);
         if (pc->bf16_dgrad) dinp = NULL, unpermute = NULL;
@@ -575,38 +574,38 @@ static void fp8_backward(Model *m, int n_groups, const int *offsets, int n_out, 
         exit(1);
     }
     const GroupSizes z = group_sizes(n_groups, offsets);
-    scratch_reserve(m, backward_bytes(z, C, OC, n_out));
+    scratch_reserve(rc, backward_bytes(z, C, OC, n_out));
     size_t used = 0;
     Fp8Operand xt = kept_operand(kept, z, C);
     for (int i = 0; i < n_out && xt.q == NULL; i++) {
         if (dweight[i] == NULL) continue;
-        xt = take_128x1(m, &used, z, C);
-        quantize_128x1(m, xt, inp, n_groups, offsets, C, "an activation (Wgrad X)");
+        xt = take_128x1(rc, &used, z, C);
+        quantize_128x1(rc, xt, inp, n_groups, offsets, C, "an activation (Wgrad X)");
     }
     Fp8Operand dy[MAX_SHARED], dyt[MAX_SHARED];
     for (int i = 0; i < n_out; i++) {
-        dy[i] = dgrad ? take_1x128(m, &used, z, OC) : (Fp8Operand){NULL, NULL};
-        dyt[i] = dweight[i] ? take_128x1(m, &used, z, OC) : (Fp8Operand){NULL, NULL};
+        dy[i] = dgrad ? take_1x128(rc, &used, z, OC) : (Fp8Operand){NULL, NULL};
+        dyt[i] = dweight[i] ? take_128x1(rc, &used, z, OC) : (Fp8Operand){NULL, NULL};
     }
-    quantize_gradients(m, n_out, dy, dyt, dout, dgrad, dweight, n_groups, offsets, OC);
+    quantize_gradients(rc, n_out, dy, dyt, dout, dgrad, dweight, n_groups, offsets, OC);
     if (dgrad) {
-        const struct LinearWeightCache *c = m->weight_cache;
+        const struct LinearWeightCache *c = rc->weight_cache;
         const uint8_t *qdy[MAX_SHARED], *const *qwt[MAX_SHARED];
         const float *sdy[MAX_SHARED], *const *sw[MAX_SHARED];
         for (int i = 0; i < n_out; i++) {
-            m->fp8_gemm_count += group_weights(m, i, n_groups, offsets, weight[i], OC, C);
+            rc->fp8_gemm_count += group_weights(rc, i, n_groups, offsets, weight[i], OC, C);
             qdy[i] = dy[i].q, sdy[i] = dy[i].s, qwt[i] = c->qt + i * c->max_groups, sw[i] = c->s + i * c->max_groups;
         }
         if (dinp_bf16 != NULL)
-            fp8_gemm_dgrad_grouped_bf16(m->dev, dinp_bf16, qdy[0], sdy[0], qwt[0], sw[0], n_groups, offsets, OC, C);
+            fp8_gemm_dgrad_grouped_bf16(rc->dev, dinp_bf16, qdy[0], sdy[0], qwt[0], sw[0], n_groups, offsets, OC, C);
         else
-            fp8_gemm_dgrad_grouped(m->dev, dinp, dinp_store, unpermute, n_out, qdy, sdy, qwt, sw, n_groups, offsets, OC,
+            fp8_gemm_dgrad_grouped(rc->dev, dinp, dinp_store, unpermute, n_out, qdy, sdy, qwt, sw, n_groups, offsets, OC,
                                    C);
     }
     for (int i = 0; i < n_out; i++) {
         if (dweight[i] == NULL) continue;
-        fp8_gemm_wgrad_grouped(m->dev, dweight[i], dyt[i].q, dyt[i].s, xt.q, xt.s, n_groups, offsets, OC, C);
-        for (int g = 0; g < n_groups; g++) m->fp8_gemm_count += offsets[g + 1] > offsets[g];
+        fp8_gemm_wgrad_grouped(rc->dev, dweight[i], dyt[i].q, dyt[i].s, xt.q, xt.s, n_groups, offsets, OC, C);
+        for (int g = 0; g < n_groups; g++) rc->fp8_gemm_count += offsets[g + 1] > offsets[g];
     }
 }
 
@@ -617,67 +616,67 @@ static void fp8_backward(Model *m, int n_groups, const int *offsets, int n_out, 
 // output conversion.
 
 // The input rounded to BF16, read through inp_rows when given (row r of the groups is row inp_rows[r] of inp).
-static void bf16_round_input(Model *m, uint16_t *x, const real *inp, const int *inp_rows, int rows, int C) {
-    if (inp_rows) bf16_round_rows(m->dev, x, inp, inp_rows, rows, C);
-    else bf16_round_array(m->dev, x, inp, (int64_t)rows * C);
+static void bf16_round_input(RunCtx *rc, uint16_t *x, const real *inp, const int *inp_rows, int rows, int C) {
+    if (inp_rows) bf16_round_rows(rc->dev, x, inp, inp_rows, rows, C);
+    else bf16_round_array(rc->dev, x, inp, (int64_t)rows * C);
 }
 
-static void bf16_forward(Model *m, int n_groups, const int *offsets, int n_out, real *const *out, const real *inp,
+static void bf16_forward(RunCtx *rc, int n_groups, const int *offsets, int n_out, real *const *out, const real *inp,
                          const int *inp_rows, const real *const *weight, int C, const int *OC, const real *residual) {
     const int rows = offsets[n_groups];
-    scratch_reserve(m, bf16_bytes(rows, C));
+    scratch_reserve(rc, bf16_bytes(rows, C));
     size_t used = 0;
-    uint16_t *x = scratch_take(m, &used, (size_t)rows * C * sizeof(uint16_t));
-    bf16_round_input(m, x, inp, inp_rows, rows, C);
+    uint16_t *x = scratch_take(rc, &used, (size_t)rows * C * sizeof(uint16_t));
+    bf16_round_input(rc, x, inp, inp_rows, rows, C);
     for (int i = 0; i < n_out; i++) {
-        group_weights(m, 0, n_groups, offsets, weight[i], OC[i], C);
-        bf16_gemm_fprop_grouped(m->dev, out[i], residual, x, m->weight_cache->b, n_groups, offsets, OC[i], C);
+        group_weights(rc, 0, n_groups, offsets, weight[i], OC[i], C);
+        bf16_gemm_fprop_grouped(rc->dev, out[i], residual, x, rc->weight_cache->b, n_groups, offsets, OC[i], C);
     }
 }
 
 // Each dY rounded once; all Dgrads one call (dinp += sum_i bf16(dY_i W_i) in order of i, all groups), then
 // Wgrad Linear by Linear, group by group; groups write disjoint rows of dinp and slices of dW, so this is the
 // order of group-by-group, Linear-by-Linear calls.
-static void bf16_backward(Model *m, int n_groups, const int *offsets, int n_out, real *dinp, GradStore dinp_store,
+static void bf16_backward(RunCtx *rc, int n_groups, const int *offsets, int n_out, real *dinp, GradStore dinp_store,
                           const DgradUnpermute *unpermute, real *const *dweight, const real *const *dout,
                           const real *inp, const int *inp_rows, const real *const *weight, int C, int OC) {
     const int rows = offsets[n_groups];
-    scratch_reserve(m, bf16_bytes(rows, C) + (size_t)n_out * bf16_bytes(rows, OC));
+    scratch_reserve(rc, bf16_bytes(rows, C) + (size_t)n_out * bf16_bytes(rows, OC));
     size_t used = 0;
     uint16_t *x = NULL;
     for (int i = 0; i < n_out && x == NULL; i++) {
         if (dweight[i] == NULL) continue;
-        x = scratch_take(m, &used, (size_t)rows * C * sizeof(uint16_t));
-        bf16_round_input(m, x, inp, inp_rows, rows, C);
+        x = scratch_take(rc, &used, (size_t)rows * C * sizeof(uint16_t));
+        bf16_round_input(rc, x, inp, inp_rows, rows, C);
     }
     uint16_t *dy[MAX_SHARED];
     for (int i = 0; i < n_out; i++) {
         dy[i] = NULL;
         if (dinp == NULL && dweight[i] == NULL) continue;
-        dy[i] = scratch_take(m, &used, (size_t)rows * OC * sizeof(uint16_t));
-        bf16_round_array(m->dev, dy[i], dout[i], (int64_t)rows * OC);
+        dy[i] = scratch_take(rc, &used, (size_t)rows * OC * sizeof(uint16_t));
+        bf16_round_array(rc->dev, dy[i], dout[i], (int64_t)rows * OC);
     }
     if (dinp) {
-        const struct LinearWeightCache *c = m->weight_cache;
+        const struct LinearWeightCache *c = rc->weight_cache;
         const uint16_t *dys[MAX_SHARED], *const *w[MAX_SHARED];
         for (int i = 0; i < n_out; i++) {
-            group_weights(m, i, n_groups, offsets, weight[i], OC, C);
+            group_weights(rc, i, n_groups, offsets, weight[i], OC, C);
             dys[i] = dy[i], w[i] = c->b + i * c->max_groups;
         }
-        bf16_gemm_dgrad_grouped(m->dev, dinp, dinp_store, unpermute, n_out, dys, w, n_groups, offsets, OC, C);
+        bf16_gemm_dgrad_grouped(rc->dev, dinp, dinp_store, unpermute, n_out, dys, w, n_groups, offsets, OC, C);
     }
     for (int i = 0; i < n_out; i++)
-        if (dweight[i]) bf16_gemm_wgrad_grouped(m->dev, dweight[i], dy[i], x, n_groups, offsets, OC, C);
+        if (dweight[i]) bf16_gemm_wgrad_grouped(rc->dev, dweight[i], dy[i], x, n_groups, offsets, OC, C);
 }
 
 // ---------------------------------------------------------------------------- entry points (linear.h)
-void linear_forward(Model *m, real *out, const real *inp, const real *weight, int N, int C, int OC, KeptInput *kept) {
-    linear_forward_shared(m, 1, &out, inp, &weight, N, C, &OC, kept);
+void linear_forward(RunCtx *rc, real *out, const real *inp, const real *weight, int N, int C, int OC, KeptInput *kept) {
+    linear_forward_shared(rc, 1, &out, inp, &weight, N, C, &OC, kept);
 }
 
 // inp_rows is for the FP8 quantisers and the BF16 rounding; fp32 mode gets its rows gathered by the caller.
-static void check_inp_rows(const Model *m, const int *inp_rows) {
-    if (inp_rows == NULL || m->cfg.precision.mode != PRECISION_FP32) return;
+static void check_inp_rows(const RunCtx *rc, const int *inp_rows) {
+    if (inp_rows == NULL || rc->precision.mode != PRECISION_FP32) return;
     fprintf(stderr, "fp8moe: train/linear.c: internal error: gathered input rows given to a Linear in precision mode "
                     "fp32 (only fp8 and bf16 read rows through an index)\n");
     exit(1);
@@ -685,7 +684,7 @@ static void check_inp_rows(const Model *m, const int *inp_rows) {
 
 // linear_forward_grouped with Linear i's own output width OC[i] and a residual (n_out = 1 then; else NULL) added to
 // the output (linear_forward_residual).
-static void forward_grouped(Model *m, int n_groups, const int *offsets, int n_out, real *const *out, const real *inp,
+static void forward_grouped(RunCtx *rc, int n_groups, const int *offsets, int n_out, real *const *out, const real *inp,
                             const int *inp_rows, const real *const *weight, int C, const int *OC, const real *residual,
                             KeptInput *kept, SharedFprop *fprop) {
     if (n_out > MAX_SHARED) too_many_shared(n_out);
@@ -694,90 +693,90 @@ static void forward_grouped(Model *m, int n_groups, const int *offsets, int n_ou
                 n_out);
         exit(1);
     }
-    check_inp_rows(m, inp_rows);
+    check_inp_rows(rc, inp_rows);
     profile_begin(PHASE_OTHER_GEMM);  // the caller may make it an expert GEMM (kernels/profile.h)
-    if (m->cfg.precision.mode == PRECISION_FP8) {
+    if (rc->precision.mode == PRECISION_FP8) {
         const Operand x = array_operand(inp, inp_rows);
-        fp8_forward(m, n_groups, offsets, n_out, out, NULL, &x, weight, C, OC, residual, kept, fprop);
-    } else if (m->cfg.precision.mode == PRECISION_BF16) {
-        bf16_forward(m, n_groups, offsets, n_out, out, inp, inp_rows, weight, C, OC, residual);
+        fp8_forward(rc, n_groups, offsets, n_out, out, NULL, &x, weight, C, OC, residual, kept, fprop);
+    } else if (rc->precision.mode == PRECISION_BF16) {
+        bf16_forward(rc, n_groups, offsets, n_out, out, inp, inp_rows, weight, C, OC, residual);
     } else {
         for (int g = 0; g < n_groups; g++) {
             const int r0 = offsets[g], n = offsets[g + 1] - offsets[g];
             for (int i = 0; i < n_out && n > 0; i++)
-                matmul_forward(m->dev, out[i] + (int64_t)r0 * OC[i], inp + (int64_t)r0 * C,
+                matmul_forward(rc->dev, out[i] + (int64_t)r0 * OC[i], inp + (int64_t)r0 * C,
                                weight[i] + (int64_t)g * OC[i] * C, n, C, OC[i]);
         }
-        if (residual != NULL) add_inplace(m->dev, out[0], residual, (int64_t)offsets[n_groups] * OC[0]);
+        if (residual != NULL) add_inplace(rc->dev, out[0], residual, (int64_t)offsets[n_groups] * OC[0]);
     }
     profile_end(PHASE_OTHER_GEMM);
 }
 
-void linear_forward_grouped(Model *m, int n_groups, const int *offsets, int n_out, real *const *out, const real *inp,
+void linear_forward_grouped(RunCtx *rc, int n_groups, const int *offsets, int n_out, real *const *out, const real *inp,
                             const int *inp_rows, const real *const *weight, int C, int OC, KeptInput *kept,
                             SharedFprop *fprop) {
     int widths[MAX_SHARED];
     if (n_out > MAX_SHARED) too_many_shared(n_out);
     for (int i = 0; i < n_out; i++) widths[i] = OC;
-    forward_grouped(m, n_groups, offsets, n_out, out, inp, inp_rows, weight, C, widths, NULL, kept, fprop);
+    forward_grouped(rc, n_groups, offsets, n_out, out, inp, inp_rows, weight, C, widths, NULL, kept, fprop);
 }
 
-void linear_forward_shared(Model *m, int n_out, real *const *out, const real *inp, const real *const *weight, int N,
+void linear_forward_shared(RunCtx *rc, int n_out, real *const *out, const real *inp, const real *const *weight, int N,
                            int C, const int *OC, KeptInput *kept) {
     const int offsets[2] = {0, N};
-    forward_grouped(m, 1, offsets, n_out, out, inp, NULL, weight, C, OC, NULL, kept, NULL);
+    forward_grouped(rc, 1, offsets, n_out, out, inp, NULL, weight, C, OC, NULL, kept, NULL);
 }
 
-void linear_forward_residual(Model *m, real *out, const real *inp, const real *weight, const real *residual, int N,
+void linear_forward_residual(RunCtx *rc, real *out, const real *inp, const real *weight, const real *residual, int N,
                              int C, int OC, KeptInput *kept) {
     const int offsets[2] = {0, N};
-    forward_grouped(m, 1, offsets, 1, &out, inp, NULL, &weight, C, &OC, residual, kept, NULL);
+    forward_grouped(rc, 1, offsets, 1, &out, inp, NULL, &weight, C, &OC, residual, kept, NULL);
 }
 
-void linear_backward(Model *m, real *dinp, GradStore dinp_store, real *dweight, const real *dout, const real *inp,
+void linear_backward(RunCtx *rc, real *dinp, GradStore dinp_store, real *dweight, const real *dout, const real *inp,
                      const real *weight, int N, int C, int OC, const KeptInput *kept) {
-    linear_backward_shared(m, 1, dinp, dinp_store, &dweight, &dout, inp, &weight, N, C, OC, kept);
+    linear_backward_shared(rc, 1, dinp, dinp_store, &dweight, &dout, inp, &weight, N, C, OC, kept);
 }
 
-void linear_backward_shared(Model *m, int n_out, real *dinp, GradStore dinp_store, real *const *dweight,
+void linear_backward_shared(RunCtx *rc, int n_out, real *dinp, GradStore dinp_store, real *const *dweight,
                             const real *const *dout, const real *inp, const real *const *weight, int N, int C, int OC,
                             const KeptInput *kept) {
     const int offsets[2] = {0, N};
-    linear_backward_grouped(m, 1, offsets, n_out, dinp, dinp_store, NULL, dweight, dout, inp, NULL, weight, C, OC,
+    linear_backward_grouped(rc, 1, offsets, n_out, dinp, dinp_store, NULL, dweight, dout, inp, NULL, weight, C, OC,
                             kept);
 }
 
-void linear_backward_grouped(Model *m, int n_groups, const int *offsets, int n_out, real *dinp, GradStore dinp_store,
+void linear_backward_grouped(RunCtx *rc, int n_groups, const int *offsets, int n_out, real *dinp, GradStore dinp_store,
                              const DgradUnpermute *unpermute, real *const *dweight, const real *const *dout,
                              const real *inp, const int *inp_rows, const real *const *weight, int C, int OC,
                              const KeptInput *kept) {
     if (n_out > MAX_SHARED) too_many_shared(n_out);
-    check_inp_rows(m, inp_rows);
+    check_inp_rows(rc, inp_rows);
     if (unpermute != NULL && inp_rows == NULL) {
         fprintf(stderr, "fp8moe: train/linear.c: internal error: an unpermuted input gradient needs input rows read "
                         "through an index\n");
         exit(1);
     }
     profile_begin(PHASE_OTHER_GEMM);
-    if (m->cfg.precision.mode == PRECISION_FP8) {
+    if (rc->precision.mode == PRECISION_FP8) {
         const Operand x = array_operand(inp, inp_rows);
         Operand dy[MAX_SHARED];
         for (int i = 0; i < n_out; i++) dy[i] = array_operand(dout[i], NULL);
-        fp8_backward(m, n_groups, offsets, n_out, dinp, NULL, dinp_store, unpermute, dweight, dy, &x, weight, C, OC,
+        fp8_backward(rc, n_groups, offsets, n_out, dinp, NULL, dinp_store, unpermute, dweight, dy, &x, weight, C, OC,
                      kept);
-    } else if (m->cfg.precision.mode == PRECISION_BF16) {
-        bf16_backward(m, n_groups, offsets, n_out, dinp, dinp_store, unpermute, dweight, dout, inp, inp_rows, weight, C,
+    } else if (rc->precision.mode == PRECISION_BF16) {
+        bf16_backward(rc, n_groups, offsets, n_out, dinp, dinp_store, unpermute, dweight, dout, inp, inp_rows, weight, C,
                       OC);
     } else {
         // the FP32 reference matmul only accumulates: a written dinp is cleared first
         if (dinp != NULL && dinp_store == GRAD_WRITE)
-            device_memset_zero(m->dev, dinp, (size_t)offsets[n_groups] * (size_t)C * sizeof(real));
+            device_memset_zero(rc->dev, dinp, (size_t)offsets[n_groups] * (size_t)C * sizeof(real));
         for (int g = 0; g < n_groups; g++) {
             const int r0 = offsets[g], n = offsets[g + 1] - offsets[g];
             for (int i = 0; i < n_out && n > 0; i++) {
                 const int64_t wo = (int64_t)g * OC * C;
                 real *di = dinp ? dinp + (int64_t)r0 * C : NULL, *dw = dweight[i] ? dweight[i] + wo : NULL;
-                matmul_backward(m->dev, di, dw, dout[i] + (int64_t)r0 * OC, inp + (int64_t)r0 * C, weight[i] + wo,
+                matmul_backward(rc->dev, di, dw, dout[i] + (int64_t)r0 * OC, inp + (int64_t)r0 * C, weight[i] + wo,
                                 n, C, OC);
             }
         }
@@ -785,77 +784,77 @@ void linear_backward_grouped(Model *m, int n_groups, const int *offsets, int n_o
     profile_end(PHASE_OTHER_GEMM);
 }
 
-void linear_forward_swiglu_grouped(Model *m, int n_groups, const int *offsets, const FfnWeights *w, const real *x,
+void linear_forward_swiglu_grouped(RunCtx *rc, int n_groups, const int *offsets, const FfnWeights *w, const real *x,
                                    const int *x_rows, const SwigluGate *gate, real *h, real *y, uint16_t *y_bf16,
                                    int D, int I, KeptInput *x_kept, KeptInput *h_kept, SharedFprop *x_fprop) {
     const real *const w13[2] = {w->w1, w->w3};
-    if ((y_bf16 != NULL) == (y != NULL) || (y_bf16 != NULL && !linear_fp8_fused(m))) {
+    if ((y_bf16 != NULL) == (y != NULL) || (y_bf16 != NULL && !linear_fp8_fused(rc))) {
         fprintf(stderr, "fp8moe: train/linear.c: internal error: an FFN's output goes to an FP32 array, or in fp8 mode "
                         "to a BF16 one\n");
         exit(1);
     }
-    if (!linear_fp8_fused(m)) {
+    if (!linear_fp8_fused(rc)) {
         real *const ab[2] = {gate->a, gate->b};
-        linear_forward_grouped(m, n_groups, offsets, 2, ab, x, x_rows, w13, D, I, x_kept, x_fprop);
-        swiglu_forward(m->dev, h, gate->a, gate->b, (int64_t)offsets[n_groups] * I);
+        linear_forward_grouped(rc, n_groups, offsets, 2, ab, x, x_rows, w13, D, I, x_kept, x_fprop);
+        swiglu_forward(rc->dev, h, gate->a, gate->b, (int64_t)offsets[n_groups] * I);
         const real *const w2[1] = {w->w2};
-        linear_forward_grouped(m, n_groups, offsets, 1, &y, h, NULL, w2, I, D, h_kept, NULL);
+        linear_forward_grouped(rc, n_groups, offsets, 1, &y, h, NULL, w2, I, D, h_kept, NULL);
         return;
     }
-    check_inp_rows(m, x_rows);
+    check_inp_rows(rc, x_rows);
     profile_begin(PHASE_OTHER_GEMM);
     // a and b stay the Fprops' BF16 products; h is computed from them by w2's quantisers
     const Operand xin = array_operand(x, x_rows), hin = swiglu_operand(SWIGLU_OUT, NULL, gate->a16, gate->b16);
     uint16_t *const ab16[2] = {gate->a16, gate->b16};
     const int widths[2] = {I, I};
-    fp8_forward(m, n_groups, offsets, 2, NULL, ab16, &xin, w13, D, widths, NULL, x_kept, x_fprop);
+    fp8_forward(rc, n_groups, offsets, 2, NULL, ab16, &xin, w13, D, widths, NULL, x_kept, x_fprop);
     const real *const w2[1] = {w->w2};
-    fp8_forward(m, n_groups, offsets, 1, y_bf16 ? NULL : &y, y_bf16 ? &y_bf16 : NULL, &hin, w2, I, &D, NULL, h_kept,
+    fp8_forward(rc, n_groups, offsets, 1, y_bf16 ? NULL : &y, y_bf16 ? &y_bf16 : NULL, &hin, w2, I, &D, NULL, h_kept,
                 NULL);
     profile_end(PHASE_OTHER_GEMM);
 }
 
-void linear_backward_swiglu_grouped(Model *m, int n_groups, const int *offsets, const FfnWeights *w,
+void linear_backward_swiglu_grouped(RunCtx *rc, int n_groups, const int *offsets, const FfnWeights *w,
                                     const FfnWeights *g, const SwigluGate *gate, const real *dy,
                                     const CombineGrad *dy_combine, const real *x, const int *x_rows, real *dx,
                                     GradStore dx_store, const DgradUnpermute *unpermute, const SwigluScratch *s, int D,
                                     int I, const KeptInput *x_kept, const KeptInput *h_kept) {
     real *const g13[2] = {g->w1, g->w3};
     const real *const w13[2] = {w->w1, w->w3}, *const w2[1] = {w->w2};
-    if ((dy_combine != NULL) != (linear_fp8_fused(m) && dy == NULL)) {
+    if ((dy_combine != NULL) != (linear_fp8_fused(rc) && dy == NULL)) {
         fprintf(stderr, "fp8moe: train/linear.c: internal error: an FFN's output gradient must be an array, or in fp8 "
                         "mode the combine's gradient through the routing plan\n");
         exit(1);
     }
-    if (!linear_fp8_fused(m)) {
+    if (!linear_fp8_fused(rc)) {
         const int64_t n = (int64_t)offsets[n_groups] * I;
-        swiglu_forward(m->dev, s->h, gate->a, gate->b, n);
-        linear_backward_grouped(m, n_groups, offsets, 1, s->d_h, GRAD_WRITE, NULL, &g->w2, &dy, s->h, NULL, w2, I, D,
+        swiglu_forward(rc->dev, s->h, gate->a, gate->b, n);
+        linear_backward_grouped(rc, n_groups, offsets, 1, s->d_h, GRAD_WRITE, NULL, &g->w2, &dy, s->h, NULL, w2, I, D,
                                 h_kept);
-        swiglu_backward(m->dev, s->d_a, s->d_b, s->d_h, gate->a, gate->b, n);
+        swiglu_backward(rc->dev, s->d_a, s->d_b, s->d_h, gate->a, gate->b, n);
         const real *const d_ab[2] = {s->d_a, s->d_b};
-        linear_backward_grouped(m, n_groups, offsets, 2, dx, dx_store, unpermute, g13, d_ab, x, x_rows, w13, D, I,
+        linear_backward_grouped(rc, n_groups, offsets, 2, dx, dx_store, unpermute, g13, d_ab, x, x_rows, w13, D, I,
                                 x_kept);
         return;
     }
-    check_inp_rows(m, x_rows);
+    check_inp_rows(rc, x_rows);
     profile_begin(PHASE_OTHER_GEMM);
     // w2: X is h, computed in its Wgrad quantiser; d_h is left as the Dgrad's BF16 product (the only producer)
     const Operand h = swiglu_operand(SWIGLU_OUT, NULL, gate->a16, gate->b16);
     const Operand dy_w2 = dy_combine ? (Operand){.kind = OPERAND_COMBINE_GRAD, .combine = dy_combine}
                                      : array_operand(dy, NULL);
-    fp8_backward(m, n_groups, offsets, 1, NULL, s->d_h16, GRAD_WRITE, NULL, &g->w2, &dy_w2, &h, w2, I, D, h_kept);
+    fp8_backward(rc, n_groups, offsets, 1, NULL, s->d_h16, GRAD_WRITE, NULL, &g->w2, &dy_w2, &h, w2, I, D, h_kept);
     // w1 and w3: their dYs are swiglu_backward's da and db, computed in their quantisers from d_h
     const Operand d_ab[2] = {swiglu_operand(SWIGLU_DA, s->d_h16, gate->a16, gate->b16),
                              swiglu_operand(SWIGLU_DB, s->d_h16, gate->a16, NULL)};
     const Operand xin = array_operand(x, x_rows);
-    fp8_backward(m, n_groups, offsets, 2, dx, NULL, dx_store, unpermute, g13, d_ab, &xin, w13, D, I, x_kept);
+    fp8_backward(rc, n_groups, offsets, 2, dx, NULL, dx_store, unpermute, g13, d_ab, &xin, w13, D, I, x_kept);
     profile_end(PHASE_OTHER_GEMM);
 }
 
-void linear_free_scratch(Model *m) {
-    weight_cache_free(m);
-    device_free(m->dev, m->linear_scratch);
-    m->linear_scratch = NULL;
-    m->linear_scratch_bytes = 0;
+void linear_free_scratch(RunCtx *rc) {
+    weight_cache_free(rc);
+    device_free(rc->dev, rc->linear_scratch);
+    rc->linear_scratch = NULL;
+    rc->linear_scratch_bytes = 0;
 }

@@ -9,14 +9,18 @@
  *         transposed), Wgrad dW += dY^T X (X and dY in 128x1 tiles along the tokens).
  * The embedding, output head, router, norms, attention core and losses never come through here.
  * In fp8 mode the weights' quantisation, in bf16 mode their BF16 copy, is cached per weights version
- * (model_weights_changed).
- * Each FP8 GEMM run is counted in Model.fp8_gemm_count (3 per Linear per micro-batch: Fprop, Dgrad,
+ * (RunCtx.weights_version, bumped by model_weights_changed).
+ * Each FP8 GEMM run is counted in RunCtx.fp8_gemm_count (3 per Linear per micro-batch: Fprop, Dgrad,
  * Wgrad), so the trainer can report it and a test can check that every block Linear is covered.
  */
 #ifndef FP8MOE_LINEAR_H
 #define FP8MOE_LINEAR_H
 
-#include "train/model.h"
+#include "kernels/kernels.h"
+#include "train/params.h"
+#include "train/run_ctx.h"
+
+typedef struct { real *w1, *w2, *w3; } FfnWeights;  // SwiGLU: w2(silu(w1 x) * w3 x)
 
 // A Linear input's Wgrad operand kept from the forward for the backward (fp8 mode; DeepSeek-V3 keeps its
 // Linear inputs in FP8 the same way). The forward quantises the input into its Fprop operand (1x128) and into
@@ -50,28 +54,28 @@ typedef struct {
 // (SharedFprop), the SwiGLU gate's BF16 inputs and the combine's gradient inside the quantisers. They all assume
 // every GEMM kind in FP8, so a job that runs a kind in BF16 (precision.bf16_fprop / _dgrad / _wgrad) takes the
 // plain paths instead, as bf16 mode does: FP32 activations, each GEMM kind through its own mode's functions.
-int linear_fp8_fused(const Model *m);
+int linear_fp8_fused(const RunCtx *rc);
 
 // inp (N, C), weight (OC, C) -> out (N, OC) = inp @ weight^T; `kept` (or NULL) as above.
-void linear_forward(Model *m, real *out, const real *inp, const real *weight, int N, int C, int OC, KeptInput *kept);
+void linear_forward(RunCtx *rc, real *out, const real *inp, const real *weight, int N, int C, int OC, KeptInput *kept);
 // out = inp @ weight^T + residual (N, OC): the bits of linear_forward then add_inplace(out, residual); in fp8 and
 // bf16 modes the residual is added in the GEMM output's conversion pass (a block's residual branch after MLA).
-void linear_forward_residual(Model *m, real *out, const real *inp, const real *weight, const real *residual, int N,
+void linear_forward_residual(RunCtx *rc, real *out, const real *inp, const real *weight, const real *residual, int N,
                              int C, int OC, KeptInput *kept);
 // dinp (N, C) += dout @ weight; dweight (OC, C) += dout^T @ inp   (either may be NULL). With dinp_store =
 // GRAD_WRITE (kernels.h) dinp is written instead, its old contents never read: for an input gradient that only
 // this Linear produces, with no memset before. Weight gradients always accumulate. `kept`: what the forward kept.
-void linear_backward(Model *m, real *dinp, GradStore dinp_store, real *dweight, const real *dout, const real *inp,
+void linear_backward(RunCtx *rc, real *dinp, GradStore dinp_store, real *dweight, const real *dout, const real *inp,
                      const real *weight, int N, int C, int OC, const KeptInput *kept);
 // n_out Linears of the same input inp (N, C), weights (OC[i], C): out[i] = inp @ weight[i]^T, the input quantised
 // (bf16: rounded) once instead of n_out times (MLA's two down-projections of the normalised block input).
 // The same numbers as n_out linear_forward calls. n_out is at most 4.
-void linear_forward_shared(Model *m, int n_out, real *const *out, const real *inp, const real *const *weight, int N,
+void linear_forward_shared(RunCtx *rc, int n_out, real *const *out, const real *inp, const real *const *weight, int N,
                            int C, const int *OC, KeptInput *kept);
 // The backward of n_out Linears of one input with weights (OC, C) each: dinp += sum_i dout[i] @ weight[i] (in order
 // of i; with GRAD_WRITE the first is written, the rest added), dweight[i] += dout[i]^T @ inp (dweight[i] may be
 // NULL). The same numbers as n_out linear_backward calls.
-void linear_backward_shared(Model *m, int n_out, real *dinp, GradStore dinp_store, real *const *dweight,
+void linear_backward_shared(RunCtx *rc, int n_out, real *dinp, GradStore dinp_store, real *const *dweight,
                             const real *const *dout, const real *inp, const real *const *weight, int N, int C, int OC,
                             const KeptInput *kept);
 // Grouped Linears (the routed experts): rows [offsets[g], offsets[g+1]) of inp (offsets[0] = 0) go through
@@ -83,14 +87,14 @@ void linear_backward_shared(Model *m, int n_out, real *dinp, GradStore dinp_stor
 // rows as they read them (the routed experts' token rows, with no gathered FP32 copy). The same numbers as a
 // gathered inp. An input read through inp_rows is never kept (`kept` NULL). fprop (or NULL): a SharedFprop of inp,
 // written by a call without inp_rows (one group), read by a call with inp_rows.
-void linear_forward_grouped(Model *m, int n_groups, const int *offsets, int n_out, real *const *out, const real *inp,
+void linear_forward_grouped(RunCtx *rc, int n_groups, const int *offsets, int n_out, real *const *out, const real *inp,
                             const int *inp_rows, const real *const *weight, int C, int OC, KeptInput *kept,
                             SharedFprop *fprop);
 // unpermute (with inp_rows; else NULL): dinp is then the gradient of inp itself, (unpermute->n_tok, C) in token
 // order (added to, or with GRAD_WRITE written as if added to zeros): row t gets the groups' input-gradient rows
 // unpermute->slot_of[t * topk + j] in order of j - what a slot-order dinp followed by moe_unpermute_backward gives,
 // without the slot-order buffer.
-void linear_backward_grouped(Model *m, int n_groups, const int *offsets, int n_out, real *dinp, GradStore dinp_store,
+void linear_backward_grouped(RunCtx *rc, int n_groups, const int *offsets, int n_out, real *dinp, GradStore dinp_store,
                              const DgradUnpermute *unpermute, real *const *dweight, const real *const *dout,
                              const real *inp, const int *inp_rows, const real *const *weight, int C, int OC,
                              const KeptInput *kept);
@@ -111,7 +115,7 @@ typedef struct {
 // operands (h's computed from a and b in the pass that makes its Fprop operand); x_fprop (or NULL) as
 // linear_forward_grouped's fprop. y_bf16 (fp8 mode only, else NULL; y is then NULL): y is left as w2's BF16 product
 // in y_bf16 (fp8_gemm_fprop_grouped_bf16's layout: the routed experts' outputs, which only the combine reads).
-void linear_forward_swiglu_grouped(Model *m, int n_groups, const int *offsets, const FfnWeights *w, const real *x,
+void linear_forward_swiglu_grouped(RunCtx *rc, int n_groups, const int *offsets, const FfnWeights *w, const real *x,
                                    const int *x_rows, const SwigluGate *gate, real *h, real *y, uint16_t *y_bf16,
                                    int D, int I, KeptInput *x_kept, KeptInput *h_kept, SharedFprop *x_fprop);
 // The backward of w2, then of w1 and w3, from dy (rows, D): weight gradients +=, and x's gradient dx as
@@ -130,15 +134,17 @@ typedef struct {
     const int *seg_token, *slot_of;
     int topk;
 } CombineGrad;
-void linear_backward_swiglu_grouped(Model *m, int n_groups, const int *offsets, const FfnWeights *w,
+void linear_backward_swiglu_grouped(RunCtx *rc, int n_groups, const int *offsets, const FfnWeights *w,
                                     const FfnWeights *g, const SwigluGate *gate, const real *dy,
                                     const CombineGrad *dy_combine, const real *x, const int *x_rows, real *dx,
                                     GradStore dx_store, const DgradUnpermute *unpermute, const SwigluScratch *s, int D,
                                     int I, const KeptInput *x_kept, const KeptInput *h_kept);
 // Builds the weight cache and sizes the Linear scratch (fp8: quantised operands, bf16: rounded ones) for
-// every block Linear at `rows` tokens (a micro-batch) and for the routed experts' grouped calls (rows x top-K
-// rows over the local experts), so no step allocates device memory; a no-op in fp32 mode.
-void linear_reserve_scratch(Model *m, int rows);
-void linear_free_scratch(Model *m);
+// every block Linear of the parameter table (PARAM_BLOCK_LINEAR, PARAM_ROUTED_EXPERT) at `rows` tokens (a
+// micro-batch) and for the routed experts' grouped calls (routed_rows = rows x top-K rows over rc->max_groups
+// local experts), so no step allocates device memory; a no-op in fp32 mode. The table's offsets are into
+// rc->weights.
+void linear_reserve_scratch(RunCtx *rc, const ParamInfo *params, int n_params, int rows, int routed_rows);
+void linear_free_scratch(RunCtx *rc);
 
 #endif

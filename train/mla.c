@@ -17,7 +17,7 @@
 
 void mla_forward(Model *m, const MlaWeights *w, MlaActs *a, const Dims *d, const real *xn, const real *residual,
                  real *out) {
-    Device dev = m->dev;
+    Device dev = m->rc.dev;
     int N = d->N, H = d->H, dqk = d->dqk;
     // the down-projections of xn for the queries and for the keys and values are one Linear call (xn quantised
     // once); q (N, H dqk) is qf (N*H, dqk): its projection writes it, then the rope part of every head is rotated
@@ -27,11 +27,11 @@ void mla_forward(Model *m, const MlaWeights *w, MlaActs *a, const Dims *d, const
         real *const outs[2] = {d->qr > 0 ? a->cq : a->qf, a->kva};
         const real *const ws[2] = {d->qr > 0 ? w->wq_a : w->wq, w->wkv_a};
         const int widths[2] = {d->qr > 0 ? d->qr : H * dqk, kva_w};
-        linear_forward_shared(m, 2, outs, xn, ws, N, d->D, widths, &a->xn_kept);
+        linear_forward_shared(&m->rc, 2, outs, xn, ws, N, d->D, widths, &a->xn_kept);
     }
     if (d->qr > 0) {
         rmsnorm_forward(dev, a->cqn, a->cq_rstd, a->cq, w->q_norm, N, d->qr);
-        linear_forward(m, a->qf, a->cqn, w->wq_b, N, d->qr, H * dqk, &a->cqn_kept);
+        linear_forward(&m->rc, a->qf, a->cqn, w->wq_b, N, d->qr, H * dqk, &a->cqn_kept);
     }
     rope_forward(dev, a->qf + d->dn, a->qf + d->dn, dqk, d->B, d->T, H, d->dr, d->rope_theta);
     // keys and values through the compressed latent
@@ -40,18 +40,18 @@ void mla_forward(Model *m, const MlaWeights *w, MlaActs *a, const Dims *d, const
     rope_forward(dev, a->k_rope, a->k_rope_raw, d->dr, d->B, d->T, 1, d->dr, d->rope_theta);
     rmsnorm_forward(dev, a->ckvn, a->ckv_rstd, a->ckv, w->kv_norm, N, d->kvr);
     int kv_w = d->dn + d->dv;
-    linear_forward(m, a->kv, a->ckvn, w->wkv_b, N, d->kvr, H * kv_w, &a->ckvn_kept);
+    linear_forward(&m->rc, a->kv, a->ckvn, w->wkv_b, N, d->kvr, H * kv_w, &a->ckvn_kept);
     // attention core (head h's key [kv's k_C ; the shared k_rope], its value kv's v, read in place) and output
     // projection
     profile_begin(PHASE_ATTENTION);
     attention_forward(dev, a->o, a->att, a->qf, a->kv, a->k_rope, d->B, d->T, H, d->dn, d->dr, d->dv);
     profile_end(PHASE_ATTENTION);
-    linear_forward_residual(m, out, a->o, w->wo, residual, N, H * d->dv, d->D, &a->o_kept);
+    linear_forward_residual(&m->rc, out, a->o, w->wo, residual, N, H * d->dv, d->D, &a->o_kept);
 }
 
 void mla_backward(Model *m, const MlaWeights *w, const MlaWeights *g, MlaActs *a, const Dims *d,
                   LayerScratch *s, const real *xn, const real *d_out, real *d_xn) {
-    Device dev = m->dev;
+    Device dev = m->rc.dev;
     int N = d->N, H = d->H, dqk = d->dqk;
     int kva_w = d->kvr + d->dr, kv_w = d->dn + d->dv;
     size_t R = sizeof(real);
@@ -61,7 +61,7 @@ void mla_backward(Model *m, const MlaWeights *w, const MlaWeights *g, MlaActs *a
     // attention_backward) or by copies that together cover every column, so they are written, not cleared
     // and added to.
     // forward was: out = o W_O^T, o = attention(qf, kv, k_rope)
-    linear_backward(m, s->d_o, GRAD_WRITE, g->wo, d_out, a->o, w->wo, N, H * d->dv, d->D, &a->o_kept);
+    linear_backward(&m->rc, s->d_o, GRAD_WRITE, g->wo, d_out, a->o, w->wo, N, H * d->dv, d->D, &a->o_kept);
     // d_kv = [d k_C ; dv] per head; d_k_rope, the shared rope key's, collects every head's gradient, added in
     // head order
     profile_begin(PHASE_ATTENTION);
@@ -70,20 +70,20 @@ void mla_backward(Model *m, const MlaWeights *w, const MlaWeights *g, MlaActs *a
     profile_end(PHASE_ATTENTION);
     rope_backward(dev, s->d_k_rope_raw, s->d_k_rope, d->dr, d->B, d->T, 1, d->dr, d->rope_theta);
     copy_block(dev, s->d_kva + d->kvr, kva_w, s->d_k_rope_raw, d->dr, N, d->dr, 0);
-    linear_backward(m, s->d_ckvn, GRAD_WRITE, g->wkv_b, s->d_kv, a->ckvn, w->wkv_b, N, d->kvr, H * kv_w,
+    linear_backward(&m->rc, s->d_ckvn, GRAD_WRITE, g->wkv_b, s->d_kv, a->ckvn, w->wkv_b, N, d->kvr, H * kv_w,
                     &a->ckvn_kept);
     rmsnorm_backward(dev, s->d_ckv, g->kv_norm, s->d_ckvn, a->ckv, w->kv_norm, a->ckv_rstd, N, d->kvr);
     copy_block(dev, s->d_kva, kva_w, s->d_ckv, d->kvr, N, d->kvr, 0);
-    linear_backward(m, d_xn, GRAD_WRITE, g->wkv_a, s->d_kva, xn, w->wkv_a, N, d->D, kva_w, &a->xn_kept);
+    linear_backward(&m->rc, d_xn, GRAD_WRITE, g->wkv_a, s->d_kva, xn, w->wkv_a, N, d->D, kva_w, &a->xn_kept);
     // qf = [q_nope ; RoPE(q_rope)] per head: the rope part of d_qf is rotated back in place, and d_qf is then
     // the gradient of the projection's output q
     rope_backward(dev, s->d_qf + d->dn, s->d_qf + d->dn, dqk, d->B, d->T, H, d->dr, d->rope_theta);
     if (d->qr > 0) {
         device_memset_zero(dev, s->d_cq, (size_t)N * d->qr * R);
-        linear_backward(m, s->d_cqn, GRAD_WRITE, g->wq_b, s->d_qf, a->cqn, w->wq_b, N, d->qr, H * dqk, &a->cqn_kept);
+        linear_backward(&m->rc, s->d_cqn, GRAD_WRITE, g->wq_b, s->d_qf, a->cqn, w->wq_b, N, d->qr, H * dqk, &a->cqn_kept);
         rmsnorm_backward(dev, s->d_cq, g->q_norm, s->d_cqn, a->cq, w->q_norm, a->cq_rstd, N, d->qr);
-        linear_backward(m, d_xn, GRAD_ADD, g->wq_a, s->d_cq, xn, w->wq_a, N, d->D, d->qr, &a->xn_kept);
+        linear_backward(&m->rc, d_xn, GRAD_ADD, g->wq_a, s->d_cq, xn, w->wq_a, N, d->D, d->qr, &a->xn_kept);
     } else {
-        linear_backward(m, d_xn, GRAD_ADD, g->wq, s->d_qf, xn, w->wq, N, d->D, H * dqk, &a->xn_kept);
+        linear_backward(&m->rc, d_xn, GRAD_ADD, g->wq, s->d_qf, xn, w->wq, N, d->D, H * dqk, &a->xn_kept);
     }
 }

@@ -272,7 +272,7 @@ static void init_weights(Model *m, const double *init_std) {
         // model), never the values
         #pragma omp parallel for schedule(static) if (p->numel > 65536)
         for (int64_t j = 0; j < p->numel; j++) host[j] = std == 0.0 ? (real)1 : (real)(std * rng_normal(key, (uint64_t)j));
-        device_memcpy_from_host(m->dev, m->weights + p->offset, host, (size_t)p->numel * sizeof(real));
+        device_memcpy_from_host(m->rc.dev, m->weights + p->offset, host, (size_t)p->numel * sizeof(real));
         free(host);
     }
 }
@@ -282,7 +282,7 @@ static int model_build(Model *m, const Config *cfg, Device dev, const Placement 
                        size_t err_size) {
     memset(m, 0, sizeof *m);
     m->cfg = *cfg;
-    m->dev = dev;
+    m->rc.dev = dev;
     m->placement = *pl;
     const ModelConfig *mc = &cfg->model;
     int L = mc->n_layers, depth = cfg->mtp.depth;
@@ -327,6 +327,10 @@ static int model_build(Model *m, const Config *cfg, Device dev, const Placement 
     int64_t total = tb.offset;
     m->weights = device_alloc(dev, (size_t)total * sizeof(real));
     m->grads = device_alloc(dev, (size_t)total * sizeof(real));
+    m->rc.precision = cfg->precision;
+    m->rc.weights = m->weights;
+    m->rc.n_weights = total;
+    m->rc.max_groups = pl->n_experts;  // a grouped Linear call runs over the local experts
     for (int i = 0; i < m->n_params; i++) {
         if (tb.wslots[i]) *tb.wslots[i] = m->weights + m->params[i].offset;
         if (tb.gslots[i]) *tb.gslots[i] = m->grads + m->params[i].offset;
@@ -365,18 +369,18 @@ int model_create_placement(Model *m, const Config *cfg, Device dev, const Placem
     return model_build(m, cfg, dev, p, 1, err, err_size);
 }
 
-void model_weights_changed(Model *m) { m->weights_version++; }
+void model_weights_changed(Model *m) { m->rc.weights_version++; }
 
 void model_free(Model *m) {
-    linear_free_scratch(m);
-    device_free(m->dev, m->weights);
-    device_free(m->dev, m->grads);
+    linear_free_scratch(&m->rc);
+    device_free(m->rc.dev, m->weights);
+    device_free(m->rc.dev, m->grads);
     free(m->params);
     free(m->w.blocks);
     free(m->g.blocks);
     free(m->w.mtp);
     free(m->g.mtp);
-    device_free(m->dev, m->router_bias);
+    device_free(m->rc.dev, m->router_bias);
     free(m->expert_load);
     free(m->chunks);
     memset(m, 0, sizeof *m);
@@ -404,7 +408,7 @@ const ParamInfo *model_find_param(const Model *m, const char *name) {
 }
 
 void model_zero_grads(Model *m) {
-    device_memset_zero(m->dev, m->grads, (size_t)model_num_params(m) * sizeof(real));
+    device_memset_zero(m->rc.dev, m->grads, (size_t)model_num_params(m) * sizeof(real));
 }
 
 void model_zero_load(Model *m) {
@@ -417,7 +421,7 @@ double model_update_router_bias(Model *m) {
     if (m->n_moe_layers == 0) return 0;
     real *bias = malloc(bytes);  // E x layers values: the update runs on the host
     if (!bias) { fprintf(stderr, "fp8moe: out of host memory (router bias update)\n"); exit(1); }
-    device_memcpy_to_host(m->dev, bias, m->router_bias, bytes);
+    device_memcpy_to_host(m->rc.dev, bias, m->router_bias, bytes);
     double worst = 0;
     for (int l = 0; l < m->n_moe_layers; l++) {
         const int64_t *counts = m->expert_load + (int64_t)l * E;
@@ -425,7 +429,7 @@ double model_update_router_bias(Model *m) {
         if (ratio > worst) worst = ratio;
         bias_update(bias + (int64_t)l * E, counts, E, m->cfg.moe.bias_update_speed);
     }
-    device_memcpy_from_host(m->dev, m->router_bias, bias, bytes);
+    device_memcpy_from_host(m->rc.dev, m->router_bias, bias, bytes);
     free(bias);
     model_zero_load(m);
     return worst;
@@ -503,7 +507,7 @@ ChunkActs *chunk_acts_create(Model *m, int chunk, int B, int T) {
     ChunkActs *a = calloc(1, sizeof *a);
     const ChunkSpec *cs = &m->chunks[chunk];
     const Config *c = &m->cfg;
-    a->arena.dev = m->dev;
+    a->arena.dev = m->rc.dev;
     a->chunk = chunk;
     a->d = dims_from_config(c, B, T);
     a->V = c->model.vocab_size;
@@ -529,9 +533,9 @@ ChunkActs *chunk_acts_create(Model *m, int chunk, int B, int T) {
         return NULL;
     }
     layer_scratch_alloc(ar, &a->scratch, d, has_moe, has_moe && !moe_experts_read_tokens(m),
-                        !linear_fp8_fused(m), has_moe && !moe_combine_grad_in_quantiser(m),
+                        !linear_fp8_fused(&m->rc), has_moe && !moe_combine_grad_in_quantiser(m),
                         has_moe && moe_combine_grad_in_quantiser(m));
-    const int keep = linear_fp8_fused(m);  // the Linears' Wgrad operands (linear.h KeptInput)
+    const int keep = linear_fp8_fused(&m->rc);  // the Linears' Wgrad operands (linear.h KeptInput)
     const int eout16 = moe_combine_grad_in_quantiser(m);
     for (int i = 0; i < cs->n_blocks; i++)
         block_acts_alloc(ar, &a->blocks[i], d, m->w.blocks[cs->first_block + i].is_moe, &a->scratch, keep, eout16);
@@ -565,7 +569,7 @@ ChunkActs *chunk_acts_create(Model *m, int chunk, int B, int T) {
             t->d_h = ARENA_REALS(ar, N * D);
         }
     }
-    linear_reserve_scratch(m, d->N);
+    linear_reserve_scratch(&m->rc, m->params, m->n_params, d->N, d->N * m->cfg.moe.n_activated_experts);
     return a;
 }
 
@@ -595,7 +599,7 @@ void chunk_acts_free(ChunkActs *a) {
 // losses copied into the host buffer host_losses (N); returns the mean over valid rows.
 static double head_forward(Model *m, HeadActs *o, const real *h, const int *d_targets, const int *targets, int N,
                            int D, int V, real *host_losses, int64_t *n_valid) {
-    Device dev = m->dev;
+    Device dev = m->rc.dev;
     profile_begin(PHASE_OTHER_GEMM);
     if (o->logits) matmul_forward(dev, o->logits, h, m->w.head, N, D, V);
     else bf16_matmul_forward_bf16(dev, o->logits16, h, m->w.head, N, D, V);
@@ -618,7 +622,7 @@ static double head_forward(Model *m, HeadActs *o, const real *h, const int *d_ta
 // logits' buffer becomes their gradient.
 static void head_backward(Model *m, HeadActs *o, real *dh, const real *h, const int *d_targets, real dloss, int N,
                           int D, int V) {
-    Device dev = m->dev;
+    Device dev = m->rc.dev;
     if (o->logits) crossentropy_backward(dev, o->logits, o->logits, d_targets, dloss, N, V);
     else crossentropy_backward_bf16(dev, o->logits16, o->logits16, o->row_max, o->row_sum, d_targets, dloss, N, V);
     profile_begin(PHASE_OTHER_GEMM);
@@ -645,7 +649,7 @@ void model_mtp_tokens(int *tok, int *tgt, const int *targets, int B, int T, int 
 }
 
 static double mtp_forward(Model *m, ChunkActs *a, int k) {
-    Device dev = m->dev;
+    Device dev = m->rc.dev;
     const Dims *d = &a->d;
     int N = d->N, D = d->D, V = m->cfg.model.vocab_size;
     const MtpWeights *w = &m->w.mtp[k];
@@ -659,7 +663,7 @@ static double mtp_forward(Model *m, ChunkActs *a, int k) {
     rmsnorm_forward(dev, t->hn, t->hn_rstd, h_prev, w->hnorm, N, D);
     copy_block(dev, t->cat, 2 * D, t->en, D, N, D, 0);  // embedding first, as in released weights
     copy_block(dev, t->cat + D, 2 * D, t->hn, D, N, D, 0);
-    linear_forward(m, t->x0, t->cat, w->eh_proj, N, 2 * D, D, NULL);
+    linear_forward(&m->rc, t->x0, t->cat, w->eh_proj, N, 2 * D, D, NULL);
     block_forward(m, &w->block, &t->block, d, t->x0, t->x1);
     rmsnorm_forward(dev, t->ho, t->ho_rstd, t->x1, w->norm, N, D);
     return head_forward(m, &t->head, t->ho, t->d_tgt, t->tgt, N, D, V, a->host_losses, &t->n_valid);
@@ -667,7 +671,7 @@ static double mtp_forward(Model *m, ChunkActs *a, int k) {
 
 // Backward of MTP depth k: the gradient into h^{k-1} is added to d_h_prev.
 static void mtp_backward(Model *m, ChunkActs *a, int k, real *d_h_prev, real loss_scale) {
-    Device dev = m->dev;
+    Device dev = m->rc.dev;
     const Dims *d = &a->d;
     int N = d->N, D = d->D, V = m->cfg.model.vocab_size;
     const MtpWeights *w = &m->w.mtp[k], *g = &m->g.mtp[k];
@@ -680,7 +684,7 @@ static void mtp_backward(Model *m, ChunkActs *a, int k, real *d_h_prev, real los
     device_memset_zero(dev, a->d_cur, bytes);
     rmsnorm_backward(dev, a->d_cur, g->norm, t->d_h, t->x1, w->norm, t->ho_rstd, N, D);
     block_backward(m, &w->block, &g->block, &t->block, d, &a->scratch, a->d_cur, loss_scale * m->loss_weights.balance);
-    linear_backward(m, a->d_cat, GRAD_WRITE, g->eh_proj, a->d_cur, t->cat, w->eh_proj, N, 2 * D, D, NULL);
+    linear_backward(&m->rc, a->d_cat, GRAD_WRITE, g->eh_proj, a->d_cur, t->cat, w->eh_proj, N, 2 * D, D, NULL);
     // split d_cat = [d_en ; d_hn] and go back through the two norms
     copy_block(dev, a->d_tmp, D, a->d_cat, 2 * D, N, D, 0);
     device_memset_zero(dev, a->d_cur, bytes);
@@ -697,7 +701,7 @@ static double block_balance(const BlockWeights *w, const BlockActs *a) {
 
 real chunk_forward(Model *m, int chunk, ChunkActs *a, const int *inputs, const int *targets,
                    const real *in_hidden, real *out_hidden) {
-    Device dev = m->dev;
+    Device dev = m->rc.dev;
     const ChunkSpec *cs = &m->chunks[chunk];
     const Dims *d = &a->d;
     int N = d->N, D = d->D, V = m->cfg.model.vocab_size;
@@ -739,7 +743,7 @@ real chunk_forward(Model *m, int chunk, ChunkActs *a, const int *inputs, const i
 
 void chunk_backward(Model *m, int chunk, ChunkActs *a, const real *dout_hidden, real *din_hidden,
                     real loss_scale) {
-    Device dev = m->dev;
+    Device dev = m->rc.dev;
     const ChunkSpec *cs = &m->chunks[chunk];
     const Dims *d = &a->d;
     int N = d->N, D = d->D, V = m->cfg.model.vocab_size;

@@ -20,42 +20,11 @@
 #include "kernels/kernels.h"
 #include "parallel/ep.h"
 #include "train/config.h"
+#include "train/linear.h"
+#include "train/params.h"
+#include "train/run_ctx.h"
 
-#define MODEL_NAME_MAX 96
 #define MTP_MAX_DEPTH 8
-
-// What a parameter is, recorded by the table builder so that no code recovers it from a name.
-typedef enum {
-    PARAM_BLOCK_LINEAR,   // a Linear inside a block or MTP module: FP8 in fp8 mode, BF16 in bf16 mode
-    PARAM_ROUTED_EXPERT,  // a routed expert's w1, w2 or w3 (also a block Linear, grouped over experts)
-    PARAM_EMBEDDING,      // the token embedding (V, D)
-    PARAM_HEAD,           // the output head (V, D)
-    PARAM_ROUTER,         // an MoE layer's gate (E, D): FP32, never FP8
-    PARAM_NORM,           // an RMSNorm weight: no weight decay
-} ParamRole;
-
-// Over which ranks a parameter's gradient is summed (DESIGN.md section 5). One process sums nothing;
-// the distributed issues read this instead of guessing from names.
-typedef enum {
-    REDUCE_DP,               // non-expert parameters: every data-parallel replica
-    REDUCE_EDP,              // routed experts: the replicas of this expert (dp / ep of them)
-    REDUCE_TIED_EMBEDDING,   // the embedding: dp, and the copy on the last stage when MTP needs one
-} ReduceGroup;
-
-typedef struct {
-    char name[MODEL_NAME_MAX];  // global name, as in DeepSeek's reference code
-    int ndim;
-    int shape[3];               // global shape (a routed expert's tensor is one expert's)
-    int64_t numel;
-    int64_t offset;   // element offset in this placement's flat parameter buffer
-    ParamRole role;
-    ReduceGroup reduce;
-    int layer;        // main-model layer, or -1 (embedding, head, final norm, MTP modules)
-    int expert;       // global routed-expert index, or -1
-    int is_expert;    // role == PARAM_ROUTED_EXPERT (second part of the buffer, reduced over EDP)
-    int no_decay;     // norms: no weight decay
-    int shares_input; // SwiGLU's w1 and w3: their backward runs as one call over their shared input
-} ParamInfo;
 
 // What this process holds of the model (DESIGN.md section 2, "Placement"): a contiguous range of the
 // main model's layers; the embedding (the first stage, and the last one too when MTP needs it); the
@@ -80,7 +49,6 @@ int placement_stage(const Config *cfg, int s, int n_stages, Placement *p, char *
 // is not inside [0, n_routed_experts) or empty.
 int placement_set_experts(const Config *cfg, Placement *p, int expert0, int n_experts, char *err, size_t err_size);
 
-typedef struct { real *w1, *w2, *w3; } FfnWeights;  // SwiGLU: w2(silu(w1 x) * w3 x)
 typedef struct {
     real *wq_a, *q_norm, *wq_b;  // q_lora_rank > 0
     real *wq;                    // q_lora_rank == 0
@@ -127,7 +95,7 @@ typedef struct {
 
 typedef struct {
     Config cfg;
-    Device dev;
+    RunCtx rc;           // device, Linear scratch, weight cache, FP8 GEMM count (train/run_ctx.h)
     Placement placement;
     ParamInfo *params;
     int n_params;
@@ -144,11 +112,6 @@ typedef struct {
     ChunkSpec *chunks;
     int n_chunks;
     EpGroup ep;
-    int64_t fp8_gemm_count;      // FP8 GEMMs run so far (precision = fp8), see train/linear.h
-    void *linear_scratch;        // quantised (fp8) or rounded (bf16) operands of the current Linear (train/linear.c)
-    size_t linear_scratch_bytes;
-    int64_t weights_version;     // bumped by model_weights_changed; the Linear weight cache compares it
-    struct LinearWeightCache *weight_cache;  // block Linear weights, 128x128-quantised (fp8) or BF16 (bf16)
 } Model;
 
 // Activations of one chunk for one micro-batch (B sequences of T tokens), kept for its backward pass.

@@ -24,7 +24,7 @@
 // y_bf16 (fp8's routed experts, else NULL; y then NULL): y left as w2's BF16 product (linear.h).
 static void swiglu_ffn_forward(Model *m, const FfnWeights *w, FfnActs *a, int n_groups, const int *offsets, int D,
                                int I, const real *x, const int *x_rows, real *y, uint16_t *y_bf16) {
-    linear_forward_swiglu_grouped(m, n_groups, offsets, w, x, x_rows, &a->gate, a->h, y, y_bf16, D, I, &a->x_kept,
+    linear_forward_swiglu_grouped(&m->rc, n_groups, offsets, w, x, x_rows, &a->gate, a->h, y, y_bf16, D, I, &a->x_kept,
                                   &a->h_kept, &a->x_fprop);
 }
 
@@ -36,7 +36,7 @@ static void swiglu_ffn_backward(Model *m, const FfnWeights *w, const FfnWeights 
                                 const real *d_y, const CombineGrad *d_y_combine, real *d_x, GradStore d_x_store,
                                 const DgradUnpermute *unpermute) {
     const SwigluScratch scratch = {a->h, s->d_h, s->d_a, s->d_b, s->d_h16};
-    linear_backward_swiglu_grouped(m, n_groups, offsets, w, g, &a->gate, d_y, d_y_combine, x, x_rows, d_x,
+    linear_backward_swiglu_grouped(&m->rc, n_groups, offsets, w, g, &a->gate, d_y, d_y_combine, x, x_rows, d_x,
                                    d_x_store, unpermute, &scratch, D, I, &a->x_kept, &a->h_kept);
 }
 
@@ -59,7 +59,7 @@ int moe_experts_read_tokens(const Model *m) {
 }
 
 int moe_combine_grad_in_quantiser(const Model *m) {
-    return linear_fp8_fused(m) && moe_experts_read_tokens(m);
+    return linear_fp8_fused(&m->rc) && moe_experts_read_tokens(m);
 }
 
 // Every local expert over its segment of rows, one phase at a time: each Linear runs for all experts, the SwiGLU
@@ -87,7 +87,7 @@ static void experts_backward(Model *m, const FfnWeights *w, const FfnWeights *g,
 // ---------------------------------------------------------------------------- MoE layer
 void moe_forward(Model *m, const BlockWeights *w, MoeActs *a, const Dims *d, const real *x, const real *residual,
                  real *out) {
-    Device dev = m->dev;
+    Device dev = m->rc.dev;
     int N = d->N, E = d->E, K = d->K, D = d->D;
     const real *bias = m->router_bias + (int64_t)w->moe_index * E;
     profile_begin(PHASE_OTHER_GEMM);
@@ -130,7 +130,7 @@ void moe_forward(Model *m, const BlockWeights *w, MoeActs *a, const Dims *d, con
 
 void moe_backward(Model *m, const BlockWeights *w, const BlockWeights *g, MoeActs *a, const Dims *d,
                   LayerScratch *s, const real *x, const real *d_out, real *d_x, real d_balance) {
-    Device dev = m->dev;
+    Device dev = m->rc.dev;
     int N = d->N, E = d->E, K = d->K, D = d->D, NK = d->N * d->K;
     size_t R = sizeof(real);
     // d_eout (moe_combine_backward) and d_xp (the experts' Dgrads) are written, not cleared and added to; where

@@ -32,7 +32,7 @@ int train_step(TrainState *ts, const StepOp *ops, int n_ops, const StepHooks *ho
     const Config *cfg = ts->cfg;
     const int A = cfg->train.grad_accum, s = ts->step + 1;  // s: 1-based, as logs and AdamW count
     const int64_t n_elems = m->n_dense_elems + m->n_expert_elems;
-    const int64_t fp8_gemms_before = m->fp8_gemm_count;
+    const int64_t fp8_gemms_before = m->rc.fp8_gemm_count;
     double loss_sum = 0, mtp_sum = 0, bal_sum = 0;
     int live = -1;  // the micro-batch whose activations ts->acts holds
     model_zero_grads(m);
@@ -106,6 +106,6 @@ int train_step(TrainState *ts, const StepOp *ops, int n_ops, const StepHooks *ho
     const double worst_load = model_update_router_bias(m);
     ts->step = s;
     *out = (StepResult){.loss = loss_sum / A, .mtp = mtp_sum / A, .balance = bal_sum / A, .grad_norm = gnorm,
-                        .lr = lr, .worst_load = worst_load, .fp8_gemms = m->fp8_gemm_count - fp8_gemms_before};
+                        .lr = lr, .worst_load = worst_load, .fp8_gemms = m->rc.fp8_gemm_count - fp8_gemms_before};
     return 0;
 }

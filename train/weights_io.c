@@ -415,7 +415,7 @@ int weights_save(const Model *m, const char *path, char *err, size_t err_size) {
     if (alloc_staging(m, path, &stage, &host, err, err_size) != 0) goto done;
     for (int p = 0; p < m->n_params; p++) {
         const ParamInfo *pi = &m->params[p];
-        device_memcpy_to_host(m->dev, host, m->weights + pi->offset, (size_t)pi->numel * sizeof *host);
+        device_memcpy_to_host(m->rc.dev, host, m->weights + pi->offset, (size_t)pi->numel * sizeof *host);
         for (int64_t i = 0; i < pi->numel; i++) stage[i] = (float)host[i];
         if (write_dataset(file, tmp, pi->name, pi->ndim, pi->shape, stage, err, err_size) != 0) goto done;
     }
@@ -423,7 +423,7 @@ int weights_save(const Model *m, const char *path, char *err, size_t err_size) {
     for (int l = 0; l < m->n_moe_layers; l++) {
         char name[MODEL_NAME_MAX + 8];
         weights_router_bias_name(m, l, name, sizeof name);
-        device_memcpy_to_host(m->dev, host, m->router_bias + (int64_t)l * E, (size_t)E * sizeof *host);
+        device_memcpy_to_host(m->rc.dev, host, m->router_bias + (int64_t)l * E, (size_t)E * sizeof *host);
         for (int e = 0; e < E; e++) stage[e] = (float)host[e];
         if (write_dataset(file, tmp, name, 1, &E, stage, err, err_size) != 0) goto done;
     }
@@ -590,7 +590,7 @@ int weights_load(Model *m, const char *path, char *err, size_t err_size) {
         if (read_dataset(file, path, pi->name, pi->ndim, pi->shape, stage, err, err_size) != 0) goto done;
         if (check_finite(path, pi->name, pi->ndim, pi->shape, stage, pi->numel, err, err_size) != 0) goto done;
         for (int64_t i = 0; i < pi->numel; i++) host[i] = (real)stage[i];
-        device_memcpy_from_host(m->dev, m->weights + pi->offset, host, (size_t)pi->numel * sizeof *host);
+        device_memcpy_from_host(m->rc.dev, m->weights + pi->offset, host, (size_t)pi->numel * sizeof *host);
     }
     model_weights_changed(m);
     int E = m->cfg.moe.n_routed_experts;
@@ -600,7 +600,7 @@ int weights_load(Model *m, const char *path, char *err, size_t err_size) {
         if (read_dataset(file, path, name, 1, &E, stage, err, err_size) != 0) goto done;
         if (check_finite(path, name, 1, &E, stage, E, err, err_size) != 0) goto done;
         for (int e = 0; e < E; e++) host[e] = (real)stage[e];
-        device_memcpy_from_host(m->dev, m->router_bias + (int64_t)l * E, host, (size_t)E * sizeof *host);
+        device_memcpy_from_host(m->rc.dev, m->router_bias + (int64_t)l * E, host, (size_t)E * sizeof *host);
     }
     if (check_no_unknown_datasets(m, file, path, err, err_size) != 0) goto done;
     rc = 0;

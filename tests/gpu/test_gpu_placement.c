@@ -37,7 +37,7 @@ static void load_tiny(Config *cfg, const char *mode, int mtp_depth) {
 static real *to_host(const Model *m, const real *d, int64_t n) {
     real *h = malloc((size_t)n * sizeof(real));
     assert_non_null(h);
-    device_memcpy_to_host(m->dev, h, d, (size_t)n * sizeof(real));
+    device_memcpy_to_host(m->rc.dev, h, d, (size_t)n * sizeof(real));
     return h;
 }
 

@@ -224,12 +224,12 @@ static void test_fp8_gemm_count(void **state) {
     Model m;
     assert_int_equal(model_create(&m, &cfg, DEVICE_CPU, 1, err, sizeof err), 0);
     ChunkActs *a = chunk_acts_create(&m, 0, B, T);  // sizes the FP8 scratch for B*T tokens
-    size_t reserved = m.linear_scratch_bytes;
+    size_t reserved = m.rc.linear_scratch_bytes;
     chunk_acts_free(a);
     assert_true(reserved > 0);
     m.count_load = 1;
     run_step(&m, inputs, targets);
-    assert_int_equal(m.linear_scratch_bytes, reserved);  // no Linear had to grow it during the step
+    assert_int_equal(m.rc.linear_scratch_bytes, reserved);  // no Linear had to grow it during the step
     int E = cfg.moe.n_routed_experts;
     int64_t linears = 0;
     for (int i = 0; i < m.n_params; i++) {
@@ -251,7 +251,7 @@ static void test_fp8_gemm_count(void **state) {
         if (m.expert_load[(int64_t)moe_index * E + e] > 0) linears++;
     }
     assert_true(linears > 20);
-    assert_int_equal(m.fp8_gemm_count, 3 * linears);
+    assert_int_equal(m.rc.fp8_gemm_count, 3 * linears);
     model_free(&m);
 }
 
@@ -341,8 +341,8 @@ static void check_grouped(const char *mode) {
                 dyg[i] = dy[i] + (size_t)r0 * I;
             }
             const int widths[2] = {I, I};
-            linear_forward_shared(&m, n_out, o, x + (size_t)r0 * D, wg, n, D, widths, NULL);
-            linear_backward_shared(&m, n_out, dx_p + (size_t)r0 * D, GRAD_ADD, gwg, dyg, x + (size_t)r0 * D, wg, n, D, I,
+            linear_forward_shared(&m.rc, n_out, o, x + (size_t)r0 * D, wg, n, D, widths, NULL);
+            linear_backward_shared(&m.rc, n_out, dx_p + (size_t)r0 * D, GRAD_ADD, gwg, dyg, x + (size_t)r0 * D, wg, n, D, I,
                                    NULL);
         }
         for (int i = 0; i < n_out; i++) memcpy(gw_p[i], gw[i], sizeof(real) * wn);
@@ -350,8 +350,8 @@ static void check_grouped(const char *mode) {
         for (int i = 0; i < n_out; i++) memset(gw[i], 0, sizeof(real) * wn);
         // dx_g written over poison (GRAD_WRITE): no element of the old contents may survive or be read
         for (size_t k = 0; k < (size_t)R * D; k++) dx_g[k] = (real)NAN;
-        linear_forward_grouped(&m, G, offsets, n_out, out_g, x, NULL, w, D, I, NULL, NULL);
-        linear_backward_grouped(&m, G, offsets, n_out, dx_g, GRAD_WRITE, NULL, gw, (const real *const *)dy, x, NULL, w,
+        linear_forward_grouped(&m.rc, G, offsets, n_out, out_g, x, NULL, w, D, I, NULL, NULL);
+        linear_backward_grouped(&m.rc, G, offsets, n_out, dx_g, GRAD_WRITE, NULL, gw, (const real *const *)dy, x, NULL, w,
                                 D, I, NULL);
         for (int i = 0; i < n_out; i++) {
             assert_memory_equal(out_g[i], out_p[i], sizeof(real) * R * I);
@@ -366,8 +366,8 @@ static void check_grouped(const char *mode) {
             real *out_k[2], *dx_k = calloc((size_t)R * D, sizeof(real)), *x_nan = malloc(sizeof(real) * R * D);
             for (size_t k = 0; k < (size_t)R * D; k++) x_nan[k] = (real)NAN;
             for (int i = 0; i < n_out; i++) out_k[i] = malloc(sizeof(real) * R * I), memset(gw[i], 0, sizeof(real) * wn);
-            linear_forward_grouped(&m, G, offsets, n_out, out_k, x, NULL, w, D, I, &kept, NULL);
-            linear_backward_grouped(&m, G, offsets, n_out, dx_k, GRAD_WRITE, NULL, gw, (const real *const *)dy, x_nan,
+            linear_forward_grouped(&m.rc, G, offsets, n_out, out_k, x, NULL, w, D, I, &kept, NULL);
+            linear_backward_grouped(&m.rc, G, offsets, n_out, dx_k, GRAD_WRITE, NULL, gw, (const real *const *)dy, x_nan,
                                     NULL, w, D, I, &kept);
             for (int i = 0; i < n_out; i++) {
                 assert_memory_equal(out_k[i], out_p[i], sizeof(real) * R * I);
@@ -387,8 +387,8 @@ static void check_grouped(const char *mode) {
                 memcpy(src + (size_t)rows[r] * D, x + (size_t)r * D, sizeof(real) * D);
             }
             for (int i = 0; i < n_out; i++) out_i[i] = malloc(sizeof(real) * R * I), memset(gw[i], 0, sizeof(real) * wn);
-            linear_forward_grouped(&m, G, offsets, n_out, out_i, src, rows, w, D, I, NULL, NULL);
-            linear_backward_grouped(&m, G, offsets, n_out, dx_i, GRAD_ADD, NULL, gw, (const real *const *)dy, src, rows, w, D,
+            linear_forward_grouped(&m.rc, G, offsets, n_out, out_i, src, rows, w, D, I, NULL, NULL);
+            linear_backward_grouped(&m.rc, G, offsets, n_out, dx_i, GRAD_ADD, NULL, gw, (const real *const *)dy, src, rows, w, D,
                                     I, NULL);  // added to zeros: the same bits as written
             for (int i = 0; i < n_out; i++) {
                 assert_memory_equal(out_i[i], out_p[i], sizeof(real) * R * I);
@@ -403,9 +403,9 @@ static void check_grouped(const char *mode) {
                 real *out_s[2];
                 for (int i = 0; i < n_out; i++) out_s[i] = malloc(sizeof(real) * S * I);
                 const int whole[2] = {0, S};
-                linear_forward_grouped(&m, 1, whole, n_out, out_s, src, NULL, w, D, I, NULL, &fprop);
+                linear_forward_grouped(&m.rc, 1, whole, n_out, out_s, src, NULL, w, D, I, NULL, &fprop);
                 for (int i = 0; i < n_out; i++) memset(out_i[i], 0, sizeof(real) * R * I);
-                linear_forward_grouped(&m, G, offsets, n_out, out_i, src, rows, w, D, I, NULL, &fprop);
+                linear_forward_grouped(&m.rc, G, offsets, n_out, out_i, src, rows, w, D, I, NULL, &fprop);
                 for (int i = 0; i < n_out; i++) {
                     assert_memory_equal(out_i[i], out_p[i], sizeof(real) * R * I);
                     free(out_s[i]);
@@ -434,12 +434,12 @@ static void check_grouped(const char *mode) {
         for (int i = 0; i < R; i++) slot_of[i] = (i * 5 + 3) % R, rows[slot_of[i]] = i / TOPK;
         for (int r = 0; r < R; r++) memcpy(x + (size_t)r * D, src + (size_t)rows[r] * D, sizeof(real) * D);
         for (int i = 0; i < 2; i++) memset(gw[i], 0, sizeof(real) * wn);
-        linear_backward_grouped(&m, G, offsets, 2, dx_p, GRAD_WRITE, NULL, gw, (const real *const *)dy, x, NULL, w, D,
+        linear_backward_grouped(&m.rc, G, offsets, 2, dx_p, GRAD_WRITE, NULL, gw, (const real *const *)dy, x, NULL, w, D,
                                 I, NULL);
         moe_unpermute_backward(DEVICE_CPU, dtok_ref, dx_p, slot_of, NT, TOPK, D);
         for (int i = 0; i < 2; i++) memcpy(gw_p[i], gw[i], sizeof(real) * wn), memset(gw[i], 0, sizeof(real) * wn);
         const DgradUnpermute unpermute = {slot_of, NT, TOPK};
-        linear_backward_grouped(&m, G, offsets, 2, dtok, GRAD_ADD, &unpermute, gw, (const real *const *)dy, src, rows,
+        linear_backward_grouped(&m.rc, G, offsets, 2, dtok, GRAD_ADD, &unpermute, gw, (const real *const *)dy, src, rows,
                                 w, D, I, NULL);
         assert_memory_equal(dtok, dtok_ref, sizeof(real) * NT * D);
         for (int i = 0; i < 2; i++) assert_memory_equal(gw[i], gw_p[i], sizeof(real) * wn);
