@@ -76,8 +76,9 @@ $(BUILD)/dobj/%.o: %.c
 $(BUILD)/obj/%.cu.o: %.cu
 	@mkdir -p $(dir $@)
 	$(NVCC) $(NVCCFLAGS) -MMD -MP -c $< -o $@
-# wgmma needs the sm_90a target (docs/gpu.md); only the Hopper attention kernels use it
+# wgmma needs the sm_90a target (docs/gpu.md): the Hopper attention kernels and the grouped FP8 GEMM
 $(BUILD)/obj/kernels/cuda/attention_wgmma.cu.o: NVCCFLAGS := $(filter-out -arch=sm_90,$(NVCCFLAGS)) -gencode=arch=compute_90a,code=sm_90a
+$(BUILD)/obj/kernels/cuda/fp8_grouped_gemm.cu.o: NVCCFLAGS := $(filter-out -arch=sm_90,$(NVCCFLAGS)) -gencode=arch=compute_90a,code=sm_90a
 
 $(BUILD)/libfp8moe.a: $(LIB_OBJ)
 	@rm -f $@; ar rcs $@ $^

@@ -23,9 +23,13 @@
  * GEMM different. An H200 running dense FP8 GEMMs back to back reaches its power limit and lowers its
  * clock, so sustained numbers (the default) are up to ~10% below those of a GPU that was idle a moment
  * before; --idle-ms N sleeps N ms before each measurement to show the latter (see docs/gpu.md).
+ * The grouped section times the routed experts' Fprop as the model calls it, every expert's segment in one call,
+ * through today's cuBLASLt path (fp8_gemm_fprop_grouped_bf16: one GEMM per segment) and fp8moe's own grouped kernel
+ * (kernels/cuda/fp8_grouped_gemm.cu), in the same run on the same operands (--grouped-only: that section alone).
  */
 #include "train/bench.h"
 
+#include <math.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -36,13 +40,15 @@
 #include "train/config.h"
 
 const char *const bench_gemm_usage =
-    "  fp8moe bench gemm [JOB.ini] [--runs N] [--warmup N] [--idle-ms N] [--fixed-only]\n"
+    "  fp8moe bench gemm [JOB.ini] [--runs N] [--warmup N] [--idle-ms N] [--fixed-only | --grouped-only]\n"
     "      GPU GEMM throughput: FP8 block-scaled (cuBLASLt) and BF16, GEMM alone, with quantisation and\n"
     "      through kernels.h, at 8192^3, 4096x7168x2048, 4096x2048x7168 and the Linear shapes of JOB.ini\n"
     "      (default configs/bench-1gpu.ini); then quantiser bandwidth vs a device-to-device copy.\n"
     "      Median of N (default 50) timed runs after the warm-up (default 5). --idle-ms N: leave the GPU idle\n"
     "      N ms before each measurement (default 0: back to back, the GPU at its sustained power and clock).\n"
-    "      --fixed-only: only the fixed shapes. Needs a CUDA build and a GPU.\n";
+    "      Then the routed experts' grouped Fprop (all experts in one call): cuBLASLt per segment vs fp8moe's own\n"
+    "      grouped kernel. --fixed-only: only the fixed shapes; --grouped-only: only the grouped Fprop.\n"
+    "      Needs a CUDA build and a GPU.\n";
 
 #ifndef FP8MOE_CUDA
 int bench_gemm_main(int argc, char **argv) {
@@ -54,6 +60,7 @@ int bench_gemm_main(int argc, char **argv) {
 #include <cublasLt.h>
 #include "train/bench_cuda.h"
 
+#include "kernels/cuda/fp8_grouped_gemm.h"
 #include "kernels/cuda/gemm.h"
 
 
@@ -319,14 +326,154 @@ static void bench_quantisers(const Timer *t, Buffers *B, int R, int C) {
     }
 }
 
+// ---------------------------------------------------------------------------- grouped expert Fprop
+// The routed experts' Fprop of one micro-batch as the model calls it: T x top-k rows in E segments, every segment in
+// one call, for w1 (and w3: N = moe_inter_dim, K = dim) and w2 (N = dim, K = moe_inter_dim), routed uniformly (T k / E
+// rows per expert) and unevenly (lengths 0.4..1.6 x the mean, one expert empty, the same total). Columns: today's
+// cuBLASLt path (fp8_gemm_fprop_grouped_bf16: one GEMM per segment on 2 lanes), fp8moe's own kernel with the
+// activation tile multicast to 2 CTAs, and with one CTA per tile. TFLOPS = 2 rows N K / median time; "=lt" is the
+// share of output elements bitwise equal to cuBLASLt's and "max|d|" the largest difference over the largest |y|.
+typedef struct {
+    int n_seg, N, K;
+    int rows0[FP8_MAX_SEGMENTS + 1];
+    const uint8_t *qx;
+    const float *sx;
+    const uint8_t *qw[FP8_MAX_SEGMENTS];
+    const float *sw[FP8_MAX_SEGMENTS];
+    uint16_t *y;
+} GroupedRun;
+
+static void grouped_cublaslt(const GroupedRun *g) {
+    fp8_gemm_fprop_grouped_bf16(DEVICE_CUDA, g->y, g->qx, g->sx, g->qw, g->sw, g->n_seg, g->rows0, g->N, g->K);
+}
+static void grouped_own(const GroupedRun *g) {
+    cuda_fp8_grouped_fprop_bf16(g->y, g->qx, g->sx, g->qw, g->sw, g->n_seg, g->rows0, g->N, g->K);
+}
+
+// Median milliseconds of one call of fn, as median_ms.
+static double grouped_median_ms(const Timer *t, void (*fn)(const GroupedRun *), const GroupedRun *g) {
+    idle(t);
+    for (int i = 0; i < t->warmup; i++) fn(g);
+    BENCH_CHECK(cudaEventRecord(t->ev[0], 0));
+    for (int i = 0; i < t->runs; i++) {
+        fn(g);
+        BENCH_CHECK(cudaEventRecord(t->ev[i + 1], 0));
+    }
+    BENCH_CHECK(cudaEventSynchronize(t->ev[t->runs]));
+    BENCH_CHECK(cudaGetLastError());
+    float *ms = malloc(sizeof(float) * (size_t)t->runs);
+    for (int i = 0; i < t->runs; i++) BENCH_CHECK(cudaEventElapsedTime(&ms[i], t->ev[i], t->ev[i + 1]));
+    qsort(ms, (size_t)t->runs, sizeof(float), cmp_float);
+    const double median = t->runs % 2 ? ms[t->runs / 2] : 0.5 * (ms[t->runs / 2 - 1] + ms[t->runs / 2]);
+    free(ms);
+    return median;
+}
+
+// Segment lengths of `rows` rows over n experts: uniform, or uneven (weights 0.4 + 1.2 u, expert n/2 empty, the
+// rounding remainder on the last).
+static void grouped_rows0(int *rows0, int n, int rows, int uneven) {
+    double w[FP8_MAX_SEGMENTS], sum = 0;
+    for (int g = 0; g < n; g++) {
+        uint64_t z = (uint64_t)(g + 1) * 0x9E3779B97F4A7C15ull;
+        z = (z ^ (z >> 31)) * 0xBF58476D1CE4E5B9ull;
+        w[g] = !uneven ? 1.0 : g == n / 2 ? 0.0 : 0.4 + 1.2 * (double)(z >> 11) * 0x1p-53;
+        sum += w[g];
+    }
+    rows0[0] = 0;
+    for (int g = 0; g < n; g++) rows0[g + 1] = g == n - 1 ? rows : rows0[g] + (int)(rows * w[g] / sum);
+}
+
+// Share of the (rows, N) elements (row stride ld) of a equal to b's, and max |a - b| / max |b|.
+static void grouped_compare(const uint16_t *a, const uint16_t *b, int rows, int N, int ld, double *equal, double *rel) {
+    int64_t same = 0;
+    double max_d = 0, max_b = 0;
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t j = 0; j < N; j++) {
+            const double x = bf16_to_float(a[r * ld + j]), y = bf16_to_float(b[r * ld + j]);
+            same += a[r * ld + j] == b[r * ld + j];
+            if (fabs(x - y) > max_d || isnan(x - y)) max_d = isnan(x - y) ? INFINITY : fabs(x - y);
+            if (fabs(y) > max_b) max_b = fabs(y);
+        }
+    *equal = (double)same / ((double)rows * N);
+    *rel = max_d / (max_b > 0 ? max_b : 1);
+}
+
+static void bench_grouped(const Timer *t, const Config *cfg) {
+    const int E = cfg->moe.n_routed_experts, topk = cfg->moe.n_activated_experts, I = cfg->moe.moe_inter_dim;
+    const int D = cfg->model.dim, T = cfg->train.micro_batch_size * cfg->train.seq_len;
+    if (E < 1 || E > FP8_MAX_SEGMENTS || topk < 1 || I < 1) {
+        printf("\ngrouped expert Fprop: skipped (the job has %d routed experts, top-%d; expected 1..%d experts)\n", E, topk,
+               FP8_MAX_SEGMENTS);
+        return;
+    }
+    const int rows = T * topk, Kmax = D > I ? D : I, Kp = ceil128(Kmax), Np = ceil128(Kmax);
+    const size_t P16 = (size_t)rows + 16 * (size_t)E;  // the most rows a segment split pads to
+    float *x = dalloc((size_t)rows * Kmax * sizeof(float)), *w = dalloc((size_t)E * I * D * sizeof(float));
+    uint8_t *qx = dalloc(P16 * Kp), *qw = dalloc((size_t)E * Np * Kp);
+    float *sx = dalloc(P16 * (Kp / 128) * sizeof(float)), *sw = dalloc((size_t)E * (Np / 128) * (Kp / 128 + 4) * sizeof(float));
+    const size_t y_elems = (size_t)bf16_rows_elems(rows, Kmax);
+    uint16_t *y = dalloc(y_elems * sizeof(uint16_t));
+    uint16_t *h_lt = malloc(y_elems * sizeof(uint16_t)), *h_own = malloc(y_elems * sizeof(uint16_t));
+    if (h_lt == NULL || h_own == NULL) {
+        fprintf(stderr, "%s:%d: out of host memory (2 x %zu BF16 outputs)\n", __FILE__, __LINE__, y_elems);
+        exit(1);
+    }
+    fill_random(x, (size_t)rows * Kmax, 24680);
+    fill_random(w, (size_t)E * I * D, 13579);
+    printf("\ngrouped expert Fprop: %d experts of one micro-batch (%d tokens x top-%d = %d rows) in one call, BF16 "
+           "output; TFLOPS = 2 rows N K / median time\n", E, T, topk, rows);
+    printf("%-13s %-8s %22s | %9s %9s %9s | %8s %8s %10s | %9s %9s\n", "shape", "routing", "rows x N x K", "cuBLASLt",
+           "own mcast", "own 1cta", "own/LT", "=lt", "max|d|", "LT ms", "own ms");
+    char err[256];
+    for (int shape = 0; shape < 2; shape++) {
+        GroupedRun g;
+        memset(&g, 0, sizeof g);
+        g.n_seg = E, g.N = shape == 0 ? I : D, g.K = shape == 0 ? D : I, g.qx = qx, g.sx = sx, g.y = y;
+        const int NB = (g.N + 127) / 128, KB = (g.K + 127) / 128, KB4 = (KB + 3) / 4 * 4;
+        const int64_t wq = (int64_t)NB * 128 * KB * 128, ws = (int64_t)NB * KB4;
+        quantise_or_die(fp8_quantize_128x128_batched(DEVICE_CUDA, qw, NULL, sw, w, E, g.N, g.K, err, sizeof err), "W", err);
+        for (int e = 0; e < E; e++) g.qw[e] = qw + e * wq, g.sw[e] = sw + e * ws;
+        for (int uneven = 0; uneven < 2; uneven++) {
+            grouped_rows0(g.rows0, E, rows, uneven);
+            quantise_or_die(fp8_quantize_1x128_grouped(DEVICE_CUDA, qx, sx, x, NULL, E, g.rows0, g.K, err, sizeof err),
+                            "X", err);
+            const double flop = 2.0 * rows * g.N * g.K;
+            const double lt_ms = grouped_median_ms(t, grouped_cublaslt, &g);
+            const size_t y_bytes = (size_t)bf16_rows_elems(rows, g.N) * sizeof(uint16_t);
+            BENCH_CHECK(cudaMemcpy(h_lt, y, y_bytes, cudaMemcpyDeviceToHost));
+            const int previous = cuda_fp8_grouped_gemm_multicast(1);
+            const double mc_ms = grouped_median_ms(t, grouped_own, &g);
+            BENCH_CHECK(cudaMemcpy(h_own, y, y_bytes, cudaMemcpyDeviceToHost));
+            cuda_fp8_grouped_gemm_multicast(0);
+            const double one_ms = grouped_median_ms(t, grouped_own, &g);
+            cuda_fp8_grouped_gemm_multicast(previous);
+            double equal, rel;
+            grouped_compare(h_own, h_lt, rows, g.N, (int)bf16_rows_ld(g.N), &equal, &rel);
+            const double best = mc_ms < one_ms ? mc_ms : one_ms;
+            char dims[40];
+            snprintf(dims, sizeof dims, "%d x %d x %d", rows, g.N, g.K);
+            printf("%-13s %-8s %22s | %9.1f %9.1f %9.1f | %7.2fx %7.3f%% %10.2e | %9.4f %9.4f\n",
+                   shape == 0 ? "expert w1,w3" : "expert w2", uneven ? "uneven" : "uniform", dims,
+                   flop / (lt_ms * 1e-3) * 1e-12, flop / (mc_ms * 1e-3) * 1e-12, flop / (one_ms * 1e-3) * 1e-12,
+                   lt_ms / best, 100.0 * equal, rel, lt_ms, best);
+            fflush(stdout);
+        }
+    }
+    free(h_lt), free(h_own);
+    void *bufs[] = {x, w, qx, qw, sx, sw, y};
+    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) BENCH_CHECK(cudaFree(bufs[i]));
+}
+
 // ---------------------------------------------------------------------------- main
 int bench_gemm_main(int argc, char **argv) {
     const char *job = "configs/bench-1gpu.ini";
-    int runs = 50, warmup = 5, idle_ms = 0, fixed_only = 0, job_given = 0;
+    int runs = 50, warmup = 5, idle_ms = 0, fixed_only = 0, grouped_only = 0, job_given = 0;
     for (int i = 0; i < argc; i++) {
         const char *a = argv[i];
         if (!strcmp(a, "--fixed-only")) {
             fixed_only = 1;
+        } else if (!strcmp(a, "--grouped-only")) {
+            grouped_only = 1;
         } else if ((!strcmp(a, "--runs") || !strcmp(a, "--warmup") || !strcmp(a, "--idle-ms")) && i + 1 < argc) {
             char *end = NULL;
             const long v = strtol(argv[++i], &end, 10);
@@ -354,6 +501,26 @@ int bench_gemm_main(int argc, char **argv) {
     if (cuda_device_count() == 0) {
         fprintf(stderr, "fp8moe bench gemm: no CUDA device visible - expected a GPU (this benchmark times GPU GEMMs)\n");
         return 1;
+    }
+    if (fixed_only && grouped_only) {
+        fprintf(stderr, "fp8moe bench gemm: --fixed-only and --grouped-only exclude each other\nUsage:\n%s",
+                bench_gemm_usage);
+        return 2;
+    }
+    if (grouped_only) {
+        Timer t = {runs, warmup, idle_ms, malloc(sizeof(cudaEvent_t) * (size_t)(runs + 1))};
+        for (int i = 0; i <= runs; i++) BENCH_CHECK(cudaEventCreate(&t.ev[i]));
+        struct cudaDeviceProp prop;
+        int dev = 0;
+        BENCH_CHECK(cudaGetDevice(&dev));
+        BENCH_CHECK(cudaGetDeviceProperties(&prop, dev));
+        printf("fp8moe bench gemm --grouped-only: %s (%d SMs), cuBLASLt %zu, job %s; median of %d runs after %d warm-up, "
+               "%s\n", prop.name, prop.multiProcessorCount, cublasLtGetVersion(), job, runs, warmup,
+               idle_ms > 0 ? "GPU idle before each measurement" : "back to back");
+        bench_grouped(&t, &cfg);
+        for (int i = 0; i <= runs; i++) BENCH_CHECK(cudaEventDestroy(t.ev[i]));
+        free(t.ev);
+        return 0;
     }
 
     GemmRow rows[MAX_ROWS];
@@ -432,6 +599,7 @@ int bench_gemm_main(int argc, char **argv) {
         fflush(stdout);
     }
     if (!fixed_only) {
+        bench_grouped(&t, &cfg);
         bench_quantisers(&t, &B, (int)quant_R, (int)quant_C);
         bench_quantisers(&t, &B, (int)job_T, (int)job_C);
     }

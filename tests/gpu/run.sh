@@ -113,7 +113,7 @@ build_kernels_only() {
     o="$dir/$(basename "$f").o"
     echo "nvcc $f"
     local arch=-arch=sm_90  # as the Makefile: wgmma needs sm_90a
-    [ "$f" = kernels/cuda/attention_wgmma.cu ] && arch=-gencode=arch=compute_90a,code=sm_90a
+    case "$f" in kernels/cuda/attention_wgmma.cu | kernels/cuda/fp8_grouped_gemm.cu) arch=-gencode=arch=compute_90a,code=sm_90a ;; esac
     nvcc -O2 "$arch" -std=c++17 -I. -DFP8MOE_CUDA -Xcompiler -Wall,-Wextra,-Werror -c "$f" -o "$o" || return 1
     objs+=("$o")
   done

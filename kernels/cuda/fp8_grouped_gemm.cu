@@ -1,0 +1,454 @@
+/*
+ * fp8_grouped_gemm.cu - fp8moe's own grouped FP8 Fprop for the routed experts: Y_g = X_g W_g^T for every expert
+ * segment g in one persistent Hopper kernel, with DeepSeek-V3's promotion (each 128-deep K block's tensor-core sum
+ * is scaled by its 1x128 activation scale and its 128x128 weight-block scale as it is added to FP32 accumulators
+ * held in registers). The interface is fp8_grouped_gemm.h; the operands and the BF16 output are exactly those of
+ * kernels.h's fp8_gemm_fprop_grouped_bf16, whose cuBLASLt path (gemm.cu) runs one GEMM per expert.
+ *
+ * Why: cuBLASLt has no grouped block-scaled FP8 GEMM, so the experts' Fprops are 32 launches per Linear at about
+ * 3000 rows each, 600-700 TFLOPS per segment (issue 23). One launch over all segments' tiles keeps every SM busy
+ * across segment boundaries, and TMA multicast of the activation tile to two CTAs cuts the L2 traffic that bounds a
+ * 128 x 128 tile. Not done yet: BLOCK_N > 128 (needs the two weight-scale blocks DeepGEMM handles), a TMA store
+ * epilogue overlapped with the next tile, the Dgrad and Wgrad forms.
+ *
+ * Tiles: 128 output rows (tokens of one segment) x 128 output columns (one weight block row nb) x the whole K, in
+ * K blocks of 128 (one scale of each operand per row and block). A segment's last row tile may run past its rows:
+ * those rows are read (the next segment's rows or TMA's zero fill past the operand's end) and computed but never
+ * stored. Units of work are CLUSTER consecutive column tiles of one row tile, numbered segment by segment, row tile
+ * by row tile; the persistent grid takes units round-robin (cluster c takes c, c + clusters, ...). Each output
+ * element is computed by one thread in one fixed order, so results are bitwise reproducible and independent of the
+ * grid size; no atomics.
+ *
+ * Block: 384 threads = 3 warpgroups, one CTA per SM (shared memory). Warpgroup 0 is the producer: one thread issues,
+ * per K block, the TMA loads of the X tile (128 rows x 128 bytes, 128-byte swizzle) and the W tile (the same) and a
+ * bulk copy of the 128 X scales (kernels.h's 1x128 layout: [KB][T16_g] per segment, so a row tile's scales of one
+ * block are contiguous) into one of STAGES shared-memory stages, all completing on that stage's "full" mbarrier
+ * (transaction bytes). Warpgroups 1 and 2 are consumers, 64 rows each: per K block four wgmma m64n128k32 (E4M3,
+ * K-major, both operands from shared memory) into a fresh FP32 accumulator, wait, release the stage (one arrival
+ * per warp on its "empty" mbarrier), then fin = fma(acc, s_x * s_w, fin). After the last block each consumer
+ * writes its 64 x 128 BF16 tile through padded shared memory (272-byte rows: no bank conflicts) and stores its valid
+ * rows with 16-byte coalesced stores.
+ * With CLUSTER = 2 (weights with an even number of column blocks) the two CTAs of a cluster take the two column
+ * tiles of one unit, i.e. the same X tile: each loads half of its rows with .multicast::cluster into both CTAs'
+ * stage, signalling both CTAs' full barriers; each CTA's consumers therefore release a stage to both producers
+ * (empty count 2 x 8 warps), and the CTAs meet at a cluster barrier before exiting so that no remote arrival or
+ * multicast write reaches a CTA that has gone.
+ *
+ * Tensor maps (cuTensorMapEncodeTiled, reached through cudaGetDriverEntryPointByVersion: no -lcuda) are built on the
+ * host per call, one for X and one per non-empty segment's weight, and passed in the kernel's __grid_constant__
+ * parameter (about 11 KB); up to MAX_GROUPS segments per launch, more segments take more launches.
+ *
+ * Numerics against the CPU reference (kernels/cpu/fp8.c: P exact, then acc = acc + ((float)P s_x) s_w): the
+ * tensor cores add a block's products in reduced precision (DESIGN.md section 4: within 2^-10 sum |a s_a b s_b|),
+ * and the promotion here multiplies the two scales first and fuses the add (a few FP32 roundings per block), so
+ * results agree within that bound plus BF16 output rounding, not bit for bit (tests/gpu/test_gpu_grouped_gemm.c).
+ * A wait on an mbarrier that has not completed after 10 s (a bug) traps instead of hanging the GPU.
+ */
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "kernels/cuda/common.cuh"
+#include "kernels/cuda/fp8_grouped_gemm.h"
+
+namespace {
+
+constexpr int BM = 128, BN = 128, BK = 128;  // output rows, output columns, K block (= the scaling granularity)
+constexpr int STAGES = 5;
+constexpr int THREADS = 384;
+constexpr int MAX_GROUPS = 64;                 // non-empty segments per launch (tensor maps in the parameter)
+constexpr int OUT_ROW_BYTES = BN * 2 + 16;     // padded BF16 staging row
+constexpr uint32_t A_BYTES = BM * BK, B_BYTES = BN * BK, SA_BYTES = BM * 4;
+constexpr uint32_t SMEM_A = 0, SMEM_B = SMEM_A + STAGES * A_BYTES, SMEM_SA = SMEM_B + STAGES * B_BYTES;
+constexpr uint32_t SMEM_OUT = SMEM_SA + STAGES * SA_BYTES, SMEM_BAR = SMEM_OUT + 2 * 64 * OUT_ROW_BYTES;
+constexpr uint32_t SMEM_BYTES = SMEM_BAR + 2 * STAGES * 8 + 1024;  // + the round-up of the base to 1024 bytes
+constexpr uint64_t WAIT_TRAP_NS = 10000000000ull;  // 10 s
+static_assert(SMEM_B % 1024 == 0 && SMEM_SA % 16 == 0 && SMEM_OUT % 16 == 0 && SMEM_BAR % 8 == 0, "stage alignment");
+static_assert(SMEM_BYTES <= 232448, "shared memory of one SM");
+
+// One launch's segments (the non-empty ones, in order). Everything the kernel reads besides the operands.
+struct GroupedParams {
+    CUtensorMap a;                  // qx: (P16 rows, Kp) bytes, box 128 (K) x BM / CLUSTER rows
+    CUtensorMap b[MAX_GROUPS];      // weight g: (Np, Kp) bytes, box 128 x 128
+    const float *sa[MAX_GROUPS];    // segment g's X scales, [KB][t16[g]]
+    const float *sb[MAX_GROUPS];    // weight g's block scales, (NB, KB4)
+    uint16_t *y;
+    int units0[MAX_GROUPS + 1];     // first unit of each segment (units: row tile x CLUSTER column tiles)
+    int a_row0[MAX_GROUPS];         // P16_g: the segment's first row in qx
+    int t16[MAX_GROUPS];            // its rows rounded up to 16 (the stride of its scale rows)
+    int rows[MAX_GROUPS];           // its true rows
+    int y_row0[MAX_GROUPS];         // rows0[g]: its first row in y
+    int n_groups, units_n, kb, kb4, ld;  // units per row tile (NB / CLUSTER), K blocks, KB4, y's row stride (Np)
+};
+static_assert(sizeof(GroupedParams) <= 32000, "kernel parameter limit (32764 bytes)");
+
+// ---------------------------------------------------------------------------- PTX wrappers
+__device__ __forceinline__ uint32_t smem_u32(const void *p) { return (uint32_t)__cvta_generic_to_shared(p); }
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {  // arrive (count 1) + expect bytes
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ bool mbar_try_wait(uint32_t bar, uint32_t parity) {
+    uint32_t ok;
+    asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+                 : "=r"(ok)
+                 : "r"(bar), "r"(parity)
+                 : "memory");
+    return ok != 0;
+}
+__device__ __forceinline__ uint64_t global_ns() {
+    uint64_t t;
+    asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t));
+    return t;
+}
+// Waits for the phase of the given parity; traps (an error at the next synchronising call) if it has not completed
+// after WAIT_TRAP_NS, which in this kernel means a bug, instead of hanging the GPU. The clock is read only once the
+// first poll has failed.
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+    if (mbar_try_wait(bar, parity)) return;
+    const uint64_t t0 = global_ns();
+    while (!mbar_try_wait(bar, parity))
+        if (global_ns() - t0 > WAIT_TRAP_NS) __trap();
+}
+// Arrival on the barrier at CTA-relative address bar of cluster CTA `cta` (itself included).
+__device__ __forceinline__ void mbar_arrive_cluster(uint32_t bar, uint32_t cta) {
+    uint32_t remote;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(bar), "r"(cta));
+    asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(remote) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ uint32_t cluster_rank() {
+    uint32_t r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+    return r;
+}
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;\n" ::: "memory");
+}
+__device__ __forceinline__ void named_barrier(int id, int threads) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+// TMA: the box at (c0 = K byte, c1 = row) of tensor map `map` into shared dst, completing on bar.
+__device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap *map, int c0, int c1, uint32_t bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n"
+        ::"r"(dst), "l"((uint64_t)map), "r"(c0), "r"(c1), "r"(bar)
+        : "memory");
+}
+// The same box into shared dst of every CTA in mask (same CTA-relative offsets), completing on each one's bar.
+__device__ __forceinline__ void tma_load_2d_multicast(uint32_t dst, const CUtensorMap *map, int c0, int c1, uint32_t bar,
+                                                      uint16_t mask) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster "
+        "[%0], [%1, {%2, %3}], [%4], %5;\n"
+        ::"r"(dst), "l"((uint64_t)map), "r"(c0), "r"(c1), "r"(bar), "h"(mask)
+        : "memory");
+}
+// Contiguous bytes (a multiple of 16, 16-byte aligned both sides) global -> shared, completing on bar.
+__device__ __forceinline__ void bulk_load(uint32_t dst, const void *src, uint32_t bytes, uint32_t bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+                 ::"r"(dst), "l"(src), "r"(bytes), "r"(bar)
+                 : "memory");
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+// Pins n registers: the compiler may not move their reads or writes across this point.
+__device__ __forceinline__ void fence_regs(float *r, int n) {
+#pragma unroll
+    for (int i = 0; i < n; i++) asm volatile("" : "+f"(r[i])::"memory");
+}
+
+// Descriptor of a K-major tile with 128-byte swizzle at shared address addr: rows of 128 bytes, 8-row groups 1024
+// bytes apart (SBO); the leading byte offset is unused by this layout. A K step of 32 bytes (one k32 slice of E4M3)
+// advances the start address by 32, as in attention_wgmma.cu's sw128_desc.
+__device__ __forceinline__ uint64_t sw128_desc(uint32_t addr) {
+    return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)1 << 16) | ((uint64_t)(1024 >> 4) << 32) | (1ull << 62);
+}
+
+// d (64 x 128, FP32) = (accumulate ? d : 0) + A B^T over 32 E4M3 values of K; A (64 rows) and B (128 rows) K-major
+// in shared memory. Register d[4j + e] holds row (warp in group) * 16 + lane / 4 + 8 (e / 2), column 8j + 2 (lane % 4)
+// + e % 2.
+__device__ __forceinline__ void wgmma_m64n128k32_e4m3(float *d, uint64_t da, uint64_t db, int accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "l"(da), "l"(db), "r"(accumulate));
+}
+
+__device__ __forceinline__ uint32_t bf16x2_bits(float lo, float hi) {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // .x = lo in the low half, round to nearest even
+    return *reinterpret_cast<const uint32_t *>(&v);
+}
+
+// Unit u of the launch -> segment g (advanced from the previous value: a CTA's units increase), row tile, column tile.
+__device__ __forceinline__ void unit_coords(const GroupedParams &p, int u, int &g, int &mb, int &nu) {
+    while (u >= p.units0[g + 1]) g++;
+    const int local = u - p.units0[g];
+    mb = local / p.units_n;
+    nu = local - mb * p.units_n;
+}
+
+// ---------------------------------------------------------------------------- the kernel
+template <int CLUSTER>
+__global__ void __launch_bounds__(THREADS, 1) fp8_grouped_fprop_kernel(const __grid_constant__ GroupedParams p) {
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    const uint32_t raw = smem_u32(smem_raw), base = (raw + 1023u) & ~1023u;
+    unsigned char *smem = smem_raw + (base - raw);
+    const uint32_t full = base + SMEM_BAR, empty = full + STAGES * 8;
+    const int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
+    const uint32_t rank = CLUSTER > 1 ? cluster_rank() : 0;
+
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < STAGES; s++) {
+            mbar_init(full + 8 * s, 1);
+            mbar_init(empty + 8 * s, CLUSTER * 8);  // one arrival per consumer warp of every CTA that writes the stage
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    if constexpr (CLUSTER > 1) cluster_sync();
+    else __syncthreads();
+
+    const int n_units = p.units0[p.n_groups];
+    const int first = blockIdx.x / CLUSTER, step = gridDim.x / CLUSTER;
+    if (wg == 0) {
+        // ------------------------------------------------------------------ producer: one thread
+        if (threadIdx.x == 0) {
+            constexpr int A_ROWS = BM / CLUSTER;  // rows of the X tile this CTA loads (for every CTA of the cluster)
+            int g = 0;
+            uint32_t it = 0;
+            for (int u = first; u < n_units; u += step) {
+                int mb, nu;
+                unit_coords(p, u, g, mb, nu);
+                const int nb = nu * CLUSTER + (int)rank;
+                const int sa_rows = min(BM, p.t16[g] - mb * BM);  // a multiple of 16: 64-byte multiples
+                const float *sa = p.sa[g] + mb * BM;
+                const int a_row = p.a_row0[g] + mb * BM + (int)rank * A_ROWS;
+                for (int kb = 0; kb < p.kb; kb++, it++) {
+                    const uint32_t s = it % STAGES, phase = (it / STAGES) & 1;
+                    mbar_wait(empty + 8 * s, phase ^ 1);
+                    const uint32_t bar = full + 8 * s;
+                    mbar_expect_tx(bar, A_BYTES + B_BYTES + (uint32_t)sa_rows * 4);
+                    const uint32_t a_dst = base + SMEM_A + s * A_BYTES + rank * A_ROWS * BK;
+                    if constexpr (CLUSTER > 1) tma_load_2d_multicast(a_dst, &p.a, kb * BK, a_row, bar, (1u << CLUSTER) - 1);
+                    else tma_load_2d(a_dst, &p.a, kb * BK, a_row, bar);
+                    tma_load_2d(base + SMEM_B + s * B_BYTES, &p.b[g], kb * BK, nb * BN, bar);
+                    bulk_load(base + SMEM_SA + s * SA_BYTES, sa + (size_t)kb * p.t16[g], (uint32_t)sa_rows * 4, bar);
+                }
+            }
+        }
+    } else {
+        // ------------------------------------------------------------------ consumers: rows (wg - 1) * 64 ..
+        const int cw = wg - 1, r0 = warp * 16 + (lane >> 2);  // this thread's rows r0 and r0 + 8 of the 64
+        unsigned char *out = smem + SMEM_OUT + cw * 64 * OUT_ROW_BYTES;
+        float acc[64], fin[64];
+        int g = 0;
+        uint32_t it = 0;
+        for (int u = first; u < n_units; u += step) {
+            int mb, nu;
+            unit_coords(p, u, g, mb, nu);
+            const int nb = nu * CLUSTER + (int)rank;
+            const float *sbp = p.sb[g] + nb * p.kb4;
+#pragma unroll
+            for (int i = 0; i < 64; i++) fin[i] = 0.0f;
+            for (int kb = 0; kb < p.kb; kb++, it++) {
+                const uint32_t s = it % STAGES, phase = (it / STAGES) & 1;
+                const float sb = __ldg(sbp + kb);
+                mbar_wait(full + 8 * s, phase);
+                const float *sa = reinterpret_cast<const float *>(smem + SMEM_SA + s * SA_BYTES) + cw * 64;
+                const float sa0 = sa[r0], sa1 = sa[r0 + 8];  // read before the stage is released
+                const uint32_t a_tile = base + SMEM_A + s * A_BYTES + cw * 64 * BK, b_tile = base + SMEM_B + s * B_BYTES;
+                fence_regs(acc, 64);
+                wgmma_fence();
+#pragma unroll
+                for (int j = 0; j < BK / 32; j++)
+                    wgmma_m64n128k32_e4m3(acc, sw128_desc(a_tile + 32 * j), sw128_desc(b_tile + 32 * j), j > 0);
+                wgmma_commit();
+                wgmma_wait_all();
+                fence_regs(acc, 64);
+                if constexpr (CLUSTER > 1) {
+                    if (lane < CLUSTER) mbar_arrive_cluster(empty + 8 * s, (uint32_t)lane);
+                } else if (lane == 0) {
+                    mbar_arrive(empty + 8 * s);
+                }
+                const float s0 = sa0 * sb, s1 = sa1 * sb;
+#pragma unroll
+                for (int j = 0; j < 16; j++) {
+                    fin[4 * j + 0] = fmaf(acc[4 * j + 0], s0, fin[4 * j + 0]);
+                    fin[4 * j + 1] = fmaf(acc[4 * j + 1], s0, fin[4 * j + 1]);
+                    fin[4 * j + 2] = fmaf(acc[4 * j + 2], s1, fin[4 * j + 2]);
+                    fin[4 * j + 3] = fmaf(acc[4 * j + 3], s1, fin[4 * j + 3]);
+                }
+            }
+            // epilogue: BF16 through the padded staging rows, then the valid rows with 16-byte stores
+            named_barrier(1 + cw, 128);  // the previous tile's copy-out has read the staging rows
+            const int c2 = 2 * (lane & 3);
+#pragma unroll
+            for (int j = 0; j < 16; j++) {
+                *reinterpret_cast<uint32_t *>(out + r0 * OUT_ROW_BYTES + (8 * j + c2) * 2) =
+                    bf16x2_bits(fin[4 * j + 0], fin[4 * j + 1]);
+                *reinterpret_cast<uint32_t *>(out + (r0 + 8) * OUT_ROW_BYTES + (8 * j + c2) * 2) =
+                    bf16x2_bits(fin[4 * j + 2], fin[4 * j + 3]);
+            }
+            named_barrier(1 + cw, 128);
+            const int row_in_seg = mb * BM + cw * 64, valid = min(64, p.rows[g] - row_in_seg);
+            uint16_t *y = p.y + (size_t)(p.y_row0[g] + row_in_seg) * p.ld + nb * BN;
+#pragma unroll
+            for (int i = threadIdx.x & 127; i < 64 * 16; i += 128) {
+                const int r = i >> 4, c = i & 15;
+                if (r < valid)
+                    *reinterpret_cast<uint4 *>(y + (size_t)r * p.ld + c * 8) =
+                        *reinterpret_cast<const uint4 *>(out + r * OUT_ROW_BYTES + c * 16);
+            }
+        }
+    }
+    if constexpr (CLUSTER > 1) cluster_sync();  // no remote arrival or multicast may reach a CTA that has exited
+}
+
+// ---------------------------------------------------------------------------- host side
+static int multicast_enabled = 0;  // off by default: measured slower (docs/benchmarks.md, issue 23 first step)
+
+// Stops with "fp8_grouped_gemm.cu:<line>: <op>: <message>" for a call that breaks a documented precondition.
+static void grouped_fail(int line, const char *op, const char *fmt, ...) {
+    fprintf(stderr, "%s:%d: %s: ", __FILE__, line, op);
+    va_list args;
+    va_start(args, fmt);
+    vfprintf(stderr, fmt, args);
+    va_end(args);
+    fprintf(stderr, "\n");
+    exit(1);
+}
+
+static void require_aligned16(const void *p, const char *op, const char *name) {
+    if ((uintptr_t)p % 16 != 0)
+        grouped_fail(__LINE__, op, "%s = %p is not 16-byte aligned - expected a 16-byte aligned device pointer (TMA and "
+                                   "the 16-byte output stores need it)", name, p);
+}
+
+typedef CUresult (*EncodeTiledFn)(CUtensorMap *, CUtensorMapDataType, cuuint32_t, void *, const cuuint64_t *,
+                                  const cuuint64_t *, const cuuint32_t *, const cuuint32_t *, CUtensorMapInterleave,
+                                  CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+// What the launches need once per process: the driver's tensor-map encoder, the SM count, the kernels' shared memory
+// limit raised, the number of co-resident clusters of two.
+static struct {
+    int ready;
+    EncodeTiledFn encode;
+    int sms, clusters2;
+} rt;
+
+static void runtime_init(const char *op) {
+    if (rt.ready) return;
+    int dev = 0;
+    CUDA_CHECK(cudaGetDevice(&dev));
+    cudaDeviceProp prop;
+    CUDA_CHECK(cudaGetDeviceProperties(&prop, dev));
+    if (prop.major != 9 || prop.minor != 0)
+        grouped_fail(__LINE__, op, "the GPU %s has compute capability %d.%d - expected 9.0 (Hopper: the kernel is "
+                                   "sm_90a code, wgmma and TMA)", prop.name, prop.major, prop.minor);
+    rt.sms = prop.multiProcessorCount;
+    void *fn = NULL;
+    cudaDriverEntryPointQueryResult found;
+    CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found));
+    if (found != cudaDriverEntryPointSuccess || fn == NULL)
+        grouped_fail(__LINE__, op, "the driver has no cuTensorMapEncodeTiled (query result %d) - expected a CUDA 12+ "
+                                   "driver", (int)found);
+    rt.encode = (EncodeTiledFn)fn;
+    CUDA_CHECK(cudaFuncSetAttribute(fp8_grouped_fprop_kernel<1>, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES));
+    CUDA_CHECK(cudaFuncSetAttribute(fp8_grouped_fprop_kernel<2>, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES));
+    cudaLaunchConfig_t cfg = {};
+    cudaLaunchAttribute attr;
+    attr.id = cudaLaunchAttributeClusterDimension;
+    attr.val.clusterDim.x = 2, attr.val.clusterDim.y = 1, attr.val.clusterDim.z = 1;
+    cfg.gridDim = dim3(2 * rt.sms), cfg.blockDim = dim3(THREADS), cfg.dynamicSmemBytes = SMEM_BYTES;
+    cfg.attrs = &attr, cfg.numAttrs = 1;
+    CUDA_CHECK(cudaOccupancyMaxActiveClusters(&rt.clusters2, fp8_grouped_fprop_kernel<2>, &cfg));
+    rt.ready = 1;
+}
+
+// A 2D tensor map of rows x row_bytes E4M3 codes (row stride row_bytes), boxes of 128 bytes x box_rows rows,
+// 128-byte swizzle (wgmma's layout), zero fill past the end.
+static void encode_map(CUtensorMap *map, const void *base, int64_t rows, int64_t row_bytes, int box_rows,
+                       const char *op, const char *what) {
+    const cuuint64_t dims[2] = {(cuuint64_t)row_bytes, (cuuint64_t)rows}, strides[1] = {(cuuint64_t)row_bytes};
+    const cuuint32_t box[2] = {(cuuint32_t)BK, (cuuint32_t)box_rows}, elem_strides[2] = {1, 1};
+    const CUresult r = rt.encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<void *>(base), dims, strides, box,
+                                 elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                                 CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    if (r != CUDA_SUCCESS)
+        grouped_fail(__LINE__, op, "cuTensorMapEncodeTiled for %s (%lld rows x %lld bytes at %p) failed with CUresult %d",
+                     what, (long long)rows, (long long)row_bytes, base, (int)r);
+}
+
+static void launch(GroupedParams &p, int cluster) {
+    const int n_units = p.units0[p.n_groups];
+    if (n_units == 0) return;
+    cudaLaunchConfig_t cfg = {};
+    cudaLaunchAttribute attr;
+    attr.id = cudaLaunchAttributeClusterDimension;
+    attr.val.clusterDim.x = (unsigned)cluster, attr.val.clusterDim.y = 1, attr.val.clusterDim.z = 1;
+    const int max_clusters = cluster == 1 ? rt.sms : (rt.clusters2 > 0 ? rt.clusters2 : rt.sms / 2);
+    cfg.gridDim = dim3((unsigned)(cluster * (n_units < max_clusters ? n_units : max_clusters)));
+    cfg.blockDim = dim3(THREADS), cfg.dynamicSmemBytes = SMEM_BYTES, cfg.stream = 0;
+    cfg.attrs = &attr, cfg.numAttrs = cluster > 1 ? 1 : 0;
+    if (cluster == 1) CUDA_CHECK(cudaLaunchKernelEx(&cfg, fp8_grouped_fprop_kernel<1>, p));
+    else CUDA_CHECK(cudaLaunchKernelEx(&cfg, fp8_grouped_fprop_kernel<2>, p));
+    CUDA_CHECK_LAUNCH("fp8_grouped_fprop_kernel");
+}
+
+}  // namespace
+
+extern "C" int cuda_fp8_grouped_gemm_multicast(int enable) {
+    const int previous = multicast_enabled;
+    multicast_enabled = enable != 0;
+    return previous;
+}
+
+extern "C" void cuda_fp8_grouped_fprop_bf16(uint16_t *y, const uint8_t *qx, const float *sx, const uint8_t *const *qw,
+                                            const float *const *sw, int n_seg, const int *rows0, int N, int K) {
+    static const char op[] = "cuda_fp8_grouped_fprop_bf16";
+    const SegTable seg = seg_table(op, n_seg, rows0);
+    if (seg.rows0[n_seg] == 0 || N <= 0 || K <= 0) return;
+    runtime_init(op);
+    require_aligned16(y, op, "y"), require_aligned16(qx, op, "qx"), require_aligned16(sx, op, "sx");
+    const int KB = (K + BK - 1) / BK, Kp = KB * BK, NB = (N + BN - 1) / BN, KB4 = (KB + 3) / 4 * 4;
+    const int cluster = multicast_enabled && NB % 2 == 0 ? 2 : 1;
+    static GroupedParams p;  // 11 KB: not on the stack; one host thread drives the GPU (gemm.cu's rule too)
+    memset(&p, 0, sizeof p);
+    encode_map(&p.a, qx, seg.p16[n_seg], Kp, BM / cluster, op, "qx");
+    p.y = y, p.units_n = NB / cluster, p.kb = KB, p.kb4 = KB4, p.ld = NB * BN;
+    int n = 0;
+    for (int g = 0; g < n_seg; g++) {
+        const int rows = rows0[g + 1] - rows0[g];
+        if (rows == 0) continue;
+        if (qw[g] == NULL || sw[g] == NULL)
+            grouped_fail(__LINE__, op, "segment %d has %d rows but qw[%d] = %p, sw[%d] = %p - expected its weight", g, rows,
+                         g, (const void *)qw[g], g, (const void *)sw[g]);
+        require_aligned16(qw[g], op, "qw[g]");
+        encode_map(&p.b[n], qw[g], (int64_t)NB * BN, Kp, BN, op, "a weight qw[g]");
+        p.sa[n] = sx + (size_t)KB * seg.p16[g], p.sb[n] = sw[g];
+        p.a_row0[n] = seg.p16[g], p.t16[n] = seg.p16[g + 1] - seg.p16[g], p.rows[n] = rows, p.y_row0[n] = rows0[g];
+        p.units0[n + 1] = p.units0[n] + (rows + BM - 1) / BM * p.units_n;
+        if (++n == MAX_GROUPS) {
+            p.n_groups = n;
+            launch(p, cluster);
+            n = 0;
+        }
+    }
+    if (n > 0) {
+        p.n_groups = n;
+        launch(p, cluster);
+    }
+}

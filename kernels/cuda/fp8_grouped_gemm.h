@@ -1,0 +1,45 @@
+/*
+ * fp8_grouped_gemm.h - fp8moe's own grouped FP8 Fprop for the routed experts (kernels/cuda/fp8_grouped_gemm.cu):
+ * every expert's Y_g = X_g W_g^T in one persistent Hopper kernel (wgmma, TMA), instead of one cuBLASLt GEMM per
+ * expert (gemm.cu). Same operands, same output and the same promotion arithmetic as kernels.h's
+ * fp8_gemm_fprop_grouped_bf16; not wired into the model yet (train/linear.c decides that), timed beside cuBLASLt by
+ * `fp8moe bench gemm` and checked against the CPU reference by tests/gpu/test_gpu_grouped_gemm.c.
+ *
+ * All pointers are device pointers except the host arrays qw, sw and rows0; everything runs on the default stream.
+ */
+#ifndef FP8MOE_CUDA_FP8_GROUPED_GEMM_H
+#define FP8MOE_CUDA_FP8_GROUPED_GEMM_H
+
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+// y (rows0[n_seg] + 15 rows, row stride round_up(N, 128), BF16 bits) = for each segment g, rows rows0[g] ..
+// rows0[g+1]-1: X_g W_g^T rounded to BF16 (RNE), columns N .. round_up(N, 128)-1 of those rows 0. Only those rows are
+// written (the 15 scratch rows that fp8_gemm_fprop_grouped_bf16's contract allows it to write are left alone).
+//   qx, sx: the grouped 1x128 operand of x (rows0[n_seg], K) (fp8_quantize_1x128_grouped): segment g's rows at
+//           qx + Kp P16_g (T16_g rows of Kp bytes), its scales at sx + KB P16_g as [KB][T16_g]
+//           (P16_g = sum_{h<g} 16 ceil(T_h / 16), KB = ceil(K / 128), Kp = 128 KB);
+//   qw[g], sw[g]: weight g (N, K) as fp8_quantize_128x128 writes it: (Np, Kp) bytes, scales (NB, KB4) K-major
+//           (NULL for empty segments);
+//   rows0: host array of n_seg + 1 row offsets, rows0[0] = 0, non-decreasing, 1 <= n_seg <= FP8_MAX_SEGMENTS.
+// Arithmetic: per 128-row x 128-column output tile and 128-deep K block kb, the block's sum P of E4M3 products on the
+// tensor cores (FP32 accumulation inside the block), then acc = fma(P, s_x[row][kb] * s_w[kb], acc) in FP32 registers,
+// kb = 0, 1, ... in order from acc = 0; y = bf16(acc). Deterministic: every element has one owner and one order, no
+// atomics. Needs a compute capability 9.0 GPU (sm_90a code) and 16-byte aligned qx, sx, y, qw[g], sw[g]; stops the
+// process naming the argument otherwise.
+void cuda_fp8_grouped_fprop_bf16(uint16_t *y, const uint8_t *qx, const float *sx, const uint8_t *const *qw,
+                                 const float *const *sw, int n_seg, const int *rows0, int N, int K);
+
+// Whether the kernel may run as clusters of two CTAs that share each X tile through TMA multicast (used when the
+// weight has an even number of 128-column blocks); 0, the default, runs one CTA per tile (the multicast form measured
+// slower so far: docs/benchmarks.md). Returns the previous setting. Both give the same bits (the same products in the
+// same order); for the test's and the benchmark's comparison.
+int cuda_fp8_grouped_gemm_multicast(int enable);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,319 @@
+/*
+ * test_gpu_grouped_gemm.c - fp8moe's own grouped FP8 Fprop (kernels/cuda/fp8_grouped_gemm.cu,
+ * cuda_fp8_grouped_fprop_bf16) against the CPU reference of the same FP8 operands (kernels/cpu/fp8.c through
+ * fp8_gemm_fprop_grouped_bf16 on DEVICE_CPU) and against today's cuBLASLt path (the same call on DEVICE_CUDA: one
+ * GEMM per segment), with and without the TMA multicast of the activation tile. Runs only on a Hopper GPU
+ * (tests/gpu/run.sh); with no visible GPU it FAILS.
+ *
+ * Inputs are fresh random values every run (the seed is printed; FP8MOE_TEST_SEED=<n> repeats a run): non-zero,
+ * random signs, magnitudes spread over 8 binades, so tiles have different scales and E4M3 subnormals occur. They are
+ * quantised by the CUDA quantisers (bit-identical to the CPU's: test_gpu_fp8) and the CPU and both GPU GEMMs read
+ * the same bytes. Segment lengths are uneven: empty segments, lengths that are not multiples of 128 or of 16, a
+ * segment of one row, segments longer than one row tile, N and K that are not multiples of 128 (padded blocks), odd
+ * and even numbers of weight column blocks (the multicast runs only for even ones), the bench-1gpu expert shapes
+ * (N x K = 1024 x 2048 and 2048 x 1024, 32 segments), and more non-empty segments than one launch takes (80).
+ *
+ * Tolerance, per output element, |own - cpu| <= (2^-10 + 4 KB 2^-24) S (1 + 2^-7) + ulp_bf16(max(|own|, |cpu|)):
+ * both compute sum over K blocks of P_kb s_x s_w from the same E4M3 values and scales. The CPU's P_kb is exact (then
+ * rounded to FP32); the tensor cores add a block's 128 products with reduced precision, within 2^-10 of S = sum_k
+ * |a_k s_a b_k s_b| (DESIGN.md section 4, the bound cuBLASLt's path is held to in test_gpu_fp8). The promotion
+ * (CPU: acc + (P s_x) s_w; here fma(P, s_x s_w, acc)) differs by a few FP32 roundings per block, within 4 KB 2^-24
+ * S. Both round their FP32 result to BF16 (half an ulp each, so one ulp of the larger between them). S itself is
+ * computed by the CPU GEMM on |a| and |b| (sign bits cleared), which rounds it to BF16 (hence the 1 + 2^-7). Against
+ * cuBLASLt both sides carry the tensor-core term: twice the first term. Columns N.. of a row must be 0 exactly, the
+ * 15 rows after the last must be untouched (poison), and the share of elements bitwise equal to the CPU's and to
+ * cuBLASLt's is printed (with the same tensor-core sums and promotion order most agree exactly).
+ * Determinism: each variant runs twice into freshly poisoned outputs; the results must be bitwise identical, and the
+ * multicast and single-CTA variants must agree bit for bit (same products, same order).
+ */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include <cmocka.h>
+
+#include <float.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "kernels/cuda/fp8_grouped_gemm.h"
+#include "kernels/kernels.h"
+#include "tests/gpu/gpucheck.h"
+#include "unit/opcheck.h"
+
+#define TC_REL 0x1p-10  // tensor-core accumulation inside a 128-block (DESIGN.md section 4)
+
+static uint64_t run_seed;
+
+static int ceil_div(int a, int b) { return (a + b - 1) / b; }
+
+// ---------------------------------------------------------------------------- buffers
+static void *xmalloc(size_t bytes) {
+    void *p = malloc(bytes > 0 ? bytes : 1);
+    if (p == NULL) {
+        fprintf(stderr, "%s:%d: malloc of %zu bytes failed\n", __FILE__, __LINE__, bytes);
+        exit(1);
+    }
+    return p;
+}
+static void *host_copy_of(const void *d, size_t bytes) {
+    void *h = xmalloc(bytes);
+    device_memcpy_to_host(DEVICE_CUDA, h, d, bytes);
+    return h;
+}
+// A device buffer of 0xFF bytes: NaN as BF16 (0xFFFF) and as E4M3.
+static void poison_device(void *d, size_t bytes) {
+    void *h = xmalloc(bytes);
+    memset(h, 0xFF, bytes);
+    device_memcpy_from_host(DEVICE_CUDA, d, h, bytes);
+    free(h);
+}
+
+// x (n): random sign, |x| = 2^e with e uniform in [lo_exp, hi_exp): non-zero, many binades.
+static void fill_log_uniform(float *x, int64_t n, uint64_t seed, double lo_exp, double hi_exp) {
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < n; i++) {
+        const double e = lo_exp + (hi_exp - lo_exp) * opcheck_uniform(seed, 2 * (uint64_t)i);
+        const double sign = opcheck_uniform(seed, 2 * (uint64_t)i + 1) < 0.5 ? -1.0 : 1.0;
+        x[i] = (float)(sign * exp2(e));
+    }
+}
+
+// One ulp of BF16 (8 significant bits) at |v|; the smallest normal's ulp below it.
+static double bf16_ulp(double v) {
+    const double a = fmax(fabs(v), (double)FLT_MIN);
+    return ldexp(1.0, (int)floor(log2(a)) - 7);
+}
+
+// ---------------------------------------------------------------------------- cases
+typedef struct {
+    const char *name;
+    int n_seg;
+    const int *lengths;  // n_seg lengths; NULL: random in [lo, hi], segment 1 empty, segment 2 of 77 rows
+    int lo, hi;
+    int N, K;
+} Case;
+
+// The segments' row offsets (n + 1 entries).
+static void case_rows0(const Case *c, uint64_t seed, int *rows0) {
+    rows0[0] = 0;
+    for (int g = 0; g < c->n_seg; g++) {
+        int len = c->lengths != NULL ? c->lengths[g]
+                                     : c->lo + (int)(opcheck_uniform(seed, (uint64_t)g) * (double)(c->hi - c->lo + 1));
+        if (c->lengths == NULL && g == 1) len = 0;
+        if (c->lengths == NULL && g == 2) len = 77;
+        rows0[g + 1] = rows0[g] + len;
+    }
+}
+
+// The FP8 operands of one case on both sides: the device ones (CUDA quantisers) and their host copies.
+typedef struct {
+    int n, T, P16, N, K, KB, Kp, NB, Np, KB4;
+    int rows0[FP8_MAX_SEGMENTS + 1];
+    uint8_t *qx_d, *qx;
+    float *sx_d, *sx;
+    const uint8_t *qw_d[FP8_MAX_SEGMENTS], *qw[FP8_MAX_SEGMENTS];
+    const float *sw_d[FP8_MAX_SEGMENTS], *sw[FP8_MAX_SEGMENTS];
+} Operands;
+
+static void operands_make(Operands *o, const Case *c, uint64_t seed) {
+    memset(o, 0, sizeof *o);
+    o->n = c->n_seg, o->N = c->N, o->K = c->K;
+    case_rows0(c, seed, o->rows0);
+    o->T = o->rows0[o->n];
+    for (int g = 0; g < o->n; g++) o->P16 += ceil_div(o->rows0[g + 1] - o->rows0[g], 16) * 16;
+    o->KB = ceil_div(c->K, FP8_TILE), o->Kp = o->KB * FP8_TILE, o->KB4 = (o->KB + 3) / 4 * 4;
+    o->NB = ceil_div(c->N, FP8_TILE), o->Np = o->NB * FP8_TILE;
+    char err[256] = "";
+
+    float *x = xmalloc((size_t)o->T * c->K * sizeof(float));
+    fill_log_uniform(x, (int64_t)o->T * c->K, seed + 1, -6.0, 2.0);
+    float *x_d = device_alloc(DEVICE_CUDA, (size_t)o->T * c->K * sizeof(float) + 16);
+    device_memcpy_from_host(DEVICE_CUDA, x_d, x, (size_t)o->T * c->K * sizeof(float));
+    const size_t qx_bytes = (size_t)o->P16 * o->Kp, sx_bytes = (size_t)o->KB * o->P16 * sizeof(float);
+    o->qx_d = device_alloc(DEVICE_CUDA, qx_bytes + 16), o->sx_d = device_alloc(DEVICE_CUDA, sx_bytes + 16);
+    poison_device(o->qx_d, qx_bytes + 16), poison_device(o->sx_d, sx_bytes + 16);
+    assert_int_equal(fp8_quantize_1x128_grouped(DEVICE_CUDA, o->qx_d, o->sx_d, x_d, NULL, o->n, o->rows0, c->K, err,
+                                                sizeof err), 0);
+    device_free(DEVICE_CUDA, x_d), free(x);
+
+    const size_t w_elems = (size_t)c->N * c->K, qw_bytes = (size_t)o->Np * o->Kp;
+    const size_t sw_bytes = (size_t)o->NB * o->KB4 * sizeof(float);
+    float *w = xmalloc(w_elems * sizeof(float));
+    float *w_d = device_alloc(DEVICE_CUDA, w_elems * sizeof(float));
+    for (int g = 0; g < o->n; g++) {
+        if (o->rows0[g + 1] == o->rows0[g]) continue;
+        fill_log_uniform(w, (int64_t)w_elems, seed + 100 + (uint64_t)g, -8.0, 0.0);
+        device_memcpy_from_host(DEVICE_CUDA, w_d, w, w_elems * sizeof(float));
+        uint8_t *q = device_alloc(DEVICE_CUDA, qw_bytes);
+        float *s = device_alloc(DEVICE_CUDA, sw_bytes);
+        assert_int_equal(fp8_quantize_128x128(DEVICE_CUDA, q, NULL, s, w_d, c->N, c->K, err, sizeof err), 0);
+        o->qw_d[g] = q, o->sw_d[g] = s;
+        o->qw[g] = host_copy_of(q, qw_bytes), o->sw[g] = host_copy_of(s, sw_bytes);
+    }
+    device_free(DEVICE_CUDA, w_d), free(w);
+    assert_int_equal(fp8_check_finite(DEVICE_CUDA, err, sizeof err), 0);
+    o->qx = host_copy_of(o->qx_d, qx_bytes), o->sx = host_copy_of(o->sx_d, sx_bytes);
+}
+
+static void operands_free(Operands *o) {
+    for (int g = 0; g < o->n; g++) {
+        if (o->qw_d[g] == NULL) continue;
+        device_free(DEVICE_CUDA, (void *)o->qw_d[g]), device_free(DEVICE_CUDA, (void *)o->sw_d[g]);
+        free((void *)o->qw[g]), free((void *)o->sw[g]);
+    }
+    device_free(DEVICE_CUDA, o->qx_d), device_free(DEVICE_CUDA, o->sx_d);
+    free(o->qx), free(o->sx);
+}
+
+// The same GEMM on |a| and |b| (E4M3 sign bits cleared; the scales are positive): S (T, N) = sum_k |a s_a b s_b|,
+// rounded to BF16 by the CPU op.
+static float *abs_sums(const Operands *o) {
+    const size_t qx_bytes = (size_t)o->P16 * o->Kp, qw_bytes = (size_t)o->Np * o->Kp;
+    uint8_t *qx = xmalloc(qx_bytes);
+    for (size_t i = 0; i < qx_bytes; i++) qx[i] = o->qx[i] & 0x7F;
+    const uint8_t *qw[FP8_MAX_SEGMENTS] = {NULL};
+    for (int g = 0; g < o->n; g++) {
+        if (o->qw[g] == NULL) continue;
+        uint8_t *q = xmalloc(qw_bytes);
+        for (size_t i = 0; i < qw_bytes; i++) q[i] = o->qw[g][i] & 0x7F;
+        qw[g] = q;
+    }
+    float *S = xmalloc((size_t)o->T * o->N * sizeof(float) + 1);
+    fp8_gemm_fprop_grouped(DEVICE_CPU, S, NULL, qx, o->sx, qw, o->sw, o->n, o->rows0, o->N, o->K);
+    for (int g = 0; g < o->n; g++) free((void *)qw[g]);
+    free(qx);
+    return S;
+}
+
+// ---------------------------------------------------------------------------- the comparison
+typedef struct {
+    double max_abs, max_ratio;  // max |x - ref|, max |x - ref| / bound
+    int64_t worst, equal, n;
+} Cmp;
+
+// x against ref over the T x N valid elements (BF16 bits, row stride Np) with the bound of the file comment, tc_terms
+// tensor-core terms.
+static Cmp compare(const Operands *o, const uint16_t *x, const uint16_t *ref, const float *S, int tc_terms) {
+    Cmp c = {0, 0, 0, 0, 0};
+    const double rel = (tc_terms * TC_REL + 4.0 * o->KB * 0x1p-24) * (1.0 + 0x1p-7);
+    for (int64_t r = 0; r < o->T; r++)
+        for (int64_t j = 0; j < o->N; j++) {
+            const int64_t i = r * o->Np + j;
+            const double a = bf16_to_float(x[i]), b = bf16_to_float(ref[i]);
+            const double bound = rel * S[r * o->N + j] + bf16_ulp(fmax(fabs(a), fabs(b)));
+            double ratio = fabs(a - b) / bound;
+            if (isnan(ratio)) ratio = INFINITY;
+            if (!(ratio <= c.max_ratio)) c.max_ratio = ratio, c.worst = r * o->N + j;
+            if (fabs(a - b) > c.max_abs) c.max_abs = fabs(a - b);
+            c.equal += x[i] == ref[i];
+            c.n++;
+        }
+    return c;
+}
+
+// Elements of the own kernel's output that break the layout: columns N.. of a valid row not 0, and the 15 rows after
+// the last not the poison they started as.
+static int64_t layout_errors(const Operands *o, const uint16_t *y) {
+    int64_t bad = 0;
+    for (int64_t r = 0; r < o->T + 15; r++)
+        for (int64_t j = (r < o->T ? o->N : 0); j < o->Np; j++) bad += y[r * o->Np + j] != (r < o->T ? 0x0000 : 0xFFFF);
+    return bad;
+}
+
+static void test_grouped_fprop(void **state) {
+    const Case *c = *state;
+    const uint64_t seed = run_seed ^ (0x9E3779B97F4A7C15ull * (uint64_t)(c->N * 7 + c->K * 13 + c->n_seg));
+    Operands o;
+    operands_make(&o, c, seed);
+    const size_t y_elems = (size_t)bf16_rows_elems(o.T, o.N), y_bytes = y_elems * sizeof(uint16_t);
+
+    // CPU reference and S
+    uint16_t *y_cpu = xmalloc(y_bytes);
+    fp8_gemm_fprop_grouped_bf16(DEVICE_CPU, y_cpu, o.qx, o.sx, o.qw, o.sw, o.n, o.rows0, o.N, o.K);
+    float *S = abs_sums(&o);
+
+    // today's cuBLASLt path
+    uint16_t *y_d = device_alloc(DEVICE_CUDA, y_bytes);
+    poison_device(y_d, y_bytes);
+    fp8_gemm_fprop_grouped_bf16(DEVICE_CUDA, y_d, o.qx_d, o.sx_d, o.qw_d, o.sw_d, o.n, o.rows0, o.N, o.K);
+    uint16_t *y_lt = host_copy_of(y_d, y_bytes);
+
+    // own kernel: multicast allowed (variant 0), then forced off (variant 1); each twice
+    uint16_t *y_own[2][2];
+    for (int v = 0; v < 2; v++) {
+        const int previous = cuda_fp8_grouped_gemm_multicast(v == 0);
+        for (int rep = 0; rep < 2; rep++) {
+            poison_device(y_d, y_bytes);
+            cuda_fp8_grouped_fprop_bf16(y_d, o.qx_d, o.sx_d, o.qw_d, o.sw_d, o.n, o.rows0, o.N, o.K);
+            y_own[v][rep] = host_copy_of(y_d, y_bytes);
+        }
+        cuda_fp8_grouped_gemm_multicast(previous);
+    }
+
+    int pass = 1;
+    char shape[48];
+    snprintf(shape, sizeof shape, "%d seg %d x %d x %d", o.n, o.T, o.N, o.K);
+    for (int v = 0; v < 2; v++) {
+        const Cmp vc = compare(&o, y_own[v][0], y_cpu, S, 1), vl = compare(&o, y_own[v][0], y_lt, S, 2);
+        const int64_t layout = layout_errors(&o, y_own[v][0]);
+        const int repeat = memcmp(y_own[v][0], y_own[v][1], y_bytes) == 0;
+        const int same_variant = memcmp(y_own[v][0], y_own[0][0], y_bytes) == 0;
+        const int ok = vc.max_ratio <= 1.0 && vl.max_ratio <= 1.0 && layout == 0 && repeat && same_variant;
+        const char *variant = v == 0 ? (o.NB % 2 == 0 ? "multicast" : "single(odd NB)") : "single";
+        printf("%-13s %-14s %-28s %10.3e %9.4f %8.3f%% %9.4f %8.3f%% %6lld  %-5s %-5s %s\n", c->name, variant, shape,
+               vc.max_abs, vc.max_ratio, 100.0 * (double)vc.equal / (double)(vc.n > 0 ? vc.n : 1), vl.max_ratio,
+               100.0 * (double)vl.equal / (double)(vl.n > 0 ? vl.n : 1), (long long)layout, repeat ? "yes" : "NO",
+               same_variant ? "yes" : "NO", ok ? "ok" : "FAIL");
+        if (!(vc.max_ratio <= 1.0)) {
+            const int64_t r = vc.worst / o.N, j = vc.worst % o.N;
+            printf("    worst vs cpu at row %lld col %lld: own %.9g cpu %.9g S %.6g\n", (long long)r, (long long)j,
+                   bf16_to_float(y_own[v][0][r * o.Np + j]), bf16_to_float(y_cpu[r * o.Np + j]), S[vc.worst]);
+        }
+        pass &= ok;
+    }
+    fflush(stdout);
+    for (int v = 0; v < 2; v++) free(y_own[v][0]), free(y_own[v][1]);
+    free(y_cpu), free(y_lt), free(S);
+    device_free(DEVICE_CUDA, y_d);
+    operands_free(&o);
+    assert_true(pass);
+}
+
+static int print_header(void **state) {
+    (void)state;
+    printf("\nown grouped FP8 Fprop (cuda_fp8_grouped_fprop_bf16) vs the CPU reference and vs cuBLASLt per segment; "
+           "seed %llu\n", (unsigned long long)run_seed);
+    printf("err/bnd: max |own - ref| / the file comment's bound (pass <= 1); bitwise: share of the T x N elements equal "
+           "to ref; layout: padding columns not 0 or rows after T written; rep: second run bitwise equal; =mc: equal "
+           "to the multicast variant\n");
+    printf("%-13s %-14s %-28s %10s %9s %9s %9s %9s %6s  %-5s %-5s\n", "case", "variant", "segments rows x N x K",
+           "max|o-c|", "err/bnd", "=cpu", "vs lt", "=lt", "layout", "rep", "=mc");
+    return 0;
+}
+
+int main(void) {
+    if (gpucheck_devices("test_gpu_grouped_gemm") == 0) return 1;
+    const char *s = getenv("FP8MOE_TEST_SEED");
+    run_seed = s != NULL ? strtoull(s, NULL, 10) : (uint64_t)time(NULL);
+    static const int len_a[] = {200, 0, 77, 128, 300, 16}, len_b[] = {45, 0, 260, 1}, len_c[] = {129, 0, 255, 64, 500};
+    static Case c_a = {"mixed", 6, len_a, 0, 0, 384, 512};
+    static Case c_b = {"padded N,K", 4, len_b, 0, 0, 320, 300};
+    static Case c_c = {"even NB", 5, len_c, 0, 0, 256, 640};
+    static Case c_d = {"expert w1,w3", 32, NULL, 0, 400, 1024, 2048};
+    static Case c_e = {"expert w2", 32, NULL, 0, 400, 2048, 1024};
+    static Case c_f = {"80 segments", 80, NULL, 1, 50, 256, 256};
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test_prestate_setup_teardown(test_grouped_fprop, print_header, NULL, &c_a),
+        cmocka_unit_test_prestate(test_grouped_fprop, &c_b),
+        cmocka_unit_test_prestate(test_grouped_fprop, &c_c),
+        cmocka_unit_test_prestate(test_grouped_fprop, &c_d),
+        cmocka_unit_test_prestate(test_grouped_fprop, &c_e),
+        cmocka_unit_test_prestate(test_grouped_fprop, &c_f),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
