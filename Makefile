@@ -1,6 +1,7 @@
 # fp8moe build. One entry point for everything:
 #   make            all binaries into $(BUILD)/ (CPU always; CUDA when nvcc >= 12.9 is found)
-#   make test       CPU unit tests (CMocka), gradient check, then the same tests under ASan+UBSan
+#   make test       CPU unit tests (CMocka), gradient check, MPI tests, then the same under ASan+UBSan
+#   make test-mpi   the MPI tests (tests/mpi: collectives, groups, timeouts) under mpirun on 1-8 ranks
 #   make run        set up data and train the default job (configs/shakespeare.ini)
 #   make deps       install missing Debian/Ubuntu packages (as root) or say what is missing
 #   make test-gpu   build and run the GPU parity tests (needs an NVIDIA GPU)
@@ -18,10 +19,20 @@ PKGS     := inih hdf5-serial
 PKG_CFLAGS := $(shell pkg-config --cflags $(PKGS) 2>/dev/null)
 PKG_LIBS   := $(shell pkg-config --libs $(PKGS) 2>/dev/null)
 
+# MPI (Open MPI, DESIGN.md section 8): every build links it; without mpirun the binary starts MPI as a
+# singleton and runs as one process. Flags from pkg-config, else from the mpicc wrapper.
+MPI_CFLAGS := $(shell pkg-config --cflags ompi-c 2>/dev/null || mpicc --showme:compile 2>/dev/null)
+MPI_LIBS   := $(shell pkg-config --libs ompi-c 2>/dev/null || mpicc --showme:link 2>/dev/null)
+ifeq ($(strip $(MPI_LIBS)),)
+ifneq ($(filter-out deps clean cuda-status,$(or $(MAKECMDGOALS),all)),)
+$(error fp8moe: Open MPI not found: neither `pkg-config ompi-c` nor `mpicc --showme:link` answered; install libopenmpi-dev and openmpi-bin (make deps, or bash scripts/deps.sh))
+endif
+endif
+
 # -ffp-contract=off: the CPU path is the numerical reference (DESIGN.md section 4); no FMA contraction.
 OPT      ?= -O2
-CFLAGS   := $(OPT) $(EXTRA_CFLAGS) -std=c11 -D_GNU_SOURCE -Wall -Wextra -Werror -ffp-contract=off -fopenmp -g -I. $(PKG_CFLAGS)
-LDLIBS   := $(EXTRA_LDLIBS) $(PKG_LIBS) -lm -fopenmp
+CFLAGS   := $(OPT) $(EXTRA_CFLAGS) -std=c11 -D_GNU_SOURCE -Wall -Wextra -Werror -ffp-contract=off -fopenmp -g -I. $(PKG_CFLAGS) $(MPI_CFLAGS)
+LDLIBS   := $(EXTRA_LDLIBS) $(PKG_LIBS) $(MPI_LIBS) -lm -fopenmp
 ifeq ($(SANITIZE),1)
 CFLAGS   += -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=all
 LDLIBS   += -fsanitize=address,undefined
@@ -37,6 +48,7 @@ endif
 ifeq ($(CUDA_OK),1)
 CUDA_HOME ?= $(patsubst %/bin/nvcc,%,$(shell which $(NVCC)))
 NVCCFLAGS ?= -O2 -arch=sm_90 -std=c++17 -I. -DFP8MOE_CUDA -Xcompiler -Wall,-Wextra,-Werror
+NVCCFLAGS += $(MPI_CFLAGS)
 CFLAGS   += -DFP8MOE_CUDA -I$(CUDA_HOME)/include
 LDLIBS   += -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcudart -lcublasLt -lstdc++
 CUDA_SRC := $(wildcard kernels/cuda/*.cu)
@@ -58,11 +70,13 @@ UNIT_SRC := $(filter-out tests/unit/test_gradcheck.c,$(wildcard tests/unit/test_
 UNIT_BIN := $(UNIT_SRC:tests/unit/%.c=$(BUILD)/tests/%)
 BENCH_SRC := $(wildcard tests/bench/bench_*.c)
 BENCH_BIN := $(BENCH_SRC:tests/bench/%.c=$(BUILD)/bench/%)
+MPI_TEST_SRC := $(wildcard tests/mpi/*.c)
+MPI_TEST_BIN := $(MPI_TEST_SRC:tests/mpi/%.c=$(BUILD)/mpi/%)
 GPU_SRC  := $(wildcard tests/gpu/test_*.c)
 GPU_BIN  := $(if $(CUDA_OK),$(GPU_SRC:tests/gpu/%.c=$(BUILD)/tests/%))
 
-.PHONY: all test test-unit test-asan run deps test-gpu bench clean cuda-status
-all: cuda-status $(BUILD)/fp8moe $(BUILD)/gradcheck $(BUILD)/gradcheck_f32 $(UNIT_BIN) $(GPU_BIN) $(BENCH_BIN)
+.PHONY: all test test-unit test-mpi test-asan run deps test-gpu bench clean cuda-status
+all: cuda-status $(BUILD)/fp8moe $(BUILD)/gradcheck $(BUILD)/gradcheck_f32 $(UNIT_BIN) $(MPI_TEST_BIN) $(GPU_BIN) $(BENCH_BIN)
 
 cuda-status:
 	@echo "fp8moe: $(CUDA_WHY)"
@@ -91,6 +105,9 @@ $(BUILD)/fp8moe: $(BUILD)/obj/train/main.o $(BUILD)/libfp8moe.a
 $(BUILD)/tests/%: tests/unit/%.c $(BUILD)/libfp8moe.a
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -Itests $< $(BUILD)/libfp8moe.a -o $@ $(LDLIBS) -lcmocka
+$(BUILD)/mpi/%: tests/mpi/%.c $(BUILD)/libfp8moe.a
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -Itests $< $(BUILD)/libfp8moe.a -o $@ $(LDLIBS)
 $(BUILD)/bench/%: tests/bench/%.c $(BUILD)/libfp8moe.a
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) $< $(BUILD)/libfp8moe.a -o $@ $(LDLIBS)
@@ -102,12 +119,17 @@ $(BUILD)/gradcheck: tests/unit/test_gradcheck.c $(BUILD)/libfp8moe_double.a
 $(BUILD)/gradcheck_f32: tests/unit/test_gradcheck.c $(BUILD)/libfp8moe.a
 	$(CC) $(CFLAGS) -Itests $< $(BUILD)/libfp8moe.a -o $@ $(LDLIBS) -lcmocka
 
+# One after the other: the MPI tests time their ranks and must not share the cores with the unit tests.
 test: test-unit
+	@$(MAKE) --no-print-directory test-mpi
 	@$(MAKE) --no-print-directory test-asan
 test-unit: all
 	@BUILD=$(BUILD) FP8MOE_SANITIZE=$(SANITIZE) bash tests/run_unit.sh
+test-mpi: $(MPI_TEST_BIN)
+	@BUILD=$(BUILD) FP8MOE_SANITIZE=$(SANITIZE) bash tests/mpi/run.sh
 test-asan:
 	@$(MAKE) --no-print-directory BUILD=$(BUILD)/asan SANITIZE=1 NO_CUDA=1 OPT=-O1 test-unit
+	@$(MAKE) --no-print-directory BUILD=$(BUILD)/asan SANITIZE=1 NO_CUDA=1 OPT=-O1 test-mpi
 
 test-gpu:
 	bash tests/gpu/run.sh

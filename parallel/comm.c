@@ -1,18 +1,54 @@
 /*
- * comm.c - the single-process communication backend behind parallel/comm.h.
+ * comm.c - the communication backends behind parallel/comm.h: the single process (COMM_SINGLE, the
+ * identity) and MPI (COMM_MPI, host buffers).
  *
- * With size 1 every collective is the identity, so these functions only check their arguments and
- * return. Groups of size > 1 need the MPI or NCCL backend (a later issue); asking for one here stops
- * with a message instead of silently returning local (wrong) sums.
+ * Why the collectives are built from point-to-point messages instead of MPI_Allreduce / MPI_SUM:
+ * - Determinism. MPI chooses the order in which it adds (and may change it with the number of ranks,
+ *   the message size or the library version). Here the rank that owns a block of elements receives
+ *   every rank's copy of that block and adds them itself in rank order, so the result is
+ *   ((x_0 + x_1) + x_2) + ... exactly, and the owner sends the same bits to every rank.
+ * - Timeouts. Every operation is a set of nonblocking MPI requests polled with MPI_Testall and a short
+ *   sleep; a call that has not completed after comm_timeout() seconds names itself and ends the job,
+ *   where a blocking MPI call would hang forever on a rank that stopped.
+ * - Large counts. MPI counts are int; buffers here can pass 2^31 elements. Reductions run in rounds of
+ *   a bounded piece per block (which also bounds the owner's receive buffer), and every other message
+ *   travels in pieces of at most 1 GiB.
+ * Every communicator has MPI_ERRORS_RETURN and every return code is checked (MPI_CHECK): an MPI error
+ * prints the function, group, rank and MPI's error string and calls MPI_Abort, never a silent abort.
+ *
+ * Device staging (later issue, several MPI ranks sharing a GPU): a call given device buffers will copy
+ * them into a pinned host buffer owned by the Comm before posting the requests (and back after the wait);
+ * the places are marked "device staging" below. Today every buffer is host memory.
  */
 #include "parallel/comm.h"
 
+#include <limits.h>
+#include <math.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
+#include <time.h>
 
-static Comm world_single = {.rank = 0, .size = 1, .kind = COMM_SINGLE};
+// ---------------------------------------------------------------------------- process state
+
+static Comm world_single = {.rank = 0, .size = 1, .kind = COMM_SINGLE, .name = "world", .world_rank = 0};
+static Comm world_mpi;
+static int mpi_started;  // between comm_init and comm_finalize
+static double timeout_s = COMM_DEFAULT_TIMEOUT_S;
+
+#define DEFAULT_PIECE_BYTES ((size_t)1 << 30)  // largest single MPI message
+#define DEFAULT_ROUND_BYTES ((size_t)64 << 20)  // a reduction round's receive buffer, over all ranks
+static size_t PIECE_BYTES = DEFAULT_PIECE_BYTES;
+static size_t ROUND_BYTES = DEFAULT_ROUND_BYTES;
+#define POLL_SPINS 16                          // polls before a wait starts to sleep between polls
+#define POLL_SLEEP_NS 50000L                   // 50 us: oversubscribed ranks yield their core
+
+enum { TAG_REDUCE = 1, TAG_GATHER = 2, TAG_ALLTOALL = 3 };  // tags on Comm.coll
 
 Comm *comm_world_single(void) { return &world_single; }
+Comm *comm_world(void) { return mpi_started ? &world_mpi : &world_single; }
+int comm_is_initialized(void) { return mpi_started; }
 
 const char *comm_kind_name(CommKind kind) {
     switch (kind) {
@@ -23,36 +59,715 @@ const char *comm_kind_name(CommKind kind) {
     return "unknown";
 }
 
-// Returns when the collective is the identity (size 1); stops the process when it would need a
-// backend this build does not have.
-static void comm_require_single(const Comm *comm, const char *fn, int64_t n, int line) {
-    if (comm == NULL || n < 0) {
-        fprintf(stderr, "fp8moe: %s:%d: %s: comm = %p, n = %lld; expected a communicator and n >= 0\n",
-                __FILE__, line, fn, (const void *)comm, (long long)n);
-        exit(1);
+// ---------------------------------------------------------------------------- errors
+
+static int world_rank_now(void) { return mpi_started ? world_mpi.rank : 0; }
+
+static _Noreturn void end_job(int code) {
+    fflush(stdout);
+    fflush(stderr);
+    if (mpi_started) MPI_Abort(MPI_COMM_WORLD, code);
+    exit(code);
+}
+
+// "fp8moe: rank R: OP on group NAME (size S): WHAT" and the job ends.
+static _Noreturn void __attribute__((format(printf, 4, 5)))
+comm_fail(const Comm *c, const char *op, int line, const char *fmt, ...) {
+    char what[768];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(what, sizeof what, fmt, ap);
+    va_end(ap);
+    if (c != NULL)
+        fprintf(stderr, "fp8moe: rank %d: %s on group %s (size %d, rank %d there): %s (%s:%d)\n", world_rank_now(),
+                op, c->name, c->size, c->rank, what, __FILE__, line);
+    else
+        fprintf(stderr, "fp8moe: rank %d: %s: %s (%s:%d)\n", world_rank_now(), op, what, __FILE__, line);
+    end_job(COMM_EXIT_ERROR);
+}
+
+static void mpi_error_string(int rc, char *buf, size_t size) {
+    char s[MPI_MAX_ERROR_STRING];
+    int len = 0;
+    if (MPI_Error_string(rc, s, &len) != MPI_SUCCESS) len = 0;
+    s[len < MPI_MAX_ERROR_STRING ? len : MPI_MAX_ERROR_STRING - 1] = 0;
+    snprintf(buf, size, "%s", len > 0 ? s : "unknown MPI error");
+}
+
+static void mpi_check(const Comm *c, const char *op, const char *call, int rc, int line) {
+    if (rc == MPI_SUCCESS) return;
+    char s[MPI_MAX_ERROR_STRING + 8];
+    mpi_error_string(rc, s, sizeof s);
+    comm_fail(c, op, line, "%s failed: %s", call, s);
+}
+#define MPI_CHECK(c, op, call) mpi_check((c), (op), #call, (call), __LINE__)
+
+// Arguments every call checks first. Returns 1 when there is nothing to communicate (size 1).
+static int check_comm(const Comm *c, const char *op, int line) {
+    if (c == NULL) comm_fail(NULL, op, line, "comm is NULL - expected a communicator");
+    if (c->kind == COMM_SINGLE) {
+        if (c->size != 1) comm_fail(c, op, line, "a COMM_SINGLE group has size %d - expected 1", c->size);
+        return 1;
     }
-    if (comm->size == 1) return;
-    fprintf(stderr, "fp8moe: %s:%d: %s: group of %d ranks (kind %s) but this build has only the "
-                    "single-process backend; expected size 1 (the MPI/NCCL backends come in a later "
-                    "issue)\n", __FILE__, line, fn, comm->size, comm_kind_name(comm->kind));
-    exit(1);
+    if (c->kind != COMM_MPI)
+        comm_fail(c, op, line, "backend %s is not in this build - expected %s or %s", comm_kind_name(c->kind),
+                  comm_kind_name(COMM_SINGLE), comm_kind_name(COMM_MPI));
+    if (!mpi_started) comm_fail(c, op, line, "MPI is not running - expected comm_init first (or after comm_finalize)");
+    return c->size == 1;
 }
 
-void comm_allreduce_sum_double(Comm *comm, double *x, int n) {
-    (void)x;
-    comm_require_single(comm, "comm_allreduce_sum_double", n, __LINE__);
+static void check_count(const Comm *c, const char *op, int line, const char *what, int64_t n, const void *buf) {
+    if (n < 0) comm_fail(c, op, line, "%s = %lld - expected >= 0", what, (long long)n);
+    if (n > 0 && buf == NULL) comm_fail(c, op, line, "buffer is NULL with %s = %lld", what, (long long)n);
 }
 
-void comm_allreduce_sum_i64(Comm *comm, int64_t *x, int n) {
-    (void)x;
-    comm_require_single(comm, "comm_allreduce_sum_i64", n, __LINE__);
+static void check_peer(const Comm *c, const char *op, int line, const char *what, int peer) {
+    if (peer < 0 || peer >= c->size)
+        comm_fail(c, op, line, "%s %d - expected a rank of the group, 0 .. %d", what, peer, c->size - 1);
 }
 
-void comm_allreduce_sum_real(Comm *comm, real *x, int64_t n) {
-    (void)x;
-    comm_require_single(comm, "comm_allreduce_sum_real", n, __LINE__);
+// ---------------------------------------------------------------------------- waiting, with the timeout
+
+static double now_s(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+void comm_set_timeout(double seconds) {
+    if (!(seconds > 0) || !isfinite(seconds))
+        comm_fail(NULL, "comm_set_timeout", __LINE__, "%g s - expected a finite number of seconds > 0", seconds);
+    timeout_s = seconds;
+}
+
+double comm_timeout(void) { return timeout_s; }
+
+static _Noreturn void timed_out(const Comm *c, const char *op) {
+    fprintf(stderr, "fp8moe: rank %d: %s on group %s (size %d) timed out after %g s - a rank of the group has not "
+                    "taken part (stopped, hung, dead, or making different calls); ending the job\n",
+            world_rank_now(), op, c->name, c->size, timeout_s);
+    end_job(COMM_EXIT_TIMEOUT);
+}
+
+// Completes the n requests (statuses into st, n of them; st may be NULL when no receive needs checking)
+// or ends the job at the timeout. t0: when the call began (the timeout covers the whole call).
+static void wait_requests(const Comm *c, const char *op, int n, MPI_Request *reqs, MPI_Status *st, double t0) {
+    if (n == 0) return;
+    MPI_Status inline_st[8];
+    MPI_Status *stat = st ? st : n <= 8 ? inline_st : malloc((size_t)n * sizeof *stat);
+    if (stat == NULL) comm_fail(c, op, __LINE__, "out of memory for %d statuses", n);
+    const struct timespec nap = {0, POLL_SLEEP_NS};
+    for (long polls = 0;; polls++) {
+        int done = 0;
+        int rc = MPI_Testall(n, reqs, &done, stat);
+        if (rc == MPI_ERR_IN_STATUS) {
+            for (int i = 0; i < n; i++) {
+                int e = stat[i].MPI_ERROR;
+                if (e == MPI_SUCCESS || e == MPI_ERR_PENDING) continue;
+                char s[MPI_MAX_ERROR_STRING + 8];
+                mpi_error_string(e, s, sizeof s);
+                comm_fail(c, op, __LINE__, "request %d of %d (peer %d) failed: %s", i, n, stat[i].MPI_SOURCE, s);
+            }
+        }
+        MPI_CHECK(c, op, rc);
+        if (done) break;
+        if (now_s() - t0 > timeout_s) timed_out(c, op);
+        if (polls >= POLL_SPINS) nanosleep(&nap, NULL);
+    }
+    if (stat != st && stat != inline_st) free(stat);
+}
+
+// A received piece must be exactly as long as expected (a longer one already failed as MPI_ERR_TRUNCATE).
+static void check_received(const Comm *c, const char *op, const MPI_Status *st, size_t expect_bytes) {
+    int got = 0;
+    MPI_CHECK(c, op, MPI_Get_count(st, MPI_BYTE, &got));
+    if ((size_t)got != expect_bytes)
+        comm_fail(c, op, __LINE__, "received %d bytes from rank %d, expected %zu - the sender and the receiver "
+                                   "disagree on the size (sends and receives of a pair must match one to one)",
+                  got, st->MPI_SOURCE, expect_bytes);
+}
+
+// ---------------------------------------------------------------------------- batches of messages
+
+// The requests of one step of a collective: receives and sends in pieces of at most PIECE_BYTES, then
+// one wait for all of them, then a size check of every received piece.
+typedef struct {
+    const Comm *comm;
+    const char *op;
+    int n, cap;
+    MPI_Request *reqs;
+    int64_t *expect;  // receives: expected bytes of the piece; sends: -1
+} Batch;
+
+static void batch_grow(Batch *b) {
+    if (b->n < b->cap) return;
+    b->cap = b->cap ? 2 * b->cap : 16;
+    b->reqs = realloc(b->reqs, (size_t)b->cap * sizeof *b->reqs);
+    b->expect = realloc(b->expect, (size_t)b->cap * sizeof *b->expect);
+    if (b->reqs == NULL || b->expect == NULL) comm_fail(b->comm, b->op, __LINE__, "out of memory for %d requests", b->cap);
+}
+
+// A zero-byte message is still one message: it keeps the pair's sequence of messages matched.
+static void batch_send(Batch *b, const void *buf, size_t bytes, int peer, int tag) {
+    size_t off = 0;
+    do {
+        const size_t piece = bytes - off < PIECE_BYTES ? bytes - off : PIECE_BYTES;
+        batch_grow(b);
+        MPI_CHECK(b->comm, b->op, MPI_Isend((const char *)buf + off, (int)piece, MPI_BYTE, peer, tag, b->comm->coll,
+                                            &b->reqs[b->n]));
+        b->expect[b->n++] = -1;
+        off += piece;
+    } while (off < bytes);
+}
+
+static void batch_recv(Batch *b, void *buf, size_t bytes, int peer, int tag) {
+    size_t off = 0;
+    do {
+        const size_t piece = bytes - off < PIECE_BYTES ? bytes - off : PIECE_BYTES;
+        batch_grow(b);
+        MPI_CHECK(b->comm, b->op, MPI_Irecv((char *)buf + off, (int)piece, MPI_BYTE, peer, tag, b->comm->coll,
+                                            &b->reqs[b->n]));
+        b->expect[b->n++] = (int64_t)piece;
+        off += piece;
+    } while (off < bytes);
+}
+
+static void batch_wait(Batch *b, double t0) {
+    if (b->n == 0) return;
+    MPI_Status *st = malloc((size_t)b->n * sizeof *st);
+    if (st == NULL) comm_fail(b->comm, b->op, __LINE__, "out of memory for %d statuses", b->n);
+    wait_requests(b->comm, b->op, b->n, b->reqs, st, t0);
+    for (int i = 0; i < b->n; i++)
+        if (b->expect[i] >= 0) check_received(b->comm, b->op, &st[i], (size_t)b->expect[i]);
+    free(st);
+    b->n = 0;
+}
+
+static void batch_free(Batch *b) {
+    free(b->reqs);
+    free(b->expect);
+    memset(b, 0, sizeof *b);
+}
+
+static void *scratch(Comm *c, const char *op, size_t bytes) {
+    if (bytes > c->scratch_bytes) {
+        free(c->scratch);
+        c->scratch = malloc(bytes);
+        if (c->scratch == NULL) comm_fail(c, op, __LINE__, "out of memory for a %zu-byte reduction buffer", bytes);
+        c->scratch_bytes = bytes;
+    }
+    return c->scratch;
+}
+
+// ---------------------------------------------------------------------------- set-up and groups
+
+// A new MPI group c->mpi gets errors returned, its rank and size, and the duplicate its collectives use.
+static void finish_group(Comm *c, const char *op) {
+    c->size = 1;  // until known, for messages
+    MPI_CHECK(c, op, MPI_Comm_set_errhandler(c->mpi, MPI_ERRORS_RETURN));
+    MPI_CHECK(c, op, MPI_Comm_rank(c->mpi, &c->rank));
+    MPI_CHECK(c, op, MPI_Comm_size(c->mpi, &c->size));
+    MPI_Request req;
+    MPI_CHECK(c, op, MPI_Comm_idup(c->mpi, &c->coll, &req));
+    wait_requests(c, op, 1, &req, NULL, now_s());
+    MPI_CHECK(c, op, MPI_Comm_set_errhandler(c->coll, MPI_ERRORS_RETURN));
+}
+
+static void check_name(const Comm *parent, const char *op, const char *name) {
+    if (name == NULL || name[0] == 0 || strlen(name) >= COMM_NAME_MAX)
+        comm_fail(parent, op, __LINE__, "name \"%s\" - expected 1 to %d characters", name ? name : "(null)",
+                  COMM_NAME_MAX - 1);
+}
+
+void comm_init(int *argc, char ***argv) {
+    const char *op = "comm_init";
+    int already = 0;
+    MPI_Initialized(&already);
+    if (already || mpi_started) comm_fail(NULL, op, __LINE__, "MPI is already initialised - expected one comm_init per process");
+    int provided = 0;
+    int rc = MPI_Init_thread(argc, argv, MPI_THREAD_FUNNELED, &provided);
+    if (rc != MPI_SUCCESS) {
+        char s[MPI_MAX_ERROR_STRING + 8];
+        mpi_error_string(rc, s, sizeof s);
+        fprintf(stderr, "fp8moe: comm_init: MPI_Init_thread failed: %s\n", s);
+        exit(COMM_EXIT_ERROR);
+    }
+    mpi_started = 1;
+    memset(&world_mpi, 0, sizeof world_mpi);
+    world_mpi.kind = COMM_MPI;
+    snprintf(world_mpi.name, sizeof world_mpi.name, "world");
+    world_mpi.mpi = MPI_COMM_WORLD;
+    world_mpi.coll = MPI_COMM_NULL;
+    finish_group(&world_mpi, op);
+    world_mpi.world_rank = world_mpi.rank;
+    if (provided < MPI_THREAD_FUNNELED)
+        comm_fail(&world_mpi, op, __LINE__, "MPI gives thread level %d - expected at least MPI_THREAD_FUNNELED (%d)",
+                  provided, MPI_THREAD_FUNNELED);
+}
+
+void comm_finalize(void) {
+    if (!mpi_started) return;
+    const char *op = "comm_finalize";
+    MPI_CHECK(&world_mpi, op, MPI_Comm_free(&world_mpi.coll));
+    free(world_mpi.scratch);
+    world_mpi.scratch = NULL;
+    world_mpi.scratch_bytes = 0;
+    int rc = MPI_Finalize();
+    mpi_started = 0;
+    if (rc != MPI_SUCCESS) {
+        char s[MPI_MAX_ERROR_STRING + 8];
+        mpi_error_string(rc, s, sizeof s);
+        fprintf(stderr, "fp8moe: rank %d: comm_finalize: MPI_Finalize failed: %s\n", world_mpi.rank, s);
+        exit(COMM_EXIT_ERROR);
+    }
+}
+
+Comm *comm_split(Comm *parent, int color, int key, const char *name) {
+    const char *op = "comm_split";
+    check_comm(parent, op, __LINE__);
+    check_name(parent, op, name);
+    if (color < 0 && color != COMM_UNDEFINED)
+        comm_fail(parent, op, __LINE__, "color %d - expected >= 0 or COMM_UNDEFINED", color);
+    Comm *c = calloc(1, sizeof *c);
+    if (c == NULL) comm_fail(parent, op, __LINE__, "out of memory");
+    snprintf(c->name, sizeof c->name, "%s", name);
+    c->kind = parent->kind;
+    c->world_rank = parent->world_rank;
+    if (parent->kind == COMM_SINGLE) {
+        if (color == COMM_UNDEFINED) {
+            free(c);
+            return NULL;
+        }
+        c->size = 1;
+        return c;
+    }
+    // MPI_Comm_split has no nonblocking form: a timed barrier first makes sure every rank has arrived, so a
+    // missing rank ends the job by the timeout instead of hanging the split.
+    comm_barrier(parent);
+    MPI_Comm m = MPI_COMM_NULL;
+    MPI_CHECK(parent, op, MPI_Comm_split(parent->mpi, color == COMM_UNDEFINED ? MPI_UNDEFINED : color, key, &m));
+    if (m == MPI_COMM_NULL) {
+        free(c);
+        return NULL;
+    }
+    c->mpi = m;
+    finish_group(c, op);
+    return c;
+}
+
+Comm *comm_split_host(Comm *parent, const char *name) {
+    const char *op = "comm_split_host";
+    check_comm(parent, op, __LINE__);
+    if (parent->kind == COMM_SINGLE) return comm_split(parent, 0, 0, name);
+    check_name(parent, op, name);
+    Comm *c = calloc(1, sizeof *c);
+    if (c == NULL) comm_fail(parent, op, __LINE__, "out of memory");
+    snprintf(c->name, sizeof c->name, "%s", name);
+    c->kind = COMM_MPI;
+    c->world_rank = parent->world_rank;
+    comm_barrier(parent);  // as in comm_split: the split itself cannot time out
+    MPI_CHECK(parent, op, MPI_Comm_split_type(parent->mpi, MPI_COMM_TYPE_SHARED, parent->rank, MPI_INFO_NULL, &c->mpi));
+    finish_group(c, op);
+    return c;
+}
+
+void comm_set_limits_for_tests(size_t piece_bytes, size_t round_bytes) {
+    if (piece_bytes > DEFAULT_PIECE_BYTES || round_bytes > ((size_t)1 << 40))
+        comm_fail(NULL, "comm_set_limits_for_tests", __LINE__, "piece %zu bytes, round %zu bytes - expected a piece of "
+                  "at most %zu bytes (an int count)", piece_bytes, round_bytes, DEFAULT_PIECE_BYTES);
+    PIECE_BYTES = piece_bytes ? piece_bytes : DEFAULT_PIECE_BYTES;
+    ROUND_BYTES = round_bytes ? round_bytes : DEFAULT_ROUND_BYTES;
+}
+
+void comm_free(Comm *c) {
+    if (c == NULL) return;
+    if (c == &world_mpi || c == &world_single) comm_fail(c, "comm_free", __LINE__, "the world cannot be freed");
+    if (c->kind == COMM_MPI && mpi_started) {
+        MPI_CHECK(c, "comm_free", MPI_Comm_free(&c->coll));
+        MPI_CHECK(c, "comm_free", MPI_Comm_free(&c->mpi));
+    }
+    free(c->scratch);
+    free(c);
+}
+
+// ---------------------------------------------------------------------------- reductions
+
+typedef enum { RED_SUM, RED_MAX, RED_MIN } RedOp;
+typedef enum { TY_DOUBLE, TY_FLOAT, TY_I64 } RedType;
+#define TY_REAL (sizeof(real) == sizeof(double) ? TY_DOUBLE : TY_FLOAT)
+
+static size_t type_bytes(RedType t) { return t == TY_FLOAT ? sizeof(float) : 8; }
+
+// NaN wins, so that a non-finite value on any rank is seen by all.
+static double max_nan(double a, double b) { return isnan(a) ? a : isnan(b) ? b : (b > a ? b : a); }
+static double min_nan(double a, double b) { return isnan(a) ? a : isnan(b) ? b : (b < a ? b : a); }
+
+// out (n) = slot 0 (op) slot 1 (op) ... (op) slot P-1, element by element, left to right: out starts as slot
+// 0 and takes each later slot in turn, which is the rank order exactly (each element sees the same sequence
+// of operations as ((x_0 + x_1) + x_2) + ...). The slots are `stride` elements apart.
+static void combine_slots(RedType t, RedOp o, void *out, const void *slots, int P, int64_t stride, int64_t n) {
+    switch (t) {
+    case TY_DOUBLE: {
+        double *y = out;
+        const double *s = slots;
+        memcpy(y, s, (size_t)n * sizeof *y);
+        for (int r = 1; r < P; r++) {
+            const double *x = s + (int64_t)r * stride;
+            if (o == RED_SUM) for (int64_t i = 0; i < n; i++) y[i] = y[i] + x[i];
+            else if (o == RED_MAX) for (int64_t i = 0; i < n; i++) y[i] = max_nan(y[i], x[i]);
+            else for (int64_t i = 0; i < n; i++) y[i] = min_nan(y[i], x[i]);
+        }
+        break;
+    }
+    case TY_FLOAT: {
+        float *y = out;
+        const float *s = slots;
+        memcpy(y, s, (size_t)n * sizeof *y);
+        for (int r = 1; r < P; r++) {
+            const float *x = s + (int64_t)r * stride;
+            for (int64_t i = 0; i < n; i++) y[i] = y[i] + x[i];  // only sums are asked of floats
+        }
+        break;
+    }
+    case TY_I64: {
+        // in uint64: wraps modulo 2^64 instead of the undefined behaviour of signed overflow
+        uint64_t *y = out;
+        const uint64_t *s = slots;
+        memcpy(y, s, (size_t)n * sizeof *y);
+        for (int r = 1; r < P; r++) {
+            const uint64_t *x = s + (int64_t)r * stride;
+            for (int64_t i = 0; i < n; i++) y[i] = y[i] + x[i];
+        }
+        break;
+    }
+    }
+}
+
+// The engine of every reduction: send holds block b (counts[b] elements at displacement d[b]) for every rank b;
+// rank b receives every rank's block b and combines them in rank order into recv. In rounds of at most `piece`
+// elements per block, so the owner's buffer (P slots of a piece) stays near ROUND_BYTES whatever the counts.
+// recv may alias send + d[rank]: each round copies this rank's own piece into its slot before writing recv.
+static void reduce_scatter_core(Comm *c, const char *op, RedType t, RedOp o, const void *send, void *recv,
+                                const int64_t *counts, const int64_t *d, double t0) {
+    const int P = c->size, me = c->rank;
+    const size_t es = type_bytes(t);
+    int64_t piece = (int64_t)(ROUND_BYTES / es / (size_t)P);
+    if (piece < 1) piece = 1;
+    int64_t most = 0;
+    for (int b = 0; b < P; b++) most = counts[b] > most ? counts[b] : most;
+    char *slots = scratch(c, op, (size_t)P * (size_t)(most < piece ? most : piece) * es);
+    const int64_t stride = most < piece ? most : piece;
+    Batch batch = {.comm = c, .op = op};
+    for (int64_t off = 0; off < most; off += piece) {
+        int64_t mine = counts[me] - off;
+        mine = mine < 0 ? 0 : mine > piece ? piece : mine;
+        for (int r = 0; r < P && mine > 0; r++)
+            if (r != me) batch_recv(&batch, slots + (size_t)r * (size_t)stride * es, (size_t)mine * es, r, TAG_REDUCE);
+        for (int b = 0; b < P; b++) {
+            int64_t len = counts[b] - off;
+            if (b == me || len <= 0) continue;
+            len = len > piece ? piece : len;
+            batch_send(&batch, (const char *)send + (size_t)(d[b] + off) * es, (size_t)len * es, b, TAG_REDUCE);
+        }
+        if (mine > 0)
+            memcpy(slots + (size_t)me * (size_t)stride * es, (const char *)send + (size_t)(d[me] + off) * es,
+                   (size_t)mine * es);
+        batch_wait(&batch, t0);
+        if (mine > 0) combine_slots(t, o, (char *)recv + (size_t)off * es, slots, P, stride, mine);
+    }
+    batch_free(&batch);
+}
+
+// recv's block b (counts[b] elements at d[b]) = rank b's send. send may be recv + d[rank] (in place).
+static void allgather_core(Comm *c, const char *op, size_t es, const void *send, void *recv, const int64_t *counts,
+                           const int64_t *d, double t0) {
+    const int P = c->size, me = c->rank;
+    char *own = (char *)recv + (size_t)d[me] * es;
+    if ((const char *)send != own) memmove(own, send, (size_t)counts[me] * es);
+    Batch batch = {.comm = c, .op = op};
+    for (int r = 0; r < P; r++)
+        if (r != me && counts[r] > 0) batch_recv(&batch, (char *)recv + (size_t)d[r] * es, (size_t)counts[r] * es, r, TAG_GATHER);
+    for (int r = 0; r < P; r++)
+        if (r != me && counts[me] > 0) batch_send(&batch, own, (size_t)counts[me] * es, r, TAG_GATHER);
+    batch_wait(&batch, t0);
+    batch_free(&batch);
+}
+
+// counts/displacements of the group for n elements split into P near-equal blocks (the first n % P one longer).
+static int64_t *even_blocks(const Comm *c, const char *op, int64_t n, int64_t **d_out) {
+    int64_t *counts = malloc(2 * (size_t)c->size * sizeof *counts);
+    if (counts == NULL) comm_fail(c, op, __LINE__, "out of memory");
+    for (int b = 0; b < c->size; b++) counts[b] = n / c->size + (b < n % c->size);
+    *d_out = counts + c->size;
+    comm_displacements(counts, c->size, *d_out);
+    return counts;
+}
+
+// In place: reduce-scatter into this rank's block of x, then all-gather the blocks.
+static void allreduce(Comm *c, const char *op, RedType t, RedOp o, void *x, int64_t n) {
+    const double t0 = now_s();
+    int64_t *d;
+    int64_t *counts = even_blocks(c, op, n, &d);
+    // device staging: copy x to pinned host memory here, and the result back after the all-gather
+    char *own = (char *)x + (size_t)d[c->rank] * type_bytes(t);
+    reduce_scatter_core(c, op, t, o, x, own, counts, d, t0);
+    allgather_core(c, op, type_bytes(t), own, x, counts, d, t0);
+    free(counts);
+}
+
+#define ALLREDUCE(fn, T, ty, red)                                   \
+    void fn(Comm *comm, T *x, int64_t n) {                          \
+        if (check_comm(comm, #fn, __LINE__)) {                      \
+            check_count(comm, #fn, __LINE__, "n", n, x);            \
+            return;                                                 \
+        }                                                           \
+        check_count(comm, #fn, __LINE__, "n", n, x);                \
+        allreduce(comm, #fn, ty, red, x, n);                        \
+    }
+ALLREDUCE(comm_allreduce_sum_double, double, TY_DOUBLE, RED_SUM)
+ALLREDUCE(comm_allreduce_sum_i64, int64_t, TY_I64, RED_SUM)
+ALLREDUCE(comm_allreduce_sum_real, real, TY_REAL, RED_SUM)
+ALLREDUCE(comm_allreduce_max_double, double, TY_DOUBLE, RED_MAX)
+ALLREDUCE(comm_allreduce_min_double, double, TY_DOUBLE, RED_MIN)
+
+int64_t comm_displacements(const int64_t *counts, int n, int64_t *displacements) {
+    int64_t total = 0;
+    for (int r = 0; r < n; r++) {
+        displacements[r] = total;
+        total += counts[r];
+    }
+    return total;
+}
+
+static int64_t *checked_displacements(const Comm *c, const char *op, const int64_t *counts, const char *what) {
+    if (counts == NULL) comm_fail(c, op, __LINE__, "%s is NULL - expected %d entries", what, c->size);
+    int64_t *d = malloc((size_t)c->size * sizeof *d);
+    if (d == NULL) comm_fail(c, op, __LINE__, "out of memory");
+    for (int r = 0; r < c->size; r++)
+        if (counts[r] < 0) comm_fail(c, op, __LINE__, "%s[%d] = %lld - expected >= 0", what, r, (long long)counts[r]);
+    comm_displacements(counts, c->size, d);
+    return d;
+}
+
+void comm_reduce_scatter_sum_real(Comm *comm, const real *send, real *recv, const int64_t *counts) {
+    const char *op = "comm_reduce_scatter_sum_real";
+    const double t0 = now_s();
+    const int single = check_comm(comm, op, __LINE__);
+    int64_t *d = checked_displacements(comm, op, counts, "counts");
+    check_count(comm, op, __LINE__, "the sum of counts", d[comm->size - 1] + counts[comm->size - 1], send);
+    check_count(comm, op, __LINE__, "counts[rank]", counts[comm->rank], recv);
+    if (single) {
+        if (recv != send) memmove(recv, send, (size_t)counts[0] * sizeof *recv);
+    } else {
+        reduce_scatter_core(comm, op, TY_REAL, RED_SUM, send, recv, counts, d, t0);
+    }
+    free(d);
+}
+
+// counts of `block` elements for every rank of the group
+static int64_t *block_counts(const Comm *c, const char *op, int64_t block) {
+    if (c == NULL) comm_fail(NULL, op, __LINE__, "comm is NULL - expected a communicator");
+    if (block < 0) comm_fail(c, op, __LINE__, "block = %lld - expected >= 0", (long long)block);
+    int64_t *counts = malloc((size_t)c->size * sizeof *counts);
+    if (counts == NULL) comm_fail(c, op, __LINE__, "out of memory");
+    for (int r = 0; r < c->size; r++) counts[r] = block;
+    return counts;
+}
+
+void comm_reduce_scatter_block_sum_real(Comm *comm, const real *send, real *recv, int64_t block) {
+    int64_t *counts = block_counts(comm, "comm_reduce_scatter_block_sum_real", block);
+    comm_reduce_scatter_sum_real(comm, send, recv, counts);
+    free(counts);
+}
+
+void comm_allgather_real(Comm *comm, const real *send, real *recv, const int64_t *counts) {
+    const char *op = "comm_allgather_real";
+    const double t0 = now_s();
+    const int single = check_comm(comm, op, __LINE__);
+    int64_t *d = checked_displacements(comm, op, counts, "counts");
+    check_count(comm, op, __LINE__, "the sum of counts", d[comm->size - 1] + counts[comm->size - 1], recv);
+    check_count(comm, op, __LINE__, "counts[rank]", counts[comm->rank], send);
+    if (single) {
+        if (recv != send) memmove(recv, send, (size_t)counts[0] * sizeof *recv);
+    } else {
+        allgather_core(comm, op, sizeof(real), send, recv, counts, d, t0);
+    }
+    free(d);
+}
+
+void comm_allgather_block_real(Comm *comm, const real *send, real *recv, int64_t block) {
+    int64_t *counts = block_counts(comm, "comm_allgather_block_real", block);
+    comm_allgather_real(comm, send, recv, counts);
+    free(counts);
+}
+
+void comm_allgather_bytes(Comm *comm, const void *send, void *recv, size_t bytes) {
+    const char *op = "comm_allgather_bytes";
+    const double t0 = now_s();
+    const int single = check_comm(comm, op, __LINE__);
+    check_count(comm, op, __LINE__, "bytes", (int64_t)bytes, send);
+    check_count(comm, op, __LINE__, "bytes", (int64_t)bytes, recv);
+    if (single) {
+        if (recv != send) memmove(recv, send, bytes);
+        return;
+    }
+    int64_t *counts = block_counts(comm, op, (int64_t)bytes);
+    int64_t *d = checked_displacements(comm, op, counts, "counts");
+    allgather_core(comm, op, 1, send, recv, counts, d, t0);
+    free(d);
+    free(counts);
+}
+
+// ---------------------------------------------------------------------------- all-to-all
+
+void comm_alltoall_counts(Comm *comm, const int64_t *send_counts, int64_t *recv_counts) {
+    const char *op = "comm_alltoall_counts";
+    const double t0 = now_s();
+    const int single = check_comm(comm, op, __LINE__);
+    if (send_counts == NULL || recv_counts == NULL)
+        comm_fail(comm, op, __LINE__, "send_counts or recv_counts is NULL - expected %d entries each", comm->size);
+    if (single) {
+        recv_counts[0] = send_counts[0];
+        return;
+    }
+    MPI_Request req;
+    MPI_CHECK(comm, op, MPI_Ialltoall(send_counts, 1, MPI_INT64_T, recv_counts, 1, MPI_INT64_T, comm->coll, &req));
+    wait_requests(comm, op, 1, &req, NULL, t0);
+}
+
+void comm_alltoallv_bytes(Comm *comm, const void *send, const int64_t *send_bytes, void *recv,
+                          const int64_t *recv_bytes) {
+    const char *op = "comm_alltoallv_bytes";
+    const double t0 = now_s();
+    const int single = check_comm(comm, op, __LINE__);
+    int64_t *sd = checked_displacements(comm, op, send_bytes, "send_bytes");
+    int64_t *rd = checked_displacements(comm, op, recv_bytes, "recv_bytes");
+    const int P = comm->size, me = comm->rank;
+    check_count(comm, op, __LINE__, "the sum of send_bytes", sd[P - 1] + send_bytes[P - 1], send);
+    check_count(comm, op, __LINE__, "the sum of recv_bytes", rd[P - 1] + recv_bytes[P - 1], recv);
+    if (send_bytes[me] != recv_bytes[me])
+        comm_fail(comm, op, __LINE__, "send_bytes[%d] = %lld but recv_bytes[%d] = %lld - expected the same (this "
+                                      "rank's block to itself)", me, (long long)send_bytes[me], me,
+                  (long long)recv_bytes[me]);
+    // device staging: the rows of an EP dispatch will be staged through pinned host memory here
+    if (send_bytes[me] > 0) memcpy((char *)recv + rd[me], (const char *)send + sd[me], (size_t)send_bytes[me]);
+    if (!single) {
+        // every pair exchanges one message even when it is empty, so that a disagreement on a size is a
+        // receive of the wrong length (reported) and never a message left over for a later call
+        Batch batch = {.comm = comm, .op = op};
+        for (int k = 1; k < P; k++) {
+            const int r = (me + P - k) % P;  // receive from me-1, me-2, ...: spreads the load over the peers
+            batch_recv(&batch, (char *)recv + rd[r], (size_t)recv_bytes[r], r, TAG_ALLTOALL);
+        }
+        for (int k = 1; k < P; k++) {
+            const int r = (me + k) % P;
+            batch_send(&batch, (const char *)send + sd[r], (size_t)send_bytes[r], r, TAG_ALLTOALL);
+        }
+        batch_wait(&batch, t0);
+        batch_free(&batch);
+    }
+    free(sd);
+    free(rd);
+}
+
+// ---------------------------------------------------------------------------- point to point
+
+static void request_post(Comm *comm, const char *op, void *buf, size_t bytes, int peer, int tag, CommRequest *req,
+                         int is_send) {
+    if (req == NULL) comm_fail(comm, op, __LINE__, "req is NULL - expected a CommRequest to fill");
+    memset(req, 0, sizeof *req);
+    if (check_comm(comm, op, __LINE__) && comm->kind == COMM_SINGLE)
+        comm_fail(comm, op, __LINE__, "a single-process group has no peer to %s", is_send ? "send to" : "receive from");
+    check_count(comm, op, __LINE__, "bytes", (int64_t)bytes, buf);
+    check_peer(comm, op, __LINE__, is_send ? "dest" : "src", peer);
+    if (tag < 0 || tag > COMM_TAG_MAX) comm_fail(comm, op, __LINE__, "tag %d - expected 0 .. %d", tag, COMM_TAG_MAX);
+    const size_t pieces = bytes == 0 ? 1 : (bytes + PIECE_BYTES - 1) / PIECE_BYTES;
+    if (pieces > INT_MAX) comm_fail(comm, op, __LINE__, "%zu bytes is too many pieces", bytes);
+    req->comm = comm;
+    req->op = op;
+    req->peer = peer;
+    req->tag = tag;
+    req->bytes = bytes;
+    req->is_send = is_send;
+    req->reqs = pieces <= 2 ? req->inline_reqs : malloc(pieces * sizeof *req->reqs);
+    if (req->reqs == NULL) comm_fail(comm, op, __LINE__, "out of memory for %zu requests", pieces);
+    // device staging: a device buffer is copied to (sends) or from (receives, in comm_wait) pinned memory
+    for (size_t i = 0; i < pieces; i++) {
+        const size_t off = i * PIECE_BYTES, len = bytes - off < PIECE_BYTES ? bytes - off : PIECE_BYTES;
+        if (is_send)
+            MPI_CHECK(comm, op, MPI_Isend((char *)buf + off, (int)len, MPI_BYTE, peer, tag, comm->mpi, &req->reqs[i]));
+        else
+            MPI_CHECK(comm, op, MPI_Irecv((char *)buf + off, (int)len, MPI_BYTE, peer, tag, comm->mpi, &req->reqs[i]));
+        req->n = (int)i + 1;
+    }
+}
+
+static void request_wait(CommRequest *req, double t0) {
+    if (req == NULL) comm_fail(NULL, "comm_wait", __LINE__, "req is NULL - expected a CommRequest");
+    if (req->n == 0) return;
+    Comm *c = req->comm;
+    MPI_Status *st = malloc((size_t)req->n * sizeof *st);
+    if (st == NULL) comm_fail(c, req->op, __LINE__, "out of memory");
+    wait_requests(c, req->op, req->n, req->reqs, st, t0);
+    for (int i = 0; i < req->n && !req->is_send; i++) {
+        const size_t off = (size_t)i * PIECE_BYTES;
+        check_received(c, req->op, &st[i], req->bytes - off < PIECE_BYTES ? req->bytes - off : PIECE_BYTES);
+    }
+    free(st);
+    if (req->reqs != req->inline_reqs) free(req->reqs);
+    memset(req, 0, sizeof *req);
+}
+
+void comm_isend_bytes(Comm *comm, const void *buf, size_t bytes, int dest, int tag, CommRequest *req) {
+    request_post(comm, "comm_isend_bytes", (void *)buf, bytes, dest, tag, req, 1);
+}
+
+void comm_irecv_bytes(Comm *comm, void *buf, size_t bytes, int src, int tag, CommRequest *req) {
+    request_post(comm, "comm_irecv_bytes", buf, bytes, src, tag, req, 0);
+}
+
+void comm_wait(CommRequest *req) { request_wait(req, now_s()); }
+
+void comm_send_bytes(Comm *comm, const void *buf, size_t bytes, int dest, int tag) {
+    const double t0 = now_s();
+    CommRequest req;
+    request_post(comm, "comm_send_bytes", (void *)buf, bytes, dest, tag, &req, 1);
+    request_wait(&req, t0);
+}
+
+void comm_recv_bytes(Comm *comm, void *buf, size_t bytes, int src, int tag) {
+    const double t0 = now_s();
+    CommRequest req;
+    request_post(comm, "comm_recv_bytes", buf, bytes, src, tag, &req, 0);
+    request_wait(&req, t0);
+}
+
+// ---------------------------------------------------------------------------- broadcast, barrier
+
+void comm_bcast_bytes(Comm *comm, void *buf, size_t bytes, int root) {
+    const char *op = "comm_bcast_bytes";
+    const double t0 = now_s();
+    const int single = check_comm(comm, op, __LINE__);
+    check_count(comm, op, __LINE__, "bytes", (int64_t)bytes, buf);
+    check_peer(comm, op, __LINE__, "root", root);
+    if (single) return;
+    const size_t pieces = (bytes + PIECE_BYTES - 1) / PIECE_BYTES;
+    MPI_Request inline_reqs[4];
+    MPI_Request *reqs = pieces <= 4 ? inline_reqs : malloc(pieces * sizeof *reqs);
+    if (reqs == NULL) comm_fail(comm, op, __LINE__, "out of memory");
+    for (size_t i = 0; i < pieces; i++) {
+        const size_t off = i * PIECE_BYTES, len = bytes - off < PIECE_BYTES ? bytes - off : PIECE_BYTES;
+        MPI_CHECK(comm, op, MPI_Ibcast((char *)buf + off, (int)len, MPI_BYTE, root, comm->coll, &reqs[i]));
+    }
+    wait_requests(comm, op, (int)pieces, reqs, NULL, t0);
+    if (reqs != inline_reqs) free(reqs);
 }
 
 void comm_barrier(Comm *comm) {
-    comm_require_single(comm, "comm_barrier", 0, __LINE__);
+    const char *op = "comm_barrier";
+    const double t0 = now_s();
+    if (check_comm(comm, op, __LINE__)) return;
+    MPI_Request req;
+    MPI_CHECK(comm, op, MPI_Ibarrier(comm->coll, &req));
+    wait_requests(comm, op, 1, &req, NULL, t0);
 }

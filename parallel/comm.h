@@ -1,51 +1,182 @@
 /*
- * comm.h - the communication interface of fp8moe: a communicator (one process group) and the
- * collectives the trainer needs (all-reduce of gradients, losses, norms and expert load counts,
- * barrier).
+ * comm.h - the communication interface of fp8moe: a communicator (one process group, with a short
+ * name such as "dp") and the collectives and point-to-point messages the trainer needs.
  *
  * The model, optimizer and trainer talk to other ranks only through these functions, never through
  * MPI or NCCL directly (DESIGN.md section 2 and 5), exactly as they reach devices only through
- * kernels/kernels.h. Today there is one backend: the single process (COMM_SINGLE, size 1), where
- * every collective is the identity and does nothing. The MPI backend (CPU ranks, bootstrap and control
- * plane) and the NCCL backend (GPU ranks; its id is broadcast over MPI) plug in later behind the same
- * functions: a Comm then also carries the MPI_Comm / ncclComm_t handles, the functions switch on
- * `kind`, and no caller changes.
+ * kernels/kernels.h. Backends:
+ *   COMM_SINGLE  one process, size 1, no MPI at all: every collective is the identity (what the unit
+ *                tests and a binary that never called comm_init use).
+ *   COMM_MPI     an MPI communicator (CPU ranks; also the bootstrap and control plane of GPU jobs).
+ *                Without mpirun, comm_init starts MPI as a singleton and the world has size 1.
+ *   COMM_NCCL    later issue: GPU ranks, one GPU each, the NCCL id broadcast over MPI.
+ * At size 1 every call returns after checking its arguments (and, where there is an output buffer
+ * distinct from the input, one copy), whatever the backend: the single-process path costs what it
+ * did before MPI existed.
  *
- * Conventions: buffers are reduced in place; n is an element count; every rank of the group must
- * call a collective with the same n in the same order. Sums are deterministic: a backend must reduce
- * in a fixed rank order (no floating-point atomics), so the same job gives bitwise-identical results.
- * A collective asked of a group of size > 1 in a build without its backend stops the process with a
- * message naming the function, this file and line.
+ * Conventions:
+ * - Buffers are HOST buffers. Device buffers (MPI ranks sharing a GPU) will be staged through pinned
+ *   host memory inside comm.c (see the "device staging" note there); callers will not change.
+ * - Counts are element counts unless the name says _bytes. Every rank of a group must make the same
+ *   collective calls in the same order with matching counts; mismatched sizes are detected where the
+ *   receiver can see them (a message longer or shorter than expected) and end the job.
+ * - Sums are deterministic and in RANK ORDER: result[i] = ((x_0[i] + x_1[i]) + x_2[i]) + ... for ranks
+ *   0, 1, 2, ... of the group, computed once by the rank that owns element i and sent to everyone, so
+ *   every rank holds identical bits, and the same bits as one process adding the same values in that
+ *   order (e.g. gradient accumulation over the micro-batches of ranks 0, 1, ...). MPI_SUM is never
+ *   used: its order is the library's choice. Max/min also propagate NaN (any rank's NaN wins).
+ * - Every blocking call (and comm_wait) honours the process-wide timeout (comm_set_timeout, default
+ *   COMM_DEFAULT_TIMEOUT_S, the config key parallel.timeout_s). A call that does not complete in time
+ *   prints `fp8moe: rank R: <op> on group <name> (size S) timed out after T s` (R is the world rank)
+ *   and ends the whole job with MPI_Abort(COMM_EXIT_TIMEOUT). Waiting ranks poll with a ~50 us sleep,
+ *   so ranks oversubscribing the cores yield them to the rank that has work.
+ * - Any MPI error (every communicator has MPI_ERRORS_RETURN, every return code is checked) and any
+ *   invalid argument print one line naming the function, the group, the rank and the MPI error
+ *   string, and end the job with MPI_Abort(COMM_EXIT_ERROR). A COMM_SINGLE communicator of size > 1
+ *   cannot exist; a call on one stops with the file and line.
  */
 #ifndef FP8MOE_COMM_H
 #define FP8MOE_COMM_H
 
+#include <stddef.h>
 #include <stdint.h>
+
+#include <mpi.h>
 
 #include "kernels/kernels.h"
 
 typedef enum {
-    COMM_SINGLE = 0,  // one process, size 1: every collective is the identity
-    COMM_MPI = 1,     // later issue: MPI communicator (CPU ranks)
+    COMM_SINGLE = 0,  // one process, size 1, no MPI: every collective is the identity
+    COMM_MPI = 1,     // MPI communicator (CPU ranks; host buffers)
     COMM_NCCL = 2,    // later issue: NCCL communicator (GPU ranks, device buffers)
 } CommKind;
 
+#define COMM_NAME_MAX 16             // group names are short: "world", "dp", "ep", "edp", "pp", "node"
+#define COMM_DEFAULT_TIMEOUT_S 300.0 // the default of parallel.timeout_s
+#define COMM_EXIT_ERROR 3            // MPI_Abort code after an MPI error or a bad argument
+#define COMM_EXIT_TIMEOUT 4          // MPI_Abort code after a timeout
+#define COMM_TAG_MAX 32767           // user tags of send/recv are 0 .. COMM_TAG_MAX (MPI guarantees this many)
+#define COMM_UNDEFINED (-1)          // comm_split color: this rank joins no group (the call returns NULL)
+
 typedef struct {
-    int rank;       // this process' rank in the group, 0 .. size-1
-    int size;       // number of ranks in the group
-    CommKind kind;  // which backend carries the data
+    int rank;                 // this process' rank in the group, 0 .. size-1
+    int size;                 // number of ranks in the group
+    CommKind kind;            // which backend carries the data
+    char name[COMM_NAME_MAX]; // for messages: "world", "dp", ...
+    int world_rank;           // this process' rank in the world, for messages
+    // COMM_MPI only
+    MPI_Comm mpi;             // point-to-point messages of the caller, broadcast, barrier
+    MPI_Comm coll;            // a duplicate of mpi that carries the messages collectives build on, so that
+                              // they never match a caller's send/recv
+    void *scratch;            // reduction buffer, grown on demand, owned by the Comm
+    size_t scratch_bytes;
 } Comm;
 
-// The world of a single process (rank 0, size 1, COMM_SINGLE). A process-wide object, like
-// MPI_COMM_WORLD: never freed, and every call returns the same pointer. Its fields must not be changed.
+// A pending isend/irecv. Fill it with comm_isend_bytes / comm_irecv_bytes, complete it with comm_wait
+// (exactly once); the buffer must stay untouched until then. Messages of more than 1 GiB travel in pieces.
+typedef struct {
+    Comm *comm;
+    const char *op;          // "comm_isend_bytes" / "comm_irecv_bytes", for messages
+    int peer, tag;
+    size_t bytes;
+    int is_send;
+    int n;                   // pieces in flight (0 = nothing pending: after comm_wait)
+    MPI_Request *reqs;       // n requests: inline_reqs, or allocated for more pieces
+    MPI_Request inline_reqs[2];
+} CommRequest;
+
+// ---------------------------------------------------------------------------- process set-up
+
+// Starts MPI (MPI_Init_thread, MPI_THREAD_FUNNELED: only the thread that called comm_init calls comm_*;
+// OpenMP threads never do) and builds the world communicator. Without mpirun, Open MPI starts as a
+// singleton: a world of one rank. Calling it twice is an error. After comm_init, comm_world() is the MPI
+// world (size 1 included).
+void comm_init(int *argc, char ***argv);
+// Frees the world communicator and calls MPI_Finalize. Every Comm from comm_split must be freed first.
+// Does nothing when comm_init was not called.
+void comm_finalize(void);
+// 1 between comm_init and comm_finalize.
+int comm_is_initialized(void);
+// The world: after comm_init, MPI_COMM_WORLD (name "world"); before, the single-process world
+// (comm_world_single). A process-wide object: never freed by the caller; its fields must not be changed.
+Comm *comm_world(void);
+// The world of a single process (rank 0, size 1, COMM_SINGLE), usable without MPI.
 Comm *comm_world_single(void);
 const char *comm_kind_name(CommKind kind);
+// The timeout of every blocking call, in seconds (> 0; default COMM_DEFAULT_TIMEOUT_S). Process-wide;
+// set the same value on every rank.
+void comm_set_timeout(double seconds);
+double comm_timeout(void);
 
-// x (n) = sum over the ranks of the group of x (n), in place. double: losses, norms; int64: expert
-// load counts; real: flat gradient buffers (int64 count: a stage's buffer can pass 2^31 elements).
-void comm_allreduce_sum_double(Comm *comm, double *x, int n);
-void comm_allreduce_sum_i64(Comm *comm, int64_t *x, int n);
+// A new group of the ranks of `parent` that pass the same color (>= 0), ordered by (key, parent rank),
+// named `name` (at most COMM_NAME_MAX-1 characters). Collective over parent. Returns NULL on the ranks that
+// pass COMM_UNDEFINED. The result has the kind of the parent (a COMM_SINGLE parent gives a COMM_SINGLE
+// group of size 1). Free it with comm_free.
+Comm *comm_split(Comm *parent, int color, int key, const char *name);
+// The ranks of `parent` that share this host's memory (MPI_Comm_split_type MPI_COMM_TYPE_SHARED), ordered
+// by parent rank, named `name`. Collective over parent. A COMM_SINGLE parent gives a group of size 1.
+Comm *comm_split_host(Comm *parent, const char *name);
+// Frees a group from comm_split / comm_split_host (NULL is allowed). Not collective for COMM_SINGLE; MPI_Comm_free otherwise.
+// The world cannot be freed.
+void comm_free(Comm *comm);
+
+// ---------------------------------------------------------------------------- reductions
+
+// x (n) = sum over the ranks of the group of x (n), in place, in rank order (see the conventions above).
+// double: losses, norms; int64: expert load counts (wraps modulo 2^64 on overflow); real: flat gradient
+// buffers. All take int64 counts: a stage's buffer can pass 2^31 elements.
+void comm_allreduce_sum_double(Comm *comm, double *x, int64_t n);
+void comm_allreduce_sum_i64(Comm *comm, int64_t *x, int64_t n);
 void comm_allreduce_sum_real(Comm *comm, real *x, int64_t n);
+// x (n) = element-wise max / min over the ranks, in place; a NaN on any rank gives NaN.
+void comm_allreduce_max_double(Comm *comm, double *x, int64_t n);
+void comm_allreduce_min_double(Comm *comm, double *x, int64_t n);
+
+// send (sum of counts) holds one block per rank, block r = counts[r] elements at offset
+// displacements[r] = counts[0] + ... + counts[r-1]; recv (counts[rank]) = the rank-order sum over the ranks
+// of their block `rank`. counts (size entries) must be the same on every rank. recv may be
+// send + displacements[rank] (in place); otherwise the two must not overlap.
+void comm_reduce_scatter_sum_real(Comm *comm, const real *send, real *recv, const int64_t *counts);
+// The same with every block `block` elements: send (size * block), recv (block).
+void comm_reduce_scatter_block_sum_real(Comm *comm, const real *send, real *recv, int64_t block);
+// recv (sum of counts): block r (counts[r] elements at displacements[r]) = rank r's send (counts[r]).
+// send may be recv + displacements[rank] (in place, as ZeRO-1's weight all-gather uses it).
+void comm_allgather_real(Comm *comm, const real *send, real *recv, const int64_t *counts);
+void comm_allgather_block_real(Comm *comm, const real *send, real *recv, int64_t block);
+// recv (size * bytes): block r = rank r's send (bytes). For small control data (host names, banners).
+void comm_allgather_bytes(Comm *comm, const void *send, void *recv, size_t bytes);
+
+// Tests only: the largest single MPI message (default 1 GiB) and a reduction round's receive buffer over all
+// ranks (default 64 MiB). Small values exercise, with small buffers, the paths that large counts take
+// (messages in pieces, reductions in rounds). 0 restores a default. Set the same values on every rank.
+void comm_set_limits_for_tests(size_t piece_bytes, size_t round_bytes);
+
+// ---------------------------------------------------------------------------- all-to-all
+
+// displacements[r] = counts[0] + ... + counts[r-1] for r < n; returns the total. (No communication.)
+int64_t comm_displacements(const int64_t *counts, int n, int64_t *displacements);
+// recv_counts[r] = what rank r passed as send_counts[this rank]: the counts step before an all-to-all-v,
+// which tells every rank how much it will receive from each. send_counts, recv_counts: size entries.
+void comm_alltoall_counts(Comm *comm, const int64_t *send_counts, int64_t *recv_counts);
+// Rank r's block for rank q (send_bytes[q] bytes at the packed displacement of send_bytes) lands in q's
+// recv at the packed displacement of q's recv_bytes for r. recv_bytes must be what comm_alltoall_counts
+// returns for send_bytes (a mismatch ends the job). Zero counts are allowed. send and recv must not overlap.
+void comm_alltoallv_bytes(Comm *comm, const void *send, const int64_t *send_bytes, void *recv,
+                          const int64_t *recv_bytes);
+
+// ---------------------------------------------------------------------------- point to point, broadcast
+
+// Messages between a pair with the same tag arrive in the order they were sent (MPI's non-overtaking
+// rule), and a receive must name exactly the size that was sent (else the job ends with both sizes
+// named). Blocking calls return when the buffer may be reused.
+void comm_send_bytes(Comm *comm, const void *buf, size_t bytes, int dest, int tag);
+void comm_recv_bytes(Comm *comm, void *buf, size_t bytes, int src, int tag);
+void comm_isend_bytes(Comm *comm, const void *buf, size_t bytes, int dest, int tag, CommRequest *req);
+void comm_irecv_bytes(Comm *comm, void *buf, size_t bytes, int src, int tag, CommRequest *req);
+// Completes req (honouring the timeout) and clears it; a cleared request returns at once.
+void comm_wait(CommRequest *req);
+// buf (bytes) on every rank = root's buf.
+void comm_bcast_bytes(Comm *comm, void *buf, size_t bytes, int root);
 // Returns when every rank of the group has entered it.
 void comm_barrier(Comm *comm);
 

@@ -16,6 +16,7 @@
 #include "train/config.h"
 
 #include "kernels/kernels.h"  // FP8_MAX_SEGMENTS
+#include "parallel/groups.h"   // layout_make
 #include "train/model.h"      // MTP_MAX_DEPTH
 
 #include <errno.h>
@@ -57,6 +58,7 @@ typedef struct {
 _Static_assert(sizeof(PrecisionMode) == sizeof(int), "enum stored as int");
 _Static_assert(sizeof(LrSchedule) == sizeof(int), "enum stored as int");
 _Static_assert(sizeof(DeviceSelect) == sizeof(int), "enum stored as int");
+_Static_assert(sizeof(ParallelBackend) == sizeof(int), "enum stored as int");
 
 #define INT_MAXD 2147483647.0
 #define STR_MAX ((double)(CONFIG_PATH_MAX - 1))
@@ -73,6 +75,7 @@ _Static_assert(sizeof(DeviceSelect) == sizeof(int), "enum stored as int");
 static const char *const precision_words[] = {"fp32", "bf16", "fp8", NULL};
 static const char *const schedule_words[] = {"cosine", "wsd", NULL};
 static const char *const device_words[] = {"auto", "cpu", "cuda", NULL};
+static const char *const backend_words[] = {"auto", "mpi", "nccl", NULL};
 
 typedef struct {
     const char *name;
@@ -135,6 +138,18 @@ static const ConfigKey key_table[] = {
     INT(parallel, pp, 1, 4096, "1", "pipeline-parallel stages"),
     INT(parallel, ep, 1, 65536, "1", "expert-parallel ranks; divides dp and moe.n_routed_experts"),
     INT(parallel, dp, 1, 65536, "1", "data-parallel ranks per pipeline stage"),
+    ENUM(parallel, backend, ParallelBackend, backend_words, "auto",
+         "communication: auto = NCCL for GPU ranks when the build has it, else MPI; mpi = MPI for every rank (CPU "
+         "ranks, or GPU buffers staged through host memory so several ranks can share a GPU); nccl = NCCL, one GPU "
+         "per rank (this build has no NCCL backend yet)"),
+    INT(parallel, gpus_per_node, 0, 65536, "0",
+        "ranks per node for node-limited routing (every expert group on one node); 0 = the ranks MPI reports on "
+        "each host; a smaller value lets one host stand for several nodes"),
+    DBL(parallel, timeout_s, 0, 1, 1e6, 0, "300",
+        "seconds any collective or message may wait; then the job ends naming the rank, the operation and the group"),
+    {"parallel", "zero1", KEY_BOOL, OFF_INT(parallel.zero1), 0, 0, 0, 0, "false", NULL, 0,
+     "ZeRO-1: shard the FP32 master weights and the AdamW moments over dp (reduce-scatter of gradients, update of "
+     "the shard, all-gather of weights); no effect at parallel.dp = 1"},
 
     DBL(optim, lr, 0, 1, 10, 0, "1e-3", "peak learning rate"),
     DBL(optim, min_lr, 0, 0, 10, 0, "1e-4", "learning rate at the end of the decay (at most lr)"),
@@ -888,6 +903,22 @@ static int check_config(ParseState *st) {
 }
 
 // ---------------------------------------------------------------------------- public functions
+
+int config_check_layout(const Config *c, int world_size, char *err, size_t err_size) {
+    const ParallelConfig *p = &c->parallel;
+    Layout layout;
+    if (layout_make(&layout, world_size, p->pp, p->dp, p->ep, err, err_size) != 0) return -1;
+    if (c->moe.n_routed_experts % p->ep != 0) {
+        snprintf(err, err_size, "parallel.ep = %d does not divide moe.n_routed_experts = %d - expected a divisor of "
+                 "moe.n_routed_experts (experts are split evenly over an EP group)", p->ep, c->moe.n_routed_experts);
+        return -1;
+    }
+    if (p->backend == PARALLEL_BACKEND_NCCL) {
+        snprintf(err, err_size, "parallel.backend = nccl: this build has no NCCL backend - expected auto or mpi");
+        return -1;
+    }
+    return 0;
+}
 
 void config_defaults(Config *c) {
     // Zero first so padding and the tails of strings are zero: configs compare equal byte for byte.

@@ -56,10 +56,15 @@ typedef struct {
     int bf16_fprop, bf16_dgrad, bf16_wgrad;
 } PrecisionConfig;
 
+typedef enum { PARALLEL_BACKEND_AUTO = 0, PARALLEL_BACKEND_MPI = 1, PARALLEL_BACKEND_NCCL = 2 } ParallelBackend;
 typedef struct {
-    int pp;  // pipeline stages
-    int ep;  // expert-parallel ranks
-    int dp;  // data-parallel ranks
+    int pp;                   // pipeline stages
+    int ep;                   // expert-parallel ranks
+    int dp;                   // data-parallel ranks
+    ParallelBackend backend;  // auto: NCCL for GPU ranks when the build has it, else MPI
+    int gpus_per_node;        // ranks per node for node-limited routing; 0 = the ranks MPI reports per host
+    double timeout_s;         // the longest any collective or message may wait (parallel/comm.h)
+    int zero1;                // shard FP32 master weights and AdamW moments over dp
 } ParallelConfig;
 
 
@@ -116,6 +121,11 @@ int config_load(Config *c, const char *path, const char *const *overrides, int n
 // Same as config_load but from a string (tests); `name` is used as the file name in errors.
 int config_load_string(Config *c, const char *name, const char *text, const char *const *overrides,
                        int n_overrides, char *err, size_t err_size);
+// The checks that need the number of ranks, made at start by every rank: world_size = parallel.pp *
+// parallel.dp, parallel.ep divides parallel.dp and moe.n_routed_experts, and parallel.backend is one this
+// build has. Returns 0, or -1 with one line in err naming the keys and numbers. (The placement of expert
+// groups on nodes needs the hosts: groups_check_expert_groups in parallel/groups.h.)
+int config_check_layout(const Config *c, int world_size, char *err, size_t err_size);
 // Print the resolved config as INI (every key, including defaults) to f.
 void config_print(const Config *c, FILE *f);
 // Print the key table as the Markdown reference (docs/config.md is generated from it and checked).
