@@ -421,7 +421,8 @@ static void bench_grouped(const Timer *t, const Config *cfg) {
     fill_random(x, (size_t)rows * Kmax, 24680);
     fill_random(w, (size_t)E * I * D, 13579);
     printf("\ngrouped expert Fprop: %d experts of one micro-batch (%d tokens x top-%d = %d rows) in one call, BF16 "
-           "output; TFLOPS = 2 rows N K / median time\n", E, T, topk, rows);
+           "output; TFLOPS = 2 rows N K / median time; own kernel on up to %d CTAs (multicast: %d)\n", E, T, topk, rows,
+           cuda_fp8_grouped_gemm_max_ctas(0), cuda_fp8_grouped_gemm_max_ctas(1));
     printf("%-13s %-8s %22s | %9s %9s %9s | %8s %8s %10s | %9s %9s\n", "shape", "routing", "rows x N x K", "cuBLASLt",
            "own mcast", "own 1cta", "own/LT", "=lt", "max|d|", "LT ms", "own ms");
     char err[256];

@@ -5,11 +5,14 @@
  * held in registers). The interface is fp8_grouped_gemm.h; the operands and the BF16 output are exactly those of
  * kernels.h's fp8_gemm_fprop_grouped_bf16, whose cuBLASLt path (gemm.cu) runs one GEMM per expert.
  *
- * Why: cuBLASLt has no grouped block-scaled FP8 GEMM, so the experts' Fprops are 32 launches per Linear at about
- * 3000 rows each, 600-700 TFLOPS per segment (issue 23). One launch over all segments' tiles keeps every SM busy
- * across segment boundaries, and TMA multicast of the activation tile to two CTAs cuts the L2 traffic that bounds a
- * 128 x 128 tile. Not done yet: BLOCK_N > 128 (needs the two weight-scale blocks DeepGEMM handles), a TMA store
- * epilogue overlapped with the next tile, the Dgrad and Wgrad forms.
+ * Why: cuBLASLt has no grouped block-scaled FP8 GEMM, so the experts' Fprops are one GEMM per expert and Linear
+ * (issue 23). One launch over all segments' tiles keeps every SM busy across segment boundaries and pays no launch
+ * per segment. Measured on an H200 (docs/benchmarks.md, 2026-12-01): at the bench-1gpu expert shapes it runs at
+ * 0.95x cuBLASLt's per-segment path with uniform routing and 1.02-1.07x with uneven routing, bitwise equal to it.
+ * ncu: the tensor pipe is active about 50% of the time, L2 at 69% of its peak; 256-row tiles and products split
+ * into two m64n64 halves per block were tried and were slower (the benchmarks page). Not done yet: BLOCK_N > 128
+ * (acc + fin of m64n256 exceed the registers; BLOCK_N = 192 needs the two weight-scale blocks DeepGEMM handles),
+ * the Dgrad and Wgrad forms.
  *
  * Tiles: 128 output rows (tokens of one segment) x 128 output columns (one weight block row nb) x the whole K, in
  * K blocks of 128 (one scale of each operand per row and block). A segment's last row tile may run past its rows:
@@ -25,18 +28,23 @@
  * block are contiguous) into one of STAGES shared-memory stages, all completing on that stage's "full" mbarrier
  * (transaction bytes). Warpgroups 1 and 2 are consumers, 64 rows each: per K block four wgmma m64n128k32 (E4M3,
  * K-major, both operands from shared memory) into a fresh FP32 accumulator, wait, release the stage (one arrival
- * per warp on its "empty" mbarrier), then fin = fma(acc, s_x * s_w, fin). After the last block each consumer
- * writes its 64 x 128 BF16 tile through padded shared memory (272-byte rows: no bank conflicts) and stores its valid
- * rows with 16-byte coalesced stores.
+ * per warp on its "empty" mbarrier), then fin = fma(acc, s_x * s_w, fin); the weight scale of the next block is
+ * loaded one block ahead (the next tile's first one during this tile's epilogue). After the last block each consumer
+ * writes its 64 x 128 BF16 tile into two 64 x 64 boxes of shared memory in the 128-byte swizzle (conflict-free) and
+ * one thread stores them with TMA through the segment's own output tensor map, whose row count drops the rows past
+ * the segment's end; the stores run while the next tile's products start (the staging is reused once they have read
+ * it).
  * With CLUSTER = 2 (weights with an even number of column blocks) the two CTAs of a cluster take the two column
  * tiles of one unit, i.e. the same X tile: each loads half of its rows with .multicast::cluster into both CTAs'
  * stage, signalling both CTAs' full barriers; each CTA's consumers therefore release a stage to both producers
  * (empty count 2 x 8 warps), and the CTAs meet at a cluster barrier before exiting so that no remote arrival or
- * multicast write reaches a CTA that has gone.
+ * multicast write reaches a CTA that has gone. The remote arrivals are release.cta, as CUTLASS's ClusterBarrier: with
+ * release.cluster the multicast form ran at 0.6x the single-CTA one. With them it runs at the single-CTA speed (the
+ * L2 traffic it saves is not what bounds the kernel), so it is off by default.
  *
  * Tensor maps (cuTensorMapEncodeTiled, reached through cudaGetDriverEntryPointByVersion: no -lcuda) are built on the
- * host per call, one for X and one per non-empty segment's weight, and passed in the kernel's __grid_constant__
- * parameter (about 11 KB); up to MAX_GROUPS segments per launch, more segments take more launches.
+ * host per call, one for X and two per non-empty segment (its weight, its rows of y), and passed in the kernel's
+ * __grid_constant__ parameter (about 19 KB); up to MAX_GROUPS segments per launch, more segments take more launches.
  *
  * Numerics against the CPU reference (kernels/cpu/fp8.c: P exact, then acc = acc + ((float)P s_x) s_w): the
  * tensor cores add a block's products in reduced precision (DESIGN.md section 4: within 2^-10 sum |a s_a b s_b|),
@@ -61,28 +69,27 @@ constexpr int BM = 128, BN = 128, BK = 128;  // output rows, output columns, K b
 constexpr int STAGES = 5;
 constexpr int THREADS = 384;
 constexpr int MAX_GROUPS = 64;                 // non-empty segments per launch (tensor maps in the parameter)
-constexpr int OUT_ROW_BYTES = BN * 2 + 16;     // padded BF16 staging row
 constexpr uint32_t A_BYTES = BM * BK, B_BYTES = BN * BK, SA_BYTES = BM * 4;
-constexpr uint32_t SMEM_A = 0, SMEM_B = SMEM_A + STAGES * A_BYTES, SMEM_SA = SMEM_B + STAGES * B_BYTES;
-constexpr uint32_t SMEM_OUT = SMEM_SA + STAGES * SA_BYTES, SMEM_BAR = SMEM_OUT + 2 * 64 * OUT_ROW_BYTES;
+constexpr uint32_t OUT_BOX_BYTES = 64 * 128;  // BF16 staging of 64 rows x 64 columns, 128-byte swizzle
+constexpr uint32_t SMEM_A = 0, SMEM_B = SMEM_A + STAGES * A_BYTES, SMEM_OUT = SMEM_B + STAGES * B_BYTES;
+constexpr uint32_t SMEM_SA = SMEM_OUT + 2 * 2 * OUT_BOX_BYTES, SMEM_BAR = SMEM_SA + STAGES * SA_BYTES;
 constexpr uint32_t SMEM_BYTES = SMEM_BAR + 2 * STAGES * 8 + 1024;  // + the round-up of the base to 1024 bytes
 constexpr uint64_t WAIT_TRAP_NS = 10000000000ull;  // 10 s
-static_assert(SMEM_B % 1024 == 0 && SMEM_SA % 16 == 0 && SMEM_OUT % 16 == 0 && SMEM_BAR % 8 == 0, "stage alignment");
+static_assert(SMEM_B % 1024 == 0 && SMEM_OUT % 1024 == 0 && SMEM_SA % 16 == 0 && SMEM_BAR % 8 == 0, "stage alignment");
 static_assert(SMEM_BYTES <= 232448, "shared memory of one SM");
 
 // One launch's segments (the non-empty ones, in order). Everything the kernel reads besides the operands.
 struct GroupedParams {
     CUtensorMap a;                  // qx: (P16 rows, Kp) bytes, box 128 (K) x BM / CLUSTER rows
     CUtensorMap b[MAX_GROUPS];      // weight g: (Np, Kp) bytes, box 128 x 128
+    CUtensorMap y_map[MAX_GROUPS];  // segment g's rows of y: (rows[g], Np) BF16, box 64 x 64, 128-byte swizzle
     const float *sa[MAX_GROUPS];    // segment g's X scales, [KB][t16[g]]
     const float *sb[MAX_GROUPS];    // weight g's block scales, (NB, KB4)
-    uint16_t *y;
     int units0[MAX_GROUPS + 1];     // first unit of each segment (units: row tile x CLUSTER column tiles)
     int a_row0[MAX_GROUPS];         // P16_g: the segment's first row in qx
     int t16[MAX_GROUPS];            // its rows rounded up to 16 (the stride of its scale rows)
     int rows[MAX_GROUPS];           // its true rows
-    int y_row0[MAX_GROUPS];         // rows0[g]: its first row in y
-    int n_groups, units_n, kb, kb4, ld;  // units per row tile (NB / CLUSTER), K blocks, KB4, y's row stride (Np)
+    int n_groups, units_n, kb, kb4;  // units per row tile (NB / CLUSTER), K blocks, KB4
 };
 static_assert(sizeof(GroupedParams) <= 32000, "kernel parameter limit (32764 bytes)");
 
@@ -121,7 +128,7 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
 __device__ __forceinline__ void mbar_arrive_cluster(uint32_t bar, uint32_t cta) {
     uint32_t remote;
     asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(bar), "r"(cta));
-    asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(remote) : "memory");
+    asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];\n" ::"r"(remote) : "memory");
 }
 __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
@@ -160,6 +167,21 @@ __device__ __forceinline__ void bulk_load(uint32_t dst, const void *src, uint32_
                  ::"r"(dst), "l"(src), "r"(bytes), "r"(bar)
                  : "memory");
 }
+
+// TMA store of the box at shared src to (c0 = column, c1 = row) of tensor map `map` (rows past its end are not
+// written), committed as one bulk group of this thread.
+__device__ __forceinline__ void tma_store_2d(const CUtensorMap *map, uint32_t src, int c0, int c1) {
+    asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], [%3];\n"
+                 ::"l"((uint64_t)map), "r"(c0), "r"(c1), "r"(src)
+                 : "memory");
+}
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+// Waits until this thread's bulk groups have read their shared memory (READ) or are complete.
+template <bool READ> __device__ __forceinline__ void bulk_wait() {
+    if constexpr (READ) asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+    else asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+}
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
@@ -252,20 +274,26 @@ __global__ void __launch_bounds__(THREADS, 1) fp8_grouped_fprop_kernel(const __g
     } else {
         // ------------------------------------------------------------------ consumers: rows (wg - 1) * 64 ..
         const int cw = wg - 1, r0 = warp * 16 + (lane >> 2);  // this thread's rows r0 and r0 + 8 of the 64
-        unsigned char *out = smem + SMEM_OUT + cw * 64 * OUT_ROW_BYTES;
+        const bool issuer = (threadIdx.x & 127) == 0;        // issues the warpgroup's output stores
+        const uint32_t out = base + SMEM_OUT + cw * 2 * OUT_BOX_BYTES;
+        unsigned char *out_ptr = smem + SMEM_OUT + cw * 2 * OUT_BOX_BYTES;
         float acc[64], fin[64];
-        int g = 0;
+        int g = 0, mb = 0, nu = 0;
         uint32_t it = 0;
+        float sb_next = 0.0f;  // the next K block's weight scale, loaded one block ahead (across tiles too)
+        if (first < n_units) {
+            unit_coords(p, first, g, mb, nu);
+            sb_next = __ldg(p.sb[g] + (nu * CLUSTER + (int)rank) * p.kb4);
+        }
         for (int u = first; u < n_units; u += step) {
-            int mb, nu;
-            unit_coords(p, u, g, mb, nu);
             const int nb = nu * CLUSTER + (int)rank;
             const float *sbp = p.sb[g] + nb * p.kb4;
 #pragma unroll
             for (int i = 0; i < 64; i++) fin[i] = 0.0f;
             for (int kb = 0; kb < p.kb; kb++, it++) {
                 const uint32_t s = it % STAGES, phase = (it / STAGES) & 1;
-                const float sb = __ldg(sbp + kb);
+                const float sb = sb_next;
+                if (kb + 1 < p.kb) sb_next = __ldg(sbp + kb + 1);
                 mbar_wait(full + 8 * s, phase);
                 const float *sa = reinterpret_cast<const float *>(smem + SMEM_SA + s * SA_BYTES) + cw * 64;
                 const float sa0 = sa[r0], sa1 = sa[r0 + 8];  // read before the stage is released
@@ -292,33 +320,40 @@ __global__ void __launch_bounds__(THREADS, 1) fp8_grouped_fprop_kernel(const __g
                     fin[4 * j + 3] = fmaf(acc[4 * j + 3], s1, fin[4 * j + 3]);
                 }
             }
-            // epilogue: BF16 through the padded staging rows, then the valid rows with 16-byte stores
-            named_barrier(1 + cw, 128);  // the previous tile's copy-out has read the staging rows
-            const int c2 = 2 * (lane & 3);
+            const int tile_g = g, row_in_seg = mb * BM + cw * 64;
+            if (u + step < n_units) {  // the next tile's first weight scale, in flight during the epilogue
+                unit_coords(p, u + step, g, mb, nu);
+                sb_next = __ldg(p.sb[g] + (nu * CLUSTER + (int)rank) * p.kb4);
+            }
+            // epilogue: BF16 into two 64 x 64 boxes in TMA's 128-byte swizzle (chunk c of row r at c ^ (r % 8):
+            // conflict-free), then TMA stores, which drop the rows past the segment's end
+            if (issuer) bulk_wait<true>();  // the previous tile's stores have read the staging boxes
+            named_barrier(1 + cw, 128);
+            const int t4 = 4 * (lane & 3);
 #pragma unroll
             for (int j = 0; j < 16; j++) {
-                *reinterpret_cast<uint32_t *>(out + r0 * OUT_ROW_BYTES + (8 * j + c2) * 2) =
+                unsigned char *box = out_ptr + (j >> 3) * OUT_BOX_BYTES;
+                const int chunk = j & 7;
+                *reinterpret_cast<uint32_t *>(box + r0 * 128 + ((chunk ^ (r0 & 7)) << 4) + t4) =
                     bf16x2_bits(fin[4 * j + 0], fin[4 * j + 1]);
-                *reinterpret_cast<uint32_t *>(out + (r0 + 8) * OUT_ROW_BYTES + (8 * j + c2) * 2) =
+                *reinterpret_cast<uint32_t *>(box + (r0 + 8) * 128 + ((chunk ^ ((r0 + 8) & 7)) << 4) + t4) =
                     bf16x2_bits(fin[4 * j + 2], fin[4 * j + 3]);
             }
+            fence_proxy_async();  // the generic-proxy writes above, before the TMA (async proxy) reads them
             named_barrier(1 + cw, 128);
-            const int row_in_seg = mb * BM + cw * 64, valid = min(64, p.rows[g] - row_in_seg);
-            uint16_t *y = p.y + (size_t)(p.y_row0[g] + row_in_seg) * p.ld + nb * BN;
-#pragma unroll
-            for (int i = threadIdx.x & 127; i < 64 * 16; i += 128) {
-                const int r = i >> 4, c = i & 15;
-                if (r < valid)
-                    *reinterpret_cast<uint4 *>(y + (size_t)r * p.ld + c * 8) =
-                        *reinterpret_cast<const uint4 *>(out + r * OUT_ROW_BYTES + c * 16);
+            if (issuer && row_in_seg < p.rows[tile_g]) {
+                tma_store_2d(&p.y_map[tile_g], out, nb * BN, row_in_seg);
+                tma_store_2d(&p.y_map[tile_g], out + OUT_BOX_BYTES, nb * BN + 64, row_in_seg);
+                bulk_commit();
             }
         }
+        if (issuer) bulk_wait<false>();  // the last stores are done before the CTA (and its shared memory) goes
     }
     if constexpr (CLUSTER > 1) cluster_sync();  // no remote arrival or multicast may reach a CTA that has exited
 }
 
 // ---------------------------------------------------------------------------- host side
-static int multicast_enabled = 0;  // off by default: measured slower (docs/benchmarks.md, issue 23 first step)
+static int multicast_enabled = 0;  // off by default: measured no faster (file comment, docs/benchmarks.md)
 
 // Stops with "fp8_grouped_gemm.cu:<line>: <op>: <message>" for a call that breaks a documented precondition.
 static void grouped_fail(int line, const char *op, const char *fmt, ...) {
@@ -378,18 +413,19 @@ static void runtime_init(const char *op) {
     rt.ready = 1;
 }
 
-// A 2D tensor map of rows x row_bytes E4M3 codes (row stride row_bytes), boxes of 128 bytes x box_rows rows,
-// 128-byte swizzle (wgmma's layout), zero fill past the end.
-static void encode_map(CUtensorMap *map, const void *base, int64_t rows, int64_t row_bytes, int box_rows,
-                       const char *op, const char *what) {
-    const cuuint64_t dims[2] = {(cuuint64_t)row_bytes, (cuuint64_t)rows}, strides[1] = {(cuuint64_t)row_bytes};
-    const cuuint32_t box[2] = {(cuuint32_t)BK, (cuuint32_t)box_rows}, elem_strides[2] = {1, 1};
-    const CUresult r = rt.encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<void *>(base), dims, strides, box,
-                                 elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+// A 2D tensor map of rows x cols elements of `type` (elem_bytes each, row stride ld elements), boxes of box_cols x
+// box_rows with 128-byte swizzle (box_cols x elem_bytes = 128: wgmma's layout for the operands, the staging layout
+// for the output); loads past the end fill zeros, stores past the end are dropped.
+static void encode_map(CUtensorMap *map, CUtensorMapDataType type, int elem_bytes, const void *base, int64_t rows,
+                       int64_t cols, int64_t ld, int box_cols, int box_rows, const char *op, const char *what) {
+    const cuuint64_t dims[2] = {(cuuint64_t)cols, (cuuint64_t)rows}, strides[1] = {(cuuint64_t)(ld * elem_bytes)};
+    const cuuint32_t box[2] = {(cuuint32_t)box_cols, (cuuint32_t)box_rows}, elem_strides[2] = {1, 1};
+    const CUresult r = rt.encode(map, type, 2, const_cast<void *>(base), dims, strides, box, elem_strides,
+                                 CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
                                  CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
     if (r != CUDA_SUCCESS)
-        grouped_fail(__LINE__, op, "cuTensorMapEncodeTiled for %s (%lld rows x %lld bytes at %p) failed with CUresult %d",
-                     what, (long long)rows, (long long)row_bytes, base, (int)r);
+        grouped_fail(__LINE__, op, "cuTensorMapEncodeTiled for %s (%lld rows x %lld elements at %p) failed with CUresult %d",
+                     what, (long long)rows, (long long)cols, base, (int)r);
 }
 
 static void launch(GroupedParams &p, int cluster) {
@@ -410,6 +446,11 @@ static void launch(GroupedParams &p, int cluster) {
 
 }  // namespace
 
+extern "C" int cuda_fp8_grouped_gemm_max_ctas(int multicast) {
+    runtime_init("cuda_fp8_grouped_gemm_max_ctas");
+    return multicast ? 2 * (rt.clusters2 > 0 ? rt.clusters2 : rt.sms / 2) : rt.sms;
+}
+
 extern "C" int cuda_fp8_grouped_gemm_multicast(int enable) {
     const int previous = multicast_enabled;
     multicast_enabled = enable != 0;
@@ -427,8 +468,9 @@ extern "C" void cuda_fp8_grouped_fprop_bf16(uint16_t *y, const uint8_t *qx, cons
     const int cluster = multicast_enabled && NB % 2 == 0 ? 2 : 1;
     static GroupedParams p;  // 11 KB: not on the stack; one host thread drives the GPU (gemm.cu's rule too)
     memset(&p, 0, sizeof p);
-    encode_map(&p.a, qx, seg.p16[n_seg], Kp, BM / cluster, op, "qx");
-    p.y = y, p.units_n = NB / cluster, p.kb = KB, p.kb4 = KB4, p.ld = NB * BN;
+    encode_map(&p.a, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, qx, seg.p16[n_seg], Kp, Kp, BK, BM / cluster, op, "qx");
+    const int Np = NB * BN;
+    p.units_n = NB / cluster, p.kb = KB, p.kb4 = KB4;
     int n = 0;
     for (int g = 0; g < n_seg; g++) {
         const int rows = rows0[g + 1] - rows0[g];
@@ -437,9 +479,11 @@ extern "C" void cuda_fp8_grouped_fprop_bf16(uint16_t *y, const uint8_t *qx, cons
             grouped_fail(__LINE__, op, "segment %d has %d rows but qw[%d] = %p, sw[%d] = %p - expected its weight", g, rows,
                          g, (const void *)qw[g], g, (const void *)sw[g]);
         require_aligned16(qw[g], op, "qw[g]");
-        encode_map(&p.b[n], qw[g], (int64_t)NB * BN, Kp, BN, op, "a weight qw[g]");
+        encode_map(&p.b[n], CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, qw[g], Np, Kp, Kp, BK, BN, op, "a weight qw[g]");
+        encode_map(&p.y_map[n], CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, y + (size_t)rows0[g] * Np, rows, Np, Np, 64, 64, op,
+                   "a segment's rows of y");
         p.sa[n] = sx + (size_t)KB * seg.p16[g], p.sb[n] = sw[g];
-        p.a_row0[n] = seg.p16[g], p.t16[n] = seg.p16[g + 1] - seg.p16[g], p.rows[n] = rows, p.y_row0[n] = rows0[g];
+        p.a_row0[n] = seg.p16[g], p.t16[n] = seg.p16[g + 1] - seg.p16[g], p.rows[n] = rows;
         p.units0[n + 1] = p.units0[n] + (rows + BM - 1) / BM * p.units_n;
         if (++n == MAX_GROUPS) {
             p.n_groups = n;

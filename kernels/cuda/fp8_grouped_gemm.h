@@ -35,9 +35,13 @@ void cuda_fp8_grouped_fprop_bf16(uint16_t *y, const uint8_t *qx, const float *sx
 
 // Whether the kernel may run as clusters of two CTAs that share each X tile through TMA multicast (used when the
 // weight has an even number of 128-column blocks); 0, the default, runs one CTA per tile (the multicast form measured
-// slower so far: docs/benchmarks.md). Returns the previous setting. Both give the same bits (the same products in the
-// same order); for the test's and the benchmark's comparison.
+// no faster: docs/benchmarks.md). Returns the previous setting. Both give the same bits (the same products in the same
+// order); for the test's and the benchmark's comparison.
 int cuda_fp8_grouped_gemm_multicast(int enable);
+
+// The most CTAs one launch runs (the persistent grid): the SM count, or with multicast twice the number of clusters of
+// two that fit on the GPU at once (cudaOccupancyMaxActiveClusters). For the benchmark's report.
+int cuda_fp8_grouped_gemm_max_ctas(int multicast);
 
 #ifdef __cplusplus
 }
