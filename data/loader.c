@@ -224,14 +224,18 @@ static void make_order(DataLoader *L, uint64_t epoch) {
 // ---------------------------------------------------------------------------- batches
 int loader_next(DataLoader *L, int *tokens) {
     if (L->per_epoch == 0) return -1;
-    const int T = L->opt.T;
-    for (int b = 0; b < L->opt.B; b++) {
-        if (L->order_epoch != L->cursor.epoch) make_order(L, L->cursor.epoch);
-        int64_t window = L->order[L->cursor.position + (uint64_t)L->opt.dp_rank];
-        const uint16_t *src = L->tokens + L->window_start[window];
-        int *row = tokens + (size_t)b * (size_t)(T + 1);
-        for (int t = 0; t <= T; t++) row[t] = src[t];
-        L->cursor.position += (uint64_t)L->opt.dp_size;
+    const int T = L->opt.T, B = L->opt.B;
+    // the micro-batch of all ranks is the next dp * B entries; this rank's rows are entries [rank B, rank B + B)
+    const int64_t first = (int64_t)L->opt.dp_rank * B, n = (int64_t)L->opt.dp_size * B;
+    for (int64_t k = 0; k < n; k++) {
+        if (k >= first && k < first + B) {
+            if (L->order_epoch != L->cursor.epoch) make_order(L, L->cursor.epoch);
+            int64_t window = L->order[L->cursor.position];
+            const uint16_t *src = L->tokens + L->window_start[window];
+            int *row = tokens + (size_t)(k - first) * (size_t)(T + 1);
+            for (int t = 0; t <= T; t++) row[t] = src[t];
+        }
+        L->cursor.position++;
         if (L->cursor.position >= (uint64_t)L->per_epoch) {  // roll over now: the cursor is always a next position
             L->cursor.epoch++;
             L->cursor.position = 0;
@@ -281,7 +285,7 @@ int loader_next_eval(DataLoader *L, int *tokens, int *labels, int64_t *n_targets
     const int T = L->opt.T, B = L->opt.B;
     int64_t targets = 0;
     for (int b = 0; b < B; b++) {
-        int64_t window = (L->eval_next * B + b) * L->opt.dp_size + L->opt.dp_rank;
+        int64_t window = (L->eval_next * L->opt.dp_size + L->opt.dp_rank) * B + b;
         int len = 0;
         const uint16_t *src = NULL;
         if (window < L->n_eval_windows) {

@@ -17,12 +17,15 @@
  *    counter-based RNG keyed by (seed, e) (kernels/rng.h), so the same seed gives the same batches on
  *    any machine and thread count, and any epoch's order can be recreated from (seed, e) alone.
  *  - val: windows in id order, the same every epoch (no shuffle).
- * Data parallelism: rank r of dp_size takes entries r, r+dp, r+2dp, ... of the epoch's order; each
- * micro-batch on a rank is the next B of its entries, so in one micro-batch the dp ranks together
- * consume dp*B consecutive entries of the order. Ranks stay in lockstep: an epoch uses
- * floor(W/dp)*dp entries, and its last W mod dp entries (different windows each epoch, since the
- * order changes) are skipped. When a rank's entries run out mid-batch, the batch continues with the
- * next epoch's order (epochs roll over forever; no batch is ever short).
+ * Data parallelism: one micro-batch of all dp ranks together is the next dp*B entries of the order,
+ * and rank r takes the B of them at [r*B, r*B + B): the micro-batch that one process with B rows
+ * would read as its micro-batch (step's micro-batch a) * dp + r. So dp ranks with grad_accum A read,
+ * micro-batch for micro-batch, what one process with grad_accum dp*A reads (the same rows in the same
+ * 128-token FP8 tiles), and the union of a step's micro-batches is that of one process with
+ * micro_batch_size dp*B. Ranks stay in lockstep: an epoch uses floor(W/dp)*dp entries, and its last
+ * W mod dp entries (different windows each epoch, since the order changes) are skipped. When the
+ * entries run out mid-batch, the batch continues with the next epoch's order (epochs roll over
+ * forever; no batch is ever short).
  *
  * Cursor. {epoch, position}: position = entries of the epoch's order consumed by all ranks together
  * (a multiple of dp_size). It is the same on every rank. Because one micro-batch consumes a
@@ -32,7 +35,8 @@
  * Evaluation pass (loader_next_eval): covers a split completely. Each shard of n tokens is cut into
  * ceil((n-1)/T) eval windows at 0, T, 2T, ...; the last may be short (fewer than T+1 tokens) and is
  * padded. Every token except the first of each shard (which has no context) is a main target exactly
- * once over the pass, summed over the dp ranks. Rank r takes eval windows r, r+dp, ...; the number
+ * once over the pass, summed over the dp ranks. Eval batch i of rank r holds eval windows
+ * [(i*dp + r)*B, (i*dp + r)*B + B) (past the last window: padding); the number
  * of eval batches is the same on every rank, and rows past the last window are pure padding.
  *
  * Errors (a missing directory, no matching shard, an invalid shard, too little data, a cursor from

@@ -14,11 +14,15 @@
  * EP group: ranks that split the experts of one pipeline stage; expert e lives on EP rank
  * e / experts_per_rank, and local expert j of rank r is global expert r * experts_per_rank + j.
  * With ep_size 1 every function is the identity and copies nothing: the results are views of the
- * caller's buffers. With ep_size > 1 (a later issue, MPI/NCCL backend) ep_dispatch exchanges
- * per-destination counts and all-to-all-v's the rows: local expert j's segment then holds the rows
- * from source rank 0, then rank 1, ..., each in the source's (t, k) order, and EpBuffers owns the
- * received storage (released by ep_buffers_release). Since the exchange moves each row to exactly one
- * place, the backward functions are the same exchange in the other direction (no accumulation).
+ * caller's buffers. With ep_size > 1 (the MPI backend, host buffers: CPU ranks) ep_dispatch exchanges
+ * the per-(source, local expert) row counts, then all-to-all-v's the FP32 rows: local expert j's
+ * segment holds the rows from source rank 0, then rank 1, ..., each in the source's (t, k) order, so
+ * when the sources' tokens are consecutive rows of one batch the segment is the one a single process
+ * would build from that batch. EpBuffers owns the received storage, sized on first use and kept
+ * (ep_buffers_release frees it), so steps after the first allocate nothing. Since the exchange moves
+ * each row to exactly one place, the backward functions are the same exchange in the other direction
+ * (no accumulation). The typed FP8 / BF16 payload of DESIGN.md section 5 replaces the FP32 rows later;
+ * the seam does not change.
  *
  * Lifetimes: a returned view lives as long as the buffer it points into (at ep_size 1, the caller's
  * own buffer) and, at ep_size > 1, until ep_buffers_release; keep the EpBuffers of a micro-batch with
@@ -47,17 +51,28 @@ typedef struct {
     // this rank's own permuted layout, for the way back
     const int *perm_seg_offsets;  // (E + 1) as given to ep_dispatch
     int n_perm_rows;              // perm_seg_offsets[E] = N*K
+    // ep_size > 1: what the exchange needs, owned (ep_buffers_release)
+    int64_t *counts;          // (2 * ep_size * experts_per_rank): rows sent to [q][j], then received from [r][j]
+    int64_t *bytes;           // (4 * ep_size): send and receive bytes per rank, and their scratch
+    int *local_offsets;       // (experts_per_rank + 1): the local segments (what seg_offsets points to)
+    real *local_rows;         // (capacity_local, C) received rows in local segment order (what rows points to)
+    real *staging;            // (capacity_local, C) rows in the exchange's order (per source, then expert)
+    real *local_grad;         // (capacity_local, C) ep_combine_backward's result
+    real *perm_out;           // (capacity_perm, C) ep_combine's and ep_dispatch_backward's results
+    int64_t capacity_local, capacity_perm;
 } EpBuffers;
 
 // g describes the EP group `comm` over n_experts experts. Stops with a message when E is not divisible
-// by the group size, or when the group has more than one rank (needs the MPI/NCCL backend).
+// by the group size.
 void ep_group_init(EpGroup *g, Comm *comm, int n_experts);
 int ep_expert_owner(const EpGroup *g, int expert);   // EP rank holding global expert `expert`
 int ep_first_local_expert(const EpGroup *g);         // global index of local expert 0
 
 // perm_rows (seg_offsets[E], C): this rank's tokens in per-expert segments of all E experts,
 // seg_offsets (E+1) from moe_permute_plan -> out: the rows of this rank's experts_per_rank experts.
-// ep_size 1: out->rows = perm_rows, out->seg_offsets = seg_offsets (no copy).
+// ep_size 1: out->rows = perm_rows, out->seg_offsets = seg_offsets (no copy). seg_offsets is a host array.
+// Collective over the EP group. out must be zeroed before its first call; it keeps its storage from the
+// previous call (the same layer's last step).
 void ep_dispatch(EpGroup *g, const real *perm_rows, const int *seg_offsets, int C, EpBuffers *out);
 // local_out (buf->n_rows, C): expert outputs in the local segment layout -> returns the rows in this
 // rank's permuted layout (buf->n_perm_rows, C), ready for moe_combine_forward. ep_size 1: local_out.
@@ -68,7 +83,7 @@ const real *ep_combine_backward(EpGroup *g, EpBuffers *buf, const real *dperm_ou
 // dlocal_rows (buf->n_rows, C): gradient of buf->rows -> returns the gradient of perm_rows
 // (buf->n_perm_rows, C), ready for moe_unpermute_backward. ep_size 1: dlocal_rows.
 const real *ep_dispatch_backward(EpGroup *g, EpBuffers *buf, const real *dlocal_rows);
-// Frees storage the backend received into (none at ep_size 1) and clears buf.
+// Frees storage the exchange owns (none at ep_size 1) and clears buf.
 void ep_buffers_release(EpBuffers *buf);
 
 #endif

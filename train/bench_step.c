@@ -66,7 +66,7 @@ static int bench_precision(const char *job, const char **overrides, int n_overri
     printf("\n# bench step: precision %s\n", mode);
     if (train_state_pick_device(cfg, &dev) != 0) goto done;
     if (cfg->train.threads > 0) omp_set_num_threads(cfg->train.threads);
-    if (train_state_create(&ts, cfg, dev, warmup + steps, 0, err, sizeof err) != 0) {
+    if (train_state_create(&ts, cfg, dev, NULL, warmup + steps, 0, err, sizeof err) != 0) {
         fprintf(stderr, "fp8moe: %s\n", err);
         goto done;
     }
@@ -89,7 +89,7 @@ static int bench_precision(const char *job, const char **overrides, int n_overri
         profile_step_collect(phase_s);  // waits for the device: the step starts from idle
         const double t0 = now_s();
         StepResult sr;
-        if (train_step(&ts, ops, n_ops, NULL, &sr, err, sizeof err) != 0) {
+        if (train_step(&ts, ops, n_ops, &sr, err, sizeof err) != 0) {
             fprintf(stderr, "fp8moe: bench step (%s): %s\n", mode, err);
             goto done;
         }

@@ -110,11 +110,12 @@ void block_acts_alloc(ActsArena *ar, BlockActs *a, const Dims *d, int is_moe, co
     e->seg_token = ARENA_INTS(ar, NK);
     e->slot_of = ARENA_INTS(ar, NK);
     e->xp = s->t_xp;
-    ffn_acts_alloc(ar, &e->experts, NK, d->E, D, d->I, s, keep_inputs);
+    // the local experts' rows: this rank's own N x K at ep = 1, up to the EP group's N x K x ep (d->local_rows)
+    ffn_acts_alloc(ar, &e->experts, d->local_rows, d->E, D, d->I, s, keep_inputs);
     if (bf16_expert_outputs)  // read by the combine and its backward in BF16 (moe.c)
         e->eout_bf16 = arena_alloc(ar, (size_t)bf16_rows_elems(NK, D) * sizeof(uint16_t));
     else
-        e->eout = ARENA_REALS(ar, NK * D);
+        e->eout = ARENA_REALS(ar, d->local_rows * D);
     // the routed experts copy their Fprop operand's rows from the shared expert's (linear.h SharedFprop); without
     // shared experts (moe.n_shared_experts = 0: no shared FFN runs, moe.c) they quantise their rows themselves
     if (d->shared_I > 0) {
@@ -146,13 +147,13 @@ void layer_scratch_alloc(ActsArena *ar, LayerScratch *s, const Dims *d, int has_
     int64_t ffn_elems = N * d->inter;
     if (has_moe) {
         if (N * d->shared_I > ffn_elems) ffn_elems = N * d->shared_I;
-        if (NK * d->I > ffn_elems) ffn_elems = NK * d->I;
+        if (d->local_rows * d->I > ffn_elems) ffn_elems = d->local_rows * d->I;
         s->d_logits = ARENA_REALS(ar, N * d->E);
         s->d_scores = ARENA_REALS(ar, N * d->E);
         s->d_topk_w = ARENA_REALS(ar, NK);
         if (needs_xp) {  // where the experts read the token rows, their input gradient is unpermuted directly
-            s->t_xp = ARENA_REALS(ar, NK * d->D);
-            s->d_xp = ARENA_REALS(ar, NK * d->D);
+            s->t_xp = ARENA_REALS(ar, NK * d->D);              // this rank's permuted rows
+            s->d_xp = ARENA_REALS(ar, d->local_rows * d->D);   // the gradient of the local experts' rows
         }
         if (needs_d_eout) s->d_eout = ARENA_REALS(ar, NK * d->D);
         if (shares_fprop && d->shared_I > 0) {
@@ -173,7 +174,7 @@ void layer_scratch_alloc(ActsArena *ar, LayerScratch *s, const Dims *d, int has_
     int64_t d_h16 = bf16_rows_elems(N, d->inter);
     if (has_moe) {
         if (bf16_rows_elems(N, d->shared_I) > d_h16) d_h16 = bf16_rows_elems(N, d->shared_I);
-        if (bf16_rows_elems(NK, d->I) > d_h16) d_h16 = bf16_rows_elems(NK, d->I);
+        if (bf16_rows_elems(d->local_rows, d->I) > d_h16) d_h16 = bf16_rows_elems(d->local_rows, d->I);
     }
     s->d_h16 = arena_alloc(ar, (size_t)d_h16 * sizeof(uint16_t));
 }

@@ -34,6 +34,7 @@ typedef struct {
     int qr, kvr;                // q_lora_rank, kv_lora_rank
     int inter;                  // dense FFN width
     int E, K, I, shared_I;      // experts, top-K, moe_inter_dim, shared expert width
+    int64_t local_rows;         // the most routed rows this rank's experts can receive: N x K x parallel.ep
     int n_groups, n_limited;
     real route_scale, rope_theta, balance_alpha;
 } Dims;

@@ -13,6 +13,7 @@
 #include <string.h>
 
 #include "data/prep.h"
+#include "parallel/comm.h"
 #include "train/bench.h"
 #include "train/compare.h"
 #include "train/config.h"
@@ -61,6 +62,15 @@ static int is_help(const char *a) { return !strcmp(a, "--help") || !strcmp(a, "-
 
 // ---------------------------------------------------------------------------- train
 
+// Whether an MPI launcher started this process: Open MPI's mpirun, a PMIx or PMI launcher (MPICH's
+// Hydra, Slurm's srun with --mpi) all leave their rank in the environment.
+static int launched_by_mpi(void) {
+    static const char *const vars[] = {"OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_RANK", "PMI_SIZE"};
+    for (size_t i = 0; i < sizeof vars / sizeof vars[0]; i++)
+        if (getenv(vars[i])) return 1;
+    return 0;
+}
+
 static int cmd_train(int argc, char **argv) {
     const char *job = NULL;
     const char **overrides = calloc((size_t)argc + 1, sizeof *overrides);
@@ -105,14 +115,21 @@ static int cmd_train(int argc, char **argv) {
         rc = 1;
         goto done;
     }
+    // Under mpirun or srun every rank runs this and MPI starts; without a launcher the process is the whole
+    // job and MPI is not started at all (a singleton MPI start costs time and fails under some resource
+    // limits, e.g. ulimit -f, for nothing a one-process run needs).
+    if (launched_by_mpi()) comm_init(NULL, NULL);
     char err[2048];
     if (config_load(cfg, job, overrides, n_overrides, err, sizeof err) != 0) {
-        fprintf(stderr, "%s\n", err);
+        if (comm_world()->rank == 0) fprintf(stderr, "%s\n", err);  // the same message on every rank
         free(cfg);
+        comm_finalize();
         goto done;  // rc = EXIT_USAGE: the job is invalid
     }
+    comm_set_timeout(cfg->parallel.timeout_s);
     rc = trainer_run(cfg);
     free(cfg);
+    comm_finalize();
 done:
     free(overrides);
     return rc;

@@ -46,6 +46,7 @@ Dims dims_from_config(const Config *c, int B, int T) {
     d.E = c->moe.n_routed_experts;
     d.K = c->moe.n_activated_experts;
     d.I = c->moe.moe_inter_dim;
+    d.local_rows = (int64_t)d.N * d.K * c->parallel.ep;  // every rank of the EP group may route all its rows here
     d.shared_I = c->moe.n_shared_experts * c->moe.moe_inter_dim;
     d.n_groups = c->moe.n_expert_groups;
     d.n_limited = c->moe.n_limited_groups;
@@ -343,6 +344,14 @@ static int model_build(Model *m, const Config *cfg, Device dev, const Placement 
 
     int E = cfg->moe.n_routed_experts;
     m->router_bias = device_alloc(dev, (size_t)(m->n_moe_layers ? m->n_moe_layers : 1) * E * sizeof(real));
+    // the biases' global names: MoE layer l is main block n_dense + l, then one per MTP module (as their gates)
+    m->router_bias_names = calloc((size_t)(m->n_moe_layers ? m->n_moe_layers : 1), sizeof *m->router_bias_names);
+    for (int l = 0; l < L; l++)
+        if (m->w.blocks[l].is_moe)
+            snprintf(m->router_bias_names[m->w.blocks[l].moe_index], MODEL_NAME_MAX, "layers.%d.ffn.gate.bias", l);
+    for (int k = 0; k < depth; k++)
+        if (m->w.mtp[k].block.is_moe)
+            snprintf(m->router_bias_names[m->w.mtp[k].block.moe_index], MODEL_NAME_MAX, "mtp.%d.block.ffn.gate.bias", k);
     m->expert_load = calloc((size_t)(m->n_moe_layers ? m->n_moe_layers : 1) * E, sizeof(int64_t));
     m->loss_weights.main = 1;
     for (int k = 0; k < depth; k++) m->loss_weights.mtp[k] = (real)(cfg->mtp.loss_weight / depth);
@@ -369,6 +378,20 @@ int model_create_placement(Model *m, const Config *cfg, Device dev, const Placem
     return model_build(m, cfg, dev, p, 1, err, err_size);
 }
 
+int model_set_ep_group(Model *m, Comm *ep, char *err, size_t err_size) {
+    const int E = m->cfg.moe.n_routed_experts;
+    if (E % ep->size != 0 || m->placement.n_experts != E / ep->size ||
+        m->placement.expert0 != ep->rank * (E / ep->size)) {
+        snprintf(err, err_size, "EP group of %d ranks (this one %d) over %d experts: expected this placement's experts "
+                 "[%d, %d) to be its share, but it holds [%d, %d)", ep->size, ep->rank, E,
+                 ep->rank * (E / (ep->size ? ep->size : 1)), (ep->rank + 1) * (E / (ep->size ? ep->size : 1)),
+                 m->placement.expert0, m->placement.expert0 + m->placement.n_experts);
+        return -1;
+    }
+    ep_group_init(&m->ep, ep, E);
+    return 0;
+}
+
 void model_weights_changed(Model *m) { m->rc.weights_version++; }
 
 void model_free(Model *m) {
@@ -381,6 +404,7 @@ void model_free(Model *m) {
     free(m->w.mtp);
     free(m->g.mtp);
     device_free(m->rc.dev, m->router_bias);
+    free(m->router_bias_names);
     free(m->expert_load);
     free(m->chunks);
     memset(m, 0, sizeof *m);
@@ -407,12 +431,22 @@ const ParamInfo *model_find_param(const Model *m, const char *name) {
     return NULL;
 }
 
+int model_find_router_bias(const Model *m, const char *name) {
+    for (int l = 0; l < m->n_moe_layers; l++)
+        if (strcmp(m->router_bias_names[l], name) == 0) return l;
+    return -1;
+}
+
 void model_zero_grads(Model *m) {
     device_memset_zero(m->rc.dev, m->grads, (size_t)model_num_params(m) * sizeof(real));
 }
 
 void model_zero_load(Model *m) {
     memset(m->expert_load, 0, (size_t)m->n_moe_layers * m->cfg.moe.n_routed_experts * sizeof(int64_t));
+}
+
+void model_reduce_load(Model *m, Comm *group) {
+    comm_allreduce_sum_i64(group, m->expert_load, (int64_t)m->n_moe_layers * m->cfg.moe.n_routed_experts);
 }
 
 double model_update_router_bias(Model *m) {
@@ -480,6 +514,7 @@ struct ChunkActs {
     int *d_inputs, *d_targets; // the micro-batch's tokens on the device
     real *resid;               // (n_blocks + 1, N, D) residual stream at block boundaries
     BlockActs *blocks;
+    int n_blocks, n_mtp;       // blocks and MTP modules with activations (their EP buffers are freed with them)
     LayerScratch scratch;
     real *d_cur;               // (N, D) gradient of the residual stream
     // last chunk
@@ -520,15 +555,18 @@ ChunkActs *chunk_acts_create(Model *m, int chunk, int B, int T) {
     a->d_targets = ARENA_INTS(ar, N);
     a->resid = ARENA_REALS(ar, (cs->n_blocks + 1) * N * D);
     a->blocks = calloc((size_t)cs->n_blocks, sizeof(BlockActs));
+    a->n_blocks = cs->n_blocks;
     int has_moe = 0;  // the scratch first: the blocks' forward transients point into it
     for (int i = 0; i < cs->n_blocks; i++) has_moe |= m->w.blocks[cs->first_block + i].is_moe;
     if (cs->has_head)
         for (int k = 0; k < c->mtp.depth; k++) has_moe |= m->w.mtp[k].block.is_moe;
-    if (has_moe && m->placement.n_experts < c->moe.n_routed_experts) {
-        fprintf(stderr, "fp8moe: train/model.c: chunk_acts_create: this placement holds experts [%d, %d) of %d; its "
-                        "MoE layers need the other experts' ranks (expert parallelism), which this build does not "
-                        "run yet\n", m->placement.expert0, m->placement.expert0 + m->placement.n_experts,
-                c->moe.n_routed_experts);
+    if (has_moe && (m->placement.n_experts != m->ep.experts_per_rank ||
+                    m->placement.expert0 != ep_first_local_expert(&m->ep))) {
+        fprintf(stderr, "fp8moe: train/model.c: chunk_acts_create: this placement holds experts [%d, %d) of %d, but "
+                        "its EP group (%d ranks, this one %d) gives it [%d, %d); its MoE layers need the group that "
+                        "holds the other experts (model_set_ep_group)\n", m->placement.expert0,
+                m->placement.expert0 + m->placement.n_experts, c->moe.n_routed_experts, m->ep.ep_size, m->ep.ep_rank,
+                ep_first_local_expert(&m->ep), ep_first_local_expert(&m->ep) + m->ep.experts_per_rank);
         chunk_acts_free(a);
         return NULL;
     }
@@ -548,6 +586,7 @@ ChunkActs *chunk_acts_create(Model *m, int chunk, int B, int T) {
         a->d_tmp = ARENA_REALS(ar, N * D);
         a->d_cat = ARENA_REALS(ar, 2 * N * D);
         a->mtp = calloc((size_t)c->mtp.depth + 1, sizeof(MtpActs));
+        a->n_mtp = c->mtp.depth;
         for (int k = 0; k < c->mtp.depth; k++) {
             MtpActs *t = &a->mtp[k];
             t->tok = calloc((size_t)N, sizeof(int));
@@ -569,12 +608,14 @@ ChunkActs *chunk_acts_create(Model *m, int chunk, int B, int T) {
             t->d_h = ARENA_REALS(ar, N * D);
         }
     }
-    linear_reserve_scratch(&m->rc, m->params, m->n_params, d->N, d->N * m->cfg.moe.n_activated_experts);
+    linear_reserve_scratch(&m->rc, m->params, m->n_params, d->N, (int)d->local_rows);
     return a;
 }
 
 void chunk_acts_free(ChunkActs *a) {
     if (!a) return;
+    for (int i = 0; a->blocks && i < a->n_blocks; i++) ep_buffers_release(&a->blocks[i].moe.ep_buf);
+    for (int k = 0; a->mtp && k < a->n_mtp; k++) ep_buffers_release(&a->mtp[k].block.moe.ep_buf);
     if (a->mtp) {
         for (int k = 0; k < MTP_MAX_DEPTH && (a->mtp[k].tok || a->mtp[k].tgt); k++) {
             free(a->mtp[k].tok);

@@ -105,6 +105,7 @@ typedef struct {
     ModelWeights w, g;   // pointer views into weights and grads
     int n_moe_layers;    // MoE layers in the main model and the MTP modules
     real *router_bias;   // (n_moe_layers, E) on dev: selection bias, updated by the balancer, not by gradients
+    char (*router_bias_names)[MODEL_NAME_MAX];  // (n_moe_layers) global names, "layers.3.ffn.gate.bias"
     int64_t *expert_load;  // (n_moe_layers, E) on the host: tokens routed to each expert since the last reset
     int count_load;      // count expert load in forward passes (training, not eval)
     int freeze_routing;  // reuse the routing stored in the ChunkActs (gradient checks)
@@ -125,6 +126,10 @@ int model_create(Model *m, const Config *cfg, Device dev, int n_chunks, char *er
 // (chunk_acts_create refuses them until then). Returns 0, or -1 with a message in err.
 int model_create_placement(Model *m, const Config *cfg, Device dev, const Placement *p, char *err, size_t err_size);
 void model_free(Model *m);
+// Hands the model its EP group (parallel/groups.h: the ranks that split the experts of this stage), before
+// chunk_acts_create: the placement's experts must be this rank's share, [rank E/size, (rank+1) E/size).
+// A model starts with the one-process group. Returns 0, or -1 with err.
+int model_set_ep_group(Model *m, Comm *ep, char *err, size_t err_size);
 // Whoever writes m->weights (the optimizer step, a weights load) calls this afterwards: cached copies
 // derived from the weights (the FP8 128x128 quantisation, train/linear.c) are then recomputed at their
 // next use instead of reused.
@@ -134,6 +139,8 @@ int64_t model_num_params(const Model *m);
 // top-K routed experts, router, head, MTP modules. Used for FLOPs accounting.
 int64_t model_active_params(const Model *m);
 const ParamInfo *model_find_param(const Model *m, const char *name);
+// The MoE layer whose router bias has this global name (Model.router_bias_names), or -1.
+int model_find_router_bias(const Model *m, const char *name);
 
 // Also sizes the model's FP8 scratch for B*T tokens (train/linear.h), so steps allocate nothing.
 ChunkActs *chunk_acts_create(Model *m, int chunk, int B, int T);
@@ -178,6 +185,9 @@ void model_mtp_tokens(int *tok, int *tgt, const int *targets, int B, int T, int 
 
 void model_zero_grads(Model *m);
 void model_zero_load(Model *m);
+// Sums the step's expert load counts over `group` (the ranks that route distinct tokens: dp), so that
+// every rank makes the same bias update. The identity in one process.
+void model_reduce_load(Model *m, Comm *group);
 // End of a training step: the aux-loss-free bias update of every MoE layer from the step's expert load
 // (b_i += gamma * sign(mean load - load_i), gamma = moe.bias_update_speed), then the load counts are
 // reset. Returns the worst layer's max/mean load of the step (0 without MoE layers).

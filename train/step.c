@@ -2,10 +2,12 @@
  * step.c - train_step: a step's op list, then norm, clip, AdamW and the bias update (see step.h).
  *
  * The order of the arithmetic is that of the trainer before this file existed, op for op, so the
- * bits of every run are unchanged: zero the gradients, count loads during the forwards, each
- * backward with loss_scale 1/grad_accum, the deferred FP8 finiteness check, the global norm over the
- * flat buffer, the clip factor, AdamW over the parameter groups, the weights-changed notice, and the
- * aux-loss-free bias update from the step's loads.
+ * bits of every one-process run are unchanged: zero the gradients, count loads during the forwards,
+ * each backward with loss_scale 1/(grad_accum x dp), the deferred FP8 finiteness check, the global
+ * norm over the flat buffer, the clip factor, AdamW over the parameter groups, the weights-changed
+ * notice, and the aux-loss-free bias update from the step's loads. Data parallel adds three sums at
+ * fixed points, each the identity in one process: the loss terms and failure flags, the gradients
+ * (dp for the non-expert part, edp for the routed experts) and the expert loads.
  */
 #include "train/step.h"
 
@@ -25,19 +27,27 @@ int step_ops_one_process(StepOp *ops, int max_ops, int grad_accum) {
     return 2 * grad_accum;
 }
 
-int train_step(TrainState *ts, const StepOp *ops, int n_ops, const StepHooks *hooks, StepResult *out, char *err,
-               size_t err_size) {
+int train_step(TrainState *ts, const StepOp *ops, int n_ops, StepResult *out, char *err, size_t err_size) {
     Model *m = &ts->model;
     Batch *bt = &ts->batch;
     const Config *cfg = ts->cfg;
     const int A = cfg->train.grad_accum, s = ts->step + 1;  // s: 1-based, as logs and AdamW count
+    const int dp = ts->dp->size;
+    // every backward's loss terms are scaled by 1/(micro-batches of the global batch), so the dp sum of the
+    // ranks' gradients is the gradient of the global batch's mean loss
+    const real loss_scale = (real)(1.0 / ((double)A * dp));
     const int64_t n_elems = m->n_dense_elems + m->n_expert_elems;
     const int64_t fp8_gemms_before = m->rc.fp8_gemm_count;
     double loss_sum = 0, mtp_sum = 0, bal_sum = 0;
     int live = -1;  // the micro-batch whose activations ts->acts holds
+    int bad_mb = -1;  // the first micro-batch whose loss was not finite
+    LossTerms bad = {0};
     model_zero_grads(m);
     m->count_load = 1;
-    for (int i = 0; i < n_ops; i++) {
+    // a non-finite loss skips the rest of the ops (see below), except under expert parallelism, whose
+    // forwards and backwards exchange rows with the other ranks of the EP group: those must all run
+    const int may_skip = m->ep.ep_size == 1;
+    for (int i = 0; i < n_ops && (bad_mb < 0 || !may_skip); i++) {
         const StepOp *op = &ops[i];
         if (op->chunk != 0 || op->micro_batch < 0 || op->micro_batch >= A) {
             snprintf(err, err_size, "step %d: op %d (chunk %d, micro-batch %d) is outside this model's chunk 0 and "
@@ -60,13 +70,12 @@ int train_step(TrainState *ts, const StepOp *ops, int n_ops, const StepHooks *ho
             train_split_batch(bt->rows, bt->rows, bt->B, bt->T, bt->inputs, bt->targets);
             real weighted = chunk_forward(m, 0, ts->acts, bt->inputs, bt->targets, NULL, NULL);
             LossTerms lt = chunk_losses(ts->acts);
-            if (!isfinite((double)weighted) || !isfinite(lt.main) || !isfinite(lt.mtp_mean) || !isfinite(lt.balance)) {
-                snprintf(err, err_size, "step %d, micro-batch %d: the loss is not finite (loss %g, mtp %g, bal %g); "
-                         "stopping. Lower optim.lr or check the data.", s, op->micro_batch + 1, lt.main, lt.mtp_mean,
-                         lt.balance);
-                m->count_load = 0;
-                return -1;
-            }
+            // A non-finite loss ends the step at the agreement below, which every data-parallel rank reaches,
+            // so all ranks stop at the same step. At ep = 1 the rest of this rank's ops is skipped: a backward
+            // from a non-finite loss has nothing to give.
+            if (bad_mb < 0 &&
+                (!isfinite((double)weighted) || !isfinite(lt.main) || !isfinite(lt.mtp_mean) || !isfinite(lt.balance)))
+                bad_mb = op->micro_batch, bad = lt;
             loss_sum += lt.main;
             mtp_sum += lt.mtp_mean;
             bal_sum += lt.balance;
@@ -78,23 +87,51 @@ int train_step(TrainState *ts, const StepOp *ops, int n_ops, const StepHooks *ho
                 m->count_load = 0;
                 return -1;
             }
-            chunk_backward(m, 0, ts->acts, NULL, NULL, (real)(1.0 / A));
+            chunk_backward(m, 0, ts->acts, NULL, NULL, loss_scale);
             live = -1;
         }
     }
     m->count_load = 0;
-    if (hooks && hooks->reduce_grads) hooks->reduce_grads(hooks->ctx, ts);
-    char why[512];
-    if (fp8_check_finite(ts->dev, why, sizeof why) != 0) {  // deferred on the GPU (kernels.h)
-        snprintf(err, err_size, "step %d: FP8 quantisation met a non-finite value: %s; stopping", s, why);
+    // The step's one agreement over dp: loss sums (rank order), and whether any rank met a non-finite loss
+    // or FP8 value (deferred on the GPU, kernels.h), so that every rank stops at the same step.
+    char why[512] = "";
+    const int fp8_bad = fp8_check_finite(ts->dev, why, sizeof why) != 0;
+    double agreed[5] = {loss_sum, mtp_sum, bal_sum, bad_mb >= 0, fp8_bad};
+    comm_allreduce_sum_double(ts->dp, agreed, 5);
+    if (agreed[3] > 0) {
+        if (bad_mb >= 0)
+            snprintf(err, err_size, "step %d, micro-batch %d: the loss is not finite (loss %g, mtp %g, bal %g); "
+                     "stopping. Lower optim.lr or check the data.", s, bad_mb + 1, bad.main, bad.mtp_mean, bad.balance);
+        else
+            snprintf(err, err_size, "step %d: the loss is not finite on another data-parallel rank; stopping", s);
         return -1;
     }
+    if (agreed[4] > 0) {
+        if (fp8_bad) snprintf(err, err_size, "step %d: FP8 quantisation met a non-finite value: %s; stopping", s, why);
+        else snprintf(err, err_size, "step %d: FP8 quantisation met a non-finite value on another data-parallel rank; "
+                      "stopping", s);
+        return -1;
+    }
+    const int n_mb = A * dp;
+    loss_sum = agreed[0], mtp_sum = agreed[1], bal_sum = agreed[2];
+    // gradients: the non-expert part over dp, the routed experts over their replicas (edp), in rank order
+    comm_allreduce_sum_real(ts->dp, m->grads, m->n_dense_elems);
+    comm_allreduce_sum_real(ts->edp, m->grads + m->n_dense_elems, m->n_expert_elems);
     profile_begin(PHASE_OPTIMIZER);
-    const double gnorm = grad_global_norm(ts->dev, m->grads, n_elems);
-    if (!isfinite(gnorm)) {
+    double gnorm;
+    if (m->ep.ep_size == 1) {
+        gnorm = grad_global_norm(ts->dev, m->grads, n_elems);
+    } else {  // the routed experts are split over the EP group: their squares summed over it, in rank order
+        const double dense = grad_global_norm(ts->dev, m->grads, m->n_dense_elems);
+        double experts = grad_global_norm(ts->dev, m->grads + m->n_dense_elems, m->n_expert_elems);
+        experts *= experts;
+        comm_allreduce_sum_double(m->ep.comm, &experts, 1);
+        gnorm = sqrt(dense * dense + experts);
+    }
+    if (!isfinite(gnorm)) {  // the same reduced gradients on every rank: every rank stops here
         profile_end(PHASE_OPTIMIZER);
         snprintf(err, err_size, "step %d: the gradient norm is not finite (%g) though the loss was %.4f; stopping", s,
-                 gnorm, loss_sum / A);
+                 gnorm, loss_sum / n_mb);
         return -1;
     }
     const float scale = clip_scale(gnorm, cfg->optim.grad_clip);
@@ -102,10 +139,11 @@ int train_step(TrainState *ts, const StepOp *ops, int n_ops, const StepHooks *ho
     adamw_step(&ts->opt, m->weights, m->grads, ts->groups, ts->n_groups, (float)lr, scale, s);
     model_weights_changed(m);
     profile_end(PHASE_OPTIMIZER);
-    if (hooks && hooks->reduce_expert_load) hooks->reduce_expert_load(hooks->ctx, ts);
+    // every rank that routed distinct tokens adds its counts, so every rank applies the same bias update
+    model_reduce_load(m, ts->dp);
     const double worst_load = model_update_router_bias(m);
     ts->step = s;
-    *out = (StepResult){.loss = loss_sum / A, .mtp = mtp_sum / A, .balance = bal_sum / A, .grad_norm = gnorm,
+    *out = (StepResult){.loss = loss_sum / n_mb, .mtp = mtp_sum / n_mb, .balance = bal_sum / n_mb, .grad_norm = gnorm,
                         .lr = lr, .worst_load = worst_load, .fp8_gemms = m->rc.fp8_gemm_count - fp8_gemms_before};
     return 0;
 }

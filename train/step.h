@@ -5,14 +5,19 @@
  * Every caller that trains (fp8moe train, fp8moe bench step, the tests) runs its steps through
  * train_step, so the step's arithmetic exists once. The op list is data: one process runs
  * F0 B0 F1 B1 ... over the step's grad_accum micro-batches (step_ops_one_process); the pipeline
- * schedules of later issues hand their own lists to the same function. Where a distributed run must
- * sum across ranks, the step calls a hook at that fixed point: the gradients after the last backward
- * (data-parallel and expert-data-parallel reductions) and the expert token counts before the bias
- * update. In one process both hooks are absent and nothing is summed.
+ * schedules of later issues hand their own lists to the same function.
  *
- * The step's loss is the mean over micro-batches (loss_scale = 1/grad_accum in each backward), the
- * clip uses the global norm before clipping, and the learning rate is lr_at(step, total_steps) of the
- * state's schedule. Load counting is on only inside the step's forwards (never in evaluation).
+ * Data parallel (TrainState.dp, .edp; both the single-process group in one process, where every sum
+ * is the identity): each rank runs the ops on its own micro-batches, every backward scales its loss by
+ * 1/(grad_accum x dp), and the step sums across ranks at three fixed points, in rank order
+ * (parallel/comm.h): the loss terms with the ranks' failure flags (so every rank stops at the same
+ * step), the gradients after the last backward (non-expert over dp, routed experts over edp, before
+ * the norm), and the expert token counts before the bias update. Every rank then holds the same
+ * gradients and applies the same update.
+ *
+ * The step's loss is the mean over the global batch's micro-batches, the clip uses the global norm
+ * before clipping, and the learning rate is lr_at(step, total_steps) of the state's schedule. Load
+ * counting is on only inside the step's forwards (never in evaluation).
  */
 #ifndef FP8MOE_STEP_H
 #define FP8MOE_STEP_H
@@ -34,15 +39,8 @@ typedef struct {
 // Returns the count, or -1 when max_ops is too small.
 int step_ops_one_process(StepOp *ops, int max_ops, int grad_accum);
 
-// Where a distributed step sums across ranks (see above). Either function may be NULL.
 typedef struct {
-    void (*reduce_grads)(void *ctx, TrainState *ts);        // after the last backward, before the norm
-    void (*reduce_expert_load)(void *ctx, TrainState *ts);  // before the bias update
-    void *ctx;
-} StepHooks;
-
-typedef struct {
-    double loss, mtp, balance;  // means over the step's micro-batches (unweighted terms, as logged)
+    double loss, mtp, balance;  // means over the global batch's micro-batches (unweighted terms, as logged)
     double grad_norm;           // global L2 norm before clipping
     double lr;
     double worst_load;          // worst MoE layer's max/mean expert load of the step
@@ -54,7 +52,6 @@ typedef struct {
 // success ts->step is one higher and *out filled. Returns 0, or -1 with err naming the step and what
 // went wrong (no batch from the loader, a non-finite loss, FP8 quantisation or gradient norm), the
 // weights then being those before the step's update.
-int train_step(TrainState *ts, const StepOp *ops, int n_ops, const StepHooks *hooks, StepResult *out, char *err,
-               size_t err_size);
+int train_step(TrainState *ts, const StepOp *ops, int n_ops, StepResult *out, char *err, size_t err_size);
 
 #endif

@@ -82,10 +82,11 @@ static int split_text_list(const char *list, char *buf, size_t buf_size, const c
 
 // Picks the shard directory: data.shards as given, or the text files prepared (when not already
 // current) into data.cache_dir/<16 hex digits of FNV-1a over the path list>.
-static int prepare_data(const Config *cfg, char *shard_dir, size_t shard_dir_size, char *err, size_t err_size) {
+static int prepare_data(const Config *cfg, int verbose, char *shard_dir, size_t shard_dir_size, char *err,
+                        size_t err_size) {
     if (cfg->data.shards[0]) {
         snprintf(shard_dir, shard_dir_size, "%s", cfg->data.shards);
-        printf("data: shards in %s (data.shards)\n", shard_dir);
+        if (verbose) printf("data: shards in %s (data.shards)\n", shard_dir);
         return 0;
     }
     char list_buf[CONFIG_PATH_MAX];
@@ -101,19 +102,21 @@ static int prepare_data(const Config *cfg, char *shard_dir, size_t shard_dir_siz
     snprintf(shard_dir, shard_dir_size, "%s/%016llx", cfg->data.cache_dir, (unsigned long long)h);
     const char *what = n ? "data.text" : "the default text";
     if (data_prep_is_current(paths, n, shard_dir)) {
-        printf("data: %s is already prepared in %s\n", what, shard_dir);
+        if (verbose) printf("data: %s is already prepared in %s\n", what, shard_dir);
         return 0;
     }
-    printf("data: preparing %s (%d file%s) into %s\n", what, n ? n : n_hashed, (n ? n : n_hashed) == 1 ? "" : "s",
-           shard_dir);
+    if (verbose)
+        printf("data: preparing %s (%d file%s) into %s\n", what, n ? n : n_hashed, (n ? n : n_hashed) == 1 ? "" : "s",
+               shard_dir);
     fflush(stdout);
     return data_prep(paths, n, shard_dir, err, err_size);
 }
 
-static int open_loader(const Config *cfg, const char *shard_dir, LoaderSplit split, int B, int T, DataLoader *loader,
-                        char *err, size_t err_size) {
+// A loader of this data-parallel rank (rank r's rows of each micro-batch: data/loader.h).
+static int open_loader(const Config *cfg, const char *shard_dir, LoaderSplit split, int B, int T, const Comm *dp,
+                       DataLoader *loader, char *err, size_t err_size) {
     LoaderOptions lo = {.dir = shard_dir, .split = split, .vocab_size = cfg->model.vocab_size, .B = B, .T = T,
-                        .seed = cfg->train.seed, .dp_rank = 0, .dp_size = 1};
+                        .seed = cfg->train.seed, .dp_rank = dp->rank, .dp_size = dp->size};
     return loader_open(loader, &lo, err, err_size);
 }
 
@@ -174,33 +177,58 @@ static ParamGroup *build_param_groups(const Model *m, int64_t n, int *n_groups, 
 
 // ---------------------------------------------------------------------------- create / free
 
-int train_state_create(TrainState *ts, const Config *cfg, Device dev, int total_steps, int with_val, char *err,
-                       size_t err_size) {
+int all_ranks_ok(Comm *world, int ok) {
+    double bad = !ok;
+    comm_allreduce_max_double(world, &bad, 1);
+    return bad == 0;
+}
+
+int train_state_create(TrainState *ts, const Config *cfg, Device dev, const Groups *groups, int total_steps,
+                       int with_val, char *err, size_t err_size) {
     memset(ts, 0, sizeof *ts);
     ts->cfg = cfg;
     ts->dev = dev;
     ts->total_steps = total_steps;
+    Comm *world = groups ? groups->world : comm_world_single();
+    ts->dp = groups ? groups->dp : comm_world_single();
+    ts->edp = groups ? groups->edp : comm_world_single();
     const int B = cfg->train.micro_batch_size, T = cfg->train.seq_len;
-    ts->tokens_per_step = (int64_t)cfg->train.grad_accum * B * T;
+    ts->tokens_per_step = (int64_t)cfg->train.grad_accum * B * T * ts->dp->size;
     char shard_dir[CONFIG_PATH_MAX + 32], why[1536];
-    if (prepare_data(cfg, shard_dir, sizeof shard_dir, why, sizeof why) != 0 ||
-        open_loader(cfg, shard_dir, LOADER_TRAIN, B, T, &ts->train, why, sizeof why) != 0) {
-        snprintf(err, err_size, "data: %s", why);
+    // world rank 0 prepares the data (the others would race it on the same files); then every rank opens it
+    int prepared = world->rank != 0 || prepare_data(cfg, 1, shard_dir, sizeof shard_dir, why, sizeof why) == 0;
+    if (!all_ranks_ok(world, prepared)) {
+        snprintf(err, err_size, "data: %s", prepared ? "preparing the data failed on rank 0" : why);
         return -1;
     }
-    ts->train_ok = 1;
-    if (with_val) {
-        if (open_loader(cfg, shard_dir, LOADER_VAL, B, T, &ts->val, why, sizeof why) != 0) {
-            snprintf(err, err_size, "data: %s", why);
-            return -1;
-        }
-        ts->val_ok = 1;
+    if (world->rank != 0 && prepare_data(cfg, 0, shard_dir, sizeof shard_dir, why, sizeof why) != 0) {
+        snprintf(err, err_size, "data: %s", why);  // rank 0 made it current; this only finds it
+        return -1;
     }
-    if (model_create(&ts->model, cfg, dev, 1, why, sizeof why) != 0) {
+    int opened = open_loader(cfg, shard_dir, LOADER_TRAIN, B, T, ts->dp, &ts->train, why, sizeof why) == 0;
+    ts->train_ok = opened;
+    if (opened && with_val) {
+        opened = open_loader(cfg, shard_dir, LOADER_VAL, B, T, ts->dp, &ts->val, why, sizeof why) == 0;
+        ts->val_ok = opened;
+    }
+    if (!all_ranks_ok(world, opened)) {
+        snprintf(err, err_size, "data: %s", opened ? "opening the data failed on another rank" : why);
+        return -1;
+    }
+    // this rank's part of the model: every layer, and its EP group's share of the routed experts
+    Placement pl = placement_whole(cfg);
+    Comm *ep = groups ? groups->ep : comm_world_single();
+    const int per_rank = cfg->moe.n_routed_experts / ep->size;
+    if ((ep->size > 1 && placement_set_experts(cfg, &pl, ep->rank * per_rank, per_rank, why, sizeof why) != 0) ||
+        model_create_placement(&ts->model, cfg, dev, &pl, why, sizeof why) != 0) {
         snprintf(err, err_size, "%s: model: %s", cfg->path, why);
         return -1;
     }
     ts->model_ok = 1;
+    if (model_set_ep_group(&ts->model, ep, why, sizeof why) != 0) {
+        snprintf(err, err_size, "%s: model: %s", cfg->path, why);
+        return -1;
+    }
     const int64_t n_elems = ts->model.n_dense_elems + ts->model.n_expert_elems;
     adamw_init(&ts->opt, dev, n_elems, &cfg->optim);
     ts->opt_ok = 1;

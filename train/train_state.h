@@ -15,6 +15,7 @@
 
 #include "data/loader.h"
 #include "optim/adamw.h"
+#include "parallel/groups.h"
 #include "train/config.h"
 #include "train/model.h"
 
@@ -35,9 +36,11 @@ typedef struct {
     DataLoader train, val;
     ChunkActs *acts;     // one micro-batch's activations (the one-process op list keeps one live)
     Batch batch;
+    Comm *dp;            // data-parallel group: non-expert gradients, losses, expert loads (not owned)
+    Comm *edp;           // the replicas of this rank's experts: their gradients (dp while ep = 1; not owned)
     int step;            // optimizer steps taken
     int total_steps;     // steps of the LR schedule
-    int64_t tokens_per_step;
+    int64_t tokens_per_step;  // of the global batch: grad_accum x micro_batch_size x seq_len x dp
     // what exists, so train_state_free can run after a create that failed half-way
     int model_ok, opt_ok, train_ok, val_ok;
 } TrainState;
@@ -47,13 +50,20 @@ typedef struct {
 int train_state_pick_device(const Config *cfg, Device *dev);
 
 // Builds the state for cfg on dev: the data (data.shards, or data.text prepared into data.cache_dir
-// when not already current; prints what it does), the training loader and, when with_val, the
-// validation loader; the model initialised from train.seed, AdamW, the parameter groups, one
-// micro-batch's activations and buffers. total_steps is the LR schedule's length. Returns 0, or -1
-// with a message in err that names the file or key at fault.
-int train_state_create(TrainState *ts, const Config *cfg, Device dev, int total_steps, int with_val, char *err,
-                       size_t err_size);
+// when not already current, by world rank 0 only; prints what it does), the training loader and, when
+// with_val, the validation loader, each reading this data-parallel rank's part of the order; the model
+// initialised from train.seed, AdamW, the parameter groups, one micro-batch's activations and buffers.
+// groups: the job's process groups (parallel/groups.h), or NULL for one process; the state keeps
+// pointers to its dp and edp groups, so groups must outlive it. total_steps is the LR schedule's length.
+// Collective over the world when groups is given: a failure on any rank fails it on every rank.
+// Returns 0, or -1 with a message in err that names the file or key at fault.
+int train_state_create(TrainState *ts, const Config *cfg, Device dev, const Groups *groups, int total_steps,
+                       int with_val, char *err, size_t err_size);
 void train_state_free(TrainState *ts);
+
+// Whether every rank of `world` passes ok = 1 (collective; the identity in one process): a setup step that
+// fails on one rank then fails on all of them, so none is left waiting in a later collective.
+int all_ranks_ok(Comm *world, int ok);
 
 // rows (B, T+1) token windows -> inputs (B, T) = rows[:, :T] and targets (B, T) = labels[:, 1:]
 // (labels is rows itself for training batches, the masked labels for evaluation).

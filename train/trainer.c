@@ -59,6 +59,12 @@ static void on_stop_signal(int sig) {
     say(msg, sizeof msg - 1);
 }
 
+// "fp8moe: message", or "fp8moe: rank R: message" in a job of several ranks.
+static void print_error(const Comm *world, const char *msg) {
+    if (world->size > 1) fprintf(stderr, "fp8moe: rank %d: %s\n", world->rank, msg);
+    else fprintf(stderr, "fp8moe: %s\n", msg);
+}
+
 static double now_s(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -70,8 +76,17 @@ static double now_s(void) {
 // Mean main-head CE over the validation pass (or its first max_batches batches when > 0).
 // Load counting is off: evaluation must not move the router biases. A stop request ends it at the
 // next batch (an evaluation can take longer than a step); *interrupted then says its number is partial.
+// Whether any rank of the world has been asked to stop (the identity in one process). Every rank calls it
+// at the same points, so all of them stop at the same step or evaluation batch.
+static int stop_agreed(Comm *world) {
+    double stop = stop_requested;
+    comm_allreduce_max_double(world, &stop, 1);
+    if (stop > 0) stop_requested = 1;
+    return stop > 0;
+}
+
 static EvalMetrics evaluate(Model *m, ChunkActs *acts, DataLoader *val, const Batch *bt, int max_batches,
-                            int step, int *interrupted) {
+                            int step, Comm *world, Comm *dp, int *interrupted) {
     double t0 = now_s();
     int saved_count_load = m->count_load;
     m->count_load = 0;
@@ -82,20 +97,25 @@ static EvalMetrics evaluate(Model *m, ChunkActs *acts, DataLoader *val, const Ba
     int64_t n_targets_total = 0;
     *interrupted = 0;
     for (int64_t i = 0; i < batches; i++) {
-        if (stop_requested) {
+        if (stop_agreed(world)) {
             *interrupted = 1;
             break;
         }
         int64_t n_targets = 0;
         if (!loader_next_eval(val, bt->rows, bt->labels, &n_targets)) break;
-        if (n_targets == 0) continue;  // pure padding rows
+        // pure padding rows: skipped, except under expert parallelism, whose forward the EP group runs together
+        if (n_targets == 0 && m->ep.ep_size == 1) continue;
         train_split_batch(bt->rows, bt->labels, bt->B, bt->T, bt->inputs, bt->targets);
         chunk_forward(m, 0, acts, bt->inputs, bt->targets, NULL, NULL);
         LossTerms lt = chunk_losses(acts);
+        if (lt.n_valid == 0) continue;
         loss_sum += lt.main * (double)lt.n_valid;
         n_targets_total += lt.n_valid;
     }
     m->count_load = saved_count_load;
+    double sums[2] = {loss_sum, (double)n_targets_total};  // every dp rank evaluated its part of the pass
+    comm_allreduce_sum_double(dp, sums, 2);
+    loss_sum = sums[0], n_targets_total = (int64_t)sums[1];
     EvalMetrics e = {.step = step,
                      .val_loss = n_targets_total ? loss_sum / (double)n_targets_total : NAN,
                      .tokens = n_targets_total,
@@ -107,6 +127,10 @@ static EvalMetrics evaluate(Model *m, ChunkActs *acts, DataLoader *val, const Ba
 
 // Everything trainer_run owns, so one cleanup path frees it all.
 typedef struct {
+    Groups groups;  // the job's process groups (one rank in one process)
+    int groups_ok;
+    Comm *world;
+    int writes;     // this rank writes the run's outputs (world rank 0; the dp replicas are identical)
     TrainState ts;
     StepOp *ops;  // the step's op list: F0 B0 F1 B1 ... (step_ops_one_process)
     MetricsLog log;
@@ -124,6 +148,44 @@ static void run_free(Run *r) {
     run_dir_close(&r->out_dir);
     free(r->ops);
     train_state_free(&r->ts);
+    if (r->groups_ok) groups_free(&r->groups);
+}
+
+// The process groups of cfg's layout over the world (comm_world(): MPI's under mpirun, else one
+// process), with every rank's line in the banner and the checks that need the world: the layout against
+// the world size, expert groups whole on nodes, and what this build can run. Returns 0, or -1 after
+// world rank 0 printed the reason (every rank reaches the same answer).
+static int make_groups(Run *r, const Config *cfg, Device dev) {
+    char err[ERR_MAX];
+    const ParallelConfig *pc = &cfg->parallel;
+    r->world = comm_world();
+    if (config_check_layout(cfg, r->world->size, err, sizeof err) != 0 ||
+        groups_init(&r->groups, r->world, pc->pp, pc->dp, pc->ep, pc->gpus_per_node, err, sizeof err) != 0) {
+        if (r->world->rank == 0) fprintf(stderr, "fp8moe: %s: %s\n", cfg->path, err);
+        return -1;
+    }
+    r->groups_ok = 1;
+    if (groups_check_expert_groups(&r->groups, cfg->moe.n_routed_experts, cfg->moe.n_expert_groups, err,
+                                   sizeof err) != 0) {
+        if (r->world->rank == 0) fprintf(stderr, "fp8moe: %s: %s\n", cfg->path, err);
+        return -1;
+    }
+    if (pc->ep > 1 && cfg->checkpoint.save_weights) {
+        if (r->world->rank == 0)
+            fprintf(stderr, "fp8moe: %s: checkpoint.save_weights with parallel.ep = %d: each rank holds only its "
+                    "experts and weights.h5 is one file of the whole model; sharded checkpoints come with the "
+                    "checkpoint work - set checkpoint.save_weights = false\n", cfg->path, pc->ep);
+        return -1;
+    }
+    if (r->world->size > 1 && dev == DEVICE_CUDA) {  // the same answer on every rank (the same config)
+        if (r->world->rank == 0)
+            fprintf(stderr, "fp8moe: %s: parallel.dp = %d on CUDA devices: this build's communication takes host "
+                    "buffers only (device-aware MPI staging and NCCL come next); set train.device = cpu\n",
+                    cfg->path, pc->dp);
+        return -1;
+    }
+    groups_print_banner(&r->groups, dev == DEVICE_CUDA ? "cuda:0" : "cpu", stdout);
+    return 0;
 }
 
 // Writes checkpoint.dir/weights.h5 with further interrupts held off (on_stop_signal). Returns 0 or -1
@@ -178,11 +240,26 @@ static int open_outputs(Run *r, const Config *cfg) {
 }
 
 // A metrics write failed mid-run (disk full, a file system gone read-only): the weights the run has
-// trained so far are saved before stopping, so the failure costs the log, not the run.
+// trained so far are saved before stopping, so the failure costs the log, not the run. Every rank calls
+// it; the writing rank saves.
 static void save_after_write_error(const Run *r, const Config *cfg, int step) {
-    if (!cfg->checkpoint.save_weights) return;
+    if (!cfg->checkpoint.save_weights || !r->writes) return;
     fprintf(stderr, "fp8moe: saving the weights of step %d before stopping\n", step);
     save_weights(r, cfg);
+}
+
+// Prints an evaluation's line and writes its record (the writing rank); a failed write saves the weights
+// and fails on every rank. Returns 0 or -1.
+static int write_eval(Run *r, const EvalMetrics *em, int step) {
+    char line[256], err[ERR_MAX];
+    format_eval_line(line, sizeof line, em);
+    printf("%s\n", line);
+    fflush(stdout);
+    int ok = !r->writes || metrics_write_eval(&r->log, em, err, sizeof err) == 0;
+    if (!ok) print_error(r->world, err);
+    if (all_ranks_ok(r->world, ok)) return 0;
+    save_after_write_error(r, r->ts.cfg, step);
+    return -1;
 }
 
 int trainer_run(const Config *cfg) {
@@ -193,19 +270,30 @@ int trainer_run(const Config *cfg) {
     const int B = cfg->train.micro_batch_size, T = cfg->train.seq_len, A = cfg->train.grad_accum;
     const int total_steps = cfg->train.steps;
 
+    // Only world rank 0 prints progress and writes the outputs; every rank prints its own errors.
+    Comm *world = comm_world();
+    if (world->rank != 0 && !freopen("/dev/null", "w", stdout)) {
+        fprintf(stderr, "fp8moe: rank %d: cannot silence stdout\n", world->rank);
+        return 1;
+    }
     printf("# resolved config\n");
     config_print(cfg, stdout);
     printf("\n");
     Device dev;
-    if (train_state_pick_device(cfg, &dev) != 0) return 1;  // (config_load refuses pp, dp, ep > 1)
+    if (train_state_pick_device(cfg, &dev) != 0) return 1;  // (config_load refuses pp, ep > 1)
     if (cfg->train.threads > 0) omp_set_num_threads(cfg->train.threads);
     printf("threads: %d%s\n", omp_get_max_threads(), cfg->train.threads > 0 ? "" : " (OpenMP default)");
+    if (make_groups(&r, cfg, dev) != 0) {
+        rc = 2;  // the layout does not fit the launch: an invalid job, as config_load's errors
+        goto done;
+    }
+    r.writes = world->rank == 0;
 
     // ---- outputs, then data, model and optimizer
-    if (open_outputs(&r, cfg) != 0) goto done;
+    if (!all_ranks_ok(world, !r.writes || open_outputs(&r, cfg) == 0)) goto done;
     TrainState *ts = &r.ts;
-    if (train_state_create(ts, cfg, dev, total_steps, 1, err, sizeof err) != 0) {
-        fprintf(stderr, "fp8moe: %s\n", err);
+    if (train_state_create(ts, cfg, dev, &r.groups, total_steps, 1, err, sizeof err) != 0) {
+        print_error(world, err);
         goto done;
     }
     Model *m = &ts->model;
@@ -237,13 +325,16 @@ int trainer_run(const Config *cfg) {
     int64_t tokens_since_line = 0;
     int last_eval_step = -1;
     model_zero_load(m);
-    printf("training: %d steps of %d x %d x %d tokens\n", total_steps, A, B, T);
+    printf("training: %d steps of %d x %d x %d tokens%s", total_steps, A, B, T, world->size > 1 ? "" : "\n");
+    if (world->size > 1) printf(" on each of %d data-parallel ranks\n", ts->dp->size);
     fflush(stdout);
-    while (ts->step < total_steps && !stop_requested) {
+    // A failed metrics write on rank 0 stops every rank (agreed with the stop requests after each step).
+    int write_failed = 0;
+    while (ts->step < total_steps) {
         const double t0 = now_s();
         StepResult sr;
-        if (train_step(ts, r.ops, n_ops, NULL, &sr, err, sizeof err) != 0) {
-            fprintf(stderr, "fp8moe: %s\n", err);
+        if (train_step(ts, r.ops, n_ops, &sr, err, sizeof err) != 0) {
+            print_error(world, err);
             goto done;
         }
         const int s = ts->step;
@@ -259,7 +350,7 @@ int trainer_run(const Config *cfg) {
                           .eta_s = train_s / s * (total_steps - s),
                           .has_fp8 = cfg->precision.mode == PRECISION_FP8, .fp8_gemms = sr.fp8_gemms};
         sm.tokens_per_s = tokens_since_line / fmax(train_s - train_s_at_last_line, 1e-9);
-        sm.model_tflops = sm.tokens_per_s * flops_per_token * 1e-12;
+        sm.model_tflops = sm.tokens_per_s * flops_per_token * 1e-12 / world->size;  // per rank
         if (s % cfg->log.every == 0 || s == 1 || s == total_steps) {
             char line[512];
             format_step_line(line, sizeof line, &sm);
@@ -268,50 +359,40 @@ int trainer_run(const Config *cfg) {
             tokens_since_line = 0;
             train_s_at_last_line = train_s;
         }
-        if (metrics_write_step(&r.log, &sm, err, sizeof err) != 0) {
-            fprintf(stderr, "fp8moe: %s\n", err);
+        if (r.writes && metrics_write_step(&r.log, &sm, err, sizeof err) != 0) {
+            print_error(world, err);
+            write_failed = 1;
+        }
+        double failed = write_failed;
+        comm_allreduce_max_double(world, &failed, 1);
+        if (failed > 0) {
             save_after_write_error(&r, cfg, s);
             goto done;
         }
-        if (!stop_requested && cfg->train.eval_every > 0 && s % cfg->train.eval_every == 0 && s < total_steps) {
+        if (stop_agreed(world)) break;
+        if (cfg->train.eval_every > 0 && s % cfg->train.eval_every == 0 && s < total_steps) {
             int interrupted;
-            EvalMetrics em = evaluate(m, ts->acts, &ts->val, &ts->batch, cfg->train.eval_batches, s, &interrupted);
+            EvalMetrics em = evaluate(m, ts->acts, &ts->val, &ts->batch, cfg->train.eval_batches, s, world, ts->dp,
+                                      &interrupted);
             last_eval_step = s;
             if (interrupted) {
                 printf("eval step %d: interrupted, not recorded\n", s);
                 break;
             }
-            char line[256];
-            format_eval_line(line, sizeof line, &em);
-            printf("%s\n", line);
-            fflush(stdout);
-            if (metrics_write_eval(&r.log, &em, err, sizeof err) != 0) {
-                fprintf(stderr, "fp8moe: %s\n", err);
-                save_after_write_error(&r, cfg, s);
-                goto done;
-            }
+            if (write_eval(&r, &em, s) != 0) goto done;
         }
     }
 
     const int step = ts->step;
     if (!stop_requested && last_eval_step != step) {
         int interrupted;
-        EvalMetrics em = evaluate(m, ts->acts, &ts->val, &ts->batch, cfg->train.eval_batches, step, &interrupted);
-        if (interrupted) {
-            printf("eval step %d: interrupted, not recorded\n", step);
-        } else {
-            char line[256];
-            format_eval_line(line, sizeof line, &em);
-            printf("%s\n", line);
-            if (metrics_write_eval(&r.log, &em, err, sizeof err) != 0) {
-                fprintf(stderr, "fp8moe: %s\n", err);
-                save_after_write_error(&r, cfg, step);
-                goto done;
-            }
-        }
+        EvalMetrics em = evaluate(m, ts->acts, &ts->val, &ts->batch, cfg->train.eval_batches, step, world, ts->dp,
+                                  &interrupted);
+        if (interrupted) printf("eval step %d: interrupted, not recorded\n", step);
+        else if (write_eval(&r, &em, step) != 0) goto done;
     }
     if (stop_requested) printf("interrupted after step %d of %d\n", step, total_steps);
-    if (cfg->checkpoint.save_weights && save_weights(&r, cfg) != 0) goto done;
+    if (cfg->checkpoint.save_weights && !all_ranks_ok(world, !r.writes || save_weights(&r, cfg) == 0)) goto done;
     char took[32];
     format_duration(took, sizeof took, now_s() - t_start);
     printf("done: %d steps in %s\n", step, took);

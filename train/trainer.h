@@ -1,5 +1,7 @@
 /*
- * trainer.h - `fp8moe train`: one process, one chunk, the whole training loop of DESIGN.md section 2.
+ * trainer.h - `fp8moe train`: the whole training loop of DESIGN.md section 2, in one process or as one
+ * rank of a data-parallel job (parallel.dp ranks under mpirun, each training its part of the global
+ * batch; train/step.h says where they sum).
  *
  * trainer_run prepares the data (or uses data.shards), builds the model and AdamW, then runs
  * train.steps optimizer steps of grad_accum micro-batches each, with global-norm clipping, the LR
@@ -13,8 +15,10 @@
 
 #include "train/config.h"
 
-// Returns 0 on success (also after a requested stop), 1 on an error (already printed to stderr,
-// naming the file, key or step at fault).
+// Returns 0 on success (also after a requested stop), 2 when the parallel layout does not fit the
+// launch (world size, nodes, device), 1 on any other error (already printed to stderr, naming the
+// file, key or step at fault). Under mpirun every rank runs it; only world rank 0 prints progress and
+// writes the outputs.
 int trainer_run(const Config *cfg);
 
 #endif

@@ -79,28 +79,7 @@ static const char *io_cause(char *buf, size_t size, const char *otherwise) {
 
 int weights_router_bias_name(const Model *m, int moe_index, char *buf, size_t size) {
     if (moe_index < 0 || moe_index >= m->n_moe_layers) return -1;
-    const ModelConfig *mc = &m->cfg.model;
-    // Find the block that owns this MoE layer and name its bias after its gate weight, so the names
-    // follow whatever the model calls its tensors.
-    const BlockWeights *blk = NULL;
-    for (int i = 0; m->w.blocks && i < mc->n_layers && !blk; i++)
-        if (m->w.blocks[i].is_moe && m->w.blocks[i].moe_index == moe_index) blk = &m->w.blocks[i];
-    for (int k = 0; m->w.mtp && k < m->cfg.mtp.depth && !blk; k++)
-        if (m->w.mtp[k].block.is_moe && m->w.mtp[k].block.moe_index == moe_index) blk = &m->w.mtp[k].block;
-    if (blk && blk->moe.gate) {
-        int64_t offset = blk->moe.gate - m->weights;
-        for (int p = 0; p < m->n_params; p++) {
-            const ParamInfo *pi = &m->params[p];
-            if (pi->role != PARAM_ROUTER || pi->offset != offset) continue;
-            size_t len = strlen(pi->name);  // the table builder names every gate "<layer>.ffn.gate.weight"
-            snprintf(buf, size, "%.*s.bias", (int)(len - strlen(".weight")), pi->name);
-            return 0;
-        }
-    }
-    // No pointer view to consult: MoE layer l is main block n_dense + l, then one per MTP module.
-    int n_main_moe = mc->n_layers - mc->n_dense_layers;
-    if (moe_index < n_main_moe) snprintf(buf, size, "layers.%d.ffn.gate.bias", mc->n_dense_layers + moe_index);
-    else snprintf(buf, size, "mtp.%d.block.ffn.gate.bias", moe_index - n_main_moe);
+    snprintf(buf, size, "%s", m->router_bias_names[moe_index]);
     return 0;
 }
 
@@ -560,12 +539,7 @@ static int check_no_unknown_datasets(const Model *m, hid_t file, const char *pat
             snprintf(err, err_size, "%s: cannot read the name of root link %llu", path, (unsigned long long)i);
             return -1;
         }
-        int known = model_find_param(m, name) != NULL;
-        for (int l = 0; !known && l < m->n_moe_layers; l++) {
-            char bias[MODEL_NAME_MAX + 8];
-            weights_router_bias_name(m, l, bias, sizeof bias);
-            known = strcmp(bias, name) == 0;
-        }
+        int known = model_find_param(m, name) != NULL || model_find_router_bias(m, name) >= 0;
         if (!known) {
             snprintf(err, err_size, "%s: dataset %s is not a tensor of this model (the file was written for "
                      "another model shape?)", path, name);

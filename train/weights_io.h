@@ -57,8 +57,9 @@ int weights_read_config(const char *path, Config *cfg, char *err, size_t err_siz
 // does not expect. Returns 0 or -1 (err set).
 int weights_load(Model *m, const char *path, char *err, size_t err_size);
 
-// The dataset name of the router bias of MoE layer `moe_index` (0 .. m->n_moe_layers-1): the name of
-// that layer's gate weight with ".weight" replaced by ".bias". Returns 0, or -1 if the index is bad.
+// The dataset name of the router bias of MoE layer `moe_index` (0 .. m->n_moe_layers-1): the global name the
+// model gives it (Model.router_bias_names: its gate weight's name with ".bias" for ".weight"). Returns 0, or
+// -1 if the index is bad.
 int weights_router_bias_name(const Model *m, int moe_index, char *buf, size_t size);
 
 #endif

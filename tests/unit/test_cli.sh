@@ -60,10 +60,11 @@ if ! command -v nvidia-smi >/dev/null 2>&1; then
   run nocuda 1 "$BIN" train configs/tiny.ini --set train.device=cuda && has nocuda err 'train.device = cuda, but' \
     && pass "train.device = cuda without a GPU stops with the reason"
 fi
-# a parallel layout is an invalid job in this build (one process): exit 2 as for any invalid job, the key named
+# a data-parallel layout that the launch does not match (no mpirun: one rank) is an invalid job: exit 2 with the
+# keys and numbers, never run as one process
 run parallel 2 "$BIN" train configs/tiny.ini --set "checkpoint.dir=$TMP/parallel" --set parallel.dp=2 \
-  && has parallel err '^--set parallel.dp=2: parallel.dp: 2 data-parallel ranks - expected 1: this build trains in one process' \
-  && pass "a parallel layout is refused as an invalid job (exit 2), not run as one process"
+  && has parallel err 'parallel.pp \* parallel.dp = 1 \* 2 = 2 ranks, but the job has 1 ranks' \
+  && pass "parallel.dp = 2 without mpirun is refused as an invalid job (exit 2), not run as one process"
 run parallel_pp 2 "$BIN" train configs/tiny.ini --set "checkpoint.dir=$TMP/parallel" --set parallel.pp=2 && has parallel_pp err '^--set parallel.pp=2: parallel.pp: ' \
   && pass "parallel.pp = 2 exits 2 naming the key"
 # values the trainer would see as 0 in FP32, absurd sizes and a NUL byte: exit 2 before anything runs, keys named

@@ -175,8 +175,8 @@ static const char *full_job =
     "every = 10\n"
     "jsonl = m.jsonl\n";
 
-// This build trains in one process: the file's parallel layout is read, then refused as a whole job (exit 2), and
-// the rest is checked with the layout set back to one process.
+// This build trains data and expert parallel, not pipeline parallel: the file's pipeline layout is read, then
+// refused as a whole job (exit 2), and the rest is checked with the layout set back to one process.
 static const char *const one_process[] = {"parallel.pp=1", "parallel.ep=1", "parallel.dp=1"};
 
 static void test_full_file(void **state) {
@@ -186,8 +186,8 @@ static void test_full_file(void **state) {
     write_temp(path, sizeof path, full_job);
     int rc = config_load(&c, path, NULL, 0, err, sizeof err);
     assert_int_equal(rc, -1);
-    snprintf(want, sizeof want, "%s:33: parallel.pp: 4 pipeline stages - expected 1: this build trains in one process",
-             path);
+    snprintf(want, sizeof want, "%s:33: parallel.pp: 4 pipeline stages - expected 1: this build trains data and "
+             "expert parallel", path);
     if (strncmp(err, want, strlen(want)) != 0) fail_msg("wanted %s...\ngot %s", want, err);
     rc = config_load(&c, path, one_process, 3, err, sizeof err);
     unlink(path);
@@ -496,17 +496,26 @@ static void test_ranges_match_the_program(void **state) {
     assert_int_equal(c.model.vocab_size, 65536);
 }
 
-// A parallel layout is an invalid job in this build (one process): named by its key, after the checks that say
-// what would be wrong with the layout itself.
+// A pipeline layout is an invalid job in this build (data and expert parallel only): named by its key, after the
+// checks that say what would be wrong with the layout itself. Data and expert parallel layouts load (their world
+// size is checked at launch, train/trainer.c).
 static void test_error_parallel_layout(void **state) {
     (void)state;
     expect_error("[parallel]\npp = 2\n", NULL, 0,
-                 "job.ini:2: parallel.pp: 2 pipeline stages - expected 1: this build trains in one process (pipeline, "
-                 "data and expert parallelism come in a later release)");
-    const char *dp[] = {"parallel.dp=4"};
-    expect_error("", dp, 1, "--set parallel.dp=4: parallel.dp: 4 data-parallel ranks - expected 1: this build");
-    expect_error("[parallel]\ndp = 2\nep = 2\n", NULL, 0, "job.ini:2: parallel.dp: 2 data-parallel ranks - expected 1");
+                 "job.ini:2: parallel.pp: 2 pipeline stages - expected 1: this build trains data and expert parallel "
+                 "(parallel.dp, parallel.ep); pipeline parallelism comes in a later release");
     expect_error("[parallel]\nep = 2\n", NULL, 0, "job.ini:2: parallel.ep: 2 does not divide parallel.dp = 1");
+    const char *layouts[2][2] = {{"parallel.dp=4", "parallel.ep=1"}, {"parallel.dp=4", "parallel.ep=2"}};
+    for (int i = 0; i < 2; i++) {
+        Config c;
+        char path[64];
+        write_temp(path, sizeof path, "[model]\ndim = 32\n");
+        int rc = config_load(&c, path, layouts[i], 2, err, sizeof err);
+        unlink(path);
+        if (rc != 0) fail_msg("%s %s should load: %s", layouts[i][0], layouts[i][1], err);
+        assert_int_equal(c.parallel.dp, 4);
+        assert_int_equal(c.parallel.ep, i + 1);
+    }
 }
 
 // A NUL byte used to end the line silently where it stood (`dim = 3<NUL>2` read as dim = 3): it is refused, with
@@ -610,10 +619,10 @@ static void test_round_trip(void **state) {
     fclose(f);
     rc = config_load_string(&b, "printed.ini", text, NULL, 0, err, sizeof err);
     if (rc != 0) fail_msg("%s\n%s", err, text);
-    // Every key is printed: count the `key = value` lines against the keys of config.h (57).
+    // Every key is printed: count the `key = value` lines against the keys of config.h (61).
     int lines = 0;
     for (char *p = text; (p = strstr(p, " = ")) != NULL; p += 3) lines++;
-    assert_int_equal(lines, 57);
+    assert_int_equal(lines, 61);
     free(text);
     memset(a.path, 0, sizeof a.path);
     memset(b.path, 0, sizeof b.path);

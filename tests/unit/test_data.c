@@ -600,11 +600,13 @@ static void test_loader_dp_sharding(void **state) {
         both[22 + i] = w1[i];
     }
     for (int i = 0; i < 44; i++) all[i] = row_window(&c, one + (size_t)i * (TT + 1), TT);
-    // rank r takes entries r, r+2, ... of the same epoch order
-    for (int i = 0; i < 22; i++) {
-        assert_int_equal(w0[i], all[2 * i]);
-        assert_int_equal(w1[i], all[2 * i + 1]);
-    }
+    // micro-batch i of rank r is entries [(2i + r) B, (2i + r) B + B) of the same epoch order: the one-process
+    // micro-batch 2i + r
+    for (int i = 0; i < 11; i++)
+        for (int b = 0; b < B; b++) {
+            assert_int_equal(w0[i * B + b], all[(2 * i) * B + b]);
+            assert_int_equal(w1[i * B + b], all[(2 * i + 1) * B + b]);
+        }
     // disjoint, and together exactly the dp = 1 epoch's set (= every window)
     qsort(both, 44, sizeof(int64_t), cmp_i64);
     for (int i = 1; i < 44; i++) assert_true(both[i - 1] < both[i]);

@@ -299,7 +299,7 @@ static void test_ep_single_rank_is_identity(void **state) {
     assert_int_equal(ep_expert_owner(&g, 4), 0);
     assert_int_equal(ep_first_local_expert(&g), 0);
 
-    EpBuffers buf;
+    EpBuffers buf = {0};  // zeroed before its first ep_dispatch (parallel/ep.h)
     ep_dispatch(&g, perm_rows, seg_offsets, 4, &buf);
     assert_ptr_equal(buf.rows, perm_rows);
     assert_ptr_equal(buf.seg_offsets, seg_offsets);

@@ -1,0 +1,210 @@
+/*
+ * test_dp_equivalence.c - data and expert parallel compute the model of one process (issue 19, DESIGN.md
+ * section 5).
+ *
+ * Run under mpirun with N ranks and an EP size P (dividing N): every rank builds the TrainState of
+ * configs/tiny.ini (8 experts, or EXPERTS) with parallel.dp = N, parallel.ep = P, micro_batch_size B and grad_accum A,
+ * so it holds every non-expert tensor and experts [rank_in_ep x E/P, ...). World rank 0 also builds the
+ * one-process state of the same global batch: micro_batch_size P x B, grad_accum (N/P) x A. The loader gives
+ * the P ranks of EP group g the consecutive blocks of rows that make the one process's micro-batch
+ * a (N/P) + g (data/loader.h), and dispatch fills each expert's segment from source ranks in order, so each
+ * expert sees the rows in the order one process gives them; with B x T a multiple of 128 the FP8 tiles along
+ * the tokens cover the same rows too. Both train `steps` steps. Checked:
+ *   - step 1: the loss terms and every parameter's gradient against the one process (each rank its own
+ *     tensors, by global name). Not bitwise: the one process adds its micro-batches' gradients into one
+ *     buffer in its order (a GEMM adds a whole micro-batch's dW to the running sum, over P x B rows), the
+ *     ranks sum their own micro-batches and then the partial sums in rank order; the same terms grouped
+ *     otherwise round differently (about 1e-7 relative per sum). Bound: per tensor max |par - one| <=
+ *     1e-5 x max |one| (+ 1e-12); the loss terms within 1e-6 relative.
+ *   - every step: the non-expert gradients and weights, the router biases and the step's numbers of every
+ *     rank equal rank 0's bit for bit, and the experts' of every rank equal those of their replicas (edp);
+ *   - every step: the loss within 1e-5 relative of the one process's in fp32 (the curves of the two runs);
+ *     with tiny.ini's lr of 3e-3 a model this small amplifies rounding differences past 1e-5 by step 20,
+ *     so the test trains at lr 5e-4. In bf16 and fp8 modes the bound is 1e-4: a weight that differs by one
+ *     FP32 ulp can round to a neighbouring BF16 / FP8 value (steps of 2^-8 relative and coarser), which
+ *     moves the loss by ~1e-5 within 10-20 steps (measured: up to 2.4e-5). Only bitwise-equal gradients
+ *     would hold those curves to 1e-5: with one micro-batch per rank and P = 1 every tensor but embed.weight
+ *     and head.weight already sums bitwise like the one process (they take two additions per micro-batch,
+ *     main and MTP), so that is where the remaining order difference lies.
+ *   - the expert load counts of step 1, summed over the ranks, equal the one process's exactly (integers),
+ *     so the router biases after step 1 are bitwise those of the one process.
+ * Usage: test_dp_equivalence MODE CACHE_DIR [STEPS] [B] [GRAD_ACCUM] [EP] [EXPERTS GROUPS]
+ * (MODE: fp32, bf16 or fp8; EXPERTS routed experts in GROUPS expert groups, default tiny.ini's 8 in 4)
+ */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "mpitest.h"
+#include "parallel/groups.h"
+#include "train/config.h"
+#include "train/step.h"
+#include "train/train_state.h"
+
+// Loads configs/tiny.ini with the test's overrides. Returns 0 or -1 (message printed).
+static int n_experts = 8, n_groups = 4;  // tiny.ini's; the EP64 run passes 64 in 8 groups
+
+static int load_config(Config *cfg, const char *mode, const char *cache, int dp, int ep, int B, int A, int steps) {
+    char o[12][256];
+    snprintf(o[0], sizeof o[0], "precision.mode=%s", mode);
+    snprintf(o[1], sizeof o[1], "data.text=tests/data/shakespeare.txt");
+    snprintf(o[2], sizeof o[2], "data.cache_dir=%s", cache);
+    snprintf(o[3], sizeof o[3], "parallel.dp=%d", dp);
+    snprintf(o[4], sizeof o[4], "train.micro_batch_size=%d", B);
+    snprintf(o[5], sizeof o[5], "train.grad_accum=%d", A);
+    snprintf(o[6], sizeof o[6], "train.steps=%d", steps);
+    snprintf(o[7], sizeof o[7], "optim.lr=%s", getenv("DP_TEST_LR") ? getenv("DP_TEST_LR") : "0.0005");
+    snprintf(o[8], sizeof o[8], "parallel.ep=%d", ep);
+    snprintf(o[9], sizeof o[9], "checkpoint.save_weights=false");
+    snprintf(o[10], sizeof o[10], "moe.n_routed_experts=%d", n_experts);
+    snprintf(o[11], sizeof o[11], "moe.n_expert_groups=%d", n_groups);
+    const char *ov[12] = {o[0], o[1], o[2], o[3], o[4], o[5], o[6], o[7], o[8], o[9], o[10], o[11]};
+    char err[2048];
+    if (config_load(cfg, "configs/tiny.ini", ov, 12, err, sizeof err) != 0) {
+        fprintf(stderr, "rank %d: %s\n", comm_world()->rank, err);
+        return -1;
+    }
+    return 0;
+}
+
+// Whether every rank's n bytes at p equal those of rank 0 of the group.
+static int same_as_rank0(Comm *group, const void *p, size_t n) {
+    char *root = malloc(n ? n : 1);
+    if (group->rank == 0) memcpy(root, p, n);
+    comm_bcast_bytes(group, root, n, 0);
+    int same = memcmp(root, p, n) == 0;
+    free(root);
+    return same;
+}
+
+static double rel(double a, double b) { return fabs(a - b) / fmax(fabs(b), 1e-30); }
+
+int main(int argc, char **argv) {
+    comm_init(&argc, &argv);
+    if (argc < 3) {
+        fprintf(stderr, "usage: test_dp_equivalence MODE CACHE_DIR [STEPS] [B] [GRAD_ACCUM] [EP] [EXPERTS GROUPS]\n");
+        comm_finalize();
+        return 2;
+    }
+    const char *mode = argv[1], *cache = argv[2];
+    const int steps = argc > 3 ? atoi(argv[3]) : 20, B = argc > 4 ? atoi(argv[4]) : 2, A = argc > 5 ? atoi(argv[5]) : 2;
+    const int P = argc > 6 ? atoi(argv[6]) : 1;
+    if (argc > 8) n_experts = atoi(argv[7]), n_groups = atoi(argv[8]);
+    Comm *world = comm_world();
+    const int N = world->size;
+    char name[64];
+    snprintf(name, sizeof name, "test_dp_equivalence %s dp=%d ep=%d", mode, N, P);
+
+    Config *cfg = calloc(2, sizeof *cfg);
+    Groups g;
+    char err[2048];
+    if (load_config(&cfg[0], mode, cache, N, P, B, A, steps) != 0 ||
+        load_config(&cfg[1], mode, cache, 1, 1, P * B, N / P * A, steps) != 0)
+        return 1;
+    if (groups_init(&g, world, 1, N, P, 0, err, sizeof err) != 0) {
+        fprintf(stderr, "rank %d: %s\n", world->rank, err);
+        return 1;
+    }
+    TrainState dp, one;
+    int ok = train_state_create(&dp, &cfg[0], DEVICE_CPU, &g, steps, 0, err, sizeof err) == 0;
+    CHECK(ok, "dp state: %s", err);
+    const int ref = world->rank == 0;  // rank 0 also runs the one-process reference
+    if (ref) {
+        int one_ok = train_state_create(&one, &cfg[1], DEVICE_CPU, NULL, steps, 0, err, sizeof err) == 0;
+        CHECK(one_ok, "one-process state: %s", err);
+        ok = ok && one_ok;
+    }
+    // every rank knows the one-process table (the same on every rank), to find its tensors in rank 0's gradients
+    Model table;
+    ok = ok && model_create(&table, &cfg[1], DEVICE_CPU, 1, err, sizeof err) == 0;
+    if (!all_ranks_ok(world, ok)) return mpitest_finish(name);
+    Model *m = &dp.model;
+    const int64_t n_one = table.n_dense_elems + table.n_expert_elems;
+    const int64_t n_bias = (int64_t)m->n_moe_layers * cfg[0].moe.n_routed_experts;
+    real *one_grads = malloc((size_t)n_one * sizeof(real));
+    const int A1 = N / P * A;
+    StepOp *ops = malloc((size_t)2 * A * sizeof *ops), *ops_one = malloc((size_t)2 * A1 * sizeof *ops_one);
+    const int n_ops = step_ops_one_process(ops, 2 * A, A), n_ops_one = step_ops_one_process(ops_one, 2 * A1, A1);
+    model_zero_load(m);
+    if (ref) model_zero_load(&one.model);
+    const int share = n_experts / P;
+    CHECK(m->placement.n_experts == share && m->placement.expert0 == g.me.ep_rank * share,
+          "holds experts [%d, +%d), expected [%d, +%d)", m->placement.expert0, m->placement.n_experts,
+          g.me.ep_rank * share, share);
+
+    double worst_loss = 0, worst_grad = 0;
+    for (int s = 1; s <= steps; s++) {
+        StepResult r_dp, r_one = {0};
+        int step_ok = train_step(&dp, ops, n_ops, &r_dp, err, sizeof err) == 0;
+        CHECK(step_ok, "dp step %d: %s", s, err);
+        if (ref) {
+            int one_ok = train_step(&one, ops_one, n_ops_one, &r_one, err, sizeof err) == 0;
+            CHECK(one_ok, "one-process step %d: %s", s, err);
+        }
+        if (!all_ranks_ok(world, step_ok)) break;
+        // the replicas hold the same bits: non-expert tensors on every rank, experts within their edp group
+        const size_t dense = (size_t)m->n_dense_elems * sizeof(real), expert = (size_t)m->n_expert_elems * sizeof(real);
+        CHECK(same_as_rank0(world, m->grads, dense), "step %d: gradients differ from rank 0's", s);
+        CHECK(same_as_rank0(world, m->weights, dense), "step %d: weights differ from rank 0's", s);
+        CHECK(same_as_rank0(g.edp, m->grads + m->n_dense_elems, expert), "step %d: expert gradients differ from "
+              "their replica's", s);
+        CHECK(same_as_rank0(g.edp, m->weights + m->n_dense_elems, expert), "step %d: expert weights differ from "
+              "their replica's", s);
+        CHECK(same_as_rank0(world, m->router_bias, (size_t)n_bias * sizeof(real)), "step %d: router biases differ from "
+              "rank 0's", s);
+        StepResult agreed = r_dp;
+        agreed.fp8_gemms = 0;  // a rank's own count: an expert that gets no rows on a rank runs no GEMM there
+        CHECK(same_as_rank0(world, &agreed, sizeof agreed), "step %d: the step's result differs from rank 0's", s);
+        if (ref) {
+            const double e = rel(r_dp.loss, r_one.loss);
+            if (e > worst_loss) worst_loss = e;
+            if (getenv("DP_TEST_VERBOSE")) printf("step %d loss %.9g %.9g rel %.3g\n", s, r_dp.loss, r_one.loss, e);
+            const double curve = !strcmp(mode, "fp32") ? 1e-5 : 1e-4;
+            CHECK(e <= (s == 1 ? 1e-6 : curve), "step %d: loss %.9g vs one process %.9g (relative %.3g)", s, r_dp.loss,
+                  r_one.loss, e);
+            CHECK(rel(r_dp.mtp, r_one.mtp) <= (s == 1 ? 1e-6 : curve), "step %d: mtp %.9g vs %.9g", s, r_dp.mtp,
+                  r_one.mtp);
+        }
+        if (s != 1) continue;
+        if (ref) {
+            CHECK(rel(r_dp.balance, r_one.balance) <= 1e-6, "step 1: balance %.9g vs %.9g", r_dp.balance, r_one.balance);
+            CHECK(memcmp(m->router_bias, one.model.router_bias, (size_t)n_bias * sizeof(real)) == 0,
+                  "step 1: router biases differ from the one process's (the summed loads must be exact)");
+            memcpy(one_grads, one.model.grads, (size_t)n_one * sizeof(real));
+        }
+        comm_bcast_bytes(world, one_grads, (size_t)n_one * sizeof(real), 0);
+        for (int i = 0; i < m->n_params; i++) {
+            const ParamInfo *p = &m->params[i];
+            const ParamInfo *q = model_find_param(&table, p->name);
+            CHECK(q != NULL && q->numel == p->numel, "%s: not in the one-process table", p->name);
+            if (!q) continue;
+            const real *a = m->grads + p->offset, *b = one_grads + q->offset;
+            double scale = 0, diff = 0;
+            for (int64_t k = 0; k < p->numel; k++) {
+                scale = fmax(scale, fabs((double)b[k]));
+                diff = fmax(diff, fabs((double)a[k] - (double)b[k]));
+            }
+            const double r = diff / fmax(scale, 1e-30);
+            if (getenv("DP_TEST_VERBOSE") && diff > 0) printf("rank %d: not bitwise: %s %.3g\n", world->rank, p->name, r);
+            if (r > worst_grad) worst_grad = r;
+            CHECK(diff <= 1e-5 * scale + 1e-12, "step 1: %s: max |dp - one| = %.3g, max |one| = %.3g", p->name, diff,
+                  scale);
+        }
+    }
+    comm_allreduce_max_double(world, &worst_grad, 1);
+    if (ref)
+        printf("%s: %d steps; worst loss relative difference %.3g; step-1 worst gradient difference %.3g of its "
+               "tensor's max\n", name, steps, worst_loss, worst_grad);
+    free(ops);
+    free(ops_one);
+    free(one_grads);
+    model_free(&table);
+    if (ref) train_state_free(&one);
+    train_state_free(&dp);
+    groups_free(&g);
+    const int rc = mpitest_finish(name);
+    free(cfg);
+    comm_finalize();
+    return rc;
+}
