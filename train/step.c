@@ -114,19 +114,26 @@ int train_step(TrainState *ts, const StepOp *ops, int n_ops, StepResult *out, ch
     }
     const int n_mb = A * dp;
     loss_sum = agreed[0], mtp_sum = agreed[1], bal_sum = agreed[2];
-    // gradients: the non-expert part over dp, the routed experts over their replicas (edp), in rank order
-    comm_allreduce_sum_real(ts->dp, m->grads, m->n_dense_elems);
-    comm_allreduce_sum_real(ts->edp, m->grads + m->n_dense_elems, m->n_expert_elems);
+    // gradients: the non-expert part over dp, the routed experts over their replicas (edp), in rank order;
+    // with ZeRO-1 reduce-scattered, each rank keeping the sum of its shard (the same bits as the all-reduce's)
+    for (int k = 0; k < 2; k++) {
+        const TrainedRegion *r = &ts->regions[k];
+        if (ts->zero1) comm_reduce_scatter_sum_real(r->group, m->grads + r->part_lo, m->grads + r->lo, r->shard_n);
+        else comm_allreduce_sum_real(r->group, m->grads + r->part_lo, r->part_n);
+    }
     profile_begin(PHASE_OPTIMIZER);
     double gnorm;
-    if (m->ep.ep_size == 1) {
+    if (!ts->zero1 && m->ep.ep_size == 1) {  // every gradient is here: one call, the bits of one process
         gnorm = grad_global_norm(ts->dev, m->grads, n_elems);
-    } else {  // the routed experts are split over the EP group: their squares summed over it, in rank order
-        const double dense = grad_global_norm(ts->dev, m->grads, m->n_dense_elems);
-        double experts = grad_global_norm(ts->dev, m->grads + m->n_dense_elems, m->n_expert_elems);
-        experts *= experts;
-        comm_allreduce_sum_double(m->ep.comm, &experts, 1);
-        gnorm = sqrt(dense * dense + experts);
+    } else {  // the squares of this rank's elements summed over the ranks that hold the others, in rank order
+        double sq[2];
+        for (int k = 0; k < 2; k++) {
+            const TrainedRegion *r = &ts->regions[k];
+            sq[k] = sum_squares(ts->dev, m->grads + r->lo, r->n);
+            if (ts->zero1) comm_allreduce_sum_double(r->group, &sq[k], 1);
+        }
+        comm_allreduce_sum_double(m->ep.comm, &sq[REGION_EXPERTS], 1);  // the other experts: the EP group
+        gnorm = grad_norm_from_sum_squares(sq[REGION_DENSE] + sq[REGION_EXPERTS]);
     }
     if (!isfinite(gnorm)) {  // the same reduced gradients on every rank: every rank stops here
         profile_end(PHASE_OPTIMIZER);
@@ -136,7 +143,11 @@ int train_step(TrainState *ts, const StepOp *ops, int n_ops, StepResult *out, ch
     }
     const float scale = clip_scale(gnorm, cfg->optim.grad_clip);
     const double lr = lr_at(&cfg->optim, ts->step, ts->total_steps);
-    adamw_step(&ts->opt, m->weights, m->grads, ts->groups, ts->n_groups, (float)lr, scale, s);
+    for (int k = 0; k < 2; k++) {  // AdamW is elementwise: the two regions give the bits of one call over both
+        TrainedRegion *r = &ts->regions[k];
+        adamw_step(&r->opt, m->weights + r->lo, m->grads + r->lo, r->groups, r->n_groups, (float)lr, scale, s);
+        if (ts->zero1) comm_allgather_real(r->group, m->weights + r->lo, m->weights + r->part_lo, r->shard_n);
+    }
     model_weights_changed(m);
     profile_end(PHASE_OPTIMIZER);
     // every rank that routed distinct tokens adds its counts, so every rank applies the same bias update

@@ -175,6 +175,44 @@ static ParamGroup *build_param_groups(const Model *m, int64_t n, int *n_groups, 
     return groups;
 }
 
+// ---------------------------------------------------------------------------- trained regions
+
+// r: the part [part_lo, part_lo + part_n) of the flat buffer, reduced over `group`; with zero1 this rank's
+// shard is the group rank's piece of an even split (the first part_n % size pieces one element longer).
+// Its parameter groups are those of `all` (tiling the whole buffer) cut to [lo, lo + n) and shifted to 0.
+static int region_init(TrainedRegion *r, const Config *cfg, Device dev, int64_t part_lo, int64_t part_n, Comm *group,
+                       int zero1, const ParamGroup *all, int n_all, char *err, size_t err_size) {
+    memset(r, 0, sizeof *r);
+    r->part_lo = part_lo, r->part_n = part_n, r->group = group;
+    r->lo = part_lo, r->n = part_n;
+    if (zero1) {
+        const int P = group->size;
+        if (!(r->shard_n = malloc((size_t)P * sizeof *r->shard_n))) {
+            snprintf(err, err_size, "out of memory for %d ZeRO-1 shard sizes", P);
+            return -1;
+        }
+        int64_t at = part_lo;
+        for (int q = 0; q < P; q++) {
+            r->shard_n[q] = part_n / P + (q < part_n % P);
+            if (q == group->rank) r->lo = at, r->n = r->shard_n[q];
+            at += r->shard_n[q];
+        }
+    }
+    if (!(r->groups = malloc((size_t)(n_all > 0 ? n_all : 1) * sizeof *r->groups))) {
+        snprintf(err, err_size, "out of memory for %d parameter groups", n_all);
+        return -1;
+    }
+    for (int i = 0; i < n_all; i++) {
+        const int64_t a = all[i].offset > r->lo ? all[i].offset : r->lo;
+        const int64_t b = all[i].offset + all[i].count < r->lo + r->n ? all[i].offset + all[i].count : r->lo + r->n;
+        if (b > a) r->groups[r->n_groups++] = (ParamGroup){a - r->lo, b - a, all[i].apply_weight_decay};
+    }
+    if (r->n_groups == 0) r->groups[r->n_groups++] = (ParamGroup){0, 0, 0};  // an empty part: one empty group
+    adamw_init(&r->opt, dev, r->n, &cfg->optim);
+    r->opt_ok = 1;
+    return 0;
+}
+
 // ---------------------------------------------------------------------------- create / free
 
 int all_ranks_ok(Comm *world, int ok) {
@@ -230,9 +268,21 @@ int train_state_create(TrainState *ts, const Config *cfg, Device dev, const Grou
         return -1;
     }
     const int64_t n_elems = ts->model.n_dense_elems + ts->model.n_expert_elems;
-    adamw_init(&ts->opt, dev, n_elems, &cfg->optim);
-    ts->opt_ok = 1;
-    if (!(ts->groups = build_param_groups(&ts->model, n_elems, &ts->n_groups, err, err_size))) return -1;
+    int n_all = 0;
+    ParamGroup *all = build_param_groups(&ts->model, n_elems, &n_all, err, err_size);
+    if (!all) return -1;
+    ts->zero1 = cfg->parallel.zero1 && ts->dp->size > 1;
+    const int64_t part_lo[2] = {0, ts->model.n_dense_elems}, part_n[2] = {ts->model.n_dense_elems,
+                                                                          ts->model.n_expert_elems};
+    Comm *part_group[2] = {ts->dp, ts->edp};
+    for (int k = 0; k < 2; k++) {
+        if (region_init(&ts->regions[k], cfg, dev, part_lo[k], part_n[k], part_group[k], ts->zero1, all, n_all, err,
+                        err_size) != 0) {
+            free(all);
+            return -1;
+        }
+    }
+    free(all);
     ts->acts = chunk_acts_create(&ts->model, 0, B, T);
     Batch *bt = &ts->batch;
     *bt = (Batch){.B = B, .T = T};
@@ -248,7 +298,12 @@ int train_state_create(TrainState *ts, const Config *cfg, Device dev, const Grou
 }
 
 void train_state_free(TrainState *ts) {
-    free(ts->groups);
+    for (int k = 0; k < 2; k++) {
+        TrainedRegion *r = &ts->regions[k];
+        free(r->groups);
+        free(r->shard_n);
+        if (r->opt_ok) adamw_free(&r->opt);
+    }
     free(ts->batch.rows);
     free(ts->batch.labels);
     free(ts->batch.inputs);
@@ -256,7 +311,6 @@ void train_state_free(TrainState *ts) {
     if (ts->acts) chunk_acts_free(ts->acts);
     if (ts->val_ok) loader_close(&ts->val);
     if (ts->train_ok) loader_close(&ts->train);
-    if (ts->opt_ok) adamw_free(&ts->opt);
     if (ts->model_ok) model_free(&ts->model);
     memset(ts, 0, sizeof *ts);
 }

@@ -26,13 +26,30 @@ typedef struct {
     int *rows, *labels, *inputs, *targets;
 } Batch;
 
+// A trained region of the flat buffer: the non-expert part (reduced over dp) or the local experts' part
+// (reduced over edp), each with its own AdamW. Without ZeRO-1 this rank updates the whole part; with
+// parallel.zero1 (DESIGN.md section 5) its gradients are reduce-scattered over the part's group, this rank
+// updates its shard [lo, lo + n) (the shards of the group's ranks, in rank order, tile the part), and the
+// shards' weights are all-gathered after the update. The moments exist for [lo, lo + n) only.
+typedef struct {
+    int64_t part_lo, part_n;  // the part in the flat buffer
+    int64_t lo, n;            // the elements this rank updates (the whole part without ZeRO-1)
+    int64_t *shard_n;         // ZeRO-1: every rank's shard size, in rank order of `group` (NULL without)
+    Comm *group;              // the replicas that sum the part's gradients: dp or edp (not owned)
+    AdamW opt;
+    ParamGroup *groups;       // tile [0, n) relative to lo: decay for matrices, none for norms and padding
+    int n_groups;
+    int opt_ok;
+} TrainedRegion;
+
+enum { REGION_DENSE = 0, REGION_EXPERTS = 1 };
+
 typedef struct {
     const Config *cfg;
     Device dev;
     Model model;
-    AdamW opt;
-    ParamGroup *groups;  // tile the flat buffer: decay for matrices, none for norms and padding
-    int n_groups;
+    TrainedRegion regions[2];  // REGION_DENSE, REGION_EXPERTS
+    int zero1;                 // parallel.zero1 with dp > 1
     DataLoader train, val;
     ChunkActs *acts;     // one micro-batch's activations (the one-process op list keeps one live)
     Batch batch;
@@ -42,7 +59,7 @@ typedef struct {
     int total_steps;     // steps of the LR schedule
     int64_t tokens_per_step;  // of the global batch: grad_accum x micro_batch_size x seq_len x dp
     // what exists, so train_state_free can run after a create that failed half-way
-    int model_ok, opt_ok, train_ok, val_ok;
+    int model_ok, train_ok, val_ok;
 } TrainState;
 
 // Picks the device train.device asks for and prints the choice and why. auto takes the GPU when this
@@ -52,7 +69,8 @@ int train_state_pick_device(const Config *cfg, Device *dev);
 // Builds the state for cfg on dev: the data (data.shards, or data.text prepared into data.cache_dir
 // when not already current, by world rank 0 only; prints what it does), the training loader and, when
 // with_val, the validation loader, each reading this data-parallel rank's part of the order; the model
-// initialised from train.seed, AdamW, the parameter groups, one micro-batch's activations and buffers.
+// initialised from train.seed, the two trained regions (AdamW and parameter groups of this rank's part or,
+// with parallel.zero1, its shard), one micro-batch's activations and buffers.
 // groups: the job's process groups (parallel/groups.h), or NULL for one process; the state keeps
 // pointers to its dp and edp groups, so groups must outlive it. total_steps is the LR schedule's length.
 // Collective over the world when groups is given: a failure on any rank fails it on every rank.

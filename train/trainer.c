@@ -248,6 +248,21 @@ static void save_after_write_error(const Run *r, const Config *cfg, int step) {
     save_weights(r, cfg);
 }
 
+// What this rank holds of the parameters, gradients and AdamW moments (rank 0's line; under expert parallel
+// every rank holds the same share, under ZeRO-1 shards of at most one element more).
+static void print_rank_memory(const TrainState *ts, const Comm *world) {
+    const Model *m = &ts->model;
+    const int64_t n = m->n_dense_elems + m->n_expert_elems;
+    const int64_t moments = ts->regions[REGION_DENSE].n + ts->regions[REGION_EXPERTS].n;
+    const double mib = 1.0 / (1 << 20);
+    printf("memory%s: parameters %lld elements (%lld non-expert + %lld of experts [%d, %d) of %d) = %.2f MiB FP32, "
+           "gradients the same; AdamW moments for %lld elements (%s) = %.2f MiB BF16\n",
+           world->size > 1 ? " (rank 0)" : "", (long long)n, (long long)m->n_dense_elems, (long long)m->n_expert_elems,
+           m->placement.expert0, m->placement.expert0 + m->placement.n_experts, m->cfg.moe.n_routed_experts,
+           (double)n * sizeof(real) * mib, (long long)moments, ts->zero1 ? "ZeRO-1 shards" : "every element",
+           (double)moments * 2 * sizeof(uint16_t) * mib);
+}
+
 // Prints an evaluation's line and writes its record (the writing rank); a failed write saves the weights
 // and fails on every rank. Returns 0 or -1.
 static int write_eval(Run *r, const EvalMetrics *em, int step) {
@@ -301,6 +316,7 @@ int trainer_run(const Config *cfg) {
            (long long)ts->train.n_tokens, (long long)ts->train.n_windows, T, (long long)loader_eval_targets(&ts->val));
     printf("model: %lld parameters, %lld active per token, %d MoE layers, MTP depth %d\n",
            (long long)model_num_params(m), (long long)model_active_params(m), m->n_moe_layers, cfg->mtp.depth);
+    print_rank_memory(ts, world);
     if (!(r.ops = malloc((size_t)2 * A * sizeof *r.ops))) {
         fprintf(stderr, "fp8moe: out of host memory for the step's %d ops\n", 2 * A);
         goto done;

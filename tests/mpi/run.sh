@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # run.sh - the MPI tests (make test-mpi): tests/mpi/test_comm and test_groups under mpirun on 1, 2, 3, 4 and 8
 # ranks, test_comm once more as an MPI singleton, the fault tests (tests/mpi/faults.sh), then data and expert
-# parallel training against one process (test_dp_equivalence) for dp = 2; dp = 4, ep = 2; dp = 4, ep = 4 and
-# dp = 8, ep = 8. Prints one summary line "mpi: N passed, N failed"; exit status is
+# parallel training against one process (test_dp_equivalence) for dp = 2; dp = 4, ep = 2 (also with ZeRO-1);
+# dp = 4, ep = 4 and dp = 8, ep = 8, and a rank's memory share (rank_memory.sh). Prints one summary line "mpi: N passed, N failed"; exit status is
 # non-zero if anything failed. Each mpirun has a 120 s limit, so a hang fails the test instead of CI.
 # Run from the repository root; BUILD names the build directory (default build).
 set -u
@@ -30,12 +30,14 @@ run "faults.sh" bash tests/mpi/faults.sh
 # micro_batch_size 4 x seq_len 32 = 128 tokens, one FP8 tile, so the FP8 tiles cover the same rows as in one process
 dp_cache=$(mktemp -d)
 trap 'rm -rf "$dp_cache"' EXIT
-for layout in "2 1 fp32 2" "2 1 bf16 2" "2 1 fp8 2" "4 2 fp32 1" "4 2 fp8 1" "4 4 fp32 1" "4 4 bf16 1" \
-              "8 8 fp32 1" "8 8 fp8 1"; do
+# (zero1 = 1: ZeRO-1 shards of the update and the moments)
+for layout in "2 1 fp32 2 0" "2 1 bf16 2 0" "2 1 fp8 2 0" "4 2 fp32 1 0" "4 2 fp8 1 0" "4 4 fp32 1 0" \
+              "4 4 bf16 1 0" "8 8 fp32 1 0" "8 8 fp8 1 0" "4 2 fp32 1 1" "4 2 fp8 1 1"; do
   set -- $layout
-  run "test_dp_equivalence -np $1 ep=$2 $3" "${MPIRUN[@]}" -np "$1" -x OMP_NUM_THREADS=1 \
-    "$BUILD/mpi/test_dp_equivalence" "$3" "$dp_cache" 20 4 "$4" "$2"
+  run "test_dp_equivalence -np $1 ep=$2 $3 zero1=$5" "${MPIRUN[@]}" -np "$1" -x OMP_NUM_THREADS=1 \
+    "$BUILD/mpi/test_dp_equivalence" "$3" "$dp_cache" 20 4 "$4" "$2" 8 4 "$5"
 done
+run "rank_memory.sh" bash tests/mpi/rank_memory.sh
 [ ${#failed_names[@]} -gt 0 ] && printf 'FAILED: %s\n' "${failed_names[@]}"
 echo "mpi: $passed passed, $failed failed ($((SECONDS - start)) s)"
 [ "$failed" -eq 0 ]
