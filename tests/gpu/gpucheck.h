@@ -1,7 +1,8 @@
 /*
  * gpucheck.h - what the GPU parity tests (tests/gpu/test_gpu_*.c) share: the refusal to pass on a
- * machine without a visible GPU, and the scaled-error and NaN scans their comparison tables are built
- * on. Header-only (static inline) so each test stays one binary from one source file.
+ * machine without a visible GPU, host/device buffer helpers that stop on failure, and the scaled-error
+ * and NaN scans their comparison tables are built on. Header-only (static inline) so each test stays
+ * one binary from one source file.
  */
 #ifndef FP8MOE_GPUCHECK_H
 #define FP8MOE_GPUCHECK_H
@@ -10,8 +11,30 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
+#include <stdlib.h>
 
 #include "kernels/kernels.h"
+
+// malloc that stops the test binary with the size when it fails (a test has no way on without the buffer).
+static inline void *gpucheck_malloc(size_t bytes) {
+    void *p = malloc(bytes > 0 ? bytes : 1);
+    if (p == NULL) {
+        fprintf(stderr, "%s:%d: malloc of %zu bytes failed\n", __FILE__, __LINE__, bytes);
+        exit(1);
+    }
+    return p;
+}
+// A new device buffer holding host's bytes / a new host buffer holding the device buffer's bytes.
+static inline void *gpucheck_to_device(const void *host, size_t bytes) {
+    void *d = device_alloc(DEVICE_CUDA, bytes);
+    device_memcpy_from_host(DEVICE_CUDA, d, host, bytes);
+    return d;
+}
+static inline void *gpucheck_to_host(const void *d, size_t bytes) {
+    void *h = gpucheck_malloc(bytes);
+    device_memcpy_to_host(DEVICE_CUDA, h, d, bytes);
+    return h;
+}
 
 // The number of visible CUDA devices; when there is none, prints why "<binary>: FAIL: ..." and returns 0,
 // so a GPU job can never pass by testing nothing.

@@ -62,35 +62,17 @@
 static int ceil_div(int a, int b) { return (a + b - 1) / b; }
 
 // ---------------------------------------------------------------------------- buffers
-static void *xmalloc(size_t bytes) {
-    void *p = malloc(bytes > 0 ? bytes : 1);
-    if (p == NULL) {
-        fprintf(stderr, "%s:%d: malloc of %zu bytes failed\n", __FILE__, __LINE__, bytes);
-        exit(1);
-    }
-    return p;
-}
-static float *floats(int64_t n) { return xmalloc((size_t)n * sizeof(float)); }
-static double *doubles(int64_t n) { return xmalloc((size_t)n * sizeof(double)); }
-static void *gpu_copy_of(const void *host, size_t bytes) {
-    void *d = device_alloc(DEVICE_CUDA, bytes);
-    device_memcpy_from_host(DEVICE_CUDA, d, host, bytes);
-    return d;
-}
-static void *host_copy_of(const void *d, size_t bytes) {
-    void *h = xmalloc(bytes);
-    device_memcpy_to_host(DEVICE_CUDA, h, d, bytes);
-    return h;
-}
+static float *floats(int64_t n) { return gpucheck_malloc((size_t)n * sizeof(float)); }
+static double *doubles(int64_t n) { return gpucheck_malloc((size_t)n * sizeof(double)); }
 // Host and device buffers filled with 0xFF bytes: NaN as float, NaN (0xFF) as E4M3.
 static void *host_poisoned(size_t bytes) {
-    void *h = xmalloc(bytes);
+    void *h = gpucheck_malloc(bytes);
     memset(h, 0xFF, bytes);
     return h;
 }
 static void *gpu_poisoned(size_t bytes) {
     void *h = host_poisoned(bytes);
-    void *d = gpu_copy_of(h, bytes);
+    void *d = gpucheck_to_device(h, bytes);
     free(h);
     return d;
 }
@@ -273,12 +255,12 @@ static void test_quantizer(void **state) {
     float *s_cpu = host_poisoned((size_t)L.s_count * sizeof(float));
     assert_int_equal(run_quantizer(DEVICE_CPU, &L, q_cpu, qt_cpu, s_cpu, x, err, sizeof err), 0);
 
-    float *x_d = gpu_copy_of(x, (size_t)n * sizeof(float));
+    float *x_d = gpucheck_to_device(x, (size_t)n * sizeof(float));
     uint8_t *q_d = gpu_poisoned((size_t)L.q_bytes), *qt_d = qc->with_qt ? gpu_poisoned((size_t)L.qt_bytes) : NULL;
     float *s_d = gpu_poisoned((size_t)L.s_count * sizeof(float));
     assert_int_equal(run_quantizer(DEVICE_CUDA, &L, q_d, qt_d, s_d, x_d, err, sizeof err), 0);
-    uint8_t *q_gpu = host_copy_of(q_d, (size_t)L.q_bytes), *qt_gpu = qc->with_qt ? host_copy_of(qt_d, (size_t)L.qt_bytes) : NULL;
-    float *s_gpu = host_copy_of(s_d, (size_t)L.s_count * sizeof(float));
+    uint8_t *q_gpu = gpucheck_to_host(q_d, (size_t)L.q_bytes), *qt_gpu = qc->with_qt ? gpucheck_to_host(qt_d, (size_t)L.qt_bytes) : NULL;
+    float *s_gpu = gpucheck_to_host(s_d, (size_t)L.s_count * sizeof(float));
 
     int64_t q_diff = 0, qt_diff = 0, s_diff = 0, first = -1;
     for (int64_t i = 0; i < L.q_bytes; i++)
@@ -316,10 +298,10 @@ static void test_quantizer_nonfinite(void **state) {
     x[7 * cols + 3] = INFINITY;  // the later one
     x[5 * cols + 17] = NAN;      // the first in row-major order
     x[150 * cols + 299] = -INFINITY;
-    float *x_d = gpu_copy_of(x, (size_t)n * sizeof(float));
+    float *x_d = gpucheck_to_device(x, (size_t)n * sizeof(float));
     float *clean_h = floats(64 * 256);  // finite, for the clean call before the bad one
     fill_log_uniform(clean_h, 64 * 256, 78, -4.0, 2.0);
-    float *clean_x = gpu_copy_of(clean_h, sizeof(float) * 64 * 256);
+    float *clean_x = gpucheck_to_device(clean_h, sizeof(float) * 64 * 256);
     uint8_t *clean_q = gpu_poisoned(256 * 256), *clean_qt = gpu_poisoned(256 * 256);
     float *clean_s = gpu_poisoned(sizeof(float) * 256 * 4);
     for (int k = 0; k < 3; k++) {
@@ -383,12 +365,12 @@ static void test_bf16_round_rows(void **state) {
         fill_log_uniform(src, (int64_t)S * C, 1800 + (uint64_t)C, -16.0, 4.0);
         int rows[300];
         for (int r = 0; r < n_rows; r++) rows[r] = (r * 37 + 11) % S;
-        float *src_d = gpu_copy_of(src, (size_t)S * C * sizeof(float));
-        int *rows_d = gpu_copy_of(rows, sizeof rows);
+        float *src_d = gpucheck_to_device(src, (size_t)S * C * sizeof(float));
+        int *rows_d = gpucheck_to_device(rows, sizeof rows);
         uint16_t *out_d = gpu_poisoned((size_t)n_rows * C * 2), *out_h = host_poisoned((size_t)n_rows * C * 2);
         bf16_round_rows(DEVICE_CUDA, out_d, src_d, rows_d, n_rows, C);
         bf16_round_rows(DEVICE_CPU, out_h, src, rows, n_rows, C);
-        uint16_t *out_g = host_copy_of(out_d, (size_t)n_rows * C * 2);
+        uint16_t *out_g = gpucheck_to_host(out_d, (size_t)n_rows * C * 2);
         const int diff = count_diff(out_g, out_h, (size_t)n_rows * C * 2);
         printf("%-18s %d rows of (%d, %d) through an index: differing bytes %d  %s\n", "bf16_round_rows", n_rows, S,
                C, diff, diff == 0 ? "ok" : "FAIL");
@@ -410,7 +392,7 @@ static void test_quantize_128x128_batched(void **state) {
         const int64_t n = (int64_t)batch * N * K, nq = (int64_t)batch * Np * Kp, ns = (int64_t)batch * NB * KB4;
         float *w = floats(n);
         fill_log_uniform(w, n, 1700 + (uint64_t)K, -16.0, 4.0);
-        float *w_d = gpu_copy_of(w, (size_t)n * sizeof(float));
+        float *w_d = gpucheck_to_device(w, (size_t)n * sizeof(float));
         uint8_t *q_d = gpu_poisoned((size_t)nq), *qt_d = gpu_poisoned((size_t)nq);
         float *s_d = gpu_poisoned((size_t)ns * sizeof(float));
         uint8_t *q_h = host_poisoned((size_t)nq), *qt_h = host_poisoned((size_t)nq);
@@ -419,8 +401,8 @@ static void test_quantize_128x128_batched(void **state) {
         assert_int_equal(fp8_quantize_128x128_batched(DEVICE_CUDA, q_d, qt_d, s_d, w_d, batch, N, K, err, sizeof err), 0);
         assert_int_equal(fp8_check_finite(DEVICE_CUDA, err, sizeof err), 0);
         assert_int_equal(fp8_quantize_128x128_batched(DEVICE_CPU, q_h, qt_h, s_h, w, batch, N, K, err, sizeof err), 0);
-        uint8_t *q_g = host_copy_of(q_d, (size_t)nq), *qt_g = host_copy_of(qt_d, (size_t)nq);
-        float *s_g = host_copy_of(s_d, (size_t)ns * sizeof(float));
+        uint8_t *q_g = gpucheck_to_host(q_d, (size_t)nq), *qt_g = gpucheck_to_host(qt_d, (size_t)nq);
+        float *s_g = gpucheck_to_host(s_d, (size_t)ns * sizeof(float));
         const int dq = count_diff(q_g, q_h, (size_t)nq), dqt = count_diff(qt_g, qt_h, (size_t)nq);
         const int ds = count_diff(s_g, s_h, (size_t)ns * sizeof(float));
         w[((int64_t)3 * N + 9) * K + 11] = NAN;  // matrix 3, row 9: row 609 of the stack
@@ -459,13 +441,13 @@ static void test_quantize_both(void **state) {
     char err[256] = "";
     assert_int_equal(fp8_quantize_1x128(DEVICE_CPU, q1, s1, x, T, C, err, sizeof err), 0);
     assert_int_equal(fp8_quantize_128x1_transposed(DEVICE_CPU, q2, s2, x, T, C, err, sizeof err), 0);
-    float *x_d = gpu_copy_of(x, (size_t)n * sizeof(float));
+    float *x_d = gpucheck_to_device(x, (size_t)n * sizeof(float));
     uint8_t *q1_d = gpu_poisoned((size_t)L1.q_bytes), *q2_d = gpu_poisoned((size_t)L2.q_bytes);
     float *s1_d = gpu_poisoned((size_t)L1.s_count * sizeof(float)), *s2_d = gpu_poisoned((size_t)L2.s_count * sizeof(float));
     assert_int_equal(fp8_quantize_both_layouts(DEVICE_CUDA, q1_d, s1_d, q2_d, s2_d, x_d, T, C, err, sizeof err), 0);
     assert_int_equal(fp8_check_finite(DEVICE_CUDA, err, sizeof err), 0);
-    uint8_t *g1 = host_copy_of(q1_d, (size_t)L1.q_bytes), *g2 = host_copy_of(q2_d, (size_t)L2.q_bytes);
-    float *gs1 = host_copy_of(s1_d, (size_t)L1.s_count * sizeof(float)), *gs2 = host_copy_of(s2_d, (size_t)L2.s_count * sizeof(float));
+    uint8_t *g1 = gpucheck_to_host(q1_d, (size_t)L1.q_bytes), *g2 = gpucheck_to_host(q2_d, (size_t)L2.q_bytes);
+    float *gs1 = gpucheck_to_host(s1_d, (size_t)L1.s_count * sizeof(float)), *gs2 = gpucheck_to_host(s2_d, (size_t)L2.s_count * sizeof(float));
     int64_t d1 = 0, d2 = 0, ds1 = 0, ds2 = 0;
     for (int64_t i = 0; i < L1.q_bytes; i++) d1 += g1[i] != q1[i];
     for (int64_t i = 0; i < L2.q_bytes; i++) d2 += g2[i] != q2[i];
@@ -503,16 +485,16 @@ static void test_quantize_grouped(void **state) {
     const size_t b1 = (size_t)p16 * Kp, n1 = (size_t)KB * p16, b2 = (size_t)C * tiles * FP8_TILE, n2 = (size_t)tiles * C;
     float *x = floats((int64_t)T * C);
     fill_log_uniform(x, (int64_t)T * C, 4000 + (uint64_t)gc->seed, -16.0, 4.0);
-    float *x_d = gpu_copy_of(x, (size_t)T * C * sizeof(float));
+    float *x_d = gpucheck_to_device(x, (size_t)T * C * sizeof(float));
     // k = 3, 4: the 1x128 and 128x1 forms reading their rows through an index (x_rows, with repeats, as the
     // routed experts' token rows) from a source of S rows
     const int S = T / 3 + 7;
-    int *x_rows = xmalloc((size_t)(T + 1) * sizeof(int));
+    int *x_rows = gpucheck_malloc((size_t)(T + 1) * sizeof(int));
     for (int i = 0; i < T; i++) r = r * 6364136223846793005ull + 1442695040888963407ull, x_rows[i] = (int)((r >> 33) % (uint64_t)S);
     float *src = floats((int64_t)S * C);
     fill_log_uniform(src, (int64_t)S * C, 4100 + (uint64_t)gc->seed, -16.0, 4.0);
-    float *src_d = gpu_copy_of(src, (size_t)S * C * sizeof(float));
-    int *x_rows_d = gpu_copy_of(x_rows, (size_t)(T + 1) * sizeof(int));
+    float *src_d = gpucheck_to_device(src, (size_t)S * C * sizeof(float));
+    int *x_rows_d = gpucheck_to_device(x_rows, (size_t)(T + 1) * sizeof(int));
     char err[256] = "";
     // k = 5: the 1x128 rows through the index copied from src's own 1x128 operand (fp8_gather_1x128_grouped), against
     // the CPU quantising the gathered rows
@@ -550,8 +532,8 @@ static void test_quantize_grouped(void **state) {
             fp8_gather_1x128_grouped(DEVICE_CUDA, q1_d, s1_d, qs_d, ss_d, S, x_rows_d, n, rows0, C);
         }
         assert_int_equal(fp8_check_finite(DEVICE_CUDA, err, sizeof err), 0);
-        uint8_t *g1 = host_copy_of(q1_d, b1), *g2 = host_copy_of(q2_d, b2);
-        float *gs1 = host_copy_of(s1_d, n1 * sizeof(float)), *gs2 = host_copy_of(s2_d, n2 * sizeof(float));
+        uint8_t *g1 = gpucheck_to_host(q1_d, b1), *g2 = gpucheck_to_host(q2_d, b2);
+        float *gs1 = gpucheck_to_host(s1_d, n1 * sizeof(float)), *gs2 = gpucheck_to_host(s2_d, n2 * sizeof(float));
         if (k == 0 || k == 2 || k == 3 || k == 5) diff[k] += count_diff(g1, q1, b1) + count_diff(gs1, s1, n1 * sizeof(float));
         if (k == 1 || k == 2 || k == 4) diff[k] += count_diff(g2, q2, b2) + count_diff(gs2, s2, n2 * sizeof(float));
         device_free(DEVICE_CUDA, q1_d), device_free(DEVICE_CUDA, q2_d), device_free(DEVICE_CUDA, s1_d), device_free(DEVICE_CUDA, s2_d);
@@ -626,14 +608,14 @@ static uint16_t *gate_bf16(Device dev, const float *x, int rows, int C, void **b
     if (x == NULL) return NULL;
     const size_t ld = (size_t)ceil_div(C, FP8_TILE) * FP8_TILE, n = (size_t)rows * ld;
     const size_t offset = (uintptr_t)x % 16 ? 2 : 0;
-    const float *xh = dev == DEVICE_CUDA ? host_copy_of(x, (size_t)rows * C * sizeof(float)) : x;
-    uint16_t *g = xmalloc((n + offset) * sizeof(uint16_t));
+    const float *xh = dev == DEVICE_CUDA ? gpucheck_to_host(x, (size_t)rows * C * sizeof(float)) : x;
+    uint16_t *g = gpucheck_malloc((n + offset) * sizeof(uint16_t));
     for (size_t r = 0; r < (size_t)rows; r++)
         for (size_t c = 0; c < ld; c++)
             g[offset + r * ld + c] = c < (size_t)C ? float_to_bf16(xh[r * C + c]) : 0x7FC0;
     if (dev == DEVICE_CPU) return *base = g, g + offset;
     free((void *)xh);
-    *base = gpu_copy_of(g, (n + offset) * sizeof(uint16_t));
+    *base = gpucheck_to_device(g, (n + offset) * sizeof(uint16_t));
     free(g);
     return (uint16_t *)*base + offset;
 }
@@ -791,10 +773,10 @@ static void test_quantize_swiglu(void **state) {
             const int rc_comp = run_swiglu_composed((SwigluQuant)which, cq1_d, cs1_d, cq2_d, cs2_d, v_d,
                                                     (SwigluValue)value, dout_d, a_d, b_d, &L, err, sizeof err);
             const int rc_check = fp8_check_finite(DEVICE_CUDA, err, sizeof err);
-            uint8_t *fq1 = host_copy_of(fq1_d, L.q1), *fq2 = host_copy_of(fq2_d, L.q2);
-            uint8_t *cq1 = host_copy_of(cq1_d, L.q1), *cq2 = host_copy_of(cq2_d, L.q2);
-            float *fs1 = host_copy_of(fs1_d, L.s1 * sizeof(float)), *fs2 = host_copy_of(fs2_d, L.s2 * sizeof(float));
-            float *cs1 = host_copy_of(cs1_d, L.s1 * sizeof(float)), *cs2 = host_copy_of(cs2_d, L.s2 * sizeof(float));
+            uint8_t *fq1 = gpucheck_to_host(fq1_d, L.q1), *fq2 = gpucheck_to_host(fq2_d, L.q2);
+            uint8_t *cq1 = gpucheck_to_host(cq1_d, L.q1), *cq2 = gpucheck_to_host(cq2_d, L.q2);
+            float *fs1 = gpucheck_to_host(fs1_d, L.s1 * sizeof(float)), *fs2 = gpucheck_to_host(fs2_d, L.s2 * sizeof(float));
+            float *cs1 = gpucheck_to_host(cs1_d, L.s1 * sizeof(float)), *cs2 = gpucheck_to_host(cs2_d, L.s2 * sizeof(float));
             // (a) bitwise against the CUDA composition
             int64_t diff_comp = 0;
             if (has1) diff_comp += count_diff(fq1, cq1, L.q1) + count_diff(fs1, cs1, L.s1 * sizeof(float));
@@ -975,7 +957,7 @@ static int run_swiglu_grads_separate(const GradOperands *o, const float *dout, c
 // Device buffers x and y (bytes) compared byte for byte; adds to *poison the poison left in x (0xFF codes of q, NaN
 // scales).
 static int64_t diff_device(const void *x_d, const void *y_d, size_t bytes, int scales, int64_t *poison) {
-    uint8_t *x = host_copy_of(x_d, bytes), *y = host_copy_of(y_d, bytes);
+    uint8_t *x = gpucheck_to_host(x_d, bytes), *y = gpucheck_to_host(y_d, bytes);
     const int64_t diff = count_diff(x, y, bytes);
     if (scales) {
         for (size_t i = 0; i < bytes / sizeof(float); i++) *poison += isnan(((const float *)x)[i]);
@@ -1048,7 +1030,7 @@ static void test_quantize_swiglu_grads_nonfinite(void **state) {
     GradOperands o_d = grad_operands_poisoned(DEVICE_CUDA, &L), o = grad_operands_poisoned(DEVICE_CPU, &L);
     // the tiny quantiser filling the log: one row of 4 ones
     const float ones[4] = {1.0f, 1.0f, 1.0f, 1.0f};
-    float *tx_d = gpu_copy_of(ones, sizeof ones), *ts_d = device_alloc(DEVICE_CUDA, 16 * sizeof(float));
+    float *tx_d = gpucheck_to_device(ones, sizeof ones), *ts_d = device_alloc(DEVICE_CUDA, 16 * sizeof(float));
     uint8_t *tq_d = device_alloc(DEVICE_CUDA, 16 * FP8_TILE);
     enum { NAN_A, NAN_B, DB_EARLIER, DB_ONLY, NAN_A_LOG_FULL, LOG_FILL = 4095 };  // the log holds 4096 (kernels.h)
     static const char *const names[] = {"NaN in a (250, 77)", "NaN in b (250, 77)", "bad db (10,3), da (250,77)",
@@ -1132,13 +1114,13 @@ typedef struct {
 static CombineGradInputs combine_grad_inputs(int N, int K, int E, int C, int offset, uint64_t seed) {
     CombineGradInputs in = {.N = N, .K = K, .E = E, .C = C, .empty = E / 2};
     const size_t NK = (size_t)N * K;
-    int *topk_idx = xmalloc(NK * sizeof(int));
+    int *topk_idx = gpucheck_malloc(NK * sizeof(int));
     opcheck_routing(topk_idx, N, K, E, in.empty, seed);
     in.topk_w = floats((int64_t)NK), in.dout = floats((int64_t)N * C);
     opcheck_fill(in.topk_w, NK, seed + 1, 1.0 / 64, 1.0);
     fill_log_uniform(in.dout, (int64_t)N * C, seed + 2, -20.0, 1.0);
-    in.topk_idx_d = gpu_copy_of(topk_idx, NK * sizeof(int));
-    in.topk_w_d = gpu_copy_of(in.topk_w, NK * sizeof(float));
+    in.topk_idx_d = gpucheck_to_device(topk_idx, NK * sizeof(int));
+    in.topk_w_d = gpucheck_to_device(in.topk_w, NK * sizeof(float));
     in.dout_base = device_alloc(DEVICE_CUDA, ((size_t)N * C + 4) * sizeof(float));
     in.dout_d = in.dout_base + (offset ? 1 : 0);
     device_memcpy_from_host(DEVICE_CUDA, in.dout_d, in.dout, (size_t)N * C * sizeof(float));
@@ -1146,11 +1128,11 @@ static CombineGradInputs combine_grad_inputs(int N, int K, int E, int C, int off
     in.seg_token_d = device_alloc(DEVICE_CUDA, NK * sizeof(int));
     in.slot_of_d = device_alloc(DEVICE_CUDA, NK * sizeof(int));
     moe_permute_plan_device(DEVICE_CUDA, in.seg_offsets_d, in.seg_token_d, in.slot_of_d, in.topk_idx_d, N, K, E);
-    in.rows0 = host_copy_of(in.seg_offsets_d, (size_t)(E + 1) * sizeof(int));
-    in.seg_token = host_copy_of(in.seg_token_d, NK * sizeof(int));
-    in.slot_of = host_copy_of(in.slot_of_d, NK * sizeof(int));
-    int *c_off = xmalloc((size_t)(E + 1) * sizeof(int)), *c_tok = xmalloc(NK * sizeof(int));
-    int *c_slot = xmalloc(NK * sizeof(int));
+    in.rows0 = gpucheck_to_host(in.seg_offsets_d, (size_t)(E + 1) * sizeof(int));
+    in.seg_token = gpucheck_to_host(in.seg_token_d, NK * sizeof(int));
+    in.slot_of = gpucheck_to_host(in.slot_of_d, NK * sizeof(int));
+    int *c_off = gpucheck_malloc((size_t)(E + 1) * sizeof(int)), *c_tok = gpucheck_malloc(NK * sizeof(int));
+    int *c_slot = gpucheck_malloc(NK * sizeof(int));
     moe_permute_plan(c_off, c_tok, c_slot, topk_idx, N, K, E);
     in.plan_diff = 0;
     for (int e = 0; e <= E; e++) in.plan_diff += in.rows0[e] != c_off[e];
@@ -1200,10 +1182,10 @@ static void test_quantize_combine_grad(void **state) {
     const int rc_comp =
         fp8_quantize_both_layouts_grouped(DEVICE_CUDA, cq1_d, cs1_d, cq2_d, cs2_d, dexpert_d, E, in.rows0, C, err, sizeof err);
     const int rc_check = fp8_check_finite(DEVICE_CUDA, err, sizeof err);
-    uint8_t *fq1 = host_copy_of(fq1_d, L.q1), *fq2 = host_copy_of(fq2_d, L.q2);
-    uint8_t *cq1 = host_copy_of(cq1_d, L.q1), *cq2 = host_copy_of(cq2_d, L.q2);
-    float *fs1 = host_copy_of(fs1_d, L.s1 * sizeof(float)), *fs2 = host_copy_of(fs2_d, L.s2 * sizeof(float));
-    float *cs1 = host_copy_of(cs1_d, L.s1 * sizeof(float)), *cs2 = host_copy_of(cs2_d, L.s2 * sizeof(float));
+    uint8_t *fq1 = gpucheck_to_host(fq1_d, L.q1), *fq2 = gpucheck_to_host(fq2_d, L.q2);
+    uint8_t *cq1 = gpucheck_to_host(cq1_d, L.q1), *cq2 = gpucheck_to_host(cq2_d, L.q2);
+    float *fs1 = gpucheck_to_host(fs1_d, L.s1 * sizeof(float)), *fs2 = gpucheck_to_host(fs2_d, L.s2 * sizeof(float));
+    float *cs1 = gpucheck_to_host(cs1_d, L.s1 * sizeof(float)), *cs2 = gpucheck_to_host(cs2_d, L.s2 * sizeof(float));
     // (a) bitwise against the CUDA composition, (b) bitwise against the CPU op
     const int64_t diff_comp = count_diff(fq1, cq1, L.q1) + count_diff(fs1, cs1, L.s1 * sizeof(float)) +
                               count_diff(fq2, cq2, L.q2) + count_diff(fs2, cs2, L.s2 * sizeof(float));
@@ -1387,17 +1369,17 @@ static Quantised quantise_both(QuantKind kind, const float *x, int rows, int col
     Q.q = host_poisoned((size_t)L.q_bytes), Q.qt = with_qt ? host_poisoned((size_t)L.qt_bytes) : NULL;
     Q.s = host_poisoned((size_t)L.s_count * sizeof(float));
     assert_int_equal(run_quantizer(DEVICE_CPU, &L, Q.q, Q.qt, Q.s, x, err, sizeof err), 0);
-    float *x_d = gpu_copy_of(x, (size_t)rows * cols * sizeof(float));
+    float *x_d = gpucheck_to_device(x, (size_t)rows * cols * sizeof(float));
     Q.q_d = gpu_poisoned((size_t)L.q_bytes), Q.qt_d = with_qt ? gpu_poisoned((size_t)L.qt_bytes) : NULL;
     Q.s_d = gpu_poisoned((size_t)L.s_count * sizeof(float));
     assert_int_equal(run_quantizer(DEVICE_CUDA, &L, Q.q_d, Q.qt_d, Q.s_d, x_d, err, sizeof err), 0);
     device_free(DEVICE_CUDA, x_d);
-    uint8_t *q = host_copy_of(Q.q_d, (size_t)L.q_bytes);
-    float *s = host_copy_of(Q.s_d, (size_t)L.s_count * sizeof(float));
+    uint8_t *q = gpucheck_to_host(Q.q_d, (size_t)L.q_bytes);
+    float *s = gpucheck_to_host(Q.s_d, (size_t)L.s_count * sizeof(float));
     assert_memory_equal(q, Q.q, (size_t)L.q_bytes);
     assert_memory_equal(s, Q.s, (size_t)L.s_count * sizeof(float));
     if (with_qt) {
-        uint8_t *qt = host_copy_of(Q.qt_d, (size_t)L.qt_bytes);
+        uint8_t *qt = gpucheck_to_host(Q.qt_d, (size_t)L.qt_bytes);
         assert_memory_equal(qt, Q.qt, (size_t)L.qt_bytes);
         free(qt);
     }
@@ -1479,7 +1461,7 @@ typedef struct {
 // The output row after the T valid ones (cols floats at row_d, allocated poisoned) is still poison: the
 // GEMM runs on T16 rows but must write only T.
 static void assert_row_untouched(const char *name, const char *out, const float *row_d, int T, int cols, int K) {
-    float *row = host_copy_of(row_d, (size_t)cols * sizeof(float));
+    float *row = gpucheck_to_host(row_d, (size_t)cols * sizeof(float));
     float *poison = host_poisoned((size_t)cols * sizeof(float));
     const int untouched = memcmp(row, poison, (size_t)cols * sizeof(float)) == 0;
     printf("%-16s %d x %d x %d: the row after %s untouched: %s\n", name, T, cols, K, out, untouched ? "ok" : "FAIL");
@@ -1511,9 +1493,9 @@ static void test_fp8_gemm(void **state) {
         // one row past the output, poisoned: the GEMM runs on T16 rows but must write only T
         float *y_d = gpu_poisoned((size_t)(n_out + N) * sizeof(float));
         fp8_gemm_fprop(DEVICE_CUDA, y_d, qx.q_d, qx.s_d, qw.q_d, qw.s_d, T, N, K);
-        out_gpu = host_copy_of(y_d, (size_t)n_out * sizeof(float));
+        out_gpu = gpucheck_to_host(y_d, (size_t)n_out * sizeof(float));
         fp8_gemm_fprop(DEVICE_CUDA, y_d, qx.q_d, qx.s_d, qw.q_d, qw.s_d, T, N, K);
-        out_gpu2 = host_copy_of(y_d, (size_t)n_out * sizeof(float));
+        out_gpu2 = gpucheck_to_host(y_d, (size_t)n_out * sizeof(float));
         assert_row_untouched(name, "y", y_d + n_out, T, N, K);
         double *xd = dequant_1x128(&qx, T, K), *wd = dequant_128x128(&qw, N, K);
         want = doubles(n_out), abs_sum = doubles(n_out);
@@ -1647,11 +1629,11 @@ static int unpermute_diff(int T, int K, const float *init, const uint8_t *const 
     const int topk = T % 2 == 0 ? 2 : 1, n_tok = T / topk;
     int step = 5;
     while (T % step == 0) step += 2;  // coprime with T: i -> (i step + 3) % T is a permutation
-    int *slot_of = xmalloc(sizeof(int) * (size_t)T);
+    int *slot_of = gpucheck_malloc(sizeof(int) * (size_t)T);
     for (int i = 0; i < T; i++) slot_of[i] = (int)(((int64_t)i * step + 3) % T);
-    int *slot_of_d = gpu_copy_of(slot_of, sizeof(int) * (size_t)T);
+    int *slot_of_d = gpucheck_to_device(slot_of, sizeof(int) * (size_t)T);
     const size_t bytes = sizeof(float) * (size_t)n_tok * K;
-    float *fused_d = gpu_copy_of(init, bytes), *ref_d = gpu_copy_of(init, bytes);
+    float *fused_d = gpucheck_to_device(init, bytes), *ref_d = gpucheck_to_device(init, bytes);
     float *slots_d = gpu_poisoned(sizeof(float) * (size_t)T * K);
     const DgradUnpermute u = {slot_of_d, n_tok, topk};
     if (qdy != NULL) {
@@ -1662,7 +1644,7 @@ static int unpermute_diff(int T, int K, const float *init, const uint8_t *const 
         bf16_gemm_dgrad_grouped(DEVICE_CUDA, slots_d, GRAD_WRITE, NULL, 2, bdy, bw, n, rows0, N, K);
     }
     moe_unpermute_backward(DEVICE_CUDA, ref_d, slots_d, slot_of_d, n_tok, topk, K);
-    float *fused = host_copy_of(fused_d, bytes), *ref = host_copy_of(ref_d, bytes);
+    float *fused = gpucheck_to_host(fused_d, bytes), *ref = gpucheck_to_host(ref_d, bytes);
     int diff = count_diff(fused, ref, bytes);
     // GRAD_WRITE over poison: the bits of the unpermute onto a cleared buffer
     float *poison_d = gpu_poisoned(bytes);
@@ -1670,7 +1652,7 @@ static int unpermute_diff(int T, int K, const float *init, const uint8_t *const 
     if (qdy != NULL) fp8_gemm_dgrad_grouped(DEVICE_CUDA, poison_d, GRAD_WRITE, &u, 2, qdy, sdy, qwt, sw, n, rows0, N, K);
     else bf16_gemm_dgrad_grouped(DEVICE_CUDA, poison_d, GRAD_WRITE, &u, 2, bdy, bw, n, rows0, N, K);
     moe_unpermute_backward(DEVICE_CUDA, ref_d, slots_d, slot_of_d, n_tok, topk, K);
-    float *written = host_copy_of(poison_d, bytes), *ref0 = host_copy_of(ref_d, bytes);
+    float *written = gpucheck_to_host(poison_d, bytes), *ref0 = gpucheck_to_host(ref_d, bytes);
     diff += count_diff(written, ref0, bytes);
     device_free(DEVICE_CUDA, poison_d);
     free(written), free(ref0);
@@ -1689,14 +1671,14 @@ static int fprop_residual_diff(FpropWithResidual fprop, const void *ctx, int row
     const int64_t n = (int64_t)rows * N;
     float *res = floats(n + 1);
     fill_log_uniform(res, n + 1, seed, -6.0, 0.0);
-    float *res_d = gpu_copy_of(res, (size_t)(n + 1) * sizeof(float));
+    float *res_d = gpucheck_to_device(res, (size_t)(n + 1) * sizeof(float));
     int differing = 0;
     for (int off = 0; off < 2; off++) {
         float *fused_d = gpu_poisoned((size_t)n * sizeof(float)), *sep_d = gpu_poisoned((size_t)n * sizeof(float));
         fprop(fused_d, res_d + off, ctx);
         fprop(sep_d, NULL, ctx);
         add_inplace(DEVICE_CUDA, sep_d, res_d + off, n);
-        float *fused = host_copy_of(fused_d, (size_t)n * sizeof(float)), *sep = host_copy_of(sep_d, (size_t)n * sizeof(float));
+        float *fused = gpucheck_to_host(fused_d, (size_t)n * sizeof(float)), *sep = gpucheck_to_host(sep_d, (size_t)n * sizeof(float));
         differing += count_diff(fused, sep, (size_t)n * sizeof(float));
         free(fused), free(sep);
         device_free(DEVICE_CUDA, fused_d), device_free(DEVICE_CUDA, sep_d);
@@ -1750,7 +1732,7 @@ static void test_fp8_gemm_grouped(void **state) {
     float *x = floats((int64_t)T * K), *dy = floats((int64_t)T * N), *w = floats((int64_t)N * K);
     fill_log_uniform(x, (int64_t)T * K, 7000 + (uint64_t)gc->seed, -6.0, 2.0);
     fill_log_uniform(dy, (int64_t)T * N, 7100 + (uint64_t)gc->seed, -10.0, -2.0);
-    float *x_d = gpu_copy_of(x, (size_t)T * K * sizeof(float)), *dy_d = gpu_copy_of(dy, (size_t)T * N * sizeof(float));
+    float *x_d = gpucheck_to_device(x, (size_t)T * K * sizeof(float)), *dy_d = gpucheck_to_device(dy, (size_t)T * N * sizeof(float));
     uint8_t *qx_d = gpu_poisoned((size_t)P16 * Kp), *qdy_d = gpu_poisoned((size_t)P16 * Np);
     float *sx_d = gpu_poisoned((size_t)KB * P16 * sizeof(float)), *sdy_d = gpu_poisoned((size_t)NB * P16 * sizeof(float));
     assert_int_equal(fp8_quantize_1x128_grouped(DEVICE_CUDA, qx_d, sx_d, x_d, NULL, n, rows0, K, err, sizeof err), 0);
@@ -1810,15 +1792,15 @@ static void test_fp8_gemm_grouped(void **state) {
     fp8_gemm_dgrad_grouped(DEVICE_CUDA, dx_two_d + K, GRAD_ADD, NULL, 2, qdy2, sdy2, qwt2, sw2, n, rows0, N, K);
     fp8_gemm_dgrad_grouped(DEVICE_CUDA, dx_seq_d + K, GRAD_ADD, NULL, 1, qdy1, sdy1, qwt1, sw1, n, rows0, N, K);
     fp8_gemm_dgrad_grouped(DEVICE_CUDA, dx_seq_d + K, GRAD_ADD, NULL, 1, qdy1, sdy1, qwt1, sw1, n, rows0, N, K);
-    float *dx_two = host_copy_of(dx_two_d, (size_t)nx * sizeof(float)), *dx_seq = host_copy_of(dx_seq_d, (size_t)nx * sizeof(float));
+    float *dx_two = gpucheck_to_host(dx_two_d, (size_t)nx * sizeof(float)), *dx_seq = gpucheck_to_host(dx_seq_d, (size_t)nx * sizeof(float));
     const int two_diff = count_diff(dx_two, dx_seq, (size_t)nx * sizeof(float));
     const int unperm_diff = unpermute_diff(T, K, init, qdy2, sdy2, NULL, qwt2, sw2, NULL, n, rows0, N);
-    float *dx_zero = host_copy_of(dx_zero_d, (size_t)nx * sizeof(float)), *dx_wr = host_copy_of(dx_wr_d, (size_t)nx * sizeof(float));
+    float *dx_zero = gpucheck_to_host(dx_zero_d, (size_t)nx * sizeof(float)), *dx_wr = gpucheck_to_host(dx_wr_d, (size_t)nx * sizeof(float));
     int wr_diff = 0;
     for (int64_t i = K; i < (int64_t)(T + 1) * K; i++) wr_diff += !(dx_wr[i] == dx_zero[i]);
     const int wr_rows = written_inside_only(dx_wr, T, K);
-    float *y_seg = host_copy_of(y_seg_d, (size_t)ny * sizeof(float)), *y_grp = host_copy_of(y_grp_d, (size_t)ny * sizeof(float));
-    float *dx_seg = host_copy_of(dx_seg_d, (size_t)nx * sizeof(float)), *dx_grp = host_copy_of(dx_grp_d, (size_t)nx * sizeof(float));
+    float *y_seg = gpucheck_to_host(y_seg_d, (size_t)ny * sizeof(float)), *y_grp = gpucheck_to_host(y_grp_d, (size_t)ny * sizeof(float));
+    float *dx_seg = gpucheck_to_host(dx_seg_d, (size_t)nx * sizeof(float)), *dx_grp = gpucheck_to_host(dx_grp_d, (size_t)nx * sizeof(float));
     const int y_diff = count_diff(y_grp, y_seg, (size_t)ny * sizeof(float));
     const int dx_diff = count_diff(dx_grp, dx_seg, (size_t)nx * sizeof(float));
     const int y_rows = written_inside_only(y_grp, T, N), dx_rows = written_inside_only(dx_grp, T, K);
@@ -1830,7 +1812,7 @@ static void test_fp8_gemm_grouped(void **state) {
     const int Np16 = ceil_div(N, FP8_TILE) * FP8_TILE;
     uint16_t *y16_d = gpu_poisoned((size_t)(T + 15) * Np16 * sizeof(uint16_t));
     fp8_gemm_fprop_grouped_bf16(DEVICE_CUDA, y16_d, qx_d, sx_d, qw, sw, n, rows0, N, K);
-    uint16_t *y16 = host_copy_of(y16_d, (size_t)(T + 15) * Np16 * sizeof(uint16_t));
+    uint16_t *y16 = gpucheck_to_host(y16_d, (size_t)(T + 15) * Np16 * sizeof(uint16_t));
     int bf16_diff = 0;
     for (int64_t r = 0; r < T; r++)
         for (int c = 0; c < Np16; c++)
@@ -1841,7 +1823,7 @@ static void test_fp8_gemm_grouped(void **state) {
     const int Kp16 = ceil_div(K, FP8_TILE) * FP8_TILE;
     uint16_t *dx16_d = gpu_poisoned((size_t)(T + 15) * Kp16 * sizeof(uint16_t));
     fp8_gemm_dgrad_grouped_bf16(DEVICE_CUDA, dx16_d, qdy_d, sdy_d, qwt, sw, n, rows0, N, K);
-    uint16_t *dx16 = host_copy_of(dx16_d, (size_t)(T + 15) * Kp16 * sizeof(uint16_t));
+    uint16_t *dx16 = gpucheck_to_host(dx16_d, (size_t)(T + 15) * Kp16 * sizeof(uint16_t));
     for (int64_t r = 0; r < T; r++)
         for (int c = 0; c < Kp16; c++)
             bf16_diff += dx16[r * Kp16 + c] != (c < K ? float_to_bf16(dx_wr[(r + 1) * K + c]) : 0) ||
@@ -1864,7 +1846,7 @@ static void test_fp8_gemm_grouped(void **state) {
         const int64_t nw = (int64_t)n * N * K;
         float *dw0 = floats(nw);
         fill_log_uniform(dw0, nw, 7500 + (uint64_t)gc->seed, -6.0, 0.0);
-        float *dw_seg_d = gpu_copy_of(dw0, (size_t)nw * sizeof(float)), *dw_grp_d = gpu_copy_of(dw0, (size_t)nw * sizeof(float));
+        float *dw_seg_d = gpucheck_to_device(dw0, (size_t)nw * sizeof(float)), *dw_grp_d = gpucheck_to_device(dw0, (size_t)nw * sizeof(float));
         for (int g = 0, tiles = 0; g < n; g++) {
             const int rows = rows0[g + 1] - rows0[g];
             if (rows == 0) continue;
@@ -1874,7 +1856,7 @@ static void test_fp8_gemm_grouped(void **state) {
             tiles += ceil_div(rows, FP8_TILE);
     }
     fp8_gemm_wgrad_grouped(DEVICE_CUDA, dw_grp_d, qdyt_d, sdyt_d, qxt_d, sxt_d, n, rows0, N, K);
-    float *dw_seg = host_copy_of(dw_seg_d, (size_t)nw * sizeof(float)), *dw_grp = host_copy_of(dw_grp_d, (size_t)nw * sizeof(float));
+    float *dw_seg = gpucheck_to_host(dw_seg_d, (size_t)nw * sizeof(float)), *dw_grp = gpucheck_to_host(dw_grp_d, (size_t)nw * sizeof(float));
     dw_diff = count_diff(dw_grp, dw_seg, (size_t)nw * sizeof(float));
     for (int64_t i = 0; i < nw; i++) dw_moved += dw_grp[i] != dw0[i];  // the check means something only if they moved
     device_free(DEVICE_CUDA, qxt_d), device_free(DEVICE_CUDA, qdyt_d), device_free(DEVICE_CUDA, sxt_d);
@@ -1930,8 +1912,8 @@ static void test_bf16_matmul(void **state) {
     for (int64_t i = 0; i < n_w; i++) wb[i] = bf16_round(w[i]);
     for (int64_t i = 0; i < n_out; i++) gb[i] = bf16_round(dout[i]);
 
-    float *inp_d = gpu_copy_of(inp, (size_t)n_in * 4), *w_d = gpu_copy_of(w, (size_t)n_w * 4);
-    float *dout_d = gpu_copy_of(dout, (size_t)n_out * 4);
+    float *inp_d = gpucheck_to_device(inp, (size_t)n_in * 4), *w_d = gpucheck_to_device(w, (size_t)n_w * 4);
+    float *dout_d = gpucheck_to_device(dout, (size_t)n_out * 4);
     char shape[64];
     int pass = 1;
 
@@ -1940,9 +1922,9 @@ static void test_bf16_matmul(void **state) {
         float *cpu = host_poisoned((size_t)n_out * 4), *out_d = gpu_poisoned((size_t)n_out * 4);
         bf16_matmul_forward(DEVICE_CPU, cpu, inp, w, N, C, OC);
         bf16_matmul_forward(DEVICE_CUDA, out_d, inp_d, w_d, N, C, OC);
-        float *gpu = host_copy_of(out_d, (size_t)n_out * 4);
+        float *gpu = gpucheck_to_host(out_d, (size_t)n_out * 4);
         bf16_matmul_forward(DEVICE_CUDA, out_d, inp_d, w_d, N, C, OC);
-        float *gpu2 = host_copy_of(out_d, (size_t)n_out * 4);
+        float *gpu2 = gpucheck_to_host(out_d, (size_t)n_out * 4);
         double *want = doubles(n_out), *abs_sum = doubles(n_out), *bf = doubles(n_out), *bp = doubles(n_out);
         ref_gemm(want, abs_sum, ib, wb, N, OC, C);
         for (int64_t i = 0; i < n_out; i++) {
@@ -1967,7 +1949,7 @@ static void test_bf16_matmul(void **state) {
             device_memcpy_from_host(DEVICE_CUDA, dinp_d, dinp0, (size_t)n_in * 4);
             device_memcpy_from_host(DEVICE_CUDA, dw_d, dw0, (size_t)n_w * 4);
             bf16_matmul_backward(DEVICE_CUDA, dinp_d, dw_d, dout_d, inp_d, w_d, N, C, OC);
-            dinp_g[rep] = host_copy_of(dinp_d, (size_t)n_in * 4), dw_g[rep] = host_copy_of(dw_d, (size_t)n_w * 4);
+            dinp_g[rep] = gpucheck_to_host(dinp_d, (size_t)n_in * 4), dw_g[rep] = gpucheck_to_host(dw_d, (size_t)n_w * 4);
         }
         // dinp: the sum over OC rounded to BF16, then one FP32 add to dinp0
         double *want = doubles(n_in), *abs_sum = doubles(n_in), *bf = doubles(n_in), *bp = doubles(n_in);
@@ -2031,12 +2013,12 @@ static void test_bf16_gemm_grouped(void **state) {
     fill_log_uniform(w, nw, 9103 + gc->seed, -8.0, 0.0);
     fill_log_uniform(dx0, nx, 9104 + gc->seed, -8.0, -2.0);
     fill_log_uniform(dw0, nw, 9105 + gc->seed, -4.0, 2.0);
-    uint16_t *xb = xmalloc((size_t)nx * 2), *dyb = xmalloc((size_t)ndy * 2), *wb = xmalloc((size_t)nw * 2);
+    uint16_t *xb = gpucheck_malloc((size_t)nx * 2), *dyb = gpucheck_malloc((size_t)ndy * 2), *wb = gpucheck_malloc((size_t)nw * 2);
     bf16_round_array(DEVICE_CPU, xb, x, nx);
     bf16_round_array(DEVICE_CPU, dyb, dy, ndy);
     bf16_round_array(DEVICE_CPU, wb, w, nw);
-    uint16_t *xb_d = gpu_copy_of(xb, (size_t)nx * 2), *dyb_d = gpu_copy_of(dyb, (size_t)ndy * 2);
-    uint16_t *wb_d = gpu_copy_of(wb, (size_t)nw * 2);
+    uint16_t *xb_d = gpucheck_to_device(xb, (size_t)nx * 2), *dyb_d = gpucheck_to_device(dyb, (size_t)ndy * 2);
+    uint16_t *wb_d = gpucheck_to_device(wb, (size_t)nw * 2);
     const uint16_t *wg[FP8_MAX_SEGMENTS], *wg_d[FP8_MAX_SEGMENTS];
     for (int g = 0; g < n; g++) {
         const int empty = rows0[g + 1] == rows0[g];
@@ -2065,8 +2047,8 @@ static void test_bf16_gemm_grouped(void **state) {
                 bf16_gemm_wgrad(DEVICE_CUDA, dw_d + (int64_t)g * N * K, dyb_d + (int64_t)rows0[g] * N,
                                 xb_d + (int64_t)rows0[g] * K, rows0[g + 1] - rows0[g], N, K);
         }
-        y_g[rep] = host_copy_of(y_d, (size_t)(ndy + N) * 4), dx_g[rep] = host_copy_of(dx_d, (size_t)(nx + K) * 4);
-        dw_g[rep] = host_copy_of(dw_d, (size_t)nw * 4);
+        y_g[rep] = gpucheck_to_host(y_d, (size_t)(ndy + N) * 4), dx_g[rep] = gpucheck_to_host(dx_d, (size_t)(nx + K) * 4);
+        dw_g[rep] = gpucheck_to_host(dw_d, (size_t)nw * 4);
         pass &= memcmp(y_g[rep] + ndy, poison, (size_t)N * 4) == 0 && memcmp(dx_g[rep] + nx, poison, (size_t)K * 4) == 0;
         device_free(DEVICE_CUDA, y_d), device_free(DEVICE_CUDA, dx_d), device_free(DEVICE_CUDA, dw_d);
     }
@@ -2075,7 +2057,7 @@ static void test_bf16_gemm_grouped(void **state) {
         device_memset_zero(DEVICE_CUDA, zero_d, (size_t)nx * 4);
         bf16_gemm_dgrad_grouped(DEVICE_CUDA, wr_d, GRAD_WRITE, NULL, 1, dyb1_d, wg1_d, n, rows0, N, K);
         bf16_gemm_dgrad_grouped(DEVICE_CUDA, zero_d, GRAD_ADD, NULL, 1, dyb1_d, wg1_d, n, rows0, N, K);
-        float *wr = host_copy_of(wr_d, (size_t)(nx + K) * 4), *zero = host_copy_of(zero_d, (size_t)(nx + K) * 4);
+        float *wr = gpucheck_to_host(wr_d, (size_t)(nx + K) * 4), *zero = gpucheck_to_host(zero_d, (size_t)(nx + K) * 4);
         int differing = 0;
         for (int64_t i = 0; i < nx; i++) differing += !(wr[i] == zero[i]);
         const int tail_ok = memcmp(wr + nx, poison, (size_t)K * 4) == 0;
@@ -2084,7 +2066,7 @@ static void test_bf16_gemm_grouped(void **state) {
         bf16_gemm_dgrad_grouped(DEVICE_CUDA, wr_d, GRAD_ADD, NULL, 2, dyb2_d, wg2_d, n, rows0, N, K);
         bf16_gemm_dgrad_grouped(DEVICE_CUDA, zero_d, GRAD_ADD, NULL, 1, dyb1_d, wg1_d, n, rows0, N, K);
         bf16_gemm_dgrad_grouped(DEVICE_CUDA, zero_d, GRAD_ADD, NULL, 1, dyb1_d, wg1_d, n, rows0, N, K);
-        float *wr2 = host_copy_of(wr_d, (size_t)nx * 4), *seq2 = host_copy_of(zero_d, (size_t)nx * 4);
+        float *wr2 = gpucheck_to_host(wr_d, (size_t)nx * 4), *seq2 = gpucheck_to_host(zero_d, (size_t)nx * 4);
         const int two_diff = memcmp(wr2, seq2, (size_t)nx * 4) != 0;
         const int unperm_diff = unpermute_diff(T, K, dx0, NULL, NULL, dyb2_d, NULL, NULL, wg2_d, n, rows0, N);
         const Bf16FpropArgs fa = {xb_d, wg_d, n, N, K, rows0};

@@ -52,22 +52,9 @@ static uint64_t run_seed;
 static int ceil_div(int a, int b) { return (a + b - 1) / b; }
 
 // ---------------------------------------------------------------------------- buffers
-static void *xmalloc(size_t bytes) {
-    void *p = malloc(bytes > 0 ? bytes : 1);
-    if (p == NULL) {
-        fprintf(stderr, "%s:%d: malloc of %zu bytes failed\n", __FILE__, __LINE__, bytes);
-        exit(1);
-    }
-    return p;
-}
-static void *host_copy_of(const void *d, size_t bytes) {
-    void *h = xmalloc(bytes);
-    device_memcpy_to_host(DEVICE_CUDA, h, d, bytes);
-    return h;
-}
 // A device buffer of 0xFF bytes: NaN as BF16 (0xFFFF) and as E4M3.
 static void poison_device(void *d, size_t bytes) {
-    void *h = xmalloc(bytes);
+    void *h = gpucheck_malloc(bytes);
     memset(h, 0xFF, bytes);
     device_memcpy_from_host(DEVICE_CUDA, d, h, bytes);
     free(h);
@@ -130,7 +117,7 @@ static void operands_make(Operands *o, const Case *c, uint64_t seed) {
     o->NB = ceil_div(c->N, FP8_TILE), o->Np = o->NB * FP8_TILE;
     char err[256] = "";
 
-    float *x = xmalloc((size_t)o->T * c->K * sizeof(float));
+    float *x = gpucheck_malloc((size_t)o->T * c->K * sizeof(float));
     fill_log_uniform(x, (int64_t)o->T * c->K, seed + 1, -6.0, 2.0);
     float *x_d = device_alloc(DEVICE_CUDA, (size_t)o->T * c->K * sizeof(float) + 16);
     device_memcpy_from_host(DEVICE_CUDA, x_d, x, (size_t)o->T * c->K * sizeof(float));
@@ -143,7 +130,7 @@ static void operands_make(Operands *o, const Case *c, uint64_t seed) {
 
     const size_t w_elems = (size_t)c->N * c->K, qw_bytes = (size_t)o->Np * o->Kp;
     const size_t sw_bytes = (size_t)o->NB * o->KB4 * sizeof(float);
-    float *w = xmalloc(w_elems * sizeof(float));
+    float *w = gpucheck_malloc(w_elems * sizeof(float));
     float *w_d = device_alloc(DEVICE_CUDA, w_elems * sizeof(float));
     for (int g = 0; g < o->n; g++) {
         if (o->rows0[g + 1] == o->rows0[g]) continue;
@@ -153,11 +140,11 @@ static void operands_make(Operands *o, const Case *c, uint64_t seed) {
         float *s = device_alloc(DEVICE_CUDA, sw_bytes);
         assert_int_equal(fp8_quantize_128x128(DEVICE_CUDA, q, NULL, s, w_d, c->N, c->K, err, sizeof err), 0);
         o->qw_d[g] = q, o->sw_d[g] = s;
-        o->qw[g] = host_copy_of(q, qw_bytes), o->sw[g] = host_copy_of(s, sw_bytes);
+        o->qw[g] = gpucheck_to_host(q, qw_bytes), o->sw[g] = gpucheck_to_host(s, sw_bytes);
     }
     device_free(DEVICE_CUDA, w_d), free(w);
     assert_int_equal(fp8_check_finite(DEVICE_CUDA, err, sizeof err), 0);
-    o->qx = host_copy_of(o->qx_d, qx_bytes), o->sx = host_copy_of(o->sx_d, sx_bytes);
+    o->qx = gpucheck_to_host(o->qx_d, qx_bytes), o->sx = gpucheck_to_host(o->sx_d, sx_bytes);
 }
 
 static void operands_free(Operands *o) {
@@ -174,16 +161,16 @@ static void operands_free(Operands *o) {
 // rounded to BF16 by the CPU op.
 static float *abs_sums(const Operands *o) {
     const size_t qx_bytes = (size_t)o->P16 * o->Kp, qw_bytes = (size_t)o->Np * o->Kp;
-    uint8_t *qx = xmalloc(qx_bytes);
+    uint8_t *qx = gpucheck_malloc(qx_bytes);
     for (size_t i = 0; i < qx_bytes; i++) qx[i] = o->qx[i] & 0x7F;
     const uint8_t *qw[FP8_MAX_SEGMENTS] = {NULL};
     for (int g = 0; g < o->n; g++) {
         if (o->qw[g] == NULL) continue;
-        uint8_t *q = xmalloc(qw_bytes);
+        uint8_t *q = gpucheck_malloc(qw_bytes);
         for (size_t i = 0; i < qw_bytes; i++) q[i] = o->qw[g][i] & 0x7F;
         qw[g] = q;
     }
-    float *S = xmalloc((size_t)o->T * o->N * sizeof(float) + 1);
+    float *S = gpucheck_malloc((size_t)o->T * o->N * sizeof(float) + 1);
     fp8_gemm_fprop_grouped(DEVICE_CPU, S, NULL, qx, o->sx, qw, o->sw, o->n, o->rows0, o->N, o->K);
     for (int g = 0; g < o->n; g++) free((void *)qw[g]);
     free(qx);
@@ -233,7 +220,7 @@ static void test_grouped_fprop(void **state) {
     const size_t y_elems = (size_t)bf16_rows_elems(o.T, o.N), y_bytes = y_elems * sizeof(uint16_t);
 
     // CPU reference and S
-    uint16_t *y_cpu = xmalloc(y_bytes);
+    uint16_t *y_cpu = gpucheck_malloc(y_bytes);
     fp8_gemm_fprop_grouped_bf16(DEVICE_CPU, y_cpu, o.qx, o.sx, o.qw, o.sw, o.n, o.rows0, o.N, o.K);
     float *S = abs_sums(&o);
 
@@ -241,7 +228,7 @@ static void test_grouped_fprop(void **state) {
     uint16_t *y_d = device_alloc(DEVICE_CUDA, y_bytes);
     poison_device(y_d, y_bytes);
     fp8_gemm_fprop_grouped_bf16(DEVICE_CUDA, y_d, o.qx_d, o.sx_d, o.qw_d, o.sw_d, o.n, o.rows0, o.N, o.K);
-    uint16_t *y_lt = host_copy_of(y_d, y_bytes);
+    uint16_t *y_lt = gpucheck_to_host(y_d, y_bytes);
 
     // own kernel: multicast allowed (variant 0), then forced off (variant 1); each twice
     uint16_t *y_own[2][2];
@@ -250,7 +237,7 @@ static void test_grouped_fprop(void **state) {
         for (int rep = 0; rep < 2; rep++) {
             poison_device(y_d, y_bytes);
             cuda_fp8_grouped_fprop_bf16(y_d, o.qx_d, o.sx_d, o.qw_d, o.sw_d, o.n, o.rows0, o.N, o.K);
-            y_own[v][rep] = host_copy_of(y_d, y_bytes);
+            y_own[v][rep] = gpucheck_to_host(y_d, y_bytes);
         }
         cuda_fp8_grouped_gemm_multicast(previous);
     }
