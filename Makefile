@@ -2,6 +2,7 @@
 #   make            all binaries into $(BUILD)/ (CPU always; CUDA when nvcc >= 12.9 is found)
 #   make test       CPU unit tests (CMocka), gradient check, MPI tests, then the same under ASan+UBSan
 #   make test-mpi   the MPI tests (tests/mpi: collectives, groups, timeouts) under mpirun on 1-8 ranks
+#   make test-mpi-large  EP64: 64 CPU ranks (dp = ep = 64) against one process (not part of make test)
 #   make run        set up data and train the default job (configs/shakespeare.ini)
 #   make deps       install missing Debian/Ubuntu packages (as root) or say what is missing
 #   make test-gpu   build and run the GPU parity tests (needs an NVIDIA GPU)
@@ -29,10 +30,20 @@ $(error fp8moe: Open MPI not found: neither `pkg-config ompi-c` nor `mpicc --sho
 endif
 endif
 
+# libibverbs (DESIGN.md section 8): the start banner lists the host's RDMA devices and which one each GPU is
+# closest to (parallel/topology.c). Flags from pkg-config, else the plain library when its header is there.
+IBV_CFLAGS := $(shell pkg-config --cflags libibverbs 2>/dev/null)
+IBV_LIBS   := $(shell pkg-config --libs libibverbs 2>/dev/null || { [ -f /usr/include/infiniband/verbs.h ] && echo -libverbs; })
+ifeq ($(strip $(IBV_LIBS)),)
+ifneq ($(filter-out deps clean cuda-status,$(or $(MAKECMDGOALS),all)),)
+$(error fp8moe: libibverbs not found: neither `pkg-config libibverbs` nor /usr/include/infiniband/verbs.h answered; install libibverbs-dev (make deps, or bash scripts/deps.sh))
+endif
+endif
+
 # -ffp-contract=off: the CPU path is the numerical reference (DESIGN.md section 4); no FMA contraction.
 OPT      ?= -O2
-CFLAGS   := $(OPT) $(EXTRA_CFLAGS) -std=c11 -D_GNU_SOURCE -Wall -Wextra -Werror -ffp-contract=off -fopenmp -g -I. $(PKG_CFLAGS) $(MPI_CFLAGS)
-LDLIBS   := $(EXTRA_LDLIBS) $(PKG_LIBS) $(MPI_LIBS) -lm -fopenmp
+CFLAGS   := $(OPT) $(EXTRA_CFLAGS) -std=c11 -D_GNU_SOURCE -Wall -Wextra -Werror -ffp-contract=off -fopenmp -g -I. $(PKG_CFLAGS) $(MPI_CFLAGS) $(IBV_CFLAGS)
+LDLIBS   := $(EXTRA_LDLIBS) $(PKG_LIBS) $(MPI_LIBS) $(IBV_LIBS) -lm -fopenmp
 ifeq ($(SANITIZE),1)
 CFLAGS   += -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=all
 LDLIBS   += -fsanitize=address,undefined
@@ -75,7 +86,7 @@ MPI_TEST_BIN := $(MPI_TEST_SRC:tests/mpi/%.c=$(BUILD)/mpi/%)
 GPU_SRC  := $(wildcard tests/gpu/test_*.c)
 GPU_BIN  := $(if $(CUDA_OK),$(GPU_SRC:tests/gpu/%.c=$(BUILD)/tests/%))
 
-.PHONY: all test test-unit test-mpi test-asan run deps test-gpu bench clean cuda-status
+.PHONY: all test test-unit test-mpi test-mpi-large test-asan run deps test-gpu bench clean cuda-status
 all: cuda-status $(BUILD)/fp8moe $(BUILD)/gradcheck $(BUILD)/gradcheck_f32 $(UNIT_BIN) $(MPI_TEST_BIN) $(GPU_BIN) $(BENCH_BIN)
 
 cuda-status:
@@ -125,8 +136,10 @@ test: test-unit
 	@$(MAKE) --no-print-directory test-asan
 test-unit: all
 	@BUILD=$(BUILD) FP8MOE_SANITIZE=$(SANITIZE) bash tests/run_unit.sh
-test-mpi: $(MPI_TEST_BIN)
+test-mpi: $(MPI_TEST_BIN) $(BUILD)/fp8moe
 	@BUILD=$(BUILD) FP8MOE_SANITIZE=$(SANITIZE) bash tests/mpi/run.sh
+test-mpi-large: $(BUILD)/mpi/test_dp_equivalence
+	@BUILD=$(BUILD) FP8MOE_SANITIZE=$(SANITIZE) bash tests/mpi/run_large.sh
 test-asan:
 	@$(MAKE) --no-print-directory BUILD=$(BUILD)/asan SANITIZE=1 NO_CUDA=1 OPT=-O1 test-unit
 	@$(MAKE) --no-print-directory BUILD=$(BUILD)/asan SANITIZE=1 NO_CUDA=1 OPT=-O1 test-mpi
