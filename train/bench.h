@@ -35,4 +35,12 @@ extern const char *const bench_step_usage;
 int bench_attention_main(int argc, char **argv);
 extern const char *const bench_attention_usage;
 
+// `fp8moe bench a2a [JOB.ini] [--tokens N] [--runs N] [--warmup N] [--skew S] [--seed N] [--set ...]`: the
+// expert-parallel dispatch + combine of parallel/ep.h over the job's ranks (one process, or mpirun -np P)
+// at JOB.ini's token shapes (default configs/bench-1gpu.ini), routing drawn at random (uniform and
+// skewed), beside the backend's raw all-to-all-v of the same byte counts in the same run: bytes per rank,
+// ms, GB/s, ratio to raw. Starts MPI itself under a launcher. train/bench_a2a.c.
+int bench_a2a_main(int argc, char **argv);
+extern const char *const bench_a2a_usage;
+
 #endif

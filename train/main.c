@@ -44,10 +44,10 @@ static const char *const usage_config_doc =
     "      Print the reference of every job-file key (Markdown, as docs/config.md).\n";
 
 static void print_usage(FILE *f) {
-    fprintf(f, "fp8moe - FP8 mixture-of-experts training (DeepSeek-V3 architecture)\n\nUsage:\n%s%s%s%s%s%s%s%s"
+    fprintf(f, "fp8moe - FP8 mixture-of-experts training (DeepSeek-V3 architecture)\n\nUsage:\n%s%s%s%s%s%s%s%s%s"
                "  fp8moe help | --help\n      Show this text. `fp8moe help COMMAND` shows one command.\n",
             usage_train, compare_usage, usage_prep, usage_sample, usage_config_doc, bench_gemm_usage,
-            bench_step_usage, bench_attention_usage);
+            bench_step_usage, bench_attention_usage, bench_a2a_usage);
 }
 
 // Prints "fp8moe CMD: message" and the command's usage to stderr; returns the usage exit status.
@@ -268,8 +268,9 @@ int main(int argc, char **argv) {
         if (argc > 2 && !strcmp(argv[2], "gemm")) return bench_gemm_main(argc - 3, argv + 3);
         if (argc > 2 && !strcmp(argv[2], "step")) return bench_step_main(argc - 3, argv + 3);
         if (argc > 2 && !strcmp(argv[2], "attention")) return bench_attention_main(argc - 3, argv + 3);
-        fprintf(stderr, "fp8moe bench: expected a benchmark name (gemm, step, attention)\n\nUsage:\n%s%s%s",
-                bench_gemm_usage, bench_step_usage, bench_attention_usage);
+        if (argc > 2 && !strcmp(argv[2], "a2a")) return bench_a2a_main(argc - 3, argv + 3);
+        fprintf(stderr, "fp8moe bench: expected a benchmark name (gemm, step, attention, a2a)\n\nUsage:\n%s%s%s%s",
+                bench_gemm_usage, bench_step_usage, bench_attention_usage, bench_a2a_usage);
         return EXIT_USAGE;
     }
     if (!strcmp(cmd, "config-doc")) {
@@ -294,8 +295,8 @@ int main(int argc, char **argv) {
                 print_usage(stderr);
                 return EXIT_USAGE;
             }
-            printf("Usage:\n%s%s%s", u, u == bench_gemm_usage ? bench_step_usage : "",
-                   u == bench_gemm_usage ? bench_attention_usage : "");
+            printf("Usage:\n%s%s%s%s", u, u == bench_gemm_usage ? bench_step_usage : "",
+                   u == bench_gemm_usage ? bench_attention_usage : "", u == bench_gemm_usage ? bench_a2a_usage : "");
             return 0;
         }
         print_usage(stdout);

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # run.sh - the MPI tests (make test-mpi): tests/mpi/test_comm and test_groups under mpirun on 1, 2, 3, 4 and 8
 # ranks, test_comm once more as an MPI singleton, the fault tests (tests/mpi/faults.sh; train_faults.sh: a real
-# training job losing a rank to SIGKILL or SIGSTOP, and bad layouts), then data and expert
+# training job losing a rank to SIGKILL or SIGSTOP, and bad layouts), `fp8moe bench a2a` at 1 and 2 ranks
+# (bench_a2a.sh), then data and expert
 # parallel training against one process (test_dp_equivalence) for dp = 2; dp = 4, ep = 2 (also with ZeRO-1);
 # dp = 4, ep = 4 and dp = 8, ep = 8, and a rank's memory share (rank_memory.sh). Prints one summary line "mpi: N passed, N failed"; exit status is
 # non-zero if anything failed. Each mpirun has a 120 s limit, so a hang fails the test instead of CI.
@@ -28,6 +29,7 @@ for n in ${FP8MOE_MPI_RANKS:-1 2 3 4 8}; do
 done
 run "faults.sh" bash tests/mpi/faults.sh
 run "train_faults.sh" bash tests/mpi/train_faults.sh
+run "bench_a2a.sh" bash tests/mpi/bench_a2a.sh
 # data and expert parallel against one process (tests/mpi/test_dp_equivalence.c): "ranks ep mode grad_accum";
 # micro_batch_size 4 x seq_len 32 = 128 tokens, one FP8 tile, so the FP8 tiles cover the same rows as in one process
 dp_cache=$(mktemp -d)
