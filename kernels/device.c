@@ -7,7 +7,8 @@
  * with "file:line: cudaXxx(...) failed: <reason>". In a build without CUDA (no FP8MOE_CUDA), asking
  * for DEVICE_CUDA stops with a message that says so instead of silently using the CPU.
  * Copies use cudaMemcpy on the default stream: they wait for earlier kernels, so a copy to the host
- * is also where errors of earlier asynchronous kernels are reported.
+ * is also where errors of earlier asynchronous kernels are reported. Pinned host memory (device_host_alloc)
+ * and device_of_pointer serve the MPI backend's staging of device buffers (parallel/comm.c).
  */
 #include "kernels/kernels.h"
 
@@ -115,6 +116,74 @@ void device_memset_zero(Device dev, void *p, size_t bytes) {
     CUDA_CHECK(cudaMemset(p, 0, bytes));
 #else
     no_cuda("device_memset_zero");
+#endif
+}
+
+// dst (bytes on dev) = src (bytes on dev)
+void device_memcpy(Device dev, void *dst, const void *src, size_t bytes) {
+    if (bytes == 0) return;
+    if (dev == DEVICE_CPU) {
+        memcpy(dst, src, bytes);
+        return;
+    }
+    if (dev != DEVICE_CUDA) bad_device("device_memcpy", dev);
+#ifdef FP8MOE_CUDA
+    CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToDevice));
+#else
+    no_cuda("device_memcpy");
+#endif
+}
+
+// Pinned for the GPU: a copy from pageable memory goes through the driver's own staging buffer (an extra copy
+// and, for copies to the device, a wait on it); from pinned memory it is one DMA transfer.
+void *device_host_alloc(Device dev, size_t bytes) {
+    if (bytes == 0) return NULL;
+    if (dev == DEVICE_CPU) {
+        void *p = malloc(bytes);
+        if (p == NULL) {
+            fprintf(stderr, "%s:%d: malloc of %zu bytes failed: out of host memory\n", __FILE__, __LINE__, bytes);
+            exit(1);
+        }
+        return p;
+    }
+    if (dev != DEVICE_CUDA) bad_device("device_host_alloc", dev);
+#ifdef FP8MOE_CUDA
+    void *p = NULL;
+    CUDA_CHECK(cudaMallocHost(&p, bytes));
+    return p;
+#else
+    no_cuda("device_host_alloc");
+    return NULL;
+#endif
+}
+
+void device_host_free(Device dev, void *p) {
+    if (p == NULL) return;
+    if (dev == DEVICE_CPU) {
+        free(p);
+        return;
+    }
+    if (dev != DEVICE_CUDA) bad_device("device_host_free", dev);
+#ifdef FP8MOE_CUDA
+    CUDA_CHECK(cudaFreeHost(p));
+#else
+    no_cuda("device_host_free");
+#endif
+}
+
+// Every device buffer comes from a counted cudaMalloc (kernels/cuda/common.cuh), so before the first one no
+// pointer can be a device pointer and the runtime is not asked (nor started, on a CPU run of a CUDA build).
+Device device_of_pointer(const void *p) {
+#ifdef FP8MOE_CUDA
+    if (p == NULL || fp8moe_cuda_allocations == 0) return DEVICE_CPU;
+    struct cudaPointerAttributes a;
+    CUDA_CHECK(cudaPointerGetAttributes(&a, p));
+    // unregistered (plain heap or stack) and pinned host memory are read by the host directly; managed memory
+    // (not used by fp8moe) is staged like device memory, which is correct for it too
+    return a.type == cudaMemoryTypeDevice || a.type == cudaMemoryTypeManaged ? DEVICE_CUDA : DEVICE_CPU;
+#else
+    (void)p;
+    return DEVICE_CPU;
 #endif
 }
 

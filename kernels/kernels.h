@@ -53,6 +53,20 @@ void device_free(Device dev, void *p);
 void device_memcpy_to_host(Device dev, void *dst_host, const void *src, size_t bytes);
 void device_memcpy_from_host(Device dev, void *dst, const void *src_host, size_t bytes);
 void device_memset_zero(Device dev, void *p, size_t bytes);
+// dst (bytes on dev) = src (bytes on dev), both on the same device; the regions must not overlap. On the GPU a
+// cudaMemcpy on the default stream: ordered after earlier kernels, no wait on the host.
+void device_memcpy(Device dev, void *dst, const void *src, size_t bytes);
+// Host memory that dev's copies to and from the host reach directly, without an intermediate copy: pinned
+// (page-locked, cudaMallocHost) for DEVICE_CUDA, plain heap memory for DEVICE_CPU. Not zeroed; NULL for 0 bytes.
+// The MPI backend stages device buffers through it (parallel/comm.c). Allocating pinned memory is slow (it
+// maps pages for the driver): keep such a buffer. Free it with device_host_free and the same dev.
+void *device_host_alloc(Device dev, size_t bytes);
+void device_host_free(Device dev, void *p);
+// Where p points: DEVICE_CUDA for GPU memory (cudaMalloc, device_alloc; any address inside such an allocation),
+// DEVICE_CPU for host memory of any kind (heap, stack, static, pinned) and NULL. In a build without CUDA, and
+// before the process' first cudaMalloc, DEVICE_CPU without asking the CUDA runtime, so a CPU run never starts a
+// CUDA context through it. parallel/comm.c uses it to tell device buffers from host buffers.
+Device device_of_pointer(const void *p);
 int cuda_device_count(void); // 0 when built without CUDA or when no GPU is visible
 // cudaMalloc calls made so far by the process (device_alloc and the kernels' scratch caches); 0 on a
 // CPU-only build. The trainer checks that steps after the first allocate nothing.

@@ -1,6 +1,6 @@
 /*
  * comm.c - the communication backends behind parallel/comm.h: the single process (COMM_SINGLE, the
- * identity) and MPI (COMM_MPI, host buffers).
+ * identity) and MPI (COMM_MPI, host buffers, and device buffers staged through pinned host memory).
  *
  * Why the collectives are built from point-to-point messages instead of MPI_Allreduce / MPI_SUM:
  * - Determinism. MPI chooses the order in which it adds (and may change it with the number of ranks,
@@ -16,9 +16,13 @@
  * Every communicator has MPI_ERRORS_RETURN and every return code is checked (MPI_CHECK): an MPI error
  * prints the function, group, rank and MPI's error string and calls MPI_Abort, never a silent abort.
  *
- * Device staging (later issue, several MPI ranks sharing a GPU): a call given device buffers will copy
- * them into a pinned host buffer owned by the Comm before posting the requests (and back after the wait);
- * the places are marked "device staging" below. Today every buffer is host memory.
+ * Device staging (several MPI ranks sharing a GPU): a call given device buffers (device_of_pointer) copies
+ * them into the pinned host buffer the Comm owns, runs the host algorithm on that copy, and copies the
+ * result back (section "device staging" below), so the bits are those of host buffers. Reductions and
+ * gathers stage in rounds (each round a collective of its own over one piece of every block), so the
+ * pinned buffer stays near ROUND_BYTES; every element still sees the same rank-order sum. The host
+ * path's messages are unchanged: a host buffer costs one pointer query (none before the process' first
+ * cudaMalloc).
  */
 #include "parallel/comm.h"
 
@@ -259,6 +263,46 @@ static void *scratch(Comm *c, const char *op, size_t bytes) {
     return c->scratch;
 }
 
+// ---------------------------------------------------------------------------- device staging
+
+// The memory a call's buffers are in: a buffer of 0 elements (or NULL) does not count; two non-empty buffers
+// on different devices are refused. Called at size > 1 only (and by the size-1 copies), so that one process
+// asks nothing of the CUDA runtime.
+static Device buffers_device(const Comm *c, const char *op, int line, const void *a, int64_t a_n, const void *b,
+                             int64_t b_n) {
+    const int has_a = a != NULL && a_n > 0, has_b = b != NULL && b_n > 0;
+    const Device da = has_a ? device_of_pointer(a) : DEVICE_CPU;
+    const Device db = has_b ? device_of_pointer(b) : da;
+    if (has_a && has_b && da != db)
+        comm_fail(c, op, line, "the send buffer is %s memory and the receive buffer %s memory - expected both on "
+                  "the same device", device_name(da), device_name(db));
+    return has_a ? da : db;
+}
+
+// The Comm's pinned host buffer of at least `bytes` (kept: pinned allocations are slow).
+static void *pinned(Comm *c, size_t bytes) {
+    if (bytes > c->pinned_bytes) {
+        device_host_free(DEVICE_CUDA, c->pinned);
+        c->pinned = NULL;
+        c->pinned_bytes = 0;
+        c->pinned = device_host_alloc(DEVICE_CUDA, bytes);
+        c->pinned_bytes = bytes;
+    }
+    return c->pinned;
+}
+
+static void to_host(void *host, const void *dev, size_t bytes) { device_memcpy_to_host(DEVICE_CUDA, host, dev, bytes); }
+static void to_device(void *dev, const void *host, size_t bytes) { device_memcpy_from_host(DEVICE_CUDA, dev, host, bytes); }
+
+// At size 1: dst = src (count bytes) on their device, the out-of-place calls' one copy. src == dst copies nothing.
+static void local_copy(const Comm *c, const char *op, int line, void *dst, const void *src, size_t bytes) {
+    if (bytes == 0 || dst == src) return;
+    if (buffers_device(c, op, line, src, (int64_t)bytes, dst, (int64_t)bytes) == DEVICE_CUDA)
+        device_memcpy(DEVICE_CUDA, dst, src, bytes);
+    else
+        memmove(dst, src, bytes);
+}
+
 // ---------------------------------------------------------------------------- set-up and groups
 
 // A new MPI group c->mpi gets errors returned, its rank and size, and the duplicate its collectives use.
@@ -312,6 +356,9 @@ void comm_finalize(void) {
     free(world_mpi.scratch);
     world_mpi.scratch = NULL;
     world_mpi.scratch_bytes = 0;
+    device_host_free(DEVICE_CUDA, world_mpi.pinned);  // NULL unless device buffers were staged
+    world_mpi.pinned = NULL;
+    world_mpi.pinned_bytes = 0;
     int rc = MPI_Finalize();
     mpi_started = 0;
     if (rc != MPI_SUCCESS) {
@@ -387,6 +434,7 @@ void comm_free(Comm *c) {
         MPI_CHECK(c, "comm_free", MPI_Comm_free(&c->mpi));
     }
     free(c->scratch);
+    device_host_free(DEVICE_CUDA, c->pinned);
     free(c);
 }
 
@@ -503,16 +551,41 @@ static int64_t *even_blocks(const Comm *c, const char *op, int64_t n, int64_t **
     return counts;
 }
 
-// In place: reduce-scatter into this rank's block of x, then all-gather the blocks.
-static void allreduce(Comm *c, const char *op, RedType t, RedOp o, void *x, int64_t n) {
-    const double t0 = now_s();
+// In place, x in host memory: reduce-scatter into this rank's block of x, then all-gather the blocks.
+static void allreduce_host(Comm *c, const char *op, RedType t, RedOp o, void *x, int64_t n, double t0) {
     int64_t *d;
     int64_t *counts = even_blocks(c, op, n, &d);
-    // device staging: copy x to pinned host memory here, and the result back after the all-gather
     char *own = (char *)x + (size_t)d[c->rank] * type_bytes(t);
     reduce_scatter_core(c, op, t, o, x, own, counts, d, t0);
     allgather_core(c, op, type_bytes(t), own, x, counts, d, t0);
     free(counts);
+}
+
+// Elements a staged round moves per buffer: ROUND_BYTES' worth, at least one per rank.
+static int64_t stage_elems(const Comm *c, size_t es) {
+    const int64_t n = (int64_t)(ROUND_BYTES / es);
+    return n > c->size ? n : c->size;
+}
+
+// x on the device: in rounds of stage_elems, each round an all-reduce of its own over pinned memory. The sum of
+// each element is the same rank-order sum, whichever round and block it falls in.
+static void allreduce_device(Comm *c, const char *op, RedType t, RedOp o, void *x, int64_t n, double t0) {
+    const size_t es = type_bytes(t);
+    const int64_t chunk = stage_elems(c, es);
+    char *h = pinned(c, (size_t)(n < chunk ? n : chunk) * es);
+    for (int64_t off = 0; off < n; off += chunk) {
+        const int64_t len = n - off < chunk ? n - off : chunk;
+        char *xd = (char *)x + (size_t)off * es;
+        to_host(h, xd, (size_t)len * es);
+        allreduce_host(c, op, t, o, h, len, t0);
+        to_device(xd, h, (size_t)len * es);
+    }
+}
+
+static void allreduce(Comm *c, const char *op, RedType t, RedOp o, void *x, int64_t n) {
+    const double t0 = now_s();
+    if (buffers_device(c, op, __LINE__, x, n, NULL, 0) == DEVICE_CUDA) allreduce_device(c, op, t, o, x, n, t0);
+    else allreduce_host(c, op, t, o, x, n, t0);
 }
 
 #define ALLREDUCE(fn, T, ty, red)                                   \
@@ -549,6 +622,91 @@ static int64_t *checked_displacements(const Comm *c, const char *op, const int64
     return d;
 }
 
+// Staged rounds of a reduce-scatter or an all-gather: round k moves elements [k piece, (k+1) piece) of every
+// block; sub (size entries) gets the round's block lengths and sub_d their packed displacements. Every rank
+// computes the same rounds (counts are the same on every rank). staged_piece returns the piece (elements of each
+// block per round) and the longest block in *most.
+static int64_t staged_piece(const Comm *c, size_t es, const int64_t *counts, int64_t *most) {
+    int64_t piece = stage_elems(c, es) / c->size;
+    *most = 0;
+    for (int b = 0; b < c->size; b++) *most = counts[b] > *most ? counts[b] : *most;
+    return piece < *most ? piece : (*most > 0 ? *most : 1);
+}
+
+static void staged_round(const Comm *c, const int64_t *counts, int64_t off, int64_t piece, int64_t *sub, int64_t *sub_d) {
+    for (int b = 0; b < c->size; b++) {
+        const int64_t len = counts[b] - off;
+        sub[b] = len < 0 ? 0 : len > piece ? piece : len;
+    }
+    comm_displacements(sub, c->size, sub_d);
+}
+
+// reduce_scatter_core for device send/recv. Each round copies every block's piece into pinned memory (one copy
+// when all blocks fit one round: the packed layout is then send's own), reduces, and copies this rank's piece of
+// the result back. In place (recv = send + d[rank]) is safe: a round reads its piece of send before it writes
+// the same piece of recv.
+static void reduce_scatter_device(Comm *c, const char *op, const real *send, real *recv, const int64_t *counts,
+                                  const int64_t *d, double t0) {
+    const int P = c->size, me = c->rank;
+    const size_t es = sizeof(real);
+    int64_t most;
+    const int64_t piece = staged_piece(c, es, counts, &most);
+    int64_t *sub = malloc(2 * (size_t)P * sizeof *sub);
+    if (sub == NULL) comm_fail(c, op, __LINE__, "out of memory");
+    int64_t *sub_d = sub + P;
+    real *h = pinned(c, (size_t)(P + 1) * (size_t)piece * es), *result = h + (size_t)P * (size_t)piece;
+    for (int64_t off = 0; off < most; off += piece) {
+        staged_round(c, counts, off, piece, sub, sub_d);
+        if (most <= piece) {
+            to_host(h, send, (size_t)(sub_d[P - 1] + sub[P - 1]) * es);
+        } else {
+            for (int b = 0; b < P; b++)
+                if (sub[b] > 0) to_host(h + sub_d[b], send + d[b] + off, (size_t)sub[b] * es);
+        }
+        reduce_scatter_core(c, op, TY_REAL, RED_SUM, h, result, sub, sub_d, t0);
+        if (sub[me] > 0) to_device(recv + off, result, (size_t)sub[me] * es);
+    }
+    free(sub);
+}
+
+// allgather_core for device send/recv (es bytes per element): each round gathers every block's piece in pinned
+// memory, in place there, and copies the pieces to recv (one copy when all blocks fit one round). In place
+// (send = recv + d[rank]) is safe: a round reads its piece of send before it writes recv.
+static void allgather_device(Comm *c, const char *op, size_t es, const void *send, void *recv, const int64_t *counts,
+                             const int64_t *d, double t0) {
+    const int P = c->size, me = c->rank;
+    int64_t most;
+    const int64_t piece = staged_piece(c, es, counts, &most);
+    int64_t *sub = malloc(2 * (size_t)P * sizeof *sub);
+    if (sub == NULL) comm_fail(c, op, __LINE__, "out of memory");
+    int64_t *sub_d = sub + P;
+    char *h = pinned(c, (size_t)P * (size_t)piece * es);
+    for (int64_t off = 0; off < most; off += piece) {
+        staged_round(c, counts, off, piece, sub, sub_d);
+        char *own = h + (size_t)sub_d[me] * es;
+        if (sub[me] > 0) to_host(own, (const char *)send + (size_t)off * es, (size_t)sub[me] * es);
+        allgather_core(c, op, es, own, h, sub, sub_d, t0);
+        if (most <= piece) {
+            to_device(recv, h, (size_t)(sub_d[P - 1] + sub[P - 1]) * es);
+        } else {
+            for (int b = 0; b < P; b++)
+                if (sub[b] > 0) to_device((char *)recv + (size_t)(d[b] + off) * es, h + (size_t)sub_d[b] * es,
+                                          (size_t)sub[b] * es);
+        }
+    }
+    free(sub);
+}
+
+// allgather_core on host or device buffers
+static void allgather_any(Comm *c, const char *op, size_t es, const void *send, void *recv, const int64_t *counts,
+                          const int64_t *d, double t0) {
+    const int64_t total = d[c->size - 1] + counts[c->size - 1];
+    if (buffers_device(c, op, __LINE__, send, counts[c->rank], recv, total) == DEVICE_CUDA)
+        allgather_device(c, op, es, send, recv, counts, d, t0);
+    else
+        allgather_core(c, op, es, send, recv, counts, d, t0);
+}
+
 void comm_reduce_scatter_sum_real(Comm *comm, const real *send, real *recv, const int64_t *counts) {
     const char *op = "comm_reduce_scatter_sum_real";
     const double t0 = now_s();
@@ -556,8 +714,12 @@ void comm_reduce_scatter_sum_real(Comm *comm, const real *send, real *recv, cons
     int64_t *d = checked_displacements(comm, op, counts, "counts");
     check_count(comm, op, __LINE__, "the sum of counts", d[comm->size - 1] + counts[comm->size - 1], send);
     check_count(comm, op, __LINE__, "counts[rank]", counts[comm->rank], recv);
+    const int P = comm->size;
     if (single) {
-        if (recv != send) memmove(recv, send, (size_t)counts[0] * sizeof *recv);
+        local_copy(comm, op, __LINE__, recv, send, (size_t)counts[0] * sizeof *recv);
+    } else if (buffers_device(comm, op, __LINE__, send, d[P - 1] + counts[P - 1], recv, counts[comm->rank]) ==
+               DEVICE_CUDA) {
+        reduce_scatter_device(comm, op, send, recv, counts, d, t0);
     } else {
         reduce_scatter_core(comm, op, TY_REAL, RED_SUM, send, recv, counts, d, t0);
     }
@@ -587,11 +749,8 @@ void comm_allgather_real(Comm *comm, const real *send, real *recv, const int64_t
     int64_t *d = checked_displacements(comm, op, counts, "counts");
     check_count(comm, op, __LINE__, "the sum of counts", d[comm->size - 1] + counts[comm->size - 1], recv);
     check_count(comm, op, __LINE__, "counts[rank]", counts[comm->rank], send);
-    if (single) {
-        if (recv != send) memmove(recv, send, (size_t)counts[0] * sizeof *recv);
-    } else {
-        allgather_core(comm, op, sizeof(real), send, recv, counts, d, t0);
-    }
+    if (single) local_copy(comm, op, __LINE__, recv, send, (size_t)counts[0] * sizeof *recv);
+    else allgather_any(comm, op, sizeof(real), send, recv, counts, d, t0);
     free(d);
 }
 
@@ -608,12 +767,12 @@ void comm_allgather_bytes(Comm *comm, const void *send, void *recv, size_t bytes
     check_count(comm, op, __LINE__, "bytes", (int64_t)bytes, send);
     check_count(comm, op, __LINE__, "bytes", (int64_t)bytes, recv);
     if (single) {
-        if (recv != send) memmove(recv, send, bytes);
+        local_copy(comm, op, __LINE__, recv, send, bytes);
         return;
     }
     int64_t *counts = block_counts(comm, op, (int64_t)bytes);
     int64_t *d = checked_displacements(comm, op, counts, "counts");
-    allgather_core(comm, op, 1, send, recv, counts, d, t0);
+    allgather_any(comm, op, 1, send, recv, counts, d, t0);
     free(d);
     free(counts);
 }
@@ -635,6 +794,25 @@ void comm_alltoall_counts(Comm *comm, const int64_t *send_counts, int64_t *recv_
     wait_requests(comm, op, 1, &req, NULL, t0);
 }
 
+// The messages of an all-to-all-v between this rank and its peers (the own block is the caller's).
+static void alltoallv_peers(Comm *comm, const char *op, const void *send, const int64_t *send_bytes, const int64_t *sd,
+                            void *recv, const int64_t *recv_bytes, const int64_t *rd, double t0) {
+    const int P = comm->size, me = comm->rank;
+    // every pair exchanges one message even when it is empty, so that a disagreement on a size is a
+    // receive of the wrong length (reported) and never a message left over for a later call
+    Batch batch = {.comm = comm, .op = op};
+    for (int k = 1; k < P; k++) {
+        const int r = (me + P - k) % P;  // receive from me-1, me-2, ...: spreads the load over the peers
+        batch_recv(&batch, (char *)recv + rd[r], (size_t)recv_bytes[r], r, TAG_ALLTOALL);
+    }
+    for (int k = 1; k < P; k++) {
+        const int r = (me + k) % P;
+        batch_send(&batch, (const char *)send + sd[r], (size_t)send_bytes[r], r, TAG_ALLTOALL);
+    }
+    batch_wait(&batch, t0);
+    batch_free(&batch);
+}
+
 void comm_alltoallv_bytes(Comm *comm, const void *send, const int64_t *send_bytes, void *recv,
                           const int64_t *recv_bytes) {
     const char *op = "comm_alltoallv_bytes";
@@ -649,22 +827,22 @@ void comm_alltoallv_bytes(Comm *comm, const void *send, const int64_t *send_byte
         comm_fail(comm, op, __LINE__, "send_bytes[%d] = %lld but recv_bytes[%d] = %lld - expected the same (this "
                                       "rank's block to itself)", me, (long long)send_bytes[me], me,
                   (long long)recv_bytes[me]);
-    // device staging: the rows of an EP dispatch will be staged through pinned host memory here
-    if (send_bytes[me] > 0) memcpy((char *)recv + rd[me], (const char *)send + sd[me], (size_t)send_bytes[me]);
+    const int64_t total_send = sd[P - 1] + send_bytes[P - 1], total_recv = rd[P - 1] + recv_bytes[P - 1];
+    const Device dev = buffers_device(comm, op, __LINE__, send, total_send, recv, total_recv);
+    if (send_bytes[me] > 0)  // this rank's block to itself never leaves its device
+        device_memcpy(dev, (char *)recv + rd[me], (const char *)send + sd[me], (size_t)send_bytes[me]);
     if (!single) {
-        // every pair exchanges one message even when it is empty, so that a disagreement on a size is a
-        // receive of the wrong length (reported) and never a message left over for a later call
-        Batch batch = {.comm = comm, .op = op};
-        for (int k = 1; k < P; k++) {
-            const int r = (me + P - k) % P;  // receive from me-1, me-2, ...: spreads the load over the peers
-            batch_recv(&batch, (char *)recv + rd[r], (size_t)recv_bytes[r], r, TAG_ALLTOALL);
+        if (dev == DEVICE_CUDA) {
+            // the whole exchange through pinned memory: send, then recv, in one buffer; the own block stays out
+            char *hs = pinned(comm, (size_t)(total_send + total_recv)), *hr = hs + total_send;
+            to_host(hs, send, (size_t)total_send);
+            alltoallv_peers(comm, op, hs, send_bytes, sd, hr, recv_bytes, rd, t0);
+            to_device(recv, hr, (size_t)rd[me]);
+            const int64_t after = rd[me] + recv_bytes[me];
+            to_device((char *)recv + after, hr + after, (size_t)(total_recv - after));
+        } else {
+            alltoallv_peers(comm, op, send, send_bytes, sd, recv, recv_bytes, rd, t0);
         }
-        for (int k = 1; k < P; k++) {
-            const int r = (me + k) % P;
-            batch_send(&batch, (const char *)send + sd[r], (size_t)send_bytes[r], r, TAG_ALLTOALL);
-        }
-        batch_wait(&batch, t0);
-        batch_free(&batch);
     }
     free(sd);
     free(rd);
@@ -672,8 +850,10 @@ void comm_alltoallv_bytes(Comm *comm, const void *send, const int64_t *send_byte
 
 // ---------------------------------------------------------------------------- point to point
 
+// blocking: the call waits before it returns (comm_send/recv_bytes), so a device buffer may be staged in the
+// Comm's pinned buffer; a nonblocking request gets a pinned buffer of its own, freed by the wait.
 static void request_post(Comm *comm, const char *op, void *buf, size_t bytes, int peer, int tag, CommRequest *req,
-                         int is_send) {
+                         int is_send, int blocking) {
     if (req == NULL) comm_fail(comm, op, __LINE__, "req is NULL - expected a CommRequest to fill");
     memset(req, 0, sizeof *req);
     if (check_comm(comm, op, __LINE__) && comm->kind == COMM_SINGLE)
@@ -691,7 +871,14 @@ static void request_post(Comm *comm, const char *op, void *buf, size_t bytes, in
     req->is_send = is_send;
     req->reqs = pieces <= 2 ? req->inline_reqs : malloc(pieces * sizeof *req->reqs);
     if (req->reqs == NULL) comm_fail(comm, op, __LINE__, "out of memory for %zu requests", pieces);
-    // device staging: a device buffer is copied to (sends) or from (receives, in comm_wait) pinned memory
+    if (bytes > 0 && buffers_device(comm, op, __LINE__, buf, (int64_t)bytes, NULL, 0) == DEVICE_CUDA) {
+        // a send's bytes are copied to pinned memory now; a receive's from it in the wait
+        req->owns_staged = !blocking;
+        req->staged = blocking ? pinned(comm, bytes) : device_host_alloc(DEVICE_CUDA, bytes);
+        if (is_send) to_host(req->staged, buf, bytes);
+        else req->device_dst = buf;
+        buf = req->staged;
+    }
     for (size_t i = 0; i < pieces; i++) {
         const size_t off = i * PIECE_BYTES, len = bytes - off < PIECE_BYTES ? bytes - off : PIECE_BYTES;
         if (is_send)
@@ -715,15 +902,17 @@ static void request_wait(CommRequest *req, double t0) {
     }
     free(st);
     if (req->reqs != req->inline_reqs) free(req->reqs);
+    if (req->device_dst != NULL) to_device(req->device_dst, req->staged, req->bytes);
+    if (req->owns_staged) device_host_free(DEVICE_CUDA, req->staged);
     memset(req, 0, sizeof *req);
 }
 
 void comm_isend_bytes(Comm *comm, const void *buf, size_t bytes, int dest, int tag, CommRequest *req) {
-    request_post(comm, "comm_isend_bytes", (void *)buf, bytes, dest, tag, req, 1);
+    request_post(comm, "comm_isend_bytes", (void *)buf, bytes, dest, tag, req, 1, 0);
 }
 
 void comm_irecv_bytes(Comm *comm, void *buf, size_t bytes, int src, int tag, CommRequest *req) {
-    request_post(comm, "comm_irecv_bytes", buf, bytes, src, tag, req, 0);
+    request_post(comm, "comm_irecv_bytes", buf, bytes, src, tag, req, 0, 0);
 }
 
 void comm_wait(CommRequest *req) { request_wait(req, now_s()); }
@@ -731,14 +920,14 @@ void comm_wait(CommRequest *req) { request_wait(req, now_s()); }
 void comm_send_bytes(Comm *comm, const void *buf, size_t bytes, int dest, int tag) {
     const double t0 = now_s();
     CommRequest req;
-    request_post(comm, "comm_send_bytes", (void *)buf, bytes, dest, tag, &req, 1);
+    request_post(comm, "comm_send_bytes", (void *)buf, bytes, dest, tag, &req, 1, 1);
     request_wait(&req, t0);
 }
 
 void comm_recv_bytes(Comm *comm, void *buf, size_t bytes, int src, int tag) {
     const double t0 = now_s();
     CommRequest req;
-    request_post(comm, "comm_recv_bytes", buf, bytes, src, tag, &req, 0);
+    request_post(comm, "comm_recv_bytes", buf, bytes, src, tag, &req, 0, 1);
     request_wait(&req, t0);
 }
 
@@ -751,6 +940,12 @@ void comm_bcast_bytes(Comm *comm, void *buf, size_t bytes, int root) {
     check_count(comm, op, __LINE__, "bytes", (int64_t)bytes, buf);
     check_peer(comm, op, __LINE__, "root", root);
     if (single) return;
+    void *dev_buf = NULL;  // a device buffer: the broadcast moves a pinned copy (the root's copied there first)
+    if (buffers_device(comm, op, __LINE__, buf, (int64_t)bytes, NULL, 0) == DEVICE_CUDA) {
+        dev_buf = buf;
+        buf = pinned(comm, bytes);
+        if (comm->rank == root) to_host(buf, dev_buf, bytes);
+    }
     const size_t pieces = (bytes + PIECE_BYTES - 1) / PIECE_BYTES;
     MPI_Request inline_reqs[4];
     MPI_Request *reqs = pieces <= 4 ? inline_reqs : malloc(pieces * sizeof *reqs);
@@ -761,6 +956,7 @@ void comm_bcast_bytes(Comm *comm, void *buf, size_t bytes, int root) {
     }
     wait_requests(comm, op, (int)pieces, reqs, NULL, t0);
     if (reqs != inline_reqs) free(reqs);
+    if (dev_buf != NULL && comm->rank != root) to_device(dev_buf, buf, bytes);
 }
 
 void comm_barrier(Comm *comm) {

@@ -7,7 +7,8 @@
  * kernels/kernels.h. Backends:
  *   COMM_SINGLE  one process, size 1, no MPI at all: every collective is the identity (what the unit
  *                tests and a binary that never called comm_init use).
- *   COMM_MPI     an MPI communicator (CPU ranks; also the bootstrap and control plane of GPU jobs).
+ *   COMM_MPI     an MPI communicator (CPU ranks; GPU ranks sharing a GPU, device buffers staged through
+ *                pinned host memory; also the bootstrap and control plane of GPU jobs).
  *                Without mpirun, comm_init starts MPI as a singleton and the world has size 1.
  *   COMM_NCCL    later issue: GPU ranks, one GPU each, the NCCL id broadcast over MPI.
  * At size 1 every call returns after checking its arguments (and, where there is an output buffer
@@ -15,8 +16,27 @@
  * did before MPI existed.
  *
  * Conventions:
- * - Buffers are HOST buffers. Device buffers (MPI ranks sharing a GPU) will be staged through pinned
- *   host memory inside comm.c (see the "device staging" note there); callers will not change.
+ * - Buffers are host or device memory, and every call takes either. Which one a buffer is, the pointer
+ *   itself says (device_of_pointer, kernels/kernels.h: cudaPointerGetAttributes in a CUDA build once the
+ *   process has allocated device memory; never asked on a CPU run). COMM_MPI stages a device buffer
+ *   through a pinned host buffer that the Comm owns (device_host_alloc): copy to the host, the MPI
+ *   messages, copy back, so that several MPI ranks can share one GPU (DESIGN.md section 5; the test
+ *   path of multi-rank GPU code on one GPU; NCCL will be the fast path, one GPU per rank). The results
+ *   are the bits the host path gives. Why the pointer and not a Device argument or a device flag on the
+ *   Comm: one group carries both kinds of memory (the dp group sums the step's host loss terms and the
+ *   device gradients, the EP group exchanges host row counts and device rows), so a flag on the Comm
+ *   would be wrong for half its calls; an argument would change every caller (train/step.c's
+ *   comm_allreduce_sum_real(ts->dp, m->grads, n) works as written on both devices) and could disagree
+ *   with the pointer, a memory error instead of a message; the pointer's attributes cannot. Its cost is
+ *   one cudaPointerGetAttributes (about a microsecond) per buffer per call, at size > 1 only.
+ *   Rules: the count arrays (counts, send_bytes, recv_bytes, send_counts, recv_counts) are host arrays;
+ *   the non-empty buffers of one call are on the same device; every rank of a group passes the same kind
+ *   of memory to a call (staged reductions travel in rounds of their own, so a host rank and a device
+ *   rank would disagree on message sizes, and the job ends naming them). Staged reductions and gathers
+ *   run in rounds, so their pinned buffer stays near the reduction round size (64 MiB) whatever the
+ *   count; all-to-all-v, broadcast and send/recv stage their whole buffer (a nonblocking one in a pinned
+ *   buffer of its own, allocated per request and freed by comm_wait: slow, for pipeline tests only).
+ *   At size 1 nothing is staged; an out-of-place call's one copy is a device copy for device buffers.
  * - Counts are element counts unless the name says _bytes. Every rank of a group must make the same
  *   collective calls in the same order with matching counts; mismatched sizes are detected where the
  *   receiver can see them (a message longer or shorter than expected) and end the job.
@@ -47,7 +67,7 @@
 
 typedef enum {
     COMM_SINGLE = 0,  // one process, size 1, no MPI: every collective is the identity
-    COMM_MPI = 1,     // MPI communicator (CPU ranks; host buffers)
+    COMM_MPI = 1,     // MPI communicator (CPU ranks, and GPU ranks that share a GPU: device buffers staged)
     COMM_NCCL = 2,    // later issue: NCCL communicator (GPU ranks, device buffers)
 } CommKind;
 
@@ -70,6 +90,8 @@ typedef struct {
                               // they never match a caller's send/recv
     void *scratch;            // reduction buffer, grown on demand, owned by the Comm
     size_t scratch_bytes;
+    void *pinned;             // device staging: pinned host buffer (device_host_alloc), grown on demand, owned
+    size_t pinned_bytes;
 } Comm;
 
 // A pending isend/irecv. Fill it with comm_isend_bytes / comm_irecv_bytes, complete it with comm_wait
@@ -83,6 +105,11 @@ typedef struct {
     int n;                   // pieces in flight (0 = nothing pending: after comm_wait)
     MPI_Request *reqs;       // n requests: inline_reqs, or allocated for more pieces
     MPI_Request inline_reqs[2];
+    // a device buffer: the requests move `staged` (pinned host memory), which a receive copies to device_dst
+    // in comm_wait; owns_staged: staged was allocated for this request (comm_isend/irecv) and comm_wait frees it
+    void *staged;
+    void *device_dst;
+    int owns_staged;
 } CommRequest;
 
 // ---------------------------------------------------------------------------- process set-up

@@ -3,7 +3,8 @@
  *
  * With one rank every expert is local, so dispatch and combine are identities that hand back views
  * of the caller's buffers. With more, the rows travel as FP32 over the EP group's communicator
- * (parallel/comm.h, host buffers: CPU ranks). This rank's permuted rows are already sorted by expert,
+ * (parallel/comm.h, which takes host or device buffers: the rows stay on the group's device, and
+ * comm.c stages them through pinned host memory for MPI). This rank's permuted rows are already sorted by expert,
  * and each rank owns a contiguous range of experts, so the rows for rank q are one contiguous block:
  * dispatch sends perm_rows as it is. What arrives is ordered by source, then local expert; the local
  * segments want local expert, then source, so one reordering copy (staging <-> local rows) follows
@@ -27,7 +28,7 @@ static void ep_require_group(const EpGroup *g, const char *fn) {
     if (g == NULL || g->comm == NULL) EP_FAIL("%s: EpGroup not initialised; call ep_group_init first", fn);
 }
 
-void ep_group_init(EpGroup *g, Comm *comm, int n_experts) {
+void ep_group_init(EpGroup *g, Comm *comm, int n_experts, Device dev) {
     if (comm == NULL || comm->size < 1 || comm->rank < 0 || comm->rank >= comm->size)
         EP_FAIL("ep_group_init: invalid communicator (rank %d of %d); expected 0 <= rank < size",
                 comm ? comm->rank : -1, comm ? comm->size : 0);
@@ -35,6 +36,7 @@ void ep_group_init(EpGroup *g, Comm *comm, int n_experts) {
         EP_FAIL("ep_group_init: moe.n_routed_experts = %d over parallel.ep = %d ranks; expected a "
                 "positive multiple of parallel.ep (experts are split evenly)", n_experts, comm->size);
     g->comm = comm;
+    g->dev = dev;
     g->ep_size = comm->size;
     g->ep_rank = comm->rank;
     g->n_experts = n_experts;
@@ -45,14 +47,11 @@ int ep_expert_owner(const EpGroup *g, int expert) { return expert / g->experts_p
 
 int ep_first_local_expert(const EpGroup *g) { return g->ep_rank * g->experts_per_rank; }
 
-// Grows *p to hold n rows of C reals (kept for the next call: sized by the first step).
-static real *ensure_rows(real **p, int64_t *capacity, int64_t n, int C, const char *what) {
-    if (*p && n <= *capacity) return *p;
-    free(*p);
-    *p = malloc((size_t)(n > 0 ? n : 1) * (size_t)C * sizeof(real));
-    if (!*p) EP_FAIL("ep: out of host memory for %lld rows of %d (%s)", (long long)n, C, what);
-    *capacity = n;
-    return *p;
+// *p (on dev) becomes a buffer of `rows` rows of C reals; the old one, if any, is freed (device_alloc stops with
+// a message when the memory is not there).
+static void alloc_rows(Device dev, real **p, int64_t rows, int C) {
+    device_free(dev, *p);
+    *p = device_alloc(dev, (size_t)(rows > 0 ? rows : 1) * (size_t)C * sizeof(real));
 }
 
 // Copies between the exchange's order (source r, then local expert j: staging) and the local segments
@@ -67,8 +66,8 @@ static void reorder(const EpGroup *g, const EpBuffers *b, real *staging, real *l
             for (int q = 0; q < r; q++) before += recv[(int64_t)q * J + j];
             const int64_t at_local = b->local_offsets[j] + before, n = recv[(int64_t)r * J + j];
             real *l = local + at_local * C, *st = staging + at_staging * C;
-            if (to_local) memcpy(l, st, (size_t)n * C * sizeof(real));
-            else memcpy(st, l, (size_t)n * C * sizeof(real));
+            if (to_local) device_memcpy(g->dev, l, st, (size_t)n * C * sizeof(real));
+            else device_memcpy(g->dev, st, l, (size_t)n * C * sizeof(real));
             at_staging += n;
         }
 }
@@ -131,16 +130,23 @@ void ep_dispatch(EpGroup *g, const real *perm_rows, const int *seg_offsets, int 
         for (int r = 0; r < P; r++) n_local += received[(int64_t)r * J + j];
         out->local_offsets[j + 1] = (int)n_local;
     }
+    if (out->local_rows && out->dev != g->dev)
+        EP_FAIL("ep_dispatch: these EpBuffers hold rows on %s, but the EP group's rows are on %s; expected one "
+                "EpBuffers per layer and device", device_name(out->dev), device_name(g->dev));
+    out->dev = g->dev;
     if (n_local > out->capacity_local || !out->local_rows) {  // the three local-row buffers grow together
-        int64_t cap = 0;
-        free(out->staging), out->staging = NULL;
-        free(out->local_grad), out->local_grad = NULL;
-        ensure_rows(&out->staging, &cap, n_local, C, "staging");
-        cap = 0;
-        ensure_rows(&out->local_grad, &cap, n_local, C, "local gradient");
-        ensure_rows(&out->local_rows, &out->capacity_local, n_local, C, "received rows");
+        // the most rows this rank can receive: every source's N*K rows (as many as this rank's) for its experts,
+        // as the layer's activations are sized (train/block.c local_rows), so later steps allocate nothing
+        const int64_t worst = (int64_t)P * out->n_perm_rows, cap = n_local > worst ? n_local : worst;
+        alloc_rows(g->dev, &out->staging, cap, C);
+        alloc_rows(g->dev, &out->local_grad, cap, C);
+        alloc_rows(g->dev, &out->local_rows, cap, C);
+        out->capacity_local = cap;
     }
-    ensure_rows(&out->perm_out, &out->capacity_perm, out->n_perm_rows, C, "combined rows");
+    if (out->n_perm_rows > out->capacity_perm || !out->perm_out) {
+        alloc_rows(g->dev, &out->perm_out, out->n_perm_rows, C);
+        out->capacity_perm = out->n_perm_rows;
+    }
     exchange_to_local(g, out, perm_rows, out->local_rows);
     out->rows = out->local_rows;
     out->seg_offsets = out->local_offsets;
@@ -173,9 +179,9 @@ void ep_buffers_release(EpBuffers *buf) {
     free(buf->counts);
     free(buf->bytes);
     free(buf->local_offsets);
-    free(buf->local_rows);
-    free(buf->staging);
-    free(buf->local_grad);
-    free(buf->perm_out);
+    device_free(buf->dev, buf->local_rows);
+    device_free(buf->dev, buf->staging);
+    device_free(buf->dev, buf->local_grad);
+    device_free(buf->dev, buf->perm_out);
     memset(buf, 0, sizeof(*buf));
 }

@@ -14,12 +14,16 @@
  * EP group: ranks that split the experts of one pipeline stage; expert e lives on EP rank
  * e / experts_per_rank, and local expert j of rank r is global expert r * experts_per_rank + j.
  * With ep_size 1 every function is the identity and copies nothing: the results are views of the
- * caller's buffers. With ep_size > 1 (the MPI backend, host buffers: CPU ranks) ep_dispatch exchanges
- * the per-(source, local expert) row counts, then all-to-all-v's the FP32 rows: local expert j's
- * segment holds the rows from source rank 0, then rank 1, ..., each in the source's (t, k) order, so
- * when the sources' tokens are consecutive rows of one batch the segment is the one a single process
- * would build from that batch. EpBuffers owns the received storage, sized on first use and kept
- * (ep_buffers_release frees it), so steps after the first allocate nothing. Since the exchange moves
+ * caller's buffers. With ep_size > 1 (the MPI backend: CPU ranks, or GPU ranks sharing a GPU, whose
+ * rows comm.c stages through pinned host memory) ep_dispatch exchanges the per-(source, local expert)
+ * row counts (host arrays), then all-to-all-v's the FP32 rows: local expert j's segment holds the rows
+ * from source rank 0, then rank 1, ..., each in the source's (t, k) order, so when the sources' tokens
+ * are consecutive rows of one batch the segment is the one a single process would build from that
+ * batch. EpBuffers owns the received storage: the rows on the group's device, the counts and offsets on
+ * the host; every copy of rows is a device copy (device_memcpy), and only the MPI transfer itself goes
+ * through the host. The row buffers are sized on first use for the most rows this rank can receive,
+ * ep_size x N*K (every source routing all its rows to this rank's experts, as the layer's activations
+ * are sized), so later steps allocate nothing (ep_buffers_release frees them). Since the exchange moves
  * each row to exactly one place, the backward functions are the same exchange in the other direction
  * (no accumulation). The typed FP8 / BF16 payload of DESIGN.md section 5 replaces the FP32 rows later;
  * the seam does not change.
@@ -36,6 +40,7 @@
 
 typedef struct {
     Comm *comm;            // the EP group's communicator
+    Device dev;            // where the rows live (the model's device); counts and offsets are on the host
     int ep_size;           // ranks in the EP group (comm->size)
     int ep_rank;           // this rank in the EP group (comm->rank)
     int n_experts;         // E, routed experts of the model (global)
@@ -60,15 +65,16 @@ typedef struct {
     real *local_grad;         // (capacity_local, C) ep_combine_backward's result
     real *perm_out;           // (capacity_perm, C) ep_combine's and ep_dispatch_backward's results
     int64_t capacity_local, capacity_perm;
+    Device dev;               // the device of the four row buffers above (the group's, from the first dispatch)
 } EpBuffers;
 
-// g describes the EP group `comm` over n_experts experts. Stops with a message when E is not divisible
-// by the group size.
-void ep_group_init(EpGroup *g, Comm *comm, int n_experts);
+// g describes the EP group `comm` over n_experts experts, whose rows live on dev. Stops with a message when E
+// is not divisible by the group size.
+void ep_group_init(EpGroup *g, Comm *comm, int n_experts, Device dev);
 int ep_expert_owner(const EpGroup *g, int expert);   // EP rank holding global expert `expert`
 int ep_first_local_expert(const EpGroup *g);         // global index of local expert 0
 
-// perm_rows (seg_offsets[E], C): this rank's tokens in per-expert segments of all E experts,
+// perm_rows (seg_offsets[E], C) on g->dev: this rank's tokens in per-expert segments of all E experts,
 // seg_offsets (E+1) from moe_permute_plan -> out: the rows of this rank's experts_per_rank experts.
 // ep_size 1: out->rows = perm_rows, out->seg_offsets = seg_offsets (no copy). seg_offsets is a host array.
 // Collective over the EP group. out must be zeroed before its first call; it keeps its storage from the

@@ -365,7 +365,7 @@ static int model_build(Model *m, const Config *cfg, Device dev, const Placement 
         m->chunks[c] = (ChunkSpec){pl->first_layer + first, last - first, c == 0 && pl->embeds_input,
                                    c == n_chunks - 1 && pl->has_head};
     }
-    ep_group_init(&m->ep, comm_world_single(), E);
+    ep_group_init(&m->ep, comm_world_single(), E, m->rc.dev);
     return 0;
 }
 
@@ -388,7 +388,7 @@ int model_set_ep_group(Model *m, Comm *ep, char *err, size_t err_size) {
                  m->placement.expert0, m->placement.expert0 + m->placement.n_experts);
         return -1;
     }
-    ep_group_init(&m->ep, ep, E);
+    ep_group_init(&m->ep, ep, E, m->rc.dev);
     return 0;
 }
 

@@ -177,13 +177,8 @@ static int make_groups(Run *r, const Config *cfg, Device dev) {
                     "checkpoint work - set checkpoint.save_weights = false\n", cfg->path, pc->ep);
         return -1;
     }
-    if (r->world->size > 1 && dev == DEVICE_CUDA) {  // the same answer on every rank (the same config)
-        if (r->world->rank == 0)
-            fprintf(stderr, "fp8moe: %s: parallel.dp = %d on CUDA devices: this build's communication takes host "
-                    "buffers only (device-aware MPI staging and NCCL come next); set train.device = cpu\n",
-                    cfg->path, pc->dp);
-        return -1;
-    }
+    // GPU ranks all use CUDA device 0 and share it: the MPI backend stages their device buffers through pinned
+    // host memory (parallel/comm.h); one GPU per rank over NCCL comes with the NCCL backend
     groups_print_banner(&r->groups, dev == DEVICE_CUDA ? "cuda:0" : "cpu", stdout);
     return 0;
 }

@@ -293,7 +293,7 @@ static void test_ep_single_rank_is_identity(void **state) {
     assert_int_equal(world->rank, 0);
     assert_int_equal(world->size, 1);
     EpGroup g;
-    ep_group_init(&g, world, 5);
+    ep_group_init(&g, world, 5, DEVICE_CPU);
     assert_int_equal(g.ep_size, 1);
     assert_int_equal(g.experts_per_rank, 5);
     assert_int_equal(ep_expert_owner(&g, 4), 0);
