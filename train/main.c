@@ -18,6 +18,7 @@
 #include "train/compare.h"
 #include "train/config.h"
 #include "train/sample.h"
+#include "train/schedule_cli.h"
 #include "train/trainer.h"
 
 #define EXIT_USAGE 2
@@ -45,6 +46,7 @@ static const char *const usage_config_doc =
 
 static void print_usage(FILE *f) {
     fprintf(f, "fp8moe - FP8 mixture-of-experts training (DeepSeek-V3 architecture)\n\nUsage:\n%s%s%s%s%s%s%s%s%s"
+               SCHEDULE_CLI_USAGE
                "  fp8moe help | --help\n      Show this text. `fp8moe help COMMAND` shows one command.\n",
             usage_train, compare_usage, usage_prep, usage_sample, usage_config_doc, bench_gemm_usage,
             bench_step_usage, bench_attention_usage, bench_a2a_usage);
@@ -264,6 +266,7 @@ int main(int argc, char **argv) {
     if (!strcmp(cmd, "compare")) return compare_main(argc - 2, argv + 2);
     if (!strcmp(cmd, "prep")) return cmd_prep(argc - 2, argv + 2);
     if (!strcmp(cmd, "sample")) return cmd_sample(argc - 2, argv + 2);
+    if (!strcmp(cmd, "schedule")) return schedule_cli_main(argc - 2, argv + 2);
     if (!strcmp(cmd, "bench")) {
         if (argc > 2 && !strcmp(argv[2], "gemm")) return bench_gemm_main(argc - 3, argv + 3);
         if (argc > 2 && !strcmp(argv[2], "step")) return bench_step_main(argc - 3, argv + 3);
