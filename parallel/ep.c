@@ -41,6 +41,39 @@ void ep_group_init(EpGroup *g, Comm *comm, int n_experts, Device dev) {
     g->ep_rank = comm->rank;
     g->n_experts = n_experts;
     g->experts_per_rank = n_experts / comm->size;
+    g->node_of_ep_rank = NULL;  // (ep_group_set_nodes comes after)
+    ep_traffic_reset(g);
+}
+
+void ep_group_set_nodes(EpGroup *g, const int *node_of_ep_rank) {
+    free(g->node_of_ep_rank);
+    g->node_of_ep_rank = malloc((size_t)g->ep_size * sizeof *g->node_of_ep_rank);
+    if (!g->node_of_ep_rank) EP_FAIL("ep_group_set_nodes: out of host memory");
+    memcpy(g->node_of_ep_rank, node_of_ep_rank, (size_t)g->ep_size * sizeof *g->node_of_ep_rank);
+}
+
+void ep_group_free(EpGroup *g) {
+    free(g->node_of_ep_rank);
+    g->node_of_ep_rank = NULL;
+}
+
+void ep_traffic_reset(EpGroup *g) {
+    g->rows_within_node = g->rows_across_nodes = 0;
+    g->max_nodes_per_token = 0;
+}
+
+void ep_count_token_nodes(EpGroup *g, const int *topk_idx, int N, int K) {
+    if (!g->node_of_ep_rank) return;
+    for (int t = 0; t < N; t++) {
+        int distinct = 0;
+        for (int k = 0; k < K; k++) {
+            const int node = g->node_of_ep_rank[ep_expert_owner(g, topk_idx[(int64_t)t * K + k])];
+            int seen = 0;
+            for (int j = 0; j < k; j++) seen |= g->node_of_ep_rank[ep_expert_owner(g, topk_idx[(int64_t)t * K + j])] == node;
+            distinct += !seen;
+        }
+        if (distinct > g->max_nodes_per_token) g->max_nodes_per_token = distinct;
+    }
 }
 
 int ep_expert_owner(const EpGroup *g, int expert) { return expert / g->experts_per_rank; }
@@ -121,6 +154,13 @@ void ep_dispatch(EpGroup *g, const real *perm_rows, const int *seg_offsets, int 
     // the counts step: rows for each (destination, its local expert), then what each source sends here
     int64_t *sent = out->counts, *received = out->counts + (int64_t)P * J;
     for (int e = 0; e < g->n_experts; e++) sent[e] = seg_offsets[e + 1] - seg_offsets[e];
+    if (g->node_of_ep_rank)  // node-limited routing's traffic: rows for ranks on this node and on others
+        for (int q = 0; q < P; q++) {
+            int64_t rows = 0;
+            for (int j = 0; j < J; j++) rows += sent[(int64_t)q * J + j];
+            if (g->node_of_ep_rank[q] == g->node_of_ep_rank[g->ep_rank]) g->rows_within_node += rows;
+            else g->rows_across_nodes += rows;
+        }
     int64_t *cb = out->bytes, *rb = out->bytes + P;
     for (int q = 0; q < P; q++) cb[q] = rb[q] = (int64_t)J * (int64_t)sizeof(int64_t);
     comm_alltoallv_bytes(g->comm, sent, cb, received, rb);

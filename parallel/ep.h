@@ -45,6 +45,11 @@ typedef struct {
     int ep_rank;           // this rank in the EP group (comm->rank)
     int n_experts;         // E, routed experts of the model (global)
     int experts_per_rank;  // E / ep_size
+    // node-limited routing (DESIGN.md section 5): the node of each EP rank (ep_group_set_nodes; NULL: not
+    // counted) and what this rank's dispatches sent since the last ep_traffic_reset
+    int *node_of_ep_rank;  // (ep_size), owned
+    int64_t rows_within_node, rows_across_nodes;  // (token, k) rows sent to ranks on this node / other nodes
+    int max_nodes_per_token;                      // the most nodes one token's experts were on (ep_count_token_nodes)
 } EpGroup;
 
 typedef struct {
@@ -71,6 +76,15 @@ typedef struct {
 // g describes the EP group `comm` over n_experts experts, whose rows live on dev. Stops with a message when E
 // is not divisible by the group size.
 void ep_group_init(EpGroup *g, Comm *comm, int n_experts, Device dev);
+// Records the node of each EP rank (ep_size entries, copied), so the dispatches count the rows they send
+// within and across nodes. Frees nothing else; ep_group_free releases the copy.
+void ep_group_set_nodes(EpGroup *g, const int *node_of_ep_rank);
+void ep_group_free(EpGroup *g);
+// Zeroes the traffic counters (the trainer does it at each step's start).
+void ep_traffic_reset(EpGroup *g);
+// topk_idx (N, K) on the host: raises max_nodes_per_token to the most distinct nodes any token's K experts lie
+// on. With the expert groups whole on nodes (groups_check_expert_groups) it is at most moe.n_limited_groups.
+void ep_count_token_nodes(EpGroup *g, const int *topk_idx, int N, int K);
 int ep_expert_owner(const EpGroup *g, int expert);   // EP rank holding global expert `expert`
 int ep_first_local_expert(const EpGroup *g);         // global index of local expert 0
 

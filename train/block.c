@@ -103,6 +103,7 @@ void block_acts_alloc(ActsArena *ar, BlockActs *a, const Dims *d, int is_moe, co
     e->logits = ARENA_REALS(ar, (int64_t)N * d->E);
     e->scores = ARENA_REALS(ar, (int64_t)N * d->E);
     e->topk_idx = ARENA_INTS(ar, NK);
+    e->topk_idx_host = host_ints(ar, NK);
     e->topk_w = ARENA_REALS(ar, NK);
     e->plain_topk = ARENA_INTS(ar, NK);
     e->seg_offsets = ARENA_INTS(ar, d->E + 1);

@@ -79,6 +79,7 @@ typedef struct {
 typedef struct {
     real *logits, *scores;    // (N, E)
     int *topk_idx;            // (N, K) chosen experts (input when routing is frozen)
+    int *topk_idx_host;       // (N, K) host copy, for the node count of expert parallel (ep_count_token_nodes)
     real *topk_w;             // (N, K) gate weights
     int *plain_topk;          // (N, K) balance loss indicators (input when routing is frozen)
     real balance_loss;

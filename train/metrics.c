@@ -47,9 +47,13 @@ void format_thousands(char *buf, size_t size, double x) {
 }
 
 void format_step_line(char *buf, size_t size, const StepMetrics *s) {
-    char mtp[48] = "", load[48] = "", fp8[48] = "", tok[32], elapsed[32], eta[32];
+    char mtp[48] = "", load[48] = "", fp8[128] = "", tok[32], elapsed[32], eta[32];
     if (s->has_mtp) snprintf(mtp, sizeof mtp, " | mtp %.4f", s->mtp);
-    if (s->has_fp8) snprintf(fp8, sizeof fp8, " | fp8 gemms %lld", (long long)s->fp8_gemms);
+    int at = 0;
+    if (s->has_fp8) at = snprintf(fp8, sizeof fp8, " | fp8 gemms %lld", (long long)s->fp8_gemms);
+    if (s->has_nodes)
+        snprintf(fp8 + at, sizeof fp8 - (size_t)at, " | a2a rows %lld in-node %lld cross-node, <= %d nodes/token",
+                 (long long)s->rows_within_node, (long long)s->rows_across_nodes, s->max_nodes_per_token);
     if (s->has_moe) snprintf(load, sizeof load, " | load max/mean %.2f", s->load_max_mean);
     format_thousands(tok, sizeof tok, s->tokens_per_s);
     format_duration(elapsed, sizeof elapsed, s->elapsed_s);
@@ -171,6 +175,12 @@ int metrics_write_step(MetricsLog *log, const StepMetrics *s, char *err, size_t 
     if (s->has_fp8) {
         size_t len = strlen(line);
         snprintf(line + len, sizeof line - len, ",\"fp8_gemms\":%lld", (long long)s->fp8_gemms);
+    }
+    if (s->has_nodes) {
+        size_t len = strlen(line);
+        snprintf(line + len, sizeof line - len,
+                 ",\"a2a_rows_within_node\":%lld,\"a2a_rows_across_nodes\":%lld,\"nodes_per_token_max\":%d",
+                 (long long)s->rows_within_node, (long long)s->rows_across_nodes, s->max_nodes_per_token);
     }
     return write_line(log, line, err, err_size);
 }

@@ -27,6 +27,9 @@ typedef struct {
     double eta_s;                // estimated time to the last step
     int has_fp8;                 // precision = fp8: fp8_gemms is meaningful
     int64_t fp8_gemms;           // FP8 GEMMs run in this step (Fprop + Dgrad + Wgrad of every block Linear)
+    int has_nodes;               // expert parallel: the dispatch's node traffic below is meaningful
+    int64_t rows_within_node, rows_across_nodes;  // (token, k) rows all ranks' dispatches sent this step
+    int max_nodes_per_token;     // the most nodes one token's experts lay on (node-limited routing's bound)
 } StepMetrics;
 
 typedef struct {
@@ -43,7 +46,8 @@ void format_thousands(char *buf, size_t size, double x);
 
 // `step 12/1000 | loss 2.3456 | mtp 2.4567 | bal 1.02e-04 | load max/mean 1.23 | lr 1.00e-03 |
 //  gnorm 0.456 | 12,345 tok/s | 0.041 TFLOPS | elapsed 1m02s | eta 9m15s` (mtp and load parts only when present;
-//  `| fp8 gemms 540` at the end in fp8 mode).
+//  `| fp8 gemms 540` at the end in fp8 mode; `| a2a rows 900 in-node 300 cross-node, <= 2 nodes/token` under
+//  expert parallel).
 void format_step_line(char *buf, size_t size, const StepMetrics *s);
 // `eval step 100 | val_loss=1.9876 | 3.2s`
 void format_eval_line(char *buf, size_t size, const EvalMetrics *e);

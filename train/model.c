@@ -396,6 +396,7 @@ void model_weights_changed(Model *m) { m->rc.weights_version++; }
 
 void model_free(Model *m) {
     linear_free_scratch(&m->rc);
+    ep_group_free(&m->ep);
     device_free(m->rc.dev, m->weights);
     device_free(m->rc.dev, m->grads);
     free(m->params);

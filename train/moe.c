@@ -113,6 +113,10 @@ void moe_forward(Model *m, const BlockWeights *w, MoeActs *a, const Dims *d, con
         // expert e's segment holds its (token, k) pairs, so its length is e's load (no copy of topk_idx)
         int64_t *load = m->expert_load + (int64_t)w->moe_index * E;
         for (int e = 0; e < E; e++) load[e] += a->seg_offsets_host[e + 1] - a->seg_offsets_host[e];
+        if (m->ep.node_of_ep_rank) {  // node-limited routing: on how many nodes each token's experts lie
+            device_memcpy_to_host(dev, a->topk_idx_host, a->topk_idx, (size_t)N * K * sizeof(int));
+            ep_count_token_nodes(&m->ep, a->topk_idx_host, N, K);
+        }
     }
     ep_dispatch(&m->ep, a->xp, a->seg_offsets_host, D, &a->ep_buf);
     // fp8 with one EP rank (moe_combine_grad_in_quantiser): the experts' outputs stay w2's BF16 product, which the

@@ -43,6 +43,7 @@ int train_step(TrainState *ts, const StepOp *ops, int n_ops, StepResult *out, ch
     int bad_mb = -1;  // the first micro-batch whose loss was not finite
     LossTerms bad = {0};
     model_zero_grads(m);
+    ep_traffic_reset(&m->ep);
     m->count_load = 1;
     // a non-finite loss skips the rest of the ops (see below), except under expert parallelism, whose
     // forwards and backwards exchange rows with the other ranks of the EP group: those must all run
@@ -96,8 +97,11 @@ int train_step(TrainState *ts, const StepOp *ops, int n_ops, StepResult *out, ch
     // or FP8 value (deferred on the GPU, kernels.h), so that every rank stops at the same step.
     char why[512] = "";
     const int fp8_bad = fp8_check_finite(ts->dev, why, sizeof why) != 0;
-    double agreed[5] = {loss_sum, mtp_sum, bal_sum, bad_mb >= 0, fp8_bad};
-    comm_allreduce_sum_double(ts->dp, agreed, 5);
+    double agreed[7] = {loss_sum, mtp_sum, bal_sum, bad_mb >= 0, fp8_bad, (double)m->ep.rows_within_node,
+                        (double)m->ep.rows_across_nodes};
+    comm_allreduce_sum_double(ts->dp, agreed, 7);
+    double max_nodes = m->ep.max_nodes_per_token;
+    if (m->ep.node_of_ep_rank) comm_allreduce_max_double(ts->dp, &max_nodes, 1);
     if (agreed[3] > 0) {
         if (bad_mb >= 0)
             snprintf(err, err_size, "step %d, micro-batch %d: the loss is not finite (loss %g, mtp %g, bal %g); "
@@ -155,6 +159,8 @@ int train_step(TrainState *ts, const StepOp *ops, int n_ops, StepResult *out, ch
     const double worst_load = model_update_router_bias(m);
     ts->step = s;
     *out = (StepResult){.loss = loss_sum / n_mb, .mtp = mtp_sum / n_mb, .balance = bal_sum / n_mb, .grad_norm = gnorm,
-                        .lr = lr, .worst_load = worst_load, .fp8_gemms = m->rc.fp8_gemm_count - fp8_gemms_before};
+                        .lr = lr, .worst_load = worst_load, .fp8_gemms = m->rc.fp8_gemm_count - fp8_gemms_before,
+                        .rows_within_node = (int64_t)agreed[5], .rows_across_nodes = (int64_t)agreed[6],
+                        .max_nodes_per_token = (int)max_nodes};
     return 0;
 }

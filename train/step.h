@@ -44,7 +44,10 @@ typedef struct {
     double grad_norm;           // global L2 norm before clipping
     double lr;
     double worst_load;          // worst MoE layer's max/mean expert load of the step
-    int64_t fp8_gemms;          // FP8 GEMMs the step ran
+    int64_t fp8_gemms;          // FP8 GEMMs this rank's step ran
+    // expert parallel with nodes known (ep_group_set_nodes), summed (max) over the dp group; else 0
+    int64_t rows_within_node, rows_across_nodes;
+    int max_nodes_per_token;
 } StepResult;
 
 // Runs one step of ts: the ops (each micro-batch's forward before its backward; with the state's one

@@ -267,6 +267,13 @@ int train_state_create(TrainState *ts, const Config *cfg, Device dev, const Grou
         snprintf(err, err_size, "%s: model: %s", cfg->path, why);
         return -1;
     }
+    if (groups && ep->size > 1) {  // the node of each rank of the EP group, for the dispatch's node traffic
+        int nodes[ep->size];
+        for (int q = 0; q < ep->size; q++)
+            nodes[q] = groups->node_of_rank[layout_world_rank(&groups->layout, groups->me.stage,
+                                                              groups->me.ep_group * ep->size + q)];
+        ep_group_set_nodes(&ts->model.ep, nodes);
+    }
     const int64_t n_elems = ts->model.n_dense_elems + ts->model.n_expert_elems;
     int n_all = 0;
     ParamGroup *all = build_param_groups(&ts->model, n_elems, &n_all, err, err_size);

@@ -16,6 +16,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "parallel/topology.h"
 #include "train/metrics.h"
 #include "train/model.h"
 #include "train/run_dir.h"
@@ -180,6 +181,7 @@ static int make_groups(Run *r, const Config *cfg, Device dev) {
     // GPU ranks all use CUDA device 0 and share it: the MPI backend stages their device buffers through pinned
     // host memory (parallel/comm.h); one GPU per rank over NCCL comes with the NCCL backend
     groups_print_banner(&r->groups, dev == DEVICE_CUDA ? "cuda:0" : "cpu", stdout);
+    if (r->world->rank == 0) topology_print(stdout);  // the host's RDMA devices and the GPUs closest to them
     return 0;
 }
 
@@ -359,7 +361,9 @@ int trainer_run(const Config *cfg) {
                           .has_moe = m->n_moe_layers > 0, .load_max_mean = sr.worst_load, .lr = sr.lr,
                           .grad_norm = sr.grad_norm, .elapsed_s = t1 - t_start,
                           .eta_s = train_s / s * (total_steps - s),
-                          .has_fp8 = cfg->precision.mode == PRECISION_FP8, .fp8_gemms = sr.fp8_gemms};
+                          .has_fp8 = cfg->precision.mode == PRECISION_FP8, .fp8_gemms = sr.fp8_gemms,
+                          .has_nodes = m->ep.node_of_ep_rank != NULL, .rows_within_node = sr.rows_within_node,
+                          .rows_across_nodes = sr.rows_across_nodes, .max_nodes_per_token = sr.max_nodes_per_token};
         sm.tokens_per_s = tokens_since_line / fmax(train_s - train_s_at_last_line, 1e-9);
         sm.model_tflops = sm.tokens_per_s * flops_per_token * 1e-12 / world->size;  // per rank
         if (s % cfg->log.every == 0 || s == 1 || s == total_steps) {

@@ -42,6 +42,7 @@ for layout in "2 1 fp32 2 0" "2 1 bf16 2 0" "2 1 fp8 2 0" "4 2 fp32 1 0" "4 2 fp
     "$BUILD/mpi/test_dp_equivalence" "$3" "$dp_cache" 20 4 "$4" "$2" 8 4 "$5"
 done
 run "rank_memory.sh" bash tests/mpi/rank_memory.sh
+run "node_limited.sh" bash tests/mpi/node_limited.sh
 [ ${#failed_names[@]} -gt 0 ] && printf 'FAILED: %s\n' "${failed_names[@]}"
 echo "mpi: $passed passed, $failed failed ($((SECONDS - start)) s)"
 [ "$failed" -eq 0 ]
