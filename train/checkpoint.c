@@ -660,7 +660,7 @@ static int point_latest(const char *dir, const char *name, char *err, size_t err
 
 typedef struct {
     long step;
-    char name[64];
+    char name[256];  // a directory entry's name (NAME_MAX + 1)
 } StepDir;
 
 static int compare_step_desc(const void *a, const void *b) {
@@ -681,7 +681,7 @@ static void prune(const char *dir, int keep_last, long kept) {
     size_t n = 0, cap = 0;
     for (struct dirent *e; (e = readdir(d));) {
         const long s = step_of_name(e->d_name);
-        if (s < 0 || s == kept || strlen(e->d_name) >= sizeof steps->name) continue;
+        if (s < 0 || s == kept) continue;
         if (n == cap) {
             StepDir *grown = realloc(steps, (cap = cap ? 2 * cap : 16) * sizeof *steps);
             if (!grown) break;
