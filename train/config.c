@@ -182,6 +182,11 @@ static const ConfigKey key_table[] = {
     STR(checkpoint, dir, 1, "runs/default", "run directory: weights.h5 and metrics.jsonl go here"),
     {"checkpoint", "save_weights", KEY_BOOL, OFF_INT(checkpoint.save_weights), 0, 0, 0, 0, "true", NULL, 0,
      "save the FP32 weights at the end and on Ctrl-C"},
+    INT(checkpoint, every_steps, 0, INT_MAXD, "0",
+        "write a resumable checkpoint (docs/checkpoints.md) to checkpoint.dir/step_NNNNNNNN every N steps, at the "
+        "end and on Ctrl-C / SIGTERM; 0 = none (fp8moe train --resume continues from one)"),
+    INT(checkpoint, keep_last, 0, INT_MAXD, "3", "checkpoints kept in checkpoint.dir (older ones are removed after a "
+        "new one is complete); 0 = keep all"),
 
     INT(log, every, 1, INT_MAXD, "1", "print a step line every N steps"),
     STR(log, jsonl, 0, "", "metrics file; empty = metrics.jsonl in checkpoint.dir"),

@@ -90,6 +90,8 @@ typedef struct {
 typedef struct {
     char dir[CONFIG_PATH_MAX];       // run directory: weights.h5 and metrics.jsonl go here
     int save_weights;                // save FP32 weights at the end and on Ctrl-C
+    int every_steps;                 // a resumable checkpoint every N steps (and at the end); 0 = none
+    int keep_last;                   // checkpoints kept; 0 = all
 } CheckpointConfig;
 
 typedef struct {

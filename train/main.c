@@ -11,6 +11,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 #include "data/prep.h"
 #include "parallel/comm.h"
@@ -24,14 +25,18 @@
 #define EXIT_USAGE 2
 
 static const char *const usage_train =
-    "  fp8moe train JOB.ini [--set section.key=value]...\n"
+    "  fp8moe train JOB.ini [--set section.key=value]... [--resume [DIR|latest]]\n"
     "      Train the job described by JOB.ini. Each --set overrides one key after the file is read,\n"
     "      e.g. --set train.steps=100 --set checkpoint.dir=runs/try1. Prints the resolved config, a\n"
     "      line per log.every steps and val_loss=... at each evaluation; writes\n"
     "      <checkpoint.dir>/metrics.jsonl and <checkpoint.dir>/weights.h5. Ctrl-C stops after the\n"
     "      current step and saves the weights; a second Ctrl-C quits at once unless the save has\n"
     "      begun. An earlier run's files in checkpoint.dir are kept as weights.prev.h5 and\n"
-    "      metrics.prev.jsonl; a checkpoint.dir that another live run holds is refused.\n";
+    "      metrics.prev.jsonl; a checkpoint.dir that another live run holds is refused.\n"
+    "      With checkpoint.every_steps = N a resumable checkpoint goes to checkpoint.dir/step_NNNNNNNN every N\n"
+    "      steps and at the end; --resume continues from DIR (a step_NNNNNNNN directory, or the newest one in\n"
+    "      DIR), or with `latest` or no value from the newest in checkpoint.dir, under any data / expert\n"
+    "      parallel layout (docs/checkpoints.md).\n";
 static const char *const usage_prep =
     "  fp8moe prep [--text FILE...] --out DIR\n"
     "      Turn text files (concatenated in order; the last 10% is validation) into byte-level token\n"
@@ -74,7 +79,7 @@ static int launched_by_mpi(void) {
 }
 
 static int cmd_train(int argc, char **argv) {
-    const char *job = NULL;
+    const char *job = NULL, *resume = NULL;
     const char **overrides = calloc((size_t)argc + 1, sizeof *overrides);
     int n_overrides = 0;
     if (!overrides) return 1;
@@ -93,6 +98,15 @@ static int cmd_train(int argc, char **argv) {
             overrides[n_overrides++] = argv[++i];
         } else if (!strncmp(a, "--set=", 6)) {
             overrides[n_overrides++] = a + 6;
+        } else if (!strcmp(a, "--resume")) {
+            // an optional value: "latest" or an existing directory; without one, the job's checkpoint.dir
+            struct stat st;
+            if (i + 1 < argc && (!strcmp(argv[i + 1], "latest") || (stat(argv[i + 1], &st) == 0 && S_ISDIR(st.st_mode))))
+                resume = argv[++i];
+            else
+                resume = "latest";
+        } else if (!strncmp(a, "--resume=", 9)) {
+            resume = a + 9;
         } else if (a[0] == '-' && a[1] != '\0') {
             rc = usage_error("train", usage_train, "unknown option %s", a);
             goto done;
@@ -129,7 +143,11 @@ static int cmd_train(int argc, char **argv) {
         goto done;  // rc = EXIT_USAGE: the job is invalid
     }
     comm_set_timeout(cfg->parallel.timeout_s);
-    rc = trainer_run(cfg);
+    // --resume / --resume latest: the newest checkpoint of the job's checkpoint.dir
+    char resume_path[CONFIG_PATH_MAX + 16];
+    if (resume && !strcmp(resume, "latest")) snprintf(resume_path, sizeof resume_path, "%s", cfg->checkpoint.dir);
+    else if (resume) snprintf(resume_path, sizeof resume_path, "%s", resume);
+    rc = trainer_run(cfg, resume ? resume_path : NULL);
     free(cfg);
     comm_finalize();
 done:

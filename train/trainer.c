@@ -17,6 +17,7 @@
 #include <unistd.h>
 
 #include "parallel/topology.h"
+#include "train/checkpoint.h"
 #include "train/metrics.h"
 #include "train/model.h"
 #include "train/run_dir.h"
@@ -138,6 +139,7 @@ typedef struct {
     RunDir out_dir;
     struct sigaction old_int, old_term;
     int signals_set;
+    int checkpoint_step;  // the step of the last checkpoint this run wrote or resumed from (-1: none)
 } Run;
 
 static void run_free(Run *r) {
@@ -260,6 +262,55 @@ static void print_rank_memory(const TrainState *ts, const Comm *world) {
            (double)moments * 2 * sizeof(uint16_t) * mib);
 }
 
+// Writes a checkpoint of step ts->step on every rank (collective), further interrupts held off as during the
+// weights save. Returns 0, or -1 after printing why (the previous checkpoint is kept).
+static int save_checkpoint(Run *r, const Config *cfg) {
+    char err[ERR_MAX];
+    printf("saving checkpoint of step %d to %s\n", r->ts.step, cfg->checkpoint.dir);
+    fflush(stdout);
+    const sig_atomic_t was_saving = saving_weights;
+    saving_weights = 1;
+    const int rc = checkpoint_save(&r->ts, &r->groups, cfg->checkpoint.dir, cfg->checkpoint.keep_last, err,
+                                   sizeof err);
+    saving_weights = was_saving;
+    if (rc != 0) {
+        print_error(r->world, err);
+        return -1;
+    }
+    printf("checkpoint saved: %s/step_%08d\n", cfg->checkpoint.dir, r->ts.step);
+    r->checkpoint_step = r->ts.step;
+    return 0;
+}
+
+// Loads the checkpoint `path` into the state just built (every rank) and says what it resumed from.
+// Returns 0, or -1 after printing why.
+static int resume_from(Run *r, const Config *cfg, const char *path) {
+    char err[ERR_MAX];
+    if (checkpoint_load(&r->ts, &r->groups, path, err, sizeof err) != 0) {
+        print_error(r->world, err);
+        return -1;
+    }
+    CheckpointInfo *info = malloc(sizeof *info);  // holds a whole Config
+    if (info && checkpoint_read_info(path, info, err, sizeof err) == 0) {
+        printf("resumed from %s at step %d (written by %d rank%s: pp %d, dp %d, ep %d%s)\n", info->dir, info->step,
+               info->world, info->world == 1 ? "" : "s", info->pp, info->dp, info->ep, info->zero1 ? ", ZeRO-1" : "");
+        char changes[ERR_MAX], kept[ERR_MAX] = "";
+        checkpoint_config_changes(&info->cfg, cfg, 0, changes, sizeof changes);
+        // where outputs go and how often they are written do not change the arithmetic
+        for (char *key = strtok(changes, ";"); key; key = strtok(NULL, ";")) {
+            while (*key == ' ') key++;
+            if (!strncmp(key, "checkpoint.", 11) || !strncmp(key, "log.", 4)) continue;
+            snprintf(kept + strlen(kept), sizeof kept - strlen(kept), "%s%s", kept[0] ? "; " : "", key);
+        }
+        if (kept[0])
+            printf("note: the job differs from the checkpoint's (the run is no longer bitwise the uninterrupted "
+                   "one): %s\n", kept);
+    }
+    free(info);
+    r->checkpoint_step = r->ts.step;
+    return 0;
+}
+
 // Prints an evaluation's line and writes its record (the writing rank); a failed write saves the weights
 // and fails on every rank. Returns 0 or -1.
 static int write_eval(Run *r, const EvalMetrics *em, int step) {
@@ -274,9 +325,10 @@ static int write_eval(Run *r, const EvalMetrics *em, int step) {
     return -1;
 }
 
-int trainer_run(const Config *cfg) {
+int trainer_run(const Config *cfg, const char *resume) {
     Run r;
     memset(&r, 0, sizeof r);
+    r.checkpoint_step = -1;
     char err[ERR_MAX];
     int rc = 1;
     const int B = cfg->train.micro_batch_size, T = cfg->train.seq_len, A = cfg->train.grad_accum;
@@ -309,6 +361,7 @@ int trainer_run(const Config *cfg) {
         goto done;
     }
     Model *m = &ts->model;
+    if (resume && resume_from(&r, cfg, resume) != 0) goto done;
     printf("data: %lld train tokens (%lld windows of %d+1), %lld validation targets\n",
            (long long)ts->train.n_tokens, (long long)ts->train.n_windows, T, (long long)loader_eval_targets(&ts->val));
     printf("model: %lld parameters, %lld active per token, %d MoE layers, MTP depth %d\n",
@@ -384,6 +437,8 @@ int trainer_run(const Config *cfg) {
             save_after_write_error(&r, cfg, s);
             goto done;
         }
+        const int every = cfg->checkpoint.every_steps;
+        if (every > 0 && s % every == 0 && s < total_steps && save_checkpoint(&r, cfg) != 0) goto done;
         if (stop_agreed(world)) break;
         if (cfg->train.eval_every > 0 && s % cfg->train.eval_every == 0 && s < total_steps) {
             int interrupted;
@@ -407,6 +462,9 @@ int trainer_run(const Config *cfg) {
         else if (write_eval(&r, &em, step) != 0) goto done;
     }
     if (stop_requested) printf("interrupted after step %d of %d\n", step, total_steps);
+    // the end, or a stop request: a last checkpoint when checkpoints are on (every rank), then the weights
+    if (cfg->checkpoint.every_steps > 0 && step > 0 && step != r.checkpoint_step && save_checkpoint(&r, cfg) != 0)
+        goto done;
     if (cfg->checkpoint.save_weights && !all_ranks_ok(world, !r.writes || save_weights(&r, cfg) == 0)) goto done;
     char took[32];
     format_duration(took, sizeof took, now_s() - t_start);

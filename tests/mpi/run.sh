@@ -43,6 +43,11 @@ for layout in "2 1 fp32 2 0" "2 1 bf16 2 0" "2 1 fp8 2 0" "4 2 fp32 1 0" "4 2 fp
 done
 run "rank_memory.sh" bash tests/mpi/rank_memory.sh
 run "node_limited.sh" bash tests/mpi/node_limited.sh
+# checkpoints: the library's resume and re-sharding (test_checkpoint) and the trainer's --resume (resume.sh)
+for mode in fp32 fp8; do
+  run "test_checkpoint -np 4 $mode" "${MPIRUN[@]}" -np 4 -x OMP_NUM_THREADS=1 "$BUILD/mpi/test_checkpoint" "$mode" "$dp_cache"
+done
+run "resume.sh" bash tests/mpi/resume.sh
 [ ${#failed_names[@]} -gt 0 ] && printf 'FAILED: %s\n' "${failed_names[@]}"
 echo "mpi: $passed passed, $failed failed ($((SECONDS - start)) s)"
 [ "$failed" -eq 0 ]
