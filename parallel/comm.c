@@ -146,16 +146,42 @@ void comm_set_timeout(double seconds) {
 
 double comm_timeout(void) { return timeout_s; }
 
-static _Noreturn void timed_out(const Comm *c, const char *op) {
-    fprintf(stderr, "fp8moe: rank %d: %s on group %s (size %d) timed out after %g s - a rank of the group has not "
+// The world ranks of the peers whose receives among the n requests have not completed, as " - nothing yet from
+// world rank(s) 3, 5" into buf (empty when unknown): the rank a stopped or dead job waits for. peers[i]: the
+// group rank of request i, expect[i] >= 0 for a receive (NULL: not known).
+static void pending_peers(const Comm *c, int n, MPI_Request *reqs, const int *peers, const int64_t *expect, char *buf,
+                          size_t size) {
+    buf[0] = '\0';
+    if (!peers || !expect || n <= 0) return;
+    MPI_Group group, world;
+    if (MPI_Comm_group(c->coll, &group) != MPI_SUCCESS || MPI_Comm_group(MPI_COMM_WORLD, &world) != MPI_SUCCESS)
+        return;
+    size_t at = 0;
+    int last = -1;
+    for (int i = 0; i < n && at + 16 < size; i++) {
+        int flag = 1, peer = peers[i], wr = -1;
+        if (expect[i] < 0 || peer == last) continue;
+        if (MPI_Test(&reqs[i], &flag, MPI_STATUS_IGNORE) != MPI_SUCCESS || flag) continue;  // (the job ends anyway)
+        if (MPI_Group_translate_ranks(group, 1, &peer, world, &wr) != MPI_SUCCESS) wr = -1;
+        at += (size_t)snprintf(buf + at, size - at, "%s%d", at ? ", " : " - nothing yet from world rank(s) ", wr);
+        last = peer;
+    }
+    MPI_Group_free(&group);
+    MPI_Group_free(&world);
+}
+
+static _Noreturn void timed_out(const Comm *c, const char *op, const char *pending) {
+    fprintf(stderr, "fp8moe: rank %d: %s on group %s (size %d) timed out after %g s%s - a rank of the group has not "
                     "taken part (stopped, hung, dead, or making different calls); ending the job\n",
-            world_rank_now(), op, c->name, c->size, timeout_s);
+            world_rank_now(), op, c->name, c->size, timeout_s, pending);
     end_job(COMM_EXIT_TIMEOUT);
 }
 
 // Completes the n requests (statuses into st, n of them; st may be NULL when no receive needs checking)
-// or ends the job at the timeout. t0: when the call began (the timeout covers the whole call).
-static void wait_requests(const Comm *c, const char *op, int n, MPI_Request *reqs, MPI_Status *st, double t0) {
+// or ends the job at the timeout, naming the peers it still waits for when peers and expect are given
+// (pending_peers). t0: when the call began (the timeout covers the whole call).
+static void wait_requests(const Comm *c, const char *op, int n, MPI_Request *reqs, MPI_Status *st, double t0,
+                          const int *peers, const int64_t *expect) {
     if (n == 0) return;
     MPI_Status inline_st[8];
     MPI_Status *stat = st ? st : n <= 8 ? inline_st : malloc((size_t)n * sizeof *stat);
@@ -175,7 +201,11 @@ static void wait_requests(const Comm *c, const char *op, int n, MPI_Request *req
         }
         MPI_CHECK(c, op, rc);
         if (done) break;
-        if (now_s() - t0 > timeout_s) timed_out(c, op);
+        if (now_s() - t0 > timeout_s) {
+            char pending[256];
+            pending_peers(c, n, reqs, peers, expect, pending, sizeof pending);
+            timed_out(c, op, pending);
+        }
         if (polls >= POLL_SPINS) nanosleep(&nap, NULL);
     }
     if (stat != st && stat != inline_st) free(stat);
@@ -201,6 +231,7 @@ typedef struct {
     int n, cap;
     MPI_Request *reqs;
     int64_t *expect;  // receives: expected bytes of the piece; sends: -1
+    int *peer;        // the group rank each request talks to (named when a wait times out)
 } Batch;
 
 static void batch_grow(Batch *b) {
@@ -208,7 +239,8 @@ static void batch_grow(Batch *b) {
     b->cap = b->cap ? 2 * b->cap : 16;
     b->reqs = realloc(b->reqs, (size_t)b->cap * sizeof *b->reqs);
     b->expect = realloc(b->expect, (size_t)b->cap * sizeof *b->expect);
-    if (b->reqs == NULL || b->expect == NULL) comm_fail(b->comm, b->op, __LINE__, "out of memory for %d requests", b->cap);
+    b->peer = realloc(b->peer, (size_t)b->cap * sizeof *b->peer);
+    if (b->reqs == NULL || b->expect == NULL || b->peer == NULL) comm_fail(b->comm, b->op, __LINE__, "out of memory for %d requests", b->cap);
 }
 
 // A zero-byte message is still one message: it keeps the pair's sequence of messages matched.
@@ -219,6 +251,7 @@ static void batch_send(Batch *b, const void *buf, size_t bytes, int peer, int ta
         batch_grow(b);
         MPI_CHECK(b->comm, b->op, MPI_Isend((const char *)buf + off, (int)piece, MPI_BYTE, peer, tag, b->comm->coll,
                                             &b->reqs[b->n]));
+        b->peer[b->n] = peer;
         b->expect[b->n++] = -1;
         off += piece;
     } while (off < bytes);
@@ -231,6 +264,7 @@ static void batch_recv(Batch *b, void *buf, size_t bytes, int peer, int tag) {
         batch_grow(b);
         MPI_CHECK(b->comm, b->op, MPI_Irecv((char *)buf + off, (int)piece, MPI_BYTE, peer, tag, b->comm->coll,
                                             &b->reqs[b->n]));
+        b->peer[b->n] = peer;
         b->expect[b->n++] = (int64_t)piece;
         off += piece;
     } while (off < bytes);
@@ -240,7 +274,7 @@ static void batch_wait(Batch *b, double t0) {
     if (b->n == 0) return;
     MPI_Status *st = malloc((size_t)b->n * sizeof *st);
     if (st == NULL) comm_fail(b->comm, b->op, __LINE__, "out of memory for %d statuses", b->n);
-    wait_requests(b->comm, b->op, b->n, b->reqs, st, t0);
+    wait_requests(b->comm, b->op, b->n, b->reqs, st, t0, b->peer, b->expect);
     for (int i = 0; i < b->n; i++)
         if (b->expect[i] >= 0) check_received(b->comm, b->op, &st[i], (size_t)b->expect[i]);
     free(st);
@@ -250,6 +284,7 @@ static void batch_wait(Batch *b, double t0) {
 static void batch_free(Batch *b) {
     free(b->reqs);
     free(b->expect);
+    free(b->peer);
     memset(b, 0, sizeof *b);
 }
 
@@ -313,7 +348,7 @@ static void finish_group(Comm *c, const char *op) {
     MPI_CHECK(c, op, MPI_Comm_size(c->mpi, &c->size));
     MPI_Request req;
     MPI_CHECK(c, op, MPI_Comm_idup(c->mpi, &c->coll, &req));
-    wait_requests(c, op, 1, &req, NULL, now_s());
+    wait_requests(c, op, 1, &req, NULL, now_s(), NULL, NULL);
     MPI_CHECK(c, op, MPI_Comm_set_errhandler(c->coll, MPI_ERRORS_RETURN));
 }
 
@@ -791,7 +826,7 @@ void comm_alltoall_counts(Comm *comm, const int64_t *send_counts, int64_t *recv_
     }
     MPI_Request req;
     MPI_CHECK(comm, op, MPI_Ialltoall(send_counts, 1, MPI_INT64_T, recv_counts, 1, MPI_INT64_T, comm->coll, &req));
-    wait_requests(comm, op, 1, &req, NULL, t0);
+    wait_requests(comm, op, 1, &req, NULL, t0, NULL, NULL);
 }
 
 // The messages of an all-to-all-v between this rank and its peers (the own block is the caller's).
@@ -895,7 +930,7 @@ static void request_wait(CommRequest *req, double t0) {
     Comm *c = req->comm;
     MPI_Status *st = malloc((size_t)req->n * sizeof *st);
     if (st == NULL) comm_fail(c, req->op, __LINE__, "out of memory");
-    wait_requests(c, req->op, req->n, req->reqs, st, t0);
+    wait_requests(c, req->op, req->n, req->reqs, st, t0, NULL, NULL);
     for (int i = 0; i < req->n && !req->is_send; i++) {
         const size_t off = (size_t)i * PIECE_BYTES;
         check_received(c, req->op, &st[i], req->bytes - off < PIECE_BYTES ? req->bytes - off : PIECE_BYTES);
@@ -954,7 +989,7 @@ void comm_bcast_bytes(Comm *comm, void *buf, size_t bytes, int root) {
         const size_t off = i * PIECE_BYTES, len = bytes - off < PIECE_BYTES ? bytes - off : PIECE_BYTES;
         MPI_CHECK(comm, op, MPI_Ibcast((char *)buf + off, (int)len, MPI_BYTE, root, comm->coll, &reqs[i]));
     }
-    wait_requests(comm, op, (int)pieces, reqs, NULL, t0);
+    wait_requests(comm, op, (int)pieces, reqs, NULL, t0, NULL, NULL);
     if (reqs != inline_reqs) free(reqs);
     if (dev_buf != NULL && comm->rank != root) to_device(dev_buf, buf, bytes);
 }
@@ -965,5 +1000,5 @@ void comm_barrier(Comm *comm) {
     if (check_comm(comm, op, __LINE__)) return;
     MPI_Request req;
     MPI_CHECK(comm, op, MPI_Ibarrier(comm->coll, &req));
-    wait_requests(comm, op, 1, &req, NULL, t0);
+    wait_requests(comm, op, 1, &req, NULL, t0, NULL, NULL);
 }
