@@ -431,15 +431,21 @@ int trainer_run(const Config *cfg, const char *resume) {
             print_error(world, err);
             write_failed = 1;
         }
-        double failed = write_failed;
-        comm_allreduce_max_double(world, &failed, 1);
-        if (failed > 0) {
+        // one agreement per step: a failed metrics write on the writing rank, and any rank's stop request
+        double flags[2] = {write_failed, stop_requested};
+        comm_allreduce_max_double(world, flags, 2);
+        if (flags[0] > 0) {
             save_after_write_error(&r, cfg, s);
             goto done;
         }
+        if (flags[1] > 0) stop_requested = 1;
+        int stop = flags[1] > 0;
         const int every = cfg->checkpoint.every_steps;
-        if (every > 0 && s % every == 0 && s < total_steps && save_checkpoint(&r, cfg) != 0) goto done;
-        if (stop_agreed(world)) break;
+        if (every > 0 && s % every == 0 && s < total_steps) {
+            if (save_checkpoint(&r, cfg) != 0) goto done;
+            stop = stop_agreed(world);  // a request that came during the save
+        }
+        if (stop) break;
         if (cfg->train.eval_every > 0 && s % cfg->train.eval_every == 0 && s < total_steps) {
             int interrupted;
             EvalMetrics em = evaluate(m, ts->acts, &ts->val, &ts->batch, cfg->train.eval_batches, s, world, ts->dp,
