@@ -48,7 +48,7 @@ static size_t ROUND_BYTES = DEFAULT_ROUND_BYTES;
 #define POLL_SPINS 16                          // polls before a wait starts to sleep between polls
 #define POLL_SLEEP_NS 50000L                   // 50 us: oversubscribed ranks yield their core
 
-enum { TAG_REDUCE = 1, TAG_GATHER = 2, TAG_ALLTOALL = 3 };  // tags on Comm.coll
+enum { TAG_REDUCE = 1, TAG_GATHER = 2, TAG_ALLTOALL = 3, TAG_COUNTS = 4, TAG_BARRIER = 5 };  // tags on Comm.coll
 
 Comm *comm_world_single(void) { return &world_single; }
 Comm *comm_world(void) { return mpi_started ? &world_mpi : &world_single; }
@@ -146,9 +146,12 @@ void comm_set_timeout(double seconds) {
 
 double comm_timeout(void) { return timeout_s; }
 
-// The world ranks of the peers whose receives among the n requests have not completed, as " - nothing yet from
-// world rank(s) 3, 5" into buf (empty when unknown): the rank a stopped or dead job waits for. peers[i]: the
-// group rank of request i, expect[i] >= 0 for a receive (NULL: not known).
+// The world ranks of the peers of the n requests that have not completed, as " - nothing yet from world rank(s)
+// 3, 5; world rank(s) 4 have not taken this rank's messages" into buf (empty when none is known): the ranks a
+// stopped or dead job waits for. A pending receive names its sender; a pending send names its receiver (a large
+// message waits for the receive to be posted, so a rank that stopped after its own sends went out is still
+// named by the send it never took). peers[i]: the group rank of request i, expect[i] >= 0 for a receive, < 0 for
+// a send (NULL: not known).
 static void pending_peers(const Comm *c, int n, MPI_Request *reqs, const int *peers, const int64_t *expect, char *buf,
                           size_t size) {
     buf[0] = '\0';
@@ -157,14 +160,18 @@ static void pending_peers(const Comm *c, int n, MPI_Request *reqs, const int *pe
     if (MPI_Comm_group(c->coll, &group) != MPI_SUCCESS || MPI_Comm_group(MPI_COMM_WORLD, &world) != MPI_SUCCESS)
         return;
     size_t at = 0;
-    int last = -1;
-    for (int i = 0; i < n && at + 16 < size; i++) {
-        int flag = 1, peer = peers[i], wr = -1;
-        if (expect[i] < 0 || peer == last) continue;
-        if (MPI_Test(&reqs[i], &flag, MPI_STATUS_IGNORE) != MPI_SUCCESS || flag) continue;  // (the job ends anyway)
-        if (MPI_Group_translate_ranks(group, 1, &peer, world, &wr) != MPI_SUCCESS) wr = -1;
-        at += (size_t)snprintf(buf + at, size - at, "%s%d", at ? ", " : " - nothing yet from world rank(s) ", wr);
-        last = peer;
+    for (int pass = 0; pass < 2; pass++) {  // receives, then sends
+        int last = -1, listed = 0;
+        for (int i = 0; i < n && at + 48 < size; i++) {
+            int flag = 1, peer = peers[i], wr = -1;
+            if ((pass == 0) != (expect[i] >= 0) || peer == last) continue;
+            if (MPI_Test(&reqs[i], &flag, MPI_STATUS_IGNORE) != MPI_SUCCESS || flag) continue;  // (the job ends anyway)
+            if (MPI_Group_translate_ranks(group, 1, &peer, world, &wr) != MPI_SUCCESS) wr = -1;
+            const char *lead = pass == 0 ? " - nothing yet from world rank(s) " : at ? "; world rank(s) " : " - world rank(s) ";
+            at += (size_t)snprintf(buf + at, size - at, "%s%d", listed ? ", " : lead, wr);
+            last = peer, listed = 1;
+        }
+        if (pass == 1 && listed) at += (size_t)snprintf(buf + at, size - at, " have not taken this rank's messages");
     }
     MPI_Group_free(&group);
     MPI_Group_free(&world);
@@ -824,9 +831,20 @@ void comm_alltoall_counts(Comm *comm, const int64_t *send_counts, int64_t *recv_
         recv_counts[0] = send_counts[0];
         return;
     }
-    MPI_Request req;
-    MPI_CHECK(comm, op, MPI_Ialltoall(send_counts, 1, MPI_INT64_T, recv_counts, 1, MPI_INT64_T, comm->coll, &req));
-    wait_requests(comm, op, 1, &req, NULL, t0, NULL, NULL);
+    // point-to-point messages rather than MPI_Ialltoall, so that a timeout names the ranks not heard from
+    const int P = comm->size, me = comm->rank;
+    recv_counts[me] = send_counts[me];
+    Batch batch = {.comm = comm, .op = op};
+    for (int k = 1; k < P; k++) {
+        const int r = (me + P - k) % P;
+        batch_recv(&batch, &recv_counts[r], sizeof *recv_counts, r, TAG_COUNTS);
+    }
+    for (int k = 1; k < P; k++) {
+        const int r = (me + k) % P;
+        batch_send(&batch, &send_counts[r], sizeof *send_counts, r, TAG_COUNTS);
+    }
+    batch_wait(&batch, t0);
+    batch_free(&batch);
 }
 
 // The messages of an all-to-all-v between this rank and its peers (the own block is the caller's).
@@ -929,8 +947,13 @@ static void request_wait(CommRequest *req, double t0) {
     if (req->n == 0) return;
     Comm *c = req->comm;
     MPI_Status *st = malloc((size_t)req->n * sizeof *st);
-    if (st == NULL) comm_fail(c, req->op, __LINE__, "out of memory");
-    wait_requests(c, req->op, req->n, req->reqs, st, t0, NULL, NULL);
+    int *peers = malloc((size_t)req->n * sizeof *peers);
+    int64_t *expect = malloc((size_t)req->n * sizeof *expect);
+    if (st == NULL || peers == NULL || expect == NULL) comm_fail(c, req->op, __LINE__, "out of memory");
+    for (int i = 0; i < req->n; i++) peers[i] = req->peer, expect[i] = req->is_send ? -1 : 0;
+    wait_requests(c, req->op, req->n, req->reqs, st, t0, peers, expect);
+    free(peers);
+    free(expect);
     for (int i = 0; i < req->n && !req->is_send; i++) {
         const size_t off = (size_t)i * PIECE_BYTES;
         check_received(c, req->op, &st[i], req->bytes - off < PIECE_BYTES ? req->bytes - off : PIECE_BYTES);
@@ -998,7 +1021,15 @@ void comm_barrier(Comm *comm) {
     const char *op = "comm_barrier";
     const double t0 = now_s();
     if (check_comm(comm, op, __LINE__)) return;
-    MPI_Request req;
-    MPI_CHECK(comm, op, MPI_Ibarrier(comm->coll, &req));
-    wait_requests(comm, op, 1, &req, NULL, t0, NULL, NULL);
+    // a dissemination barrier of empty messages (round k: to rank + 2^k, from rank - 2^k) rather than
+    // MPI_Ibarrier, so that a timeout names the rank not heard from
+    const int P = comm->size, me = comm->rank;
+    Batch batch = {.comm = comm, .op = op};
+    char empty[2];
+    for (int k = 1; k < P; k *= 2) {
+        batch_recv(&batch, &empty[0], 0, (me + P - k) % P, TAG_BARRIER);
+        batch_send(&batch, &empty[1], 0, (me + k) % P, TAG_BARRIER);
+        batch_wait(&batch, t0);
+    }
+    batch_free(&batch);
 }

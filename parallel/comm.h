@@ -47,8 +47,10 @@
  *   used: its order is the library's choice. Max/min also propagate NaN (any rank's NaN wins).
  * - Every blocking call (and comm_wait) honours the process-wide timeout (comm_set_timeout, default
  *   COMM_DEFAULT_TIMEOUT_S, the config key parallel.timeout_s). A call that does not complete in time
- *   prints `fp8moe: rank R: <op> on group <name> (size S) timed out after T s` (R is the world rank)
- *   and ends the whole job with MPI_Abort(COMM_EXIT_TIMEOUT). Waiting ranks poll with a ~50 us sleep,
+ *   prints `fp8moe: rank R: <op> on group <name> (size S) timed out after T s - nothing yet from world
+ *   rank(s) Q` (R is the world rank; a pending send names its receiver instead: "world rank(s) Q have not
+ *   taken this rank's messages"; every blocking call but comm_bcast_bytes is built on point-to-point
+ *   messages, so it knows its peers) and ends the whole job with MPI_Abort(COMM_EXIT_TIMEOUT). Waiting ranks poll with a ~50 us sleep,
  *   so ranks oversubscribing the cores yield them to the rank that has work.
  * - Any MPI error (every communicator has MPI_ERRORS_RETURN, every return code is checked) and any
  *   invalid argument print one line naming the function, the group, the rank and the MPI error
