@@ -138,7 +138,7 @@ test-unit: all
 	@BUILD=$(BUILD) FP8MOE_SANITIZE=$(SANITIZE) bash tests/run_unit.sh
 test-mpi: $(MPI_TEST_BIN) $(BUILD)/fp8moe
 	@BUILD=$(BUILD) FP8MOE_SANITIZE=$(SANITIZE) bash tests/mpi/run.sh
-test-mpi-large: $(BUILD)/mpi/test_dp_equivalence
+test-mpi-large: $(BUILD)/mpi/test_parallel_equivalence
 	@BUILD=$(BUILD) FP8MOE_SANITIZE=$(SANITIZE) bash tests/mpi/run_large.sh
 test-asan:
 	@$(MAKE) --no-print-directory BUILD=$(BUILD)/asan SANITIZE=1 NO_CUDA=1 OPT=-O1 test-unit

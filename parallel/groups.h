@@ -11,6 +11,8 @@
  *   dp group        = the dp ranks of a stage (non-expert gradients are reduced over it)
  *   ep group        = the ranks that split the experts of a stage (dispatch / combine all-to-all)
  *   edp group       = the replicas of one set of local experts (expert gradients are reduced over it)
+ *   ends group      = pp > 1: the first and the last stage of a pp group (both hold the embedding when MTP is
+ *                     on: its two gradients are summed over it); NULL on the other stages and at pp = 1
  * Every group orders its ranks by world rank, so group rank = dp_rank, ep_rank, edp_rank or stage.
  *
  * Nodes: node-limited routing needs every expert group (moe.n_expert_groups) whole on one node. A node
@@ -66,6 +68,7 @@ typedef struct {
     int world_rank;
     Comm *world;          // not owned
     Comm *pp, *dp, *ep, *edp;  // owned: freed by groups_free
+    Comm *ends;           // owned; stages 0 and pp-1 at pp > 1, else NULL
     int gpus_per_node;    // ranks per node: the config's value, or the most ranks MPI reports on a host
     int node;             // this rank's node, 0 .. n_nodes-1
     int n_nodes;

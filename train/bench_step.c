@@ -60,7 +60,6 @@ static int bench_precision(const char *job, const char **overrides, int n_overri
     int rc = 1;
     TrainState ts;
     memset(&ts, 0, sizeof ts);
-    StepOp *ops = NULL;
     const int B = cfg->train.micro_batch_size, T = cfg->train.seq_len, A = cfg->train.grad_accum;
     Device dev;
     printf("\n# bench step: precision %s\n", mode);
@@ -71,11 +70,6 @@ static int bench_precision(const char *job, const char **overrides, int n_overri
         goto done;
     }
     Model *m = &ts.model;
-    if (!(ops = malloc((size_t)2 * A * sizeof *ops))) {
-        fprintf(stderr, "fp8moe: out of host memory for the step's %d ops\n", 2 * A);
-        goto done;
-    }
-    const int n_ops = step_ops_one_process(ops, 2 * A, A);
     *out = (StepBench){.steps = steps, .tokens_per_step = ts.tokens_per_step,
                        .flops_per_token = model_flops_per_token(m, T), .dev = dev};
     printf("bench step: %lld parameters, %d x %d x %d tokens per step, %d warm-up + %d timed steps\n",
@@ -89,7 +83,7 @@ static int bench_precision(const char *job, const char **overrides, int n_overri
         profile_step_collect(phase_s);  // waits for the device: the step starts from idle
         const double t0 = now_s();
         StepResult sr;
-        if (train_step(&ts, ops, n_ops, &sr, err, sizeof err) != 0) {
+        if (train_step(&ts, &sr, err, sizeof err) != 0) {
             fprintf(stderr, "fp8moe: bench step (%s): %s\n", mode, err);
             goto done;
         }
@@ -103,7 +97,6 @@ static int bench_precision(const char *job, const char **overrides, int n_overri
     rc = 0;
 done:
     profile_enable(dev, 0);
-    free(ops);
     train_state_free(&ts);
     free(cfg);
     return rc;

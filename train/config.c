@@ -17,6 +17,7 @@
 
 #include "kernels/kernels.h"  // FP8_MAX_SEGMENTS
 #include "parallel/groups.h"   // layout_make
+#include "parallel/schedule.h" // SchedKind, which PipelineSchedule mirrors
 #include "train/model.h"      // MTP_MAX_DEPTH
 
 #include <errno.h>
@@ -76,6 +77,10 @@ static const char *const precision_words[] = {"fp32", "bf16", "fp8", NULL};
 static const char *const schedule_words[] = {"cosine", "wsd", NULL};
 static const char *const device_words[] = {"auto", "cpu", "cuda", NULL};
 static const char *const backend_words[] = {"auto", "mpi", "nccl", NULL};
+static const char *const pipeline_words[] = {"1f1b", "zb1p", "dualpipe", "dualpipev", NULL};
+_Static_assert((int)PIPE_1F1B == (int)SCHED_1F1B && (int)PIPE_ZB1P == (int)SCHED_ZB1P &&
+                   (int)PIPE_DUALPIPE == (int)SCHED_DUALPIPE && (int)PIPE_DUALPIPEV == (int)SCHED_DUALPIPEV,
+               "PipelineSchedule (config.h) and SchedKind (parallel/schedule.h) must list the schedules in one order");
 
 typedef struct {
     const char *name;
@@ -88,8 +93,7 @@ static const ConfigSection section_table[] = {
     {"mtp", "Multi-token prediction modules."},
     {"precision", "Number format of the Linear layers inside blocks."},
     {"parallel", "Parallel layout: world = pp * dp ranks; EP groups of ep ranks are formed inside dp (docs/parallelism.md). "
-                 "Data and expert parallel train under mpirun (pp * dp ranks); pipeline parallel (pp above 1) is refused "
-                 "in this build."},
+                 "Pipeline, data and expert parallel train under mpirun (pp * dp ranks)."},
     {"optim", "AdamW and the learning-rate schedule."},
     {"train", "Steps, batch shape, seed and device."},
     {"data", "Training text and token shards."},
@@ -136,7 +140,12 @@ static const ConfigKey key_table[] = {
     {"precision", "bf16_wgrad", KEY_BOOL, OFF_INT(precision.bf16_wgrad), 0, 0, 0, 0, "false", NULL, 0,
      "fp8 mode: run the weight-gradient GEMMs (dW = dY^T X) in BF16 (a diagnostic, docs/fp8.md)"},
 
-    INT(parallel, pp, 1, 4096, "1", "pipeline-parallel stages"),
+    INT(parallel, pp, 1, 4096, "1", "pipeline-parallel stages (at most model.n_layers; layers split as evenly as the "
+        "count allows, the first stages one more)"),
+    ENUM(parallel, schedule, PipelineSchedule, pipeline_words, "1f1b",
+         "pipeline schedule at pp above 1, over the step's train.grad_accum micro-batches: 1f1b, or zb1p (its I and "
+         "W ops run as full backwards: the same gradients, not yet the zero-bubble timing); dualpipe and dualpipev "
+         "(two chunks per rank) are not run by this build's executor (docs/parallelism.md)"),
     INT(parallel, ep, 1, 65536, "1", "expert-parallel ranks; divides dp and moe.n_routed_experts"),
     INT(parallel, dp, 1, 65536, "1", "data-parallel ranks per pipeline stage"),
     ENUM(parallel, backend, ParallelBackend, backend_words, "auto",
@@ -894,11 +903,17 @@ static int check_config(ParseState *st) {
     }
     if (check_sizes(st) != 0) return -1;
     // Last, so that a layout that could never work is named for what is wrong with it first.
-    // Data and expert parallel run (parallel.dp, parallel.ep, under mpirun); pipeline parallel does not yet.
-    if (p->pp != 1) {
+    if (p->pp > c->model.n_layers) {
         format_origin(st, KEY_INDEX(parallel, pp), at, sizeof at);
-        fail(st, "%s: parallel.pp: %d pipeline stages - expected 1: this build trains data and expert parallel "
-                 "(parallel.dp, parallel.ep); pipeline parallelism comes in a later release", at, p->pp);
+        fail(st, "%s: parallel.pp: %d pipeline stages for model.n_layers = %d - expected at most one stage per layer",
+             at, p->pp, c->model.n_layers);
+        return -1;
+    }
+    if (p->pp > 1 && (p->schedule == PIPE_DUALPIPE || p->schedule == PIPE_DUALPIPEV)) {
+        format_origin(st, KEY_INDEX(parallel, schedule), at, sizeof at);
+        fail(st, "%s: parallel.schedule: %s needs two model chunks per rank, which this build's executor does not run "
+                 "yet - expected 1f1b or zb1p at parallel.pp = %d (`fp8moe schedule --kind %s` shows its op lists)", at,
+             pipeline_words[p->schedule], p->pp, pipeline_words[p->schedule]);
         return -1;
     }
     return 0;

@@ -57,8 +57,11 @@ typedef struct {
 } PrecisionConfig;
 
 typedef enum { PARALLEL_BACKEND_AUTO = 0, PARALLEL_BACKEND_MPI = 1, PARALLEL_BACKEND_NCCL = 2 } ParallelBackend;
+// The pipeline schedules, in the order of parallel/schedule.h's SchedKind (config.c checks that they agree).
+typedef enum { PIPE_1F1B = 0, PIPE_ZB1P = 1, PIPE_DUALPIPE = 2, PIPE_DUALPIPEV = 3 } PipelineSchedule;
 typedef struct {
     int pp;                   // pipeline stages
+    PipelineSchedule schedule;  // the pipeline schedule of pp > 1 (its micro-batches: train.grad_accum)
     int ep;                   // expert-parallel ranks
     int dp;                   // data-parallel ranks
     ParallelBackend backend;  // auto: NCCL for GPU ranks when the build has it, else MPI

@@ -1,5 +1,6 @@
 /*
- * step.c - train_step: a step's op list, then norm, clip, AdamW and the bias update (see step.h).
+ * step.c - train_step: a step's op list (its compute ops and the pipeline's messages), then norm, clip,
+ * AdamW and the bias update (see step.h).
  *
  * The order of the arithmetic is that of the trainer before this file existed, op for op, so the
  * bits of every one-process run are unchanged: zero the gradients, count loads during the forwards,
@@ -18,19 +19,33 @@
 #include "optim/clip.h"
 #include "optim/lr_schedule.h"
 
-int step_ops_one_process(StepOp *ops, int max_ops, int grad_accum) {
-    if (2 * grad_accum > max_ops) return -1;
-    for (int mb = 0; mb < grad_accum; mb++) {
-        ops[2 * mb] = (StepOp){STEP_FORWARD, 0, mb};
-        ops[2 * mb + 1] = (StepOp){STEP_BACKWARD, 0, mb};
+enum { PIPE_TAG = 1 };  // the tag of the boundary tensors on the pp group (one FIFO per pair of ranks)
+
+// Posts one message op on the pp group: the boundary tensor of its slot (step_plan.h).
+static void post_message(TrainState *ts, const StepOp *op, size_t bytes, CommRequest *req) {
+    const ActSlot *sl = &ts->slots[op->slot];
+    switch (op->kind) {
+    case STEP_SEND_ACTIVATION: comm_isend_bytes(ts->pp, sl->out, bytes, op->peer, PIPE_TAG, req); break;
+    case STEP_RECV_ACTIVATION: comm_irecv_bytes(ts->pp, sl->in, bytes, op->peer, PIPE_TAG, req); break;
+    case STEP_SEND_GRADIENT: comm_isend_bytes(ts->pp, sl->din, bytes, op->peer, PIPE_TAG, req); break;
+    case STEP_RECV_GRADIENT: comm_irecv_bytes(ts->pp, sl->dout, bytes, op->peer, PIPE_TAG, req); break;
+    default: break;
     }
-    return 2 * grad_accum;
 }
 
-int train_step(TrainState *ts, const StepOp *ops, int n_ops, StepResult *out, char *err, size_t err_size) {
+// The sum of squares of grads[lo, lo + n) without the elements [x0, x0 + xn) (xn = 0: none).
+static double sum_squares_outside(Device dev, const real *grads, int64_t lo, int64_t n, int64_t x0, int64_t xn) {
+    const int64_t hi = lo + n, a = x0 > lo ? x0 : lo, b = x0 + xn < hi ? x0 + xn : hi;
+    if (xn == 0 || b <= a) return sum_squares(dev, grads + lo, n);
+    return sum_squares(dev, grads + lo, a - lo) + sum_squares(dev, grads + b, hi - b);
+}
+
+int train_step(TrainState *ts, StepResult *out, char *err, size_t err_size) {
     Model *m = &ts->model;
     Batch *bt = &ts->batch;
     const Config *cfg = ts->cfg;
+    const StepOp *ops = ts->plan.ops;
+    const int n_ops = ts->plan.n_ops;
     const int A = cfg->train.grad_accum, s = ts->step + 1;  // s: 1-based, as logs and AdamW count
     const int dp = ts->dp->size;
     // every backward's loss terms are scaled by 1/(micro-batches of the global batch), so the dp sum of the
@@ -38,28 +53,47 @@ int train_step(TrainState *ts, const StepOp *ops, int n_ops, StepResult *out, ch
     const real loss_scale = (real)(1.0 / ((double)A * dp));
     const int64_t n_elems = m->n_dense_elems + m->n_expert_elems;
     const int64_t fp8_gemms_before = m->rc.fp8_gemm_count;
+    const ChunkSpec *cs = &m->chunks[0];
+    const size_t boundary_bytes = (size_t)bt->B * bt->T * m->cfg.model.dim * sizeof(real);
     double loss_sum = 0, mtp_sum = 0, bal_sum = 0;
-    int live = -1;  // the micro-batch whose activations ts->acts holds
     int bad_mb = -1;  // the first micro-batch whose loss was not finite
     LossTerms bad = {0};
+    int forwards = 0;  // forwards run: the next forward's micro-batch is the loader's next batch
+    int holds[ts->plan.n_slots];  // the micro-batch whose activations each slot holds, or -1
+    CommRequest reqs[n_ops > 0 ? n_ops : 1];
+    int n_reqs = 0;
+    for (int k = 0; k < ts->plan.n_slots; k++) holds[k] = -1;
     model_zero_grads(m);
     ep_traffic_reset(&m->ep);
     m->count_load = 1;
-    // a non-finite loss skips the rest of the ops (see below), except under expert parallelism, whose
-    // forwards and backwards exchange rows with the other ranks of the EP group: those must all run
-    const int may_skip = m->ep.ep_size == 1;
+    // a non-finite loss skips the rest of the ops (see below), except when other ranks exchange rows or boundary
+    // tensors with this one during the ops (expert or pipeline parallel): those must all run
+    const int may_skip = m->ep.ep_size == 1 && ts->pp->size == 1;
     for (int i = 0; i < n_ops && (bad_mb < 0 || !may_skip); i++) {
         const StepOp *op = &ops[i];
-        if (op->chunk != 0 || op->micro_batch < 0 || op->micro_batch >= A) {
-            snprintf(err, err_size, "step %d: op %d (chunk %d, micro-batch %d) is outside this model's chunk 0 and "
-                     "micro-batches 0..%d", s, i, op->chunk, op->micro_batch, A - 1);
+        char name[32];
+        step_op_format(op, name, sizeof name);
+        if (op->chunk != 0 || op->micro_batch < 0 || op->micro_batch >= A || op->slot < 0 ||
+            op->slot >= ts->plan.n_slots) {
+            snprintf(err, err_size, "step %d: op %d (%s, chunk %d, slot %d) is outside this model's chunk 0, micro-batches "
+                     "0..%d and %d slots", s, i, name, op->chunk, op->slot, A - 1, ts->plan.n_slots);
             m->count_load = 0;
             return -1;
         }
-        if (op->kind == STEP_FORWARD) {
-            if (live >= 0) {
-                snprintf(err, err_size, "step %d: op %d forwards micro-batch %d while %d awaits its backward; this "
-                         "state keeps one set of activations", s, i, op->micro_batch, live);
+        ActSlot *sl = &ts->slots[op->slot];
+        if (op->kind != STEP_FORWARD && op->kind != STEP_BACKWARD) {
+            // a batch of messages: posted together, waited for before the next compute op
+            post_message(ts, op, boundary_bytes, &reqs[n_reqs++]);
+            const int batch_ends = i + 1 == n_ops || ops[i + 1].kind == STEP_FORWARD || ops[i + 1].kind == STEP_BACKWARD;
+            if (batch_ends) {
+                for (int r = 0; r < n_reqs; r++) comm_wait(&reqs[r]);
+                n_reqs = 0;
+            }
+        } else if (op->kind == STEP_FORWARD) {
+            if (holds[op->slot] >= 0 || op->micro_batch != forwards) {
+                snprintf(err, err_size, "step %d: op %d (%s): %s", s, i, name, holds[op->slot] >= 0 ?
+                         "its slot still holds a micro-batch awaiting its backward" :
+                         "forwards must run in micro-batch order (the loader's)");
                 m->count_load = 0;
                 return -1;
             }
@@ -69,27 +103,30 @@ int train_step(TrainState *ts, const StepOp *ops, int n_ops, StepResult *out, ch
                 return -1;
             }
             train_split_batch(bt->rows, bt->rows, bt->B, bt->T, bt->inputs, bt->targets);
-            real weighted = chunk_forward(m, 0, ts->acts, bt->inputs, bt->targets, NULL, NULL);
-            LossTerms lt = chunk_losses(ts->acts);
-            // A non-finite loss ends the step at the agreement below, which every data-parallel rank reaches,
-            // so all ranks stop at the same step. At ep = 1 the rest of this rank's ops is skipped: a backward
-            // from a non-finite loss has nothing to give.
+            real weighted = chunk_forward(m, 0, sl->acts, bt->inputs, bt->targets, cs->has_embedding ? NULL : sl->in,
+                                          cs->has_head ? NULL : sl->out);
+            LossTerms lt = chunk_losses(sl->acts);
+            // A non-finite loss ends the step at the agreement below, which every rank reaches, so all ranks stop
+            // at the same step. In one process the rest of the ops is skipped: a backward from a non-finite loss
+            // has nothing to give.
             if (bad_mb < 0 &&
                 (!isfinite((double)weighted) || !isfinite(lt.main) || !isfinite(lt.mtp_mean) || !isfinite(lt.balance)))
                 bad_mb = op->micro_batch, bad = lt;
             loss_sum += lt.main;
             mtp_sum += lt.mtp_mean;
             bal_sum += lt.balance;
-            live = op->micro_batch;
+            holds[op->slot] = op->micro_batch;
+            forwards++;
         } else {
-            if (live != op->micro_batch) {
-                snprintf(err, err_size, "step %d: op %d runs the backward of micro-batch %d, whose forward is not the "
-                         "last one run", s, i, op->micro_batch);
+            if (holds[op->slot] != op->micro_batch) {
+                snprintf(err, err_size, "step %d: op %d (%s) runs the backward of micro-batch %d, whose forward is not "
+                         "held in its slot", s, i, name, op->micro_batch);
                 m->count_load = 0;
                 return -1;
             }
-            chunk_backward(m, 0, ts->acts, NULL, NULL, loss_scale);
-            live = -1;
+            chunk_backward(m, 0, sl->acts, cs->has_head ? NULL : sl->dout, cs->has_embedding ? NULL : sl->din,
+                           loss_scale);
+            holds[op->slot] = -1;
         }
     }
     m->count_load = 0;
@@ -99,25 +136,27 @@ int train_step(TrainState *ts, const StepOp *ops, int n_ops, StepResult *out, ch
     const int fp8_bad = fp8_check_finite(ts->dev, why, sizeof why) != 0;
     double agreed[7] = {loss_sum, mtp_sum, bal_sum, bad_mb >= 0, fp8_bad, (double)m->ep.rows_within_node,
                         (double)m->ep.rows_across_nodes};
-    comm_allreduce_sum_double(ts->dp, agreed, 7);
+    comm_allreduce_sum_double(ts->world, agreed, 7);
     double max_nodes = m->ep.max_nodes_per_token;
-    if (m->ep.node_of_ep_rank) comm_allreduce_max_double(ts->dp, &max_nodes, 1);
+    if (m->ep.node_of_ep_rank) comm_allreduce_max_double(ts->world, &max_nodes, 1);
     if (agreed[3] > 0) {
         if (bad_mb >= 0)
             snprintf(err, err_size, "step %d, micro-batch %d: the loss is not finite (loss %g, mtp %g, bal %g); "
                      "stopping. Lower optim.lr or check the data.", s, bad_mb + 1, bad.main, bad.mtp_mean, bad.balance);
         else
-            snprintf(err, err_size, "step %d: the loss is not finite on another data-parallel rank; stopping", s);
+            snprintf(err, err_size, "step %d: the loss is not finite on another rank; stopping", s);
         return -1;
     }
     if (agreed[4] > 0) {
         if (fp8_bad) snprintf(err, err_size, "step %d: FP8 quantisation met a non-finite value: %s; stopping", s, why);
-        else snprintf(err, err_size, "step %d: FP8 quantisation met a non-finite value on another data-parallel rank; "
-                      "stopping", s);
+        else snprintf(err, err_size, "step %d: FP8 quantisation met a non-finite value on another rank; stopping", s);
         return -1;
     }
     const int n_mb = A * dp;
     loss_sum = agreed[0], mtp_sum = agreed[1], bal_sum = agreed[2];
+    // the embedding's two copies at the ends of a pipeline (MTP on): the first stage's gradient plus the last's
+    const ParamInfo *embed = ts->ends ? model_find_param(m, "embed.weight") : NULL;
+    if (embed) comm_allreduce_sum_real(ts->ends, m->grads + embed->offset, embed->numel);
     // gradients: the non-expert part over dp, the routed experts over their replicas (edp), in rank order;
     // with ZeRO-1 reduce-scattered, each rank keeping the sum of its shard (the same bits as the all-reduce's)
     for (int k = 0; k < 2; k++) {
@@ -127,17 +166,22 @@ int train_step(TrainState *ts, const StepOp *ops, int n_ops, StepResult *out, ch
     }
     profile_begin(PHASE_OPTIMIZER);
     double gnorm;
-    if (!ts->zero1 && m->ep.ep_size == 1) {  // every gradient is here: one call, the bits of one process
+    if (!ts->zero1 && m->ep.ep_size == 1 && ts->pp->size == 1) {  // every gradient is here: the bits of one process
         gnorm = grad_global_norm(ts->dev, m->grads, n_elems);
     } else {  // the squares of this rank's elements summed over the ranks that hold the others, in rank order
+        // the last stage's copy of the embedding is not counted: the first stage's holds the same gradient
+        const int skip_embed = embed && ts->ends->rank == 1;
         double sq[2];
         for (int k = 0; k < 2; k++) {
             const TrainedRegion *r = &ts->regions[k];
-            sq[k] = sum_squares(ts->dev, m->grads + r->lo, r->n);
+            sq[k] = sum_squares_outside(ts->dev, m->grads, r->lo, r->n, skip_embed ? embed->offset : 0,
+                                        skip_embed ? embed->numel : 0);
             if (ts->zero1) comm_allreduce_sum_double(r->group, &sq[k], 1);
         }
         comm_allreduce_sum_double(m->ep.comm, &sq[REGION_EXPERTS], 1);  // the other experts: the EP group
-        gnorm = grad_norm_from_sum_squares(sq[REGION_DENSE] + sq[REGION_EXPERTS]);
+        double total = sq[REGION_DENSE] + sq[REGION_EXPERTS];
+        comm_allreduce_sum_double(ts->pp, &total, 1);  // the other stages
+        gnorm = grad_norm_from_sum_squares(total);
     }
     if (!isfinite(gnorm)) {  // the same reduced gradients on every rank: every rank stops here
         profile_end(PHASE_OPTIMIZER);
@@ -154,8 +198,9 @@ int train_step(TrainState *ts, const StepOp *ops, int n_ops, StepResult *out, ch
     }
     model_weights_changed(m);
     profile_end(PHASE_OPTIMIZER);
-    // every rank that routed distinct tokens adds its counts, so every rank applies the same bias update
-    model_reduce_load(m, ts->dp);
+    // every rank that routed distinct tokens adds its counts (each stage those of its own layers, the others'
+    // counts being zero), so every rank applies the same bias update to every layer
+    model_reduce_load(m, ts->world);
     const double worst_load = model_update_router_bias(m);
     ts->step = s;
     *out = (StepResult){.loss = loss_sum / n_mb, .mtp = mtp_sum / n_mb, .balance = bal_sum / n_mb, .grad_norm = gnorm,

@@ -3,9 +3,21 @@
  * then the gradient norm, clipping, AdamW, the weights-changed notice and the expert-bias update.
  *
  * Every caller that trains (fp8moe train, fp8moe bench step, the tests) runs its steps through
- * train_step, so the step's arithmetic exists once. The op list is data: one process runs
- * F0 B0 F1 B1 ... over the step's grad_accum micro-batches (step_ops_one_process); the pipeline
- * schedules of later issues hand their own lists to the same function.
+ * train_step, so the step's arithmetic exists once. The op list is data, the state's plan
+ * (train/step_plan.h, made when the state is built): one process runs F0 B0 F1 B1 ... over the step's
+ * grad_accum micro-batches; a pipeline rank runs its ops of the schedule (parallel.schedule), whose
+ * message ops send and receive the boundary tensors over the pp group. A batch of consecutive message
+ * ops is posted at once (nonblocking) and waited for before the next compute op.
+ *
+ * Pipeline parallel (TrainState.pp, .ends; parallel.pp > 1): every stage reads the same micro-batches (the
+ * first needs the tokens, the last the targets), so a pp group's loaders stay in step. The loss terms
+ * live on the last stage and the balance terms on every stage: the agreement sums them over the world
+ * (in world rank order, which at pp = 1 is the dp order). When MTP is on, the last stage holds its own copy
+ * of the embedding; the two copies' gradients are summed over the ends group (first stage's, then the
+ * last's) before the dp reduction, so both copies take the same update, and the grad norm counts the
+ * embedding once (the first stage's). The norm sums every stage's squares over pp; the expert loads are
+ * summed over the world, each stage contributing its own layers' counts, so every rank applies the same
+ * bias update to every layer.
  *
  * Data parallel (TrainState.dp, .edp; both the single-process group in one process, where every sum
  * is the identity): each rank runs the ops on its own micro-batches, every backward scales its loss by
@@ -27,18 +39,6 @@
 
 #include "train/train_state.h"
 
-typedef enum { STEP_FORWARD, STEP_BACKWARD } StepOpKind;
-
-typedef struct {
-    StepOpKind kind;
-    int chunk;        // chunk of this process's model
-    int micro_batch;  // 0 .. grad_accum - 1 within the step
-} StepOp;
-
-// F0 B0 F1 B1 ... F(A-1) B(A-1) on chunk 0: 2 * grad_accum ops into ops (room for max_ops).
-// Returns the count, or -1 when max_ops is too small.
-int step_ops_one_process(StepOp *ops, int max_ops, int grad_accum);
-
 typedef struct {
     double loss, mtp, balance;  // means over the global batch's micro-batches (unweighted terms, as logged)
     double grad_norm;           // global L2 norm before clipping
@@ -50,11 +50,11 @@ typedef struct {
     int max_nodes_per_token;
 } StepResult;
 
-// Runs one step of ts: the ops (each micro-batch's forward before its backward; with the state's one
-// set of activations, each backward must follow its own forward directly), then the update. On
-// success ts->step is one higher and *out filled. Returns 0, or -1 with err naming the step and what
-// went wrong (no batch from the loader, a non-finite loss, FP8 quantisation or gradient norm), the
-// weights then being those before the step's update.
-int train_step(TrainState *ts, const StepOp *ops, int n_ops, StepResult *out, char *err, size_t err_size);
+// Runs one step of ts: the ops of ts->plan (each micro-batch's forward before its backward, forwards in
+// micro-batch order), then the update. Collective over the world. On success ts->step is one higher and
+// *out filled. Returns 0, or -1 with err naming the step and what went wrong (no batch from the loader, a
+// non-finite loss, FP8 quantisation or gradient norm, an op list the state cannot run), the weights then
+// being those before the step's update.
+int train_step(TrainState *ts, StepResult *out, char *err, size_t err_size);
 
 #endif

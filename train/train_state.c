@@ -213,6 +213,50 @@ static int region_init(TrainedRegion *r, const Config *cfg, Device dev, int64_t 
     return 0;
 }
 
+// ---------------------------------------------------------------------------- the step's plan
+
+// The step's op list (one process, or this pp rank's ops of parallel.schedule over train.grad_accum
+// micro-batches, validated) and the activation slots it uses, each with the boundary tensors this stage
+// exchanges.
+static int make_plan(TrainState *ts, const Config *cfg, char *err, size_t err_size) {
+    const int A = cfg->train.grad_accum, P = ts->pp->size, stage = ts->pp->rank;
+    char why[512];
+    if (P == 1) {
+        if (step_plan_one_process(&ts->plan, A, why, sizeof why) != 0) {
+            snprintf(err, err_size, "%s: train.grad_accum: %s", cfg->path, why);
+            return -1;
+        }
+    } else {
+        Schedule sched;
+        const SchedKind kind = (SchedKind)cfg->parallel.schedule;
+        if (schedule_build(&sched, kind, P, A, why, sizeof why) != 0 || schedule_validate(&sched, why, sizeof why) != 0 ||
+            step_plan_pipeline(&ts->plan, &sched, stage, why, sizeof why) != 0) {
+            snprintf(err, err_size, "%s: parallel.schedule = %s, parallel.pp = %d, train.grad_accum = %d: %s", cfg->path,
+                     schedule_kind_name(kind), P, A, why);
+            schedule_free(&sched);
+            return -1;
+        }
+        schedule_free(&sched);
+    }
+    if (!(ts->slots = calloc((size_t)ts->plan.n_slots, sizeof *ts->slots))) {
+        snprintf(err, err_size, "out of memory for %d activation slots", ts->plan.n_slots);
+        return -1;
+    }
+    const size_t bytes = (size_t)cfg->train.micro_batch_size * cfg->train.seq_len * cfg->model.dim * sizeof(real);
+    for (int k = 0; k < ts->plan.n_slots; k++) {
+        ActSlot *sl = &ts->slots[k];
+        if (!(sl->acts = chunk_acts_create(&ts->model, 0, cfg->train.micro_batch_size, cfg->train.seq_len))) {
+            snprintf(err, err_size, "out of memory for the activations of %d x %d tokens (slot %d of %d)",
+                     cfg->train.micro_batch_size, cfg->train.seq_len, k + 1, ts->plan.n_slots);
+            return -1;
+        }
+        if (stage > 0) sl->in = device_alloc(ts->dev, bytes), sl->din = device_alloc(ts->dev, bytes);
+        if (stage < P - 1) sl->out = device_alloc(ts->dev, bytes), sl->dout = device_alloc(ts->dev, bytes);
+    }
+    ts->acts = ts->slots[0].acts;
+    return 0;
+}
+
 // ---------------------------------------------------------------------------- create / free
 
 int all_ranks_ok(Comm *world, int ok) {
@@ -228,6 +272,8 @@ int train_state_create(TrainState *ts, const Config *cfg, Device dev, const Grou
     ts->dev = dev;
     ts->total_steps = total_steps;
     Comm *world = groups ? groups->world : comm_world_single();
+    ts->world = world;
+    ts->pp = groups ? groups->pp : comm_world_single();
     ts->dp = groups ? groups->dp : comm_world_single();
     ts->edp = groups ? groups->edp : comm_world_single();
     const int B = cfg->train.micro_batch_size, T = cfg->train.seq_len;
@@ -253,11 +299,12 @@ int train_state_create(TrainState *ts, const Config *cfg, Device dev, const Grou
         snprintf(err, err_size, "data: %s", opened ? "opening the data failed on another rank" : why);
         return -1;
     }
-    // this rank's part of the model: every layer, and its EP group's share of the routed experts
+    // this rank's part of the model: its stage's layers, and its EP group's share of the routed experts
     Placement pl = placement_whole(cfg);
     Comm *ep = groups ? groups->ep : comm_world_single();
     const int per_rank = cfg->moe.n_routed_experts / ep->size;
-    if ((ep->size > 1 && placement_set_experts(cfg, &pl, ep->rank * per_rank, per_rank, why, sizeof why) != 0) ||
+    if ((ts->pp->size > 1 && placement_stage(cfg, ts->pp->rank, ts->pp->size, &pl, why, sizeof why) != 0) ||
+        (ep->size > 1 && placement_set_experts(cfg, &pl, ep->rank * per_rank, per_rank, why, sizeof why) != 0) ||
         model_create_placement(&ts->model, cfg, dev, &pl, why, sizeof why) != 0) {
         snprintf(err, err_size, "%s: model: %s", cfg->path, why);
         return -1;
@@ -290,14 +337,16 @@ int train_state_create(TrainState *ts, const Config *cfg, Device dev, const Grou
         }
     }
     free(all);
-    ts->acts = chunk_acts_create(&ts->model, 0, B, T);
+    // both ends of a pipeline hold the embedding when MTP is on (model.h Placement)
+    if (groups && groups->ends && ts->model.placement.has_embedding) ts->ends = groups->ends;
+    if (make_plan(ts, cfg, err, err_size) != 0) return -1;
     Batch *bt = &ts->batch;
     *bt = (Batch){.B = B, .T = T};
     bt->rows = malloc((size_t)B * (T + 1) * sizeof(int));
     bt->labels = malloc((size_t)B * (T + 1) * sizeof(int));
     bt->inputs = malloc((size_t)B * T * sizeof(int));
     bt->targets = malloc((size_t)B * T * sizeof(int));
-    if (!ts->acts || !bt->rows || !bt->labels || !bt->inputs || !bt->targets) {
+    if (!bt->rows || !bt->labels || !bt->inputs || !bt->targets) {
         snprintf(err, err_size, "out of memory for the activations of %d x %d tokens", B, T);
         return -1;
     }
@@ -315,7 +364,15 @@ void train_state_free(TrainState *ts) {
     free(ts->batch.labels);
     free(ts->batch.inputs);
     free(ts->batch.targets);
-    if (ts->acts) chunk_acts_free(ts->acts);
+    for (int k = 0; ts->slots && k < ts->plan.n_slots; k++) {
+        ActSlot *sl = &ts->slots[k];
+        if (sl->acts) chunk_acts_free(sl->acts);
+        real *bufs[4] = {sl->in, sl->out, sl->dout, sl->din};
+        for (int b = 0; b < 4; b++)
+            if (bufs[b]) device_free(ts->dev, bufs[b]);
+    }
+    free(ts->slots);
+    step_plan_free(&ts->plan);
     if (ts->val_ok) loader_close(&ts->val);
     if (ts->train_ok) loader_close(&ts->train);
     if (ts->model_ok) model_free(&ts->model);

@@ -18,6 +18,7 @@
 #include "parallel/groups.h"
 #include "train/config.h"
 #include "train/model.h"
+#include "train/step_plan.h"
 
 // One micro-batch's token buffers on the host: rows and labels (B, T+1) as the loader returns them,
 // inputs and targets (B, T) as the model takes them (train_split_batch).
@@ -44,6 +45,14 @@ typedef struct {
 
 enum { REGION_DENSE = 0, REGION_EXPERTS = 1 };
 
+// One micro-batch's activations of the rank's chunk and, in a pipeline, its boundary tensors (B*T, D) on the
+// model's device: the input received from the previous stage, the output sent to the next, the output-gradient
+// received from the next, the input-gradient sent to the previous (NULL where the stage has no such neighbour).
+typedef struct {
+    ChunkActs *acts;
+    real *in, *out, *dout, *din;
+} ActSlot;
+
 typedef struct {
     const Config *cfg;
     Device dev;
@@ -51,8 +60,13 @@ typedef struct {
     TrainedRegion regions[2];  // REGION_DENSE, REGION_EXPERTS
     int zero1;                 // parallel.zero1 with dp > 1
     DataLoader train, val;
-    ChunkActs *acts;     // one micro-batch's activations (the one-process op list keeps one live)
+    StepPlan plan;       // the step's ops (train/step_plan.h): one process's F0 B0 F1 B1 ..., or this pp rank's schedule
+    ActSlot *slots;      // plan.n_slots activation slots
+    ChunkActs *acts;     // slot 0's activations (evaluation runs in them)
     Batch batch;
+    Comm *world;         // every rank of the job: the step's agreement and the expert loads (not owned)
+    Comm *pp;            // this rank's pipeline: the boundary tensors, the grad norm (not owned)
+    Comm *ends;          // pp > 1 with MTP on, stages 0 and pp-1: the embedding copies' gradients (NULL otherwise)
     Comm *dp;            // data-parallel group: non-expert gradients, losses, expert loads (not owned)
     Comm *edp;           // the replicas of this rank's experts: their gradients (dp while ep = 1; not owned)
     int step;            // optimizer steps taken
@@ -69,8 +83,9 @@ int train_state_pick_device(const Config *cfg, Device *dev);
 // Builds the state for cfg on dev: the data (data.shards, or data.text prepared into data.cache_dir
 // when not already current, by world rank 0 only; prints what it does), the training loader and, when
 // with_val, the validation loader, each reading this data-parallel rank's part of the order; the model
-// initialised from train.seed, the two trained regions (AdamW and parameter groups of this rank's part or,
-// with parallel.zero1, its shard), one micro-batch's activations and buffers.
+// initialised from train.seed (this rank's stage of parallel.pp and its share of the experts), the two trained
+// regions (AdamW and parameter groups of this rank's part or, with parallel.zero1, its shard), the step's plan
+// (parallel.schedule at pp > 1) and the activation slots it needs, and the batch buffers.
 // groups: the job's process groups (parallel/groups.h), or NULL for one process; the state keeps
 // pointers to its dp and edp groups, so groups must outlive it. total_steps is the LR schedule's length.
 // Collective over the world when groups is given: a failure on any rank fails it on every rank.

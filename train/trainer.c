@@ -87,8 +87,17 @@ static int stop_agreed(Comm *world) {
     return stop > 0;
 }
 
-static EvalMetrics evaluate(Model *m, ChunkActs *acts, DataLoader *val, const Batch *bt, int max_batches,
-                            int step, Comm *world, Comm *dp, int *interrupted) {
+// In a pipeline the stages run each batch's forward one after another: stage s receives its input from s-1
+// and sends its output to s+1 (blocking: evaluation needs no overlap), and the last stage's loss is summed
+// over the world (in world rank order: the other stages add zeros, so this is the dp sum).
+static EvalMetrics evaluate(TrainState *ts, int max_batches, int step, int *interrupted) {
+    Model *m = &ts->model;
+    ChunkActs *acts = ts->acts;
+    DataLoader *val = &ts->val;
+    const Batch *bt = &ts->batch;
+    const ChunkSpec *cs = &m->chunks[0];
+    const ActSlot *sl = &ts->slots[0];
+    const size_t boundary_bytes = (size_t)bt->B * bt->T * m->cfg.model.dim * sizeof(real);
     double t0 = now_s();
     int saved_count_load = m->count_load;
     m->count_load = 0;
@@ -99,16 +108,23 @@ static EvalMetrics evaluate(Model *m, ChunkActs *acts, DataLoader *val, const Ba
     int64_t n_targets_total = 0;
     *interrupted = 0;
     for (int64_t i = 0; i < batches; i++) {
-        if (stop_agreed(world)) {
+        if (stop_agreed(ts->world)) {
             *interrupted = 1;
             break;
         }
         int64_t n_targets = 0;
         if (!loader_next_eval(val, bt->rows, bt->labels, &n_targets)) break;
-        // pure padding rows: skipped, except under expert parallelism, whose forward the EP group runs together
+        // pure padding rows: skipped (by every stage of a pipeline alike: they read the same rows), except under
+        // expert parallelism, whose forward the EP group runs together
         if (n_targets == 0 && m->ep.ep_size == 1) continue;
         train_split_batch(bt->rows, bt->labels, bt->B, bt->T, bt->inputs, bt->targets);
-        chunk_forward(m, 0, acts, bt->inputs, bt->targets, NULL, NULL);
+        if (!cs->has_embedding) comm_recv_bytes(ts->pp, sl->in, boundary_bytes, ts->pp->rank - 1, 0);
+        chunk_forward(m, 0, acts, bt->inputs, bt->targets, cs->has_embedding ? NULL : sl->in,
+                      cs->has_head ? NULL : sl->out);
+        if (!cs->has_head) {
+            comm_send_bytes(ts->pp, sl->out, boundary_bytes, ts->pp->rank + 1, 0);
+            continue;
+        }
         LossTerms lt = chunk_losses(acts);
         if (lt.n_valid == 0) continue;
         loss_sum += lt.main * (double)lt.n_valid;
@@ -116,7 +132,7 @@ static EvalMetrics evaluate(Model *m, ChunkActs *acts, DataLoader *val, const Ba
     }
     m->count_load = saved_count_load;
     double sums[2] = {loss_sum, (double)n_targets_total};  // every dp rank evaluated its part of the pass
-    comm_allreduce_sum_double(dp, sums, 2);
+    comm_allreduce_sum_double(ts->world, sums, 2);
     loss_sum = sums[0], n_targets_total = (int64_t)sums[1];
     EvalMetrics e = {.step = step,
                      .val_loss = n_targets_total ? loss_sum / (double)n_targets_total : NAN,
@@ -134,7 +150,6 @@ typedef struct {
     Comm *world;
     int writes;     // this rank writes the run's outputs (world rank 0; the dp replicas are identical)
     TrainState ts;
-    StepOp *ops;  // the step's op list: F0 B0 F1 B1 ... (step_ops_one_process)
     MetricsLog log;
     RunDir out_dir;
     struct sigaction old_int, old_term;
@@ -149,7 +164,6 @@ static void run_free(Run *r) {
     }
     metrics_close(&r->log);
     run_dir_close(&r->out_dir);
-    free(r->ops);
     train_state_free(&r->ts);
     if (r->groups_ok) groups_free(&r->groups);
 }
@@ -173,11 +187,12 @@ static int make_groups(Run *r, const Config *cfg, Device dev) {
         if (r->world->rank == 0) fprintf(stderr, "fp8moe: %s: %s\n", cfg->path, err);
         return -1;
     }
-    if (pc->ep > 1 && cfg->checkpoint.save_weights) {
+    if ((pc->ep > 1 || pc->pp > 1) && cfg->checkpoint.save_weights) {
         if (r->world->rank == 0)
-            fprintf(stderr, "fp8moe: %s: checkpoint.save_weights with parallel.ep = %d: each rank holds only its "
-                    "experts and weights.h5 is one file of the whole model; sharded checkpoints come with the "
-                    "checkpoint work - set checkpoint.save_weights = false\n", cfg->path, pc->ep);
+            fprintf(stderr, "fp8moe: %s: checkpoint.save_weights with parallel.pp = %d, parallel.ep = %d: each rank "
+                    "holds only its stage's layers and its experts, and weights.h5 is one file of the whole model - "
+                    "set checkpoint.save_weights = false (the sharded checkpoints of checkpoint.every_steps hold "
+                    "every tensor)\n", cfg->path, pc->pp, pc->ep);
         return -1;
     }
     // GPU ranks all use CUDA device 0 and share it: the MPI backend stages their device buffers through pinned
@@ -367,11 +382,6 @@ int trainer_run(const Config *cfg, const char *resume) {
     printf("model: %lld parameters, %lld active per token, %d MoE layers, MTP depth %d\n",
            (long long)model_num_params(m), (long long)model_active_params(m), m->n_moe_layers, cfg->mtp.depth);
     print_rank_memory(ts, world);
-    if (!(r.ops = malloc((size_t)2 * A * sizeof *r.ops))) {
-        fprintf(stderr, "fp8moe: out of host memory for the step's %d ops\n", 2 * A);
-        goto done;
-    }
-    const int n_ops = step_ops_one_process(r.ops, 2 * A, A);
 
     stop_requested = 0;
     saving_weights = 0;
@@ -399,7 +409,7 @@ int trainer_run(const Config *cfg, const char *resume) {
     while (ts->step < total_steps) {
         const double t0 = now_s();
         StepResult sr;
-        if (train_step(ts, r.ops, n_ops, &sr, err, sizeof err) != 0) {
+        if (train_step(ts, &sr, err, sizeof err) != 0) {
             print_error(world, err);
             goto done;
         }
@@ -448,8 +458,7 @@ int trainer_run(const Config *cfg, const char *resume) {
         if (stop) break;
         if (cfg->train.eval_every > 0 && s % cfg->train.eval_every == 0 && s < total_steps) {
             int interrupted;
-            EvalMetrics em = evaluate(m, ts->acts, &ts->val, &ts->batch, cfg->train.eval_batches, s, world, ts->dp,
-                                      &interrupted);
+            EvalMetrics em = evaluate(ts, cfg->train.eval_batches, s, &interrupted);
             last_eval_step = s;
             if (interrupted) {
                 printf("eval step %d: interrupted, not recorded\n", s);
@@ -462,8 +471,7 @@ int trainer_run(const Config *cfg, const char *resume) {
     const int step = ts->step;
     if (!stop_requested && last_eval_step != step) {
         int interrupted;
-        EvalMetrics em = evaluate(m, ts->acts, &ts->val, &ts->batch, cfg->train.eval_batches, step, world, ts->dp,
-                                  &interrupted);
+        EvalMetrics em = evaluate(ts, cfg->train.eval_batches, step, &interrupted);
         if (interrupted) printf("eval step %d: interrupted, not recorded\n", step);
         else if (write_eval(&r, &em, step) != 0) goto done;
     }

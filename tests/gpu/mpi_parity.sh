@@ -7,7 +7,7 @@
 # (gradients reduce-scattered, weights all-gathered on the device) against the same reference, and determinism:
 # the fp8 dp = 2, ep = 2 run twice gives bitwise-identical losses (reductions in rank order, parallel/comm.h).
 #
-# The reference is built as tests/mpi/test_dp_equivalence.c builds it: P ranks of an EP group with B sequences
+# The reference is built as tests/mpi/test_parallel_equivalence.c builds it: P ranks of an EP group with B sequences
 # each read, micro-batch for micro-batch, the consecutive blocks of one process's micro-batch of P x B sequences
 # (data/loader.h), and dispatch fills each expert's segment from source ranks in order, so each expert sees its
 # rows in the order of one process; with dp / ep EP groups, one process takes (dp / ep) x A micro-batches. Here

@@ -3,8 +3,9 @@
 # ranks, test_comm once more as an MPI singleton, the fault tests (tests/mpi/faults.sh; train_faults.sh: a real
 # training job losing a rank to SIGKILL or SIGSTOP, and bad layouts), `fp8moe bench a2a` at 1 and 2 ranks
 # (bench_a2a.sh), then data and expert
-# parallel training against one process (test_dp_equivalence) for dp = 2; dp = 4, ep = 2 (also with ZeRO-1);
-# dp = 4, ep = 4 and dp = 8, ep = 8, and a rank's memory share (rank_memory.sh). Prints one summary line "mpi: N passed, N failed"; exit status is
+# parallel training against one process (test_parallel_equivalence) for dp = 2; dp = 4, ep = 2 (also with ZeRO-1);
+# dp = 4, ep = 4 and dp = 8, ep = 8; pipeline parallel (1f1b, zb1p) at pp = 2, 3, 4, 8, 16, also with dp = 2, ep = 2
+# and ZeRO-1; and a rank's memory share (rank_memory.sh). Prints one summary line "mpi: N passed, N failed"; exit status is
 # non-zero if anything failed. Each mpirun has a 120 s limit, so a hang fails the test instead of CI.
 # Run from the repository root; BUILD names the build directory (default build).
 set -u
@@ -30,7 +31,7 @@ done
 run "faults.sh" bash tests/mpi/faults.sh
 run "train_faults.sh" bash tests/mpi/train_faults.sh
 run "bench_a2a.sh" bash tests/mpi/bench_a2a.sh
-# data and expert parallel against one process (tests/mpi/test_dp_equivalence.c): "ranks ep mode grad_accum";
+# data and expert parallel against one process (tests/mpi/test_parallel_equivalence.c): "ranks ep mode grad_accum";
 # micro_batch_size 4 x seq_len 32 = 128 tokens, one FP8 tile, so the FP8 tiles cover the same rows as in one process
 dp_cache=$(mktemp -d)
 trap 'rm -rf "$dp_cache"' EXIT
@@ -38,8 +39,17 @@ trap 'rm -rf "$dp_cache"' EXIT
 for layout in "2 1 fp32 2 0" "2 1 bf16 2 0" "2 1 fp8 2 0" "4 2 fp32 1 0" "4 2 fp8 1 0" "4 4 fp32 1 0" \
               "4 4 bf16 1 0" "8 8 fp32 1 0" "8 8 fp8 1 0" "4 2 fp32 1 1" "4 2 fp8 1 1"; do
   set -- $layout
-  run "test_dp_equivalence -np $1 ep=$2 $3 zero1=$5" "${MPIRUN[@]}" -np "$1" -x OMP_NUM_THREADS=1 \
-    "$BUILD/mpi/test_dp_equivalence" "$3" "$dp_cache" 20 4 "$4" "$2" 8 4 "$5"
+  run "test_parallel_equivalence -np $1 ep=$2 $3 zero1=$5" "${MPIRUN[@]}" -np "$1" -x OMP_NUM_THREADS=1 \
+    "$BUILD/mpi/test_parallel_equivalence" "$3" "$dp_cache" 20 4 "$4" "$2" 8 4 "$5"
+done
+# pipeline parallel against one process: "ranks pp schedule ep mode grad_accum zero1" (dp = ranks / pp; tiny.ini
+# with at least pp layers, test_parallel_equivalence.c), alone and with data and expert parallel
+for layout in "2 2 1f1b 1 fp32 4 0" "2 2 zb1p 1 fp32 4 0" "3 3 1f1b 1 bf16 3 0" "4 4 1f1b 1 fp32 8 0" \
+              "4 4 zb1p 1 fp8 8 0" "8 8 1f1b 1 fp32 8 0" "8 8 zb1p 1 fp32 8 0" "16 16 1f1b 1 fp32 16 0" \
+              "4 2 1f1b 2 fp32 2 0" "4 2 zb1p 2 fp8 2 0" "8 4 1f1b 2 fp32 4 0" "4 2 1f1b 1 fp32 2 1"; do
+  set -- $layout
+  run "test_parallel_equivalence -np $1 pp=$2 $3 ep=$4 $5 zero1=$7" "${MPIRUN[@]}" -np "$1" -x OMP_NUM_THREADS=1 \
+    "$BUILD/mpi/test_parallel_equivalence" "$5" "$dp_cache" 20 4 "$6" "$4" 8 4 "$7" "$2" "$3"
 done
 run "rank_memory.sh" bash tests/mpi/rank_memory.sh
 run "node_limited.sh" bash tests/mpi/node_limited.sh

@@ -56,11 +56,9 @@ static int load_config(Config *cfg, int dp, int ep, int B, int zero1) {
 
 // n steps into out (may be NULL); returns 0 or -1 (checked).
 static int train(TrainState *ts, int n, StepResult *out) {
-    StepOp ops[2];
-    const int n_ops = step_ops_one_process(ops, 2, 1);
     for (int s = 0; s < n; s++) {
         StepResult r;
-        const int ok = train_step(ts, ops, n_ops, &r, err, sizeof err) == 0;
+        const int ok = train_step(ts, &r, err, sizeof err) == 0;
         CHECK(ok, "step %d: %s", ts->step + 1, err);
         if (!ok) return -1;
         if (out) out[s] = r;

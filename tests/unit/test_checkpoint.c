@@ -60,10 +60,8 @@ static void make_state(TrainState *ts, const Config *cfg) {
 
 // n steps of ts into out[0..n).
 static void train(TrainState *ts, int n, StepResult *out) {
-    StepOp ops[64];
-    const int n_ops = step_ops_one_process(ops, 64, ts->cfg->train.grad_accum);
     for (int s = 0; s < n; s++)
-        if (train_step(ts, ops, n_ops, &out[s], err, sizeof err) != 0) fail_msg("step %d: %s", ts->step + 1, err);
+        if (train_step(ts, &out[s], err, sizeof err) != 0) fail_msg("step %d: %s", ts->step + 1, err);
 }
 
 static uint64_t bits(double x) {

@@ -65,8 +65,9 @@ fi
 run parallel 2 "$BIN" train configs/tiny.ini --set "checkpoint.dir=$TMP/parallel" --set parallel.dp=2 \
   && has parallel err 'parallel.pp \* parallel.dp = 1 \* 2 = 2 ranks, but the job has 1 ranks' \
   && pass "parallel.dp = 2 without mpirun is refused as an invalid job (exit 2), not run as one process"
-run parallel_pp 2 "$BIN" train configs/tiny.ini --set "checkpoint.dir=$TMP/parallel" --set parallel.pp=2 && has parallel_pp err '^--set parallel.pp=2: parallel.pp: ' \
-  && pass "parallel.pp = 2 exits 2 naming the key"
+run parallel_pp 2 "$BIN" train configs/tiny.ini --set "checkpoint.dir=$TMP/parallel" --set parallel.pp=2 \
+  && has parallel_pp err 'parallel.pp \* parallel.dp = 2 \* 1 = 2 ranks, but the job has 1 ranks' \
+  && pass "parallel.pp = 2 without mpirun exits 2 naming the keys"
 # values the trainer would see as 0 in FP32, absurd sizes and a NUL byte: exit 2 before anything runs, keys named
 run eps_fp32 2 "$BIN" train configs/tiny.ini --set "checkpoint.dir=$TMP/eps_fp32" --set train.steps=1 --set optim.eps=1e-46 \
   && has eps_fp32 err '^--set optim.eps=1e-46: optim.eps: "1e-46" is 0 in FP32' && pass "optim.eps = 1e-46 (0 in FP32) is refused"

@@ -1,6 +1,6 @@
 /*
- * test_dp_equivalence.c - data and expert parallel compute the model of one process (issue 19, DESIGN.md
- * section 5).
+ * test_parallel_equivalence.c - pipeline, data and expert parallel compute the model of one process (issues 19
+ * and 20, DESIGN.md sections 5 and 6).
  *
  * Run under mpirun with N ranks and an EP size P (dividing N): every rank builds the TrainState of
  * configs/tiny.ini (8 experts, or EXPERTS) with parallel.dp = N, parallel.ep = P, micro_batch_size B and grad_accum A,
@@ -32,8 +32,16 @@
  * edp): its gradient sums are the same rank-order sums, reduce-scattered; the gradients compared at step 1 are
  * then this rank's shard (the rest of the buffer holds partial sums and is skipped), and the weights, all-gathered
  * after the update, are again bitwise equal on every rank. Only the clip norm is summed in another order.
- * Usage: test_dp_equivalence MODE CACHE_DIR [STEPS] [B] [GRAD_ACCUM] [EP] [EXPERTS GROUPS] [ZERO1]
- * (MODE: fp32, bf16 or fp8; EXPERTS routed experts in GROUPS expert groups, default tiny.ini's 8 in 4)
+ * With PP > 1 the N ranks are PP stages of N / PP dp ranks each, running parallel.schedule = SCHEDULE over their
+ * GRAD_ACCUM micro-batches; each stage holds its layers (and the last the head, the MTP modules and a copy of
+ * the embedding), and each rank checks the gradients of the tensors it holds. Every stage-local tensor sums its
+ * micro-batches in the order of one process, so at dp = 1 every gradient but embed.weight's is bitwise (the last
+ * stage's MTP part of it and the first stage's main part are summed after the step, where one process adds them
+ * micro-batch by micro-batch); the bounds above hold for all of them. The replicas checked bit for bit are then a
+ * stage's dp ranks (and the router biases, the same on every rank of the world).
+ * Usage: test_parallel_equivalence MODE CACHE_DIR [STEPS] [B] [GRAD_ACCUM] [EP] [EXPERTS GROUPS] [ZERO1] [PP SCHEDULE]
+ * (MODE: fp32, bf16 or fp8; EXPERTS routed experts in GROUPS expert groups, default tiny.ini's 8 in 4; SCHEDULE
+ * 1f1b or zb1p)
  */
 #include <math.h>
 #include <stdio.h>
@@ -49,9 +57,12 @@
 // Loads configs/tiny.ini with the test's overrides. Returns 0 or -1 (message printed).
 static int n_experts = 8, n_groups = 4;  // tiny.ini's; the EP64 run passes 64 in 8 groups
 static int zero1;                        // parallel.zero1 of the parallel run
+static int pp = 1;                       // parallel.pp of the parallel run
+static const char *schedule = "1f1b";    // parallel.schedule of the parallel run
 
-static int load_config(Config *cfg, const char *mode, const char *cache, int dp, int ep, int B, int A, int steps) {
-    char o[13][256];
+static int load_config(Config *cfg, const char *mode, const char *cache, int stages, int dp, int ep, int B, int A,
+                       int steps) {
+    char o[16][256];
     snprintf(o[0], sizeof o[0], "precision.mode=%s", mode);
     snprintf(o[1], sizeof o[1], "data.text=tests/data/shakespeare.txt");
     snprintf(o[2], sizeof o[2], "data.cache_dir=%s", cache);
@@ -65,9 +76,14 @@ static int load_config(Config *cfg, const char *mode, const char *cache, int dp,
     snprintf(o[10], sizeof o[10], "moe.n_routed_experts=%d", n_experts);
     snprintf(o[11], sizeof o[11], "moe.n_expert_groups=%d", n_groups);
     snprintf(o[12], sizeof o[12], "parallel.zero1=%s", zero1 && dp > 1 ? "true" : "false");
-    const char *ov[13] = {o[0], o[1], o[2], o[3], o[4], o[5], o[6], o[7], o[8], o[9], o[10], o[11], o[12]};
+    snprintf(o[13], sizeof o[13], "parallel.pp=%d", stages);
+    snprintf(o[14], sizeof o[14], "parallel.schedule=%s", schedule);
+    // at least one layer per stage of the parallel run (tiny.ini has 3), the same model in both runs
+    snprintf(o[15], sizeof o[15], "model.n_layers=%d", pp > 3 ? pp : 3);
+    const char *ov[16];
+    for (int i = 0; i < 16; i++) ov[i] = o[i];
     char err[2048];
-    if (config_load(cfg, "configs/tiny.ini", ov, 13, err, sizeof err) != 0) {
+    if (config_load(cfg, "configs/tiny.ini", ov, 16, err, sizeof err) != 0) {
         fprintf(stderr, "rank %d: %s\n", comm_world()->rank, err);
         return -1;
     }
@@ -89,8 +105,8 @@ static double rel(double a, double b) { return fabs(a - b) / fmax(fabs(b), 1e-30
 int main(int argc, char **argv) {
     comm_init(&argc, &argv);
     if (argc < 3) {
-        fprintf(stderr, "usage: test_dp_equivalence MODE CACHE_DIR [STEPS] [B] [GRAD_ACCUM] [EP] [EXPERTS GROUPS] "
-                "[ZERO1]\n");
+        fprintf(stderr, "usage: test_parallel_equivalence MODE CACHE_DIR [STEPS] [B] [GRAD_ACCUM] [EP] [EXPERTS GROUPS] "
+                "[ZERO1] [PP SCHEDULE]\n");
         comm_finalize();
         return 2;
     }
@@ -99,18 +115,23 @@ int main(int argc, char **argv) {
     const int P = argc > 6 ? atoi(argv[6]) : 1;
     if (argc > 8) n_experts = atoi(argv[7]), n_groups = atoi(argv[8]);
     if (argc > 9) zero1 = atoi(argv[9]);
+    if (argc > 11) pp = atoi(argv[10]), schedule = argv[11];
     Comm *world = comm_world();
-    const int N = world->size;
-    char name[64];
-    snprintf(name, sizeof name, "test_dp_equivalence %s dp=%d ep=%d%s", mode, N, P, zero1 ? " zero1" : "");
+    const int N = world->size / pp;  // dp ranks per stage
+    char name[96];
+    if (pp > 1)
+        snprintf(name, sizeof name, "test_parallel_equivalence %s pp=%d %s dp=%d ep=%d%s", mode, pp, schedule, N, P,
+                 zero1 ? " zero1" : "");
+    else
+        snprintf(name, sizeof name, "test_parallel_equivalence %s dp=%d ep=%d%s", mode, N, P, zero1 ? " zero1" : "");
 
     Config *cfg = calloc(2, sizeof *cfg);
     Groups g;
     char err[2048];
-    if (load_config(&cfg[0], mode, cache, N, P, B, A, steps) != 0 ||
-        load_config(&cfg[1], mode, cache, 1, 1, P * B, N / P * A, steps) != 0)
+    if (load_config(&cfg[0], mode, cache, pp, N, P, B, A, steps) != 0 ||
+        load_config(&cfg[1], mode, cache, 1, 1, 1, P * B, N / P * A, steps) != 0)
         return 1;
-    if (groups_init(&g, world, 1, N, P, 0, err, sizeof err) != 0) {
+    if (groups_init(&g, world, pp, N, P, 0, err, sizeof err) != 0) {
         fprintf(stderr, "rank %d: %s\n", world->rank, err);
         return 1;
     }
@@ -131,9 +152,6 @@ int main(int argc, char **argv) {
     const int64_t n_one = table.n_dense_elems + table.n_expert_elems;
     const int64_t n_bias = (int64_t)m->n_moe_layers * cfg[0].moe.n_routed_experts;
     real *one_grads = malloc((size_t)n_one * sizeof(real));
-    const int A1 = N / P * A;
-    StepOp *ops = malloc((size_t)2 * A * sizeof *ops), *ops_one = malloc((size_t)2 * A1 * sizeof *ops_one);
-    const int n_ops = step_ops_one_process(ops, 2 * A, A), n_ops_one = step_ops_one_process(ops_one, 2 * A1, A1);
     model_zero_load(m);
     if (ref) model_zero_load(&one.model);
     const int share = n_experts / P;
@@ -144,17 +162,18 @@ int main(int argc, char **argv) {
     double worst_loss = 0, worst_grad = 0;
     for (int s = 1; s <= steps; s++) {
         StepResult r_dp, r_one = {0};
-        int step_ok = train_step(&dp, ops, n_ops, &r_dp, err, sizeof err) == 0;
+        int step_ok = train_step(&dp, &r_dp, err, sizeof err) == 0;
         CHECK(step_ok, "dp step %d: %s", s, err);
         if (ref) {
-            int one_ok = train_step(&one, ops_one, n_ops_one, &r_one, err, sizeof err) == 0;
+            int one_ok = train_step(&one, &r_one, err, sizeof err) == 0;
             CHECK(one_ok, "one-process step %d: %s", s, err);
         }
         if (!all_ranks_ok(world, step_ok)) break;
-        // the replicas hold the same bits: non-expert tensors on every rank, experts within their edp group
+        // the replicas hold the same bits: non-expert tensors on every dp rank of a stage, experts within their edp
+        // group, router biases and the step's numbers on every rank
         const size_t dense = (size_t)m->n_dense_elems * sizeof(real), expert = (size_t)m->n_expert_elems * sizeof(real);
-        if (!zero1) CHECK(same_as_rank0(world, m->grads, dense), "step %d: gradients differ from rank 0's", s);
-        CHECK(same_as_rank0(world, m->weights, dense), "step %d: weights differ from rank 0's", s);
+        if (!zero1) CHECK(same_as_rank0(g.dp, m->grads, dense), "step %d: gradients differ from dp rank 0's", s);
+        CHECK(same_as_rank0(g.dp, m->weights, dense), "step %d: weights differ from dp rank 0's", s);
         if (!zero1)
             CHECK(same_as_rank0(g.edp, m->grads + m->n_dense_elems, expert), "step %d: expert gradients differ from "
                   "their replica's", s);
@@ -162,6 +181,10 @@ int main(int argc, char **argv) {
               "their replica's", s);
         CHECK(same_as_rank0(world, m->router_bias, (size_t)n_bias * sizeof(real)), "step %d: router biases differ from "
               "rank 0's", s);
+        const ParamInfo *embed = g.ends && m->placement.has_embedding ? model_find_param(m, "embed.weight") : NULL;
+        if (embed)  // the first and the last stage's copies of the embedding take the same update
+            CHECK(same_as_rank0(g.ends, m->weights + embed->offset, (size_t)embed->numel * sizeof(real)),
+                  "step %d: the last stage's copy of embed.weight differs from the first stage's", s);
         StepResult agreed = r_dp;
         agreed.fp8_gemms = 0;  // a rank's own count: an expert that gets no rows on a rank runs no GEMM there
         CHECK(same_as_rank0(world, &agreed, sizeof agreed), "step %d: the step's result differs from rank 0's", s);
@@ -211,8 +234,6 @@ int main(int argc, char **argv) {
     if (ref)
         printf("%s: %d steps; worst loss relative difference %.3g; step-1 worst gradient difference %.3g of its "
                "tensor's max\n", name, steps, worst_loss, worst_grad);
-    free(ops);
-    free(ops_one);
     free(one_grads);
     model_free(&table);
     if (ref) train_state_free(&one);

@@ -1,0 +1,64 @@
+/*
+ * step_plan.h - the op list one rank runs in a training step (train_step, train/step.h) and the activation
+ * slots it needs: F0 B0 F1 B1 ... in one process, or this pp rank's ops of a pipeline schedule
+ * (parallel/schedule.h) with its activation and gradient messages.
+ *
+ * Why a plan, made once when the state is built: the schedule is the same every step, so which activation
+ * slot each (chunk, micro-batch) uses, and how many slots the rank needs, are decided here, before the first
+ * step, and the step allocates nothing. A slot holds one micro-batch's activations of the chunk (ChunkActs)
+ * and its four boundary tensors (the received input, the output sent on, the received output-gradient, the
+ * input-gradient sent back). A slot is taken by the first op that names its (chunk, micro-batch), a receive
+ * or the forward, and is free again after the backward, or, when the backward's input-gradient is sent,
+ * after the batch of messages that sends it (a batch is a maximal run of message ops, which the executor
+ * posts together and waits for before its next compute op: parallel/schedule.h's batch semantics).
+ *
+ * Mapping from the schedule (parallel/schedule.h "Mapping to the executor"): F -> STEP_FORWARD, B ->
+ * STEP_BACKWARD, SEND / RECV -> the four message kinds. I -> STEP_BACKWARD and W -> nothing: the executor
+ * does not split the backward yet, so an I runs the whole backward of its micro-batch and its W is empty.
+ * The gradients are the same, and in the same order (each stage's I ops, and so its weight-gradient
+ * accumulations, run in micro-batch order, as W's FIFO would); what zb1p's timing gains from the split is
+ * not had yet. Schedules with two chunks per rank (dualpipe, dualpipev) are refused: a rank's model holds
+ * one chunk today.
+ */
+#ifndef FP8MOE_STEP_PLAN_H
+#define FP8MOE_STEP_PLAN_H
+
+#include <stddef.h>
+
+#include "parallel/schedule.h"
+
+typedef enum {
+    STEP_FORWARD,           // forward of the chunk for the micro-batch (the next batch of the loader)
+    STEP_BACKWARD,          // its full backward
+    STEP_SEND_ACTIVATION,   // the forward's output to the next stage's pp rank
+    STEP_RECV_ACTIVATION,   // the forward's input from the previous stage's pp rank
+    STEP_SEND_GRADIENT,     // the backward's input-gradient to the previous stage's pp rank
+    STEP_RECV_GRADIENT,     // the backward's output-gradient from the next stage's pp rank
+} StepOpKind;
+
+typedef struct {
+    StepOpKind kind;
+    int chunk;        // chunk of this process's model (0: a rank holds one)
+    int micro_batch;  // 0 .. grad_accum - 1 within the step, in the loader's order
+    int slot;         // the activation slot the op reads or writes, 0 .. n_slots - 1
+    int peer;         // message ops: the pp rank at the other end; -1 for compute ops
+} StepOp;
+
+typedef struct {
+    StepOp *ops;  // owned
+    int n_ops;
+    int n_slots;  // activation slots the ops use at most at once
+} StepPlan;
+
+// F0 B0 F1 B1 ... F(A-1) B(A-1) on chunk 0, all in slot 0. Returns 0, or -1 with err (grad_accum < 1, or
+// out of memory).
+int step_plan_one_process(StepPlan *p, int grad_accum, char *err, size_t err_size);
+// pp rank `rank`'s ops of schedule s (built for the step's micro-batches), with their slots. Returns 0, or -1
+// with err naming the schedule when it has two chunks per rank.
+int step_plan_pipeline(StepPlan *p, const Schedule *s, int rank, char *err, size_t err_size);
+void step_plan_free(StepPlan *p);
+// "F3", "B3", "sA3>1" (send the activation of micro-batch 3 to pp rank 1), "rA3<0", "sG3>0", "rG3<2": for
+// error messages and tests.
+void step_op_format(const StepOp *op, char *buf, size_t size);
+
+#endif
