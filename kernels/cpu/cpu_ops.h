@@ -94,6 +94,27 @@ void cpu_fp8_gemm_wgrad(real *dw, const uint8_t *qdyt, const float *sdyt, const 
 // when acc_bits = 0): each block's sum, promoted to FP32, acc = acc + (P * sa) * sb; promote = 0: one
 // accumulator over all Kc of the products times sa * sb, rounded to FP32 at the end.
 float cpu_fp8_dot_emulated(const uint8_t *qa, const float *sa, const uint8_t *qb, const float *sb, int Kc, int acc_bits, int promote);
+// fp8.c's finiteness check ("op: input (rows x cols) has the non-finite value v at row r, column c ...", -1) and its
+// encoder dst[i] = e4m3_rne_sat((float)src[i] / s), shared with fp8_pow2.c.
+int cpu_fp8_check_finite(const char *op, const real *x, int rows, int cols, char *err, size_t err_size);
+void cpu_fp8_encode_scaled(uint8_t *dst, const real *src, int n, float s);
+// Power-of-2 tile scales for FP8 expert dispatch (kernels/cpu/fp8_pow2.c, docs/fp8.md "Power-of-2 scales for
+// expert dispatch"); CPU reference only, not yet used by training. s = 2^clamp(ceil(log2(amax / 448)), -126, 119)
+// in exact arithmetic (integer operations on amax's FP32 bits), s = 1 for amax = 0.
+#define FP8_POW2_MIN_EXP (-126)
+#define FP8_POW2_MAX_EXP 119
+float cpu_fp8_pow2_scale_of_amax(float amax);
+// The layouts of fp8_quantize_1x128 (x (rows, K) -> q (R16, Kp), s (KB, R16)) and fp8_quantize_128x1_transposed
+// (x (T, C) -> q (C, Tp), s (TB, C)) with that rule; non-finite input refused as there (-1, err, nothing written).
+int cpu_fp8_quantize_1x128_pow2(uint8_t *q, float *s, const real *x, int rows, int K, char *err, size_t err_size);
+int cpu_fp8_quantize_128x1_transposed_pow2(uint8_t *q, float *s, const real *x, int T, int C, char *err, size_t err_size);
+// A 1x128 power-of-2 operand q1 (R16, Cp), s1 (CB, R16) of T rows (cpu_fp8_quantize_1x128_pow2 of x (T, C), e.g.
+// dispatched rows) -> its 128x1 power-of-2 operand q2 (C, Tp), s2 (TB, C): the values q1 * s1 (exact in FP32)
+// quantised by cpu_fp8_quantize_128x1_transposed_pow2, bit for bit. Lossless except where a value falls into the
+// 128x1 tile's E4M3 subnormals with s2 > s1 (there |error| <= 2^-10 s2). -1 with err, nothing written, when a
+// scale of rows < T is not a power of 2 in [2^-126, 2^119] or a code of the T x C values is a NaN code.
+int cpu_fp8_1x128_to_128x1_transposed_pow2(uint8_t *q2, float *s2, const uint8_t *q1, const float *s1, int T, int C,
+                                           char *err, size_t err_size);
 void cpu_bf16_matmul_forward(real *out, const real *inp, const real *weight, int N, int C, int OC);
 void cpu_bf16_matmul_backward(real *dinp, real *dweight, const real *dout, const real *inp, const real *weight, int N, int C, int OC);
 void cpu_bf16_matmul_forward_bf16(uint16_t *out, const real *inp, const real *weight, int N, int C, int OC);

@@ -278,6 +278,14 @@ int cpu_fp8_quantize_128x1_transposed(uint8_t *q, float *s, const real *x, int T
     return 0;
 }
 
+// The finiteness check and the encoder above, for kernels/cpu/fp8_pow2.c (power-of-2 scales), which uses them
+// as they are instead of repeating them.
+int cpu_fp8_check_finite(const char *op, const real *x, int rows, int cols, char *err, size_t err_size) {
+    return check_finite(op, x, rows, cols, err, err_size);
+}
+
+void cpu_fp8_encode_scaled(uint8_t *dst, const real *src, int n, float s) { encode_scaled(dst, src, n, s); }
+
 // ---------------------------------------------------------------------------- promotion
 // Why a 128-block partial sum of E4M3 products is exact in double: every finite E4M3 value is an
 // integer multiple of 2^-9 (the subnormal step) of magnitude <= 448, i.e. i * 2^-9 with |i| <= 229376
