@@ -169,6 +169,8 @@ int groups_init(Groups *g, Comm *world, int pp, int dp, int ep, int gpus_per_nod
     g->edp = comm_split(world, m->stage * g->layout.ep + m->ep_rank, world->rank, "edp");
     const int is_end = pp > 1 && (m->stage == 0 || m->stage == pp - 1);
     g->ends = comm_split(world, is_end ? m->dp_rank : COMM_UNDEFINED, world->rank, "ends");
+    const int low = m->stage < pp - 1 - m->stage ? m->stage : pp - 1 - m->stage;  // the pair's lower stage
+    g->mirror = comm_split(world, pp > 1 ? m->dp_rank * pp + low : COMM_UNDEFINED, world->rank, "mirror");
     g->node_of_rank = calloc((size_t)world->size, sizeof *g->node_of_rank);
     g->host_of_rank = calloc((size_t)world->size, sizeof *g->host_of_rank);
     if (g->node_of_rank == NULL || g->host_of_rank == NULL) {
@@ -188,6 +190,7 @@ void groups_free(Groups *g) {
     comm_free(g->ep);
     comm_free(g->edp);
     comm_free(g->ends);
+    comm_free(g->mirror);
     free(g->node_of_rank);
     free(g->host_of_rank);
     memset(g, 0, sizeof *g);

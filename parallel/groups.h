@@ -13,6 +13,8 @@
  *   edp group       = the replicas of one set of local experts (expert gradients are reduced over it)
  *   ends group      = pp > 1: the first and the last stage of a pp group (both hold the embedding when MTP is
  *                     on: its two gradients are summed over it); NULL on the other stages and at pp = 1
+ *   mirror group    = pp > 1: stages s and pp-1-s of a pp group (DualPipe puts the same two stages on both:
+ *                     their gradients are summed over it); the middle stage of an odd pp alone; NULL at pp = 1
  * Every group orders its ranks by world rank, so group rank = dp_rank, ep_rank, edp_rank or stage.
  *
  * Nodes: node-limited routing needs every expert group (moe.n_expert_groups) whole on one node. A node
@@ -69,6 +71,7 @@ typedef struct {
     Comm *world;          // not owned
     Comm *pp, *dp, *ep, *edp;  // owned: freed by groups_free
     Comm *ends;           // owned; stages 0 and pp-1 at pp > 1, else NULL
+    Comm *mirror;         // owned; stages s and pp-1-s at pp > 1, else NULL
     int gpus_per_node;    // ranks per node: the config's value, or the most ranks MPI reports on a host
     int node;             // this rank's node, 0 .. n_nodes-1
     int n_nodes;

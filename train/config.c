@@ -143,9 +143,10 @@ static const ConfigKey key_table[] = {
     INT(parallel, pp, 1, 4096, "1", "pipeline-parallel stages (at most model.n_layers; layers split as evenly as the "
         "count allows, the first stages one more)"),
     ENUM(parallel, schedule, PipelineSchedule, pipeline_words, "1f1b",
-         "pipeline schedule at pp above 1, over the step's train.grad_accum micro-batches: 1f1b, or zb1p (its I and "
-         "W ops run as full backwards: the same gradients, not yet the zero-bubble timing); dualpipe and dualpipev "
-         "(two chunks per rank) are not run by this build's executor (docs/parallelism.md)"),
+         "pipeline schedule at pp above 1, over the step's train.grad_accum micro-batches (N): 1f1b; zb1p; dualpipe "
+         "(pp and N even, N >= 2 pp; two copies of every stage); dualpipev (N >= 2 pp; 2 pp stages in a V). The "
+         "executor runs I and W as one full backward and FB as a forward then a backward: the gradients of the "
+         "split, not yet its timing (docs/parallelism.md)"),
     INT(parallel, ep, 1, 65536, "1", "expert-parallel ranks; divides dp and moe.n_routed_experts"),
     INT(parallel, dp, 1, 65536, "1", "data-parallel ranks per pipeline stage"),
     ENUM(parallel, backend, ParallelBackend, backend_words, "auto",
@@ -903,17 +904,17 @@ static int check_config(ParseState *st) {
     }
     if (check_sizes(st) != 0) return -1;
     // Last, so that a layout that could never work is named for what is wrong with it first.
-    if (p->pp > c->model.n_layers) {
+    // dualpipev cuts the model into 2 pp stages (two per rank, the V); the others into pp
+    const int stages = p->pp > 1 && p->schedule == PIPE_DUALPIPEV ? 2 * p->pp : p->pp;
+    if (stages > c->model.n_layers) {
         format_origin(st, KEY_INDEX(parallel, pp), at, sizeof at);
-        fail(st, "%s: parallel.pp: %d pipeline stages for model.n_layers = %d - expected at most one stage per layer",
-             at, p->pp, c->model.n_layers);
-        return -1;
-    }
-    if (p->pp > 1 && (p->schedule == PIPE_DUALPIPE || p->schedule == PIPE_DUALPIPEV)) {
-        format_origin(st, KEY_INDEX(parallel, schedule), at, sizeof at);
-        fail(st, "%s: parallel.schedule: %s needs two model chunks per rank, which this build's executor does not run "
-                 "yet - expected 1f1b or zb1p at parallel.pp = %d (`fp8moe schedule --kind %s` shows its op lists)", at,
-             pipeline_words[p->schedule], p->pp, pipeline_words[p->schedule]);
+        if (stages == p->pp)
+            fail(st, "%s: parallel.pp: %d pipeline stages for model.n_layers = %d - expected at most one stage per "
+                     "layer", at, p->pp, c->model.n_layers);
+        else
+            fail(st, "%s: parallel.pp: %d ranks of parallel.schedule = dualpipev cut the model into %d stages, but "
+                     "model.n_layers = %d - expected at most one stage per layer (parallel.pp <= %d)", at, p->pp, stages,
+                 c->model.n_layers, c->model.n_layers / 2);
         return -1;
     }
     return 0;

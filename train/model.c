@@ -58,24 +58,47 @@ Dims dims_from_config(const Config *c, int B, int T) {
 
 // ---------------------------------------------------------------------------- placement
 Placement placement_whole(const Config *cfg) {
-    return (Placement){.first_layer = 0, .n_layers = cfg->model.n_layers, .embeds_input = 1, .has_embedding = 1,
-                       .has_head = 1, .expert0 = 0, .n_experts = cfg->moe.n_routed_experts};
+    return (Placement){.n_chunks = 1, .chunk = {{0, cfg->model.n_layers, 1, 1}}, .has_embedding = 1, .has_head = 1,
+                       .expert0 = 0, .n_experts = cfg->moe.n_routed_experts};
 }
 
-int placement_stage(const Config *cfg, int s, int n_stages, Placement *p, char *err, size_t err_size) {
+void placement_stage_layers(const Config *cfg, int s, int n_stages, int *first_layer, int *n_layers) {
+    const int L = cfg->model.n_layers, base = L / n_stages, extra = L % n_stages;
+    *first_layer = s * base + (s < extra ? s : extra);
+    *n_layers = base + (s < extra);
+}
+
+int placement_stages(const Config *cfg, const int *stages, int n, int n_stages, Placement *p, char *err,
+                     size_t err_size) {
     const int L = cfg->model.n_layers;
-    if (n_stages < 1 || n_stages > L || s < 0 || s >= n_stages) {
-        snprintf(err, err_size, "stage %d of %d: expected 1 <= stages <= model.n_layers = %d and 0 <= stage < stages",
-                 s, n_stages, L);
+    if (n_stages < 1 || n_stages > L || n < 1 || n > PLACEMENT_MAX_CHUNKS) {
+        snprintf(err, err_size, "%d stage(s) of %d: expected 1 <= stages <= model.n_layers = %d and 1..%d stages per "
+                 "rank", n, n_stages, L, PLACEMENT_MAX_CHUNKS);
         return -1;
     }
-    const int base = L / n_stages, extra = L % n_stages;
     *p = placement_whole(cfg);
-    p->first_layer = s * base + (s < extra ? s : extra);
-    p->n_layers = base + (s < extra);
-    p->embeds_input = s == 0;
-    p->has_head = s == n_stages - 1;
-    p->has_embedding = p->embeds_input || (p->has_head && cfg->mtp.depth > 0);
+    p->n_chunks = n;
+    p->has_embedding = p->has_head = 0;
+    for (int c = 0; c < n; c++) {
+        const int s = stages[c];
+        if (s < 0 || s >= n_stages || (c > 0 && s == stages[0])) {
+            snprintf(err, err_size, "stage %d of %d: expected a distinct stage in [0, %d)", s, n_stages, n_stages);
+            return -1;
+        }
+        ChunkPlacement *cp = &p->chunk[c];
+        placement_stage_layers(cfg, s, n_stages, &cp->first_layer, &cp->n_layers);
+        cp->embeds_input = s == 0;
+        cp->has_head = s == n_stages - 1;
+        p->has_embedding |= cp->embeds_input || (cp->has_head && cfg->mtp.depth > 0);
+        p->has_head |= cp->has_head;
+    }
+    return 0;
+}
+
+// Whether layer l is in one of the placement's chunks.
+static int placement_holds_layer(const Placement *pl, int l) {
+    for (int c = 0; c < pl->n_chunks; c++)
+        if (l >= pl->chunk[c].first_layer && l < pl->chunk[c].first_layer + pl->chunk[c].n_layers) return 1;
     return 0;
 }
 
@@ -232,7 +255,8 @@ static void build_table(TableBuilder *tb, const Config *c) {
     tb->layer = -1;
     tb->expert = -1;
     if (pl->has_embedding) LINEAR(PARAM_EMBEDDING, embed, V, D, mc->init_std, "embed.weight");
-    for (int l = pl->first_layer; l < pl->first_layer + pl->n_layers; l++) {
+    for (int l = 0; l < mc->n_layers; l++) {  // in the whole model's order (model.h Placement)
+        if (!placement_holds_layer(pl, l)) continue;
         snprintf(prefix, sizeof prefix, "layers.%d", l);
         tb->layer = l;
         add_block(tb, &w->blocks[l], &g->blocks[l], c, prefix);
@@ -287,16 +311,25 @@ static int model_build(Model *m, const Config *cfg, Device dev, const Placement 
     m->placement = *pl;
     const ModelConfig *mc = &cfg->model;
     int L = mc->n_layers, depth = cfg->mtp.depth;
-    if (pl->first_layer < 0 || pl->n_layers < 1 || pl->first_layer + pl->n_layers > L || pl->expert0 < 0 ||
-        pl->n_experts < 1 || pl->expert0 + pl->n_experts > cfg->moe.n_routed_experts ||
-        pl->has_embedding < pl->embeds_input) {
-        snprintf(err, err_size, "placement of layers [%d, %d) and experts [%d, %d) does not fit the model's %d layers "
-                 "and %d experts", pl->first_layer, pl->first_layer + pl->n_layers, pl->expert0,
-                 pl->expert0 + pl->n_experts, L, cfg->moe.n_routed_experts);
+    int fits = pl->n_chunks >= 1 && pl->n_chunks <= PLACEMENT_MAX_CHUNKS && pl->expert0 >= 0 && pl->n_experts >= 1 &&
+               pl->expert0 + pl->n_experts <= cfg->moe.n_routed_experts;
+    for (int c = 0; fits && c < pl->n_chunks; c++) {
+        const ChunkPlacement *cp = &pl->chunk[c];
+        fits = cp->first_layer >= 0 && cp->n_layers >= 1 && cp->first_layer + cp->n_layers <= L &&
+               pl->has_embedding >= cp->embeds_input && pl->has_head >= cp->has_head;
+        for (int o = 0; fits && o < c; o++)  // chunks do not overlap
+            fits = cp->first_layer >= pl->chunk[o].first_layer + pl->chunk[o].n_layers ||
+                   pl->chunk[o].first_layer >= cp->first_layer + cp->n_layers;
+    }
+    if (!fits) {
+        snprintf(err, err_size, "placement of %d chunk(s) (layers [%d, %d) first) and experts [%d, %d) does not fit the "
+                 "model's %d layers and %d experts", pl->n_chunks, pl->chunk[0].first_layer,
+                 pl->chunk[0].first_layer + pl->chunk[0].n_layers, pl->expert0, pl->expert0 + pl->n_experts, L,
+                 cfg->moe.n_routed_experts);
         return -1;
     }
-    if (n_chunks < 1 || n_chunks > pl->n_layers) {
-        snprintf(err, err_size, "cannot split %d layers into %d chunks", pl->n_layers, n_chunks);
+    if (pl->n_chunks == 1 ? n_chunks < 1 || n_chunks > pl->chunk[0].n_layers : n_chunks != pl->n_chunks) {
+        snprintf(err, err_size, "cannot split %d layers into %d chunks", pl->chunk[0].n_layers, n_chunks);
         return -1;
     }
     if (depth > MTP_MAX_DEPTH) {
@@ -357,13 +390,20 @@ static int model_build(Model *m, const Config *cfg, Device dev, const Placement 
     for (int k = 0; k < depth; k++) m->loss_weights.mtp[k] = (real)(cfg->mtp.loss_weight / depth);
     m->loss_weights.balance = 1;
 
+    // the placement's chunks; or one chunk split evenly into n_chunks (model_create, for tests)
     m->n_chunks = n_chunks;
     m->chunks = calloc((size_t)n_chunks, sizeof(ChunkSpec));
-    const int PL = pl->n_layers;
     for (int c = 0; c < n_chunks; c++) {
+        if (pl->n_chunks > 1) {
+            const ChunkPlacement *cp = &pl->chunk[c];
+            m->chunks[c] = (ChunkSpec){cp->first_layer, cp->n_layers, cp->embeds_input, cp->has_head};
+            continue;
+        }
+        const ChunkPlacement *cp = &pl->chunk[0];
+        const int PL = cp->n_layers;
         int first = (int)((int64_t)PL * c / n_chunks), last = (int)((int64_t)PL * (c + 1) / n_chunks);
-        m->chunks[c] = (ChunkSpec){pl->first_layer + first, last - first, c == 0 && pl->embeds_input,
-                                   c == n_chunks - 1 && pl->has_head};
+        m->chunks[c] = (ChunkSpec){cp->first_layer + first, last - first, c == 0 && cp->embeds_input,
+                                   c == n_chunks - 1 && cp->has_head};
     }
     ep_group_init(&m->ep, comm_world_single(), E, m->rc.dev);
     return 0;
@@ -375,7 +415,7 @@ int model_create(Model *m, const Config *cfg, Device dev, int n_chunks, char *er
 }
 
 int model_create_placement(Model *m, const Config *cfg, Device dev, const Placement *p, char *err, size_t err_size) {
-    return model_build(m, cfg, dev, p, 1, err, err_size);
+    return model_build(m, cfg, dev, p, p->n_chunks, err, err_size);
 }
 
 int model_set_ep_group(Model *m, Comm *ep, char *err, size_t err_size) {

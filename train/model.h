@@ -26,29 +26,41 @@
 
 #define MTP_MAX_DEPTH 8
 
-// What this process holds of the model (DESIGN.md section 2, "Placement"): a contiguous range of the
-// main model's layers; the embedding (the first stage, and the last one too when MTP needs it); the
-// final norm, output head and MTP modules (the last stage); the routed experts [expert0, expert0 +
-// n_experts) of every MoE layer. Tensors are the full model's, by global name, with the same initial
-// values under every placement; memory is allocated for the placement's tensors only.
+// What this process holds of the model (DESIGN.md section 2, "Placement"): one or two chunks, each a
+// contiguous range of the main model's layers (two under DualPipe and DualPipeV, which put two pipeline
+// stages on every rank); the embedding (a chunk that embeds its input, or one with the head when MTP needs
+// it); the final norm, output head and MTP modules (a chunk that ends a pipe); the routed experts [expert0,
+// expert0 + n_experts) of every MoE layer. Tensors are the full model's, by global name, with the same
+// initial values under every placement; memory is allocated for the placement's tensors only, laid out in
+// the order of the whole model (layers in increasing order whatever the chunk order), so two placements of
+// the same chunks in another order hold the same flat buffer layout (DualPipe's mirror ranks).
+#define PLACEMENT_MAX_CHUNKS 2
 typedef struct {
-    int first_layer, n_layers;
-    int embeds_input;   // the first stage: the chunk starts from the embedding of its input tokens
-    int has_embedding;  // holds the embedding table: embeds_input, or the last stage with mtp.depth > 0
-    int has_head;       // final norm, output head, MTP modules
+    int first_layer, n_layers;  // layers [first_layer, first_layer + n_layers)
+    int embeds_input;           // the chunk starts from the embedding of its input tokens (a pipe's first stage)
+    int has_head;               // the chunk ends with the final norm, the head, the losses and the MTP modules
+} ChunkPlacement;
+typedef struct {
+    int n_chunks;                                // 1, or 2 (two stages per rank)
+    ChunkPlacement chunk[PLACEMENT_MAX_CHUNKS];  // in the executor's chunk order
+    int has_embedding;  // holds the embedding table: a chunk embeds its input, or has the head with mtp.depth > 0
+    int has_head;       // a chunk has the head: final norm, output head, MTP modules
     int expert0, n_experts;
 } Placement;
 
-// The whole model: every layer, the embedding, the head and MTP, every expert.
+// The whole model: every layer in one chunk, the embedding, the head and MTP, every expert.
 Placement placement_whole(const Config *cfg);
-// Stage s of n_stages (0-based) of a pipeline: layers split as evenly as the count allows (the first
-// n_layers % n_stages stages one more), every expert. Returns 0, or -1 with err when n_stages is not in
-// [1, n_layers] or s not in [0, n_stages).
-int placement_stage(const Config *cfg, int s, int n_stages, Placement *p, char *err, size_t err_size);
+// Stages stages[0 .. n-1] (0-based, n <= PLACEMENT_MAX_CHUNKS, distinct) of a pipeline of n_stages, chunk c
+// = stage stages[c]: layers split as evenly as the count allows (the first n_layers % n_stages stages one
+// more), every expert. Returns 0, or -1 with err when n_stages is not in [1, n_layers] or a stage not in
+// [0, n_stages).
+int placement_stages(const Config *cfg, const int *stages, int n, int n_stages, Placement *p, char *err,
+                     size_t err_size);
+// The first layer and layer count of stage s of n_stages (the split placement_stages uses; no checks).
+void placement_stage_layers(const Config *cfg, int s, int n_stages, int *first_layer, int *n_layers);
 // Restricts p to routed experts [expert0, expert0 + n_experts). Returns 0, or -1 with err when the range
 // is not inside [0, n_routed_experts) or empty.
 int placement_set_experts(const Config *cfg, Placement *p, int expert0, int n_experts, char *err, size_t err_size);
-
 typedef struct {
     real *wq_a, *q_norm, *wq_b;  // q_lora_rank > 0
     real *wq;                    // q_lora_rank == 0
@@ -121,7 +133,7 @@ typedef struct ChunkActs ChunkActs;
 // Build the whole model for `cfg` on `dev` with n_chunks equal chunks (1 in one process) and initialise
 // the weights from cfg->train.seed. Returns 0, or -1 with a message in err.
 int model_create(Model *m, const Config *cfg, Device dev, int n_chunks, char *err, size_t err_size);
-// The same for the part of the model a placement holds, as one chunk. A placement with only some of
+// The same for the part of the model a placement holds, its chunks as the model's. A placement with only some of
 // the routed experts builds and initialises, but its MoE layers run only with expert parallelism
 // (chunk_acts_create refuses them until then). Returns 0, or -1 with a message in err.
 int model_create_placement(Model *m, const Config *cfg, Device dev, const Placement *p, char *err, size_t err_size);

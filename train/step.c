@@ -53,16 +53,22 @@ int train_step(TrainState *ts, StepResult *out, char *err, size_t err_size) {
     const real loss_scale = (real)(1.0 / ((double)A * dp));
     const int64_t n_elems = m->n_dense_elems + m->n_expert_elems;
     const int64_t fp8_gemms_before = m->rc.fp8_gemm_count;
-    const ChunkSpec *cs = &m->chunks[0];
     const size_t boundary_bytes = (size_t)bt->B * bt->T * m->cfg.model.dim * sizeof(real);
     double loss_sum = 0, mtp_sum = 0, bal_sum = 0;
     int bad_mb = -1;  // the first micro-batch whose loss was not finite
     LossTerms bad = {0};
-    int forwards = 0;  // forwards run: the next forward's micro-batch is the loader's next batch
-    int holds[ts->plan.n_slots];  // the micro-batch whose activations each slot holds, or -1
+    int holds[ts->plan.n_slots];  // the (chunk, micro-batch) whose activations each slot holds, as chunk * A + mb, or -1
     CommRequest reqs[n_ops > 0 ? n_ops : 1];
-    int n_reqs = 0;
+    int n_reqs = 0, live = 0;
     for (int k = 0; k < ts->plan.n_slots; k++) holds[k] = -1;
+    // the step's micro-batches, in the loader's order (a rank with two chunks forwards each twice)
+    const size_t row_ints = (size_t)bt->B * (bt->T + 1);
+    for (int mb = 0; mb < A; mb++) {
+        if (loader_next(&ts->train, bt->step_rows + mb * row_ints) != 0) {
+            snprintf(err, err_size, "step %d: the training loader returned no batch", s);
+            return -1;
+        }
+    }
     model_zero_grads(m);
     ep_traffic_reset(&m->ep);
     m->count_load = 1;
@@ -73,14 +79,19 @@ int train_step(TrainState *ts, StepResult *out, char *err, size_t err_size) {
         const StepOp *op = &ops[i];
         char name[32];
         step_op_format(op, name, sizeof name);
-        if (op->chunk != 0 || op->micro_batch < 0 || op->micro_batch >= A || op->slot < 0 ||
-            op->slot >= ts->plan.n_slots) {
-            snprintf(err, err_size, "step %d: op %d (%s, chunk %d, slot %d) is outside this model's chunk 0, micro-batches "
-                     "0..%d and %d slots", s, i, name, op->chunk, op->slot, A - 1, ts->plan.n_slots);
+        if (op->chunk < 0 || op->chunk >= m->n_chunks || op->micro_batch < 0 || op->micro_batch >= A || op->slot < 0 ||
+            op->slot >= ts->plan.n_slots || op->local_slot >= ts->plan.n_slots) {
+            snprintf(err, err_size, "step %d: op %d (%s, slot %d) is outside this model's %d chunk(s), micro-batches 0..%d "
+                     "and %d slots", s, i, name, op->slot, m->n_chunks, A - 1, ts->plan.n_slots);
             m->count_load = 0;
             return -1;
         }
         ActSlot *sl = &ts->slots[op->slot];
+        const ChunkSpec *cs = &m->chunks[op->chunk];
+        const int key = op->chunk * A + op->micro_batch;
+        // the boundary tensors: from / to another rank through this slot, or the previous stage's slot on this rank
+        const real *in = cs->has_embedding ? NULL : op->local_slot >= 0 ? ts->slots[op->local_slot].out : sl->in;
+        real *din = cs->has_embedding ? NULL : op->local_slot >= 0 ? ts->slots[op->local_slot].dout : sl->din;
         if (op->kind != STEP_FORWARD && op->kind != STEP_BACKWARD) {
             // a batch of messages: posted together, waited for before the next compute op
             post_message(ts, op, boundary_bytes, &reqs[n_reqs++]);
@@ -90,20 +101,15 @@ int train_step(TrainState *ts, StepResult *out, char *err, size_t err_size) {
                 n_reqs = 0;
             }
         } else if (op->kind == STEP_FORWARD) {
-            if (holds[op->slot] >= 0 || op->micro_batch != forwards) {
-                snprintf(err, err_size, "step %d: op %d (%s): %s", s, i, name, holds[op->slot] >= 0 ?
-                         "its slot still holds a micro-batch awaiting its backward" :
-                         "forwards must run in micro-batch order (the loader's)");
+            if (holds[op->slot] >= 0) {
+                snprintf(err, err_size, "step %d: op %d (%s): its slot %d still holds a micro-batch awaiting its backward",
+                         s, i, name, op->slot);
                 m->count_load = 0;
                 return -1;
             }
-            if (loader_next(&ts->train, bt->rows) != 0) {
-                snprintf(err, err_size, "step %d: the training loader returned no batch", s);
-                m->count_load = 0;
-                return -1;
-            }
-            train_split_batch(bt->rows, bt->rows, bt->B, bt->T, bt->inputs, bt->targets);
-            real weighted = chunk_forward(m, 0, sl->acts, bt->inputs, bt->targets, cs->has_embedding ? NULL : sl->in,
+            const int *rows = bt->step_rows + op->micro_batch * row_ints;
+            train_split_batch(rows, rows, bt->B, bt->T, bt->inputs, bt->targets);
+            real weighted = chunk_forward(m, op->chunk, sl->acts, bt->inputs, bt->targets, in,
                                           cs->has_head ? NULL : sl->out);
             LossTerms lt = chunk_losses(sl->acts);
             // A non-finite loss ends the step at the agreement below, which every rank reaches, so all ranks stop
@@ -115,18 +121,23 @@ int train_step(TrainState *ts, StepResult *out, char *err, size_t err_size) {
             loss_sum += lt.main;
             mtp_sum += lt.mtp_mean;
             bal_sum += lt.balance;
-            holds[op->slot] = op->micro_batch;
-            forwards++;
-        } else {
-            if (holds[op->slot] != op->micro_batch) {
-                snprintf(err, err_size, "step %d: op %d (%s) runs the backward of micro-batch %d, whose forward is not "
-                         "held in its slot", s, i, name, op->micro_batch);
+            holds[op->slot] = key;
+            if (++live > ts->live_bound) {  // the plan does not keep the schedule's activation bound: a bug
+                snprintf(err, err_size, "step %d: op %d (%s) makes %d activation sets live, more than the schedule's %d", s,
+                         i, name, live, ts->live_bound);
                 m->count_load = 0;
                 return -1;
             }
-            chunk_backward(m, 0, sl->acts, cs->has_head ? NULL : sl->dout, cs->has_embedding ? NULL : sl->din,
-                           loss_scale);
+        } else {
+            if (holds[op->slot] != key) {
+                snprintf(err, err_size, "step %d: op %d (%s) runs the backward of chunk %d's micro-batch %d, whose forward "
+                         "is not held in its slot %d", s, i, name, op->chunk, op->micro_batch, op->slot);
+                m->count_load = 0;
+                return -1;
+            }
+            chunk_backward(m, op->chunk, sl->acts, cs->has_head ? NULL : sl->dout, din, loss_scale);
             holds[op->slot] = -1;
+            live--;
         }
     }
     m->count_load = 0;
@@ -157,6 +168,8 @@ int train_step(TrainState *ts, StepResult *out, char *err, size_t err_size) {
     // the embedding's two copies at the ends of a pipeline (MTP on): the first stage's gradient plus the last's
     const ParamInfo *embed = ts->ends ? model_find_param(m, "embed.weight") : NULL;
     if (embed) comm_allreduce_sum_real(ts->ends, m->grads + embed->offset, embed->numel);
+    // dualpipe: both copies of this rank's two stages (pipe A's and pipe B's), on the mirror ranks, in rank order
+    if (ts->mirror) comm_allreduce_sum_real(ts->mirror, m->grads, n_elems);
     // gradients: the non-expert part over dp, the routed experts over their replicas (edp), in rank order;
     // with ZeRO-1 reduce-scattered, each rank keeping the sum of its shard (the same bits as the all-reduce's)
     for (int k = 0; k < 2; k++) {
@@ -169,13 +182,14 @@ int train_step(TrainState *ts, StepResult *out, char *err, size_t err_size) {
     if (!ts->zero1 && m->ep.ep_size == 1 && ts->pp->size == 1) {  // every gradient is here: the bits of one process
         gnorm = grad_global_norm(ts->dev, m->grads, n_elems);
     } else {  // the squares of this rank's elements summed over the ranks that hold the others, in rank order
-        // the last stage's copy of the embedding is not counted: the first stage's holds the same gradient
-        const int skip_embed = embed && ts->ends->rank == 1;
+        // the last stage's copy of the embedding is not counted: the first stage's holds the same gradient; nor is
+        // the upper mirror rank's copy of its stages under dualpipe
+        const int skip_embed = embed && ts->ends->rank == 1, skip_all = ts->mirror && ts->mirror->rank == 1;
         double sq[2];
         for (int k = 0; k < 2; k++) {
             const TrainedRegion *r = &ts->regions[k];
-            sq[k] = sum_squares_outside(ts->dev, m->grads, r->lo, r->n, skip_embed ? embed->offset : 0,
-                                        skip_embed ? embed->numel : 0);
+            sq[k] = skip_all ? 0.0 : sum_squares_outside(ts->dev, m->grads, r->lo, r->n, skip_embed ? embed->offset : 0,
+                                                         skip_embed ? embed->numel : 0);
             if (ts->zero1) comm_allreduce_sum_double(r->group, &sq[k], 1);
         }
         comm_allreduce_sum_double(m->ep.comm, &sq[REGION_EXPERTS], 1);  // the other experts: the EP group

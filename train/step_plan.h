@@ -13,12 +13,14 @@
  * posts together and waits for before its next compute op: parallel/schedule.h's batch semantics).
  *
  * Mapping from the schedule (parallel/schedule.h "Mapping to the executor"): F -> STEP_FORWARD, B ->
- * STEP_BACKWARD, SEND / RECV -> the four message kinds. I -> STEP_BACKWARD and W -> nothing: the executor
- * does not split the backward yet, so an I runs the whole backward of its micro-batch and its W is empty.
- * The gradients are the same, and in the same order (each stage's I ops, and so its weight-gradient
- * accumulations, run in micro-batch order, as W's FIFO would); what zb1p's timing gains from the split is
- * not had yet. Schedules with two chunks per rank (dualpipe, dualpipev) are refused: a rank's model holds
- * one chunk today.
+ * STEP_BACKWARD, SEND / RECV -> the four message kinds, FB -> STEP_FORWARD then STEP_BACKWARD (one after
+ * the other: correct, without the overlap). I -> STEP_BACKWARD and W -> nothing: the executor does not
+ * split the backward yet, so an I runs the whole backward of its micro-batch and its W is empty. The
+ * gradients are the same, and in the same order (each chunk's I ops, and so its weight-gradient
+ * accumulations, run in micro-batch order, as W's FIFO would); what the split gains in timing is not had
+ * yet. Two stages of one pipe on one rank (dualpipev's turn at rank pp-1) hand over without a message: the
+ * later stage's forward reads the earlier one's output slot, and its backward writes the earlier one's
+ * output-gradient slot (StepOp.local_slot).
  */
 #ifndef FP8MOE_STEP_PLAN_H
 #define FP8MOE_STEP_PLAN_H
@@ -42,23 +44,26 @@ typedef struct {
     int micro_batch;  // 0 .. grad_accum - 1 within the step, in the loader's order
     int slot;         // the activation slot the op reads or writes, 0 .. n_slots - 1
     int peer;         // message ops: the pp rank at the other end; -1 for compute ops
+    int local_slot;   // the previous stage is on this rank: a forward's input is this slot's output, a backward's
+                      // input-gradient goes to this slot's output-gradient; -1 otherwise
 } StepOp;
 
 typedef struct {
-    StepOp *ops;  // owned
+    StepOp *ops;      // owned
     int n_ops;
-    int n_slots;  // activation slots the ops use at most at once
+    int n_slots;      // activation slots the ops use at most at once
+    int *slot_chunk;  // (n_slots, owned) the chunk whose activations each slot holds (a chunk's own shape)
 } StepPlan;
 
 // F0 B0 F1 B1 ... F(A-1) B(A-1) on chunk 0, all in slot 0. Returns 0, or -1 with err (grad_accum < 1, or
 // out of memory).
 int step_plan_one_process(StepPlan *p, int grad_accum, char *err, size_t err_size);
 // pp rank `rank`'s ops of schedule s (built for the step's micro-batches), with their slots. Returns 0, or -1
-// with err naming the schedule when it has two chunks per rank.
+// with err (out of memory, or rank outside the schedule).
 int step_plan_pipeline(StepPlan *p, const Schedule *s, int rank, char *err, size_t err_size);
 void step_plan_free(StepPlan *p);
-// "F3", "B3", "sA3>1" (send the activation of micro-batch 3 to pp rank 1), "rA3<0", "sG3>0", "rG3<2": for
-// error messages and tests.
+// "0F3" (chunk 0, micro-batch 3), "1B3", "s0A3>1" (send the activation of chunk 0's micro-batch 3 to pp rank 1),
+// "r0A3<0", "s1G3>0", "r1G3<2": for error messages and tests.
 void step_op_format(const StepOp *op, char *buf, size_t size);
 
 #endif

@@ -215,28 +215,38 @@ static int region_init(TrainedRegion *r, const Config *cfg, Device dev, int64_t 
 
 // ---------------------------------------------------------------------------- the step's plan
 
-// The step's op list (one process, or this pp rank's ops of parallel.schedule over train.grad_accum
-// micro-batches, validated) and the activation slots it uses, each with the boundary tensors this stage
-// exchanges.
-static int make_plan(TrainState *ts, const Config *cfg, char *err, size_t err_size) {
-    const int A = cfg->train.grad_accum, P = ts->pp->size, stage = ts->pp->rank;
+// At pp > 1: parallel.schedule over train.grad_accum micro-batches, validated, and the placement of this pp
+// rank's chunks (its stages of the schedule's chunk map). Returns 0, or -1 with err naming the keys.
+static int make_schedule(TrainState *ts, const Config *cfg, Schedule *sched, Placement *pl, char *err,
+                         size_t err_size) {
+    const int A = cfg->train.grad_accum, P = ts->pp->size, rank = ts->pp->rank;
+    const SchedKind kind = (SchedKind)cfg->parallel.schedule;
     char why[512];
-    if (P == 1) {
-        if (step_plan_one_process(&ts->plan, A, why, sizeof why) != 0) {
-            snprintf(err, err_size, "%s: train.grad_accum: %s", cfg->path, why);
-            return -1;
-        }
-    } else {
-        Schedule sched;
-        const SchedKind kind = (SchedKind)cfg->parallel.schedule;
-        if (schedule_build(&sched, kind, P, A, why, sizeof why) != 0 || schedule_validate(&sched, why, sizeof why) != 0 ||
-            step_plan_pipeline(&ts->plan, &sched, stage, why, sizeof why) != 0) {
-            snprintf(err, err_size, "%s: parallel.schedule = %s, parallel.pp = %d, train.grad_accum = %d: %s", cfg->path,
-                     schedule_kind_name(kind), P, A, why);
-            schedule_free(&sched);
-            return -1;
-        }
-        schedule_free(&sched);
+    int stages[PLACEMENT_MAX_CHUNKS];
+    if (schedule_build(sched, kind, P, A, why, sizeof why) == 0 && schedule_validate(sched, why, sizeof why) == 0) {
+        for (int c = 0; c < sched->n_chunks; c++) stages[c] = sched->chunk[rank][c].stage;
+        ts->n_stages = sched->n_stages;
+        int param_chunks;
+        schedule_memory(sched, rank, &ts->live_bound, &param_chunks);
+        for (int st = 0; st < sched->n_stages; st++)
+            ts->stage_rank[st] = schedule_stage_rank(sched, 0, st, &ts->stage_chunk[st]);
+        if (placement_stages(cfg, stages, sched->n_chunks, sched->n_stages, pl, why, sizeof why) == 0) return 0;
+    }
+    snprintf(err, err_size, "%s: parallel.schedule = %s, parallel.pp = %d, train.grad_accum = %d: %s", cfg->path,
+             schedule_kind_name(kind), P, A, why);
+    return -1;
+}
+
+// The step's op list (one process, or this pp rank's ops of the schedule) and the activation slots it uses,
+// each with the boundary tensors of a pipeline.
+static int make_plan(TrainState *ts, const Config *cfg, const Schedule *sched, char *err, size_t err_size) {
+    const int A = cfg->train.grad_accum, P = ts->pp->size;
+    char why[512];
+    const int rc = P == 1 ? step_plan_one_process(&ts->plan, A, why, sizeof why)
+                          : step_plan_pipeline(&ts->plan, sched, ts->pp->rank, why, sizeof why);
+    if (rc != 0) {
+        snprintf(err, err_size, "%s: the step's plan: %s", cfg->path, why);
+        return -1;
     }
     if (!(ts->slots = calloc((size_t)ts->plan.n_slots, sizeof *ts->slots))) {
         snprintf(err, err_size, "out of memory for %d activation slots", ts->plan.n_slots);
@@ -245,13 +255,16 @@ static int make_plan(TrainState *ts, const Config *cfg, char *err, size_t err_si
     const size_t bytes = (size_t)cfg->train.micro_batch_size * cfg->train.seq_len * cfg->model.dim * sizeof(real);
     for (int k = 0; k < ts->plan.n_slots; k++) {
         ActSlot *sl = &ts->slots[k];
-        if (!(sl->acts = chunk_acts_create(&ts->model, 0, cfg->train.micro_batch_size, cfg->train.seq_len))) {
+        if (!(sl->acts = chunk_acts_create(&ts->model, ts->plan.slot_chunk[k], cfg->train.micro_batch_size,
+                                           cfg->train.seq_len))) {
             snprintf(err, err_size, "out of memory for the activations of %d x %d tokens (slot %d of %d)",
                      cfg->train.micro_batch_size, cfg->train.seq_len, k + 1, ts->plan.n_slots);
             return -1;
         }
-        if (stage > 0) sl->in = device_alloc(ts->dev, bytes), sl->din = device_alloc(ts->dev, bytes);
-        if (stage < P - 1) sl->out = device_alloc(ts->dev, bytes), sl->dout = device_alloc(ts->dev, bytes);
+        if (P > 1) {  // (a slot serves either chunk of the rank: every boundary tensor)
+            sl->in = device_alloc(ts->dev, bytes), sl->din = device_alloc(ts->dev, bytes);
+            sl->out = device_alloc(ts->dev, bytes), sl->dout = device_alloc(ts->dev, bytes);
+        }
     }
     ts->acts = ts->slots[0].acts;
     return 0;
@@ -299,12 +312,18 @@ int train_state_create(TrainState *ts, const Config *cfg, Device dev, const Grou
         snprintf(err, err_size, "data: %s", opened ? "opening the data failed on another rank" : why);
         return -1;
     }
-    // this rank's part of the model: its stage's layers, and its EP group's share of the routed experts
+    // this rank's part of the model: its stages' layers, and its EP group's share of the routed experts
     Placement pl = placement_whole(cfg);
+    Schedule sched = {0};
+    ts->n_stages = 1;  // one process: one stage, rank 0's chunk 0, one live activation set
+    ts->live_bound = 1;
+    if (ts->pp->size > 1 && make_schedule(ts, cfg, &sched, &pl, err, err_size) != 0) {
+        schedule_free(&sched);
+        return -1;
+    }
     Comm *ep = groups ? groups->ep : comm_world_single();
     const int per_rank = cfg->moe.n_routed_experts / ep->size;
-    if ((ts->pp->size > 1 && placement_stage(cfg, ts->pp->rank, ts->pp->size, &pl, why, sizeof why) != 0) ||
-        (ep->size > 1 && placement_set_experts(cfg, &pl, ep->rank * per_rank, per_rank, why, sizeof why) != 0) ||
+    if ((ep->size > 1 && placement_set_experts(cfg, &pl, ep->rank * per_rank, per_rank, why, sizeof why) != 0) ||
         model_create_placement(&ts->model, cfg, dev, &pl, why, sizeof why) != 0) {
         snprintf(err, err_size, "%s: model: %s", cfg->path, why);
         return -1;
@@ -337,16 +356,22 @@ int train_state_create(TrainState *ts, const Config *cfg, Device dev, const Grou
         }
     }
     free(all);
-    // both ends of a pipeline hold the embedding when MTP is on (model.h Placement)
-    if (groups && groups->ends && ts->model.placement.has_embedding) ts->ends = groups->ends;
-    if (make_plan(ts, cfg, err, err_size) != 0) return -1;
+    // 1f1b and zb1p: both ends of a pipeline hold the embedding when MTP is on (model.h Placement); dualpipe: the
+    // mirror ranks hold the same two stages
+    const int one_chunk = cfg->parallel.schedule == PIPE_1F1B || cfg->parallel.schedule == PIPE_ZB1P;
+    if (groups && groups->ends && one_chunk && ts->model.placement.has_embedding) ts->ends = groups->ends;
+    if (groups && groups->mirror && cfg->parallel.schedule == PIPE_DUALPIPE) ts->mirror = groups->mirror;
+    const int planned = make_plan(ts, cfg, &sched, err, err_size);
+    schedule_free(&sched);
+    if (planned != 0) return -1;
     Batch *bt = &ts->batch;
-    *bt = (Batch){.B = B, .T = T};
+    *bt = (Batch){.B = B, .T = T, .A = cfg->train.grad_accum};
     bt->rows = malloc((size_t)B * (T + 1) * sizeof(int));
+    bt->step_rows = malloc((size_t)bt->A * B * (T + 1) * sizeof(int));
     bt->labels = malloc((size_t)B * (T + 1) * sizeof(int));
     bt->inputs = malloc((size_t)B * T * sizeof(int));
     bt->targets = malloc((size_t)B * T * sizeof(int));
-    if (!bt->rows || !bt->labels || !bt->inputs || !bt->targets) {
+    if (!bt->rows || !bt->step_rows || !bt->labels || !bt->inputs || !bt->targets) {
         snprintf(err, err_size, "out of memory for the activations of %d x %d tokens", B, T);
         return -1;
     }
@@ -361,6 +386,7 @@ void train_state_free(TrainState *ts) {
         if (r->opt_ok) adamw_free(&r->opt);
     }
     free(ts->batch.rows);
+    free(ts->batch.step_rows);
     free(ts->batch.labels);
     free(ts->batch.inputs);
     free(ts->batch.targets);

@@ -21,10 +21,13 @@
 #include "train/step_plan.h"
 
 // One micro-batch's token buffers on the host: rows and labels (B, T+1) as the loader returns them,
-// inputs and targets (B, T) as the model takes them (train_split_batch).
+// inputs and targets (B, T) as the model takes them (train_split_batch); and the rows of all the step's
+// micro-batches (A, B, T+1), read at the step's start, since a rank with two chunks forwards a micro-batch
+// twice and not in the loader's order.
 typedef struct {
-    int B, T;
+    int B, T, A;
     int *rows, *labels, *inputs, *targets;
+    int *step_rows;
 } Batch;
 
 // A trained region of the flat buffer: the non-expert part (reduced over dp) or the local experts' part
@@ -61,12 +64,19 @@ typedef struct {
     int zero1;                 // parallel.zero1 with dp > 1
     DataLoader train, val;
     StepPlan plan;       // the step's ops (train/step_plan.h): one process's F0 B0 F1 B1 ..., or this pp rank's schedule
-    ActSlot *slots;      // plan.n_slots activation slots
+    ActSlot *slots;      // plan.n_slots activation slots, slot k of chunk plan.slot_chunk[k] (at least one per chunk)
+    int live_bound;      // the most activation sets (forwarded, backward not yet run) the schedule allows this rank
+                         // (schedule_memory; 1 in one process): train_step stops with an error past it
+    // the stages of the pipe that evaluation runs (pipe 0 of the schedule; every stage once): the pp rank and
+    // chunk of each, in stage order; one stage on rank 0 at pp = 1
+    int n_stages;
+    int stage_rank[2 * SCHED_MAX_PP], stage_chunk[2 * SCHED_MAX_PP];
     ChunkActs *acts;     // slot 0's activations (evaluation runs in them)
     Batch batch;
     Comm *world;         // every rank of the job: the step's agreement and the expert loads (not owned)
     Comm *pp;            // this rank's pipeline: the boundary tensors, the grad norm (not owned)
-    Comm *ends;          // pp > 1 with MTP on, stages 0 and pp-1: the embedding copies' gradients (NULL otherwise)
+    Comm *ends;          // 1f1b / zb1p with MTP on, stages 0 and pp-1: the embedding copies' gradients (else NULL)
+    Comm *mirror;        // dualpipe, stages s and pp-1-s: the two copies of both stages' gradients (else NULL)
     Comm *dp;            // data-parallel group: non-expert gradients, losses, expert loads (not owned)
     Comm *edp;           // the replicas of this rank's experts: their gradients (dp while ep = 1; not owned)
     int step;            // optimizer steps taken

@@ -87,16 +87,21 @@ static int stop_agreed(Comm *world) {
     return stop > 0;
 }
 
-// In a pipeline the stages run each batch's forward one after another: stage s receives its input from s-1
-// and sends its output to s+1 (blocking: evaluation needs no overlap), and the last stage's loss is summed
-// over the world (in world rank order: the other stages add zeros, so this is the dp sum).
+// In a pipeline the stages of pipe 0 run each batch's forward one after another, in stage order: a stage's
+// input comes from the previous stage's rank (a blocking receive: evaluation needs no overlap) or from this
+// rank's other chunk, and the last stage's loss is summed over the world (in world rank order: the other ranks
+// add zeros, so this is the dp sum). Each chunk evaluates in its first activation slot.
+static int chunk_slot(const TrainState *ts, int chunk) {
+    int k = 0;
+    while (ts->plan.slot_chunk[k] != chunk) k++;  // every chunk has a slot (train_state.h)
+    return k;
+}
+
 static EvalMetrics evaluate(TrainState *ts, int max_batches, int step, int *interrupted) {
     Model *m = &ts->model;
-    ChunkActs *acts = ts->acts;
     DataLoader *val = &ts->val;
     const Batch *bt = &ts->batch;
-    const ChunkSpec *cs = &m->chunks[0];
-    const ActSlot *sl = &ts->slots[0];
+    const int me = ts->pp->rank;
     const size_t boundary_bytes = (size_t)bt->B * bt->T * m->cfg.model.dim * sizeof(real);
     double t0 = now_s();
     int saved_count_load = m->count_load;
@@ -118,17 +123,28 @@ static EvalMetrics evaluate(TrainState *ts, int max_batches, int step, int *inte
         // expert parallelism, whose forward the EP group runs together
         if (n_targets == 0 && m->ep.ep_size == 1) continue;
         train_split_batch(bt->rows, bt->labels, bt->B, bt->T, bt->inputs, bt->targets);
-        if (!cs->has_embedding) comm_recv_bytes(ts->pp, sl->in, boundary_bytes, ts->pp->rank - 1, 0);
-        chunk_forward(m, 0, acts, bt->inputs, bt->targets, cs->has_embedding ? NULL : sl->in,
-                      cs->has_head ? NULL : sl->out);
-        if (!cs->has_head) {
-            comm_send_bytes(ts->pp, sl->out, boundary_bytes, ts->pp->rank + 1, 0);
-            continue;
+        for (int st = 0; st < ts->n_stages; st++) {
+            if (ts->stage_rank[st] != me) continue;
+            const int c = ts->stage_chunk[st];
+            const ChunkSpec *cs = &m->chunks[c];
+            ActSlot *sl = &ts->slots[chunk_slot(ts, c)];
+            const real *in = NULL;
+            if (!cs->has_embedding && ts->stage_rank[st - 1] == me) {
+                in = ts->slots[chunk_slot(ts, ts->stage_chunk[st - 1])].out;
+            } else if (!cs->has_embedding) {
+                comm_recv_bytes(ts->pp, sl->in, boundary_bytes, ts->stage_rank[st - 1], 0);
+                in = sl->in;
+            }
+            chunk_forward(m, c, sl->acts, bt->inputs, bt->targets, in, cs->has_head ? NULL : sl->out);
+            if (!cs->has_head) {
+                if (ts->stage_rank[st + 1] != me) comm_send_bytes(ts->pp, sl->out, boundary_bytes, ts->stage_rank[st + 1], 0);
+                continue;
+            }
+            LossTerms lt = chunk_losses(sl->acts);
+            if (lt.n_valid == 0) continue;
+            loss_sum += lt.main * (double)lt.n_valid;
+            n_targets_total += lt.n_valid;
         }
-        LossTerms lt = chunk_losses(acts);
-        if (lt.n_valid == 0) continue;
-        loss_sum += lt.main * (double)lt.n_valid;
-        n_targets_total += lt.n_valid;
     }
     m->count_load = saved_count_load;
     double sums[2] = {loss_sum, (double)n_targets_total};  // every dp rank evaluated its part of the pass
@@ -277,6 +293,25 @@ static void print_rank_memory(const TrainState *ts, const Comm *world) {
            (double)moments * 2 * sizeof(uint16_t) * mib);
 }
 
+// At pp > 1: the schedule and which layers every stage holds, on which pp rank and chunk (world rank 0's line; every
+// rank computes the same map), and this rank's activation slots against the schedule's bound.
+static void print_pipeline(const TrainState *ts, const Config *cfg) {
+    if (ts->pp->size == 1) return;
+    const int P = ts->pp->size;
+    const char *kind = schedule_kind_name((SchedKind)cfg->parallel.schedule);
+    printf("pipeline: parallel.schedule = %s over %d micro-batches (train.grad_accum), %d stages on %d pp ranks%s; "
+           "rank 0: %d activation slots for at most %d live sets\n", kind, cfg->train.grad_accum, ts->n_stages, P,
+           cfg->parallel.schedule == PIPE_DUALPIPE ? " (direction A; direction B runs a copy of stage s on rank pp-1-s)"
+                                                   : "", ts->plan.n_slots, ts->live_bound);
+    for (int st = 0; st < ts->n_stages; st++) {
+        int first, n;
+        placement_stage_layers(cfg, st, ts->n_stages, &first, &n);
+        printf("  stage %d: layers %d..%d%s%s on pp rank %d, chunk %d\n", st, first, first + n - 1,
+               st == 0 ? " + embedding" : "", st == ts->n_stages - 1 ? " + norm, head, MTP" : "", ts->stage_rank[st],
+               ts->stage_chunk[st]);
+    }
+}
+
 // Writes a checkpoint of step ts->step on every rank (collective), further interrupts held off as during the
 // weights save. Returns 0, or -1 after printing why (the previous checkpoint is kept).
 static int save_checkpoint(Run *r, const Config *cfg) {
@@ -382,6 +417,7 @@ int trainer_run(const Config *cfg, const char *resume) {
     printf("model: %lld parameters, %lld active per token, %d MoE layers, MTP depth %d\n",
            (long long)model_num_params(m), (long long)model_active_params(m), m->n_moe_layers, cfg->mtp.depth);
     print_rank_memory(ts, world);
+    print_pipeline(ts, cfg);
 
     stop_requested = 0;
     saving_weights = 0;

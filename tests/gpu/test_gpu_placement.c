@@ -57,7 +57,7 @@ static void check_three_stages(const char *mode, int mtp_depth) {
     assert_int_equal(model_create(&whole, &cfg, DEVICE_CUDA, 1, err, sizeof err), 0);
     for (int s = 0; s < 3; s++) {
         Placement pl;
-        assert_int_equal(placement_stage(&cfg, s, 3, &pl, err, sizeof err), 0);
+        assert_int_equal(placement_stages(&cfg, &s, 1, 3, &pl, err, sizeof err), 0);
         assert_int_equal(model_create_placement(&st[s], &cfg, DEVICE_CUDA, &pl, err, sizeof err), 0);
     }
     ChunkActs *wa = chunk_acts_create(&whole, 0, B, T);

@@ -4,8 +4,8 @@
 # training job losing a rank to SIGKILL or SIGSTOP, and bad layouts), `fp8moe bench a2a` at 1 and 2 ranks
 # (bench_a2a.sh), then data and expert
 # parallel training against one process (test_parallel_equivalence) for dp = 2; dp = 4, ep = 2 (also with ZeRO-1);
-# dp = 4, ep = 4 and dp = 8, ep = 8; pipeline parallel (1f1b, zb1p) at pp = 2, 3, 4, 8, 16, also with dp = 2, ep = 2
-# and ZeRO-1; and a rank's memory share (rank_memory.sh). Prints one summary line "mpi: N passed, N failed"; exit status is
+# dp = 4, ep = 4 and dp = 8, ep = 8; pipeline parallel (1f1b, zb1p, dualpipe, dualpipev) at pp = 2, 3, 4, 8 and
+# dualpipe at pp = 16, also with dp = 2, ep = 2 and ZeRO-1; and a rank's memory share (rank_memory.sh). Prints one summary line "mpi: N passed, N failed"; exit status is
 # non-zero if anything failed. Each mpirun has a 120 s limit, so a hang fails the test instead of CI.
 # Run from the repository root; BUILD names the build directory (default build).
 set -u
@@ -44,9 +44,12 @@ for layout in "2 1 fp32 2 0" "2 1 bf16 2 0" "2 1 fp8 2 0" "4 2 fp32 1 0" "4 2 fp
 done
 # pipeline parallel against one process: "ranks pp schedule ep mode grad_accum zero1" (dp = ranks / pp; tiny.ini
 # with at least pp layers, test_parallel_equivalence.c), alone and with data and expert parallel
-for layout in "2 2 1f1b 1 fp32 4 0" "2 2 zb1p 1 fp32 4 0" "3 3 1f1b 1 bf16 3 0" "4 4 1f1b 1 fp32 8 0" \
-              "4 4 zb1p 1 fp8 8 0" "8 8 1f1b 1 fp32 8 0" "8 8 zb1p 1 fp32 8 0" "16 16 1f1b 1 fp32 16 0" \
-              "4 2 1f1b 2 fp32 2 0" "4 2 zb1p 2 fp8 2 0" "8 4 1f1b 2 fp32 4 0" "4 2 1f1b 1 fp32 2 1"; do
+for layout in "2 2 1f1b 1 fp32 4 0" "2 2 zb1p 1 fp32 4 0" "2 2 dualpipe 1 fp32 4 0" "2 2 dualpipev 1 fp32 4 0" \
+              "3 3 1f1b 1 bf16 3 0" "4 4 1f1b 1 fp32 8 0" "4 4 zb1p 1 fp8 8 0" "4 4 dualpipe 1 bf16 8 0" \
+              "4 4 dualpipev 1 fp32 8 0" "8 8 1f1b 1 fp32 8 0" "8 8 zb1p 1 fp32 8 0" "8 8 dualpipe 1 fp32 16 0" \
+              "8 8 dualpipev 1 fp32 16 0" "16 16 dualpipe 1 fp32 32 0" \
+              "4 2 1f1b 2 fp32 2 0" "4 2 zb1p 2 fp8 2 0" "4 2 dualpipev 2 fp32 4 0" "4 2 dualpipe 2 fp8 4 0" \
+              "8 4 1f1b 2 fp32 4 0" "8 4 dualpipe 2 fp32 8 0" "4 2 1f1b 1 fp32 2 1" "4 2 dualpipev 1 bf16 4 1"; do
   set -- $layout
   run "test_parallel_equivalence -np $1 pp=$2 $3 ep=$4 $5 zero1=$7" "${MPIRUN[@]}" -np "$1" -x OMP_NUM_THREADS=1 \
     "$BUILD/mpi/test_parallel_equivalence" "$5" "$dp_cache" 20 4 "$6" "$4" 8 4 "$7" "$2" "$3"

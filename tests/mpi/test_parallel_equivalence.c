@@ -37,11 +37,14 @@
  * the embedding), and each rank checks the gradients of the tensors it holds. Every stage-local tensor sums its
  * micro-batches in the order of one process, so at dp = 1 every gradient but embed.weight's is bitwise (the last
  * stage's MTP part of it and the first stage's main part are summed after the step, where one process adds them
- * micro-batch by micro-batch); the bounds above hold for all of them. The replicas checked bit for bit are then a
- * stage's dp ranks (and the router biases, the same on every rank of the world).
+ * micro-batch by micro-batch); the bounds above hold for all of them. dualpipev holds both ends on rank 0 (the same
+ * embedding sum, within one rank); dualpipe runs two copies of every stage (directions A and B, half the
+ * micro-batches each) whose gradients are summed after the step, so none of its gradients is bitwise (about 1e-7).
+ * The replicas checked bit for bit are then a stage's dp ranks, the two ends' embedding copies, dualpipe's mirror
+ * ranks (the same two stages), and the router biases (the same on every rank of the world).
  * Usage: test_parallel_equivalence MODE CACHE_DIR [STEPS] [B] [GRAD_ACCUM] [EP] [EXPERTS GROUPS] [ZERO1] [PP SCHEDULE]
  * (MODE: fp32, bf16 or fp8; EXPERTS routed experts in GROUPS expert groups, default tiny.ini's 8 in 4; SCHEDULE
- * 1f1b or zb1p)
+ * 1f1b, zb1p, dualpipe or dualpipev)
  */
 #include <math.h>
 #include <stdio.h>
@@ -79,7 +82,8 @@ static int load_config(Config *cfg, const char *mode, const char *cache, int sta
     snprintf(o[13], sizeof o[13], "parallel.pp=%d", stages);
     snprintf(o[14], sizeof o[14], "parallel.schedule=%s", schedule);
     // at least one layer per stage of the parallel run (tiny.ini has 3), the same model in both runs
-    snprintf(o[15], sizeof o[15], "model.n_layers=%d", pp > 3 ? pp : 3);
+    const int pipe_stages = strcmp(schedule, "dualpipev") == 0 ? 2 * pp : pp;  // dualpipev: two stages per rank
+    snprintf(o[15], sizeof o[15], "model.n_layers=%d", pipe_stages > 3 ? pipe_stages : 3);
     const char *ov[16];
     for (int i = 0; i < 16; i++) ov[i] = o[i];
     char err[2048];
@@ -181,10 +185,13 @@ int main(int argc, char **argv) {
               "their replica's", s);
         CHECK(same_as_rank0(world, m->router_bias, (size_t)n_bias * sizeof(real)), "step %d: router biases differ from "
               "rank 0's", s);
-        const ParamInfo *embed = g.ends && m->placement.has_embedding ? model_find_param(m, "embed.weight") : NULL;
+        const ParamInfo *embed = dp.ends ? model_find_param(m, "embed.weight") : NULL;
         if (embed)  // the first and the last stage's copies of the embedding take the same update
-            CHECK(same_as_rank0(g.ends, m->weights + embed->offset, (size_t)embed->numel * sizeof(real)),
+            CHECK(same_as_rank0(dp.ends, m->weights + embed->offset, (size_t)embed->numel * sizeof(real)),
                   "step %d: the last stage's copy of embed.weight differs from the first stage's", s);
+        if (dp.mirror)  // dualpipe: the two copies of a rank's stages take the same update
+            CHECK(same_as_rank0(dp.mirror, m->weights, dense + expert), "step %d: weights differ from the mirror rank's",
+                  s);
         StepResult agreed = r_dp;
         agreed.fp8_gemms = 0;  // a rank's own count: an expert that gets no rows on a rank runs no GEMM there
         CHECK(same_as_rank0(world, &agreed, sizeof agreed), "step %d: the step's result differs from rank 0's", s);

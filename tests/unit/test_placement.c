@@ -74,7 +74,7 @@ static int count_expected(const Model *whole, const Placement *pl) {
     int n = 0;
     for (int i = 0; i < whole->n_params; i++) {
         const ParamInfo *p = &whole->params[i];
-        int in_layers = p->layer >= pl->first_layer && p->layer < pl->first_layer + pl->n_layers;
+        int in_layers = p->layer >= pl->chunk[0].first_layer && p->layer < pl->chunk[0].first_layer + pl->chunk[0].n_layers;
         int in_experts = p->expert < 0 || (p->expert >= pl->expert0 && p->expert < pl->expert0 + pl->n_experts);
         int ends = p->role == PARAM_EMBEDDING ? pl->has_embedding : pl->has_head;  // layer -1: embedding or head side
         n += (p->layer >= 0 ? in_layers : ends) && in_experts;
@@ -91,9 +91,9 @@ static void test_stage_tensors(void **state) {
     assert_int_equal(model_create(&whole, &cfg, DEVICE_CPU, 1, err, sizeof err), 0);
     for (int s = 0; s < 3; s++) {
         Placement pl;
-        assert_int_equal(placement_stage(&cfg, s, 3, &pl, err, sizeof err), 0);
-        assert_int_equal(pl.first_layer, s);
-        assert_int_equal(pl.n_layers, 1);
+        assert_int_equal(placement_stages(&cfg, &s, 1, 3, &pl, err, sizeof err), 0);
+        assert_int_equal(pl.chunk[0].first_layer, s);
+        assert_int_equal(pl.chunk[0].n_layers, 1);
         Model part;
         assert_int_equal(model_create_placement(&part, &cfg, DEVICE_CPU, &pl, err, sizeof err), 0);
         check_part_of(&whole, &part, count_expected(&whole, &pl));
@@ -109,7 +109,7 @@ static void test_stage_tensors(void **state) {
         model_free(&part);
     }
     Placement bad;
-    assert_int_equal(placement_stage(&cfg, 0, 4, &bad, err, sizeof err), -1);  // 4 stages of 3 layers
+    assert_int_equal(placement_stages(&cfg, (const int[]){0}, 1, 4, &bad, err, sizeof err), -1);  // 4 stages of 3 layers
     assert_non_null(strstr(err, "model.n_layers = 3"));
     model_free(&whole);
 }
@@ -155,7 +155,7 @@ static void check_three_stages(const char *mode, int mtp_depth) {
     assert_int_equal(model_create(&whole, &cfg, DEVICE_CPU, 1, err, sizeof err), 0);
     for (int s = 0; s < 3; s++) {
         Placement pl;
-        assert_int_equal(placement_stage(&cfg, s, 3, &pl, err, sizeof err), 0);
+        assert_int_equal(placement_stages(&cfg, &s, 1, 3, &pl, err, sizeof err), 0);
         assert_int_equal(model_create_placement(&st[s], &cfg, DEVICE_CPU, &pl, err, sizeof err), 0);
     }
     // whole model
