@@ -69,6 +69,34 @@ CUDA_SRC :=
 CUDA_WHY := building CPU-only: $(if $(NO_CUDA),NO_CUDA=1 was given,$(if $(NVCC_VERSION),nvcc $(subst $() ,.,$(NVCC_VERSION)) is older than 12.9,no nvcc on PATH))
 endif
 
+# ---------------------------------------------------------------------------- NCCL detection (CUDA builds)
+# The NCCL backend of parallel/comm.h (parallel/comm_nccl.c, -DFP8MOE_NCCL) is built when a CUDA build finds nccl.h
+# and libnccl: in NCCL_HOME, else the CUDA toolkit, else /usr (Debian/Ubuntu's libnccl-dev), else python3's
+# nvidia.nccl (the NCCL wheel of PyTorch images). NO_NCCL=1 leaves it out. A build without it says so when NCCL is
+# asked for (comm_nccl_dup; comm_nccl_available() is 0). Multi-GPU NCCL jobs run with NCCL_NVLS_ENABLE=0.
+NCCL_LIBS :=
+ifeq ($(CUDA_OK),1)
+ifeq ($(NO_NCCL),1)
+NCCL_WHY := no NCCL: NO_NCCL=1 was given; the NCCL backend is not in this build
+else
+NCCL_PY     := $(shell python3 -c 'import nvidia.nccl as m; print(list(m.__path__)[0])' 2>/dev/null)
+NCCL_ROOT   := $(firstword $(foreach d,$(NCCL_HOME) $(CUDA_HOME) /usr $(NCCL_PY),$(if $(wildcard $(d)/include/nccl.h),$(d))))
+NCCL_ARCH   := $(shell $(CC) -print-multiarch 2>/dev/null)
+NCCL_LIBDIR := $(if $(NCCL_ROOT),$(firstword $(foreach l,lib64 lib $(if $(NCCL_ARCH),lib/$(NCCL_ARCH)),$(if $(wildcard $(NCCL_ROOT)/$(l)/libnccl.so*),$(NCCL_ROOT)/$(l)))))
+ifneq ($(NCCL_LIBDIR),)
+NCCL_VERSION := $(shell sed -n 's/^\#define NCCL_\(MAJOR\|MINOR\|PATCH\) *\([0-9]*\).*/\2/p' $(NCCL_ROOT)/include/nccl.h | paste -sd.)
+NCCL_LIBS := $(if $(filter /usr/% $(CUDA_HOME)/lib64,$(NCCL_LIBDIR)),,-L$(NCCL_LIBDIR) -Wl,-rpath,$(NCCL_LIBDIR)) $(if $(wildcard $(NCCL_LIBDIR)/libnccl.so),-lnccl,-l:libnccl.so.2)
+CFLAGS   += -DFP8MOE_NCCL $(if $(filter /usr $(CUDA_HOME),$(NCCL_ROOT)),,-I$(NCCL_ROOT)/include)
+LDLIBS   += $(NCCL_LIBS)
+NCCL_WHY := NCCL $(NCCL_VERSION) found in $(NCCL_ROOT) ($(NCCL_LIBDIR)): building the NCCL backend
+else
+NCCL_WHY := no NCCL: nccl.h and libnccl not found in NCCL_HOME, $(CUDA_HOME), /usr or python3's nvidia.nccl; the NCCL backend is not in this build
+endif
+endif
+else
+NCCL_WHY := no NCCL: not a CUDA build; the NCCL backend is not in this build
+endif
+
 # ---------------------------------------------------------------------------- sources
 LIB_SRC  := $(wildcard kernels/*.c kernels/cpu/*.c train/*.c optim/*.c data/*.c parallel/*.c)
 LIB_SRC  := $(filter-out train/main.c,$(LIB_SRC))
@@ -91,6 +119,7 @@ all: cuda-status $(BUILD)/fp8moe $(BUILD)/gradcheck $(BUILD)/gradcheck_f32 $(UNI
 
 cuda-status:
 	@echo "fp8moe: $(CUDA_WHY)"
+	@echo "fp8moe: $(NCCL_WHY)"
 
 $(BUILD)/obj/%.o: %.c
 	@mkdir -p $(dir $@)
@@ -126,7 +155,7 @@ $(BUILD)/tests/test_gpu_%: tests/gpu/test_gpu_%.c $(BUILD)/libfp8moe.a
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -Itests $< $(BUILD)/libfp8moe.a -o $@ $(LDLIBS) -lcmocka
 $(BUILD)/gradcheck: tests/unit/test_gradcheck.c $(BUILD)/libfp8moe_double.a
-	$(CC) $(filter-out -DFP8MOE_CUDA,$(CFLAGS)) -DFP8MOE_REAL_DOUBLE -Itests $< $(BUILD)/libfp8moe_double.a -o $@ $(filter-out -lcudart -lcublasLt -lstdc++,$(LDLIBS)) -lcmocka
+	$(CC) $(filter-out -DFP8MOE_CUDA,$(CFLAGS)) -DFP8MOE_REAL_DOUBLE -Itests $< $(BUILD)/libfp8moe_double.a -o $@ $(filter-out -lcudart -lcublasLt -lstdc++ $(NCCL_LIBS),$(LDLIBS)) -lcmocka
 $(BUILD)/gradcheck_f32: tests/unit/test_gradcheck.c $(BUILD)/libfp8moe.a
 	$(CC) $(CFLAGS) -Itests $< $(BUILD)/libfp8moe.a -o $@ $(LDLIBS) -lcmocka
 

@@ -25,6 +25,7 @@
  * cudaMalloc).
  */
 #include "parallel/comm.h"
+#include "parallel/comm_nccl.h"
 
 #include <limits.h>
 #include <math.h>
@@ -113,9 +114,9 @@ static int check_comm(const Comm *c, const char *op, int line) {
         if (c->size != 1) comm_fail(c, op, line, "a COMM_SINGLE group has size %d - expected 1", c->size);
         return 1;
     }
-    if (c->kind != COMM_MPI)
-        comm_fail(c, op, line, "backend %s is not in this build - expected %s or %s", comm_kind_name(c->kind),
-                  comm_kind_name(COMM_SINGLE), comm_kind_name(COMM_MPI));
+    if (c->kind != COMM_MPI && !(c->kind == COMM_NCCL && comm_nccl_available()))
+        comm_fail(c, op, line, "backend %s is not in this build - expected %s or %s%s", comm_kind_name(c->kind),
+                  comm_kind_name(COMM_SINGLE), comm_kind_name(COMM_MPI), comm_nccl_available() ? " or nccl" : "");
     if (!mpi_started) comm_fail(c, op, line, "MPI is not running - expected comm_init first (or after comm_finalize)");
     return c->size == 1;
 }
@@ -321,6 +322,14 @@ static Device buffers_device(const Comm *c, const char *op, int line, const void
     return has_a ? da : db;
 }
 
+// Whether a call goes through NCCL (parallel/comm_nccl.c): a COMM_NCCL group that uses it (size > 1, or a test's) and
+// device buffers, or none at all on this rank (an empty block must still take part in the NCCL exchange; comm.h).
+static int nccl_path(const Comm *c, const char *op, int line, const void *a, int64_t a_n, const void *b, int64_t b_n) {
+    if (!comm_nccl_takes(c)) return 0;
+    if ((a == NULL || a_n <= 0) && (b == NULL || b_n <= 0)) return 1;
+    return buffers_device(c, op, line, a, a_n, b, b_n) == DEVICE_CUDA;
+}
+
 // The Comm's pinned host buffer of at least `bytes` (kept: pinned allocations are slow).
 static void *pinned(Comm *c, size_t bytes) {
     if (bytes > c->pinned_bytes) {
@@ -441,6 +450,7 @@ Comm *comm_split(Comm *parent, int color, int key, const char *name) {
     }
     c->mpi = m;
     finish_group(c, op);
+    if (c->kind == COMM_NCCL) comm_nccl_attach(c, op);  // an NCCL communicator of the new group's ranks
     return c;
 }
 
@@ -466,12 +476,14 @@ void comm_set_limits_for_tests(size_t piece_bytes, size_t round_bytes) {
                   "at most %zu bytes (an int count)", piece_bytes, round_bytes, DEFAULT_PIECE_BYTES);
     PIECE_BYTES = piece_bytes ? piece_bytes : DEFAULT_PIECE_BYTES;
     ROUND_BYTES = round_bytes ? round_bytes : DEFAULT_ROUND_BYTES;
+    comm_nccl_set_round_bytes(round_bytes);
 }
 
 void comm_free(Comm *c) {
     if (c == NULL) return;
     if (c == &world_mpi || c == &world_single) comm_fail(c, "comm_free", __LINE__, "the world cannot be freed");
-    if (c->kind == COMM_MPI && mpi_started) {
+    if (c->kind == COMM_NCCL && mpi_started) comm_nccl_detach(c);
+    if ((c->kind == COMM_MPI || c->kind == COMM_NCCL) && mpi_started) {
         MPI_CHECK(c, "comm_free", MPI_Comm_free(&c->coll));
         MPI_CHECK(c, "comm_free", MPI_Comm_free(&c->mpi));
     }
@@ -485,6 +497,8 @@ void comm_free(Comm *c) {
 typedef enum { RED_SUM, RED_MAX, RED_MIN } RedOp;
 typedef enum { TY_DOUBLE, TY_FLOAT, TY_I64 } RedType;
 #define TY_REAL (sizeof(real) == sizeof(double) ? TY_DOUBLE : TY_FLOAT)
+_Static_assert(TY_DOUBLE == 0 && TY_FLOAT == 1 && TY_I64 == 2 && RED_SUM == 0 && RED_MAX == 1 && RED_MIN == 2,
+               "comm_nccl.h's type and operation codes (kernels/cuda/comm_reduce.h)");
 
 static size_t type_bytes(RedType t) { return t == TY_FLOAT ? sizeof(float) : 8; }
 
@@ -630,14 +644,12 @@ static void allreduce(Comm *c, const char *op, RedType t, RedOp o, void *x, int6
     else allreduce_host(c, op, t, o, x, n, t0);
 }
 
-#define ALLREDUCE(fn, T, ty, red)                                   \
-    void fn(Comm *comm, T *x, int64_t n) {                          \
-        if (check_comm(comm, #fn, __LINE__)) {                      \
-            check_count(comm, #fn, __LINE__, "n", n, x);            \
-            return;                                                 \
-        }                                                           \
-        check_count(comm, #fn, __LINE__, "n", n, x);                \
-        allreduce(comm, #fn, ty, red, x, n);                        \
+#define ALLREDUCE(fn, T, ty, red)                                                                   \
+    void fn(Comm *comm, T *x, int64_t n) {                                                          \
+        const int single = check_comm(comm, #fn, __LINE__);                                         \
+        check_count(comm, #fn, __LINE__, "n", n, x);                                                \
+        if (nccl_path(comm, #fn, __LINE__, x, n, NULL, 0)) comm_nccl_allreduce(comm, #fn, ty, red, x, n); \
+        else if (!single) allreduce(comm, #fn, ty, red, x, n);                                      \
     }
 ALLREDUCE(comm_allreduce_sum_double, double, TY_DOUBLE, RED_SUM)
 ALLREDUCE(comm_allreduce_sum_i64, int64_t, TY_I64, RED_SUM)
@@ -757,7 +769,9 @@ void comm_reduce_scatter_sum_real(Comm *comm, const real *send, real *recv, cons
     check_count(comm, op, __LINE__, "the sum of counts", d[comm->size - 1] + counts[comm->size - 1], send);
     check_count(comm, op, __LINE__, "counts[rank]", counts[comm->rank], recv);
     const int P = comm->size;
-    if (single) {
+    if (nccl_path(comm, op, __LINE__, send, d[P - 1] + counts[P - 1], recv, counts[comm->rank])) {
+        comm_nccl_reduce_scatter(comm, op, send, recv, counts, d);
+    } else if (single) {
         local_copy(comm, op, __LINE__, recv, send, (size_t)counts[0] * sizeof *recv);
     } else if (buffers_device(comm, op, __LINE__, send, d[P - 1] + counts[P - 1], recv, counts[comm->rank]) ==
                DEVICE_CUDA) {
@@ -791,7 +805,9 @@ void comm_allgather_real(Comm *comm, const real *send, real *recv, const int64_t
     int64_t *d = checked_displacements(comm, op, counts, "counts");
     check_count(comm, op, __LINE__, "the sum of counts", d[comm->size - 1] + counts[comm->size - 1], recv);
     check_count(comm, op, __LINE__, "counts[rank]", counts[comm->rank], send);
-    if (single) local_copy(comm, op, __LINE__, recv, send, (size_t)counts[0] * sizeof *recv);
+    if (nccl_path(comm, op, __LINE__, send, counts[comm->rank], recv, d[comm->size - 1] + counts[comm->size - 1]))
+        comm_nccl_allgather(comm, op, sizeof(real), send, recv, counts, d);
+    else if (single) local_copy(comm, op, __LINE__, recv, send, (size_t)counts[0] * sizeof *recv);
     else allgather_any(comm, op, sizeof(real), send, recv, counts, d, t0);
     free(d);
 }
@@ -808,13 +824,15 @@ void comm_allgather_bytes(Comm *comm, const void *send, void *recv, size_t bytes
     const int single = check_comm(comm, op, __LINE__);
     check_count(comm, op, __LINE__, "bytes", (int64_t)bytes, send);
     check_count(comm, op, __LINE__, "bytes", (int64_t)bytes, recv);
-    if (single) {
+    const int nccl = nccl_path(comm, op, __LINE__, send, (int64_t)bytes, recv, (int64_t)bytes * comm->size);
+    if (single && !nccl) {
         local_copy(comm, op, __LINE__, recv, send, bytes);
         return;
     }
     int64_t *counts = block_counts(comm, op, (int64_t)bytes);
     int64_t *d = checked_displacements(comm, op, counts, "counts");
-    allgather_any(comm, op, 1, send, recv, counts, d, t0);
+    if (nccl) comm_nccl_allgather(comm, op, 1, send, recv, counts, d);
+    else allgather_any(comm, op, 1, send, recv, counts, d, t0);
     free(d);
     free(counts);
 }
@@ -881,6 +899,12 @@ void comm_alltoallv_bytes(Comm *comm, const void *send, const int64_t *send_byte
                                       "rank's block to itself)", me, (long long)send_bytes[me], me,
                   (long long)recv_bytes[me]);
     const int64_t total_send = sd[P - 1] + send_bytes[P - 1], total_recv = rd[P - 1] + recv_bytes[P - 1];
+    if (nccl_path(comm, op, __LINE__, send, total_send, recv, total_recv)) {  // the own block too: through NCCL
+        comm_nccl_alltoallv(comm, op, send, send_bytes, sd, recv, recv_bytes, rd);
+        free(sd);
+        free(rd);
+        return;
+    }
     const Device dev = buffers_device(comm, op, __LINE__, send, total_send, recv, total_recv);
     if (send_bytes[me] > 0)  // this rank's block to itself never leaves its device
         device_memcpy(dev, (char *)recv + rd[me], (const char *)send + sd[me], (size_t)send_bytes[me]);
@@ -914,6 +938,10 @@ static void request_post(Comm *comm, const char *op, void *buf, size_t bytes, in
     check_count(comm, op, __LINE__, "bytes", (int64_t)bytes, buf);
     check_peer(comm, op, __LINE__, is_send ? "dest" : "src", peer);
     if (tag < 0 || tag > COMM_TAG_MAX) comm_fail(comm, op, __LINE__, "tag %d - expected 0 .. %d", tag, COMM_TAG_MAX);
+    if (nccl_path(comm, op, __LINE__, buf, (int64_t)bytes, NULL, 0)) {  // queued; launched by a wait (comm_nccl.c)
+        comm_nccl_post(comm, op, buf, bytes, peer, tag, req, is_send);
+        return;
+    }
     const size_t pieces = bytes == 0 ? 1 : (bytes + PIECE_BYTES - 1) / PIECE_BYTES;
     if (pieces > INT_MAX) comm_fail(comm, op, __LINE__, "%zu bytes is too many pieces", bytes);
     req->comm = comm;
@@ -944,6 +972,10 @@ static void request_post(Comm *comm, const char *op, void *buf, size_t bytes, in
 
 static void request_wait(CommRequest *req, double t0) {
     if (req == NULL) comm_fail(NULL, "comm_wait", __LINE__, "req is NULL - expected a CommRequest");
+    if (req->nccl_ticket != 0) {
+        comm_nccl_wait(req);
+        return;
+    }
     if (req->n == 0) return;
     Comm *c = req->comm;
     MPI_Status *st = malloc((size_t)req->n * sizeof *st);
@@ -997,6 +1029,10 @@ void comm_bcast_bytes(Comm *comm, void *buf, size_t bytes, int root) {
     const int single = check_comm(comm, op, __LINE__);
     check_count(comm, op, __LINE__, "bytes", (int64_t)bytes, buf);
     check_peer(comm, op, __LINE__, "root", root);
+    if (nccl_path(comm, op, __LINE__, buf, (int64_t)bytes, NULL, 0)) {
+        comm_nccl_bcast(comm, op, buf, bytes, root);
+        return;
+    }
     if (single) return;
     void *dev_buf = NULL;  // a device buffer: the broadcast moves a pinned copy (the root's copied there first)
     if (buffers_device(comm, op, __LINE__, buf, (int64_t)bytes, NULL, 0) == DEVICE_CUDA) {

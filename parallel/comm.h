@@ -10,10 +10,15 @@
  *   COMM_MPI     an MPI communicator (CPU ranks; GPU ranks sharing a GPU, device buffers staged through
  *                pinned host memory; also the bootstrap and control plane of GPU jobs).
  *                Without mpirun, comm_init starts MPI as a singleton and the world has size 1.
- *   COMM_NCCL    later issue: GPU ranks, one GPU each, the NCCL id broadcast over MPI.
+ *   COMM_NCCL    GPU ranks, one GPU each (parallel/comm_nccl.c, built when the build finds NCCL): an MPI
+ *                group as above, whose host buffers, counts and checks travel over MPI exactly as in
+ *                COMM_MPI, plus an NCCL communicator over the same ranks in the same order (its unique id
+ *                broadcast over MPI) with a CUDA stream of its own, which carries the device buffers.
+ *                comm_nccl_dup makes one from an MPI group; comm_split of a COMM_NCCL group gives COMM_NCCL
+ *                groups. See "NCCL" below.
  * At size 1 every call returns after checking its arguments (and, where there is an output buffer
  * distinct from the input, one copy), whatever the backend: the single-process path costs what it
- * did before MPI existed.
+ * did before MPI existed (COMM_NCCL too, unless a test asks otherwise: comm_nccl_force_for_tests).
  *
  * Conventions:
  * - Buffers are host or device memory, and every call takes either. Which one a buffer is, the pointer
@@ -21,7 +26,7 @@
  *   process has allocated device memory; never asked on a CPU run). COMM_MPI stages a device buffer
  *   through a pinned host buffer that the Comm owns (device_host_alloc): copy to the host, the MPI
  *   messages, copy back, so that several MPI ranks can share one GPU (DESIGN.md section 5; the test
- *   path of multi-rank GPU code on one GPU; NCCL will be the fast path, one GPU per rank). The results
+ *   path of multi-rank GPU code on one GPU; COMM_NCCL is the fast path, one GPU per rank). The results
  *   are the bits the host path gives. Why the pointer and not a Device argument or a device flag on the
  *   Comm: one group carries both kinds of memory (the dp group sums the step's host loss terms and the
  *   device gradients, the EP group exchanges host row counts and device rows), so a flag on the Comm
@@ -56,6 +61,36 @@
  *   invalid argument print one line naming the function, the group, the rank and the MPI error
  *   string, and end the job with MPI_Abort(COMM_EXIT_ERROR). A COMM_SINGLE communicator of size > 1
  *   cannot exist; a call on one stops with the file and line.
+ *
+ * NCCL (COMM_NCCL; the implementation's opening comment says why each choice was made):
+ * - Device buffers go through NCCL, host buffers through the MPI code above, call by call (the pointer
+ *   decides, as for staging). A call whose buffers are all empty on this rank counts as a device call on a
+ *   COMM_NCCL group (an expert rank that receives no rows must still take part in NCCL's exchange), so host
+ *   data that may be empty on some ranks belongs on a COMM_MPI group.
+ * - The same results as COMM_MPI, bit for bit: sums are the rank-order sums above, computed on the GPU from
+ *   every rank's copy of a block, which NCCL only moves (ncclSend / ncclRecv; never ncclAllReduce or
+ *   ncclReduceScatter with ncclSum, whose order is NCCL's); gathers, all-to-all-v and broadcast are copies.
+ * - Every device call is first checked over MPI: the ranks compare the operation, its number among the
+ *   group's device calls and its counts (all-to-all-v: what each peer sends against recv_bytes), so ranks
+ *   that make different calls or pass different counts end the job with one line naming both ranks and
+ *   the values, instead of hanging NCCL. The timeout holds for the check and for NCCL (the communicator is
+ *   non-blocking and every wait polls); a timed-out call prints the timeout line above, aborts the NCCL
+ *   communicator (ncclCommAbort) and ends the job. NCCL and CUDA errors are reported like MPI errors, with
+ *   the call and NCCL's last error string.
+ * - Calls are synchronous, as over MPI: a call returns when its result is in the buffer. Its NCCL work runs on
+ *   the group's stream after the work queued before the call on the legacy default stream (fp8moe's kernels).
+ * - Point to point: NCCL has no tags and a send blocks its stream until the peer receives, so
+ *   comm_isend_bytes / comm_irecv_bytes queue the message; the group's next comm_wait, blocking send or
+ *   receive, or device collective launches every queued message of this rank in one NCCL group (a ring of
+ *   isend + recv, or irecv + isend + waits, completes). Messages of device buffers between a pair are matched
+ *   in the order they are posted, whatever their tags: post them in the same order on both ranks. Each one
+ *   carries a header over MPI with its size and its number, checked by the receiver before NCCL moves
+ *   anything: a size mismatch (`the message from rank 0 (world rank 0, tag 3) has 100 bytes, expected 200`)
+ *   or an order mismatch ends the job.
+ * - One GPU per rank: NCCL cannot put two ranks of a communicator on one GPU, so comm_nccl_dup refuses that
+ *   ("parallel.backend = nccl needs one GPU per rank; use backend = mpi to share a GPU"); comm_nccl_select_gpu
+ *   gives each rank of a host its own GPU first. comm_nccl_dup sets NCCL_NVLS_ENABLE=0 in the process'
+ *   environment unless it is already set (NVLink multicast can take a shared host's GPUs out of service).
  */
 #ifndef FP8MOE_COMM_H
 #define FP8MOE_COMM_H
@@ -70,7 +105,7 @@
 typedef enum {
     COMM_SINGLE = 0,  // one process, size 1, no MPI: every collective is the identity
     COMM_MPI = 1,     // MPI communicator (CPU ranks, and GPU ranks that share a GPU: device buffers staged)
-    COMM_NCCL = 2,    // later issue: NCCL communicator (GPU ranks, device buffers)
+    COMM_NCCL = 2,    // MPI communicator + NCCL communicator (GPU ranks, one GPU each: device buffers through NCCL)
 } CommKind;
 
 #define COMM_NAME_MAX 16             // group names are short: "world", "dp", "ep", "edp", "pp", "node"
@@ -94,6 +129,9 @@ typedef struct {
     size_t scratch_bytes;
     void *pinned;             // device staging: pinned host buffer (device_host_alloc), grown on demand, owned
     size_t pinned_bytes;
+    // COMM_NCCL only: the NCCL communicator, its stream, the reductions' device slots, the queue of posted
+    // messages (parallel/comm_nccl.c; NULL for a group of size 1, which never uses NCCL outside tests)
+    struct CommNccl *nccl;
 } Comm;
 
 // A pending isend/irecv. Fill it with comm_isend_bytes / comm_irecv_bytes, complete it with comm_wait
@@ -112,6 +150,8 @@ typedef struct {
     void *staged;
     void *device_dst;
     int owns_staged;
+    // a device message of a COMM_NCCL group: its place in the group's queue (0: not one), parallel/comm_nccl.c
+    uint64_t nccl_ticket;
 } CommRequest;
 
 // ---------------------------------------------------------------------------- process set-up
@@ -176,8 +216,9 @@ void comm_allgather_block_real(Comm *comm, const real *send, real *recv, int64_t
 void comm_allgather_bytes(Comm *comm, const void *send, void *recv, size_t bytes);
 
 // Tests only: the largest single MPI message (default 1 GiB) and a reduction round's receive buffer over all
-// ranks (default 64 MiB). Small values exercise, with small buffers, the paths that large counts take
-// (messages in pieces, reductions in rounds). 0 restores a default. Set the same values on every rank.
+// ranks (default 64 MiB; also the NCCL reductions' device slots). Small values exercise, with small buffers,
+// the paths that large counts take (messages in pieces, reductions in rounds). 0 restores a default. Set the
+// same values on every rank.
 void comm_set_limits_for_tests(size_t piece_bytes, size_t round_bytes);
 
 // ---------------------------------------------------------------------------- all-to-all
@@ -208,5 +249,27 @@ void comm_wait(CommRequest *req);
 void comm_bcast_bytes(Comm *comm, void *buf, size_t bytes, int root);
 // Returns when every rank of the group has entered it.
 void comm_barrier(Comm *comm);
+
+// ---------------------------------------------------------------------------- NCCL (GPU ranks, one GPU each)
+
+// 1 when this build has the NCCL backend (a CUDA build that found nccl.h and libnccl: `make` prints which).
+// Without it, comm_nccl_dup stops the job with a message saying so; check first to refuse a configuration.
+int comm_nccl_available(void);
+// Gives every rank of `comm` its own GPU: the ranks that share a host (comm_split_host) take GPUs 0, 1, ... of
+// that host in rank order (cudaSetDevice; CUDA_VISIBLE_DEVICES applies). Collective over comm. Call it before
+// the process' first device allocation. Returns the GPU index. A host with more ranks than GPUs ends the job:
+// "parallel.backend = nccl needs one GPU per rank; use backend = mpi to share a GPU". Needs a CUDA build.
+int comm_nccl_select_gpu(Comm *comm);
+// A COMM_NCCL copy of the MPI group `comm` (COMM_MPI or COMM_NCCL; comm_world() after comm_init): the same
+// ranks in the same order, the same name, a new MPI communicator and an NCCL communicator (unique id from group
+// rank 0, broadcast over MPI) on each rank's current GPU, with a CUDA stream of its own. Collective over comm.
+// Two ranks on one GPU end the job (every rank that shares one prints the line, naming both). comm_split of the
+// result gives COMM_NCCL groups; comm_split_host gives COMM_MPI groups (host data only). Free it with comm_free,
+// after the groups split from it and before comm_finalize. In a build without NCCL the job ends with a message.
+Comm *comm_nccl_dup(Comm *comm);
+// Tests only: on != 0 makes COMM_NCCL groups of size 1 take the NCCL path for device buffers (messages to
+// themselves through NCCL, the device sums) instead of the size-1 identity, so that a one-GPU machine runs the
+// NCCL code. Set it before the groups are made (a group of size 1 made without it has no NCCL communicator).
+void comm_nccl_force_for_tests(int on);
 
 #endif

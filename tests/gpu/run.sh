@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # tests/gpu/run.sh - build fp8moe with CUDA and run the GPU parity tests ($BUILD/tests/test_gpu_*), the GPU
 # training parity run (tests/gpu/train_parity.sh), MPI ranks sharing the GPU against one GPU
-# (tests/gpu/mpi_parity.sh) and the CPU unit tests, on a machine with an NVIDIA GPU (`make test-gpu` runs this). See docs/gpu.md.
+# (tests/gpu/mpi_parity.sh), the NCCL backend under mpirun (tests/gpu/nccl.sh) and the CPU unit tests, on a machine with an NVIDIA GPU (`make test-gpu` runs this). See docs/gpu.md.
 #
 # Environment:
 #   BUILD        build directory (default build-gpu)
@@ -184,7 +184,14 @@ if [ "$FULL_BUILD" = 1 ]; then
   if BUILD=$BUILD bash tests/gpu/mpi_parity.sh; then mpi_status="passed"; else mpi_status="FAILED"; mpi_failed=1; fi
 fi
 
-say "SUMMARY: GPU tests: $((ran - gpu_failed))/$ran passed; training parity: $parity_status; MPI ranks on one GPU: $mpi_status; CPU unit tests: $unit_status"
-if [ "$gpu_failed" -gt 0 ] || [ "$parity_failed" -gt 0 ] || [ "$mpi_failed" -gt 0 ] || [ "$unit_failed" -gt 0 ]; then exit 1; fi
+nccl_status="skipped (no full build)"
+nccl_failed=0
+if [ "$FULL_BUILD" = 1 ]; then
+  say "== the NCCL backend under mpirun, one GPU per rank, and its faults (tests/gpu/nccl.sh)"
+  if BUILD=$BUILD bash tests/gpu/nccl.sh; then nccl_status="passed"; else nccl_status="FAILED"; nccl_failed=1; fi
+fi
+
+say "SUMMARY: GPU tests: $((ran - gpu_failed))/$ran passed; training parity: $parity_status; MPI ranks on one GPU: $mpi_status; NCCL: $nccl_status; CPU unit tests: $unit_status"
+if [ "$gpu_failed" -gt 0 ] || [ "$parity_failed" -gt 0 ] || [ "$mpi_failed" -gt 0 ] || [ "$nccl_failed" -gt 0 ] || [ "$unit_failed" -gt 0 ]; then exit 1; fi
 if [ "$FULL_BUILD" = 0 ]; then say "INCOMPLETE: GPU tests passed, but the CPU unit tests did not run (see MISSING/FAILED above)"; exit 2; fi
 exit 0
