@@ -150,9 +150,9 @@ static const ConfigKey key_table[] = {
     INT(parallel, ep, 1, 65536, "1", "expert-parallel ranks; divides dp and moe.n_routed_experts"),
     INT(parallel, dp, 1, 65536, "1", "data-parallel ranks per pipeline stage"),
     ENUM(parallel, backend, ParallelBackend, backend_words, "auto",
-         "communication: auto = NCCL for GPU ranks when the build has it, else MPI; mpi = MPI for every rank (CPU "
-         "ranks, or GPU buffers staged through host memory so several ranks can share a GPU); nccl = NCCL, one GPU "
-         "per rank (this build has no NCCL backend yet)"),
+         "communication of device buffers: auto = NCCL for GPU ranks under a launcher when the build has it and every "
+         "host has a GPU per rank, else MPI; mpi = MPI for every rank (CPU ranks, or GPU buffers staged through host "
+         "memory so several ranks can share a GPU); nccl = NCCL, one GPU per rank (host data goes over MPI)"),
     INT(parallel, gpus_per_node, 0, 65536, "0",
         "ranks per node for node-limited routing (every expert group on one node); 0 = the ranks MPI reports on "
         "each host; a smaller value lets one host stand for several nodes"),
@@ -931,8 +931,9 @@ int config_check_layout(const Config *c, int world_size, char *err, size_t err_s
                  "moe.n_routed_experts (experts are split evenly over an EP group)", p->ep, c->moe.n_routed_experts);
         return -1;
     }
-    if (p->backend == PARALLEL_BACKEND_NCCL) {
-        snprintf(err, err_size, "parallel.backend = nccl: this build has no NCCL backend - expected auto or mpi");
+    if (p->backend == PARALLEL_BACKEND_NCCL && !comm_nccl_available()) {
+        snprintf(err, err_size, "parallel.backend = nccl: this build has no NCCL backend (a CUDA build finds NCCL's "
+                 "nccl.h and libnccl: `make` prints where it looked) - expected auto or mpi");
         return -1;
     }
     return 0;

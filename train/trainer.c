@@ -164,6 +164,7 @@ typedef struct {
     Groups groups;  // the job's process groups (one rank in one process)
     int groups_ok;
     Comm *world;
+    Comm *nccl_world;  // the NCCL copy of the world that `world` points to when device buffers go over NCCL (owned)
     int writes;     // this rank writes the run's outputs (world rank 0; the dp replicas are identical)
     TrainState ts;
     MetricsLog log;
@@ -182,6 +183,22 @@ static void run_free(Run *r) {
     run_dir_close(&r->out_dir);
     train_state_free(&r->ts);
     if (r->groups_ok) groups_free(&r->groups);
+    comm_free(r->nccl_world);  // after the groups split from it (comm.h)
+}
+
+// Whether this job's device buffers travel over NCCL: GPU ranks of a launched job (world size above 1) with
+// parallel.backend = nccl, or auto when the build has NCCL and every host has a GPU for each of its ranks (so
+// that auto never refuses a job the MPI backend can run: ranks that share a GPU stay on MPI). All ranks agree.
+static int use_nccl(const Config *cfg, Device dev, Comm *world) {
+    const ParallelBackend b = cfg->parallel.backend;
+    if (dev != DEVICE_CUDA || world->size == 1 || b == PARALLEL_BACKEND_MPI) return 0;
+    if (b == PARALLEL_BACKEND_NCCL) return 1;  // (comm_nccl_select_gpu refuses a host short of GPUs)
+    if (!comm_nccl_available()) return 0;
+    Comm *host = comm_split_host(world, "host");
+    double short_of_gpus = host->size > cuda_device_count();
+    comm_free(host);
+    comm_allreduce_max_double(world, &short_of_gpus, 1);
+    return short_of_gpus == 0;
 }
 
 // The process groups of cfg's layout over the world (comm_world(): MPI's under mpirun, else one
@@ -192,6 +209,17 @@ static int make_groups(Run *r, const Config *cfg, Device dev) {
     char err[ERR_MAX];
     const ParallelConfig *pc = &cfg->parallel;
     r->world = comm_world();
+    if (pc->backend == PARALLEL_BACKEND_NCCL && dev != DEVICE_CUDA) {
+        if (r->world->rank == 0)
+            fprintf(stderr, "fp8moe: %s: parallel.backend = nccl needs GPU ranks, but the device is the CPU - set "
+                    "parallel.backend = auto or mpi, or train.device = cuda\n", cfg->path);
+        return -1;
+    }
+    int gpu = 0;  // without NCCL every GPU rank uses GPU 0 (ranks share it over the MPI backend)
+    if (config_check_layout(cfg, r->world->size, err, sizeof err) == 0 && use_nccl(cfg, dev, r->world)) {
+        gpu = comm_nccl_select_gpu(r->world);  // before the first device allocation
+        r->world = r->nccl_world = comm_nccl_dup(r->world);
+    }
     if (config_check_layout(cfg, r->world->size, err, sizeof err) != 0 ||
         groups_init(&r->groups, r->world, pc->pp, pc->dp, pc->ep, pc->gpus_per_node, err, sizeof err) != 0) {
         if (r->world->rank == 0) fprintf(stderr, "fp8moe: %s: %s\n", cfg->path, err);
@@ -211,9 +239,11 @@ static int make_groups(Run *r, const Config *cfg, Device dev) {
                     "every tensor)\n", cfg->path, pc->pp, pc->ep);
         return -1;
     }
-    // GPU ranks all use CUDA device 0 and share it: the MPI backend stages their device buffers through pinned
-    // host memory (parallel/comm.h); one GPU per rank over NCCL comes with the NCCL backend
-    groups_print_banner(&r->groups, dev == DEVICE_CUDA ? "cuda:0" : "cpu", stdout);
+    // over MPI, GPU ranks all use CUDA device 0 and share it: their device buffers are staged through pinned host
+    // memory (parallel/comm.h); over NCCL each has its own
+    char device[32] = "cpu";
+    if (dev == DEVICE_CUDA) snprintf(device, sizeof device, "cuda:%d %s", gpu, comm_kind_name(r->world->kind));
+    groups_print_banner(&r->groups, device, stdout);
     if (r->world->rank == 0) topology_print(stdout);  // the host's RDMA devices and the GPUs closest to them
     return 0;
 }

@@ -488,8 +488,8 @@ static void test_ranges_match_the_program(void **state) {
     assert_int_equal(c.model.vocab_size, 65536);
 }
 
-// Pipeline layouts the model or the executor cannot run are invalid jobs, named by their key, after the checks that
-// say what would be wrong with the layout itself: more stages than layers, and the two-chunk schedules. Pipeline,
+// Pipeline layouts the model cannot hold are invalid jobs, named by their key, after the checks that say what would be
+// wrong with the layout itself: more stages than layers (dualpipev cuts 2 pp stages). Pipeline,
 // data and expert parallel layouts load (their world size is checked at launch, train/trainer.c).
 static void test_error_parallel_layout(void **state) {
     (void)state;
@@ -497,8 +497,11 @@ static void test_error_parallel_layout(void **state) {
                  "job.ini:4: parallel.pp: 4 pipeline stages for model.n_layers = 3 - expected at most one stage per "
                  "layer");
     expect_error("[parallel]\npp = 2\nschedule = dualpipev\n", NULL, 0,
-                 "job.ini:3: parallel.schedule: dualpipev needs two model chunks per rank, which this build's executor "
-                 "does not run yet - expected 1f1b or zb1p at parallel.pp = 2");
+                 "job.ini:2: parallel.pp: 2 ranks of parallel.schedule = dualpipev cut the model into 4 stages, but "
+                 "model.n_layers = 2 - expected at most one stage per layer (parallel.pp <= 1)");
+    Config ok;
+    assert_int_equal(load(&ok, "[model]\nn_layers = 4\n[parallel]\npp = 2\nschedule = dualpipev\n"), 0);
+    assert_int_equal(ok.parallel.schedule, PIPE_DUALPIPEV);
     expect_error("[parallel]\nschedule = gpipe\n", NULL, 0, "job.ini:2: parallel.schedule: \"gpipe\"");
     expect_error("[parallel]\nep = 2\n", NULL, 0, "job.ini:2: parallel.ep: 2 does not divide parallel.dp = 1");
     const char *layouts[2][2] = {{"parallel.dp=4", "parallel.ep=1"}, {"parallel.dp=4", "parallel.ep=2"}};
