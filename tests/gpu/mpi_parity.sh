@@ -15,7 +15,8 @@
 # along the tokens, so the tiles of every rank cover the rows they cover in one process. Not bitwise: the ranks
 # sum their own gradients, then the ranks' sums (docs/parallelism.md), and the GEMMs of P x B rows and of B rows
 # may round differently. Run on a GPU machine after tests/gpu/run.sh has built $BUILD (default build-gpu),
-# $BUILD/fp8moe and $BUILD/tests/test_gpu_comm; needs Open MPI's mpirun. MPI_PARITY_DEVICE=cpu runs the same
+# $BUILD/fp8moe and $BUILD/tests/test_gpu_comm; needs Open MPI's mpirun. Pipeline parallel: pp = 2 with dualpipev
+# and with dualpipe, and pp = 2 dp = 2 ep = 2 with 1f1b, against the one-GPU run of the same global batch. MPI_PARITY_DEVICE=cpu runs the same
 # comparisons on CPU ranks (without test_gpu_comm), to try the script on a machine without a GPU.
 set -u
 BUILD=${BUILD:-build-gpu}
@@ -86,5 +87,31 @@ run dp4_ep4_fp8_zero1 4 4 fp8 true
 compare dp4_ep4_fp8_zero1 one_b16_fp8 1e-3
 run dp2_ep2_fp8_again 2 2 fp8
 compare dp2_ep2_fp8_again dp2_ep2_fp8 0
+# pipeline parallel (issue 20), ranks sharing the GPU: tiny.ini with 4 layers, 4 micro-batches of 4 x 32 per dp rank
+run_pp() {  # run_pp NAME RANKS PP SCHEDULE EP MODE: dp = RANKS / PP; RANKS 1: the one-GPU reference of dp = EP
+  local name=$1 np=$2 pp=$3 sched=$4 ep=$5 mode=$6 B=4 A=4 t0=$SECONDS
+  local dp=$((np / pp))
+  if [ "$np" = 1 ]; then B=$((4 * ep)); dp=1; ep=1; fi
+  local cmd=("$BIN" train configs/tiny.ini --set train.device="$DEVICE" --set precision.mode="$mode" --set train.steps=20
+             --set train.eval_every=0 --set train.eval_batches=1 --set data.text="$TEXT" --set data.cache_dir="$TMP/data"
+             --set checkpoint.dir="$TMP/$name" --set checkpoint.save_weights=false --set log.every=5
+             --set model.n_layers=4 --set train.micro_batch_size=$B --set train.grad_accum=$A --set parallel.pp=$pp
+             --set parallel.schedule="$sched" --set parallel.dp=$dp --set parallel.ep=$ep)
+  local rc
+  if [ "$np" = 1 ]; then timeout 300 "${cmd[@]}" > "$TMP/$name.log" 2>&1; rc=$?
+  else timeout 300 "${MPIRUN[@]}" -np "$np" "${cmd[@]}" > "$TMP/$name.log" 2>&1; rc=$?; fi
+  if [ $rc -ne 0 ]; then echo "FAIL: $name exited $rc:"; tail -15 "$TMP/$name.log"; fail=1; fi
+  echo "$name: $((SECONDS - t0)) s; $(grep -E '^step 20/' "$TMP/$name.log" | head -1)"
+}
+for mode in bf16 fp8; do
+  run_pp one_L4_b4_$mode 1 1 1f1b 1 $mode
+  run_pp pp2_dualpipev_$mode 2 2 dualpipev 1 $mode
+  compare pp2_dualpipev_$mode one_L4_b4_$mode 1e-3
+  run_pp pp2_dualpipe_$mode 2 2 dualpipe 1 $mode
+  compare pp2_dualpipe_$mode one_L4_b4_$mode 1e-3
+  run_pp one_L4_b8_$mode 1 1 1f1b 2 $mode
+  run_pp pp2_dp2_ep2_1f1b_$mode 4 2 1f1b 2 $mode
+  compare pp2_dp2_ep2_1f1b_$mode one_L4_b8_$mode 1e-3
+done
 [ $fail -eq 0 ] && echo "mpi_parity: passed" || echo "mpi_parity: FAILED"
 exit $fail
