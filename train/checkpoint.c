@@ -35,6 +35,7 @@
 #include <unistd.h>
 
 #include "data/durable.h"
+#include "train/fault.h"
 #include "train/h5io.h"
 
 #define CK_ERR 2048                      // the message every rank agrees on
@@ -752,6 +753,7 @@ int checkpoint_save(const TrainState *ts, const Groups *groups, const char *dir,
             failed = 1;
         }
         if (!failed) bytes = (int64_t)st.st_size;
+        fault_point("save", (int)ts->step, world->rank);  // the crash tests' SIGKILL inside a save (train/fault.h)
     }
     if (agree(world, failed, err, err_size) != 0) goto done;
     comm_allgather_bytes(world, &bytes, sizes, sizeof bytes);

@@ -16,6 +16,7 @@
 #include <stdio.h>
 
 #include "kernels/profile.h"
+#include "train/fault.h"
 #include "optim/clip.h"
 #include "optim/lr_schedule.h"
 
@@ -141,7 +142,8 @@ int train_step(TrainState *ts, StepResult *out, char *err, size_t err_size) {
         }
     }
     m->count_load = 0;
-    // The step's one agreement over dp: loss sums (rank order), and whether any rank met a non-finite loss
+    fault_point("step", s, ts->world->rank);  // the crash tests' SIGKILL during a step (train/fault.h)
+    // The step's one agreement over the world: loss sums (rank order), and whether any rank met a non-finite loss
     // or FP8 value (deferred on the GPU, kernels.h), so that every rank stops at the same step.
     char why[512] = "";
     const int fp8_bad = fp8_check_finite(ts->dev, why, sizeof why) != 0;

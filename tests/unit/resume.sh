@@ -5,8 +5,12 @@
 #      gradient norm bits (metrics.jsonl), and says what it resumed from;
 #   2. SIGTERM during a long run: it finishes its step, writes a checkpoint and exits 0; `--resume latest`
 #      (checkpoint.dir's newest) continues from that step;
-#   3. --resume of a directory with no checkpoint fails (exit 1) naming it.
-# One thread, tests/data/shakespeare.txt. Under the sanitizers only cases 2 and 3 run (case 1 is slow there).
+#   3. --resume of a directory with no checkpoint fails (exit 1) naming it;
+#   4. (after 1) SIGKILL during step 13 and inside the save at step 10 (FP8MOE_FAULT, train/fault.h): the latest
+#      complete checkpoint (10, 5) survives, and --resume latest in the same directory continues from it with
+#      the uninterrupted run's bits.
+# One thread, tests/data/shakespeare.txt. Under the sanitizers only cases 2 and 3 run (cases 1 and 4 are slow
+# there).
 set -u
 BUILD=${FP8MOE_BUILD:-${BUILD:-build}}
 BIN=$BUILD/fp8moe
@@ -34,6 +38,22 @@ if [ "${FP8MOE_SANITIZE:-0}" != 1 ]; then
      && same_steps "$TMP/full/metrics.jsonl" "$TMP/res/metrics.jsonl"; then
     echo "ok: resumed at step 10, steps 11-20 bitwise those of the uninterrupted run"
   else echo "FAIL: resume from step 10"; tail -3 "$TMP/res.log"; fail=1; fi
+  # SIGKILL during step 13 and inside the save at step 10 (FP8MOE_FAULT, train/fault.h): the job dies with 137,
+  # `latest` is the last complete checkpoint (10, 5), and --resume latest in the same directory continues from it
+  # with the uninterrupted run's bits
+  for fault in step:13:10 save:10:5; do
+    point=${fault%:*}; last=${fault##*:}; dir="$TMP/kill_${point%%:*}"
+    (FP8MOE_FAULT=$point "$BIN" train configs/tiny-fp8.ini "${C[@]}" --set train.steps=20 --set checkpoint.every_steps=5 \
+      --set "checkpoint.dir=$dir" > "$dir.log" 2>&1) 2>/dev/null; rc=$?  # (the subshell: no "Killed" line)
+    resumed=$(readlink "$dir/latest" 2>/dev/null)
+    "$BIN" train configs/tiny-fp8.ini "${C[@]}" --set train.steps=20 --set checkpoint.every_steps=5 \
+      --set "checkpoint.dir=$dir" --resume latest > "$dir.res.log" 2>&1
+    if [ "$rc" -eq 137 ] && [ "$resumed" = "$(printf 'step_%08d' "$last")" ] \
+       && grep -q "resumed from .* at step $last " "$dir.res.log" && grep -q "^step 20/" "$dir.res.log" \
+       && same_steps "$TMP/full/metrics.jsonl" "$dir/metrics.jsonl"; then
+      echo "ok: SIGKILL at $point: exit 137, latest = $resumed, resumed from step $last to 20 with the uninterrupted bits"
+    else echo "FAIL: SIGKILL at $point: exit $rc, latest '$resumed'"; tail -3 "$dir.log" "$dir.res.log"; fail=1; fi
+  done
 fi
 "$BIN" train configs/tiny.ini "${C[@]}" --set train.steps=100000 --set log.every=100000 --set checkpoint.every_steps=100000 \
   --set "checkpoint.dir=$TMP/term" > "$TMP/term.log" 2>&1 &
