@@ -68,27 +68,37 @@ const char *comm_kind_name(CommKind kind) {
 
 static int world_rank_now(void) { return mpi_started ? world_mpi.rank : 0; }
 
-static _Noreturn void end_job(int code) {
+_Noreturn void comm_end_job(int code) {
     fflush(stdout);
     fflush(stderr);
     if (mpi_started) MPI_Abort(MPI_COMM_WORLD, code);
     exit(code);
 }
+#define end_job comm_end_job
+
+static _Noreturn void fail_v(const Comm *c, const char *op, const char *file, int line, const char *fmt, va_list ap) {
+    char what[1024];
+    vsnprintf(what, sizeof what, fmt, ap);
+    if (c != NULL)
+        fprintf(stderr, "fp8moe: rank %d: %s on group %s (size %d, rank %d there): %s (%s:%d)\n", world_rank_now(),
+                op, c->name, c->size, c->rank, what, file, line);
+    else
+        fprintf(stderr, "fp8moe: rank %d: %s: %s (%s:%d)\n", world_rank_now(), op, what, file, line);
+    end_job(COMM_EXIT_ERROR);
+}
+
+_Noreturn void comm_fail_at(const Comm *c, const char *op, const char *file, int line, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    fail_v(c, op, file, line, fmt, ap);
+}
 
 // "fp8moe: rank R: OP on group NAME (size S): WHAT" and the job ends.
 static _Noreturn void __attribute__((format(printf, 4, 5)))
 comm_fail(const Comm *c, const char *op, int line, const char *fmt, ...) {
-    char what[768];
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(what, sizeof what, fmt, ap);
-    va_end(ap);
-    if (c != NULL)
-        fprintf(stderr, "fp8moe: rank %d: %s on group %s (size %d, rank %d there): %s (%s:%d)\n", world_rank_now(),
-                op, c->name, c->size, c->rank, what, __FILE__, line);
-    else
-        fprintf(stderr, "fp8moe: rank %d: %s: %s (%s:%d)\n", world_rank_now(), op, what, __FILE__, line);
-    end_job(COMM_EXIT_ERROR);
+    fail_v(c, op, __FILE__, line, fmt, ap);
 }
 
 static void mpi_error_string(int rc, char *buf, size_t size) {

@@ -61,28 +61,9 @@
 
 // ---------------------------------------------------------------------------- errors (comm.c's formats)
 
-static _Noreturn void end_job(int code) {
-    fflush(stdout);
-    fflush(stderr);
-    if (comm_is_initialized()) MPI_Abort(MPI_COMM_WORLD, code);
-    exit(code);
-}
-
-// "fp8moe: rank R: OP on group NAME (size S, rank r there): WHAT (file:line)" and the job ends.
-static _Noreturn void __attribute__((format(printf, 4, 5)))
-fail(const Comm *c, const char *op, int line, const char *fmt, ...) {
-    char what[1024];
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(what, sizeof what, fmt, ap);
-    va_end(ap);
-    if (c != NULL)
-        fprintf(stderr, "fp8moe: rank %d: %s on group %s (size %d, rank %d there): %s (%s:%d)\n", c->world_rank, op,
-                c->name, c->size, c->rank, what, __FILE__, line);
-    else
-        fprintf(stderr, "fp8moe: rank %d: %s: %s (%s:%d)\n", comm_world()->rank, op, what, __FILE__, line);
-    end_job(COMM_EXIT_ERROR);
-}
+// comm.c's error line, naming this file (comm_nccl.h)
+#define fail(c, op, line, ...) comm_fail_at(c, op, __FILE__, line, __VA_ARGS__)
+#define end_job comm_end_job
 
 #ifdef FP8MOE_CUDA
 static void cuda_check(const Comm *c, const char *op, const char *call, cudaError_t rc, int line) {

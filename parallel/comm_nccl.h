@@ -13,6 +13,12 @@
 
 #include "parallel/comm.h"
 
+// What comm.c gives the backend: its error line, "fp8moe: rank R: OP on group NAME (size S, rank r there): WHAT
+// (file:line)", and its end of the job (MPI_Abort with code under MPI, else exit).
+_Noreturn void __attribute__((format(printf, 5, 6)))
+comm_fail_at(const Comm *c, const char *op, const char *file, int line, const char *fmt, ...);
+_Noreturn void comm_end_job(int code);
+
 // 1 when c is a COMM_NCCL group whose device buffers go through NCCL: size > 1, or any size with an NCCL
 // communicator under comm_nccl_force_for_tests.
 int comm_nccl_takes(const Comm *c);
