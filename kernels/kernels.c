@@ -633,6 +633,14 @@ void bf16_round_array(Device dev, uint16_t *dst, const real *src, int64_t n) {
     cpu_bf16_round_array(dst, src, n);
 }
 
+void bf16_widen_array(Device dev, real *dst, const uint16_t *src, int64_t n) {
+#ifdef FP8MOE_CUDA
+    if (dev == DEVICE_CUDA) { cuda_bf16_to_float(dst, src, n); return; }
+#endif
+    if (dev != DEVICE_CPU) no_cuda_op("bf16_widen_array");
+    cpu_bf16_widen_array(dst, src, n);
+}
+
 void bf16_round_rows(Device dev, uint16_t *dst, const real *src, const int *rows, int n_rows, int C) {
 #ifdef FP8MOE_CUDA
     if (dev == DEVICE_CUDA) { cuda_float_rows_to_bf16(dst, src, rows, n_rows, C); return; }

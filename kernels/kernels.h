@@ -460,6 +460,8 @@ void bf16_matmul_backward_bf16(Device dev, real *dinp, real *dweight, const uint
 // Linear and group that reads it, and keeps each weight's BF16 copy per weights version, as the FP8 path
 // keeps its quantisation): uint16_t BF16 bits, rows packed.
 //   bf16_round_array:        dst (n) = bf16(src (n)), RNE.
+//   bf16_widen_array:        dst (n) = the values of the BF16 bits src (n), exactly (the EP exchange's BF16 rows
+//                            back in FP32, parallel/ep.c).
 //   bf16_round_rows:         dst (n_rows, C) row r = bf16(src row rows[r]) (rows on the device): the routed
 //                            experts' token rows read through the routing plan, with no gathered FP32 copy.
 //   bf16_gemm_fprop_grouped: rows [rows0[g], rows0[g+1]) of y (N columns) = bf16(x_g w[g]^T), x (rows, K),
@@ -474,6 +476,7 @@ void bf16_matmul_backward_bf16(Device dev, real *dinp, real *dweight, const uint
 //                            of dy (N columns) and x (K columns)); on CUDA the GEMMs may run concurrently.
 // Bitwise the numbers of bf16_matmul_forward / _backward, group by group, on the unrounded operands.
 void bf16_round_array(Device dev, uint16_t *dst, const real *src, int64_t n);
+void bf16_widen_array(Device dev, real *dst, const uint16_t *src, int64_t n);
 void bf16_round_rows(Device dev, uint16_t *dst, const real *src, const int *rows, int n_rows, int C);
 void bf16_gemm_fprop_grouped(Device dev, real *y, const real *residual, const uint16_t *x, const uint16_t *const *w,
                              int n_seg, const int *rows0, int N, int K);

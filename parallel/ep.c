@@ -42,6 +42,7 @@ void ep_group_init(EpGroup *g, Comm *comm, int n_experts, Device dev) {
     g->n_experts = n_experts;
     g->experts_per_rank = n_experts / comm->size;
     g->node_of_ep_rank = NULL;  // (ep_group_set_nodes comes after)
+    g->bf16_rows = 0;           // (ep_group_set_bf16_rows comes after)
     ep_traffic_reset(g);
 }
 
@@ -76,6 +77,8 @@ void ep_count_token_nodes(EpGroup *g, const int *topk_idx, int N, int K) {
     }
 }
 
+void ep_group_set_bf16_rows(EpGroup *g, int on) { g->bf16_rows = on != 0; }
+
 int ep_expert_owner(const EpGroup *g, int expert) { return expert / g->experts_per_rank; }
 
 int ep_first_local_expert(const EpGroup *g) { return g->ep_rank * g->experts_per_rank; }
@@ -85,6 +88,12 @@ int ep_first_local_expert(const EpGroup *g) { return g->ep_rank * g->experts_per
 static void alloc_rows(Device dev, real **p, int64_t rows, int C) {
     device_free(dev, *p);
     *p = device_alloc(dev, (size_t)(rows > 0 ? rows : 1) * (size_t)C * sizeof(real));
+}
+
+// The same for rows of C BF16 values (the BF16 payload).
+static void alloc_rows16(Device dev, uint16_t **p, int64_t rows, int C) {
+    device_free(dev, *p);
+    *p = device_alloc(dev, (size_t)(rows > 0 ? rows : 1) * (size_t)C * sizeof(uint16_t));
 }
 
 // Copies between the exchange's order (source r, then local expert j: staging) and the local segments
@@ -105,23 +114,31 @@ static void reorder(const EpGroup *g, const EpBuffers *b, real *staging, real *l
         }
 }
 
-// send/recv bytes per rank for rows moving the dispatch way (perm -> owners) or the combine way.
-static void row_bytes(const EpGroup *g, const EpBuffers *b, int dispatch_way, int64_t *send, int64_t *recv) {
+// send/recv bytes per rank for rows of `es`-byte values moving the dispatch way (perm -> owners) or the combine way.
+static void row_bytes(const EpGroup *g, const EpBuffers *b, int dispatch_way, int64_t es, int64_t *send, int64_t *recv) {
     const int P = g->ep_size, J = g->experts_per_rank;
     for (int q = 0; q < P; q++) {
         int64_t out = 0, in = 0;
         for (int j = 0; j < J; j++) out += b->counts[(int64_t)q * J + j], in += b->counts[(int64_t)(P + q) * J + j];
-        const int64_t so = out * b->C * (int64_t)sizeof(real), si = in * b->C * (int64_t)sizeof(real);
+        const int64_t so = out * b->C * es, si = in * b->C * es;
         send[q] = dispatch_way ? so : si;
         recv[q] = dispatch_way ? si : so;
     }
 }
 
-// perm layout (this rank's rows, by expert) -> local segments, through the exchange
+// perm layout (this rank's rows, by expert) -> local segments, through the exchange; in BF16 when the group's
+// payload is (ep.h: rounded here once, widened back exactly on arrival)
 static void exchange_to_local(EpGroup *g, EpBuffers *b, const real *perm, real *local) {
     int64_t *send = b->bytes, *recv = b->bytes + g->ep_size;
-    row_bytes(g, b, 1, send, recv);
-    comm_alltoallv_bytes(g->comm, perm, send, b->staging, recv);
+    if (g->bf16_rows) {
+        row_bytes(g, b, 1, (int64_t)sizeof(uint16_t), send, recv);
+        bf16_round_array(g->dev, b->send16, perm, (int64_t)b->n_perm_rows * b->C);
+        comm_alltoallv_bytes(g->comm, b->send16, send, b->recv16, recv);
+        bf16_widen_array(g->dev, b->staging, b->recv16, (int64_t)b->local_offsets[g->experts_per_rank] * b->C);
+    } else {
+        row_bytes(g, b, 1, (int64_t)sizeof(real), send, recv);
+        comm_alltoallv_bytes(g->comm, perm, send, b->staging, recv);
+    }
     reorder(g, b, b->staging, local, 1);
 }
 
@@ -129,7 +146,7 @@ static void exchange_to_local(EpGroup *g, EpBuffers *b, const real *perm, real *
 static void exchange_to_perm(EpGroup *g, EpBuffers *b, const real *local, real *perm) {
     int64_t *send = b->bytes, *recv = b->bytes + g->ep_size;
     reorder(g, b, b->staging, (real *)local, 0);
-    row_bytes(g, b, 0, send, recv);
+    row_bytes(g, b, 0, (int64_t)sizeof(real), send, recv);
     comm_alltoallv_bytes(g->comm, b->staging, send, perm, recv);
 }
 
@@ -181,10 +198,12 @@ void ep_dispatch(EpGroup *g, const real *perm_rows, const int *seg_offsets, int 
         alloc_rows(g->dev, &out->staging, cap, C);
         alloc_rows(g->dev, &out->local_grad, cap, C);
         alloc_rows(g->dev, &out->local_rows, cap, C);
+        if (g->bf16_rows) alloc_rows16(g->dev, &out->recv16, cap, C);
         out->capacity_local = cap;
     }
     if (out->n_perm_rows > out->capacity_perm || !out->perm_out) {
         alloc_rows(g->dev, &out->perm_out, out->n_perm_rows, C);
+        if (g->bf16_rows) alloc_rows16(g->dev, &out->send16, out->n_perm_rows, C);
         out->capacity_perm = out->n_perm_rows;
     }
     exchange_to_local(g, out, perm_rows, out->local_rows);
@@ -223,5 +242,7 @@ void ep_buffers_release(EpBuffers *buf) {
     device_free(buf->dev, buf->staging);
     device_free(buf->dev, buf->local_grad);
     device_free(buf->dev, buf->perm_out);
+    device_free(buf->dev, buf->send16);
+    device_free(buf->dev, buf->recv16);
     memset(buf, 0, sizeof(*buf));
 }

@@ -25,8 +25,9 @@
  * ep_size x N*K (every source routing all its rows to this rank's experts, as the layer's activations
  * are sized), so later steps allocate nothing (ep_buffers_release frees them). Since the exchange moves
  * each row to exactly one place, the backward functions are the same exchange in the other direction
- * (no accumulation). The typed FP8 / BF16 payload of DESIGN.md section 5 replaces the FP32 rows later;
- * the seam does not change.
+ * (no accumulation). Payload: FP32 rows, or in bf16 mode BF16 rows the dispatch way (bf16_rows below; the same
+ * bits). The typed FP8 payload of DESIGN.md section 5 (rows with their 1x128 power-of-2 scales, docs/fp8.md)
+ * and BF16 combine replace the rest later; the seam does not change.
  *
  * Lifetimes: a returned view lives as long as the buffer it points into (at ep_size 1, the caller's
  * own buffer) and, at ep_size > 1, until ep_buffers_release; keep the EpBuffers of a micro-batch with
@@ -50,6 +51,11 @@ typedef struct {
     int *node_of_ep_rank;  // (ep_size), owned
     int64_t rows_within_node, rows_across_nodes;  // (token, k) rows sent to ranks on this node / other nodes
     int max_nodes_per_token;                      // the most nodes one token's experts were on (ep_count_token_nodes)
+    // the dispatch-way exchanges (token rows to their experts in ep_dispatch, the output-gradient rows in
+    // ep_combine_backward) carry BF16 rows: set for bf16 mode (ep_group_set_bf16_rows), whose expert GEMMs read
+    // exactly those rows rounded to BF16, so rounding them before the exchange gives the same bits in half the
+    // bytes. The combine-way exchanges (expert outputs, input-gradients) stay FP32.
+    int bf16_rows;
 } EpGroup;
 
 typedef struct {
@@ -69,6 +75,8 @@ typedef struct {
     real *staging;            // (capacity_local, C) rows in the exchange's order (per source, then expert)
     real *local_grad;         // (capacity_local, C) ep_combine_backward's result
     real *perm_out;           // (capacity_perm, C) ep_combine's and ep_dispatch_backward's results
+    uint16_t *send16;         // (capacity_perm, C) bf16_rows: the dispatch-way rows, rounded, as they leave
+    uint16_t *recv16;         // (capacity_local, C) bf16_rows: as they arrive (widened into staging)
     int64_t capacity_local, capacity_perm;
     Device dev;               // the device of the four row buffers above (the group's, from the first dispatch)
 } EpBuffers;
@@ -79,6 +87,9 @@ void ep_group_init(EpGroup *g, Comm *comm, int n_experts, Device dev);
 // Records the node of each EP rank (ep_size entries, copied), so the dispatches count the rows they send
 // within and across nodes. Frees nothing else; ep_group_free releases the copy.
 void ep_group_set_nodes(EpGroup *g, const int *node_of_ep_rank);
+// Makes the dispatch-way exchanges carry BF16 rows (EpGroup.bf16_rows): only where every reader of those rows
+// rounds them to BF16 first (bf16 mode's expert GEMMs).
+void ep_group_set_bf16_rows(EpGroup *g, int on);
 void ep_group_free(EpGroup *g);
 // Zeroes the traffic counters (the trainer does it at each step's start).
 void ep_traffic_reset(EpGroup *g);

@@ -429,6 +429,8 @@ int model_set_ep_group(Model *m, Comm *ep, char *err, size_t err_size) {
         return -1;
     }
     ep_group_init(&m->ep, ep, E, m->rc.dev);
+    // bf16 mode's expert GEMMs round their token rows and output-gradient rows to BF16: they travel so
+    ep_group_set_bf16_rows(&m->ep, m->cfg.precision.mode == PRECISION_BF16);
     return 0;
 }
 

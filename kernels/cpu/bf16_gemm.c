@@ -77,6 +77,11 @@ void cpu_bf16_round_array(uint16_t *dst, const real *src, int64_t n) {
     for (int64_t i = 0; i < n; i++) dst[i] = float_to_bf16((float)src[i]);
 }
 
+void cpu_bf16_widen_array(real *dst, const uint16_t *src, int64_t n) {
+#pragma omp parallel for schedule(static) if (n > 65536)
+    for (int64_t i = 0; i < n; i++) dst[i] = (real)bf16_to_float(src[i]);
+}
+
 void cpu_bf16_round_rows(uint16_t *dst, const real *src, const int *rows, int n_rows, int C) {
 #pragma omp parallel for schedule(static) if ((int64_t)n_rows * C > 65536)
     for (int r = 0; r < n_rows; r++) {

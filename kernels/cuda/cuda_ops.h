@@ -84,6 +84,7 @@ void cuda_bf16_gemm_fprop_grouped(real *y, const real *residual, const uint16_t 
 void cuda_bf16_gemm_dgrad_grouped(real *dx, GradStore store, const DgradUnpermute *unpermute, int n_mats, const uint16_t *const *dy,
                                   const uint16_t *const *const *w, int n_seg, const int *rows0, int N, int K);
 void cuda_float_rows_to_bf16(uint16_t *dst, const float *src, const int *rows, int n_rows, int C);
+void cuda_bf16_to_float(float *dst, const uint16_t *src, int64_t n);
 void cuda_bf16_gemm_wgrad(real *dw, const uint16_t *dy, const uint16_t *x, int T, int N, int K);
 void cuda_bf16_gemm_wgrad_grouped(real *dw, const uint16_t *dy, const uint16_t *x, int n_seg, const int *rows0, int N,
                                   int K);

@@ -752,6 +752,18 @@ extern "C" void cuda_float_to_bf16(uint16_t *dst, const float *src, int64_t n) {
     CUDA_CHECK_LAUNCH("float_to_bf16_kernel");
 }
 
+// y (n) = the FP32 values of the BF16 bits x (n): exact.
+__global__ void bf16_widen_kernel(float *y, const uint16_t *x, int64_t n) {
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
+        y[i] = __uint_as_float((unsigned int)x[i] << 16);
+}
+
+extern "C" void cuda_bf16_to_float(float *dst, const uint16_t *src, int64_t n) {
+    if (n <= 0) return;
+    bf16_widen_kernel<<<grid_for(n, ELEMENTWISE_THREADS), ELEMENTWISE_THREADS>>>(dst, src, n);
+    CUDA_CHECK_LAUNCH("bf16_widen_kernel");
+}
+
 extern "C" void cuda_float_rows_to_bf16(uint16_t *dst, const float *src, const int *rows, int n_rows, int C) {
     if (n_rows <= 0 || C <= 0) return;
     const int64_t n = (int64_t)n_rows * C;

@@ -381,6 +381,33 @@ static void test_bf16_round_rows(void **state) {
     }
 }
 
+// bf16_widen_array (the EP exchange's BF16 rows back in FP32, parallel/ep.c) against the CPU: every bit equal, on
+// fresh BF16 bit patterns of finite values of both signs across the exponent range, zeros and subnormals among
+// them, at a length that is not a multiple of the block size. Tolerance 0: widening is exact.
+static void test_bf16_widen_array(void **state) {
+    (void)state;
+    const int64_t n = 100003;
+    float *src = floats(n);
+    fill_log_uniform(src, n, 1900, -130.0, 30.0);  // below 2^-126: BF16 subnormals and zeros after rounding
+    uint16_t *bits = host_poisoned((size_t)n * 2);
+    bf16_round_array(DEVICE_CPU, bits, src, n);
+    uint16_t *bits_d = gpucheck_to_device(bits, (size_t)n * 2);
+    float *out_d = gpu_poisoned((size_t)n * sizeof(float)), *out_h = floats(n);
+    bf16_widen_array(DEVICE_CUDA, out_d, bits_d, n);
+    bf16_widen_array(DEVICE_CPU, out_h, bits, n);
+    float *out_g = gpucheck_to_host(out_d, (size_t)n * sizeof(float));
+    const int diff = count_diff(out_g, out_h, (size_t)n * sizeof(float));
+    int round_trip = 0;  // and the CPU op itself: rounding its output again gives the same bits
+    for (int64_t i = 0; i < n; i++) round_trip += float_to_bf16(out_h[i]) != bits[i];
+    printf("%-18s %lld values: differing bytes %d, round-trip changes %d  %s\n", "bf16_widen_array", (long long)n, diff,
+           round_trip, diff == 0 && round_trip == 0 ? "ok" : "FAIL");
+    fflush(stdout);
+    device_free(DEVICE_CUDA, bits_d), device_free(DEVICE_CUDA, out_d);
+    free(src), free(bits), free(out_h), free(out_g);
+    assert_int_equal(diff, 0);
+    assert_int_equal(round_trip, 0);
+}
+
 // fp8_quantize_128x128_batched (a routed-expert Linear's weights in one launch) against the CPU's batched op:
 // every byte of q and qt and every scale of the stack bit-identical (poisoned outputs; partial blocks on both
 // axes; K = 302 takes the scalar loads, K = 300 the vector ones); a NaN named at its row of the stack.
@@ -2193,6 +2220,7 @@ int main(void) {
         cmocka_unit_test(test_quantizer_nonfinite),
         cmocka_unit_test(test_quantize_128x128_batched),
         cmocka_unit_test(test_bf16_round_rows),
+        cmocka_unit_test(test_bf16_widen_array),
         cmocka_unit_test_prestate(test_quantize_both, &both_a),
         cmocka_unit_test_prestate(test_quantize_both, &both_b),
         cmocka_unit_test_prestate(test_quantize_both, &both_c),
