@@ -182,10 +182,8 @@ static int bench_routing(Comm *ep, const A2aShape *s, double skew, RankReport *m
         fill_rows(perm, seg, E, C, me);
     }
     // the raw exchange's byte counts: the same rows the dispatch sends to each rank
-    // What ep_group_init fills (E % P was checked by the caller), written out so that the benchmark does not
-    // depend on that function's signature, which grows a device argument with the GPU-rank work; every field
-    // not named is zero, i.e. rows on the host (DEVICE_CPU), which is what the benchmark's buffers are.
-    EpGroup g = {.comm = ep, .ep_size = P, .ep_rank = me, .n_experts = E, .experts_per_rank = E / P};
+    EpGroup g;  // rows on the host, which is what the benchmark's buffers are (E % P was checked by the caller)
+    ep_group_init(&g, ep, E, DEVICE_CPU);
     const int J = g.experts_per_rank;
     for (int q = 0; q < P && !failed; q++)
         send_b[q] = (int64_t)(seg[(q + 1) * J] - seg[q * J]) * C * (int64_t)sizeof(real);
@@ -262,6 +260,7 @@ static int bench_routing(Comm *ep, const A2aShape *s, double skew, RankReport *m
     for (int q = 0; q < P; q++)
         if (q != me) mine->off_sent_bytes += (double)send_b[q], mine->off_recv_bytes += (double)recv_b[q];
 done:
+    ep_group_free(&g);
     free(expert);
     free(seg);
     free(send_b);
