@@ -998,8 +998,10 @@ typedef struct {
 
 // What checkpoint_load collects from the rank files before it commits: weights go to the device as they are
 // read; moments are assembled on the host (this rank's regions), with the spans of the flat buffer found.
+// checkpoint_load_model gathers into a bare model: ts is NULL and moments are not read.
 typedef struct {
-    TrainState *ts;
+    TrainState *ts;             // NULL: weights and router biases only
+    Model *m;                   // the model the weights go to (ts's, or a bare one)
     const ParamInfo **by_name;  // the model's tensors sorted by name
     char *weight_found;         // per tensor (index into model.params)
     char *bias_found;           // per MoE layer
@@ -1019,7 +1021,7 @@ static int compare_name_key(const void *key, const void *elem) {
 }
 
 static const ParamInfo *find_param(const Gather *G, const char *name) {
-    const ParamInfo *const *p = bsearch(name, G->by_name, (size_t)G->ts->model.n_params, sizeof *G->by_name,
+    const ParamInfo *const *p = bsearch(name, G->by_name, (size_t)G->m->n_params, sizeof *G->by_name,
                                         compare_name_key);
     return p ? *p : NULL;
 }
@@ -1097,7 +1099,7 @@ static int check_shape(hid_t dset, const char *fpath, const char *dname, const P
 
 static int take_weight(Gather *G, hid_t file, const char *fpath, const char *name, char *err, size_t err_size) {
     const ParamInfo *p = find_param(G, name);
-    Model *m = &G->ts->model;
+    Model *m = G->m;
     if (!p || G->weight_found[p - m->params]) return 0;  // another rank's tensor, or a second copy
     char dname[MODEL_NAME_MAX + 32];
     snprintf(dname, sizeof dname, "weights/%s", name);
@@ -1129,7 +1131,7 @@ done:
 }
 
 static int take_bias(Gather *G, hid_t file, const char *fpath, const char *name, char *err, size_t err_size) {
-    Model *m = &G->ts->model;
+    Model *m = G->m;
     const int l = model_find_router_bias(m, name), E = m->cfg.moe.n_routed_experts;
     if (l < 0 || G->bias_found[l]) return 0;
     char dname[MODEL_NAME_MAX + 32];
@@ -1155,8 +1157,8 @@ done:
 // Piece of AdamW moment q (0 = m, 1 = v) of tensor `name`: the elements this rank's regions hold are copied.
 static int take_moment(Gather *G, int q, hid_t file, const char *fpath, const char *name, char *err, size_t err_size) {
     const ParamInfo *p = find_param(G, name);
-    if (!p) return 0;
     TrainState *ts = G->ts;
+    if (!p || !ts) return 0;
     int64_t a[2], b[2];
     int needed = 0;
     for (int k = 0; k < 2; k++) region_part(&ts->regions[k], p, &a[k], &b[k]), needed |= b[k] > a[k];
@@ -1260,12 +1262,12 @@ done:
 // After every file: the first tensor, bias or moment element this rank needs that none held, or 0 when all were
 // found. what: a description of it.
 static int find_missing(Gather *G, char *what, size_t size) {
-    Model *m = &G->ts->model;
+    Model *m = G->m;
     for (int i = 0; i < m->n_params; i++)
         if (!G->weight_found[i]) return snprintf(what, size, "tensor %s (FP32 weights)", m->params[i].name), 1;
     for (int l = 0; l < m->n_moe_layers; l++)
         if (!G->bias_found[l]) return snprintf(what, size, "router bias %s", m->router_bias_names[l]), 1;
-    for (int k = 0; k < 2; k++)
+    for (int k = 0; G->ts && k < 2; k++)
         for (int q = 0; q < 2; q++) {
             spans_merge(&G->got[k][q]);
             for (int i = 0; i < m->n_params; i++) {
@@ -1295,41 +1297,41 @@ static void gather_free(Gather *G) {
     h5io_close(G->bf16, H5Tclose);
 }
 
-// This rank's part of checkpoint `man` into ts (not collective).
-static int load_here(TrainState *ts, const Manifest *man, char *err, size_t err_size) {
-    Model *m = &ts->model;
+// A checkpoint of another model is refused with the keys that differ.
+static int check_same_model(const Manifest *man, const Config *now, char *err, size_t err_size) {
     char changes[1024];
-    if (checkpoint_config_changes(&man->cfg, ts->cfg, 1, changes, sizeof changes) > 0) {
+    if (checkpoint_config_changes(&man->cfg, now, 1, changes, sizeof changes) > 0) {
         snprintf(err, err_size, "%s: the checkpoint is of another model: %s (the keys of [model], [moe] and [mtp] "
                  "must match, except model.init_std, moe.bias_update_speed, moe.balance_loss_alpha and mtp.loss_weight)",
                  man->path, changes);
         return -1;
     }
-    for (int d = 1; d < man->ints[M_DP]; d++)
-        if (man->cursors[d].epoch != man->cursors[0].epoch || man->cursors[d].position != man->cursors[0].position) {
-            snprintf(err, err_size, "%s: dataset /loader/train_cursor: dp rank %d's cursor differs from dp rank 0's",
-                     man->path, d);
-            return -1;
-        }
-    Gather G = {.ts = ts, .bf16 = bf16_type()};
+    return 0;
+}
+
+// Reads every rank file of `man` into G: the weights and router biases of G->m, and with G->ts the moment
+// elements of its regions; then checks that everything needed was found. G holds only ts, m and bf16; the rest is
+// allocated here (gather_free releases it).
+static int gather_files(Gather *G, const Manifest *man, char *err, size_t err_size) {
+    const Model *m = G->m;
     const int64_t max_n = max_tensor_numel(m);
-    int rc = -1, n_missing = 0;
+    int n_missing = 0;
     const FileEntry *missing = NULL;
-    G.by_name = malloc((size_t)m->n_params * sizeof *G.by_name);
-    G.weight_found = calloc((size_t)m->n_params, 1);
-    G.bias_found = calloc((size_t)(m->n_moe_layers > 0 ? m->n_moe_layers : 1), 1);
-    G.stage = malloc((size_t)max_n * sizeof *G.stage);
-    G.host = malloc((size_t)max_n * sizeof *G.host);
-    G.raw = malloc((size_t)max_n * sizeof *G.raw);
-    int ok = G.bf16 >= 0 && G.by_name && G.weight_found && G.bias_found && G.stage && G.host && G.raw;
-    for (int k = 0; k < 2; k++)  // padding between tensors keeps zero moments: start from zero
-        for (int q = 0; q < 2; q++) ok = ok && (G.mom[k][q] = calloc((size_t)(ts->regions[k].n + 1), 2)) != NULL;
+    G->by_name = malloc((size_t)m->n_params * sizeof *G->by_name);
+    G->weight_found = calloc((size_t)m->n_params, 1);
+    G->bias_found = calloc((size_t)(m->n_moe_layers > 0 ? m->n_moe_layers : 1), 1);
+    G->stage = malloc((size_t)max_n * sizeof *G->stage);
+    G->host = malloc((size_t)max_n * sizeof *G->host);
+    G->raw = malloc((size_t)max_n * sizeof *G->raw);
+    int ok = G->bf16 >= 0 && G->by_name && G->weight_found && G->bias_found && G->stage && G->host && G->raw;
+    for (int k = 0; G->ts && k < 2; k++)  // padding between tensors keeps zero moments: start from zero
+        for (int q = 0; q < 2; q++) ok = ok && (G->mom[k][q] = calloc((size_t)(G->ts->regions[k].n + 1), 2)) != NULL;
     if (!ok) {
         snprintf(err, err_size, "%s: out of memory (or HDF5 type setup failed) loading the checkpoint", man->dir);
-        goto done;
+        return -1;
     }
-    for (int i = 0; i < m->n_params; i++) G.by_name[i] = &m->params[i];
-    qsort(G.by_name, (size_t)m->n_params, sizeof *G.by_name, compare_param_name);
+    for (int i = 0; i < m->n_params; i++) G->by_name[i] = &m->params[i];
+    qsort(G->by_name, (size_t)m->n_params, sizeof *G->by_name, compare_param_name);
     for (int f = 0; f < man->n_files; f++) {
         const FileEntry *fe = &man->files[f];
         char fpath[CK_PATH];
@@ -1338,7 +1340,7 @@ static int load_here(TrainState *ts, const Manifest *man, char *err, size_t err_
         if (stat(fpath, &st) != 0) {
             if (errno != ENOENT) {
                 snprintf(err, err_size, "%s: cannot read it: %s", fpath, strerror(errno));
-                goto done;
+                return -1;
             }
             if (!n_missing++) missing = fe;  // named below with a tensor it held
             continue;
@@ -1346,24 +1348,40 @@ static int load_here(TrainState *ts, const Manifest *man, char *err, size_t err_
         if ((int64_t)st.st_size != fe->bytes) {
             snprintf(err, err_size, "%s: %lld bytes, but %s records %lld (truncated, or replaced after the save?)", fpath,
                      (long long)st.st_size, man->path, (long long)fe->bytes);
-            goto done;
+            return -1;
         }
-        if (take_from_file(&G, man, fpath, err, err_size) != 0) goto done;
+        if (take_from_file(G, man, fpath, err, err_size) != 0) return -1;
     }
     char what[512];
-    const int incomplete = find_missing(&G, what, sizeof what);
+    const int incomplete = find_missing(G, what, sizeof what);
     if (missing) {
         snprintf(err, err_size, "%s/%s: missing (%s lists it, %lld bytes, written by world rank %d: stage %d, dp %d, "
                  "ep %d)%s%s%s", man->dir, missing->name, CHECKPOINT_MANIFEST, (long long)missing->bytes,
                  missing->world_rank, missing->stage, missing->dp_rank, missing->ep_rank,
                  incomplete ? "; " : ": the checkpoint is incomplete", incomplete ? what : "",
                  incomplete ? ", which this rank needs, is in no other file" : "");
-        goto done;
+        return -1;
     }
     if (incomplete) {
         snprintf(err, err_size, "%s: %s is in no file of the checkpoint (written for another model?)", man->dir, what);
-        goto done;
+        return -1;
     }
+    return 0;
+}
+
+// This rank's part of checkpoint `man` into ts (not collective).
+static int load_here(TrainState *ts, const Manifest *man, char *err, size_t err_size) {
+    Model *m = &ts->model;
+    if (check_same_model(man, ts->cfg, err, err_size) != 0) return -1;
+    for (int d = 1; d < man->ints[M_DP]; d++)
+        if (man->cursors[d].epoch != man->cursors[0].epoch || man->cursors[d].position != man->cursors[0].position) {
+            snprintf(err, err_size, "%s: dataset /loader/train_cursor: dp rank %d's cursor differs from dp rank 0's",
+                     man->path, d);
+            return -1;
+        }
+    Gather G = {.ts = ts, .m = m, .bf16 = bf16_type()};
+    int rc = -1;
+    if (gather_files(&G, man, err, err_size) != 0) goto done;
     char lerr[512];
     if (loader_set_cursor(&ts->train, man->cursors[0], lerr, sizeof lerr) != 0) {
         snprintf(err, err_size, "%s: the training loader's cursor {epoch %llu, position %llu} does not fit this job: %s",
@@ -1399,4 +1417,23 @@ int checkpoint_load(TrainState *ts, const Groups *groups, const char *path, char
     }
     h5io_restore(&saved);
     return agree(w.world, failed, err, err_size);
+}
+
+int checkpoint_load_model(Model *m, const char *path, int *step, char *err, size_t err_size) {
+    H5ErrorPrinting saved;
+    h5io_quiet(&saved);
+    Manifest man;
+    int rc = read_manifest(path, &man, err, err_size);
+    if (rc == 0) {
+        Gather G = {.m = m, .bf16 = bf16_type()};
+        rc = check_same_model(&man, &m->cfg, err, err_size) != 0 || gather_files(&G, &man, err, err_size) != 0 ? -1 : 0;
+        gather_free(&G);
+        if (rc == 0) {
+            model_weights_changed(m);
+            if (step) *step = (int)man.ints[M_STEP];
+        }
+        manifest_free(&man);
+    }
+    h5io_restore(&saved);
+    return rc;
 }

@@ -85,6 +85,14 @@ int checkpoint_save(const TrainState *ts, const Groups *groups, const char *dir,
 // free it (or load again). Returns 0, or -1 with err (the same on every rank).
 int checkpoint_load(TrainState *ts, const Groups *groups, const char *path, char *err, size_t err_size);
 
+// Reads only the FP32 weights and the router biases of a checkpoint (any layout it was written under) into m, a
+// model built from the checkpoint's config (checkpoint_read_info) by model_create: the whole model in one process,
+// for `fp8moe export` and `fp8moe eval`. path as checkpoint_load takes it. Not collective. The same checks as
+// checkpoint_load (another model's keys, a missing or truncated rank file, a checksum failure, a tensor of the wrong
+// shape, a tensor or router bias that no file holds), each naming the file and tensor; moments and cursors are not
+// read. *step (may be NULL) gets the checkpoint's step. Returns 0, or -1 with err.
+int checkpoint_load_model(Model *m, const char *path, int *step, char *err, size_t err_size);
+
 // What a checkpoint's manifest says, for the trainer's messages and checks before it builds the state.
 typedef struct {
     char dir[CHECKPOINT_DIR_MAX];    // the checkpoint directory (DIR/latest resolved to DIR/step_NNNNNNNN)

@@ -1,8 +1,8 @@
 /*
- * main.c - the fp8moe command line: train, compare, prep, sample, bench, config-doc, help.
+ * main.c - the fp8moe command line: train, compare, prep, sample, export, eval, bench, config-doc, help.
  *
  * Only argument parsing lives here; each subcommand is one call into the library (trainer_run,
- * compare_main, data_prep, sample_run, config_print_reference). Exit status: 0 success, 1 a failure
+ * compare_main, data_prep, sample_run, export_main, eval_main, config_print_reference). Exit status: 0 success, 1 a failure
  * while running, 2 bad usage or an invalid job file / override (the message names the argument, file,
  * line or key).
  */
@@ -18,6 +18,8 @@
 #include "train/bench.h"
 #include "train/compare.h"
 #include "train/config.h"
+#include "train/eval.h"
+#include "train/hf_export.h"
 #include "train/sample.h"
 #include "train/schedule_cli.h"
 #include "train/trainer.h"
@@ -50,10 +52,11 @@ static const char *const usage_config_doc =
     "      Print the reference of every job-file key (Markdown, as docs/config.md).\n";
 
 static void print_usage(FILE *f) {
-    fprintf(f, "fp8moe - FP8 mixture-of-experts training (DeepSeek-V3 architecture)\n\nUsage:\n%s%s%s%s%s%s%s%s%s"
+    fprintf(f, "fp8moe - FP8 mixture-of-experts training (DeepSeek-V3 architecture)\n\nUsage:\n%s%s%s%s%s%s%s%s%s%s%s"
                SCHEDULE_CLI_USAGE
                "  fp8moe help | --help\n      Show this text. `fp8moe help COMMAND` shows one command.\n",
-            usage_train, compare_usage, usage_prep, usage_sample, usage_config_doc, bench_gemm_usage,
+            usage_train, compare_usage, usage_prep, usage_sample, export_usage, eval_usage, usage_config_doc,
+            bench_gemm_usage,
             bench_step_usage, bench_attention_usage, bench_a2a_usage);
 }
 
@@ -284,6 +287,8 @@ int main(int argc, char **argv) {
     if (!strcmp(cmd, "compare")) return compare_main(argc - 2, argv + 2);
     if (!strcmp(cmd, "prep")) return cmd_prep(argc - 2, argv + 2);
     if (!strcmp(cmd, "sample")) return cmd_sample(argc - 2, argv + 2);
+    if (!strcmp(cmd, "export")) return export_main(argc - 2, argv + 2);
+    if (!strcmp(cmd, "eval")) return eval_main(argc - 2, argv + 2);
     if (!strcmp(cmd, "schedule")) return schedule_cli_main(argc - 2, argv + 2);
     if (!strcmp(cmd, "bench")) {
         if (argc > 2 && !strcmp(argv[2], "gemm")) return bench_gemm_main(argc - 3, argv + 3);
@@ -310,6 +315,7 @@ int main(int argc, char **argv) {
             const char *u = !strcmp(topic, "train") ? usage_train : !strcmp(topic, "compare") ? compare_usage
                           : !strcmp(topic, "prep") ? usage_prep
                           : !strcmp(topic, "sample") ? usage_sample : !strcmp(topic, "config-doc") ? usage_config_doc
+                          : !strcmp(topic, "export") ? export_usage : !strcmp(topic, "eval") ? eval_usage
                           : !strcmp(topic, "bench") ? bench_gemm_usage : NULL;
             if (!u) {
                 fprintf(stderr, "fp8moe help: unknown command '%s'\n", topic);
@@ -323,7 +329,7 @@ int main(int argc, char **argv) {
         print_usage(stdout);
         return 0;
     }
-    fprintf(stderr, "fp8moe: unknown command '%s' (expected train, compare, prep, sample, bench, config-doc or help)\n",
+    fprintf(stderr, "fp8moe: unknown command '%s' (expected train, compare, prep, sample, export, eval, bench, config-doc or help)\n",
             cmd);
     print_usage(stderr);
     return EXIT_USAGE;
