@@ -24,7 +24,7 @@ enum { PIPE_TAG = 1 };  // the tag of the boundary tensors on the pp group (one 
 
 // Posts one message op on the pp group: the boundary tensor of its slot (step_plan.h).
 static void post_message(TrainState *ts, const StepOp *op, size_t bytes, CommRequest *req) {
-    const ActSlot *sl = &ts->slots[op->slot];
+    const BoundarySlot *sl = &ts->slots[op->slot];
     switch (op->kind) {
     case STEP_SEND_ACTIVATION: comm_isend_bytes(ts->pp, sl->out, bytes, op->peer, PIPE_TAG, req); break;
     case STEP_RECV_ACTIVATION: comm_irecv_bytes(ts->pp, sl->in, bytes, op->peer, PIPE_TAG, req); break;
@@ -58,10 +58,10 @@ int train_step(TrainState *ts, StepResult *out, char *err, size_t err_size) {
     double loss_sum = 0, mtp_sum = 0, bal_sum = 0;
     int bad_mb = -1;  // the first micro-batch whose loss was not finite
     LossTerms bad = {0};
-    int holds[ts->plan.n_slots];  // the (chunk, micro-batch) whose activations each slot holds, as chunk * A + mb, or -1
+    int holds[ts->plan.n_acts];  // the (chunk, micro-batch) whose activations each set holds, as chunk * A + mb, or -1
     CommRequest reqs[n_ops > 0 ? n_ops : 1];
     int n_reqs = 0, live = 0;
-    for (int k = 0; k < ts->plan.n_slots; k++) holds[k] = -1;
+    for (int k = 0; k < ts->plan.n_acts; k++) holds[k] = -1;
     // the step's micro-batches, in the loader's order (a rank with two chunks forwards each twice)
     const size_t row_ints = (size_t)bt->B * (bt->T + 1);
     for (int mb = 0; mb < A; mb++) {
@@ -80,14 +80,18 @@ int train_step(TrainState *ts, StepResult *out, char *err, size_t err_size) {
         const StepOp *op = &ops[i];
         char name[32];
         step_op_format(op, name, sizeof name);
+        const int compute = op->kind == STEP_FORWARD || op->kind == STEP_BACKWARD;
         if (op->chunk < 0 || op->chunk >= m->n_chunks || op->micro_batch < 0 || op->micro_batch >= A || op->slot < 0 ||
-            op->slot >= ts->plan.n_slots || op->local_slot >= ts->plan.n_slots) {
-            snprintf(err, err_size, "step %d: op %d (%s, slot %d) is outside this model's %d chunk(s), micro-batches 0..%d "
-                     "and %d slots", s, i, name, op->slot, m->n_chunks, A - 1, ts->plan.n_slots);
+            op->slot >= ts->plan.n_slots || op->local_slot >= ts->plan.n_slots ||
+            (compute && (op->act < 0 || op->act >= ts->plan.n_acts || ts->plan.act_chunk[op->act] != op->chunk))) {
+            snprintf(err, err_size, "step %d: op %d (%s, slot %d, activation set %d) is outside this model's %d chunk(s), "
+                     "micro-batches 0..%d, %d slots and %d sets of its chunk", s, i, name, op->slot, op->act, m->n_chunks,
+                     A - 1, ts->plan.n_slots, ts->plan.n_acts);
             m->count_load = 0;
             return -1;
         }
-        ActSlot *sl = &ts->slots[op->slot];
+        BoundarySlot *sl = &ts->slots[op->slot];
+        ChunkActs *acts = compute ? ts->act_sets[op->act] : NULL;
         const ChunkSpec *cs = &m->chunks[op->chunk];
         const int key = op->chunk * A + op->micro_batch;
         // the boundary tensors: from / to another rank through this slot, or the previous stage's slot on this rank
@@ -102,17 +106,16 @@ int train_step(TrainState *ts, StepResult *out, char *err, size_t err_size) {
                 n_reqs = 0;
             }
         } else if (op->kind == STEP_FORWARD) {
-            if (holds[op->slot] >= 0) {
-                snprintf(err, err_size, "step %d: op %d (%s): its slot %d still holds a micro-batch awaiting its backward",
-                         s, i, name, op->slot);
+            if (holds[op->act] >= 0) {
+                snprintf(err, err_size, "step %d: op %d (%s): its activation set %d still holds a micro-batch awaiting "
+                         "its backward", s, i, name, op->act);
                 m->count_load = 0;
                 return -1;
             }
             const int *rows = bt->step_rows + op->micro_batch * row_ints;
             train_split_batch(rows, rows, bt->B, bt->T, bt->inputs, bt->targets);
-            real weighted = chunk_forward(m, op->chunk, sl->acts, bt->inputs, bt->targets, in,
-                                          cs->has_head ? NULL : sl->out);
-            LossTerms lt = chunk_losses(sl->acts);
+            real weighted = chunk_forward(m, op->chunk, acts, bt->inputs, bt->targets, in, cs->has_head ? NULL : sl->out);
+            LossTerms lt = chunk_losses(acts);
             // A non-finite loss ends the step at the agreement below, which every rank reaches, so all ranks stop
             // at the same step. In one process the rest of the ops is skipped: a backward from a non-finite loss
             // has nothing to give.
@@ -122,7 +125,7 @@ int train_step(TrainState *ts, StepResult *out, char *err, size_t err_size) {
             loss_sum += lt.main;
             mtp_sum += lt.mtp_mean;
             bal_sum += lt.balance;
-            holds[op->slot] = key;
+            holds[op->act] = key;
             if (++live > ts->live_bound) {  // the plan does not keep the schedule's activation bound: a bug
                 snprintf(err, err_size, "step %d: op %d (%s) makes %d activation sets live, more than the schedule's %d", s,
                          i, name, live, ts->live_bound);
@@ -130,14 +133,14 @@ int train_step(TrainState *ts, StepResult *out, char *err, size_t err_size) {
                 return -1;
             }
         } else {
-            if (holds[op->slot] != key) {
+            if (holds[op->act] != key) {
                 snprintf(err, err_size, "step %d: op %d (%s) runs the backward of chunk %d's micro-batch %d, whose forward "
-                         "is not held in its slot %d", s, i, name, op->chunk, op->micro_batch, op->slot);
+                         "is not held in its activation set %d", s, i, name, op->chunk, op->micro_batch, op->act);
                 m->count_load = 0;
                 return -1;
             }
-            chunk_backward(m, op->chunk, sl->acts, cs->has_head ? NULL : sl->dout, din, loss_scale);
-            holds[op->slot] = -1;
+            chunk_backward(m, op->chunk, acts, cs->has_head ? NULL : sl->dout, din, loss_scale);
+            holds[op->act] = -1;
             live--;
         }
     }

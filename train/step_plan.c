@@ -10,8 +10,8 @@
 static int plan_alloc(StepPlan *p, int max_ops, char *err, size_t err_size) {
     memset(p, 0, sizeof *p);
     p->ops = malloc((size_t)(max_ops > 0 ? max_ops : 1) * sizeof *p->ops);
-    p->slot_chunk = calloc((size_t)(max_ops > 0 ? max_ops : 1), sizeof *p->slot_chunk);  // at most one slot per op
-    if (!p->ops || !p->slot_chunk) {
+    p->act_chunk = calloc((size_t)(max_ops > 0 ? max_ops : 1), sizeof *p->act_chunk);  // at most one set per op
+    if (!p->ops || !p->act_chunk) {
         step_plan_free(p);
         snprintf(err, err_size, "out of memory for a step plan of %d ops", max_ops);
         return -1;
@@ -26,10 +26,10 @@ int step_plan_one_process(StepPlan *p, int grad_accum, char *err, size_t err_siz
     }
     if (plan_alloc(p, 2 * grad_accum, err, err_size) != 0) return -1;
     for (int mb = 0; mb < grad_accum; mb++) {
-        p->ops[p->n_ops++] = (StepOp){STEP_FORWARD, 0, mb, 0, -1, -1};
-        p->ops[p->n_ops++] = (StepOp){STEP_BACKWARD, 0, mb, 0, -1, -1};
+        p->ops[p->n_ops++] = (StepOp){STEP_FORWARD, 0, mb, 0, 0, -1, -1};
+        p->ops[p->n_ops++] = (StepOp){STEP_BACKWARD, 0, mb, 0, 0, -1, -1};
     }
-    p->n_slots = 1;
+    p->n_slots = p->n_acts = 1;
     return 0;
 }
 
@@ -39,7 +39,7 @@ static int is_message(StepOpKind k) { return k != STEP_FORWARD && k != STEP_BACK
 static void map_ops(StepPlan *p, const Schedule *s, int rank) {
     for (int i = 0; i < s->n_ops[rank]; i++) {
         const SchedOp *o = &s->ops[rank][i];
-        StepOp op = {STEP_FORWARD, o->chunk, schedule_global_mb(s, rank, o->chunk, o->mb), -1, -1, -1};
+        StepOp op = {STEP_FORWARD, o->chunk, schedule_global_mb(s, rank, o->chunk, o->mb), -1, -1, -1, -1};
         switch (o->kind) {
         case SCHED_F: break;
         case SCHED_B:
@@ -55,7 +55,7 @@ static void map_ops(StepPlan *p, const Schedule *s, int rank) {
             break;
         case SCHED_FB:
             p->ops[p->n_ops++] = op;
-            op = (StepOp){STEP_BACKWARD, o->chunk_b, schedule_global_mb(s, rank, o->chunk_b, o->mb_b), -1, -1, -1};
+            op = (StepOp){STEP_BACKWARD, o->chunk_b, schedule_global_mb(s, rank, o->chunk_b, o->mb_b), -1, -1, -1, -1};
             break;
         }
         p->ops[p->n_ops++] = op;
@@ -77,37 +77,52 @@ int step_plan_pipeline(StepPlan *p, const Schedule *s, int rank, char *err, size
     }
     if (plan_alloc(p, 2 * s->n_ops[rank], err, err_size) != 0) return -1;
     const int N = s->n_mb, C = s->n_chunks, keys = C * N;  // key of (chunk c, micro-batch m): c * N + m
-    int *slot_of = malloc((size_t)keys * sizeof *slot_of), *grad_sent = calloc((size_t)keys, sizeof *grad_sent);
-    // busy[id]: slot id is in use; a chunk takes its lowest free slot of its own (slot_chunk), else a new one
+    int *slot_of = malloc((size_t)keys * sizeof *slot_of), *act_of = malloc((size_t)keys * sizeof *act_of);
+    int *grad_sent = calloc((size_t)keys, sizeof *grad_sent);
+    // busy[k]: boundary slot k is in use; act_busy[a]: activation set a; a chunk takes its lowest free set of its
+    // own (act_chunk), else a new one
     int *busy = calloc((size_t)keys + 1, sizeof *busy), *release = calloc((size_t)keys + 1, sizeof *release);
-    int ok = slot_of && grad_sent && busy && release;
+    int *act_busy = calloc((size_t)keys + 1, sizeof *act_busy);
+    int ok = slot_of && act_of && grad_sent && busy && release && act_busy;
     if (!ok) {
         snprintf(err, err_size, "out of memory for the slots of %d micro-batches", N);
         goto done;
     }
     map_ops(p, s, rank);
-    for (int k = 0; k < keys; k++) slot_of[k] = -1;
+    for (int k = 0; k < keys; k++) slot_of[k] = act_of[k] = -1;
     for (int i = 0; i < p->n_ops; i++)
         if (p->ops[i].kind == STEP_SEND_GRADIENT) grad_sent[p->ops[i].chunk * N + p->ops[i].micro_batch] = 1;
-    // Walk the ops: a (chunk, micro-batch) takes the lowest free slot at its first op; a backward frees it, or
-    // marks it to be freed after the message batch that sends its input-gradient.
+    // Walk the ops: a (chunk, micro-batch) takes the lowest free boundary slot at its first op; a backward frees
+    // it, or marks it to be freed after the message batch that sends its input-gradient. Its forward takes an
+    // activation set, its backward frees it.
     int n_release = 0;
     for (int i = 0; i < p->n_ops; i++) {
         StepOp *op = &p->ops[i];
         const int key = op->chunk * N + op->micro_batch;
         if (slot_of[key] < 0) {
             int k = 0;
-            while (k < p->n_slots && (busy[k] || p->slot_chunk[k] != op->chunk)) k++;
-            if (k == p->n_slots) p->slot_chunk[p->n_slots++] = op->chunk;
+            while (busy[k]) k++;
             busy[k] = 1;
             slot_of[key] = k;
+            if (k + 1 > p->n_slots) p->n_slots = k + 1;
         }
         op->slot = slot_of[key];
+        if (op->kind == STEP_FORWARD) {
+            int a = 0;
+            while (a < p->n_acts && (act_busy[a] || p->act_chunk[a] != op->chunk)) a++;
+            if (a == p->n_acts) p->act_chunk[p->n_acts++] = op->chunk;
+            act_busy[a] = 1;
+            act_of[key] = a;
+        }
+        if (op->kind == STEP_FORWARD || op->kind == STEP_BACKWARD) op->act = act_of[key];
         const int prev = op->kind == STEP_FORWARD || op->kind == STEP_BACKWARD ? local_previous_chunk(s, rank, op->chunk)
                                                                                : -1;
         // the previous stage's slot: held from its forward (before this one's) to its backward (after this one's)
         if (prev >= 0) op->local_slot = slot_of[prev * N + op->micro_batch];
-        if (op->kind == STEP_BACKWARD && !grad_sent[key]) busy[op->slot] = 0;
+        if (op->kind == STEP_BACKWARD) {
+            act_busy[op->act] = 0;
+            if (!grad_sent[key]) busy[op->slot] = 0;
+        }
         if (op->kind == STEP_SEND_GRADIENT) release[n_release++] = op->slot;
         const int batch_ends = is_message(op->kind) && (i + 1 == p->n_ops || !is_message(p->ops[i + 1].kind));
         if (batch_ends) {
@@ -117,6 +132,8 @@ int step_plan_pipeline(StepPlan *p, const Schedule *s, int rank, char *err, size
     }
 done:
     free(slot_of);
+    free(act_of);
+    free(act_busy);
     free(grad_sent);
     free(busy);
     free(release);
@@ -126,7 +143,7 @@ done:
 
 void step_plan_free(StepPlan *p) {
     free(p->ops);
-    free(p->slot_chunk);
+    free(p->act_chunk);
     memset(p, 0, sizeof *p);
 }
 

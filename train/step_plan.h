@@ -3,14 +3,16 @@
  * slots it needs: F0 B0 F1 B1 ... in one process, or this pp rank's ops of a pipeline schedule
  * (parallel/schedule.h) with its activation and gradient messages.
  *
- * Why a plan, made once when the state is built: the schedule is the same every step, so which activation
- * slot each (chunk, micro-batch) uses, and how many slots the rank needs, are decided here, before the first
- * step, and the step allocates nothing. A slot holds one micro-batch's activations of the chunk (ChunkActs)
- * and its four boundary tensors (the received input, the output sent on, the received output-gradient, the
- * input-gradient sent back). A slot is taken by the first op that names its (chunk, micro-batch), a receive
- * or the forward, and is free again after the backward, or, when the backward's input-gradient is sent,
- * after the batch of messages that sends it (a batch is a maximal run of message ops, which the executor
- * posts together and waits for before its next compute op: parallel/schedule.h's batch semantics).
+ * Why a plan, made once when the state is built: the schedule is the same every step, so where each (chunk,
+ * micro-batch) keeps its tensors, and how many of each the rank needs, are decided here, before the first step,
+ * and the step allocates nothing. Two kinds of storage, with their own lifetimes:
+ *   - an activation set (ChunkActs of the op's chunk): taken by the forward, free again after the backward, so
+ *     a rank holds at most the schedule's live sets (schedule_memory), what Table 2's activation column counts;
+ *   - a boundary slot (the received input, the output sent on, the received output-gradient, the input-gradient
+ *     sent back; (B*T, D) each, any chunk): taken by the first op that names its (chunk, micro-batch), a receive
+ *     or the forward, and free again after the backward, or, when the backward's input-gradient is sent, after
+ *     the batch of messages that sends it (a batch is a maximal run of message ops, which the executor posts
+ *     together and waits for before its next compute op: parallel/schedule.h's batch semantics).
  *
  * Mapping from the schedule (parallel/schedule.h "Mapping to the executor"): F -> STEP_FORWARD, B ->
  * STEP_BACKWARD, SEND / RECV -> the four message kinds, FB -> STEP_FORWARD then STEP_BACKWARD (one after
@@ -19,8 +21,8 @@
  * gradients are the same, and in the same order (each chunk's I ops, and so its weight-gradient
  * accumulations, run in micro-batch order, as W's FIFO would); what the split gains in timing is not had
  * yet. Two stages of one pipe on one rank (dualpipev's turn at rank pp-1) hand over without a message: the
- * later stage's forward reads the earlier one's output slot, and its backward writes the earlier one's
- * output-gradient slot (StepOp.local_slot).
+ * later stage's forward reads the earlier one's output, and its backward writes the earlier one's
+ * output-gradient, in the earlier one's boundary slot (StepOp.local_slot).
  */
 #ifndef FP8MOE_STEP_PLAN_H
 #define FP8MOE_STEP_PLAN_H
@@ -42,7 +44,8 @@ typedef struct {
     StepOpKind kind;
     int chunk;        // chunk of this process's model (0: a rank holds one)
     int micro_batch;  // 0 .. grad_accum - 1 within the step, in the loader's order
-    int slot;         // the activation slot the op reads or writes, 0 .. n_slots - 1
+    int slot;         // the boundary slot the op reads or writes, 0 .. n_slots - 1
+    int act;          // forwards and backwards: the activation set, 0 .. n_acts - 1; -1 for messages
     int peer;         // message ops: the pp rank at the other end; -1 for compute ops
     int local_slot;   // the previous stage is on this rank: a forward's input is this slot's output, a backward's
                       // input-gradient goes to this slot's output-gradient; -1 otherwise
@@ -51,11 +54,12 @@ typedef struct {
 typedef struct {
     StepOp *ops;      // owned
     int n_ops;
-    int n_slots;      // activation slots the ops use at most at once
-    int *slot_chunk;  // (n_slots, owned) the chunk whose activations each slot holds (a chunk's own shape)
+    int n_slots;      // boundary slots the ops use at most at once
+    int n_acts;       // activation sets the ops use at most at once
+    int *act_chunk;   // (n_acts, owned) the chunk whose activations each set holds (a chunk's own shape)
 } StepPlan;
 
-// F0 B0 F1 B1 ... F(A-1) B(A-1) on chunk 0, all in slot 0. Returns 0, or -1 with err (grad_accum < 1, or
+// F0 B0 F1 B1 ... F(A-1) B(A-1) on chunk 0, all in activation set 0 and boundary slot 0. Returns 0, or -1 with err (grad_accum < 1, or
 // out of memory).
 int step_plan_one_process(StepPlan *p, int grad_accum, char *err, size_t err_size);
 // pp rank `rank`'s ops of schedule s (built for the step's micro-batches), with their slots. Returns 0, or -1

@@ -248,25 +248,29 @@ static int make_plan(TrainState *ts, const Config *cfg, const Schedule *sched, c
         snprintf(err, err_size, "%s: the step's plan: %s", cfg->path, why);
         return -1;
     }
-    if (!(ts->slots = calloc((size_t)ts->plan.n_slots, sizeof *ts->slots))) {
-        snprintf(err, err_size, "out of memory for %d activation slots", ts->plan.n_slots);
+    // evaluation runs chunk c in boundary slot c (trainer.c)
+    if (ts->plan.n_slots < ts->model.n_chunks) ts->plan.n_slots = ts->model.n_chunks;
+    ts->slots = calloc((size_t)ts->plan.n_slots, sizeof *ts->slots);
+    ts->act_sets = calloc((size_t)ts->plan.n_acts, sizeof *ts->act_sets);
+    if (!ts->slots || !ts->act_sets) {
+        snprintf(err, err_size, "out of memory for %d activation sets", ts->plan.n_acts);
         return -1;
     }
-    const size_t bytes = (size_t)cfg->train.micro_batch_size * cfg->train.seq_len * cfg->model.dim * sizeof(real);
-    for (int k = 0; k < ts->plan.n_slots; k++) {
-        ActSlot *sl = &ts->slots[k];
-        if (!(sl->acts = chunk_acts_create(&ts->model, ts->plan.slot_chunk[k], cfg->train.micro_batch_size,
-                                           cfg->train.seq_len))) {
-            snprintf(err, err_size, "out of memory for the activations of %d x %d tokens (slot %d of %d)",
-                     cfg->train.micro_batch_size, cfg->train.seq_len, k + 1, ts->plan.n_slots);
+    for (int a = 0; a < ts->plan.n_acts; a++) {
+        if (!(ts->act_sets[a] = chunk_acts_create(&ts->model, ts->plan.act_chunk[a], cfg->train.micro_batch_size,
+                                                  cfg->train.seq_len))) {
+            snprintf(err, err_size, "out of memory for the activations of %d x %d tokens (set %d of %d)",
+                     cfg->train.micro_batch_size, cfg->train.seq_len, a + 1, ts->plan.n_acts);
             return -1;
         }
-        if (P > 1) {  // (a slot serves either chunk of the rank: every boundary tensor)
-            sl->in = device_alloc(ts->dev, bytes), sl->din = device_alloc(ts->dev, bytes);
-            sl->out = device_alloc(ts->dev, bytes), sl->dout = device_alloc(ts->dev, bytes);
-        }
     }
-    ts->acts = ts->slots[0].acts;
+    const size_t bytes = (size_t)cfg->train.micro_batch_size * cfg->train.seq_len * cfg->model.dim * sizeof(real);
+    for (int k = 0; k < ts->plan.n_slots && P > 1; k++) {  // (a slot serves either chunk of the rank)
+        BoundarySlot *sl = &ts->slots[k];
+        sl->in = device_alloc(ts->dev, bytes), sl->din = device_alloc(ts->dev, bytes);
+        sl->out = device_alloc(ts->dev, bytes), sl->dout = device_alloc(ts->dev, bytes);
+    }
+    ts->acts = ts->act_sets[0];
     return 0;
 }
 
@@ -390,13 +394,14 @@ void train_state_free(TrainState *ts) {
     free(ts->batch.labels);
     free(ts->batch.inputs);
     free(ts->batch.targets);
+    for (int a = 0; ts->act_sets && a < ts->plan.n_acts; a++)
+        if (ts->act_sets[a]) chunk_acts_free(ts->act_sets[a]);
     for (int k = 0; ts->slots && k < ts->plan.n_slots; k++) {
-        ActSlot *sl = &ts->slots[k];
-        if (sl->acts) chunk_acts_free(sl->acts);
-        real *bufs[4] = {sl->in, sl->out, sl->dout, sl->din};
+        real *bufs[4] = {ts->slots[k].in, ts->slots[k].out, ts->slots[k].dout, ts->slots[k].din};
         for (int b = 0; b < 4; b++)
             if (bufs[b]) device_free(ts->dev, bufs[b]);
     }
+    free(ts->act_sets);
     free(ts->slots);
     step_plan_free(&ts->plan);
     if (ts->val_ok) loader_close(&ts->val);

@@ -48,13 +48,12 @@ typedef struct {
 
 enum { REGION_DENSE = 0, REGION_EXPERTS = 1 };
 
-// One micro-batch's activations of the rank's chunk and, in a pipeline, its boundary tensors (B*T, D) on the
-// model's device: the input received from the previous stage, the output sent to the next, the output-gradient
-// received from the next, the input-gradient sent to the previous (NULL where the stage has no such neighbour).
+// In a pipeline, one micro-batch's boundary tensors (B*T, D) on the model's device: the input received from the
+// previous stage, the output sent to the next, the output-gradient received from the next, the input-gradient sent
+// to the previous (train/step_plan.h "boundary slot"; NULL in one process).
 typedef struct {
-    ChunkActs *acts;
     real *in, *out, *dout, *din;
-} ActSlot;
+} BoundarySlot;
 
 typedef struct {
     const Config *cfg;
@@ -64,14 +63,15 @@ typedef struct {
     int zero1;                 // parallel.zero1 with dp > 1
     DataLoader train, val;
     StepPlan plan;       // the step's ops (train/step_plan.h): one process's F0 B0 F1 B1 ..., or this pp rank's schedule
-    ActSlot *slots;      // plan.n_slots activation slots, slot k of chunk plan.slot_chunk[k] (at least one per chunk)
+    ChunkActs **act_sets;  // plan.n_acts activation sets, set a of chunk plan.act_chunk[a] (at least one per chunk)
+    BoundarySlot *slots;   // plan.n_slots boundary slots (at least one per chunk)
     int live_bound;      // the most activation sets (forwarded, backward not yet run) the schedule allows this rank
                          // (schedule_memory; 1 in one process): train_step stops with an error past it
     // the stages of the pipe that evaluation runs (pipe 0 of the schedule; every stage once): the pp rank and
     // chunk of each, in stage order; one stage on rank 0 at pp = 1
     int n_stages;
     int stage_rank[2 * SCHED_MAX_PP], stage_chunk[2 * SCHED_MAX_PP];
-    ChunkActs *acts;     // slot 0's activations (evaluation runs in them)
+    ChunkActs *acts;     // activation set 0 (chunk 0's first)
     Batch batch;
     Comm *world;         // every rank of the job: the step's agreement and the expert loads (not owned)
     Comm *pp;            // this rank's pipeline: the boundary tensors, the grad norm (not owned)

@@ -90,11 +90,11 @@ static int stop_agreed(Comm *world) {
 // In a pipeline the stages of pipe 0 run each batch's forward one after another, in stage order: a stage's
 // input comes from the previous stage's rank (a blocking receive: evaluation needs no overlap) or from this
 // rank's other chunk, and the last stage's loss is summed over the world (in world rank order: the other ranks
-// add zeros, so this is the dp sum). Each chunk evaluates in its first activation slot.
-static int chunk_slot(const TrainState *ts, int chunk) {
-    int k = 0;
-    while (ts->plan.slot_chunk[k] != chunk) k++;  // every chunk has a slot (train_state.h)
-    return k;
+// add zeros, so this is the dp sum). Chunk c evaluates in its first activation set and boundary slot c.
+static ChunkActs *chunk_act_set(const TrainState *ts, int chunk) {
+    int a = 0;
+    while (ts->plan.act_chunk[a] != chunk) a++;  // every chunk has a set (train_state.h)
+    return ts->act_sets[a];
 }
 
 static EvalMetrics evaluate(TrainState *ts, int max_batches, int step, int *interrupted) {
@@ -127,20 +127,21 @@ static EvalMetrics evaluate(TrainState *ts, int max_batches, int step, int *inte
             if (ts->stage_rank[st] != me) continue;
             const int c = ts->stage_chunk[st];
             const ChunkSpec *cs = &m->chunks[c];
-            ActSlot *sl = &ts->slots[chunk_slot(ts, c)];
+            BoundarySlot *sl = &ts->slots[c];
+            ChunkActs *acts = chunk_act_set(ts, c);
             const real *in = NULL;
             if (!cs->has_embedding && ts->stage_rank[st - 1] == me) {
-                in = ts->slots[chunk_slot(ts, ts->stage_chunk[st - 1])].out;
+                in = ts->slots[ts->stage_chunk[st - 1]].out;
             } else if (!cs->has_embedding) {
                 comm_recv_bytes(ts->pp, sl->in, boundary_bytes, ts->stage_rank[st - 1], 0);
                 in = sl->in;
             }
-            chunk_forward(m, c, sl->acts, bt->inputs, bt->targets, in, cs->has_head ? NULL : sl->out);
+            chunk_forward(m, c, acts, bt->inputs, bt->targets, in, cs->has_head ? NULL : sl->out);
             if (!cs->has_head) {
                 if (ts->stage_rank[st + 1] != me) comm_send_bytes(ts->pp, sl->out, boundary_bytes, ts->stage_rank[st + 1], 0);
                 continue;
             }
-            LossTerms lt = chunk_losses(sl->acts);
+            LossTerms lt = chunk_losses(acts);
             if (lt.n_valid == 0) continue;
             loss_sum += lt.main * (double)lt.n_valid;
             n_targets_total += lt.n_valid;
@@ -330,9 +331,10 @@ static void print_pipeline(const TrainState *ts, const Config *cfg) {
     const int P = ts->pp->size;
     const char *kind = schedule_kind_name((SchedKind)cfg->parallel.schedule);
     printf("pipeline: parallel.schedule = %s over %d micro-batches (train.grad_accum), %d stages on %d pp ranks%s; "
-           "rank 0: %d activation slots for at most %d live sets\n", kind, cfg->train.grad_accum, ts->n_stages, P,
-           cfg->parallel.schedule == PIPE_DUALPIPE ? " (direction A; direction B runs a copy of stage s on rank pp-1-s)"
-                                                   : "", ts->plan.n_slots, ts->live_bound);
+           "rank 0: %d activation sets (the schedule's bound: %d) and %d boundary slots\n", kind, cfg->train.grad_accum,
+           ts->n_stages, P, cfg->parallel.schedule == PIPE_DUALPIPE ? " (direction A; direction B runs a copy of stage s "
+                                                                      "on rank pp-1-s)" : "",
+           ts->plan.n_acts, ts->live_bound, ts->plan.n_slots);
     for (int st = 0; st < ts->n_stages; st++) {
         int first, n;
         placement_stage_layers(cfg, st, ts->n_stages, &first, &n);
