@@ -43,41 +43,6 @@ static double now_s(void) {
 
 // ---------------------------------------------------------------------------- data
 
-// The job's shard directory, chosen as train/train_state.c's prepare_data chooses it: data.shards as given, or the
-// text files of data.text (comma-separated; none: the default text) prepared into
-// data.cache_dir/<16 hex digits of FNV-1a over the path list>, prepared again when not current.
-static int job_data_dir(const Config *cfg, char *dir, size_t size, char *err, size_t err_size) {
-    if (cfg->data.shards[0]) {
-        snprintf(dir, size, "%s", cfg->data.shards);
-        return 0;
-    }
-    char buf[CONFIG_PATH_MAX];
-    const char *paths[256];
-    int n = 0;
-    snprintf(buf, sizeof buf, "%s", cfg->data.text);
-    for (char *tok = buf, *next; tok && *tok; tok = next) {
-        next = strchr(tok, ',');
-        if (next) *next++ = '\0';
-        while (*tok == ' ' || *tok == '\t') tok++;
-        char *end = tok + strlen(tok);
-        while (end > tok && (end[-1] == ' ' || end[-1] == '\t')) *--end = '\0';
-        if (*tok == '\0' || n == 256) {
-            snprintf(err, err_size, "data.text = \"%s\": an empty entry, or more than 256 files", cfg->data.text);
-            return -1;
-        }
-        paths[n++] = tok;
-    }
-    const char *const *hashed = paths;
-    int n_hashed = n;
-    if (n == 0) hashed = data_default_text(&n_hashed);
-    uint64_t h = DATA_FNV1A64_INIT;
-    for (int i = 0; i < n_hashed; i++) h = data_fnv1a64(hashed[i], strlen(hashed[i]) + 1, h);
-    snprintf(dir, size, "%s/%016llx", cfg->data.cache_dir, (unsigned long long)h);
-    if (data_prep_is_current(paths, n, dir)) return 0;
-    printf("data: preparing %s into %s\n", n ? "data.text" : "the default text", dir);
-    return data_prep(paths, n, dir, err, err_size);
-}
-
 // FILE's bytes as the one validation shard of a new temporary directory (its path into dir).
 static int text_shard_dir(const char *file, char *dir, size_t size, char *err, size_t err_size) {
     struct stat st;
@@ -320,7 +285,7 @@ int eval_main(int argc, char **argv) {
         snprintf(dir, sizeof dir, "%s", shards);
         data_what = "the validation shards of";
     } else {
-        if (job_data_dir(cfg, dir, sizeof dir, err, sizeof err) != 0) {
+        if (train_state_data_dir(cfg, 1, dir, sizeof dir, err, sizeof err) != 0) {
             fprintf(stderr, "fp8moe eval: the job's data: %s\n", err);
             goto done;
         }

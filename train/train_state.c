@@ -80,10 +80,8 @@ static int split_text_list(const char *list, char *buf, size_t buf_size, const c
     return n;
 }
 
-// Picks the shard directory: data.shards as given, or the text files prepared (when not already
-// current) into data.cache_dir/<16 hex digits of FNV-1a over the path list>.
-static int prepare_data(const Config *cfg, int verbose, char *shard_dir, size_t shard_dir_size, char *err,
-                        size_t err_size) {
+int train_state_data_dir(const Config *cfg, int verbose, char *shard_dir, size_t shard_dir_size, char *err,
+                         size_t err_size) {
     if (cfg->data.shards[0]) {
         snprintf(shard_dir, shard_dir_size, "%s", cfg->data.shards);
         if (verbose) printf("data: shards in %s (data.shards)\n", shard_dir);
@@ -297,12 +295,12 @@ int train_state_create(TrainState *ts, const Config *cfg, Device dev, const Grou
     ts->tokens_per_step = (int64_t)cfg->train.grad_accum * B * T * ts->dp->size;
     char shard_dir[CONFIG_PATH_MAX + 32], why[1536];
     // world rank 0 prepares the data (the others would race it on the same files); then every rank opens it
-    int prepared = world->rank != 0 || prepare_data(cfg, 1, shard_dir, sizeof shard_dir, why, sizeof why) == 0;
+    int prepared = world->rank != 0 || train_state_data_dir(cfg, 1, shard_dir, sizeof shard_dir, why, sizeof why) == 0;
     if (!all_ranks_ok(world, prepared)) {
         snprintf(err, err_size, "data: %s", prepared ? "preparing the data failed on rank 0" : why);
         return -1;
     }
-    if (world->rank != 0 && prepare_data(cfg, 0, shard_dir, sizeof shard_dir, why, sizeof why) != 0) {
+    if (world->rank != 0 && train_state_data_dir(cfg, 0, shard_dir, sizeof shard_dir, why, sizeof why) != 0) {
         snprintf(err, err_size, "data: %s", why);  // rank 0 made it current; this only finds it
         return -1;
     }

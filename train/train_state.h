@@ -86,6 +86,12 @@ typedef struct {
     int model_ok, train_ok, val_ok;
 } TrainState;
 
+// The job's shard directory: data.shards as given, or the text files of data.text (comma-separated; none: the
+// default text) prepared, when not already current, into data.cache_dir/<16 hex digits of FNV-1a over the path
+// list>. verbose: say what was found or prepared. Returns 0, or -1 with err.
+int train_state_data_dir(const Config *cfg, int verbose, char *shard_dir, size_t shard_dir_size, char *err,
+                         size_t err_size);
+
 // Picks the device train.device asks for and prints the choice and why. auto takes the GPU when this
 // build has CUDA and a GPU is visible, else the CPU; cuda insists. Returns 0, or -1 (message printed).
 int train_state_pick_device(const Config *cfg, Device *dev);
