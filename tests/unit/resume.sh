@@ -44,7 +44,7 @@ if [ "${FP8MOE_SANITIZE:-0}" != 1 ]; then
   for fault in step:13:10 save:10:5; do
     point=${fault%:*}; last=${fault##*:}; dir="$TMP/kill_${point%%:*}"
     (FP8MOE_FAULT=$point "$BIN" train configs/tiny-fp8.ini "${C[@]}" --set train.steps=20 --set checkpoint.every_steps=5 \
-      --set "checkpoint.dir=$dir" > "$dir.log" 2>&1) 2>/dev/null; rc=$?  # (the subshell: no "Killed" line)
+      --set "checkpoint.dir=$dir" > "$dir.log" 2>&1; exit $?) 2>/dev/null; rc=$?  # (its "Killed" line silenced)
     resumed=$(readlink "$dir/latest" 2>/dev/null)
     "$BIN" train configs/tiny-fp8.ini "${C[@]}" --set train.steps=20 --set checkpoint.every_steps=5 \
       --set "checkpoint.dir=$dir" --resume latest > "$dir.res.log" 2>&1
