@@ -142,6 +142,10 @@ static const ConfigKey key_table[] = {
 
     INT(parallel, pp, 1, 4096, "1", "pipeline-parallel stages (at most model.n_layers; layers split as evenly as the "
         "count allows, the first stages one more)"),
+    STR(parallel, stage_layers, 0, "",
+        "layers of each pipeline stage in stage order, comma-separated (\"2,3,3\"): as many entries as stages "
+        "(parallel.pp; 2 x parallel.pp under dualpipev), each at least 1, summing to model.n_layers; empty = as even "
+        "as the count allows, the first stages one more"),
     ENUM(parallel, schedule, PipelineSchedule, pipeline_words, "1f1b",
          "pipeline schedule at pp above 1, over the step's train.grad_accum micro-batches (N): 1f1b; zb1p; dualpipe "
          "(pp and N even, N >= 2 pp; two copies of every stage); dualpipev (N >= 2 pp; 2 pp stages in a V). The "
@@ -796,6 +800,40 @@ static int check_sizes(ParseState *st) {
     return 0;
 }
 
+// parallel.stage_layers into parallel.stage_layer_count: `stages` positive counts summing to model.n_layers.
+static int parse_stage_layers(ParseState *st, int stages) {
+    ParallelConfig *p = &st->config->parallel;
+    char at[CONFIG_PATH_MAX + 64];
+    p->n_stage_layers = 0;
+    if (p->stage_layers[0] == '\0') return 0;
+    format_origin(st, KEY_INDEX(parallel, stage_layers), at, sizeof at);
+    int sum = 0, n = 0;
+    for (const char *c = p->stage_layers; *c;) {
+        while (*c == ' ' || *c == '\t') c++;
+        char *end;
+        errno = 0;
+        const long v = strtol(c, &end, 10);
+        while (*end == ' ' || *end == '\t') end++;
+        if (end == c || errno != 0 || v < 1 || v > INT_MAX / 2 || (*end != ',' && *end != '\0') || n == CONFIG_MAX_STAGES) {
+            fail(st, "%s: parallel.stage_layers: \"%s\": entry %d is not a layer count - expected %d comma-separated "
+                     "integers >= 1 (one per pipeline stage), at most %d", at, p->stage_layers, n + 1, stages,
+                 CONFIG_MAX_STAGES);
+            return -1;
+        }
+        p->stage_layer_count[n++] = (int)v;
+        sum += (int)v;
+        c = *end == ',' ? end + 1 : end;
+    }
+    if (n != stages || sum != st->config->model.n_layers) {
+        fail(st, "%s: parallel.stage_layers: \"%s\" lists %d stage(s) of %d layers - expected %d stages (parallel.pp%s) "
+                 "of model.n_layers = %d in all", at, p->stage_layers, n, sum, stages,
+             stages == p->pp ? "" : " x 2 under dualpipev", st->config->model.n_layers);
+        return -1;
+    }
+    p->n_stage_layers = n;
+    return 0;
+}
+
 static int check_config(ParseState *st) {
     const Config *c = st->config;
     char at[CONFIG_PATH_MAX * 4 + 8];
@@ -917,7 +955,7 @@ static int check_config(ParseState *st) {
                  c->model.n_layers, c->model.n_layers / 2);
         return -1;
     }
-    return 0;
+    return parse_stage_layers(st, stages);
 }
 
 // ---------------------------------------------------------------------------- public functions

@@ -14,6 +14,7 @@
 #include "optim/optim_config.h"  // OptimConfig: optim/ owns the numbers it takes
 
 #define CONFIG_PATH_MAX 1024
+#define CONFIG_MAX_STAGES 256  // pipeline stages parallel.stage_layers may list (dualpipev: 2 x parallel.pp)
 
 typedef struct {
     int vocab_size;        // 256 for byte-level data, 50257 for GPT-2 shards
@@ -62,6 +63,9 @@ typedef enum { PIPE_1F1B = 0, PIPE_ZB1P = 1, PIPE_DUALPIPE = 2, PIPE_DUALPIPEV =
 typedef struct {
     int pp;                   // pipeline stages
     PipelineSchedule schedule;  // the pipeline schedule of pp > 1 (its micro-batches: train.grad_accum)
+    char stage_layers[CONFIG_PATH_MAX];  // layers per pipeline stage, "2,3,3"; empty = as even as the count allows
+    int n_stage_layers;                  // the entries of stage_layers, parsed by config_load (0: empty)
+    int stage_layer_count[CONFIG_MAX_STAGES];
     int ep;                   // expert-parallel ranks
     int dp;                   // data-parallel ranks
     ParallelBackend backend;  // auto: NCCL for GPU ranks when the build has it, else MPI

@@ -63,6 +63,13 @@ Placement placement_whole(const Config *cfg) {
 }
 
 void placement_stage_layers(const Config *cfg, int s, int n_stages, int *first_layer, int *n_layers) {
+    const ParallelConfig *p = &cfg->parallel;
+    if (p->n_stage_layers == n_stages) {  // parallel.stage_layers (config_load checked it against the stages)
+        *first_layer = 0;
+        for (int k = 0; k < s; k++) *first_layer += p->stage_layer_count[k];
+        *n_layers = p->stage_layer_count[s];
+        return;
+    }
     const int L = cfg->model.n_layers, base = L / n_stages, extra = L % n_stages;
     *first_layer = s * base + (s < extra ? s : extra);
     *n_layers = base + (s < extra);

@@ -51,12 +51,13 @@ typedef struct {
 // The whole model: every layer in one chunk, the embedding, the head and MTP, every expert.
 Placement placement_whole(const Config *cfg);
 // Stages stages[0 .. n-1] (0-based, n <= PLACEMENT_MAX_CHUNKS, distinct) of a pipeline of n_stages, chunk c
-// = stage stages[c]: layers split as evenly as the count allows (the first n_layers % n_stages stages one
-// more), every expert. Returns 0, or -1 with err when n_stages is not in [1, n_layers] or a stage not in
+// = stage stages[c]: the layers of placement_stage_layers (parallel.stage_layers, or as evenly as the count
+// allows: the first n_layers % n_stages stages one more), every expert. Returns 0, or -1 with err when n_stages is not in [1, n_layers] or a stage not in
 // [0, n_stages).
 int placement_stages(const Config *cfg, const int *stages, int n, int n_stages, Placement *p, char *err,
                      size_t err_size);
-// The first layer and layer count of stage s of n_stages (the split placement_stages uses; no checks).
+// The first layer and layer count of stage s of n_stages (the split placement_stages uses; no checks):
+// parallel.stage_layers when it lists n_stages stages, else as even as the count allows.
 void placement_stage_layers(const Config *cfg, int s, int n_stages, int *first_layer, int *n_layers);
 // Restricts p to routed experts [expert0, expert0 + n_experts). Returns 0, or -1 with err when the range
 // is not inside [0, n_routed_experts) or empty.

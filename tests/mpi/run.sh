@@ -54,6 +54,9 @@ for layout in "2 2 1f1b 1 fp32 4 0" "2 2 zb1p 1 fp32 4 0" "2 2 dualpipe 1 fp32 4
   run "test_parallel_equivalence -np $1 pp=$2 $3 ep=$4 $5 zero1=$7" "${MPIRUN[@]}" -np "$1" -x OMP_NUM_THREADS=1 \
     "$BUILD/mpi/test_parallel_equivalence" "$5" "$dp_cache" 20 4 "$6" "$4" 8 4 "$7" "$2" "$3"
 done
+# stages of listed sizes (parallel.stage_layers): 1 + 2 of tiny.ini's 3 layers (the even split is 2 + 1)
+run "test_parallel_equivalence -np 2 pp=2 1f1b stage_layers=1,2 fp32" "${MPIRUN[@]}" -np 2 -x OMP_NUM_THREADS=1 \
+  "$BUILD/mpi/test_parallel_equivalence" fp32 "$dp_cache" 20 4 2 1 8 4 0 2 1f1b 1,2
 run "rank_memory.sh" bash tests/mpi/rank_memory.sh
 run "node_limited.sh" bash tests/mpi/node_limited.sh
 # checkpoints: the library's resume and re-sharding (test_checkpoint) and the trainer's --resume (resume.sh)

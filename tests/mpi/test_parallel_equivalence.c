@@ -42,9 +42,10 @@
  * micro-batches each) whose gradients are summed after the step, so none of its gradients is bitwise (about 1e-7).
  * The replicas checked bit for bit are then a stage's dp ranks, the two ends' embedding copies, dualpipe's mirror
  * ranks (the same two stages), and the router biases (the same on every rank of the world).
- * Usage: test_parallel_equivalence MODE CACHE_DIR [STEPS] [B] [GRAD_ACCUM] [EP] [EXPERTS GROUPS] [ZERO1] [PP SCHEDULE]
+ * Usage: test_parallel_equivalence MODE CACHE_DIR [STEPS] [B] [GRAD_ACCUM] [EP] [EXPERTS GROUPS] [ZERO1] [PP SCHEDULE
+ * [STAGE_LAYERS]]
  * (MODE: fp32, bf16 or fp8; EXPERTS routed experts in GROUPS expert groups, default tiny.ini's 8 in 4; SCHEDULE
- * 1f1b, zb1p, dualpipe or dualpipev)
+ * 1f1b, zb1p, dualpipe or dualpipev; STAGE_LAYERS parallel.stage_layers, e.g. "2,1")
  */
 #include <math.h>
 #include <stdio.h>
@@ -62,10 +63,11 @@ static int n_experts = 8, n_groups = 4;  // tiny.ini's; the EP64 run passes 64 i
 static int zero1;                        // parallel.zero1 of the parallel run
 static int pp = 1;                       // parallel.pp of the parallel run
 static const char *schedule = "1f1b";    // parallel.schedule of the parallel run
+static const char *stage_layers = "";    // parallel.stage_layers of the parallel run (empty: the even split)
 
 static int load_config(Config *cfg, const char *mode, const char *cache, int stages, int dp, int ep, int B, int A,
                        int steps) {
-    char o[16][256];
+    char o[17][256];
     snprintf(o[0], sizeof o[0], "precision.mode=%s", mode);
     snprintf(o[1], sizeof o[1], "data.text=tests/data/shakespeare.txt");
     snprintf(o[2], sizeof o[2], "data.cache_dir=%s", cache);
@@ -84,10 +86,11 @@ static int load_config(Config *cfg, const char *mode, const char *cache, int sta
     // at least one layer per stage of the parallel run (tiny.ini has 3), the same model in both runs
     const int pipe_stages = strcmp(schedule, "dualpipev") == 0 ? 2 * pp : pp;  // dualpipev: two stages per rank
     snprintf(o[15], sizeof o[15], "model.n_layers=%d", pipe_stages > 3 ? pipe_stages : 3);
-    const char *ov[16];
-    for (int i = 0; i < 16; i++) ov[i] = o[i];
+    snprintf(o[16], sizeof o[16], "parallel.stage_layers=%s", stages > 1 ? stage_layers : "");
+    const char *ov[17];
+    for (int i = 0; i < 17; i++) ov[i] = o[i];
     char err[2048];
-    if (config_load(cfg, "configs/tiny.ini", ov, 16, err, sizeof err) != 0) {
+    if (config_load(cfg, "configs/tiny.ini", ov, 17, err, sizeof err) != 0) {
         fprintf(stderr, "rank %d: %s\n", comm_world()->rank, err);
         return -1;
     }
@@ -120,6 +123,7 @@ int main(int argc, char **argv) {
     if (argc > 8) n_experts = atoi(argv[7]), n_groups = atoi(argv[8]);
     if (argc > 9) zero1 = atoi(argv[9]);
     if (argc > 11) pp = atoi(argv[10]), schedule = argv[11];
+    if (argc > 12) stage_layers = argv[12];
     Comm *world = comm_world();
     const int N = world->size / pp;  // dp ranks per stage
     char name[96];
@@ -158,6 +162,13 @@ int main(int argc, char **argv) {
     real *one_grads = malloc((size_t)n_one * sizeof(real));
     model_zero_load(m);
     if (ref) model_zero_load(&one.model);
+    if (stage_layers[0]) {  // the listed split took effect: this stage's chunk holds the layers the list gives it
+        int first = 0, n = 0;
+        placement_stage_layers(&cfg[0], g.me.stage, pp, &first, &n);
+        CHECK(m->chunks[0].first_block == first && m->chunks[0].n_blocks == n && n == cfg[0].parallel.stage_layer_count[g.me.stage],
+              "stage %d holds layers [%d, +%d), expected [%d, +%d) from parallel.stage_layers = %s", g.me.stage,
+              m->chunks[0].first_block, m->chunks[0].n_blocks, first, n, stage_layers);
+    }
     const int share = n_experts / P;
     CHECK(m->placement.n_experts == share && m->placement.expert0 == g.me.ep_rank * share,
           "holds experts [%d, +%d), expected [%d, +%d)", m->placement.expert0, m->placement.n_experts,

@@ -502,6 +502,23 @@ static void test_error_parallel_layout(void **state) {
     Config ok;
     assert_int_equal(load(&ok, "[model]\nn_layers = 4\n[parallel]\npp = 2\nschedule = dualpipev\n"), 0);
     assert_int_equal(ok.parallel.schedule, PIPE_DUALPIPEV);
+    // parallel.stage_layers: one count per stage (2 x pp under dualpipev), each >= 1, summing to the layers
+    assert_int_equal(load(&ok, "[model]\nn_layers = 6\n[parallel]\npp = 3\nstage_layers = 1, 3,2\n"), 0);
+    assert_int_equal(ok.parallel.n_stage_layers, 3);
+    assert_int_equal(ok.parallel.stage_layer_count[0], 1);
+    assert_int_equal(ok.parallel.stage_layer_count[1], 3);
+    assert_int_equal(ok.parallel.stage_layer_count[2], 2);
+    expect_error("[model]\nn_layers = 6\n[parallel]\npp = 3\nstage_layers = 1,3\n", NULL, 0,
+                 "job.ini:5: parallel.stage_layers: \"1,3\" lists 2 stage(s) of 4 layers - expected 3 stages (parallel.pp) "
+                 "of model.n_layers = 6 in all");
+    expect_error("[model]\nn_layers = 6\n[parallel]\npp = 2\nschedule = dualpipev\nstage_layers = 3,3\n", NULL, 0,
+                 "job.ini:6: parallel.stage_layers: \"3,3\" lists 2 stage(s) of 6 layers - expected 4 stages (parallel.pp x 2 "
+                 "under dualpipev) of model.n_layers = 6 in all");
+    expect_error("[model]\nn_layers = 6\n[parallel]\npp = 2\nstage_layers = 6,0\n", NULL, 0,
+                 "job.ini:5: parallel.stage_layers: \"6,0\": entry 2 is not a layer count - expected 2 comma-separated "
+                 "integers >= 1");
+    expect_error("[model]\nn_layers = 6\n[parallel]\npp = 2\nstage_layers = 3;3\n", NULL, 0,
+                 "job.ini:5: parallel.stage_layers: \"3;3\": entry 1 is not a layer count");
     expect_error("[parallel]\nschedule = gpipe\n", NULL, 0, "job.ini:2: parallel.schedule: \"gpipe\"");
     expect_error("[parallel]\nep = 2\n", NULL, 0, "job.ini:2: parallel.ep: 2 does not divide parallel.dp = 1");
     const char *layouts[2][2] = {{"parallel.dp=4", "parallel.ep=1"}, {"parallel.dp=4", "parallel.ep=2"}};
@@ -617,10 +634,10 @@ static void test_round_trip(void **state) {
     fclose(f);
     rc = config_load_string(&b, "printed.ini", text, NULL, 0, err, sizeof err);
     if (rc != 0) fail_msg("%s\n%s", err, text);
-    // Every key is printed: count the `key = value` lines against the keys of config.h (64).
+    // Every key is printed: count the `key = value` lines against the keys of config.h (65).
     int lines = 0;
     for (char *p = text; (p = strstr(p, " = ")) != NULL; p += 3) lines++;
-    assert_int_equal(lines, 64);
+    assert_int_equal(lines, 65);
     free(text);
     memset(a.path, 0, sizeof a.path);
     memset(b.path, 0, sizeof b.path);

@@ -114,6 +114,28 @@ static void test_stage_tensors(void **state) {
     model_free(&whole);
 }
 
+// parallel.stage_layers places the stages' layers as listed: tiny.ini with 5 layers in stages of 1, 3 and 1.
+static void test_stage_layers_listed(void **state) {
+    (void)state;
+    Config cfg;
+    load_tiny(&cfg, "fp32", 1, 5);
+    snprintf(cfg.parallel.stage_layers, sizeof cfg.parallel.stage_layers, "1,3,1");
+    cfg.parallel.n_stage_layers = 3, cfg.parallel.stage_layer_count[0] = 1, cfg.parallel.stage_layer_count[1] = 3;
+    cfg.parallel.stage_layer_count[2] = 1;
+    char err[256];
+    const int want_first[3] = {0, 1, 4}, want_n[3] = {1, 3, 1};
+    for (int s = 0; s < 3; s++) {
+        Placement pl;
+        assert_int_equal(placement_stages(&cfg, &s, 1, 3, &pl, err, sizeof err), 0);
+        assert_int_equal(pl.chunk[0].first_layer, want_first[s]);
+        assert_int_equal(pl.chunk[0].n_layers, want_n[s]);
+    }
+    Placement even;  // another stage count than the list's: the even split
+    const int s0 = 0;
+    assert_int_equal(placement_stages(&cfg, &s0, 1, 2, &even, err, sizeof err), 0);
+    assert_int_equal(even.chunk[0].n_layers, 3);
+}
+
 static void test_stage_experts_4_to_7(void **state) {
     (void)state;
     Config cfg;
@@ -239,6 +261,7 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_stage_tensors),
         cmocka_unit_test(test_stage_experts_4_to_7),
+        cmocka_unit_test(test_stage_layers_listed),
         cmocka_unit_test(test_three_stages_fp32),
         cmocka_unit_test(test_three_stages_bf16),
         cmocka_unit_test(test_three_stages_fp8),
