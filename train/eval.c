@@ -90,7 +90,12 @@ static int text_shard_dir(const char *file, char *dir, size_t size, char *err, s
         goto done;
     }
     char path[CONFIG_PATH_MAX + 64];
-    snprintf(path, sizeof path, "%s/%s_val_000000.bin", dir, DATA_PREP_NAME);
+    if (snprintf(path, sizeof path, "%s/%s_val_000000.bin", dir, DATA_PREP_NAME) >= (int)sizeof path) {
+        snprintf(err, err_size, "%s: the temporary directory's path is too long", dir);
+        rmdir(dir);
+        dir[0] = '\0';
+        goto done;
+    }
     if (shard_write(path, tokens, n, err, err_size) != 0) {
         rmdir(dir);
         dir[0] = '\0';
@@ -107,8 +112,7 @@ done:
 static void remove_text_shard_dir(const char *dir) {
     if (!dir[0]) return;
     char path[CONFIG_PATH_MAX + 64];
-    snprintf(path, sizeof path, "%s/%s_val_000000.bin", dir, DATA_PREP_NAME);
-    unlink(path);
+    if (snprintf(path, sizeof path, "%s/%s_val_000000.bin", dir, DATA_PREP_NAME) < (int)sizeof path) unlink(path);
     rmdir(dir);
 }
 
