@@ -9,6 +9,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/file.h>
 #include <sys/stat.h>
@@ -122,10 +123,38 @@ static int check_replaceable(const char *path, char *err, size_t err_size) {
     return rc;
 }
 
-int metrics_open(MetricsLog *log, const char *path, const char *job, char *err, size_t err_size) {
+// The step of a record line ("step":N), or -1 for a record without one (the run records).
+static int64_t record_step(const char *line) {
+    const char *at = strstr(line, "\"step\":");
+    return at ? strtoll(at + 7, NULL, 10) : -1;
+}
+
+// Copies the records of `from` that a run resumed at step `after` continues (metrics_open) into f.
+static int copy_records_through(FILE *f, const char *from, int64_t after, char *err, size_t err_size) {
+    FILE *in = fopen(from, "r");
+    if (!in) return 0;  // nothing earlier (a first run into this directory)
+    char line[8192];
+    int rc = 0;
+    while (fgets(line, sizeof line, in)) {
+        if (line[0] != '{') continue;  // (a line cut by a crash mid-write)
+        if (!strchr(line, '\n')) continue;
+        if (record_step(line) <= after && fputs(line, f) == EOF) {
+            snprintf(err, err_size, "cannot copy the earlier records of %s: %s", from, strerror(errno));
+            rc = -1;
+            break;
+        }
+    }
+    fclose(in);
+    return rc;
+}
+
+int metrics_open(MetricsLog *log, const char *path, const char *job, int64_t continue_after, char *err,
+                 size_t err_size) {
     memset(log, 0, sizeof *log);
     snprintf(log->path, sizeof log->path, "%s", path);
     if (check_replaceable(path, err, err_size) != 0) return -1;
+    struct stat st;  // an earlier metrics file that run_dir_keep_previous keeps (the one a resume continues)
+    const int earlier = stat(path, &st) == 0 && S_ISREG(st.st_mode) && st.st_size > 0;
     if (run_dir_keep_previous(path, "log.jsonl", err, err_size) != 0) return -1;
     log->f = fopen(path, "w");
     if (!log->f) {
@@ -133,6 +162,15 @@ int metrics_open(MetricsLog *log, const char *path, const char *job, char *err, 
         return -1;
     }
     flock(fileno(log->f), LOCK_EX | LOCK_NB);  // tells a second run (check_replaceable) the file is live
+    if (continue_after >= 0 && earlier) {
+        char prev[sizeof log->path + 16];
+        if (run_dir_previous_name(path, prev, sizeof prev) != 0 ||
+            copy_records_through(log->f, prev, continue_after, err, err_size) != 0) {
+            if (!err[0]) snprintf(err, err_size, "%s: its earlier file's name is too long", path);
+            metrics_close(log);
+            return -1;
+        }
+    }
     // The first record is written now, so an output that cannot take data (/dev/full, a full disk)
     // stops the run before its first step instead of after it.
     char line[1400];

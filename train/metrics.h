@@ -64,8 +64,13 @@ typedef struct {
 // "pid":N,"job":JOB}, flushed, so an output that cannot take data fails here, before any training.
 // Refuses (-1) a path that holds anything but an earlier metrics file, or one that another live run
 // is writing; an earlier run's metrics file is kept as <stem>.prev.jsonl (run_dir_keep_previous).
+// continue_after >= 0 (a run resumed from the checkpoint of that step): the new file starts with the earlier
+// file's records up to that step (its run records, and its step and eval records of steps <= continue_after),
+// so that one file holds the whole run however often it was resumed; the records after it, of the steps the
+// resumed run trains again, stay in the .prev file only. -1: a new file.
 // Returns 0, or -1 with `path: reason` in err.
-int metrics_open(MetricsLog *log, const char *path, const char *job, char *err, size_t err_size);
+int metrics_open(MetricsLog *log, const char *path, const char *job, int64_t continue_after, char *err,
+                 size_t err_size);
 // {"type":"step","step":12,...}; non-finite numbers are written as null (JSON has no NaN).
 // Returns 0, or -1 with `path: reason` in err.
 int metrics_write_step(MetricsLog *log, const StepMetrics *s, char *err, size_t err_size);

@@ -20,7 +20,7 @@
 
 // "a/weights.h5" -> "a/weights.prev.h5"; "a/metrics" -> "a/metrics.prev". The extension is the part
 // after the last '.' of the file name (not of a directory).
-static int prev_name(const char *path, char *out, size_t size) {
+int run_dir_previous_name(const char *path, char *out, size_t size) {
     const char *base = strrchr(path, '/');
     base = base ? base + 1 : path;
     const char *dot = strrchr(base, '.');
@@ -36,7 +36,7 @@ int run_dir_keep_previous(const char *path, const char *what, char *err, size_t 
     if (!S_ISREG(st.st_mode)) return 0;   // devices (/dev/null) and the like are written, not kept
     if (st.st_size == 0) return 0;        // an empty file holds nothing to lose
     char prev[1100];
-    if (prev_name(path, prev, sizeof prev) != 0) {
+    if (run_dir_previous_name(path, prev, sizeof prev) != 0) {
         snprintf(err, err_size, "%s: path too long to keep the earlier run's file beside it", path);
         return -1;
     }

@@ -38,5 +38,8 @@ void run_dir_close(RunDir *rd);
 // If path exists, renames it to `<stem>.prev<ext>` beside it (replacing an older .prev) and prints
 // `what: kept the earlier run's PATH as PREV`. Returns 0 (also when path does not exist), or -1.
 int run_dir_keep_previous(const char *path, const char *what, char *err, size_t err_size);
+// The name run_dir_keep_previous keeps path under (`<stem>.prev<ext>`) into out. Returns 0, or -1 when it does not
+// fit.
+int run_dir_previous_name(const char *path, char *out, size_t size);
 
 #endif

@@ -269,7 +269,7 @@ static int save_weights(const Run *r, const Config *cfg) {
 // Every output location is checked, locked and tidied before the data and the model are touched, so
 // an unwritable directory or a mistyped log.jsonl costs nothing (run_dir.h). Returns 0 or -1 (message
 // printed).
-static int open_outputs(Run *r, const Config *cfg) {
+static int open_outputs(Run *r, const Config *cfg, const char *resume) {
     char err[ERR_MAX];
     const char *outputs[2];
     int n_outputs = 0;
@@ -292,7 +292,14 @@ static int open_outputs(Run *r, const Config *cfg) {
     char jsonl[CONFIG_PATH_MAX + 32];
     if (cfg->log.jsonl[0]) snprintf(jsonl, sizeof jsonl, "%s", cfg->log.jsonl);
     else snprintf(jsonl, sizeof jsonl, "%s/metrics.jsonl", cfg->checkpoint.dir);
-    if (metrics_open(&r->log, jsonl, cfg->path, err, sizeof err) != 0) {
+    // a resumed run continues the metrics file up to the step it resumes from (metrics.h); the step is read from
+    // the checkpoint's manifest (one that cannot be read fails the resume after this, with its reason)
+    int64_t continue_after = -1;
+    CheckpointInfo *info = resume ? malloc(sizeof *info) : NULL;  // holds a whole Config
+    if (info && checkpoint_read_info(resume, info, err, sizeof err) == 0) continue_after = info->step;
+    free(info);
+    err[0] = '\0';
+    if (metrics_open(&r->log, jsonl, cfg->path, continue_after, err, sizeof err) != 0) {
         fprintf(stderr, "fp8moe: log.jsonl: %s\n", err);
         return -1;
     }
@@ -436,7 +443,7 @@ int trainer_run(const Config *cfg, const char *resume) {
     r.writes = world->rank == 0;
 
     // ---- outputs, then data, model and optimizer
-    if (!all_ranks_ok(world, !r.writes || open_outputs(&r, cfg) == 0)) goto done;
+    if (!all_ranks_ok(world, !r.writes || open_outputs(&r, cfg, resume) == 0)) goto done;
     TrainState *ts = &r.ts;
     if (train_state_create(ts, cfg, dev, &r.groups, total_steps, 1, err, sizeof err) != 0) {
         print_error(world, err);

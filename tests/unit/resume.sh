@@ -8,7 +8,8 @@
 #   3. --resume of a directory with no checkpoint fails (exit 1) naming it;
 #   4. (after 1) SIGKILL during step 13 and inside the save at step 10 (FP8MOE_FAULT, train/fault.h): the latest
 #      complete checkpoint (10, 5) survives, and --resume latest in the same directory continues from it with
-#      the uninterrupted run's bits.
+#      the uninterrupted run's bits; its metrics.jsonl holds steps 1-20 once each (the records up to the
+#      checkpoint's step kept, the killed run's later ones dropped: train/metrics.h).
 # One thread, tests/data/shakespeare.txt. Under the sanitizers only cases 2 and 3 run (cases 1 and 4 are slow
 # there).
 set -u
@@ -50,8 +51,11 @@ if [ "${FP8MOE_SANITIZE:-0}" != 1 ]; then
       --set "checkpoint.dir=$dir" --resume latest > "$dir.res.log" 2>&1
     if [ "$rc" -eq 137 ] && [ "$resumed" = "$(printf 'step_%08d' "$last")" ] \
        && grep -q "resumed from .* at step $last " "$dir.res.log" && grep -q "^step 20/" "$dir.res.log" \
-       && same_steps "$TMP/full/metrics.jsonl" "$dir/metrics.jsonl"; then
-      echo "ok: SIGKILL at $point: exit 137, latest = $resumed, resumed from step $last to 20 with the uninterrupted bits"
+       && same_steps "$TMP/full/metrics.jsonl" "$dir/metrics.jsonl" \
+       && python3 -c "import json, sys; s = [r['step'] for r in map(json.loads, open(sys.argv[1])) if r['type'] == 'step']
+sys.exit(0 if s == list(range(1, 21)) else 'metrics.jsonl steps: %s' % s)" "$dir/metrics.jsonl"; then
+      echo "ok: SIGKILL at $point: exit 137, latest = $resumed, resumed from step $last to 20 with the uninterrupted bits;" \
+        "metrics.jsonl continues the run (steps 1-20 once each)"
     else echo "FAIL: SIGKILL at $point: exit $rc, latest '$resumed'"; tail -3 "$dir.log" "$dir.res.log"; fail=1; fi
   done
 fi
