@@ -988,19 +988,22 @@ static void request_wait(CommRequest *req, double t0) {
     }
     if (req->n == 0) return;
     Comm *c = req->comm;
-    MPI_Status *st = malloc((size_t)req->n * sizeof *st);
-    int *peers = malloc((size_t)req->n * sizeof *peers);
-    int64_t *expect = malloc((size_t)req->n * sizeof *expect);
+    // one or two pieces (messages up to 2 GiB) on the stack: a pipeline step waits for many messages
+    MPI_Status st_in[2];
+    int peers_in[2];
+    int64_t expect_in[2];
+    const int small = req->n <= 2;
+    MPI_Status *st = small ? st_in : malloc((size_t)req->n * sizeof *st);
+    int *peers = small ? peers_in : malloc((size_t)req->n * sizeof *peers);
+    int64_t *expect = small ? expect_in : malloc((size_t)req->n * sizeof *expect);
     if (st == NULL || peers == NULL || expect == NULL) comm_fail(c, req->op, __LINE__, "out of memory");
     for (int i = 0; i < req->n; i++) peers[i] = req->peer, expect[i] = req->is_send ? -1 : 0;
     wait_requests(c, req->op, req->n, req->reqs, st, t0, peers, expect);
-    free(peers);
-    free(expect);
     for (int i = 0; i < req->n && !req->is_send; i++) {
         const size_t off = (size_t)i * PIECE_BYTES;
         check_received(c, req->op, &st[i], req->bytes - off < PIECE_BYTES ? req->bytes - off : PIECE_BYTES);
     }
-    free(st);
+    if (!small) free(st), free(peers), free(expect);
     if (req->reqs != req->inline_reqs) free(req->reqs);
     if (req->device_dst != NULL) to_device(req->device_dst, req->staged, req->bytes);
     if (req->owns_staged) device_host_free(DEVICE_CUDA, req->staged);

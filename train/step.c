@@ -79,11 +79,11 @@ int train_step(TrainState *ts, StepResult *out, char *err, size_t err_size) {
     for (int i = 0; i < n_ops && (bad_mb < 0 || !may_skip); i++) {
         const StepOp *op = &ops[i];
         char name[32];
-        step_op_format(op, name, sizeof name);
         const int compute = op->kind == STEP_FORWARD || op->kind == STEP_BACKWARD;
         if (op->chunk < 0 || op->chunk >= m->n_chunks || op->micro_batch < 0 || op->micro_batch >= A || op->slot < 0 ||
             op->slot >= ts->plan.n_slots || op->local_slot >= ts->plan.n_slots ||
             (compute && (op->act < 0 || op->act >= ts->plan.n_acts || ts->plan.act_chunk[op->act] != op->chunk))) {
+            step_op_format(op, name, sizeof name);  // (only for the message: not every op's cost)
             snprintf(err, err_size, "step %d: op %d (%s, slot %d, activation set %d) is outside this model's %d chunk(s), "
                      "micro-batches 0..%d, %d slots and %d sets of its chunk", s, i, name, op->slot, op->act, m->n_chunks,
                      A - 1, ts->plan.n_slots, ts->plan.n_acts);
@@ -97,7 +97,7 @@ int train_step(TrainState *ts, StepResult *out, char *err, size_t err_size) {
         // the boundary tensors: from / to another rank through this slot, or the previous stage's slot on this rank
         const real *in = cs->has_embedding ? NULL : op->local_slot >= 0 ? ts->slots[op->local_slot].out : sl->in;
         real *din = cs->has_embedding ? NULL : op->local_slot >= 0 ? ts->slots[op->local_slot].dout : sl->din;
-        if (op->kind != STEP_FORWARD && op->kind != STEP_BACKWARD) {
+        if (!compute) {
             // a batch of messages: posted together, waited for before the next compute op
             post_message(ts, op, boundary_bytes, &reqs[n_reqs++]);
             const int batch_ends = i + 1 == n_ops || ops[i + 1].kind == STEP_FORWARD || ops[i + 1].kind == STEP_BACKWARD;
@@ -107,6 +107,7 @@ int train_step(TrainState *ts, StepResult *out, char *err, size_t err_size) {
             }
         } else if (op->kind == STEP_FORWARD) {
             if (holds[op->act] >= 0) {
+                step_op_format(op, name, sizeof name);  // (only for the message: not every op's cost)
                 snprintf(err, err_size, "step %d: op %d (%s): its activation set %d still holds a micro-batch awaiting "
                          "its backward", s, i, name, op->act);
                 m->count_load = 0;
@@ -127,6 +128,7 @@ int train_step(TrainState *ts, StepResult *out, char *err, size_t err_size) {
             bal_sum += lt.balance;
             holds[op->act] = key;
             if (++live > ts->live_bound) {  // the plan does not keep the schedule's activation bound: a bug
+                step_op_format(op, name, sizeof name);  // (only for the message: not every op's cost)
                 snprintf(err, err_size, "step %d: op %d (%s) makes %d activation sets live, more than the schedule's %d", s,
                          i, name, live, ts->live_bound);
                 m->count_load = 0;
@@ -134,6 +136,7 @@ int train_step(TrainState *ts, StepResult *out, char *err, size_t err_size) {
             }
         } else {
             if (holds[op->act] != key) {
+                step_op_format(op, name, sizeof name);  // (only for the message: not every op's cost)
                 snprintf(err, err_size, "step %d: op %d (%s) runs the backward of chunk %d's micro-batch %d, whose forward "
                          "is not held in its activation set %d", s, i, name, op->chunk, op->micro_batch, op->act);
                 m->count_load = 0;

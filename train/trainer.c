@@ -216,13 +216,16 @@ static int make_groups(Run *r, const Config *cfg, Device dev) {
                     "parallel.backend = auto or mpi, or train.device = cuda\n", cfg->path);
         return -1;
     }
+    if (config_check_layout(cfg, r->world->size, err, sizeof err) != 0) {
+        if (r->world->rank == 0) fprintf(stderr, "fp8moe: %s: %s\n", cfg->path, err);
+        return -1;
+    }
     int gpu = 0;  // without NCCL every GPU rank uses GPU 0 (ranks share it over the MPI backend)
-    if (config_check_layout(cfg, r->world->size, err, sizeof err) == 0 && use_nccl(cfg, dev, r->world)) {
+    if (use_nccl(cfg, dev, r->world)) {
         gpu = comm_nccl_select_gpu(r->world);  // before the first device allocation
         r->world = r->nccl_world = comm_nccl_dup(r->world);
     }
-    if (config_check_layout(cfg, r->world->size, err, sizeof err) != 0 ||
-        groups_init(&r->groups, r->world, pc->pp, pc->dp, pc->ep, pc->gpus_per_node, err, sizeof err) != 0) {
+    if (groups_init(&r->groups, r->world, pc->pp, pc->dp, pc->ep, pc->gpus_per_node, err, sizeof err) != 0) {
         if (r->world->rank == 0) fprintf(stderr, "fp8moe: %s: %s\n", cfg->path, err);
         return -1;
     }
