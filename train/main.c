@@ -1,10 +1,11 @@
 /*
- * main.c - the fp8moe command line: train, compare, prep, sample, export, eval, bench, config-doc, help.
+ * main.c - the fp8moe command line: train, compare, gradcompare, prep, sample, export, eval, bench,
+ * config-doc, help.
  *
  * Only argument parsing lives here; each subcommand is one call into the library (trainer_run,
- * compare_main, data_prep, sample_run, export_main, eval_main, config_print_reference). Exit status: 0 success, 1 a failure
- * while running, 2 bad usage or an invalid job file / override (the message names the argument, file,
- * line or key).
+ * compare_main, grad_compare_main, data_prep, sample_run, export_main, eval_main, config_print_reference).
+ * Exit status: 0 success, 1 a failure while running, 2 bad usage or an invalid job file / override (the
+ * message names the argument, file, line or key).
  */
 #include <errno.h>
 #include <stdint.h>
@@ -19,6 +20,7 @@
 #include "train/compare.h"
 #include "train/config.h"
 #include "train/eval.h"
+#include "train/grad_compare.h"
 #include "train/hf_export.h"
 #include "train/sample.h"
 #include "train/schedule_cli.h"
@@ -52,11 +54,11 @@ static const char *const usage_config_doc =
     "      Print the reference of every job-file key (Markdown, as docs/config.md).\n";
 
 static void print_usage(FILE *f) {
-    fprintf(f, "fp8moe - FP8 mixture-of-experts training (DeepSeek-V3 architecture)\n\nUsage:\n%s%s%s%s%s%s%s%s%s%s%s"
+    fprintf(f, "fp8moe - FP8 mixture-of-experts training (DeepSeek-V3 architecture)\n\nUsage:\n%s%s%s%s%s%s%s%s%s%s%s%s"
                SCHEDULE_CLI_USAGE
                "  fp8moe help | --help\n      Show this text. `fp8moe help COMMAND` shows one command.\n",
-            usage_train, compare_usage, usage_prep, usage_sample, export_usage, eval_usage, usage_config_doc,
-            bench_gemm_usage,
+            usage_train, compare_usage, grad_compare_usage, usage_prep, usage_sample, export_usage, eval_usage,
+            usage_config_doc, bench_gemm_usage,
             bench_step_usage, bench_attention_usage, bench_a2a_usage);
 }
 
@@ -285,6 +287,7 @@ int main(int argc, char **argv) {
     const char *cmd = argv[1];
     if (!strcmp(cmd, "train")) return cmd_train(argc - 2, argv + 2);
     if (!strcmp(cmd, "compare")) return compare_main(argc - 2, argv + 2);
+    if (!strcmp(cmd, "gradcompare")) return grad_compare_main(argc - 2, argv + 2);
     if (!strcmp(cmd, "prep")) return cmd_prep(argc - 2, argv + 2);
     if (!strcmp(cmd, "sample")) return cmd_sample(argc - 2, argv + 2);
     if (!strcmp(cmd, "export")) return export_main(argc - 2, argv + 2);
@@ -313,6 +316,7 @@ int main(int argc, char **argv) {
         if (argc > 2) {
             const char *topic = argv[2];
             const char *u = !strcmp(topic, "train") ? usage_train : !strcmp(topic, "compare") ? compare_usage
+                          : !strcmp(topic, "gradcompare") ? grad_compare_usage
                           : !strcmp(topic, "prep") ? usage_prep
                           : !strcmp(topic, "sample") ? usage_sample : !strcmp(topic, "config-doc") ? usage_config_doc
                           : !strcmp(topic, "export") ? export_usage : !strcmp(topic, "eval") ? eval_usage
@@ -329,7 +333,7 @@ int main(int argc, char **argv) {
         print_usage(stdout);
         return 0;
     }
-    fprintf(stderr, "fp8moe: unknown command '%s' (expected train, compare, prep, sample, export, eval, bench, config-doc or help)\n",
+    fprintf(stderr, "fp8moe: unknown command '%s' (expected train, compare, gradcompare, prep, sample, export, eval, bench, config-doc or help)\n",
             cmd);
     print_usage(stderr);
     return EXIT_USAGE;
