@@ -989,7 +989,7 @@ static void request_wait(CommRequest *req, double t0) {
     if (req->n == 0) return;
     Comm *c = req->comm;
     // one or two pieces (messages up to 2 GiB) on the stack: a pipeline step waits for many messages
-    // (initialised: GCC 15 cannot see that the loop below fills them whenever they are used)
+    // (initialised: the GPU machine's GCC 13.3 cannot see that the loop below fills them whenever they are used)
     MPI_Status st_in[2];
     int peers_in[2] = {0, 0};
     int64_t expect_in[2] = {0, 0};

@@ -884,6 +884,9 @@ int compare_main(int argc, char **argv) {
                 fprintf(stderr, "fp8moe compare: the %s run of seed %llu: %s\n", c.arms[a].name,
                         (unsigned long long)r->seed, rc_cfg ? err : "out of memory");
             } else {
+                // The run's identity for --resume: its config with the job's own train.threads, since the
+                // threads --jobs chooses do not change the numbers (a finished run is reused whatever --jobs).
+                rc_cfg->train.threads = threads;
                 r->config_text = config_text(rc_cfg);
                 r->args = calloc((size_t)(2 * n + 4), sizeof *r->args);
                 int j = 0;
