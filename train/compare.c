@@ -29,6 +29,7 @@
 #include <unistd.h>
 
 #include "data/durable.h"
+#include "train/checkpoint.h"
 #include "train/config.h"
 #include "train/metrics.h"
 
@@ -50,7 +51,8 @@ const char *const compare_usage =
     "      over the last 10% of steps +- sd over seeds, the max gap, the first step where the gap leaves\n"
     "      its seed spread. --steps overrides train.steps; --null adds the first mode with optim.lr x\n"
     "      1.0001 (the null spread); --jobs runs N trainings at once (CPU threads split between them);\n"
-    "      --resume keeps finished runs whose config is unchanged; --no-plot skips compare.png.\n";
+    "      --resume keeps finished runs whose config is unchanged and continues unfinished ones from their\n"
+    "      last checkpoint when the job writes them (checkpoint.every_steps); --no-plot skips compare.png.\n";
 
 static int usage_error(const char *fmt, const char *arg) {
     fprintf(stderr, "fp8moe compare: ");
@@ -94,29 +96,11 @@ static int parse_count(const char *opt, const char *v, int lo, int hi, int *out)
 
 // "bf16,fp8" -> modes; each of fp32, bf16, fp8 at most once. Returns 0 or the usage status (printed).
 static int parse_modes(const char *list, Options *o) {
-    static const char *const known[3] = {"fp32", "bf16", "fp8"};
-    o->n_modes = 0;
-    const char *p = list;
-    for (;;) {
-        const char *e = strchr(p, ',');
-        size_t len = e ? (size_t)(e - p) : strlen(p);
-        int k = -1;
-        for (int i = 0; i < 3; i++)
-            if (strlen(known[i]) == len && !strncmp(p, known[i], len)) k = i;
-        if (k < 0) {
-            fprintf(stderr, "fp8moe compare: --modes %s: unknown mode '%.*s'; expected a comma-separated list of "
-                    "fp32, bf16 and fp8 (e.g. bf16,fp8)\nUsage:\n%s", list, (int)len, p, compare_usage);
-            return EXIT_USAGE;
-        }
-        for (int i = 0; i < o->n_modes; i++)
-            if (o->modes[i] == known[k]) {
-                fprintf(stderr, "fp8moe compare: --modes %s: %s appears twice; expected each mode once\nUsage:\n%s",
-                        list, known[k], compare_usage);
-                return EXIT_USAGE;
-            }
-        o->modes[o->n_modes++] = known[k];
-        if (!e) break;
-        p = e + 1;
+    char err[160];
+    o->n_modes = config_parse_mode_list(list, o->modes, err, sizeof err);
+    if (o->n_modes < 0) {
+        fprintf(stderr, "fp8moe compare: --modes %s: %s (e.g. bf16,fp8)\nUsage:\n%s", list, err, compare_usage);
+        return EXIT_USAGE;
     }
     return 0;
 }
@@ -195,6 +179,7 @@ typedef struct {
     pid_t pid;
     double t0;
     int state;           // 0 pending, 1 running, 2 finished
+    int continues;       // --resume: the child continues from the run's checkpoint (train --resume latest)
     double *train, *val; // [steps + 1], NaN where the run has no record
     int n_train, last_val_step;
 } Run;
@@ -323,6 +308,8 @@ static int read_metrics(Run *r, int steps, char *err, size_t err_size) {
 // 1 when the run holds all `steps` step records and its final evaluation.
 static int run_complete(const Run *r, int steps) { return r->n_train == steps && r->last_val_step == steps; }
 
+// Starts the run's child; one that continues from its checkpoint appends to its train.log and gets
+// `--resume latest` (args holds two free slots for it before the terminating NULL).
 static pid_t spawn_run(Run *r, char *err, size_t err_size) {
     char log[PATHN + 16];
     snprintf(log, sizeof log, "%s/train.log", r->dir);
@@ -334,13 +321,18 @@ static pid_t spawn_run(Run *r, char *err, size_t err_size) {
         return -1;
     }
     if (pid == 0) {
-        int fd = open(log, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+        int fd = open(log, O_WRONLY | O_CREAT | (r->continues ? O_APPEND : O_TRUNC) | O_CLOEXEC, 0644);
         if (fd < 0) {
             fprintf(stderr, "fp8moe compare: %s: cannot write: %s\n", log, strerror(errno));
             _exit(127);
         }
         dup2(fd, STDOUT_FILENO);
         dup2(fd, STDERR_FILENO);
+        if (r->continues) {
+            int k = 0;
+            while (r->args[k]) k++;
+            r->args[k] = "--resume", r->args[k + 1] = CHECKPOINT_LATEST;  // the child's copy of args
+        }
         execv("/proc/self/exe", r->args);
         fprintf(stderr, "fp8moe compare: cannot run /proc/self/exe (this fp8moe binary): %s\n", strerror(errno));
         _exit(127);
@@ -888,7 +880,7 @@ int compare_main(int argc, char **argv) {
                 // threads --jobs chooses do not change the numbers (a finished run is reused whatever --jobs).
                 rc_cfg->train.threads = threads;
                 r->config_text = config_text(rc_cfg);
-                r->args = calloc((size_t)(2 * n + 4), sizeof *r->args);
+                r->args = calloc((size_t)(2 * n + 6), sizeof *r->args);  // + --resume latest + NULL
                 int j = 0;
                 r->args[j++] = xstrdup_printf("fp8moe");
                 r->args[j++] = xstrdup_printf("train");
@@ -950,6 +942,12 @@ int compare_main(int argc, char **argv) {
                            n_runs, c.arms[r->arm].name, (unsigned long long)r->seed, r->dir);
                     continue;
                 }
+                // an unfinished run of the same config that wrote a checkpoint (checkpoint.every_steps) continues
+                // from it: the trainer's resume is bitwise, and its metrics.jsonl keeps the steps before
+                char latest[PATHN + 16];
+                struct stat st;
+                snprintf(latest, sizeof latest, "%s/%s", r->dir, CHECKPOINT_LATEST);
+                r->continues = same && lstat(latest, &st) == 0;
             }
             if (write_file(job_path, r->config_text, err, sizeof err) != 0) {
                 fprintf(stderr, "fp8moe compare: %s\n", err);
@@ -970,8 +968,8 @@ int compare_main(int argc, char **argv) {
             r->state = 1;
             r->t0 = now_s();
             running++;
-            printf("compare: %s seed %llu: training (log %s/train.log)\n", c.arms[r->arm].name,
-                   (unsigned long long)r->seed, r->dir);
+            printf("compare: %s seed %llu: %s (log %s/train.log)\n", c.arms[r->arm].name, (unsigned long long)r->seed,
+                   r->continues ? "continuing from its checkpoint (--resume)" : "training", r->dir);
         }
         if (running == 0) break;
         int status;

@@ -1100,3 +1100,27 @@ void config_print_reference(FILE *f) {
         }
     }
 }
+
+int config_parse_mode_list(const char *list, const char *modes[3], char *err, size_t err_size) {
+    int n = 0;
+    for (const char *p = list;;) {
+        const char *e = strchr(p, ',');
+        const size_t len = e ? (size_t)(e - p) : strlen(p);
+        int k = -1;
+        for (int i = 0; precision_words[i]; i++)
+            if (strlen(precision_words[i]) == len && !strncmp(p, precision_words[i], len)) k = i;
+        if (k < 0) {
+            snprintf(err, err_size, "unknown mode '%.*s'; expected a comma-separated list of fp32, bf16 and fp8",
+                     (int)len, p);
+            return -1;
+        }
+        for (int i = 0; i < n; i++)
+            if (modes[i] == precision_words[k]) {
+                snprintf(err, err_size, "%s appears twice; expected each mode once", precision_words[k]);
+                return -1;
+            }
+        modes[n++] = precision_words[k];
+        if (!e) return n;
+        p = e + 1;
+    }
+}

@@ -64,28 +64,11 @@ typedef struct {
 // "fp32,bf16" -> modes, each of fp32, bf16, fp8 at most once, at least two. Returns 0 or the usage status
 // (printed).
 static int parse_modes(const char *list, Options *o) {
-    static const char *const known[MAX_MODES] = {"fp32", "bf16", "fp8"};
-    o->n_modes = 0;
-    for (const char *p = list;;) {
-        const char *e = strchr(p, ',');
-        const size_t len = e ? (size_t)(e - p) : strlen(p);
-        int k = -1;
-        for (int i = 0; i < MAX_MODES; i++)
-            if (strlen(known[i]) == len && !strncmp(p, known[i], len)) k = i;
-        if (k < 0) {
-            fprintf(stderr, "fp8moe gradcompare: --modes %s: unknown mode '%.*s'; expected a comma-separated list "
-                    "of fp32, bf16 and fp8 (e.g. fp32,bf16,fp8)\nUsage:\n%s", list, (int)len, p, grad_compare_usage);
-            return EXIT_USAGE;
-        }
-        for (int i = 0; i < o->n_modes; i++)
-            if (o->modes[i] == known[k]) {
-                fprintf(stderr, "fp8moe gradcompare: --modes %s: %s appears twice; expected each mode once\n"
-                        "Usage:\n%s", list, known[k], grad_compare_usage);
-                return EXIT_USAGE;
-            }
-        o->modes[o->n_modes++] = known[k];
-        if (!e) break;
-        p = e + 1;
+    char err[160];
+    o->n_modes = config_parse_mode_list(list, o->modes, err, sizeof err);
+    if (o->n_modes < 0) {
+        fprintf(stderr, "fp8moe gradcompare: --modes %s: %s (e.g. fp32,bf16,fp8)\nUsage:\n%s", list, err, grad_compare_usage);
+        return EXIT_USAGE;
     }
     if (o->n_modes < 2)
         return usage_error("--modes %s: a comparison needs at least two modes (the first is the reference)", list);
