@@ -259,30 +259,6 @@ static int write_split(const char *dir, const char *split, const unsigned char *
     return 0;
 }
 
-// Write text to path via a temporary file, fsync and rename (then fsync of the directory).
-static int write_text_atomic(const char *path, const char *text, char *err, size_t errsz) {
-    size_t tmp_len = strlen(path) + 32;
-    char *tmp = malloc(tmp_len);
-    if (!tmp) {
-        set_err(err, errsz, "%s: out of memory", path);
-        return -1;
-    }
-    snprintf(tmp, tmp_len, "%s.tmp.%ld", path, (long)getpid());
-    FILE *f = fopen(tmp, "w");
-    int ok = f != NULL;
-    if (ok) {
-        ok = fputs(text, f) >= 0 && fflush(f) == 0 && fsync(fileno(f)) == 0;
-        ok = (fclose(f) == 0) && ok;
-    }
-    if (ok) ok = durable_rename(tmp, path) == 0;
-    if (!ok) {
-        set_err(err, errsz, "%s: cannot write: %s", path, strerror(errno));
-        unlink(tmp);
-    }
-    free(tmp);
-    return ok ? 0 : -1;
-}
-
 // ---------------------------------------------------------------------------- prep
 int data_prep(const char *const *text_paths, int n_paths, const char *out_dir, char *err, size_t errsz) {
     if (n_paths == 0) {
@@ -334,7 +310,7 @@ int data_prep(const char *const *text_paths, int n_paths, const char *out_dir, c
     memcpy(full + strlen(stamp), section, section_len + 1);
     free(stamp);
     stamp = full;
-    if (write_text_atomic(stamp_path, stamp, err, errsz) != 0) goto done;
+    if (durable_write_text(stamp_path, stamp, err, errsz) != 0) goto done;
     rc = 0;
 done:
     if (lines) fclose(lines);

@@ -15,7 +15,6 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
-#include <unistd.h>
 
 #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
 #error "llm.c shards are little-endian; this build writes host byte order"
@@ -54,44 +53,11 @@ int shard_write(const char *path, const uint16_t *tokens, int64_t n, char *err, 
     int32_t header[SHARD_HEADER_INTS];
     make_header(header, n);
 
-    // the temporary name is unique per process, so concurrent writers of one path never share a file
-    size_t tmp_len = strlen(path) + 32;
-    char *tmp = malloc(tmp_len);
-    if (!tmp) {
-        set_err(err, errsz, "%s: out of memory", path);
-        return -1;
-    }
-    snprintf(tmp, tmp_len, "%s.tmp.%ld", path, (long)getpid());
-    FILE *f = fopen(tmp, "wb");
-    if (!f) {
-        set_err(err, errsz, "%s: cannot create temporary file %s: %s", path, tmp, strerror(errno));
-        free(tmp);
-        return -1;
-    }
-    int ok = fwrite(header, sizeof header, 1, f) == 1;
-    if (ok && n > 0) ok = fwrite(tokens, sizeof(uint16_t), (size_t)n, f) == (size_t)n;
-    ok = ok && fflush(f) == 0 && fsync(fileno(f)) == 0;
-    int saved_errno = errno;
-    if (fclose(f) != 0 && ok) {
-        ok = 0;
-        saved_errno = errno;
-    }
-    if (!ok) {
-        set_err(err, errsz, "%s: write failed: %s", tmp, strerror(saved_errno));
-        unlink(tmp);
-        free(tmp);
-        return -1;
-    }
-    int renamed = durable_rename(tmp, path);
-    if (renamed != 0) {
-        if (renamed == -1) set_err(err, errsz, "%s: cannot rename %s into place: %s", path, tmp, strerror(errno));
-        else set_err(err, errsz, "%s: written, but the fsync of its directory failed: %s", path, strerror(errno));
-        unlink(tmp);
-        free(tmp);
-        return -1;
-    }
-    free(tmp);
-    return 0;
+    DurableFile d;
+    if (durable_open(&d, path, err, errsz) != 0) return -1;
+    fwrite(header, sizeof header, 1, d.f);
+    if (n > 0) fwrite(tokens, sizeof(uint16_t), (size_t)n, d.f);
+    return durable_commit(&d, err, errsz);  // a short fwrite sets the stream's error, which the commit reports
 }
 
 // ---------------------------------------------------------------------------- read

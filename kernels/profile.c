@@ -19,8 +19,9 @@
 // Events per step before the pool grows (a bench-1gpu step marks a few thousand boundaries).
 #define PROFILE_EVENT_POOL 8192
 
-static const char *const phase_names[PHASE_COUNT] = {"attention", "expert GEMM", "other GEMM",
-                                                     "quantisation", "permute", "optimizer"};
+static const char *const phase_names[PHASE_COUNT] = {"attention", "expert GEMM", "other GEMM",   "quantisation",
+                                                     "permute",   "optimizer",   "EP all-to-all", "pipeline wait",
+                                                     "grad sync"};
 
 static struct {
     int on;
@@ -31,12 +32,19 @@ static struct {
     double seconds[PHASE_COUNT];
     double last_s;  // CPU: host time of the last boundary
     double peak_bytes;
+    int op_open;            // the open op's kind, -1 for none
+    double op_start_s;      // CPU: when it opened
+    double op_seconds[PROFILE_OP_COUNT];
+    int64_t op_counts[PROFILE_OP_COUNT];
 #ifdef FP8MOE_CUDA
     cudaEvent_t *events;
     int *event_phase;  // event_phase[i]: phase of the interval (events[i-1], events[i]), -1 for none
     int n_events, cap_events;
+    int op_start_event;     // the event that opened the open op
+    int *op_events;         // (start event, end event, kind) per op ended since the last collect
+    int n_ops, cap_ops;
 #endif
-} prof;
+} prof = {.op_open = -1};
 
 const char *profile_phase_name(Phase p) { return (p >= 0 && p < PHASE_COUNT) ? phase_names[p] : "?"; }
 
@@ -62,9 +70,12 @@ static void events_free(void) {
     for (int i = 0; i < prof.cap_events; i++) CUDA_CHECK(cudaEventDestroy(prof.events[i]));
     free(prof.events);
     free(prof.event_phase);
+    free(prof.op_events);
     prof.events = NULL;
     prof.event_phase = NULL;
+    prof.op_events = NULL;
     prof.n_events = prof.cap_events = 0;
+    prof.n_ops = prof.cap_ops = 0;
 }
 #endif
 
@@ -96,6 +107,9 @@ void profile_enable(Device dev, int on) {
     }
 #endif
     memset(prof.seconds, 0, sizeof prof.seconds);
+    memset(prof.op_seconds, 0, sizeof prof.op_seconds);
+    memset(prof.op_counts, 0, sizeof prof.op_counts);
+    prof.op_open = -1;
     prof.depth = 0;
     prof.peak_bytes = 0;
     prof.dev = dev;
@@ -128,6 +142,52 @@ void profile_end(Phase p) {
     prof.depth--;
 }
 
+static void op_misuse(const char *what, ProfileOp k) {
+    fprintf(stderr, "fp8moe: kernels/profile.c: %s (op kind %d, open %d): the profile_op marks are unbalanced\n", what,
+            (int)k, prof.op_open);
+    exit(1);
+}
+
+void profile_op_begin(ProfileOp k) {
+    if (!prof.on) return;
+    if (k < 0 || k >= PROFILE_OP_COUNT || prof.op_open >= 0) op_misuse("profile_op_begin inside an op", k);
+    boundary();
+    prof.op_open = (int)k;
+    prof.op_start_s = prof.last_s;
+#ifdef FP8MOE_CUDA
+    prof.op_start_event = prof.n_events - 1;
+#endif
+}
+
+void profile_op_end(ProfileOp k) {
+    if (!prof.on) return;
+    if (prof.op_open != (int)k) op_misuse("profile_op_end without its profile_op_begin", k);
+    boundary();
+    prof.op_open = -1;
+    if (prof.dev == DEVICE_CPU) {
+        prof.op_seconds[k] += prof.last_s - prof.op_start_s;
+        prof.op_counts[k]++;
+        return;
+    }
+#ifdef FP8MOE_CUDA
+    if (prof.n_ops == prof.cap_ops) {
+        prof.cap_ops = prof.cap_ops ? 2 * prof.cap_ops : 256;
+        prof.op_events = realloc(prof.op_events, (size_t)prof.cap_ops * 3 * sizeof *prof.op_events);
+        if (!prof.op_events) {
+            fprintf(stderr, "fp8moe: kernels/profile.c: out of host memory for %d op timings\n", prof.cap_ops);
+            exit(1);
+        }
+    }
+    int *e = prof.op_events + 3 * prof.n_ops++;
+    e[0] = prof.op_start_event, e[1] = prof.n_events - 1, e[2] = (int)k;
+#endif
+}
+
+void profile_op_totals(double seconds[PROFILE_OP_COUNT], int64_t counts[PROFILE_OP_COUNT]) {
+    memcpy(seconds, prof.op_seconds, sizeof prof.op_seconds);
+    memcpy(counts, prof.op_counts, sizeof prof.op_counts);
+}
+
 static void sample_memory(void) {
     double used = 0;
     if (prof.dev == DEVICE_CPU) {
@@ -147,6 +207,7 @@ void profile_step_collect(double seconds_out[PHASE_COUNT]) {
     memset(seconds_out, 0, PHASE_COUNT * sizeof *seconds_out);
     if (!prof.on) return;
     if (prof.depth != 0) misuse("profile_step_collect with phases still open", prof.declared[prof.depth - 1]);
+    if (prof.op_open >= 0) op_misuse("profile_step_collect with an op still open", (ProfileOp)prof.op_open);
 #ifdef FP8MOE_CUDA
     if (prof.dev == DEVICE_CUDA) {
         CUDA_CHECK(cudaDeviceSynchronize());
@@ -156,7 +217,14 @@ void profile_step_collect(double seconds_out[PHASE_COUNT]) {
             CUDA_CHECK(cudaEventElapsedTime(&ms, prof.events[i - 1], prof.events[i]));
             prof.seconds[prof.event_phase[i]] += 1e-3 * (double)ms;
         }
-        prof.n_events = 0;
+        for (int i = 0; i < prof.n_ops; i++) {
+            const int *e = prof.op_events + 3 * i;
+            float ms = 0;
+            CUDA_CHECK(cudaEventElapsedTime(&ms, prof.events[e[0]], prof.events[e[1]]));
+            prof.op_seconds[e[2]] += 1e-3 * (double)ms;
+            prof.op_counts[e[2]]++;
+        }
+        prof.n_events = prof.n_ops = 0;
     }
 #endif
     sample_memory();

@@ -27,6 +27,7 @@
 #define FP8MOE_PROFILE_H
 
 #include <stddef.h>
+#include <stdint.h>
 
 #include "kernels/kernels.h"
 
@@ -37,10 +38,19 @@ typedef enum {
     PHASE_QUANTISE,     // fp8_quantize_* inside train/linear.c
     PHASE_PERMUTE,      // MoE permute plan, gather, combine and unpermute (train/moe.c)
     PHASE_OPTIMIZER,    // gradient norm + AdamW (the caller's step loop)
+    // communication (zero in one process). Each is the time the call took on this rank, waiting for its peers
+    // included: a rank that waits for a slower one counts that wait here, not in "other".
+    PHASE_EP_COMM,      // the expert-parallel all-to-alls of dispatch and combine, forward and backward (parallel/ep.c)
+    PHASE_PIPE_WAIT,    // waiting for the pipeline's activation and gradient messages (train/step.c)
+    PHASE_GRAD_SYNC,    // the step's reductions over ranks: loss agreement, gradients, norm, ZeRO-1 gathers, load
     PHASE_COUNT
 } Phase;
 
 #define PROFILE_MAX_DEPTH 16
+
+// The compute ops of a step's op list (train/step.c), each timed whole besides the phases inside it: what
+// `fp8moe bench step` gives the pipeline simulator as the measured F and B costs (parallel/schedule_sim.h).
+typedef enum { PROFILE_OP_FORWARD, PROFILE_OP_BACKWARD, PROFILE_OP_COUNT } ProfileOp;
 
 // Turns the profiler on (1) or off (0) for ops on dev, and clears all accumulated time and the
 // memory peak. Turning on for DEVICE_CUDA in a build without CUDA stops with a message.
@@ -50,6 +60,14 @@ int profile_enabled(void);
 // Opens / closes phase p. profile_end's p must be the innermost open phase.
 void profile_begin(Phase p);
 void profile_end(Phase p);
+
+// Opens / closes op k (ops do not nest). Time still accrues to the phases as before: an op mark is only a
+// boundary of the phase intervals.
+void profile_op_begin(ProfileOp k);
+void profile_op_end(ProfileOp k);
+// The seconds and the number of the ops of each kind that ended since profile_enable, as of the last
+// profile_step_collect (which reads the device's timings).
+void profile_op_totals(double seconds[PROFILE_OP_COUNT], int64_t counts[PROFILE_OP_COUNT]);
 
 // Waits for the device, writes the seconds accrued to each phase since the last collect (or enable)
 // into seconds_out[PHASE_COUNT], samples the memory in use into the peak, and resets the times.

@@ -55,6 +55,13 @@ Comm *comm_world_single(void) { return &world_single; }
 Comm *comm_world(void) { return mpi_started ? &world_mpi : &world_single; }
 int comm_is_initialized(void) { return mpi_started; }
 
+int comm_launched_by_mpi(void) {
+    static const char *const vars[] = {"OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_RANK", "PMI_SIZE"};
+    for (size_t i = 0; i < sizeof vars / sizeof vars[0]; i++)
+        if (getenv(vars[i])) return 1;
+    return 0;
+}
+
 const char *comm_kind_name(CommKind kind) {
     switch (kind) {
     case COMM_SINGLE: return "single";

@@ -156,6 +156,11 @@ typedef struct {
 
 // ---------------------------------------------------------------------------- process set-up
 
+// Whether an MPI launcher started this process: Open MPI's mpirun, a PMIx or PMI launcher (MPICH's Hydra,
+// Slurm's srun with --mpi) all leave their rank in the environment. The commands start MPI only then: without
+// a launcher the process is the whole job (a singleton MPI start costs time and fails under some resource
+// limits, e.g. ulimit -f, for nothing one process needs).
+int comm_launched_by_mpi(void);
 // Starts MPI (MPI_Init_thread, MPI_THREAD_FUNNELED: only the thread that called comm_init calls comm_*;
 // OpenMP threads never do) and builds the world communicator. Without mpirun, Open MPI starts as a
 // singleton: a world of one rank. Calling it twice is an error. After comm_init, comm_world() is the MPI

@@ -16,6 +16,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kernels/profile.h"
+
 #define EP_FAIL(...)                                                  \
     do {                                                              \
         fprintf(stderr, "fp8moe: %s:%d: ", __FILE__, __LINE__);       \
@@ -126,6 +128,13 @@ static void row_bytes(const EpGroup *g, const EpBuffers *b, int dispatch_way, in
     }
 }
 
+// One all-to-all-v of the EP group, timed as the profiler's EP phase.
+static void exchange(EpGroup *g, const void *send, const int64_t *send_bytes, void *recv, const int64_t *recv_bytes) {
+    profile_begin(PHASE_EP_COMM);
+    comm_alltoallv_bytes(g->comm, send, send_bytes, recv, recv_bytes);
+    profile_end(PHASE_EP_COMM);
+}
+
 // perm layout (this rank's rows, by expert) -> local segments, through the exchange; in BF16 when the group's
 // payload is (ep.h: rounded here once, widened back exactly on arrival)
 static void exchange_to_local(EpGroup *g, EpBuffers *b, const real *perm, real *local) {
@@ -133,11 +142,11 @@ static void exchange_to_local(EpGroup *g, EpBuffers *b, const real *perm, real *
     if (g->bf16_rows) {
         row_bytes(g, b, 1, (int64_t)sizeof(uint16_t), send, recv);
         bf16_round_array(g->dev, b->send16, perm, (int64_t)b->n_perm_rows * b->C);
-        comm_alltoallv_bytes(g->comm, b->send16, send, b->recv16, recv);
+        exchange(g, b->send16, send, b->recv16, recv);
         bf16_widen_array(g->dev, b->staging, b->recv16, (int64_t)b->local_offsets[g->experts_per_rank] * b->C);
     } else {
         row_bytes(g, b, 1, (int64_t)sizeof(real), send, recv);
-        comm_alltoallv_bytes(g->comm, perm, send, b->staging, recv);
+        exchange(g, perm, send, b->staging, recv);
     }
     reorder(g, b, b->staging, local, 1);
 }
@@ -147,7 +156,7 @@ static void exchange_to_perm(EpGroup *g, EpBuffers *b, const real *local, real *
     int64_t *send = b->bytes, *recv = b->bytes + g->ep_size;
     reorder(g, b, b->staging, (real *)local, 0);
     row_bytes(g, b, 0, (int64_t)sizeof(real), send, recv);
-    comm_alltoallv_bytes(g->comm, b->staging, send, perm, recv);
+    exchange(g, b->staging, send, perm, recv);
 }
 
 void ep_dispatch(EpGroup *g, const real *perm_rows, const int *seg_offsets, int C, EpBuffers *out) {
@@ -180,7 +189,7 @@ void ep_dispatch(EpGroup *g, const real *perm_rows, const int *seg_offsets, int 
         }
     int64_t *cb = out->bytes, *rb = out->bytes + P;
     for (int q = 0; q < P; q++) cb[q] = rb[q] = (int64_t)J * (int64_t)sizeof(int64_t);
-    comm_alltoallv_bytes(g->comm, sent, cb, received, rb);
+    exchange(g, sent, cb, received, rb);
     int64_t n_local = 0;
     out->local_offsets[0] = 0;
     for (int j = 0; j < J; j++) {

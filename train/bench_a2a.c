@@ -35,6 +35,7 @@
 #include "parallel/ep.h"
 #include "parallel/topology.h"
 #include "train/bench.h"
+#include "train/cli.h"
 #include "train/config.h"
 
 const char *const bench_a2a_usage =
@@ -318,23 +319,6 @@ static int usage_fail(Comm *world, const char *fmt, const char *arg) {
     return 2;
 }
 
-static int parse_int(const char *v, long lo, long hi, int *out) {
-    char *end = NULL;
-    const long x = v ? strtol(v, &end, 10) : 0;
-    if (!v || end == v || *end || x < lo || x > hi) return -1;
-    *out = (int)x;
-    return 0;
-}
-
-// Whether an MPI launcher started this process (the test of main.c's `fp8moe train`): without one the
-// benchmark is one process and MPI is not started.
-static int launched_by_mpi(void) {
-    static const char *const vars[] = {"OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_RANK", "PMI_SIZE"};
-    for (size_t i = 0; i < sizeof vars / sizeof vars[0]; i++)
-        if (getenv(vars[i])) return 1;
-    return 0;
-}
-
 static int run_bench(int argc, char **argv, Comm *world) {
     const char *job = NULL;
     A2aShape s = {.runs = 10, .warmup = 2, .skew = 1.0, .seed = 1234};
@@ -350,10 +334,10 @@ static int run_bench(int argc, char **argv, Comm *world) {
             goto done;
         } else if (!strcmp(a, "--tokens") || !strcmp(a, "--runs") || !strcmp(a, "--warmup") || !strcmp(a, "--seed")) {
             int x;
-            const long lo = !strcmp(a, "--warmup") ? 0 : 1;
-            if (parse_int(v, lo, 100000000, &x) != 0) {
+            const int lo = !strcmp(a, "--warmup") ? 0 : 1;
+            if (cli_parse_int(v, lo, 100000000, &x) != 0) {
                 char m[96];
-                snprintf(m, sizeof m, "%s %%s: expected an integer from %ld to 100000000", a, lo);
+                snprintf(m, sizeof m, "%s %%s: expected an integer from %d to 100000000", a, lo);
                 rc = usage_fail(world, m, v ? v : "(missing)");
                 goto done;
             }
@@ -459,7 +443,7 @@ done:
 }
 
 int bench_a2a_main(int argc, char **argv) {
-    const int mpi = launched_by_mpi();
+    const int mpi = comm_launched_by_mpi();
     if (mpi) comm_init(NULL, NULL);
     Comm *world = comm_world();
     Comm *ep = comm_split(world, 0, world->rank, "ep");  // named "ep" in any message of the exchange

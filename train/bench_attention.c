@@ -23,6 +23,7 @@
  * kernels forced (cuda_attention_wgmma(0)), the comparison point measured in the same run.
  */
 #include "train/bench.h"
+#include "train/cli.h"
 
 #include <stdint.h>
 #include <stdio.h>
@@ -148,15 +149,12 @@ static void check_repeatability(Problem *p, int *same, int *finite) {
 }
 
 // "--name N" with N an integer in [lo, hi]; returns 0 and sets *out, or prints the error and returns -1.
-static int parse_int(const char *name, const char *text, long lo, long hi, int *out) {
-    char *end = NULL;
-    const long v = strtol(text, &end, 10);
-    if (end == text || *end != '\0' || v < lo || v > hi) {
-        fprintf(stderr, "fp8moe bench attention: %s %s: expected an integer in [%ld, %ld]\nUsage:\n%s", name, text, lo,
+static int parse_int(const char *name, const char *text, int lo, int hi, int *out) {
+    if (cli_parse_int(text, lo, hi, out)) {
+        fprintf(stderr, "fp8moe bench attention: %s %s: expected an integer in [%d, %d]\nUsage:\n%s", name, text, lo,
                 hi, bench_attention_usage);
         return -1;
     }
-    *out = (int)v;
     return 0;
 }
 
@@ -168,7 +166,7 @@ int bench_attention_main(int argc, char **argv) {
     enum { N_OPTIONS = 7 };
     const char *names[N_OPTIONS] = {"--B", "--T", "--H", "--dn", "--dr", "--dv", "--runs"};
     int *targets[N_OPTIONS] = {&p.B, &p.T, &p.H, &p.dn, &p.dr, &p.dv, &runs};
-    const long lo[N_OPTIONS] = {1, 1, 1, 0, 0, 1, 1}, hi[N_OPTIONS] = {65535, 1 << 20, 65535, 256, 256, 256, 100000};
+    const int lo[N_OPTIONS] = {1, 1, 1, 0, 0, 1, 1}, hi[N_OPTIONS] = {65535, 1 << 20, 65535, 256, 256, 256, 100000};
     for (int i = 0; i < argc; i++) {
         int matched = 0;
         for (int j = 0; j < N_OPTIONS && !matched; j++) {

@@ -28,6 +28,7 @@
  * (kernels/cuda/fp8_grouped_gemm.cu), in the same run on the same operands (--grouped-only: that section alone).
  */
 #include "train/bench.h"
+#include "train/cli.h"
 
 #include <math.h>
 #include <stdint.h>
@@ -476,16 +477,15 @@ int bench_gemm_main(int argc, char **argv) {
         } else if (!strcmp(a, "--grouped-only")) {
             grouped_only = 1;
         } else if ((!strcmp(a, "--runs") || !strcmp(a, "--warmup") || !strcmp(a, "--idle-ms")) && i + 1 < argc) {
-            char *end = NULL;
-            const long v = strtol(argv[++i], &end, 10);
-            if (end == argv[i] || *end != '\0' || v < 1 || v > 100000) {
+            int v;
+            if (cli_parse_int(argv[++i], 1, 100000, &v)) {
                 fprintf(stderr, "fp8moe bench gemm: %s %s: expected an integer in [1, 100000]\nUsage:\n%s", a, argv[i],
                         bench_gemm_usage);
                 return 2;
             }
-            if (!strcmp(a, "--runs")) runs = (int)v;
-            else if (!strcmp(a, "--warmup")) warmup = (int)v;
-            else idle_ms = (int)v;
+            if (!strcmp(a, "--runs")) runs = v;
+            else if (!strcmp(a, "--warmup")) warmup = v;
+            else idle_ms = v;
         } else if (a[0] != '-' && !job_given) {
             job = a, job_given = 1;
         } else {

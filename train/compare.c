@@ -12,6 +12,7 @@
  * Gap of mode m at step s and seed k: (L_m - L_first) / L_first, L the training loss of that step or the
  * validation loss of an evaluation at that step; over seeds: mean and sample standard deviation.
  */
+#include "train/cli.h"
 #include "train/compare.h"
 
 #include <errno.h>
@@ -33,7 +34,6 @@
 #include "train/config.h"
 #include "train/metrics.h"
 
-#define EXIT_USAGE 2
 #define MAX_ARMS 4         // fp32, bf16, fp8 and the null arm
 #define MAX_SEEDS 1000
 #define MAX_JOBS 64
@@ -53,13 +53,6 @@ const char *const compare_usage =
     "      1.0001 (the null spread); --jobs runs N trainings at once (CPU threads split between them);\n"
     "      --resume keeps finished runs whose config is unchanged and continues unfinished ones from their\n"
     "      last checkpoint when the job writes them (checkpoint.every_steps); --no-plot skips compare.png.\n";
-
-static int usage_error(const char *fmt, const char *arg) {
-    fprintf(stderr, "fp8moe compare: ");
-    fprintf(stderr, fmt, arg);
-    fprintf(stderr, "\nUsage:\n%s", compare_usage);
-    return EXIT_USAGE;
-}
 
 static double now_s(void) {
     struct timespec ts;
@@ -82,15 +75,11 @@ typedef struct {
 } Options;
 
 static int parse_count(const char *opt, const char *v, int lo, int hi, int *out) {
-    char *end;
-    errno = 0;
-    long long x = strtoll(v, &end, 10);
-    if (errno || end == v || *end || x < lo || x > hi) {
+    if (cli_parse_int(v, lo, hi, out)) {
         fprintf(stderr, "fp8moe compare: %s %s: expected an integer from %d to %d\nUsage:\n%s", opt, v, lo, hi,
                 compare_usage);
         return -1;
     }
-    *out = (int)x;
     return 0;
 }
 
@@ -120,7 +109,7 @@ static int parse_options(int argc, char **argv, Options *o) {
         const char *a = argv[i];
         int takes_value = !strcmp(a, "--modes") || !strcmp(a, "--seeds") || !strcmp(a, "--steps") ||
                           !strcmp(a, "--out") || !strcmp(a, "--jobs") || !strcmp(a, "--set");
-        if (takes_value && i + 1 >= argc) return usage_error("%s needs a value", a);
+        if (takes_value && i + 1 >= argc) return cli_usage_error("compare", compare_usage, "%s needs a value", a);
         const char *v = takes_value ? argv[++i] : NULL;
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
             printf("Usage:\n%s", compare_usage);
@@ -135,11 +124,11 @@ static int parse_options(int argc, char **argv, Options *o) {
         } else if (!strcmp(a, "--jobs")) {
             if (parse_count(a, v, 1, MAX_JOBS, &o->jobs)) return EXIT_USAGE;
         } else if (!strcmp(a, "--out")) {
-            if (!v[0]) return usage_error("--out needs a directory; got an empty string%s", "");
+            if (!v[0]) return cli_usage_error("compare", compare_usage, "--out needs a directory; got an empty string%s", "");
             o->out = v;
         } else if (!strcmp(a, "--set") || !strncmp(a, "--set=", 6)) {
             const char *kv = v ? v : a + 6;
-            if (!strchr(kv, '=') || !strchr(kv, '.')) return usage_error("--set %s: expected section.key=value", kv);
+            if (!cli_is_override(kv)) return cli_usage_error("compare", compare_usage, "--set %s: expected section.key=value", kv);
             o->sets[o->n_sets++] = kv;
         } else if (!strcmp(a, "--null")) {
             o->null_arm = 1;
@@ -148,16 +137,16 @@ static int parse_options(int argc, char **argv, Options *o) {
         } else if (!strcmp(a, "--no-plot")) {
             o->plot = 0;
         } else if (a[0] == '-' && a[1] != '\0') {
-            return usage_error("unknown option %s", a);
+            return cli_usage_error("compare", compare_usage, "unknown option %s", a);
         } else if (o->job) {
-            return usage_error("one job file expected; got a second one: %s", a);
+            return cli_usage_error("compare", compare_usage, "one job file expected; got a second one: %s", a);
         } else {
             o->job = a;
         }
     }
-    if (!o->job) return usage_error("missing the job file (JOB.ini)%s", "");
+    if (!o->job) return cli_usage_error("compare", compare_usage, "missing the job file (JOB.ini)%s", "");
     if (o->n_modes + o->null_arm < 2)
-        return usage_error("--modes %s: a comparison needs at least two modes (or one mode and --null)",
+        return cli_usage_error("compare", compare_usage, "--modes %s: a comparison needs at least two modes (or one mode and --null)",
                            o->modes[0]);
     return 0;
 }
@@ -249,16 +238,6 @@ static char *read_file(const char *path) {
     fclose(f);
     fclose(m);
     return buf;
-}
-
-static int write_file(const char *path, const char *text, char *err, size_t err_size) {
-    FILE *f = fopen(path, "w");
-    if (!f || fputs(text, f) < 0 || fclose(f) != 0) {
-        snprintf(err, err_size, "%s: cannot write: %s", path, strerror(errno));
-        if (f) fclose(f);
-        return -1;
-    }
-    return 0;
 }
 
 // Value of "key": in a JSON line (key given with its quotes and colon); NaN when absent or null.
@@ -453,11 +432,9 @@ static void put_num(FILE *f, double x) {
 static int write_csv(const Compare *c, CsvColumns *col, char *err, size_t err_size) {
     char path[PATHN];
     snprintf(path, sizeof path, "%s/compare.csv", c->out);
-    FILE *f = fopen(path, "w");
-    if (!f) {
-        snprintf(err, err_size, "%s: cannot write: %s", path, strerror(errno));
-        return -1;
-    }
+    DurableFile d;
+    if (durable_open(&d, path, err, err_size) != 0) return -1;
+    FILE *f = d.f;
     int ci = 1;
     fputs("step", f);
     for (int a = 0; a < c->n_arms; a++)
@@ -487,7 +464,7 @@ static int write_csv(const Compare *c, CsvColumns *col, char *err, size_t err_si
     fputs("\n", f);
     double *tmp = malloc(sizeof(double) * (size_t)c->n_seeds * 2);
     if (!tmp) {
-        fclose(f);
+        durable_discard(&d);
         snprintf(err, err_size, "out of memory");
         return -1;
     }
@@ -524,11 +501,7 @@ static int write_csv(const Compare *c, CsvColumns *col, char *err, size_t err_si
         fputs("\n", f);
     }
     free(tmp);
-    if (fclose(f) != 0) {
-        snprintf(err, err_size, "%s: cannot write: %s", path, strerror(errno));
-        return -1;
-    }
-    return 0;
+    return durable_commit(&d, err, err_size);
 }
 
 // Gap of each seed's mean training loss over windows of c->win steps: Stat over seeds per window.
@@ -541,11 +514,9 @@ static Stat window_stat(const Compare *c, int arm, int s0, int s1, int val, doub
 static int write_windows_csv(const Compare *c, char *err, size_t err_size) {
     char path[PATHN];
     snprintf(path, sizeof path, "%s/compare_windows.csv", c->out);
-    FILE *f = fopen(path, "w");
-    if (!f) {
-        snprintf(err, err_size, "%s: cannot write: %s", path, strerror(errno));
-        return -1;
-    }
+    DurableFile d;
+    if (durable_open(&d, path, err, err_size) != 0) return -1;
+    FILE *f = d.f;
     double *tmp = malloc(sizeof(double) * (size_t)c->n_seeds);
     fputs("first_step,last_step", f);
     for (int a = 1; a < c->n_arms; a++)
@@ -561,12 +532,13 @@ static int write_windows_csv(const Compare *c, char *err, size_t err_size) {
         }
         fputs("\n", f);
     }
-    free(tmp);
-    if (fclose(f) != 0 || !tmp) {
-        snprintf(err, err_size, "%s: cannot write: %s", path, tmp ? strerror(errno) : "out of memory");
+    if (!tmp) {
+        durable_discard(&d);
+        snprintf(err, err_size, "%s: out of memory", path);
         return -1;
     }
-    return 0;
+    free(tmp);
+    return durable_commit(&d, err, err_size);
 }
 
 // The summary (see docs/training.md, "Comparing precision modes") into f.
@@ -674,11 +646,9 @@ static void write_summary(const Compare *c, FILE *f) {
 static int write_plot_script(const Compare *c, const CsvColumns *col, char *err, size_t err_size) {
     char path[PATHN];
     snprintf(path, sizeof path, "%s/compare.gp", c->out);
-    FILE *f = fopen(path, "w");
-    if (!f) {
-        snprintf(err, err_size, "%s: cannot write: %s", path, strerror(errno));
-        return -1;
-    }
+    DurableFile d;
+    if (durable_open(&d, path, err, err_size) != 0) return -1;
+    FILE *f = d.f;
     static const char *const colors[MAX_ARMS] = {"#000000", "#d62728", "#1f77b4", "#2ca02c"};
     fprintf(f, "# compare.gp - written by fp8moe compare; `gnuplot compare.gp` in this directory redraws compare.png\n"
                "set terminal pngcairo size 1200,900 font ',10'\nset output 'compare.png'\n"
@@ -714,11 +684,7 @@ static int write_plot_script(const Compare *c, const CsvColumns *col, char *err,
                     col->gap_val_mean[a], colors[a], c->arms[a].name);
     }
     fprintf(f, "\nunset multiplot\n");
-    if (fclose(f) != 0) {
-        snprintf(err, err_size, "%s: cannot write: %s", path, strerror(errno));
-        return -1;
-    }
-    return 0;
+    return durable_commit(&d, err, err_size);
 }
 
 // 1 when an executable `name` is on PATH.
@@ -949,7 +915,7 @@ int compare_main(int argc, char **argv) {
                 snprintf(latest, sizeof latest, "%s/%s", r->dir, CHECKPOINT_LATEST);
                 r->continues = same && lstat(latest, &st) == 0;
             }
-            if (write_file(job_path, r->config_text, err, sizeof err) != 0) {
+            if (durable_write_text(job_path, r->config_text, err, sizeof err) != 0) {
                 fprintf(stderr, "fp8moe compare: %s\n", err);
                 failed = 1;
                 break;
@@ -1035,7 +1001,7 @@ int compare_main(int argc, char **argv) {
     fputs(summary, stdout);
     char path[PATHN];
     snprintf(path, sizeof path, "%s/summary.txt", c.out);
-    int bad = write_file(path, summary, err, sizeof err) != 0;
+    int bad = durable_write_text(path, summary, err, sizeof err) != 0;
     free(summary);
     if (bad) {
         fprintf(stderr, "fp8moe compare: %s\n", err);

@@ -7,9 +7,11 @@
  * MTP loss is reported as the trainer logs it, the mean over depths of each depth's mean CE over its valid
  * positions (here over the whole evaluated data).
  */
+#include "train/cli.h"
 #include "train/eval.h"
 
 #include <errno.h>
+#include <limits.h>
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
@@ -186,13 +188,6 @@ done:
 
 // ---------------------------------------------------------------------------- fp8moe eval
 
-static int usage_error(const char *fmt, const char *arg) {
-    fprintf(stderr, "fp8moe eval: ");
-    fprintf(stderr, fmt, arg);
-    fprintf(stderr, "\nUsage:\n%s", eval_usage);
-    return 2;
-}
-
 int eval_main(int argc, char **argv) {
     const char *ckpt = NULL, *text = NULL, *shards = NULL;
     long long max_batches = -1;  // -1: the default for the data
@@ -211,7 +206,7 @@ int eval_main(int argc, char **argv) {
         const int takes_value = !strcmp(a, "--text") || !strcmp(a, "--shards") || !strcmp(a, "--set") ||
                                 !strcmp(a, "--batches");
         if (takes_value && i + 1 >= argc) {
-            rc = usage_error("%s needs a value", a);
+            rc = cli_usage_error("eval", eval_usage, "%s needs a value", a);
             goto out;
         }
         if (!strcmp(a, "--text")) text = argv[++i];
@@ -219,34 +214,33 @@ int eval_main(int argc, char **argv) {
         else if (!strcmp(a, "--set")) overrides[n_overrides++] = argv[++i];
         else if (!strncmp(a, "--set=", 6)) overrides[n_overrides++] = a + 6;
         else if (!strcmp(a, "--batches")) {
-            char *end;
-            errno = 0;
-            max_batches = strtoll(argv[++i], &end, 10);
-            if (errno || end == argv[i] || *end || max_batches < 0) {
-                rc = usage_error("--batches %s: expected an integer >= 0 (0 = every batch)", argv[i]);
+            int n;
+            if (cli_parse_int(argv[++i], 0, INT_MAX, &n)) {
+                rc = cli_usage_error("eval", eval_usage, "--batches %s: expected an integer >= 0 (0 = every batch)", argv[i]);
                 goto out;
             }
+            max_batches = n;
         } else if (a[0] == '-' && a[1] != '\0') {
-            rc = usage_error("unknown option %s", a);
+            rc = cli_usage_error("eval", eval_usage, "unknown option %s", a);
             goto out;
         } else if (ckpt) {
-            rc = usage_error("one checkpoint expected; got a second one: %s", a);
+            rc = cli_usage_error("eval", eval_usage, "one checkpoint expected; got a second one: %s", a);
             goto out;
         } else {
             ckpt = a;
         }
     }
     if (!ckpt) {
-        rc = usage_error("missing the checkpoint (CKPT: a checkpoint directory or a weights.h5)%s", "");
+        rc = cli_usage_error("eval", eval_usage, "missing the checkpoint (CKPT: a checkpoint directory or a weights.h5)%s", "");
         goto out;
     }
     if (text && shards) {
-        rc = usage_error("--text and --shards: give one of them (or neither for the job's validation split)%s", "");
+        rc = cli_usage_error("eval", eval_usage, "--text and --shards: give one of them (or neither for the job's validation split)%s", "");
         goto out;
     }
     for (int i = 1; i < n_overrides; i++)
         if (!strchr(overrides[i], '=') || !strchr(overrides[i], '.')) {
-            rc = usage_error("--set %s: expected section.key=value", overrides[i]);
+            rc = cli_usage_error("eval", eval_usage, "--set %s: expected section.key=value", overrides[i]);
             goto out;
         }
 

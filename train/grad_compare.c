@@ -10,6 +10,7 @@
  *
  * Order of the file: options, one mode's gradients, the statistics, the outputs, grad_compare_main.
  */
+#include "train/cli.h"
 #include "train/grad_compare.h"
 
 #include <errno.h>
@@ -20,7 +21,6 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
-#include <unistd.h>
 
 #include "data/durable.h"
 #include "train/config.h"
@@ -28,7 +28,6 @@
 #include "train/train_state.h"
 #include "train/weights_io.h"
 
-#define EXIT_USAGE 2
 #define MAX_MODES 3  // fp32, bf16, fp8
 #define PATHN (CONFIG_PATH_MAX + 64)
 
@@ -41,13 +40,6 @@ const char *const grad_compare_usage =
     "      them the raw gradient's L2 norm in each mode, its cosine with the reference's and the norm\n"
     "      ratio to FILE.csv (default <checkpoint.dir>-gradcompare/grads.csv); prints each mode's global\n"
     "      norm, its overall cosine and ratio, and its worst tensor by cosine.\n";
-
-static int usage_error(const char *fmt, const char *arg) {
-    fprintf(stderr, "fp8moe gradcompare: ");
-    fprintf(stderr, fmt, arg);
-    fprintf(stderr, "\nUsage:\n%s", grad_compare_usage);
-    return EXIT_USAGE;
-}
 
 // ---------------------------------------------------------------------------- options
 
@@ -71,7 +63,7 @@ static int parse_modes(const char *list, Options *o) {
         return EXIT_USAGE;
     }
     if (o->n_modes < 2)
-        return usage_error("--modes %s: a comparison needs at least two modes (the first is the reference)", list);
+        return cli_usage_error("gradcompare", grad_compare_usage, "--modes %s: a comparison needs at least two modes (the first is the reference)", list);
     return 0;
 }
 
@@ -89,7 +81,7 @@ static int parse_options(int argc, char **argv, Options *o) {
         const char *a = argv[i];
         const int takes_value = !strcmp(a, "--modes") || !strcmp(a, "--weights") || !strcmp(a, "--out") ||
                                 !strcmp(a, "--set");
-        if (takes_value && i + 1 >= argc) return usage_error("%s needs a value", a);
+        if (takes_value && i + 1 >= argc) return cli_usage_error("gradcompare", grad_compare_usage, "%s needs a value", a);
         const char *v = takes_value ? argv[++i] : NULL;
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
             printf("Usage:\n%s", grad_compare_usage);
@@ -104,26 +96,26 @@ static int parse_options(int argc, char **argv, Options *o) {
                         "wrote\nUsage:\n%s", v, strerror(errno), grad_compare_usage);
                 return EXIT_USAGE;
             }
-            if (!S_ISREG(st.st_mode)) return usage_error("--weights %s: not a regular file; expected a weights.h5", v);
+            if (!S_ISREG(st.st_mode)) return cli_usage_error("gradcompare", grad_compare_usage, "--weights %s: not a regular file; expected a weights.h5", v);
             o->weights = v;
         } else if (!strcmp(a, "--out")) {
-            if (!v[0]) return usage_error("--out needs a file name; got an empty string%s", "");
+            if (!v[0]) return cli_usage_error("gradcompare", grad_compare_usage, "--out needs a file name; got an empty string%s", "");
             o->out = v;
         } else if (!strcmp(a, "--set") || !strncmp(a, "--set=", 6)) {
             const char *kv = v ? v : a + 6;
-            if (!strchr(kv, '=') || !strchr(kv, '.')) return usage_error("--set %s: expected section.key=value", kv);
+            if (!cli_is_override(kv)) return cli_usage_error("gradcompare", grad_compare_usage, "--set %s: expected section.key=value", kv);
             if (!strncmp(kv, "precision.mode=", 15))  // each mode's run sets it: the override would be lost
-                return usage_error("--set %s: precision.mode is set by --modes; give the modes there", kv);
+                return cli_usage_error("gradcompare", grad_compare_usage, "--set %s: precision.mode is set by --modes; give the modes there", kv);
             o->sets[o->n_sets++] = kv;
         } else if (a[0] == '-' && a[1] != '\0') {
-            return usage_error("unknown option %s", a);
+            return cli_usage_error("gradcompare", grad_compare_usage, "unknown option %s", a);
         } else if (o->job) {
-            return usage_error("one job file expected; got a second one: %s", a);
+            return cli_usage_error("gradcompare", grad_compare_usage, "one job file expected; got a second one: %s", a);
         } else {
             o->job = a;
         }
     }
-    if (!o->job) return usage_error("missing the job file (JOB.ini)%s", "");
+    if (!o->job) return cli_usage_error("gradcompare", grad_compare_usage, "missing the job file (JOB.ini)%s", "");
     return 0;
 }
 
@@ -268,13 +260,9 @@ static void put_num(FILE *f, double x) {
 static int write_csv(const char *path, const Options *o, const GradLayout *l, const Sums *sums, const double *ref_sq,
                      char *err, size_t err_size) {
     const int rows = l->n_params + 1;
-    char tmp[PATHN + 32];
-    snprintf(tmp, sizeof tmp, "%s.tmp.%ld", path, (long)getpid());
-    FILE *f = fopen(tmp, "w");
-    if (!f) {
-        snprintf(err, err_size, "%s: cannot write: %s", tmp, strerror(errno));
-        return -1;
-    }
+    DurableFile d;
+    if (durable_open(&d, path, err, err_size) != 0) return -1;
+    FILE *f = d.f;
     fprintf(f, "tensor,role,numel,%s_norm", o->modes[0]);
     for (int k = 1; k < o->n_modes; k++) fprintf(f, ",%s_norm,%s_cos,%s_ratio", o->modes[k], o->modes[k], o->modes[k]);
     fputc('\n', f);
@@ -291,18 +279,7 @@ static int write_csv(const char *path, const Options *o, const GradLayout *l, co
         }
         fputc('\n', f);
     }
-    const int bad = ferror(f);
-    if (fclose(f) != 0 || bad) {
-        snprintf(err, err_size, "%s: write failed: %s", tmp, strerror(errno));
-        unlink(tmp);
-        return -1;
-    }
-    if (durable_rename(tmp, path) == -1) {
-        snprintf(err, err_size, "%s: cannot rename %s to it: %s", path, tmp, strerror(errno));
-        unlink(tmp);
-        return -1;
-    }
-    return 0;
+    return durable_commit(&d, err, err_size);
 }
 
 // The directory part of path made (mkdir -p). Returns 0, or -1 with err.

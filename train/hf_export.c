@@ -7,6 +7,7 @@
  * weights are (out, in) in both; MLA's q_b_proj rows are per head [nope ; rope], kv_a_proj_with_mqa's [c_KV ; k_R],
  * kv_b_proj's per head [k_nope ; v], in both; SwiGLU's w1, w3, w2 are gate_proj, up_proj, down_proj.
  */
+#include "train/cli.h"
 #include "train/hf_export.h"
 
 #include <errno.h>
@@ -14,7 +15,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <unistd.h>
 
 #include "data/durable.h"
 #include "train/model_source.h"
@@ -184,33 +184,12 @@ static void write_config_json(FILE *f, const Config *c, StDtype dtype) {
     fprintf(f, "}\n");
 }
 
-// out_dir/config.json through a temporary file, fsync'd and renamed.
+// out_dir/config.json, written the durable way (data/durable.h).
 static int save_config_json(const Config *c, StDtype dtype, const char *path, char *err, size_t err_size) {
-    char tmp[ST_PATH_MAX + 32];
-    snprintf(tmp, sizeof tmp, "%s.tmp.%ld", path, (long)getpid());
-    FILE *f = fopen(tmp, "w");
-    if (!f) {
-        snprintf(err, err_size, "%s: cannot create it: %s", tmp, strerror(errno));
-        return -1;
-    }
-    errno = 0;
-    write_config_json(f, c, dtype);
-    int failed = ferror(f) || fflush(f) != 0 || fsync(fileno(f)) != 0;
-    const int why = errno ? errno : EIO;
-    if (fclose(f) != 0 && !failed) failed = 1;
-    if (failed) {
-        snprintf(err, err_size, "%s: writing failed: %s", tmp, strerror(why));
-        unlink(tmp);
-        return -1;
-    }
-    const int r = durable_rename(tmp, path);
-    if (r != 0) {
-        snprintf(err, err_size, "%s: %s: %s", path, r == -1 ? "cannot rename the temporary file into place"
-                 : "written, but its directory could not be synced", strerror(errno));
-        if (r == -1) unlink(tmp);
-        return -1;
-    }
-    return 0;
+    DurableFile d;
+    if (durable_open(&d, path, err, err_size) != 0) return -1;
+    write_config_json(d.f, c, dtype);
+    return durable_commit(&d, err, err_size);
 }
 
 // ---------------------------------------------------------------------------- the tensors
@@ -341,13 +320,6 @@ done:
 
 // ---------------------------------------------------------------------------- fp8moe export
 
-static int usage_error(const char *fmt, const char *arg) {
-    fprintf(stderr, "fp8moe export: ");
-    fprintf(stderr, fmt, arg);
-    fprintf(stderr, "\nUsage:\n%s", export_usage);
-    return 2;
-}
-
 int export_main(int argc, char **argv) {
     const char *ckpt = NULL, *format = NULL, *out = NULL, *dtype_arg = "bf16";
     for (int i = 0; i < argc; i++) {
@@ -357,22 +329,22 @@ int export_main(int argc, char **argv) {
             return 0;
         }
         const int takes_value = !strcmp(a, "--format") || !strcmp(a, "--out") || !strcmp(a, "--dtype");
-        if (takes_value && i + 1 >= argc) return usage_error("%s needs a value", a);
+        if (takes_value && i + 1 >= argc) return cli_usage_error("export", export_usage, "%s needs a value", a);
         if (!strcmp(a, "--format")) format = argv[++i];
         else if (!strcmp(a, "--out")) out = argv[++i];
         else if (!strcmp(a, "--dtype")) dtype_arg = argv[++i];
-        else if (a[0] == '-' && a[1] != '\0') return usage_error("unknown option %s", a);
-        else if (ckpt) return usage_error("one checkpoint expected; got a second one: %s", a);
+        else if (a[0] == '-' && a[1] != '\0') return cli_usage_error("export", export_usage, "unknown option %s", a);
+        else if (ckpt) return cli_usage_error("export", export_usage, "one checkpoint expected; got a second one: %s", a);
         else ckpt = a;
     }
-    if (!ckpt) return usage_error("missing the checkpoint (CKPT: a checkpoint directory or a weights.h5)%s", "");
-    if (!format) return usage_error("missing --format (hf is the one format)%s", "");
-    if (strcmp(format, "hf") != 0) return usage_error("--format %s: expected hf (a Hugging Face DeepSeek-V3 checkpoint)", format);
-    if (!out || !out[0]) return usage_error("missing --out DIR%s", "");
+    if (!ckpt) return cli_usage_error("export", export_usage, "missing the checkpoint (CKPT: a checkpoint directory or a weights.h5)%s", "");
+    if (!format) return cli_usage_error("export", export_usage, "missing --format (hf is the one format)%s", "");
+    if (strcmp(format, "hf") != 0) return cli_usage_error("export", export_usage, "--format %s: expected hf (a Hugging Face DeepSeek-V3 checkpoint)", format);
+    if (!out || !out[0]) return cli_usage_error("export", export_usage, "missing --out DIR%s", "");
     StDtype dtype;
     if (!strcmp(dtype_arg, "bf16")) dtype = ST_BF16;
     else if (!strcmp(dtype_arg, "fp32")) dtype = ST_F32;
-    else return usage_error("--dtype %s: expected bf16 or fp32", dtype_arg);
+    else return cli_usage_error("export", export_usage, "--dtype %s: expected bf16 or fp32", dtype_arg);
 
     char err[2048], what[CONFIG_PATH_MAX + 128];
     ModelSource *src = malloc(sizeof *src);

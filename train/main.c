@@ -17,6 +17,7 @@
 #include "data/prep.h"
 #include "parallel/comm.h"
 #include "train/bench.h"
+#include "train/cli.h"
 #include "train/compare.h"
 #include "train/config.h"
 #include "train/eval.h"
@@ -26,7 +27,6 @@
 #include "train/schedule_cli.h"
 #include "train/trainer.h"
 
-#define EXIT_USAGE 2
 
 static const char *const usage_train =
     "  fp8moe train JOB.ini [--set section.key=value]... [--resume [DIR|latest]]\n"
@@ -62,26 +62,9 @@ static void print_usage(FILE *f) {
             bench_step_usage, bench_attention_usage, bench_a2a_usage);
 }
 
-// Prints "fp8moe CMD: message" and the command's usage to stderr; returns the usage exit status.
-static int usage_error(const char *cmd, const char *usage, const char *fmt, const char *arg) {
-    fprintf(stderr, "fp8moe %s: ", cmd);
-    fprintf(stderr, fmt, arg);
-    fprintf(stderr, "\nUsage:\n%s", usage);
-    return EXIT_USAGE;
-}
-
 static int is_help(const char *a) { return !strcmp(a, "--help") || !strcmp(a, "-h"); }
 
 // ---------------------------------------------------------------------------- train
-
-// Whether an MPI launcher started this process: Open MPI's mpirun, a PMIx or PMI launcher (MPICH's
-// Hydra, Slurm's srun with --mpi) all leave their rank in the environment.
-static int launched_by_mpi(void) {
-    static const char *const vars[] = {"OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_RANK", "PMI_SIZE"};
-    for (size_t i = 0; i < sizeof vars / sizeof vars[0]; i++)
-        if (getenv(vars[i])) return 1;
-    return 0;
-}
 
 static int cmd_train(int argc, char **argv) {
     const char *job = NULL, *resume = NULL;
@@ -97,7 +80,7 @@ static int cmd_train(int argc, char **argv) {
             goto done;
         } else if (!strcmp(a, "--set")) {
             if (i + 1 >= argc) {
-                rc = usage_error("train", usage_train, "%s needs a value: --set section.key=value", a);
+                rc = cli_usage_error("train", usage_train, "%s needs a value: --set section.key=value", a);
                 goto done;
             }
             overrides[n_overrides++] = argv[++i];
@@ -113,22 +96,22 @@ static int cmd_train(int argc, char **argv) {
         } else if (!strncmp(a, "--resume=", 9)) {
             resume = a + 9;
         } else if (a[0] == '-' && a[1] != '\0') {
-            rc = usage_error("train", usage_train, "unknown option %s", a);
+            rc = cli_usage_error("train", usage_train, "unknown option %s", a);
             goto done;
         } else if (job) {
-            rc = usage_error("train", usage_train, "one job file expected; got a second one: %s", a);
+            rc = cli_usage_error("train", usage_train, "one job file expected; got a second one: %s", a);
             goto done;
         } else {
             job = a;
         }
     }
     if (!job) {
-        rc = usage_error("train", usage_train, "missing the job file (JOB.ini)%s", "");
+        rc = cli_usage_error("train", usage_train, "missing the job file (JOB.ini)%s", "");
         goto done;
     }
     for (int i = 0; i < n_overrides; i++)
-        if (!strchr(overrides[i], '=') || !strchr(overrides[i], '.')) {
-            rc = usage_error("train", usage_train, "--set %s: expected section.key=value", overrides[i]);
+        if (!cli_is_override(overrides[i])) {
+            rc = cli_usage_error("train", usage_train, "--set %s: expected section.key=value", overrides[i]);
             goto done;
         }
     Config *cfg = malloc(sizeof *cfg);
@@ -139,7 +122,7 @@ static int cmd_train(int argc, char **argv) {
     // Under mpirun or srun every rank runs this and MPI starts; without a launcher the process is the whole
     // job and MPI is not started at all (a singleton MPI start costs time and fails under some resource
     // limits, e.g. ulimit -f, for nothing a one-process run needs).
-    if (launched_by_mpi()) comm_init(NULL, NULL);
+    if (comm_launched_by_mpi()) comm_init(NULL, NULL);
     char err[2048];
     if (config_load(cfg, job, overrides, n_overrides, err, sizeof err) != 0) {
         if (comm_world()->rank == 0) fprintf(stderr, "%s\n", err);  // the same message on every rank
@@ -178,22 +161,22 @@ static int cmd_prep(int argc, char **argv) {
             int first = n_texts;
             while (i + 1 < argc && strncmp(argv[i + 1], "--", 2) != 0) texts[n_texts++] = argv[++i];
             if (n_texts == first) {
-                rc = usage_error("prep", usage_prep, "%s needs at least one FILE", a);
+                rc = cli_usage_error("prep", usage_prep, "%s needs at least one FILE", a);
                 goto done;
             }
         } else if (!strcmp(a, "--out")) {
             if (i + 1 >= argc) {
-                rc = usage_error("prep", usage_prep, "%s needs a directory", a);
+                rc = cli_usage_error("prep", usage_prep, "%s needs a directory", a);
                 goto done;
             }
             out = argv[++i];
         } else {
-            rc = usage_error("prep", usage_prep, "unexpected argument %s", a);
+            rc = cli_usage_error("prep", usage_prep, "unexpected argument %s", a);
             goto done;
         }
     }
     if (!out) {
-        rc = usage_error("prep", usage_prep, "missing --out DIR%s", "");
+        rc = cli_usage_error("prep", usage_prep, "missing --out DIR%s", "");
         goto done;
     }
     char err[2048];
@@ -211,16 +194,6 @@ done:
 
 // ---------------------------------------------------------------------------- sample
 
-// Parses a whole-string integer in [lo, hi]; returns 0 or -1.
-static int parse_long(const char *s, long long lo, long long hi, long long *out) {
-    char *end;
-    errno = 0;
-    long long v = strtoll(s, &end, 10);
-    if (errno || end == s || *end || v < lo || v > hi) return -1;
-    *out = v;
-    return 0;
-}
-
 static int cmd_sample(int argc, char **argv) {
     SampleOptions opt = {.weights_path = NULL, .prompt = NULL, .steps = 400, .temperature = 0.8, .seed = 1337};
     for (int i = 0; i < argc; i++) {
@@ -231,42 +204,40 @@ static int cmd_sample(int argc, char **argv) {
         }
         int takes_value = !strcmp(a, "--prompt") || !strcmp(a, "--steps") || !strcmp(a, "--temperature") ||
                           !strcmp(a, "--seed");
-        if (takes_value && i + 1 >= argc) return usage_error("sample", usage_sample, "%s needs a value", a);
+        if (takes_value && i + 1 >= argc) return cli_usage_error("sample", usage_sample, "%s needs a value", a);
         const char *v = takes_value ? argv[i + 1] : NULL;
         if (!strcmp(a, "--prompt")) {
             opt.prompt = v;
         } else if (!strcmp(a, "--steps")) {
-            long long n;
-            if (parse_long(v, 0, 100000000, &n) != 0)
-                return usage_error("sample", usage_sample, "--steps %s: expected an integer from 0 to 100000000", v);
-            opt.steps = (int)n;
+            if (cli_parse_int(v, 0, 100000000, &opt.steps) != 0)
+                return cli_usage_error("sample", usage_sample, "--steps %s: expected an integer from 0 to 100000000", v);
         } else if (!strcmp(a, "--temperature")) {
             char *end;
             errno = 0;
             double x = strtod(v, &end);
             if (errno || end == v || *end || !(x >= 0) || x > 1e6)
-                return usage_error("sample", usage_sample, "--temperature %s: expected a number >= 0", v);
+                return cli_usage_error("sample", usage_sample, "--temperature %s: expected a number >= 0", v);
             opt.temperature = x;
         } else if (!strcmp(a, "--seed")) {
             char *end;
             errno = 0;
             unsigned long long x = strtoull(v, &end, 10);
             if (errno || end == v || *end || v[0] == '-')
-                return usage_error("sample", usage_sample, "--seed %s: expected a non-negative integer", v);
+                return cli_usage_error("sample", usage_sample, "--seed %s: expected a non-negative integer", v);
             opt.seed = x;
         } else if (a[0] == '-' && a[1] != '\0') {
-            return usage_error("sample", usage_sample, "unknown option %s", a);
+            return cli_usage_error("sample", usage_sample, "unknown option %s", a);
         } else if (opt.weights_path) {
-            return usage_error("sample", usage_sample, "one weights file expected; got a second one: %s", a);
+            return cli_usage_error("sample", usage_sample, "one weights file expected; got a second one: %s", a);
         } else {
             opt.weights_path = a;
         }
         if (takes_value) i++;
     }
-    if (!opt.weights_path) return usage_error("sample", usage_sample, "missing the weights file (WEIGHTS.h5)%s", "");
-    if (!opt.prompt) return usage_error("sample", usage_sample, "missing --prompt TEXT%s", "");
+    if (!opt.weights_path) return cli_usage_error("sample", usage_sample, "missing the weights file (WEIGHTS.h5)%s", "");
+    if (!opt.prompt) return cli_usage_error("sample", usage_sample, "missing --prompt TEXT%s", "");
     if (!opt.prompt[0])
-        return usage_error("sample", usage_sample, "--prompt is empty; give at least one character%s", "");
+        return cli_usage_error("sample", usage_sample, "--prompt is empty; give at least one character%s", "");
     char err[2048];
     if (sample_run(&opt, stdout, err, sizeof err) != 0) {
         fprintf(stderr, "fp8moe sample: %s\n", err);
@@ -304,7 +275,7 @@ int main(int argc, char **argv) {
     }
     if (!strcmp(cmd, "config-doc")) {
         if (argc > 2 && !is_help(argv[2]))
-            return usage_error("config-doc", usage_config_doc, "unexpected argument %s", argv[2]);
+            return cli_usage_error("config-doc", usage_config_doc, "unexpected argument %s", argv[2]);
         if (argc > 2) {
             printf("Usage:\n%s", usage_config_doc);
             return 0;

@@ -7,7 +7,6 @@
 #include <errno.h>
 #include <stdlib.h>
 #include <string.h>
-#include <unistd.h>
 
 #include "data/durable.h"
 #include "kernels/kernels.h"  // float_to_bf16
@@ -111,8 +110,8 @@ static char *header_text(const StWriter *w, size_t *len) {
 
 // fwrite that reports the system's reason.
 static int write_bytes(StWriter *w, const void *p, size_t n, const char *what, char *err, size_t err_size) {
-    if (n == 0 || fwrite(p, 1, n, w->f) == n) return 0;
-    snprintf(err, err_size, "%s: writing %s failed: %s", w->tmp, what, strerror(errno ? errno : EIO));
+    if (n == 0 || fwrite(p, 1, n, w->out.f) == n) return 0;
+    snprintf(err, err_size, "%s: writing %s failed: %s", w->out.tmp, what, strerror(errno ? errno : EIO));
     return -1;
 }
 
@@ -121,15 +120,13 @@ int st_begin(StWriter *w, const char *path, char *err, size_t err_size) {
         snprintf(err, err_size, "%s: path too long", path);
         return -1;
     }
-    snprintf(w->tmp, sizeof w->tmp, "%s.tmp.%ld", path, (long)getpid());
     size_t len = 0;
     char *header = header_text(w, &len);
     if (!header) {
         snprintf(err, err_size, "%s: out of memory for the header", path);
         return -1;
     }
-    if (!(w->f = fopen(w->tmp, "wb"))) {
-        snprintf(err, err_size, "%s: cannot create it: %s", w->tmp, strerror(errno));
+    if (durable_open(&w->out, path, err, err_size) != 0) {
         free(header);
         return -1;
     }
@@ -145,7 +142,7 @@ int st_begin(StWriter *w, const char *path, char *err, size_t err_size) {
 }
 
 int st_write(StWriter *w, const float *values, int64_t n, char *err, size_t err_size) {
-    if (!w->f || w->next >= w->n) {
+    if (!w->out.f || w->next >= w->n) {
         snprintf(err, err_size, "%s: internal error: st_write past the %d declared tensors", w->path, w->n);
         return -1;
     }
@@ -183,7 +180,7 @@ int st_write(StWriter *w, const float *values, int64_t n, char *err, size_t err_
 }
 
 int st_finish(StWriter *w, char *err, size_t err_size) {
-    if (!w->f) {
+    if (!w->out.f) {
         snprintf(err, err_size, "%s: internal error: st_finish without st_begin", w->path);
         return -1;
     }
@@ -192,38 +189,10 @@ int st_finish(StWriter *w, char *err, size_t err_size) {
         st_abort(w);
         return -1;
     }
-    errno = 0;
-    if (fflush(w->f) != 0 || fsync(fileno(w->f)) != 0) {
-        snprintf(err, err_size, "%s: writing failed: %s", w->tmp, strerror(errno ? errno : EIO));
-        st_abort(w);
-        return -1;
-    }
-    FILE *f = w->f;
-    w->f = NULL;
-    if (fclose(f) != 0) {
-        snprintf(err, err_size, "%s: closing failed: %s", w->tmp, strerror(errno));
-        unlink(w->tmp);
-        return -1;
-    }
-    const int r = durable_rename(w->tmp, w->path);
-    if (r == -1) {
-        snprintf(err, err_size, "%s: cannot rename it to %s: %s", w->tmp, w->path, strerror(errno));
-        unlink(w->tmp);
-        return -1;
-    }
-    if (r == -2) {
-        snprintf(err, err_size, "%s: written, but its directory could not be synced: %s", w->path, strerror(errno));
-        return -1;
-    }
-    return 0;
+    return durable_commit(&w->out, err, err_size);
 }
 
-void st_abort(StWriter *w) {
-    if (!w->f) return;
-    fclose(w->f);
-    w->f = NULL;
-    unlink(w->tmp);
-}
+void st_abort(StWriter *w) { durable_discard(&w->out); }
 
 void st_free(StWriter *w) {
     st_abort(w);

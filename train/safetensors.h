@@ -24,6 +24,8 @@
 #include <stdint.h>
 #include <stdio.h>
 
+#include "data/durable.h"
+
 #define ST_MAX_DIMS 4
 #define ST_PATH_MAX 2048
 
@@ -42,8 +44,8 @@ typedef struct {
     int n, cap;
     int next;           // the tensor st_write fills next
     char *metadata;     // the "__metadata__" object's members as JSON text ("\"format\":\"pt\"")
-    FILE *f;
-    char path[ST_PATH_MAX], tmp[ST_PATH_MAX + 32];
+    DurableFile out;    // the file being written (st_begin .. st_finish); out.f NULL otherwise
+    char path[ST_PATH_MAX];
     void *buf;          // conversion buffer
     size_t buf_bytes;
 } StWriter;

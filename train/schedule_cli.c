@@ -15,9 +15,9 @@
  *   rank R: [busy=.. bubble=..] activations=A parameters=Cx
  *   [--timeline]   rank R |0F0 0F1 ...|
  */
+#include "train/cli.h"
 #include "train/schedule_cli.h"
 
-#include <errno.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -26,25 +26,8 @@
 #include "parallel/schedule.h"
 #include "parallel/schedule_sim.h"
 
-#define EXIT_USAGE 2
 
 const char *const schedule_cli_usage = SCHEDULE_CLI_USAGE;
-
-static int usage(const char *fmt, const char *arg) {
-    fprintf(stderr, "fp8moe schedule: ");
-    fprintf(stderr, fmt, arg);
-    fprintf(stderr, "\nUsage:\n%s", schedule_cli_usage);
-    return EXIT_USAGE;
-}
-
-static int parse_int(const char *s, int lo, int hi, int *out) {
-    char *end;
-    errno = 0;
-    long v = strtol(s, &end, 10);
-    if (errno || end == s || *end || v < lo || v > hi) return -1;
-    *out = (int)v;
-    return 0;
-}
 
 // "--name VALUE" or "--name=VALUE": the value, advancing *i past it; NULL when a is not --name.
 // *missing is set when --name has no value.
@@ -71,59 +54,59 @@ int schedule_cli_main(int argc, char **argv) {
             printf("Usage:\n%s", schedule_cli_usage);
             return 0;
         } else if ((v = option_value(argc, argv, &i, "--kind", &missing)) || missing) {
-            if (missing) return usage("%s needs a value: 1f1b, zb1p, dualpipe or dualpipev", a);
+            if (missing) return cli_usage_error("schedule", schedule_cli_usage, "%s needs a value: 1f1b, zb1p, dualpipe or dualpipev", a);
             kind_s = v;
         } else if ((v = option_value(argc, argv, &i, "--pp", &missing)) || missing) {
-            if (missing) return usage("%s needs a number of pipeline ranks", a);
+            if (missing) return cli_usage_error("schedule", schedule_cli_usage, "%s needs a number of pipeline ranks", a);
             pp_s = v;
         } else if ((v = option_value(argc, argv, &i, "--microbatches", &missing)) || missing) {
-            if (missing) return usage("%s needs a number of micro-batches", a);
+            if (missing) return cli_usage_error("schedule", schedule_cli_usage, "%s needs a number of micro-batches", a);
             mb_s = v;
         } else if ((v = option_value(argc, argv, &i, "--costs", &missing)) || missing) {
-            if (missing) return usage("%s needs a value such as F=1,B=2,W=1,FB=3", a);
+            if (missing) return cli_usage_error("schedule", schedule_cli_usage, "%s needs a value such as F=1,B=2,W=1,FB=3", a);
             costs_s = v;
         } else if (!strcmp(a, "--print-ops")) {
             print_ops = 1;
         } else if (!strcmp(a, "--print-ops=all")) {
             print_ops = with_messages = 1;
         } else if (!strncmp(a, "--print-ops=", 12)) {
-            return usage("%s: expected --print-ops or --print-ops=all", a);
+            return cli_usage_error("schedule", schedule_cli_usage, "%s: expected --print-ops or --print-ops=all", a);
         } else if (!strcmp(a, "--timeline")) {
             timeline_cols = 4;
         } else if (!strncmp(a, "--timeline=", 11)) {
-            if (parse_int(a + 11, 1, 64, &timeline_cols) != 0)
-                return usage("%s: expected --timeline=COLS, COLS an integer from 1 to 64 characters per unit", a);
+            if (cli_parse_int(a + 11, 1, 64, &timeline_cols) != 0)
+                return cli_usage_error("schedule", schedule_cli_usage, "%s: expected --timeline=COLS, COLS an integer from 1 to 64 characters per unit", a);
         } else if (!strcmp(a, "--wait-sends")) {
             wait_sends = 1;
         } else if (a[0] == '-') {
-            return usage("unknown option %s", a);
+            return cli_usage_error("schedule", schedule_cli_usage, "unknown option %s", a);
         } else {
-            return usage("unexpected argument %s (every setting is an option, e.g. --pp 4)", a);
+            return cli_usage_error("schedule", schedule_cli_usage, "unexpected argument %s (every setting is an option, e.g. --pp 4)", a);
         }
     }
-    if (!kind_s) return usage("missing --kind (1f1b, zb1p, dualpipe or dualpipev)%s", "");
-    if (!pp_s) return usage("missing --pp P (pipeline ranks)%s", "");
-    if (!mb_s) return usage("missing --microbatches N%s", "");
+    if (!kind_s) return cli_usage_error("schedule", schedule_cli_usage, "missing --kind (1f1b, zb1p, dualpipe or dualpipev)%s", "");
+    if (!pp_s) return cli_usage_error("schedule", schedule_cli_usage, "missing --pp P (pipeline ranks)%s", "");
+    if (!mb_s) return cli_usage_error("schedule", schedule_cli_usage, "missing --microbatches N%s", "");
     SchedKind kind;
     if (schedule_kind_parse(kind_s, &kind) != 0)
-        return usage("--kind %s: expected 1f1b, zb1p, dualpipe or dualpipev", kind_s);
+        return cli_usage_error("schedule", schedule_cli_usage, "--kind %s: expected 1f1b, zb1p, dualpipe or dualpipev", kind_s);
     int pp, n_mb;
     char msg[256];
-    if (parse_int(pp_s, 1, SCHED_MAX_PP, &pp) != 0) {
+    if (cli_parse_int(pp_s, 1, SCHED_MAX_PP, &pp) != 0) {
         snprintf(msg, sizeof msg, "--pp %s: expected an integer from 1 to %d", pp_s, SCHED_MAX_PP);
-        return usage("%s", msg);
+        return cli_usage_error("schedule", schedule_cli_usage, "%s", msg);
     }
-    if (parse_int(mb_s, 1, SCHED_MAX_MB, &n_mb) != 0) {
+    if (cli_parse_int(mb_s, 1, SCHED_MAX_MB, &n_mb) != 0) {
         snprintf(msg, sizeof msg, "--microbatches %s: expected an integer from 1 to %d", mb_s, SCHED_MAX_MB);
-        return usage("%s", msg);
+        return cli_usage_error("schedule", schedule_cli_usage, "%s", msg);
     }
     char err[1024];
     SchedCosts costs;
     int simulate = costs_s || timeline_cols;
     // without --costs the defaults (F=1 is one of them)
-    if (schedule_costs_parse(costs_s ? costs_s : "F=1", &costs, err, sizeof err) != 0) return usage("%s", err);
+    if (schedule_costs_parse(costs_s ? costs_s : "F=1", &costs, err, sizeof err) != 0) return cli_usage_error("schedule", schedule_cli_usage, "%s", err);
     costs.wait_sends = wait_sends;
-    if (wait_sends && !simulate) return usage("%s needs --costs or --timeline (it changes the simulation)", "--wait-sends");
+    if (wait_sends && !simulate) return cli_usage_error("schedule", schedule_cli_usage, "%s needs --costs or --timeline (it changes the simulation)", "--wait-sends");
 
     Schedule s;
     if (schedule_build(&s, kind, pp, n_mb, err, sizeof err) != 0) {

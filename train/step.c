@@ -102,7 +102,9 @@ int train_step(TrainState *ts, StepResult *out, char *err, size_t err_size) {
             post_message(ts, op, boundary_bytes, &reqs[n_reqs++]);
             const int batch_ends = i + 1 == n_ops || ops[i + 1].kind == STEP_FORWARD || ops[i + 1].kind == STEP_BACKWARD;
             if (batch_ends) {
+                profile_begin(PHASE_PIPE_WAIT);
                 for (int r = 0; r < n_reqs; r++) comm_wait(&reqs[r]);
+                profile_end(PHASE_PIPE_WAIT);
                 n_reqs = 0;
             }
         } else if (op->kind == STEP_FORWARD) {
@@ -115,8 +117,10 @@ int train_step(TrainState *ts, StepResult *out, char *err, size_t err_size) {
             }
             const int *rows = bt->step_rows + op->micro_batch * row_ints;
             train_split_batch(rows, rows, bt->B, bt->T, bt->inputs, bt->targets);
+            profile_op_begin(PROFILE_OP_FORWARD);
             real weighted = chunk_forward(m, op->chunk, acts, bt->inputs, bt->targets, in, cs->has_head ? NULL : sl->out);
             LossTerms lt = chunk_losses(acts);
+            profile_op_end(PROFILE_OP_FORWARD);
             // A non-finite loss ends the step at the agreement below, which every rank reaches, so all ranks stop
             // at the same step. In one process the rest of the ops is skipped: a backward from a non-finite loss
             // has nothing to give.
@@ -142,7 +146,9 @@ int train_step(TrainState *ts, StepResult *out, char *err, size_t err_size) {
                 m->count_load = 0;
                 return -1;
             }
+            profile_op_begin(PROFILE_OP_BACKWARD);
             chunk_backward(m, op->chunk, acts, cs->has_head ? NULL : sl->dout, din, loss_scale);
+            profile_op_end(PROFILE_OP_BACKWARD);
             holds[op->act] = -1;
             live--;
         }
@@ -155,9 +161,11 @@ int train_step(TrainState *ts, StepResult *out, char *err, size_t err_size) {
     const int fp8_bad = fp8_check_finite(ts->dev, why, sizeof why) != 0;
     double agreed[7] = {loss_sum, mtp_sum, bal_sum, bad_mb >= 0, fp8_bad, (double)m->ep.rows_within_node,
                         (double)m->ep.rows_across_nodes};
+    profile_begin(PHASE_GRAD_SYNC);
     comm_allreduce_sum_double(ts->world, agreed, 7);
     double max_nodes = m->ep.max_nodes_per_token;
     if (m->ep.node_of_ep_rank) comm_allreduce_max_double(ts->world, &max_nodes, 1);
+    profile_end(PHASE_GRAD_SYNC);
     if (agreed[3] > 0) {
         if (bad_mb >= 0)
             snprintf(err, err_size, "step %d, micro-batch %d: the loss is not finite (loss %g, mtp %g, bal %g); "
@@ -175,6 +183,7 @@ int train_step(TrainState *ts, StepResult *out, char *err, size_t err_size) {
     loss_sum = agreed[0], mtp_sum = agreed[1], bal_sum = agreed[2];
     // the embedding's two copies at the ends of a pipeline (MTP on): the first stage's gradient plus the last's
     const ParamInfo *embed = ts->ends ? model_find_param(m, "embed.weight") : NULL;
+    profile_begin(PHASE_GRAD_SYNC);
     if (embed) comm_allreduce_sum_real(ts->ends, m->grads + embed->offset, embed->numel);
     // dualpipe: both copies of this rank's two stages (pipe A's and pipe B's), on the mirror ranks, in rank order
     if (ts->mirror) comm_allreduce_sum_real(ts->mirror, m->grads, n_elems);
@@ -185,6 +194,7 @@ int train_step(TrainState *ts, StepResult *out, char *err, size_t err_size) {
         if (ts->zero1) comm_reduce_scatter_sum_real(r->group, m->grads + r->part_lo, m->grads + r->lo, r->shard_n);
         else comm_allreduce_sum_real(r->group, m->grads + r->part_lo, r->part_n);
     }
+    profile_end(PHASE_GRAD_SYNC);
     profile_begin(PHASE_OPTIMIZER);
     double gnorm;
     if (!ts->zero1 && m->ep.ep_size == 1 && ts->pp->size == 1) {  // every gradient is here: the bits of one process
@@ -198,11 +208,13 @@ int train_step(TrainState *ts, StepResult *out, char *err, size_t err_size) {
             const TrainedRegion *r = &ts->regions[k];
             sq[k] = skip_all ? 0.0 : sum_squares_outside(ts->dev, m->grads, r->lo, r->n, skip_embed ? embed->offset : 0,
                                                          skip_embed ? embed->numel : 0);
-            if (ts->zero1) comm_allreduce_sum_double(r->group, &sq[k], 1);
         }
+        profile_begin(PHASE_GRAD_SYNC);
+        for (int k = 0; k < 2 && ts->zero1; k++) comm_allreduce_sum_double(ts->regions[k].group, &sq[k], 1);
         comm_allreduce_sum_double(m->ep.comm, &sq[REGION_EXPERTS], 1);  // the other experts: the EP group
         double total = sq[REGION_DENSE] + sq[REGION_EXPERTS];
         comm_allreduce_sum_double(ts->pp, &total, 1);  // the other stages
+        profile_end(PHASE_GRAD_SYNC);
         gnorm = grad_norm_from_sum_squares(total);
     }
     if (!isfinite(gnorm)) {  // the same reduced gradients on every rank: every rank stops here
@@ -216,13 +228,19 @@ int train_step(TrainState *ts, StepResult *out, char *err, size_t err_size) {
     for (int k = 0; k < 2; k++) {  // AdamW is elementwise: the two regions give the bits of one call over both
         TrainedRegion *r = &ts->regions[k];
         adamw_step(&r->opt, m->weights + r->lo, m->grads + r->lo, r->groups, r->n_groups, (float)lr, scale, s);
-        if (ts->zero1) comm_allgather_real(r->group, m->weights + r->lo, m->weights + r->part_lo, r->shard_n);
+        if (ts->zero1) {
+            profile_begin(PHASE_GRAD_SYNC);
+            comm_allgather_real(r->group, m->weights + r->lo, m->weights + r->part_lo, r->shard_n);
+            profile_end(PHASE_GRAD_SYNC);
+        }
     }
     model_weights_changed(m);
     profile_end(PHASE_OPTIMIZER);
     // every rank that routed distinct tokens adds its counts (each stage those of its own layers, the others'
     // counts being zero), so every rank applies the same bias update to every layer
+    profile_begin(PHASE_GRAD_SYNC);
     model_reduce_load(m, ts->world);
+    profile_end(PHASE_GRAD_SYNC);
     const double worst_load = model_update_router_bias(m);
     ts->step = s;
     *out = (StepResult){.loss = loss_sum / n_mb, .mtp = mtp_sum / n_mb, .balance = bal_sum / n_mb, .grad_norm = gnorm,

@@ -16,8 +16,8 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "parallel/topology.h"
 #include "train/checkpoint.h"
+#include "train/job_groups.h"
 #include "train/metrics.h"
 #include "train/model.h"
 #include "train/run_dir.h"
@@ -162,10 +162,7 @@ static EvalMetrics evaluate(TrainState *ts, int max_batches, int step, int *inte
 
 // Everything trainer_run owns, so one cleanup path frees it all.
 typedef struct {
-    Groups groups;  // the job's process groups (one rank in one process)
-    int groups_ok;
-    Comm *world;
-    Comm *nccl_world;  // the NCCL copy of the world that `world` points to when device buffers go over NCCL (owned)
+    JobGroups jg;   // the job's process groups (one rank in one process) and its world
     int writes;     // this rank writes the run's outputs (world rank 0; the dp replicas are identical)
     TrainState ts;
     MetricsLog log;
@@ -183,73 +180,7 @@ static void run_free(Run *r) {
     metrics_close(&r->log);
     run_dir_close(&r->out_dir);
     train_state_free(&r->ts);
-    if (r->groups_ok) groups_free(&r->groups);
-    comm_free(r->nccl_world);  // after the groups split from it (comm.h)
-}
-
-// Whether this job's device buffers travel over NCCL: GPU ranks of a launched job (world size above 1) with
-// parallel.backend = nccl, or auto when the build has NCCL and every host has a GPU for each of its ranks (so
-// that auto never refuses a job the MPI backend can run: ranks that share a GPU stay on MPI). All ranks agree.
-static int use_nccl(const Config *cfg, Device dev, Comm *world) {
-    const ParallelBackend b = cfg->parallel.backend;
-    if (dev != DEVICE_CUDA || world->size == 1 || b == PARALLEL_BACKEND_MPI) return 0;
-    if (b == PARALLEL_BACKEND_NCCL) return 1;  // (comm_nccl_select_gpu refuses a host short of GPUs)
-    if (!comm_nccl_available()) return 0;
-    Comm *host = comm_split_host(world, "host");
-    double short_of_gpus = host->size > cuda_device_count();
-    comm_free(host);
-    comm_allreduce_max_double(world, &short_of_gpus, 1);
-    return short_of_gpus == 0;
-}
-
-// The process groups of cfg's layout over the world (comm_world(): MPI's under mpirun, else one
-// process), with every rank's line in the banner and the checks that need the world: the layout against
-// the world size, expert groups whole on nodes, and what this build can run. Returns 0, or -1 after
-// world rank 0 printed the reason (every rank reaches the same answer).
-static int make_groups(Run *r, const Config *cfg, Device dev) {
-    char err[ERR_MAX];
-    const ParallelConfig *pc = &cfg->parallel;
-    r->world = comm_world();
-    if (pc->backend == PARALLEL_BACKEND_NCCL && dev != DEVICE_CUDA) {
-        if (r->world->rank == 0)
-            fprintf(stderr, "fp8moe: %s: parallel.backend = nccl needs GPU ranks, but the device is the CPU - set "
-                    "parallel.backend = auto or mpi, or train.device = cuda\n", cfg->path);
-        return -1;
-    }
-    if (config_check_layout(cfg, r->world->size, err, sizeof err) != 0) {
-        if (r->world->rank == 0) fprintf(stderr, "fp8moe: %s: %s\n", cfg->path, err);
-        return -1;
-    }
-    int gpu = 0;  // without NCCL every GPU rank uses GPU 0 (ranks share it over the MPI backend)
-    if (use_nccl(cfg, dev, r->world)) {
-        gpu = comm_nccl_select_gpu(r->world);  // before the first device allocation
-        r->world = r->nccl_world = comm_nccl_dup(r->world);
-    }
-    if (groups_init(&r->groups, r->world, pc->pp, pc->dp, pc->ep, pc->gpus_per_node, err, sizeof err) != 0) {
-        if (r->world->rank == 0) fprintf(stderr, "fp8moe: %s: %s\n", cfg->path, err);
-        return -1;
-    }
-    r->groups_ok = 1;
-    if (groups_check_expert_groups(&r->groups, cfg->moe.n_routed_experts, cfg->moe.n_expert_groups, err,
-                                   sizeof err) != 0) {
-        if (r->world->rank == 0) fprintf(stderr, "fp8moe: %s: %s\n", cfg->path, err);
-        return -1;
-    }
-    if ((pc->ep > 1 || pc->pp > 1) && cfg->checkpoint.save_weights) {
-        if (r->world->rank == 0)
-            fprintf(stderr, "fp8moe: %s: checkpoint.save_weights with parallel.pp = %d, parallel.ep = %d: each rank "
-                    "holds only its stage's layers and its experts, and weights.h5 is one file of the whole model - "
-                    "set checkpoint.save_weights = false (the sharded checkpoints of checkpoint.every_steps hold "
-                    "every tensor)\n", cfg->path, pc->pp, pc->ep);
-        return -1;
-    }
-    // over MPI, GPU ranks all use CUDA device 0 and share it: their device buffers are staged through pinned host
-    // memory (parallel/comm.h); over NCCL each has its own
-    char device[32] = "cpu";
-    if (dev == DEVICE_CUDA) snprintf(device, sizeof device, "cuda:%d %s", gpu, comm_kind_name(r->world->kind));
-    groups_print_banner(&r->groups, device, stdout);
-    if (r->world->rank == 0) topology_print(stdout);  // the host's RDMA devices and the GPUs closest to them
-    return 0;
+    job_groups_free(&r->jg);
 }
 
 // Writes checkpoint.dir/weights.h5 with further interrupts held off (on_stop_signal). Returns 0 or -1
@@ -362,11 +293,11 @@ static int save_checkpoint(Run *r, const Config *cfg) {
     fflush(stdout);
     const sig_atomic_t was_saving = saving_weights;
     saving_weights = 1;
-    const int rc = checkpoint_save(&r->ts, &r->groups, cfg->checkpoint.dir, cfg->checkpoint.keep_last, err,
+    const int rc = checkpoint_save(&r->ts, &r->jg.groups, cfg->checkpoint.dir, cfg->checkpoint.keep_last, err,
                                    sizeof err);
     saving_weights = was_saving;
     if (rc != 0) {
-        print_error(r->world, err);
+        print_error(r->jg.world, err);
         return -1;
     }
     printf("checkpoint saved: %s/step_%08d\n", cfg->checkpoint.dir, r->ts.step);
@@ -378,8 +309,8 @@ static int save_checkpoint(Run *r, const Config *cfg) {
 // Returns 0, or -1 after printing why.
 static int resume_from(Run *r, const Config *cfg, const char *path) {
     char err[ERR_MAX];
-    if (checkpoint_load(&r->ts, &r->groups, path, err, sizeof err) != 0) {
-        print_error(r->world, err);
+    if (checkpoint_load(&r->ts, &r->jg.groups, path, err, sizeof err) != 0) {
+        print_error(r->jg.world, err);
         return -1;
     }
     CheckpointInfo *info = malloc(sizeof *info);  // holds a whole Config
@@ -411,8 +342,8 @@ static int write_eval(Run *r, const EvalMetrics *em, int step) {
     printf("%s\n", line);
     fflush(stdout);
     int ok = !r->writes || metrics_write_eval(&r->log, em, err, sizeof err) == 0;
-    if (!ok) print_error(r->world, err);
-    if (all_ranks_ok(r->world, ok)) return 0;
+    if (!ok) print_error(r->jg.world, err);
+    if (all_ranks_ok(r->jg.world, ok)) return 0;
     save_after_write_error(r, r->ts.cfg, step);
     return -1;
 }
@@ -439,8 +370,18 @@ int trainer_run(const Config *cfg, const char *resume) {
     if (train_state_pick_device(cfg, &dev) != 0) return 1;  // (config_load refuses pp, ep > 1)
     if (cfg->train.threads > 0) omp_set_num_threads(cfg->train.threads);
     printf("threads: %d%s\n", omp_get_max_threads(), cfg->train.threads > 0 ? "" : " (OpenMP default)");
-    if (make_groups(&r, cfg, dev) != 0) {
+    if (job_groups_create(&r.jg, cfg, dev) != 0) {
         rc = 2;  // the layout does not fit the launch: an invalid job, as config_load's errors
+        goto done;
+    }
+    const ParallelConfig *pc = &cfg->parallel;
+    if ((pc->ep > 1 || pc->pp > 1) && cfg->checkpoint.save_weights) {
+        if (world->rank == 0)
+            fprintf(stderr, "fp8moe: %s: checkpoint.save_weights with parallel.pp = %d, parallel.ep = %d: each rank "
+                    "holds only its stage's layers and its experts, and weights.h5 is one file of the whole model - "
+                    "set checkpoint.save_weights = false (the sharded checkpoints of checkpoint.every_steps hold "
+                    "every tensor)\n", cfg->path, pc->pp, pc->ep);
+        rc = 2;
         goto done;
     }
     r.writes = world->rank == 0;
@@ -448,7 +389,7 @@ int trainer_run(const Config *cfg, const char *resume) {
     // ---- outputs, then data, model and optimizer
     if (!all_ranks_ok(world, !r.writes || open_outputs(&r, cfg, resume) == 0)) goto done;
     TrainState *ts = &r.ts;
-    if (train_state_create(ts, cfg, dev, &r.groups, total_steps, 1, err, sizeof err) != 0) {
+    if (train_state_create(ts, cfg, dev, &r.jg.groups, total_steps, 1, err, sizeof err) != 0) {
         print_error(world, err);
         goto done;
     }

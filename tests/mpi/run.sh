@@ -2,7 +2,7 @@
 # run.sh - the MPI tests (make test-mpi): tests/mpi/test_comm and test_groups under mpirun on 1, 2, 3, 4 and 8
 # ranks, test_comm once more as an MPI singleton, the fault tests (tests/mpi/faults.sh; train_faults.sh: a real
 # training job losing a rank to SIGKILL or SIGSTOP, and bad layouts), `fp8moe bench a2a` at 1 and 2 ranks
-# (bench_a2a.sh), then data and expert
+# (bench_a2a.sh) and `fp8moe bench step` of a dp = 2, ep = 2 and a pp = 2 job (bench_step.sh), then data and expert
 # parallel training against one process (test_parallel_equivalence) for dp = 2; dp = 4, ep = 2 (also with ZeRO-1);
 # dp = 4, ep = 4 and dp = 8, ep = 8; pipeline parallel (1f1b, zb1p, dualpipe, dualpipev) at pp = 2, 3, 4, 8 and
 # dualpipe at pp = 16, also with dp = 2, ep = 2 and ZeRO-1; and a rank's memory share (rank_memory.sh). Prints one summary line "mpi: N passed, N failed"; exit status is
@@ -36,6 +36,7 @@ done
 run "faults.sh" bash tests/mpi/faults.sh
 run "train_faults.sh" bash tests/mpi/train_faults.sh
 run "bench_a2a.sh" bash tests/mpi/bench_a2a.sh
+run "bench_step.sh" bash tests/mpi/bench_step.sh
 # data and expert parallel against one process (tests/mpi/test_parallel_equivalence.c): "ranks ep mode grad_accum";
 # micro_batch_size 4 x seq_len 32 = 128 tokens, one FP8 tile, so the FP8 tiles cover the same rows as in one process
 dp_cache=$(mktemp -d)

@@ -12,40 +12,29 @@
 # chaotic (docs/benchmarks.md, "The CPU comparison"). The training part is skipped in the sanitizer pass
 # (FP8MOE_SANITIZE=1), as fp8_vs_bf16.sh is; the usage checks run in both passes.
 set -u
-BIN=${FP8MOE_BUILD:-build}/fp8moe
+. tests/lib.sh
+test_begin compare.sh
 TEXT=tests/data/shakespeare.txt  # committed (tests/data/README.md); run from the repository root
 [ -f "$TEXT" ] || { echo "FAIL: $TEXT not found (run from the repository root)"; exit 1; }
-TMP=$(mktemp -d /tmp/fp8moe_compare_XXXXXX)
-trap 'rm -rf "$TMP"' EXIT
-ok=1
 
 # usage errors: status 2 and a message that names what was wrong
-expect_usage() {  # expect_usage WORD ARGS...: exit status 2 and WORD in stderr
-  local word=$1; shift
-  "$BIN" compare "$@" > "$TMP/out" 2> "$TMP/err"
-  local rc=$?
-  if [ $rc -ne 2 ] || ! grep -q -- "$word" "$TMP/err"; then
-    echo "FAIL: fp8moe compare $*: expected exit 2 and '$word' in the message; got $rc:"; cat "$TMP/err"; ok=0
-  fi
-}
-expect_usage "unknown mode 'fp16'" configs/tiny-fp8.ini --modes bf16,fp16
-expect_usage "appears twice" configs/tiny-fp8.ini --modes fp8,fp8
-expect_usage "at least two modes" configs/tiny-fp8.ini --modes fp8
-expect_usage "--seeds 0: expected an integer from 1" configs/tiny-fp8.ini --seeds 0
-expect_usage "--steps -3: expected an integer from 1" configs/tiny-fp8.ini --steps -3
-expect_usage "--jobs x: expected an integer" configs/tiny-fp8.ini --jobs x
-expect_usage "missing the job file" --steps 5
-expect_usage "$TMP/nope.ini" "$TMP/nope.ini"
-expect_usage "unknown option --bogus" configs/tiny-fp8.ini --bogus
-expect_usage "expected section.key=value" configs/tiny-fp8.ini --set steps
-expect_usage "train.steps" configs/tiny-fp8.ini --set train.steps=0
-"$BIN" help compare | grep -q "fp8moe compare JOB.ini" || { echo "FAIL: fp8moe help compare"; ok=0; }
-[ $ok = 1 ] && echo "compare usage errors: passed"
+expect_usage compare "unknown mode 'fp16'" configs/tiny-fp8.ini --modes bf16,fp16
+expect_usage compare "appears twice" configs/tiny-fp8.ini --modes fp8,fp8
+expect_usage compare "at least two modes" configs/tiny-fp8.ini --modes fp8
+expect_usage compare "--seeds 0: expected an integer from 1" configs/tiny-fp8.ini --seeds 0
+expect_usage compare "--steps -3: expected an integer from 1" configs/tiny-fp8.ini --steps -3
+expect_usage compare "--jobs x: expected an integer" configs/tiny-fp8.ini --jobs x
+expect_usage compare "missing the job file" --steps 5
+expect_usage compare "$TMP/nope.ini" "$TMP/nope.ini"
+expect_usage compare "unknown option --bogus" configs/tiny-fp8.ini --bogus
+expect_usage compare "expected section.key=value" configs/tiny-fp8.ini --set steps
+expect_usage compare "train.steps" configs/tiny-fp8.ini --set train.steps=0
+"$BIN" help compare | grep -q "fp8moe compare JOB.ini" || fail "fp8moe help compare"
+[ "$failures" -eq 0 ] && echo "compare usage errors: passed"
 
 if [ "${FP8MOE_SANITIZE:-0}" = 1 ]; then
   echo "compare.sh: the 300-step comparison is skipped under sanitizers"
-  [ $ok = 1 ] || exit 1
-  exit 0
+  test_end
 fi
 
 STEPS=${FP8MOE_COMPARE_STEPS:-300}
@@ -58,11 +47,11 @@ echo "compare: exit $rc after $(( $(date +%s) - start ))s"
 if [ $rc -ne 0 ]; then echo "FAIL: fp8moe compare failed:"; tail -20 "$TMP/compare.log"; exit 1; fi
 sed -n '/^fp8moe compare:/,$p' "$TMP/compare.log"
 for f in compare.csv summary.txt compare.png; do
-  [ -s "$OUT/$f" ] || { echo "FAIL: $OUT/$f is missing or empty"; ok=0; }
+  [ -s "$OUT/$f" ] || fail "$OUT/$f is missing or empty"
 done
-head -c 8 "$OUT/compare.png" | od -An -tx1 | grep -q "89 50 4e 47 0d 0a 1a 0a" || { echo "FAIL: compare.png is not a PNG"; ok=0; }
+head -c 8 "$OUT/compare.png" | od -An -tx1 | grep -q "89 50 4e 47 0d 0a 1a 0a" || fail "compare.png is not a PNG"
 
-python3 - "$OUT/compare.csv" "$STEPS" <<'PY' || ok=0
+python3 - "$OUT/compare.csv" "$STEPS" <<'PY' || fail "compare.csv: its gaps (above)"
 import csv, math, sys
 rows = list(csv.DictReader(open(sys.argv[1])))
 N = int(sys.argv[2])
@@ -90,14 +79,14 @@ if [r["fp8_s1234_train"] for r in rows] == [r["bf16_s1234_train"] for r in rows]
     sys.exit("FAIL: fp8 and bf16 are bitwise equal: the precision mode did not take effect")
 sys.exit(0 if abs(gap) < 0.01 else "FAIL: |gap| >= 1%")
 PY
-grep -q "mean val gap over the last 10% of steps ($(( STEPS - (STEPS + 9) / 10 + 1 ))-$STEPS" "$OUT/summary.txt" || { echo "FAIL: summary.txt lacks the gap line"; ok=0; }
+grep -q "mean val gap over the last 10% of steps ($(( STEPS - (STEPS + 9) / 10 + 1 ))-$STEPS" "$OUT/summary.txt" || fail "summary.txt lacks the gap line"
 # --resume reuses both finished runs whatever --jobs (the threads --jobs picks do not change the numbers, so
 # they are not part of a run's identity), and trains nothing
 "$BIN" compare configs/tiny-fp8.ini --steps "$STEPS" --jobs 1 --resume --out "$OUT" --set data.text="$TEXT" \
-  --set data.cache_dir="$TMP/prepared" > "$TMP/resume.log" 2>&1 || { echo "FAIL: compare --resume failed"; ok=0; }
+  --set data.cache_dir="$TMP/prepared" > "$TMP/resume.log" 2>&1 || fail "compare --resume failed"
 n_reused=$(grep -c "reusing the finished run" "$TMP/resume.log")
 if [ "$n_reused" != 2 ] || grep -q ": training (log" "$TMP/resume.log"; then
-  echo "FAIL: compare --resume --jobs 1 reused $n_reused of 2 runs:"; head -5 "$TMP/resume.log"; ok=0
+  fail "compare --resume --jobs 1 reused $n_reused of 2 runs:"; head -5 "$TMP/resume.log"
 fi
 # --resume continues an interrupted run from its checkpoint: 30 steps with a checkpoint every 10, both runs killed
 # in step 25 (FP8MOE_FAULT, train/fault.c), then --resume; the result must be the CSV of an uninterrupted compare,
@@ -106,14 +95,13 @@ CK=(configs/tiny-fp8.ini --steps 30 --jobs 2 --set data.text="$TEXT" --set data.
     --set checkpoint.every_steps=10)
 FP8MOE_FAULT=step:25 "$BIN" compare "${CK[@]}" --out "$TMP/ck" > "$TMP/ck1.log" 2>&1
 rc=$?
-[ $rc = 1 ] && [ -L "$TMP/ck/fp8-seed1234/latest" ] || { echo "FAIL: the killed compare: exit $rc (expected 1), latest:"; ls -la "$TMP/ck/fp8-seed1234"; ok=0; }
-"$BIN" compare "${CK[@]}" --resume --out "$TMP/ck" > "$TMP/ck2.log" 2>&1 || { echo "FAIL: compare --resume after the kill:"; tail -5 "$TMP/ck2.log"; ok=0; }
-[ "$(grep -c 'continuing from its checkpoint' "$TMP/ck2.log")" = 2 ] || { echo "FAIL: --resume did not continue both runs:"; grep '^compare' "$TMP/ck2.log"; ok=0; }
-"$BIN" compare "${CK[@]}" --out "$TMP/ck-ref" > "$TMP/ck3.log" 2>&1 || { echo "FAIL: the uninterrupted 30-step compare"; ok=0; }
+[ $rc = 1 ] && [ -L "$TMP/ck/fp8-seed1234/latest" ] || fail "the killed compare: exit $rc (expected 1), latest:"; ls -la "$TMP/ck/fp8-seed1234"
+"$BIN" compare "${CK[@]}" --resume --out "$TMP/ck" > "$TMP/ck2.log" 2>&1 || fail "compare --resume after the kill:"; tail -5 "$TMP/ck2.log"
+[ "$(grep -c 'continuing from its checkpoint' "$TMP/ck2.log")" = 2 ] || fail "--resume did not continue both runs:"; grep '^compare' "$TMP/ck2.log"
+"$BIN" compare "${CK[@]}" --out "$TMP/ck-ref" > "$TMP/ck3.log" 2>&1 || fail "the uninterrupted 30-step compare"
 if cmp -s "$TMP/ck/compare.csv" "$TMP/ck-ref/compare.csv"; then
   echo "compare --resume after a kill in step 25: compare.csv byte-identical to the uninterrupted run's"
 else
-  echo "FAIL: compare.csv after kill + --resume differs from the uninterrupted run's"; ok=0
+  fail "compare.csv after kill + --resume differs from the uninterrupted run's"
 fi
-echo "compare.sh: $([ $ok = 1 ] && echo passed || echo FAILED)"
-[ $ok = 1 ]
+test_end

@@ -11,72 +11,62 @@
 #  - --weights loads the weights (the norm changes) and is deterministic (two runs give the same CSV bytes).
 # Under FP8MOE_SANITIZE=1 only the usage checks and one fp32,bf16 comparison on a smaller batch run.
 set -u
-BIN=${FP8MOE_BUILD:-build}/fp8moe
+. tests/lib.sh
+test_begin grad_compare.sh
 TEXT=tests/data/shakespeare.txt  # committed (tests/data/README.md); run from the repository root
 [ -f "$TEXT" ] || { echo "FAIL: $TEXT not found (run from the repository root)"; exit 1; }
-TMP=$(mktemp -d /tmp/fp8moe_gradcompare_XXXXXX)
-trap 'rm -rf "$TMP"' EXIT
 JOB=configs/tiny-fp8.ini
 # one thread: on a busy 2-core machine two threads mostly wait for each other (test_cli.sh)
 COMMON=(--set data.text="$TEXT" --set data.cache_dir="$TMP/prepared" --set train.device=cpu --set train.threads=1)
-ok=1
 
 # ---- usage errors: status 2 and a message that names what was wrong
-expect_usage() {  # expect_usage WORD ARGS...: exit status 2 and WORD in stderr
-  local word=$1; shift
-  "$BIN" gradcompare "$@" > "$TMP/out" 2> "$TMP/err"
-  local rc=$?
-  if [ $rc -ne 2 ] || ! grep -q -- "$word" "$TMP/err"; then
-    echo "FAIL: fp8moe gradcompare $*: expected exit 2 and '$word' in the message; got $rc:"; cat "$TMP/err"; ok=0
-  fi
-}
-expect_usage "unknown mode 'fp16'" $JOB --modes fp32,fp16
-expect_usage "fp8 appears twice" $JOB --modes fp8,bf16,fp8
-expect_usage "at least two modes" $JOB --modes fp32
-expect_usage "--modes needs a value" $JOB --modes
-expect_usage "missing the job file" --modes fp32,bf16
-expect_usage "$TMP/nope.ini" "$TMP/nope.ini"
-expect_usage "unknown option --bogus" $JOB --bogus
-expect_usage "one job file expected" $JOB $JOB
-expect_usage "expected section.key=value" $JOB --set steps
-expect_usage "precision.mode is set by --modes" $JOB --set precision.mode=fp8
-expect_usage "--weights $TMP/nope.h5" $JOB --weights "$TMP/nope.h5"
-expect_usage "parallel.pp = 1, dp = 2" $JOB --set parallel.dp=2
-"$BIN" help gradcompare | grep -q "fp8moe gradcompare JOB.ini" || { echo "FAIL: fp8moe help gradcompare"; ok=0; }
-[ $ok = 1 ] && echo "gradcompare usage errors: passed"
+expect_usage gradcompare "unknown mode 'fp16'" $JOB --modes fp32,fp16
+expect_usage gradcompare "fp8 appears twice" $JOB --modes fp8,bf16,fp8
+expect_usage gradcompare "at least two modes" $JOB --modes fp32
+expect_usage gradcompare "--modes needs a value" $JOB --modes
+expect_usage gradcompare "missing the job file" --modes fp32,bf16
+expect_usage gradcompare "$TMP/nope.ini" "$TMP/nope.ini"
+expect_usage gradcompare "unknown option --bogus" $JOB --bogus
+expect_usage gradcompare "one job file expected" $JOB $JOB
+expect_usage gradcompare "expected section.key=value" $JOB --set steps
+expect_usage gradcompare "precision.mode is set by --modes" $JOB --set precision.mode=fp8
+expect_usage gradcompare "--weights $TMP/nope.h5" $JOB --weights "$TMP/nope.h5"
+expect_usage gradcompare "parallel.pp = 1, dp = 2" $JOB --set parallel.dp=2
+"$BIN" help gradcompare | grep -q "fp8moe gradcompare JOB.ini" || fail "fp8moe help gradcompare"
+[ "$failures" -eq 0 ] && echo "gradcompare usage errors: passed"
 
 if [ "${FP8MOE_SANITIZE:-0}" = 1 ]; then  # one pair, on one sequence of 32 tokens
   "$BIN" gradcompare $JOB --modes fp32,bf16 "${COMMON[@]}" --set train.micro_batch_size=1 --set train.seq_len=32 \
     --out "$TMP/san.csv" > "$TMP/san.log" 2>&1 || { echo "FAIL: gradcompare fp32,bf16:"; tail -5 "$TMP/san.log"; exit 1; }
   grep -A3 "^  mode" "$TMP/san.log"
-  [ "$(grep -c . "$TMP/san.csv")" = 95 ] || { echo "FAIL: $TMP/san.csv: expected a header, 93 tensors and all"; ok=0; }
-  echo "grad_compare.sh: $([ $ok = 1 ] && echo passed || echo FAILED) (sanitizer pass: usage and one pair)"
-  [ $ok = 1 ]; exit
+  [ "$(grep -c . "$TMP/san.csv")" = 95 ] || fail "$TMP/san.csv: expected a header, 93 tensors and all"
+  echo "grad_compare.sh: sanitizer pass: usage and one pair"
+  test_end
 fi
 
 start=$(date +%s) times=()
-run() {  # run NAME ARGS...: fp8moe ARGS > $TMP/NAME.log, or FAIL and exit
+timed() {  # timed NAME ARGS...: fp8moe ARGS > $TMP/NAME.log (its time kept), or FAIL and exit
   local name=$1 t0=$(date +%s%N); shift
   "$BIN" "$@" > "$TMP/$name.log" 2>&1 || { echo "FAIL: fp8moe $* failed:"; tail -8 "$TMP/$name.log"; exit 1; }
   times+=("$name $(( ($(date +%s%N) - t0) / 1000000 ))ms")
 }
 # the reference numbers, from the trainer: step 1's grad_norm per mode (fp32's from the 5-step run, whose
 # weights.h5 the --weights runs read)
-run train-fp32 train $JOB "${COMMON[@]}" --set precision.mode=fp32 --set train.steps=5 \
+timed train-fp32 train $JOB "${COMMON[@]}" --set precision.mode=fp32 --set train.steps=5 \
   --set checkpoint.save_weights=true --set checkpoint.dir="$TMP/train-fp32"
 for m in bf16 fp8; do
-  run train-$m train $JOB "${COMMON[@]}" --set precision.mode=$m --set train.steps=1 --set checkpoint.dir="$TMP/train-$m"
+  timed train-$m train $JOB "${COMMON[@]}" --set precision.mode=$m --set train.steps=1 --set checkpoint.dir="$TMP/train-$m"
 done
-run gc gradcompare $JOB "${COMMON[@]}" --set checkpoint.dir="$TMP/job"   # default modes fp32,bf16,fp8 and CSV path
+timed gc gradcompare $JOB "${COMMON[@]}" --set checkpoint.dir="$TMP/job"   # default modes fp32,bf16,fp8 and CSV path
 sed -n '/^gradcompare: configs/,$p' "$TMP/gc.log"
 W="$TMP/train-fp32/weights.h5"
-run gcw1 gradcompare $JOB --modes fp32,bf16 --weights "$W" "${COMMON[@]}" --out "$TMP/w1/grads.csv"
-run gcw2 gradcompare $JOB --modes fp32,bf16 --weights "$W" "${COMMON[@]}" --out "$TMP/w2/grads.csv"
+timed gcw1 gradcompare $JOB --modes fp32,bf16 --weights "$W" "${COMMON[@]}" --out "$TMP/w1/grads.csv"
+timed gcw2 gradcompare $JOB --modes fp32,bf16 --weights "$W" "${COMMON[@]}" --out "$TMP/w2/grads.csv"
 sed -n '/^  mode/,/^  bf16/p' "$TMP/gcw1.log"
 echo "runs: $(( $(date +%s) - start ))s (${times[*]})"
-cmp -s "$TMP/w1/grads.csv" "$TMP/w2/grads.csv" || { echo "FAIL: two --weights runs wrote different CSVs"; ok=0; }
+cmp -s "$TMP/w1/grads.csv" "$TMP/w2/grads.csv" || fail "two --weights runs wrote different CSVs"
 
-python3 - "$TMP" "$W" <<'PY' || ok=0
+python3 - "$TMP" "$W" <<'PY' || fail "grads.csv: the checks above"
 import csv, json, math, re, sys
 tmp, weights = sys.argv[1], sys.argv[2]
 rows = list(csv.DictReader(open(f"{tmp}/job-gradcompare/grads.csv")))
@@ -149,5 +139,4 @@ print(f"--weights: fp32 norm {w[-1]['fp32_norm']} (initial weights: {rows[-1]['f
 for f in fail: print("FAIL:", f)
 sys.exit(1 if fail else 0)
 PY
-echo "grad_compare.sh: $([ $ok = 1 ] && echo passed || echo FAILED)"
-[ $ok = 1 ]
+test_end

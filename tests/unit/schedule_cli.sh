@@ -6,29 +6,8 @@
 # bad argument refused with exit status 2 and a message naming it.
 # Uses $FP8MOE_BUILD/fp8moe (default build/). Run from the repository root. Takes well under a second.
 set -u
-BIN=${FP8MOE_BUILD:-build}/fp8moe
-TMP=$(mktemp -d /tmp/fp8moe_schedule_XXXXXX)
-trap 'rm -rf "$TMP"' EXIT
-failures=0
-
-fail() { echo "FAIL: $*"; failures=$((failures + 1)); }
-pass() { echo "ok: $*"; }
-
-# run NAME EXPECTED_STATUS CMD...: stdout / stderr in $TMP/NAME.out / .err, checks the status
-run() {
-  local name=$1 want=$2; shift 2
-  "$@" >"$TMP/$name.out" 2>"$TMP/$name.err"
-  local got=$?
-  if [ "$got" -ne "$want" ]; then
-    fail "$name: exit status $got, expected $want"; sed 's/^/  | /' "$TMP/$name.err" | tail -5; return 1
-  fi
-  return 0
-}
-# has NAME FILE-SUFFIX PATTERN: grep -E for PATTERN in $TMP/NAME.FILE-SUFFIX
-has() { grep -Eq -- "$3" "$TMP/$1.$2" || { fail "$1: $2 lacks /$3/"; sed 's/^/  | /' "$TMP/$1.$2" | tail -5; return 1; }; }
-lacks() { ! grep -Eq -- "$3" "$TMP/$1.$2" || { fail "$1: $2 has /$3/"; return 1; }; }
-
-[ -x "$BIN" ] || { echo "FAIL: $BIN not built"; exit 1; }
+. tests/lib.sh
+test_begin schedule_cli.sh
 
 S="$BIN schedule"
 # ---- the documented lines
@@ -87,5 +66,4 @@ refuse waitonly '--wait-sends needs --costs or --timeline' --kind 1f1b --pp 2 --
 refuse novalue '--pp needs a number' --kind 1f1b --microbatches 4 --pp
 refuse stray 'unexpected argument 4' --kind 1f1b --pp 2 4
 
-echo "schedule_cli.sh: $failures failure(s)"
-[ "$failures" -eq 0 ]
+test_end

@@ -7,29 +7,9 @@
 # Uses $FP8MOE_BUILD/fp8moe (default build/) and the committed text tests/data/shakespeare.txt. Run from
 # the repository root.
 set -u
-BIN=${FP8MOE_BUILD:-build}/fp8moe
+. tests/lib.sh
+test_begin test_cli.sh
 TEXT=tests/data/shakespeare.txt
-TMP=$(mktemp -d /tmp/fp8moe_cli_XXXXXX)
-trap 'rm -rf "$TMP"' EXIT
-failures=0
-
-fail() { echo "FAIL: $*"; failures=$((failures + 1)); }
-pass() { echo "ok: $*"; }
-
-# run NAME EXPECTED_STATUS CMD...: runs CMD with stdout/stderr in $TMP/NAME.out/.err, checks the status
-run() {
-  local name=$1 want=$2; shift 2
-  "$@" >"$TMP/$name.out" 2>"$TMP/$name.err"
-  local got=$?
-  if [ "$got" -ne "$want" ]; then
-    fail "$name: exit status $got, expected $want"; sed 's/^/  | /' "$TMP/$name.err" | tail -5; return 1
-  fi
-  return 0
-}
-# has NAME FILE-SUFFIX PATTERN: grep -E for PATTERN in $TMP/NAME.FILE-SUFFIX
-has() { grep -Eq -- "$3" "$TMP/$1.$2" || { fail "$1: $2 lacks /$3/"; sed 's/^/  | /' "$TMP/$1.$2" | tail -5; return 1; }; }
-
-if [ ! -x "$BIN" ]; then echo "FAIL: $BIN not built"; exit 1; fi
 
 # ---- help and usage
 run help 0 "$BIN" --help && has help out 'fp8moe train JOB.ini' && has help out 'fp8moe sample' \
@@ -181,5 +161,4 @@ if ! nvidia-smi >/dev/null 2>&1; then
     && pass "bench attention without a GPU says it needs CUDA"
 fi
 
-if [ "$failures" -ne 0 ]; then echo "test_cli.sh: $failures failure(s)"; exit 1; fi
-echo "test_cli.sh: all passed"
+test_end

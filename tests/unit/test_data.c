@@ -1,7 +1,7 @@
 /*
  * test_data.c - the data module: llm.c shard format and its validation, byte-level prep of text into
  * shards with its SOURCE.txt stamp, and the loader's windows, shuffled order, dp sharding, cursor and
- * evaluation pass.
+ * evaluation pass; and data/durable.h's DurableFile, through which every text and shard file is written.
  *
  * References are independent of the code under test: shard headers are checked byte by byte against
  * the llm.c layout, prep output against the text file read here, FNV-1a against published test
@@ -16,13 +16,17 @@
 #include <cmocka.h>
 
 #include <dirent.h>
+#include <errno.h>
 #include <ftw.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "data/durable.h"
 #include "data/loader.h"
 #include "data/prep.h"
 #include "data/shard.h"
@@ -757,11 +761,80 @@ static void test_loader_validation_pass(void **state) {
     corpus_free(&c);
 }
 
+// ---------------------------------------------------------------------------- durable files
+static int count_entries(const char *dir) {
+    DIR *d = opendir(dir);
+    assert_non_null(d);
+    int n = 0;
+    for (struct dirent *e; (e = readdir(d));)
+        if (strcmp(e->d_name, ".") && strcmp(e->d_name, "..")) n++;
+    closedir(d);
+    return n;
+}
+static void assert_file_text(const char *path, const char *text) {
+    long n = 0;
+    unsigned char *got = read_all(path, &n);
+    assert_int_equal(n, (long)strlen(text));
+    assert_memory_equal(got, text, (size_t)n);
+    free(got);
+}
+
+// A durable write leaves the new content and nothing else; a discarded one, or one whose writes failed,
+// leaves the old content and nothing else; the errors name the file and the system's reason.
+static void test_durable_file(void **state) {
+    char *dir = *state;
+    char err[512];
+    char *p = path_in(dir, "out.txt");
+    assert_int_equal(durable_write_text(p, "old text\n", err, sizeof err), 0);
+    assert_file_text(p, "old text\n");
+    assert_int_equal(count_entries(dir), 1);
+
+    DurableFile d;
+    assert_int_equal(durable_open(&d, p, err, sizeof err), 0);
+    fprintf(d.f, "new %d\n", 42);
+    assert_int_equal(count_entries(dir), 2);  // the temporary file, beside the old one
+    durable_discard(&d);
+    assert_file_text(p, "old text\n");
+    assert_int_equal(count_entries(dir), 1);
+
+    assert_int_equal(durable_open(&d, p, err, sizeof err), 0);
+    fprintf(d.f, "new %d\n", 42);
+    assert_int_equal(durable_commit(&d, err, sizeof err), 0);
+    assert_file_text(p, "new 42\n");
+    assert_int_equal(count_entries(dir), 1);
+
+    // a write that fails: files limited to 4 KiB (EFBIG instead of SIGXFSZ), 64 KiB written
+    struct rlimit old_limit, small = {4096, 4096};
+    assert_int_equal(getrlimit(RLIMIT_FSIZE, &old_limit), 0);
+    small.rlim_max = old_limit.rlim_max;
+    void (*old_handler)(int) = signal(SIGXFSZ, SIG_IGN);
+    assert_int_equal(durable_open(&d, p, err, sizeof err), 0);
+    assert_int_equal(setrlimit(RLIMIT_FSIZE, &small), 0);
+    for (int i = 0; i < 64 * 1024 / 16; i++) fputs("0123456789abcde\n", d.f);
+    const int rc = durable_commit(&d, err, sizeof err);
+    assert_int_equal(setrlimit(RLIMIT_FSIZE, &old_limit), 0);
+    signal(SIGXFSZ, old_handler);
+    assert_int_equal(rc, -1);
+    assert_contains(err, p);
+    assert_contains(err, strerror(EFBIG));
+    assert_file_text(p, "new 42\n");
+    assert_int_equal(count_entries(dir), 1);
+
+    char *missing = path_in(dir, "no/such/dir/out.txt");
+    assert_int_equal(durable_write_text(missing, "x", err, sizeof err), -1);
+    assert_contains(err, "no/such/dir/out.txt");
+    assert_contains(err, strerror(ENOENT));
+    assert_int_equal(count_entries(dir), 1);
+    free(missing);
+    free(p);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_setup_teardown(test_shard_roundtrip_gpt2_vocab, setup_dir, teardown_dir),
         cmocka_unit_test_setup_teardown(test_shard_errors_name_the_file, setup_dir, teardown_dir),
         cmocka_unit_test(test_fnv1a64_vectors),
+        cmocka_unit_test_setup_teardown(test_durable_file, setup_dir, teardown_dir),
         cmocka_unit_test_setup_teardown(test_prep_shakespeare, setup_dir, teardown_dir),
         cmocka_unit_test_setup_teardown(test_prep_small_texts_and_stamp, setup_dir, teardown_dir),
         cmocka_unit_test_setup_teardown(test_default_text, setup_dir, teardown_dir),

@@ -2,7 +2,8 @@
  * test_profile.c - the phase profiler (kernels/profile.h) on the CPU: off means all zeros; nested
  * phases charge each interval to the innermost phase only, checked against busy-waits of known length
  * measured by an independent clock (CLOCK_MONOTONIC); an other-GEMM phase inside an expert-GEMM phase
- * is charged to the expert phase; collect resets the times.
+ * is charged to the expert phase; collect resets the times; the op timers (profile_op_begin/end) time
+ * whole ops beside the phases inside them, count them, and start from zero at enable.
  */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -100,11 +101,45 @@ static void test_other_gemm_inside_expert(void **state) {
     profile_enable(DEVICE_CPU, 0);
 }
 
+// forward [ attention 10 ms | 10 ms ], 10 ms outside, backward 20 ms, forward 10 ms: forwards 2 ops of 30 ms
+// in all, the backward 1 op of 20 ms; the attention phase inside the first forward still 10 ms.
+static void test_op_timers(void **state) {
+    (void)state;
+    profile_enable(DEVICE_CPU, 1);
+    profile_op_begin(PROFILE_OP_FORWARD);
+    profile_begin(PHASE_ATTENTION);
+    busy_wait_ms(10);
+    profile_end(PHASE_ATTENTION);
+    busy_wait_ms(10);
+    profile_op_end(PROFILE_OP_FORWARD);
+    busy_wait_ms(10);
+    profile_op_begin(PROFILE_OP_BACKWARD);
+    busy_wait_ms(20);
+    profile_op_end(PROFILE_OP_BACKWARD);
+    profile_op_begin(PROFILE_OP_FORWARD);
+    busy_wait_ms(10);
+    profile_op_end(PROFILE_OP_FORWARD);
+    double s[PHASE_COUNT], op_s[PROFILE_OP_COUNT];
+    int64_t op_n[PROFILE_OP_COUNT];
+    profile_step_collect(s);
+    profile_op_totals(op_s, op_n);
+    assert_int_equal(op_n[PROFILE_OP_FORWARD], 2);
+    assert_int_equal(op_n[PROFILE_OP_BACKWARD], 1);
+    assert_true(1e3 * op_s[PROFILE_OP_FORWARD] >= 0.8 * 30 && 1e3 * op_s[PROFILE_OP_FORWARD] < 30 + 0.8 * 10);
+    assert_true(1e3 * op_s[PROFILE_OP_BACKWARD] >= 0.8 * 20 && 1e3 * op_s[PROFILE_OP_BACKWARD] < 20 + 0.8 * 10);
+    assert_true(1e3 * s[PHASE_ATTENTION] >= 0.8 * 10 && 1e3 * s[PHASE_ATTENTION] < 10 + 0.8 * 10);
+    profile_enable(DEVICE_CPU, 1);  // enable starts the totals from zero
+    profile_op_totals(op_s, op_n);
+    assert_true(op_s[PROFILE_OP_FORWARD] == 0 && op_n[PROFILE_OP_FORWARD] == 0 && op_n[PROFILE_OP_BACKWARD] == 0);
+    profile_enable(DEVICE_CPU, 0);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_off_gives_zeros),
         cmocka_unit_test(test_nested_innermost),
         cmocka_unit_test(test_other_gemm_inside_expert),
+        cmocka_unit_test(test_op_timers),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
