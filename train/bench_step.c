@@ -49,6 +49,7 @@ typedef struct {
     SchedKind kind;
     double op_s[PROFILE_OP_COUNT];
     double op_n[PROFILE_OP_COUNT];
+    double busy_min_s, busy_max_s;  // a rank's compute ops per step: the least and the most busy rank's
 } StepBench;
 
 static double now_s(void) {
@@ -127,6 +128,9 @@ static int bench_precision(const char *job, const char **overrides, int n_overri
     out->peak_bytes = profile_peak_memory_bytes();
     profile_op_totals(out->op_s, op_n);
     for (int k = 0; k < PROFILE_OP_COUNT; k++) out->op_s[k] -= op_s0[k], out->op_n[k] = (double)(op_n[k] - op_n0[k]);
+    out->busy_min_s = out->busy_max_s = (out->op_s[PROFILE_OP_FORWARD] + out->op_s[PROFILE_OP_BACKWARD]) / steps;
+    comm_allreduce_min_double(world, &out->busy_min_s, 1);
+    comm_allreduce_max_double(world, &out->busy_max_s, 1);
     comm_allreduce_sum_double(world, out->op_s, PROFILE_OP_COUNT);
     comm_allreduce_sum_double(world, out->op_n, PROFILE_OP_COUNT);
     memcpy(out->phase_max_s, out->phase_s, sizeof out->phase_s);
@@ -178,7 +182,9 @@ static void print_table(const char *mode, const StepBench *r) {
 
 // A pipeline's bubble against the simulator's: the schedule of the job simulated with the measured mean F and B
 // op costs (W = 0 and F&B = F + B: the executor runs I as the full backward, W as nothing and FB as F then B,
-// train/step_plan.h), beside the measured pipeline wait. Both are the idlest rank's, per step.
+// train/step_plan.h), beside the measured pipeline wait. Both are the idlest rank's, per step. The simulator
+// gives every stage the same costs, so the stages' imbalance (the last holds the head, the losses and MTP) is
+// printed beside it: the compute per step of the least and the most busy rank.
 static void print_pipeline_check(const char *mode, const StepBench *r) {
     if (r->pp <= 1 || r->op_n[PROFILE_OP_FORWARD] <= 0 || r->op_n[PROFILE_OP_BACKWARD] <= 0) return;
     const double f = r->op_s[PROFILE_OP_FORWARD] / r->op_n[PROFILE_OP_FORWARD];
@@ -204,6 +210,8 @@ static void print_pipeline_check(const char *mode, const StepBench *r) {
            1e3 * bubble, sim.makespan > 0 ? 100.0 * bubble / sim.makespan : 0.0);
     printf("  measured: pipeline wait %.3f ms per step (%.1f%% of the step; the idlest rank); measured / simulated "
            "bubble %.3f\n", 1e3 * wait, 100.0 * wait / step, bubble > 0 ? wait / bubble : 0.0);
+    printf("  stage balance: compute ops %.3f ms per step on the least busy rank, %.3f on the most busy (the "
+           "simulation assumes equal stages)\n", 1e3 * r->busy_min_s, 1e3 * r->busy_max_s);
     schedule_sim_free(&sim);
     schedule_free(&s);
 }

@@ -5,7 +5,8 @@
 #     tokens/s over the 2 ranks; every phase row has a mean and a slowest rank with slowest >= mean; the
 #     communication phases are measured: EP all-to-all and grad sync above 0, pipeline wait 0 (no pipeline);
 #   - pp = 2 with 1f1b over 4 micro-batches (configs/tiny.ini at 4 layers): pipeline wait above 0 and the
-#     pipeline line (measured F and B > 0, the simulated makespan and bubble, the measured / simulated ratio);
+#     pipeline lines (measured F and B > 0, the simulated makespan and bubble, the measured / simulated ratio,
+#     the stage balance);
 #   - a layout that does not fit the launch (dp = 4 on 2 ranks) is refused with exit status 2 and its reason.
 # Run from the repository root; BUILD names the build directory (default build).
 set -u
@@ -48,6 +49,9 @@ for mode in ("fp8", "bf16"):
         if not p or float(p.group(1)) <= 0 or float(p.group(2)) <= 0: bad.append("%s: no measured F and B" % mode)
 if expect == "pp" and len(re.findall(r"^  simulated with them: makespan [0-9.]+ ms, bubble [0-9.]+ ms", text, re.M)) != 2:
     bad.append("no simulated makespan for both modes")
+if expect == "pp" and len(re.findall(r"^  stage balance: compute ops [0-9.]+ ms per step on the least busy rank, "
+                                     r"[0-9.]+ on the most busy", text, re.M)) != 2:
+    bad.append("no stage balance for both modes")
 if expect == "pp" and len(re.findall(r"measured / simulated bubble [0-9.]+$", text, re.M)) != 2:
     bad.append("no measured / simulated bubble for both modes")
 for b in bad: print("   ", b)
@@ -69,7 +73,7 @@ fi
 if run_np2 pp 0 configs/tiny.ini "${COMMON[@]}" --set parallel.pp=2 --set parallel.schedule=1f1b --set train.grad_accum=4 \
     --set model.n_layers=4; then
   check "pp=2 1f1b" "$TMP/pp.log" pp && echo "ok: pp=2 1f1b: pipeline wait measured, the bubble beside the simulator's"
-  grep -A2 "^fp8 pipeline" "$TMP/pp.log"
+  grep -A3 "^fp8 pipeline" "$TMP/pp.log"
 fi
 if run_np2 bad 2 configs/tiny-fp8.ini "${COMMON[@]}" --set parallel.dp=4; then
   grep -q "parallel.dp" "$TMP/bad.log" && echo "ok: dp = 4 on 2 ranks refused with exit status 2" \
