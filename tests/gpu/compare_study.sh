@@ -17,6 +17,8 @@
 #   PROBE=1    instead of the study, time 30 steps of each mode alone and then JOBS fp8 runs side by side
 #   STUDY_TIMEOUT  if set, compare is interrupted (SIGINT: no new run starts, the running ones stop) after so many
 #              seconds, so that the copy to $OUT below still happens inside a device call's time limit
+#   STUDY_DEADLINE the same as an absolute time (seconds since the epoch, e.g. $(( $(date +%s) + 560 )) at the
+#              start of a device call), so that the build and the corpus's preparation come out of the same budget
 #   OUT        if set, the runs' metrics, logs and job files and the summary are copied to $OUT/cmp110m
 # Exit status: that of fp8moe compare (0 when every run finished), or 1 when the build or the data fails.
 set -u -o pipefail
@@ -59,6 +61,10 @@ if [ "${PROBE:-0}" = 1 ]; then
   exit 0
 fi
 
+if [ -n "${STUDY_DEADLINE:-}" ]; then
+  STUDY_TIMEOUT=$(( STUDY_DEADLINE - $(date +%s) ))
+  [ "$STUDY_TIMEOUT" -gt 0 ] || { say "FAIL: STUDY_DEADLINE has passed before the comparison started"; exit 1; }
+fi
 say "fp8moe compare configs/compare-110m.ini --modes $MODES --seeds $SEEDS --null --jobs $JOBS --resume --no-plot --out $STUDY_DIR $*"
 ${STUDY_TIMEOUT:+timeout -s INT -k 30 "$STUDY_TIMEOUT"} "$BUILD/fp8moe" compare configs/compare-110m.ini --modes "$MODES" --seeds "$SEEDS" --null --jobs "$JOBS" --resume --no-plot \
   --out "$STUDY_DIR" --set data.shards="$SHARDS" "$@"
