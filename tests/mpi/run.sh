@@ -7,7 +7,7 @@
 # dp = 4, ep = 4 and dp = 8, ep = 8; pipeline parallel (1f1b, zb1p, dualpipe, dualpipev) at pp = 2, 3, 4, 8 and
 # dualpipe at pp = 16, also with dp = 2, ep = 2 and ZeRO-1; and a rank's memory share (rank_memory.sh). Prints one summary line "mpi: N passed, N failed"; exit status is
 # non-zero if anything failed. Each mpirun has a 120 s limit, so a hang fails the test instead of CI; a script of
-# several jobs (RUN_LIMIT) 600 s (resume.sh took 118 s under ASan on a slow 2-core VM and was killed at 120 s).
+# several jobs (run_script) 600 s (resume.sh took 118 s under ASan on a slow 2-core VM and was killed at 120 s).
 # Run from the repository root; BUILD names the build directory (default build).
 set -u
 BUILD=${BUILD:-build}
@@ -23,6 +23,9 @@ run() {  # run NAME COMMAND...
     failed=$((failed+1)); failed_names+=("$name")
   fi
 }
+run_script() {  # run_script SCRIPT: tests/mpi/SCRIPT, several jobs in one test, under the longer limit
+  RUN_LIMIT=600 run "$1" bash "tests/mpi/$1"
+}
 start=$SECONDS
 run "test_comm singleton" "$BUILD/mpi/test_comm"
 # use_tls=0 (only here): under mpirun -np 1, GCC 12's LeakSanitizer walks at exit the dynamic TLS of the Open MPI
@@ -34,10 +37,10 @@ for n in ${FP8MOE_MPI_RANKS:-1 2 3 4 8}; do
   run "test_comm -np $n" env LSAN_OPTIONS="${LSAN_OPTIONS:-}:use_tls=0" "${MPIRUN[@]}" -np "$n" "$BUILD/mpi/test_comm"
   run "test_groups -np $n" env LSAN_OPTIONS="${LSAN_OPTIONS:-}:use_tls=0" "${MPIRUN[@]}" -np "$n" "$BUILD/mpi/test_groups"
 done
-RUN_LIMIT=600 run "faults.sh" bash tests/mpi/faults.sh
-RUN_LIMIT=600 run "train_faults.sh" bash tests/mpi/train_faults.sh
-RUN_LIMIT=600 run "bench_a2a.sh" bash tests/mpi/bench_a2a.sh
-RUN_LIMIT=600 run "bench_step.sh" bash tests/mpi/bench_step.sh
+run_script faults.sh
+run_script train_faults.sh
+run_script bench_a2a.sh
+run_script bench_step.sh
 # data and expert parallel against one process (tests/mpi/test_parallel_equivalence.c): "ranks ep mode grad_accum";
 # micro_batch_size 4 x seq_len 32 = 128 tokens, one FP8 tile, so the FP8 tiles cover the same rows as in one process
 dp_cache=$(mktemp -d)
@@ -71,13 +74,13 @@ done
 # stages of listed sizes (parallel.stage_layers): 1 + 2 of tiny.ini's 3 layers (the even split is 2 + 1)
 run "test_parallel_equivalence -np 2 pp=2 1f1b stage_layers=1,2 fp32" "${MPIRUN[@]}" -np 2 -x OMP_NUM_THREADS=1 \
   "$BUILD/mpi/test_parallel_equivalence" fp32 "$dp_cache" 20 4 2 1 8 4 0 2 1f1b 1,2
-RUN_LIMIT=600 run "rank_memory.sh" bash tests/mpi/rank_memory.sh
-RUN_LIMIT=600 run "node_limited.sh" bash tests/mpi/node_limited.sh
+run_script rank_memory.sh
+run_script node_limited.sh
 # checkpoints: the library's resume and re-sharding (test_checkpoint) and the trainer's --resume (resume.sh)
 for mode in fp32 fp8; do
   run "test_checkpoint -np 4 $mode" "${MPIRUN[@]}" -np 4 -x OMP_NUM_THREADS=1 "$BUILD/mpi/test_checkpoint" "$mode" "$dp_cache"
 done
-RUN_LIMIT=600 run "resume.sh" bash tests/mpi/resume.sh
+run_script resume.sh
 [ ${#failed_names[@]} -gt 0 ] && printf 'FAILED: %s\n' "${failed_names[@]}"
 echo "mpi: $passed passed, $failed failed ($((SECONDS - start)) s)"
 [ "$failed" -eq 0 ]
