@@ -42,7 +42,7 @@
 
 const char *const compare_usage =
     "  fp8moe compare JOB.ini [--modes bf16,fp8[,fp32]] [--seeds N] [--steps N] [--out DIR]\n"
-    "                 [--null] [--jobs N] [--resume] [--no-plot] [--set section.key=value]...\n"
+    "                 [--null] [--fork STEP] [--jobs N] [--resume] [--no-plot] [--set section.key=value]...\n"
     "      Train JOB.ini once per mode (default bf16,fp8) and seed (train.seed, +1, ... N seeds; default\n"
     "      1), the same initial weights and data order in every mode, each run a child `fp8moe train`\n"
     "      into DIR/<mode>-seed<S>/ (DIR default <checkpoint.dir>-compare). Then writes DIR/compare.csv\n"
@@ -51,6 +51,9 @@ const char *const compare_usage =
     "      over the last 10% of steps +- sd over seeds, the max gap, the first step where the gap leaves\n"
     "      its seed spread. --steps overrides train.steps; --null adds the first mode with optim.lr x\n"
     "      1.0001 (the null spread); --jobs runs N trainings at once (CPU threads split between them);\n"
+    "      --fork STEP trains the first mode alone to STEP (DIR/trunk-seed<S>/, train.stop_after) and starts\n"
+    "      every mode, the first and the null arm included, from its checkpoint there, so that the runs part\n"
+    "      only after STEP (docs/fp8.md: a shorter early phase in common lowers the run-to-run spread);\n"
     "      --resume keeps finished runs whose config is unchanged and continues unfinished ones from their\n"
     "      last checkpoint when the job writes them (checkpoint.every_steps); --no-plot skips compare.png.\n";
 
@@ -68,6 +71,7 @@ typedef struct {
     int n_modes;
     int seeds;
     int steps;  // 0 = the job's train.steps
+    int fork;   // --fork STEP; 0 = every run from step 0
     const char *out;
     int null_arm, jobs, resume, plot;
     const char **sets;
@@ -108,7 +112,7 @@ static int parse_options(int argc, char **argv, Options *o) {
     for (int i = 0; i < argc; i++) {
         const char *a = argv[i];
         int takes_value = !strcmp(a, "--modes") || !strcmp(a, "--seeds") || !strcmp(a, "--steps") ||
-                          !strcmp(a, "--out") || !strcmp(a, "--jobs") || !strcmp(a, "--set");
+                          !strcmp(a, "--out") || !strcmp(a, "--jobs") || !strcmp(a, "--set") || !strcmp(a, "--fork");
         if (takes_value && i + 1 >= argc) return cli_usage_error("compare", compare_usage, "%s needs a value", a);
         const char *v = takes_value ? argv[++i] : NULL;
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
@@ -121,6 +125,8 @@ static int parse_options(int argc, char **argv, Options *o) {
             if (parse_count(a, v, 1, MAX_SEEDS, &o->seeds)) return EXIT_USAGE;
         } else if (!strcmp(a, "--steps")) {
             if (parse_count(a, v, 1, 100000000, &o->steps)) return EXIT_USAGE;
+        } else if (!strcmp(a, "--fork")) {
+            if (parse_count(a, v, 1, 100000000, &o->fork)) return EXIT_USAGE;
         } else if (!strcmp(a, "--jobs")) {
             if (parse_count(a, v, 1, MAX_JOBS, &o->jobs)) return EXIT_USAGE;
         } else if (!strcmp(a, "--out")) {
@@ -159,19 +165,22 @@ typedef struct {
     int is_null;
 } Arm;
 
-typedef struct {
-    int arm, seed_index;
+typedef struct Run Run;
+struct Run {
+    int arm, seed_index; // arm -1: a --fork trunk
+    int last_step;       // the step the run ends at: the comparison's steps, or --fork's for a trunk
+    Run *trunk;          // --fork: the run whose checkpoint this one starts from (NULL: from step 0)
     uint64_t seed;
     char dir[PATHN];
     char **args;         // argv of the child: fp8moe train JOB --set ... (NULL-terminated)
     char *config_text;   // the resolved config, as DIR/<run>/compare-job.ini holds it
     pid_t pid;
     double t0;
-    int state;           // 0 pending, 1 running, 2 finished
+    int state;           // 0 pending, 1 running, 2 finished (complete), 3 ended without finishing
     int continues;       // --resume: the child continues from the run's checkpoint (train --resume latest)
     double *train, *val; // [steps + 1], NaN where the run has no record
     int n_train, last_val_step;
-} Run;
+};
 
 // The running children, for the signal handler (which forwards SIGTERM: a terminal's Ctrl-C reaches
 // them anyway, a `kill` or `timeout` of this process does not).
@@ -284,11 +293,25 @@ static int read_metrics(Run *r, int steps, char *err, size_t err_size) {
     return 0;
 }
 
-// 1 when the run holds all `steps` step records and its final evaluation.
-static int run_complete(const Run *r, int steps) { return r->n_train == steps && r->last_val_step == steps; }
+// 1 when the run holds the step records up to its last step and the evaluation there.
+static int run_complete(const Run *r) { return r->n_train == r->last_step && r->last_val_step == r->last_step; }
+
+// The checkpoint a --fork trunk ends with (the one its forks resume from).
+static void trunk_checkpoint(const Run *trunk, char *path, size_t size) {
+    snprintf(path, size, "%s/step_%08d", trunk->dir, trunk->last_step);
+}
+
+// A finished trunk also needs its checkpoint at the fork step, which the forks start from.
+static int trunk_usable(const Run *trunk) {
+    char path[PATHN + 32];
+    struct stat st;
+    trunk_checkpoint(trunk, path, sizeof path);
+    return run_complete(trunk) && stat(path, &st) == 0 && S_ISDIR(st.st_mode);
+}
 
 // Starts the run's child; one that continues from its checkpoint appends to its train.log and gets
-// `--resume latest` (args holds two free slots for it before the terminating NULL).
+// `--resume latest`, a fork that starts gets `--resume` of its trunk's checkpoint (args holds two free
+// slots for it before the terminating NULL).
 static pid_t spawn_run(Run *r, char *err, size_t err_size) {
     char log[PATHN + 16];
     snprintf(log, sizeof log, "%s/train.log", r->dir);
@@ -307,10 +330,12 @@ static pid_t spawn_run(Run *r, char *err, size_t err_size) {
         }
         dup2(fd, STDOUT_FILENO);
         dup2(fd, STDERR_FILENO);
-        if (r->continues) {
+        char from[PATHN + 32] = CHECKPOINT_LATEST;
+        if (r->continues || r->trunk) {
+            if (!r->continues) trunk_checkpoint(r->trunk, from, sizeof from);
             int k = 0;
             while (r->args[k]) k++;
-            r->args[k] = "--resume", r->args[k + 1] = CHECKPOINT_LATEST;  // the child's copy of args
+            r->args[k] = "--resume", r->args[k + 1] = from;  // the child's copy of args
         }
         execv("/proc/self/exe", r->args);
         fprintf(stderr, "fp8moe compare: cannot run /proc/self/exe (this fp8moe binary): %s\n", strerror(errno));
@@ -417,6 +442,8 @@ typedef struct {
 } Compare;
 
 static Run *run_at(const Compare *c, int arm, int k) { return &c->runs[k * c->n_arms + arm]; }
+
+static const char *run_name(const Compare *c, const Run *r) { return r->arm < 0 ? "trunk" : c->arms[r->arm].name; }
 
 // compare.csv, with the column numbers (1-based) the plot script needs.
 typedef struct {
@@ -749,6 +776,48 @@ static void free_runs(Run *runs, int n) {
     free(runs);
 }
 
+// The child's arguments and the run's identity for --resume: its resolved config with the job's own
+// train.threads (the threads --jobs chooses do not change the numbers, so a finished run is reused whatever
+// --jobs), and for a fork the checkpoint it starts from. Returns 0, EXIT_USAGE (an invalid config, named) or 1.
+static int prepare_run(Run *r, const char *job, const char **ov, int n, int threads, int steps, const char *name) {
+    char err[4096];
+    Config *cfg = malloc(sizeof *cfg);
+    r->train = malloc(sizeof(double) * (size_t)(steps + 1));
+    r->val = malloc(sizeof(double) * (size_t)(steps + 1));
+    if (!cfg || !r->train || !r->val) {
+        fprintf(stderr, "fp8moe compare: out of memory for %d steps\n", steps);
+        free(cfg);
+        return 1;
+    }
+    if (config_load(cfg, job, ov, n, err, sizeof err) != 0) {
+        fprintf(stderr, "fp8moe compare: the %s run of seed %llu: %s\n", name, (unsigned long long)r->seed, err);
+        free(cfg);
+        return EXIT_USAGE;
+    }
+    cfg->train.threads = threads;
+    char *text = config_text(cfg);
+    free(cfg);
+    if (r->trunk) {
+        char from[PATHN + 32];
+        trunk_checkpoint(r->trunk, from, sizeof from);
+        r->config_text = xstrdup_printf("%s# compare --fork: starts from %s\n", text, from);
+        free(text);
+    } else {
+        r->config_text = text;
+    }
+    r->args = calloc((size_t)(2 * n + 6), sizeof *r->args);  // + --resume FROM + NULL
+    if (!r->args) return 1;
+    int j = 0;
+    r->args[j++] = xstrdup_printf("fp8moe");
+    r->args[j++] = xstrdup_printf("train");
+    r->args[j++] = xstrdup_printf("%s", job);
+    for (int i = 0; i < n; i++) {
+        r->args[j++] = xstrdup_printf("--set");
+        r->args[j++] = xstrdup_printf("%s", ov[i]);
+    }
+    return 0;
+}
+
 int compare_main(int argc, char **argv) {
     Options o;
     int rc = parse_options(argc, argv, &o);
@@ -763,7 +832,8 @@ int compare_main(int argc, char **argv) {
     Config *cfg = malloc(sizeof *cfg);
     const char **ov = calloc((size_t)o.n_sets + 16, sizeof *ov);
     char *out_default = NULL;
-    int n_runs = 0;
+    int n_runs = 0, n_trunks = 0;
+    Run *trunks = NULL, **queue = NULL;
     rc = 1;
     if (!cfg || !ov) goto done;
 
@@ -810,62 +880,54 @@ int compare_main(int argc, char **argv) {
         goto done;
     }
 
-    // Every run's overrides, checked now: an invalid combination stops before any training.
+    if (o.fork && o.fork >= c.steps) {
+        fprintf(stderr, "fp8moe compare: --fork %d: expected a step before the last one (train.steps = %d)\n", o.fork,
+                c.steps);
+        rc = EXIT_USAGE;
+        goto done;
+    }
+
+    // Every run's overrides, checked now: an invalid combination stops before any training. With --fork,
+    // each seed's trunk runs first (queue order: trunk, then the seed's arms), so a fork never waits long.
     n_runs = c.n_arms * c.n_seeds;
+    n_trunks = o.fork ? c.n_seeds : 0;
+    const int n_queue = n_runs + n_trunks;
     c.runs = calloc((size_t)n_runs, sizeof *c.runs);
-    if (!c.runs) goto done;
-    int jobs = o.jobs < n_runs ? o.jobs : n_runs;
+    trunks = calloc((size_t)n_trunks + 1, sizeof *trunks);
+    queue = calloc((size_t)n_queue, sizeof *queue);
+    if (!c.runs || !trunks || !queue) goto done;
+    int jobs = o.jobs < n_queue ? o.jobs : n_queue;
     long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
+    int n_queued = 0;
     for (int k = 0; k < c.n_seeds; k++)
-        for (int a = 0; a < c.n_arms; a++) {
-            Run *r = run_at(&c, a, k);
+        for (int a = n_trunks ? -1 : 0; a < c.n_arms; a++) {
+            Run *r = a < 0 ? &trunks[k] : run_at(&c, a, k);
+            queue[n_queued++] = r;
             r->arm = a;
             r->seed_index = k;
             r->seed = c.seed0 + (uint64_t)k;
-            if (snprintf(r->dir, sizeof r->dir, "%s/%s-seed%llu", c.out, c.arms[a].name,
+            r->last_step = a < 0 ? o.fork : c.steps;
+            r->trunk = a >= 0 && n_trunks ? &trunks[k] : NULL;
+            const Arm *arm = &c.arms[a < 0 ? 0 : a];
+            if (snprintf(r->dir, sizeof r->dir, "%s/%s-seed%llu", c.out, a < 0 ? "trunk" : arm->name,
                          (unsigned long long)r->seed) >= (int)sizeof r->dir - 32) {
                 fprintf(stderr, "fp8moe compare: --out %s: path too long\n", c.out);
                 rc = EXIT_USAGE;
                 goto done;
             }
             int n = n_ov;
-            ov[n++] = xstrdup_printf("precision.mode=%s", c.arms[a].mode);
+            ov[n++] = xstrdup_printf("precision.mode=%s", arm->mode);
             ov[n++] = xstrdup_printf("train.seed=%llu", (unsigned long long)r->seed);
             ov[n++] = xstrdup_printf("checkpoint.dir=%s", r->dir);
             ov[n++] = xstrdup_printf("log.jsonl=");
-            if (c.arms[a].is_null) ov[n++] = xstrdup_printf("optim.lr=%.17g", lr * NULL_LR_FACTOR);
+            if (a < 0) ov[n++] = xstrdup_printf("train.stop_after=%d", o.fork);
+            if (arm->is_null) ov[n++] = xstrdup_printf("optim.lr=%.17g", lr * NULL_LR_FACTOR);
             if (jobs > 1 && threads == 0)  // CPU runs side by side share the cores (no effect on the numbers)
                 ov[n++] = xstrdup_printf("train.threads=%ld", ncpu / jobs > 1 ? ncpu / jobs : 1);
-            Config *rc_cfg = malloc(sizeof *rc_cfg);
-            int bad = !rc_cfg || config_load(rc_cfg, o.job, ov, n, err, sizeof err) != 0;
-            if (bad) {
-                fprintf(stderr, "fp8moe compare: the %s run of seed %llu: %s\n", c.arms[a].name,
-                        (unsigned long long)r->seed, rc_cfg ? err : "out of memory");
-            } else {
-                // The run's identity for --resume: its config with the job's own train.threads, since the
-                // threads --jobs chooses do not change the numbers (a finished run is reused whatever --jobs).
-                rc_cfg->train.threads = threads;
-                r->config_text = config_text(rc_cfg);
-                r->args = calloc((size_t)(2 * n + 6), sizeof *r->args);  // + --resume latest + NULL
-                int j = 0;
-                r->args[j++] = xstrdup_printf("fp8moe");
-                r->args[j++] = xstrdup_printf("train");
-                r->args[j++] = xstrdup_printf("%s", o.job);
-                for (int i = 0; i < n; i++) {
-                    r->args[j++] = xstrdup_printf("--set");
-                    r->args[j++] = xstrdup_printf("%s", ov[i]);
-                }
-            }
-            free(rc_cfg);
+            int bad = prepare_run(r, o.job, ov, n, threads, c.steps, a < 0 ? "trunk" : arm->name);
             for (int i = n_ov; i < n; i++) free((void *)ov[i]);
-            r->train = malloc(sizeof(double) * (size_t)(c.steps + 1));
-            r->val = malloc(sizeof(double) * (size_t)(c.steps + 1));
             if (bad) {
-                rc = EXIT_USAGE;
-                goto done;
-            }
-            if (!r->train || !r->val) {
-                fprintf(stderr, "fp8moe compare: out of memory for %d steps\n", c.steps);
+                rc = bad;
                 goto done;
             }
         }
@@ -885,11 +947,16 @@ int compare_main(int argc, char **argv) {
     printf("compare: %s, %d steps, %d run%s (%d mode%s x %d seed%s), %d at a time, into %s\n", o.job, c.steps, n_runs,
            n_runs == 1 ? "" : "s", c.n_arms, c.n_arms == 1 ? "" : "s", c.n_seeds, c.n_seeds == 1 ? "" : "s", jobs,
            c.out);
+    if (o.fork)
+        printf("compare: --fork %d: each seed's %s run trains to step %d in %s/trunk-seed<S>/, and every run of the "
+               "seed starts from its checkpoint there\n", o.fork, c.arms[0].name, o.fork, c.out);
     int next = 0, running = 0, failed = 0, finished = 0;
     const double t_start = now_s();
-    while ((next < n_runs && !stop_requested && !failed) || running > 0) {
-        while (next < n_runs && running < jobs && !stop_requested && !failed) {
-            Run *r = &c.runs[next++];
+    while ((next < n_queue && !stop_requested && !failed) || running > 0) {
+        while (next < n_queue && running < jobs && !stop_requested && !failed) {
+            Run *r = queue[next];
+            if (r->trunk && r->trunk->state != 2) break;  // a fork waits for its trunk
+            next++;
             char job_path[PATHN + 32];
             snprintf(job_path, sizeof job_path, "%s/compare-job.ini", r->dir);
             if (durable_make_dirs(r->dir, err, sizeof err) != 0) {
@@ -901,11 +968,14 @@ int compare_main(int argc, char **argv) {
                 char *old = read_file(job_path);
                 int same = old && !strcmp(old, r->config_text);
                 free(old);
-                if (same && read_metrics(r, c.steps, err, sizeof err) == 0 && run_complete(r, c.steps)) {
+                if (same && read_metrics(r, c.steps, err, sizeof err) == 0 &&
+                    (r->arm < 0 ? trunk_usable(r) : run_complete(r))) {
                     r->state = 2;
-                    finished++;
-                    printf("compare: [%d/%d] %s seed %llu: reusing the finished run in %s (--resume)\n", finished,
-                           n_runs, c.arms[r->arm].name, (unsigned long long)r->seed, r->dir);
+                    finished += r->arm >= 0;
+                    char done_at[24];
+                    snprintf(done_at, sizeof done_at, "[%d/%d] ", finished, n_runs);
+                    printf("compare: %s%s seed %llu: reusing the finished run in %s (--resume)\n",
+                           r->arm < 0 ? "" : done_at, run_name(&c, r), (unsigned long long)r->seed, r->dir);
                     continue;
                 }
                 // an unfinished run of the same config that wrote a checkpoint (checkpoint.every_steps) continues
@@ -914,6 +984,20 @@ int compare_main(int argc, char **argv) {
                 struct stat st;
                 snprintf(latest, sizeof latest, "%s/%s", r->dir, CHECKPOINT_LATEST);
                 r->continues = same && lstat(latest, &st) == 0;
+            }
+            if (r->trunk && !r->continues) {
+                // the fork's metrics start as the trunk's: the trainer's resume keeps the records up to the fork step
+                char from[PATHN + 16], to[PATHN + 16];
+                snprintf(from, sizeof from, "%s/metrics.jsonl", r->trunk->dir);
+                snprintf(to, sizeof to, "%s/metrics.jsonl", r->dir);
+                char *text = read_file(from);
+                if (!text || durable_write_text(to, text, err, sizeof err) != 0) {
+                    fprintf(stderr, "fp8moe compare: %s\n", text ? err : "cannot read the trunk's metrics.jsonl");
+                    free(text);
+                    failed = 1;
+                    break;
+                }
+                free(text);
             }
             if (durable_write_text(job_path, r->config_text, err, sizeof err) != 0) {
                 fprintf(stderr, "fp8moe compare: %s\n", err);
@@ -934,8 +1018,9 @@ int compare_main(int argc, char **argv) {
             r->state = 1;
             r->t0 = now_s();
             running++;
-            printf("compare: %s seed %llu: %s (log %s/train.log)\n", c.arms[r->arm].name, (unsigned long long)r->seed,
-                   r->continues ? "continuing from its checkpoint (--resume)" : "training", r->dir);
+            printf("compare: %s seed %llu: %s (log %s/train.log)\n", run_name(&c, r), (unsigned long long)r->seed,
+                   r->continues ? "continuing from its checkpoint (--resume)"
+                                : r->trunk ? "training from the trunk's checkpoint" : "training", r->dir);
         }
         if (running == 0) break;
         int status;
@@ -946,29 +1031,34 @@ int compare_main(int argc, char **argv) {
             break;
         }
         Run *r = NULL;
-        for (int i = 0; i < n_runs; i++)
-            if (c.runs[i].state == 1 && c.runs[i].pid == pid) r = &c.runs[i];
+        for (int i = 0; i < n_queue; i++)
+            if (queue[i]->state == 1 && queue[i]->pid == pid) r = queue[i];
         if (!r) continue;
         for (int i = 0; i < MAX_JOBS; i++)
             if (running_pids[i] == pid) running_pids[i] = 0;
-        r->state = 2;
         running--;
-        finished++;
         char took[32], log[PATHN + 16];
         format_duration(took, sizeof took, now_s() - r->t0);
         snprintf(log, sizeof log, "%s/train.log", r->dir);
         int code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-        if (code == 0 && read_metrics(r, c.steps, err, sizeof err) == 0 && run_complete(r, c.steps)) {
-            printf("compare: [%d/%d] %s seed %llu done in %s: step %d loss %.4f, val_loss %.4f\n", finished, n_runs,
-                   c.arms[r->arm].name, (unsigned long long)r->seed, took, c.steps, r->train[c.steps],
-                   r->val[c.steps]);
+        if (code == 0 && read_metrics(r, c.steps, err, sizeof err) == 0 &&
+            (r->arm < 0 ? trunk_usable(r) : run_complete(r))) {
+            r->state = 2;
+            finished += r->arm >= 0;
+            char done_at[24];
+            snprintf(done_at, sizeof done_at, "[%d/%d] ", finished, n_runs);
+            printf("compare: %s%s seed %llu done in %s: step %d loss %.4f, val_loss %.4f\n", r->arm < 0 ? "" : done_at,
+                   run_name(&c, r), (unsigned long long)r->seed, took, r->last_step, r->train[r->last_step],
+                   r->val[r->last_step]);
         } else if (code == 0 || stop_requested) {
+            r->state = 3;
             fprintf(stderr, "fp8moe compare: %s seed %llu stopped before its last step (interrupted; %s)\n",
-                    c.arms[r->arm].name, (unsigned long long)r->seed, log);
+                    run_name(&c, r), (unsigned long long)r->seed, log);
             failed = 1;
         } else {
+            r->state = 3;
             fprintf(stderr, "fp8moe compare: the %s run of seed %llu failed (exit status %d) after %s; the end of "
-                    "%s:\n", c.arms[r->arm].name, (unsigned long long)r->seed, code, took, log);
+                    "%s:\n", run_name(&c, r), (unsigned long long)r->seed, code, took, log);
             print_tail(log, 6);
             failed = 1;
         }
@@ -1019,6 +1109,8 @@ int compare_main(int argc, char **argv) {
     rc = 0;
 done:
     free_runs(c.runs, n_runs);
+    free_runs(trunks, n_trunks);
+    free(queue);
     free(out_default);
     free(ov);
     free(cfg);

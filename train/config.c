@@ -179,6 +179,9 @@ static const ConfigKey key_table[] = {
     DBL(optim, grad_clip, 0, 0, 1e6, 0, "1.0", "max global gradient norm; 0 = off"),
 
     INT(train, steps, 1, INT_MAXD, "1000", "optimizer steps"),
+    INT(train, stop_after, 0, INT_MAXD, "0",
+        "stop after this step with a checkpoint in checkpoint.dir, the learning-rate schedule still that of "
+        "train.steps (fp8moe train --resume continues; fp8moe compare --fork branches from it); 0 = train.steps"),
     INT(train, micro_batch_size, 1, 65536, "8", "sequences per micro-batch"),
     INT(train, seq_len, 2, 1048576, "256", "tokens per sequence (at least 2 + mtp.depth)"),
     INT(train, grad_accum, 1, 65536, "1", "micro-batches per step on each data-parallel rank"),
@@ -932,6 +935,12 @@ static int check_config(ParseState *st) {
         format_double(c->optim.lr, b, sizeof b);
         format_origin(st, KEY_INDEX(optim, min_lr), at, sizeof at);
         fail(st, "%s: optim.min_lr: %s is more than optim.lr = %s - expected at most optim.lr", at, a, b);
+        return -1;
+    }
+    if (c->train.stop_after > c->train.steps) {
+        format_origin(st, KEY_INDEX(train, stop_after), at, sizeof at);
+        fail(st, "%s: train.stop_after: %d is more than train.steps = %d - expected at most train.steps (0 = run to the "
+                 "end)", at, c->train.stop_after, c->train.steps);
         return -1;
     }
     if (c->train.seq_len < 2 + c->mtp.depth) {

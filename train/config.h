@@ -78,6 +78,7 @@ typedef struct {
 typedef enum { DEVICE_SEL_AUTO = 0, DEVICE_SEL_CPU = 1, DEVICE_SEL_CUDA = 2 } DeviceSelect;
 typedef struct {
     int steps;
+    int stop_after;        // stop after this step with a checkpoint (the schedule still spans steps); 0 = steps
     int micro_batch_size;  // sequences per micro-batch
     int seq_len;
     int grad_accum;        // micro-batches per step

@@ -322,7 +322,8 @@ static int resume_from(Run *r, const Config *cfg, const char *path) {
         // where outputs go and how often they are written do not change the arithmetic
         for (char *key = strtok(changes, ";"); key; key = strtok(NULL, ";")) {
             while (*key == ' ') key++;
-            if (!strncmp(key, "checkpoint.", 11) || !strncmp(key, "log.", 4)) continue;
+            if (!strncmp(key, "checkpoint.", 11) || !strncmp(key, "log.", 4) || !strncmp(key, "train.stop_after", 16))
+                continue;
             snprintf(kept + strlen(kept), sizeof kept - strlen(kept), "%s%s", kept[0] ? "; " : "", key);
         }
         if (kept[0])
@@ -356,6 +357,8 @@ int trainer_run(const Config *cfg, const char *resume) {
     int rc = 1;
     const int B = cfg->train.micro_batch_size, T = cfg->train.seq_len, A = cfg->train.grad_accum;
     const int total_steps = cfg->train.steps;
+    // train.stop_after: the run ends early, with a checkpoint, but every step is that of the total_steps run
+    const int last_step = cfg->train.stop_after > 0 ? cfg->train.stop_after : total_steps;
 
     // Only world rank 0 prints progress and writes the outputs; every rank prints its own errors.
     Comm *world = comm_world();
@@ -420,12 +423,21 @@ int trainer_run(const Config *cfg, const char *resume) {
     int64_t tokens_since_line = 0;
     int last_eval_step = -1;
     model_zero_load(m);
-    printf("training: %d steps of %d x %d x %d tokens%s", total_steps, A, B, T, world->size > 1 ? "" : "\n");
+    printf("training: %d steps of %d x %d x %d tokens", total_steps, A, B, T);
+    if (last_step < total_steps) printf(", stopping after step %d (train.stop_after)", last_step);
+    printf("%s", world->size > 1 ? "" : "\n");
     if (world->size > 1) printf(" on each of %d data-parallel ranks\n", ts->dp->size);
     fflush(stdout);
     // A failed metrics write on rank 0 stops every rank (agreed with the stop requests after each step).
     int write_failed = 0;
-    while (ts->step < total_steps) {
+    if (ts->step >= last_step && last_step < total_steps) {
+        snprintf(err, sizeof err, "%s: train.stop_after = %d, and the run resumes from step %d - expected a later "
+                 "train.stop_after, or 0 to train to train.steps = %d", cfg->path, last_step, ts->step, total_steps);
+        print_error(world, err);
+        rc = 2;
+        goto done;
+    }
+    while (ts->step < last_step) {
         const double t0 = now_s();
         StepResult sr;
         if (train_step(ts, &sr, err, sizeof err) != 0) {
@@ -442,13 +454,13 @@ int trainer_run(const Config *cfg, const char *resume) {
                           .has_mtp = cfg->mtp.depth > 0, .mtp = sr.mtp, .balance = sr.balance,
                           .has_moe = m->n_moe_layers > 0, .load_max_mean = sr.worst_load, .lr = sr.lr,
                           .grad_norm = sr.grad_norm, .elapsed_s = t1 - t_start,
-                          .eta_s = train_s / s * (total_steps - s),
+                          .eta_s = train_s / s * (last_step - s),
                           .has_fp8 = cfg->precision.mode == PRECISION_FP8, .fp8_gemms = sr.fp8_gemms,
                           .has_nodes = m->ep.node_of_ep_rank != NULL, .rows_within_node = sr.rows_within_node,
                           .rows_across_nodes = sr.rows_across_nodes, .max_nodes_per_token = sr.max_nodes_per_token};
         sm.tokens_per_s = tokens_since_line / fmax(train_s - train_s_at_last_line, 1e-9);
         sm.model_tflops = sm.tokens_per_s * flops_per_token * 1e-12 / world->size;  // per rank
-        if (s % cfg->log.every == 0 || s == 1 || s == total_steps) {
+        if (s % cfg->log.every == 0 || s == 1 || s == last_step) {
             char line[512];
             format_step_line(line, sizeof line, &sm);
             printf("%s\n", line);
@@ -470,12 +482,12 @@ int trainer_run(const Config *cfg, const char *resume) {
         if (flags[1] > 0) stop_requested = 1;
         int stop = flags[1] > 0;
         const int every = cfg->checkpoint.every_steps;
-        if (every > 0 && s % every == 0 && s < total_steps) {
+        if (every > 0 && s % every == 0 && s < last_step) {
             if (save_checkpoint(&r, cfg) != 0) goto done;
             stop = stop_agreed(world);  // a request that came during the save
         }
         if (stop) break;
-        if (cfg->train.eval_every > 0 && s % cfg->train.eval_every == 0 && s < total_steps) {
+        if (cfg->train.eval_every > 0 && s % cfg->train.eval_every == 0 && s < last_step) {
             int interrupted;
             EvalMetrics em = evaluate(ts, cfg->train.eval_batches, s, &interrupted);
             last_eval_step = s;
@@ -495,9 +507,12 @@ int trainer_run(const Config *cfg, const char *resume) {
         else if (write_eval(&r, &em, step) != 0) goto done;
     }
     if (stop_requested) printf("interrupted after step %d of %d\n", step, total_steps);
-    // the end, or a stop request: a last checkpoint when checkpoints are on (every rank), then the weights
-    if (cfg->checkpoint.every_steps > 0 && step > 0 && step != r.checkpoint_step && save_checkpoint(&r, cfg) != 0)
-        goto done;
+    else if (step < total_steps)
+        printf("stopped after step %d of %d (train.stop_after); `fp8moe train --resume` continues\n", step, total_steps);
+    // the end, or a stop: a last checkpoint when checkpoints are on or the run stops before train.steps (every
+    // rank), then the weights
+    const int wants_checkpoint = cfg->checkpoint.every_steps > 0 || (step < total_steps && !stop_requested);
+    if (wants_checkpoint && step > 0 && step != r.checkpoint_step && save_checkpoint(&r, cfg) != 0) goto done;
     if (cfg->checkpoint.save_weights && !all_ranks_ok(world, !r.writes || save_weights(&r, cfg) == 0)) goto done;
     char took[32];
     format_duration(took, sizeof took, now_s() - t_start);

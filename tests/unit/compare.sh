@@ -4,7 +4,10 @@
 # must write compare.csv, compare.png and summary.txt, the CSV's gap columns must agree with its losses,
 # and the mean val-loss gap of fp8 vs bf16 over the last 10% of steps, computed here from compare.csv
 # (not read from the summary), must be below 1%. Then --resume: it reuses finished runs whatever --jobs, and
-# continues runs killed mid-way from their checkpoints to the uninterrupted result, byte for byte.
+# continues runs killed mid-way from their checkpoints to the uninterrupted result, byte for byte. Then --fork 15:
+# the trunk (bf16 to step 15, train.stop_after) and every arm from its checkpoint; the bf16 arm must be the
+# uninterrupted bf16 run step for step, bitwise (resume is bitwise), and the fp8 and null arms must share the
+# trunk's steps and part from it at step 16.
 # STEPS is FP8MOE_COMPARE_STEPS, default 300 (about 3.5 minutes on 2 cores, the two runs side by side).
 # On 2026-12-02 (seed 1234, tests/data text, configs/tiny-fp8.ini at lr 3e-4) fp8 ended -0.600% from bf16 in
 # val loss and -0.455% in training loss over steps 271-300, against a null spread (bf16 at lr x 1.0001) of
@@ -29,6 +32,10 @@ expect_usage compare "$TMP/nope.ini" "$TMP/nope.ini"
 expect_usage compare "unknown option --bogus" configs/tiny-fp8.ini --bogus
 expect_usage compare "expected section.key=value" configs/tiny-fp8.ini --set steps
 expect_usage compare "train.steps" configs/tiny-fp8.ini --set train.steps=0
+expect_usage compare "--fork 0: expected an integer from 1" configs/tiny-fp8.ini --fork 0
+expect_usage compare "--fork 30: expected a step before the last one (train.steps = 30)" configs/tiny-fp8.ini --steps 30 --fork 30
+expect_usage train "train.stop_after: 31 is more than train.steps = 30" configs/tiny-fp8.ini --set train.steps=30 \
+  --set train.stop_after=31
 "$BIN" help compare | grep -q "fp8moe compare JOB.ini" || fail "fp8moe help compare"
 [ "$failures" -eq 0 ] && echo "compare usage errors: passed"
 
@@ -95,7 +102,7 @@ CK=(configs/tiny-fp8.ini --steps 30 --jobs 2 --set data.text="$TEXT" --set data.
     --set checkpoint.every_steps=10)
 FP8MOE_FAULT=step:25 "$BIN" compare "${CK[@]}" --out "$TMP/ck" > "$TMP/ck1.log" 2>&1
 rc=$?
-[ $rc = 1 ] && [ -L "$TMP/ck/fp8-seed1234/latest" ] || fail "the killed compare: exit $rc (expected 1), latest:"; ls -la "$TMP/ck/fp8-seed1234"
+[ $rc = 1 ] && [ -L "$TMP/ck/fp8-seed1234/latest" ] || { fail "the killed compare: exit $rc (expected 1), latest:"; ls -la "$TMP/ck/fp8-seed1234"; }
 "$BIN" compare "${CK[@]}" --resume --out "$TMP/ck" > "$TMP/ck2.log" 2>&1 || fail "compare --resume after the kill:"; tail -5 "$TMP/ck2.log"
 [ "$(grep -c 'continuing from its checkpoint' "$TMP/ck2.log")" = 2 ] || fail "--resume did not continue both runs:"; grep '^compare' "$TMP/ck2.log"
 "$BIN" compare "${CK[@]}" --out "$TMP/ck-ref" > "$TMP/ck3.log" 2>&1 || fail "the uninterrupted 30-step compare"
@@ -104,4 +111,35 @@ if cmp -s "$TMP/ck/compare.csv" "$TMP/ck-ref/compare.csv"; then
 else
   fail "compare.csv after kill + --resume differs from the uninterrupted run's"
 fi
+
+# --fork 15 (the 30-step job above, with its checkpoints every 10 steps): trunk-seed1234 trains bf16 to step 15 and
+# stops with a checkpoint; the three arms start there
+"$BIN" compare "${CK[@]}" --fork 15 --null --out "$TMP/fork" > "$TMP/fork.log" 2>&1 || { fail "compare --fork 15:"; tail -8 "$TMP/fork.log"; }
+[ -d "$TMP/fork/trunk-seed1234/step_00000015" ] || fail "--fork 15: no trunk checkpoint step_00000015"
+[ "$(grep -c 'training from the trunk' "$TMP/fork.log")" = 3 ] || { fail "--fork: not every arm started from the trunk:"; grep '^compare' "$TMP/fork.log"; }
+python3 - "$TMP/fork" "$TMP/ck-ref" <<'PY' || fail "--fork 15: the arms against the trunk and the uninterrupted run (above)"
+import json, sys
+def steps(path):  # step -> the record's text fields that the arithmetic makes (loss, gradient norm, lr)
+    out = {}
+    for line in open(path):
+        r = json.loads(line)
+        if r.get("type") == "step":
+            out[r["step"]] = (repr(r["loss"]), repr(r["grad_norm"]), repr(r["lr"]))
+    return out
+fork, ref = sys.argv[1], sys.argv[2]
+trunk = steps(f"{fork}/trunk-seed1234/metrics.jsonl")
+bf16, fp8, null = (steps(f"{fork}/{a}-seed1234/metrics.jsonl") for a in ("bf16", "fp8", "bf16-null"))
+uninterrupted = steps(f"{ref}/bf16-seed1234/metrics.jsonl")
+assert sorted(trunk) == list(range(1, 16)), f"trunk steps {sorted(trunk)}"
+assert bf16 == uninterrupted, "the forked bf16 arm differs from the uninterrupted bf16 run: " + str(
+    [s for s in uninterrupted if bf16.get(s) != uninterrupted[s]][:5])
+for name, arm in (("fp8", fp8), ("bf16-null", null)):
+    assert sorted(arm) == list(range(1, 31)), f"{name}: steps {sorted(arm)}"
+    assert all(arm[s] == trunk[s] for s in range(1, 16)), f"{name}: steps 1-15 are not the trunk's"
+    assert arm[16] != bf16[16], f"{name}: step 16 equals bf16's: the arm did not take effect after the fork"
+print("compare --fork 15: bf16 arm bitwise the uninterrupted run (30 steps); fp8 and null arms hold the trunk's steps "
+      f"1-15 and part at step 16 (fp8 loss {fp8[16][0]} vs {bf16[16][0]}; null lr {null[16][2]} vs {bf16[16][2]})")
+PY
+"$BIN" compare "${CK[@]}" --fork 15 --null --resume --out "$TMP/fork" > "$TMP/fork2.log" 2>&1 || fail "compare --fork --resume"
+[ "$(grep -c 'reusing the finished run' "$TMP/fork2.log")" = 4 ] || { fail "--fork --resume did not reuse the trunk and 3 arms:"; grep '^compare' "$TMP/fork2.log"; }
 test_end
