@@ -443,6 +443,26 @@ typedef struct {
 
 static Run *run_at(const Compare *c, int arm, int k) { return &c->runs[k * c->n_arms + arm]; }
 
+// --resume: the run's directory holds a compare-job.ini equal to the run's config now.
+static int run_unchanged(const Run *r) {
+    char job_path[PATHN + 32];
+    snprintf(job_path, sizeof job_path, "%s/compare-job.ini", r->dir);
+    char *old = read_file(job_path);
+    int same = old && !strcmp(old, r->config_text);
+    free(old);
+    return same;
+}
+
+// --resume: every arm of seed k is finished and unchanged (its records are read into the runs).
+static int seed_finished(const Compare *c, int k) {
+    char err[512];
+    for (int a = 0; a < c->n_arms; a++) {
+        Run *r = run_at(c, a, k);
+        if (!run_unchanged(r) || read_metrics(r, c->steps, err, sizeof err) != 0 || !run_complete(r)) return 0;
+    }
+    return 1;
+}
+
 static const char *run_name(const Compare *c, const Run *r) { return r->arm < 0 ? "trunk" : c->arms[r->arm].name; }
 
 // compare.csv, with the column numbers (1-based) the plot script needs.
@@ -964,10 +984,14 @@ int compare_main(int argc, char **argv) {
                 failed = 1;
                 break;
             }
+            if (o.resume && r->arm < 0 && seed_finished(&c, r->seed_index)) {
+                r->state = 2;  // every fork of the seed is reused, so its trunk (and its checkpoint) is not needed
+                printf("compare: trunk seed %llu: not needed (--resume reuses every run of the seed)\n",
+                       (unsigned long long)r->seed);
+                continue;
+            }
             if (o.resume) {
-                char *old = read_file(job_path);
-                int same = old && !strcmp(old, r->config_text);
-                free(old);
+                int same = run_unchanged(r);
                 if (same && read_metrics(r, c.steps, err, sizeof err) == 0 &&
                     (r->arm < 0 ? trunk_usable(r) : run_complete(r))) {
                     r->state = 2;

@@ -4,6 +4,7 @@
 # docs/fp8.md ("Measuring FP8 against BF16") gives the method, docs/benchmarks.md the results.
 #
 #   bash tests/gpu/compare_study.sh [extra fp8moe compare arguments]
+#   e.g. STUDY_DIR=runs/fork500 bash tests/gpu/compare_study.sh --fork 500   (the resolving form, docs/fp8.md)
 #
 # Environment:
 #   BUILD      build directory (default build-gpu; fp8moe is (re)built there with tests/gpu/run.sh BUILD_ONLY=1)
