@@ -309,6 +309,9 @@ static int trunk_usable(const Run *trunk) {
     return run_complete(trunk) && stat(path, &st) == 0 && S_ISDIR(st.st_mode);
 }
 
+// 1 when the run has nothing left to train: an arm complete, a trunk complete with its checkpoint.
+static int run_finished(const Run *r) { return r->arm < 0 ? trunk_usable(r) : run_complete(r); }
+
 // Starts the run's child; one that continues from its checkpoint appends to its train.log and gets
 // `--resume latest`, a fork that starts gets `--resume` of its trunk's checkpoint (args holds two free
 // slots for it before the terminating NULL).
@@ -992,8 +995,7 @@ int compare_main(int argc, char **argv) {
             }
             if (o.resume) {
                 int same = run_unchanged(r);
-                if (same && read_metrics(r, c.steps, err, sizeof err) == 0 &&
-                    (r->arm < 0 ? trunk_usable(r) : run_complete(r))) {
+                if (same && read_metrics(r, c.steps, err, sizeof err) == 0 && run_finished(r)) {
                     r->state = 2;
                     finished += r->arm >= 0;
                     char done_at[24];
@@ -1065,8 +1067,7 @@ int compare_main(int argc, char **argv) {
         format_duration(took, sizeof took, now_s() - r->t0);
         snprintf(log, sizeof log, "%s/train.log", r->dir);
         int code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-        if (code == 0 && read_metrics(r, c.steps, err, sizeof err) == 0 &&
-            (r->arm < 0 ? trunk_usable(r) : run_complete(r))) {
+        if (code == 0 && read_metrics(r, c.steps, err, sizeof err) == 0 && run_finished(r)) {
             r->state = 2;
             finished += r->arm >= 0;
             char done_at[24];
