@@ -53,6 +53,7 @@ ROOTS=(/usr/share/doc/linux-doc-*/html /usr/share/doc/python3.*/html)
 [ ${#ROOTS[@]} -ge 2 ] || { echo "corpus.sh: expected the HTML of linux-doc-* and python3.*-doc under /usr/share/doc; found: ${ROOTS[*]:-none}" >&2; exit 1; }
 
 mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)  # absolute: the kernel loop below writes into $PLAIN from inside another directory
 PLAIN="$OUT/plain.tmp"  # the plain-text documents: kernel .txt files and Perl's POD as text
 rm -rf "$PLAIN"; mkdir -p "$PLAIN/kernel" "$PLAIN/perl"
 trap 'rm -rf "$PLAIN" "$OUT/corpus.txt.tmp"' EXIT
