@@ -15,6 +15,7 @@
 #   STUDY_DIR  the comparison's directory (default runs/cmp110m; `--resume` keeps its finished runs)
 #   MODES      default bf16,fp8,fp32 (the first is the baseline of every gap and of the null arm)
 #   SEEDS      default 3;  JOBS: runs at once on the GPU (default 1)
+#   NULL=0     leave out the null arm (default 1: --null), e.g. to add one mode's arm to a seed whose null arm exists
 #   PROBE=1    instead of the study, time 30 steps of each mode alone and then JOBS fp8 runs side by side
 #   STUDY_TIMEOUT  if set, compare is interrupted (SIGINT: no new run starts, the running ones stop) after so many
 #              seconds, so that the copy to $OUT below still happens inside a device call's time limit
@@ -29,6 +30,7 @@ SHARDS=${SHARDS:-data/prepared/debian-docs/shards}
 CORPUS_XZ=${CORPUS_XZ:-.gpudata/corpus.txt.xz}
 STUDY_DIR=${STUDY_DIR:-runs/cmp110m}
 MODES=${MODES:-bf16,fp8,fp32} SEEDS=${SEEDS:-3} JOBS=${JOBS:-1}
+NULL_ARG=--null; [ "${NULL:-1}" = 0 ] && NULL_ARG=
 say() { echo "compare_study: $(date -u +%H:%M:%S) $*"; }
 
 # always through run.sh: make is incremental, and run.sh unpacks the .debs libraries the binary is linked against
@@ -66,8 +68,8 @@ if [ -n "${STUDY_DEADLINE:-}" ]; then
   STUDY_TIMEOUT=$(( STUDY_DEADLINE - $(date +%s) ))
   [ "$STUDY_TIMEOUT" -gt 0 ] || { say "FAIL: STUDY_DEADLINE has passed before the comparison started"; exit 1; }
 fi
-say "fp8moe compare configs/compare-110m.ini --modes $MODES --seeds $SEEDS --null --jobs $JOBS --resume --no-plot --out $STUDY_DIR $*"
-${STUDY_TIMEOUT:+timeout -s INT -k 30 "$STUDY_TIMEOUT"} "$BUILD/fp8moe" compare configs/compare-110m.ini --modes "$MODES" --seeds "$SEEDS" --null --jobs "$JOBS" --resume --no-plot \
+say "fp8moe compare configs/compare-110m.ini --modes $MODES --seeds $SEEDS $NULL_ARG --jobs $JOBS --resume --no-plot --out $STUDY_DIR $*"
+${STUDY_TIMEOUT:+timeout -s INT -k 30 "$STUDY_TIMEOUT"} "$BUILD/fp8moe" compare configs/compare-110m.ini --modes "$MODES" --seeds "$SEEDS" $NULL_ARG --jobs "$JOBS" --resume --no-plot \
   --out "$STUDY_DIR" --set data.shards="$SHARDS" "$@"
 rc=$?
 say "compare exit $rc"
