@@ -23,9 +23,10 @@
  * GEMM different. An H200 running dense FP8 GEMMs back to back reaches its power limit and lowers its
  * clock, so sustained numbers (the default) are up to ~10% below those of a GPU that was idle a moment
  * before; --idle-ms N sleeps N ms before each measurement to show the latter (see docs/gpu.md).
- * The grouped section times the routed experts' Fprop as the model calls it, every expert's segment in one call,
- * through today's cuBLASLt path (fp8_gemm_fprop_grouped_bf16: one GEMM per segment) and fp8moe's own grouped kernel
- * (kernels/cuda/fp8_grouped_gemm.cu), in the same run on the same operands (--grouped-only: that section alone).
+ * The grouped section times the routed experts' BF16-output GEMMs (w1/w3 and w2 Fprop, w2 Dgrad) as the model calls
+ * them, every expert's segment in one call, through the cuBLASLt path (one GEMM per segment) and fp8moe's own grouped
+ * kernel (kernels/cuda/fp8_grouped_gemm.cu, the model's default), in the same run on the same operands
+ * (--grouped-only: that section alone).
  */
 #include "train/bench.h"
 #include "train/cli.h"
@@ -47,8 +48,9 @@ const char *const bench_gemm_usage =
     "      (default configs/bench-1gpu.ini); then quantiser bandwidth vs a device-to-device copy.\n"
     "      Median of N (default 50) timed runs after the warm-up (default 5). --idle-ms N: leave the GPU idle\n"
     "      N ms before each measurement (default 0: back to back, the GPU at its sustained power and clock).\n"
-    "      Then the routed experts' grouped Fprop (all experts in one call): cuBLASLt per segment vs fp8moe's own\n"
-    "      grouped kernel. --fixed-only: only the fixed shapes; --grouped-only: only the grouped Fprop.\n"
+    "      Then the routed experts' grouped GEMMs (w1/w3 and w2 Fprop, w2 Dgrad; all experts in one call): cuBLASLt\n"
+    "      per segment vs fp8moe's own grouped kernel. --fixed-only: only the fixed shapes; --grouped-only: only\n"
+    "      the grouped GEMMs.\n"
     "      Needs a CUDA build and a GPU.\n";
 
 #ifndef FP8MOE_CUDA
@@ -327,29 +329,33 @@ static void bench_quantisers(const Timer *t, Buffers *B, int R, int C) {
     }
 }
 
-// ---------------------------------------------------------------------------- grouped expert Fprop
-// The routed experts' Fprop of one micro-batch as the model calls it: T x top-k rows in E segments, every segment in
-// one call, for w1 (and w3: N = moe_inter_dim, K = dim) and w2 (N = dim, K = moe_inter_dim), routed uniformly (T k / E
-// rows per expert) and unevenly (lengths 0.4..1.6 x the mean, one expert empty, the same total). Columns: today's
-// cuBLASLt path (fp8_gemm_fprop_grouped_bf16: one GEMM per segment on 2 lanes), fp8moe's own kernel with the
-// activation tile multicast to 2 CTAs, and with one CTA per tile. TFLOPS = 2 rows N K / median time; "=lt" is the
-// share of output elements bitwise equal to cuBLASLt's and "max|d|" the largest difference over the largest |y|.
+// ---------------------------------------------------------------------------- grouped expert GEMMs
+// The routed experts' BF16-output GEMMs of one micro-batch as the model calls them: T x top-k rows in E segments,
+// every segment in one call: the Fprops of w1 (and w3: N = moe_inter_dim, K = dim) and of w2 (N = dim, K =
+// moe_inter_dim), and w2's Dgrad (dx (rows, moe_inter_dim) from dy (rows, dim)), routed uniformly (T k / E rows per
+// expert) and unevenly (lengths 0.4..1.6 x the mean, one expert empty, the same total). Columns: the cuBLASLt path
+// (one GEMM per segment on 2 lanes), fp8moe's own kernel with the activation tile multicast to 2 CTAs, and with one
+// CTA per tile (the model's default), each through kernels.h's call (the Dgrad's includes its scale transpose).
+// TFLOPS = 2 rows N K / median time; "=lt" is the share of output elements bitwise equal to cuBLASLt's and "max|d|"
+// the largest difference over the largest |y|.
 typedef struct {
-    int n_seg, N, K;
+    int n_seg, N, K, dgrad;  // the weights are (N, K); the Fprop's output has N columns, the Dgrad's K
     int rows0[FP8_MAX_SEGMENTS + 1];
     const uint8_t *qx;
     const float *sx;
-    const uint8_t *qw[FP8_MAX_SEGMENTS];
+    const uint8_t *qw[FP8_MAX_SEGMENTS];  // the Dgrad's: the transposed codes
     const float *sw[FP8_MAX_SEGMENTS];
     uint16_t *y;
 } GroupedRun;
 
-static void grouped_cublaslt(const GroupedRun *g) {
-    fp8_gemm_fprop_grouped_bf16(DEVICE_CUDA, g->y, g->qx, g->sx, g->qw, g->sw, g->n_seg, g->rows0, g->N, g->K);
+static void grouped_call(const GroupedRun *g, int own) {
+    const int previous = cuda_fp8_grouped_gemm_use_own(own);
+    if (g->dgrad) fp8_gemm_dgrad_grouped_bf16(DEVICE_CUDA, g->y, g->qx, g->sx, g->qw, g->sw, g->n_seg, g->rows0, g->N, g->K);
+    else fp8_gemm_fprop_grouped_bf16(DEVICE_CUDA, g->y, g->qx, g->sx, g->qw, g->sw, g->n_seg, g->rows0, g->N, g->K);
+    cuda_fp8_grouped_gemm_use_own(previous);
 }
-static void grouped_own(const GroupedRun *g) {
-    cuda_fp8_grouped_fprop_bf16(g->y, g->qx, g->sx, g->qw, g->sw, g->n_seg, g->rows0, g->N, g->K);
-}
+static void grouped_cublaslt(const GroupedRun *g) { grouped_call(g, 0); }
+static void grouped_own(const GroupedRun *g) { grouped_call(g, 1); }
 
 // Median milliseconds of one call of fn, as median_ms.
 static double grouped_median_ms(const Timer *t, void (*fn)(const GroupedRun *), const GroupedRun *g) {
@@ -403,14 +409,14 @@ static void bench_grouped(const Timer *t, const Config *cfg) {
     const int E = cfg->moe.n_routed_experts, topk = cfg->moe.n_activated_experts, I = cfg->moe.moe_inter_dim;
     const int D = cfg->model.dim, T = cfg->train.micro_batch_size * cfg->train.seq_len;
     if (E < 1 || E > FP8_MAX_SEGMENTS || topk < 1 || I < 1) {
-        printf("\ngrouped expert Fprop: skipped (the job has %d routed experts, top-%d; expected 1..%d experts)\n", E, topk,
-               FP8_MAX_SEGMENTS);
+        printf("\ngrouped expert GEMMs: skipped (the job has %d routed experts, top-%d; expected 1..%d experts)\n", E,
+               topk, FP8_MAX_SEGMENTS);
         return;
     }
     const int rows = T * topk, Kmax = D > I ? D : I, Kp = ceil128(Kmax), Np = ceil128(Kmax);
     const size_t P16 = (size_t)rows + 16 * (size_t)E;  // the most rows a segment split pads to
     float *x = dalloc((size_t)rows * Kmax * sizeof(float)), *w = dalloc((size_t)E * I * D * sizeof(float));
-    uint8_t *qx = dalloc(P16 * Kp), *qw = dalloc((size_t)E * Np * Kp);
+    uint8_t *qx = dalloc(P16 * Kp), *qw = dalloc((size_t)E * Np * Kp), *qwt = dalloc((size_t)E * Np * Kp);
     float *sx = dalloc(P16 * (Kp / 128) * sizeof(float)), *sw = dalloc((size_t)E * (Np / 128) * (Kp / 128 + 4) * sizeof(float));
     const size_t y_elems = (size_t)bf16_rows_elems(rows, Kmax);
     uint16_t *y = dalloc(y_elems * sizeof(uint16_t));
@@ -421,27 +427,31 @@ static void bench_grouped(const Timer *t, const Config *cfg) {
     }
     fill_random(x, (size_t)rows * Kmax, 24680);
     fill_random(w, (size_t)E * I * D, 13579);
-    printf("\ngrouped expert Fprop: %d experts of one micro-batch (%d tokens x top-%d = %d rows) in one call, BF16 "
+    printf("\ngrouped expert GEMMs: %d experts of one micro-batch (%d tokens x top-%d = %d rows) in one call, BF16 "
            "output; TFLOPS = 2 rows N K / median time; own kernel on up to %d CTAs (multicast: %d)\n", E, T, topk, rows,
            cuda_fp8_grouped_gemm_max_ctas(0), cuda_fp8_grouped_gemm_max_ctas(1));
-    printf("%-13s %-8s %22s | %9s %9s %9s | %8s %8s %10s | %9s %9s\n", "shape", "routing", "rows x N x K", "cuBLASLt",
+    printf("%-17s %-8s %22s | %9s %9s %9s | %8s %8s %10s | %9s %9s\n", "GEMM", "routing", "rows x N x K", "cuBLASLt",
            "own mcast", "own 1cta", "own/LT", "=lt", "max|d|", "LT ms", "own ms");
     char err[256];
-    for (int shape = 0; shape < 2; shape++) {
+    static const char *names[3] = {"expert w1,w3", "expert w2", "expert w2 Dgrad"};
+    for (int shape = 0; shape < 3; shape++) {
         GroupedRun g;
         memset(&g, 0, sizeof g);
-        g.n_seg = E, g.N = shape == 0 ? I : D, g.K = shape == 0 ? D : I, g.qx = qx, g.sx = sx, g.y = y;
+        g.n_seg = E, g.N = shape == 0 ? I : D, g.K = shape == 0 ? D : I, g.dgrad = shape == 2;
+        g.qx = qx, g.sx = sx, g.y = y;
+        const int out_cols = g.dgrad ? g.K : g.N, contraction = g.dgrad ? g.N : g.K;
         const int NB = (g.N + 127) / 128, KB = (g.K + 127) / 128, KB4 = (KB + 3) / 4 * 4;
         const int64_t wq = (int64_t)NB * 128 * KB * 128, ws = (int64_t)NB * KB4;
-        quantise_or_die(fp8_quantize_128x128_batched(DEVICE_CUDA, qw, NULL, sw, w, E, g.N, g.K, err, sizeof err), "W", err);
-        for (int e = 0; e < E; e++) g.qw[e] = qw + e * wq, g.sw[e] = sw + e * ws;
+        quantise_or_die(fp8_quantize_128x128_batched(DEVICE_CUDA, qw, g.dgrad ? qwt : NULL, sw, w, E, g.N, g.K, err,
+                                                     sizeof err), "W", err);
+        for (int e = 0; e < E; e++) g.qw[e] = (g.dgrad ? qwt : qw) + e * wq, g.sw[e] = sw + e * ws;
         for (int uneven = 0; uneven < 2; uneven++) {
             grouped_rows0(g.rows0, E, rows, uneven);
-            quantise_or_die(fp8_quantize_1x128_grouped(DEVICE_CUDA, qx, sx, x, NULL, E, g.rows0, g.K, err, sizeof err),
-                            "X", err);
+            quantise_or_die(fp8_quantize_1x128_grouped(DEVICE_CUDA, qx, sx, x, NULL, E, g.rows0, contraction, err,
+                                                       sizeof err), "X", err);
             const double flop = 2.0 * rows * g.N * g.K;
             const double lt_ms = grouped_median_ms(t, grouped_cublaslt, &g);
-            const size_t y_bytes = (size_t)bf16_rows_elems(rows, g.N) * sizeof(uint16_t);
+            const size_t y_bytes = (size_t)bf16_rows_elems(rows, out_cols) * sizeof(uint16_t);
             BENCH_CHECK(cudaMemcpy(h_lt, y, y_bytes, cudaMemcpyDeviceToHost));
             const int previous = cuda_fp8_grouped_gemm_multicast(1);
             const double mc_ms = grouped_median_ms(t, grouped_own, &g);
@@ -450,19 +460,18 @@ static void bench_grouped(const Timer *t, const Config *cfg) {
             const double one_ms = grouped_median_ms(t, grouped_own, &g);
             cuda_fp8_grouped_gemm_multicast(previous);
             double equal, rel;
-            grouped_compare(h_own, h_lt, rows, g.N, (int)bf16_rows_ld(g.N), &equal, &rel);
+            grouped_compare(h_own, h_lt, rows, out_cols, (int)bf16_rows_ld(out_cols), &equal, &rel);
             const double best = mc_ms < one_ms ? mc_ms : one_ms;
             char dims[40];
-            snprintf(dims, sizeof dims, "%d x %d x %d", rows, g.N, g.K);
-            printf("%-13s %-8s %22s | %9.1f %9.1f %9.1f | %7.2fx %7.3f%% %10.2e | %9.4f %9.4f\n",
-                   shape == 0 ? "expert w1,w3" : "expert w2", uneven ? "uneven" : "uniform", dims,
-                   flop / (lt_ms * 1e-3) * 1e-12, flop / (mc_ms * 1e-3) * 1e-12, flop / (one_ms * 1e-3) * 1e-12,
-                   lt_ms / best, 100.0 * equal, rel, lt_ms, best);
+            snprintf(dims, sizeof dims, "%d x %d x %d", rows, out_cols, contraction);
+            printf("%-17s %-8s %22s | %9.1f %9.1f %9.1f | %7.2fx %7.3f%% %10.2e | %9.4f %9.4f\n", names[shape],
+                   uneven ? "uneven" : "uniform", dims, flop / (lt_ms * 1e-3) * 1e-12, flop / (mc_ms * 1e-3) * 1e-12,
+                   flop / (one_ms * 1e-3) * 1e-12, lt_ms / best, 100.0 * equal, rel, lt_ms, best);
             fflush(stdout);
         }
     }
     free(h_lt), free(h_own);
-    void *bufs[] = {x, w, qx, qw, sx, sw, y};
+    void *bufs[] = {x, w, qx, qw, qwt, sx, sw, y};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) BENCH_CHECK(cudaFree(bufs[i]));
 }
 

@@ -1,18 +1,19 @@
 /*
- * fp8_grouped_gemm.cu - fp8moe's own grouped FP8 Fprop for the routed experts: Y_g = X_g W_g^T for every expert
+ * fp8_grouped_gemm.cu - fp8moe's own grouped FP8 GEMM for the routed experts: Y_g = X_g W_g^T for every expert
  * segment g in one persistent Hopper kernel, with DeepSeek-V3's promotion (each 128-deep K block's tensor-core sum
  * is scaled by its 1x128 activation scale and its 128x128 weight-block scale as it is added to FP32 accumulators
  * held in registers). The interface is fp8_grouped_gemm.h; the operands and the BF16 output are exactly those of
- * kernels.h's fp8_gemm_fprop_grouped_bf16, whose cuBLASLt path (gemm.cu) runs one GEMM per expert.
+ * kernels.h's fp8_gemm_fprop_grouped_bf16 and, with the transposed weights, fp8_gemm_dgrad_grouped_bf16, which gemm.cu
+ * runs here (or, with FP8MOE_GROUPED_GEMM=cublaslt, as one cuBLASLt GEMM per expert).
  *
- * Why: cuBLASLt has no grouped block-scaled FP8 GEMM, so the experts' Fprops are one GEMM per expert and Linear
+ * Why: cuBLASLt has no grouped block-scaled FP8 GEMM, so the experts' GEMMs were one GEMM per expert and Linear
  * (issue 23). One launch over all segments' tiles keeps every SM busy across segment boundaries and pays no launch
  * per segment. Measured on an H200 (docs/benchmarks.md, 2026-12-01): at the bench-1gpu expert shapes it runs at
  * 0.95x cuBLASLt's per-segment path with uniform routing and 1.02-1.07x with uneven routing, bitwise equal to it.
  * ncu: the tensor pipe is active about 50% of the time, L2 at 69% of its peak; 256-row tiles and products split
  * into two m64n64 halves per block were tried and were slower (the benchmarks page). Not done yet: BLOCK_N > 128
  * (acc + fin of m64n256 exceed the registers; BLOCK_N = 192 needs the two weight-scale blocks DeepGEMM handles),
- * the Dgrad and Wgrad forms.
+ * the Wgrad form.
  *
  * Tiles: 128 output rows (tokens of one segment) x 128 output columns (one weight block row nb) x the whole K, in
  * K blocks of 128 (one scale of each operand per row and block). A segment's last row tile may run past its rows:
@@ -225,7 +226,7 @@ __device__ __forceinline__ void unit_coords(const GroupedParams &p, int u, int &
 
 // ---------------------------------------------------------------------------- the kernel
 template <int CLUSTER>
-__global__ void __launch_bounds__(THREADS, 1) fp8_grouped_fprop_kernel(const __grid_constant__ GroupedParams p) {
+__global__ void __launch_bounds__(THREADS, 1) fp8_grouped_gemm_kernel(const __grid_constant__ GroupedParams p) {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const uint32_t raw = smem_u32(smem_raw), base = (raw + 1023u) & ~1023u;
     unsigned char *smem = smem_raw + (base - raw);
@@ -401,15 +402,15 @@ static void runtime_init(const char *op) {
         grouped_fail(__LINE__, op, "the driver has no cuTensorMapEncodeTiled (query result %d) - expected a CUDA 12+ "
                                    "driver", (int)found);
     rt.encode = (EncodeTiledFn)fn;
-    CUDA_CHECK(cudaFuncSetAttribute(fp8_grouped_fprop_kernel<1>, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES));
-    CUDA_CHECK(cudaFuncSetAttribute(fp8_grouped_fprop_kernel<2>, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES));
+    CUDA_CHECK(cudaFuncSetAttribute(fp8_grouped_gemm_kernel<1>, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES));
+    CUDA_CHECK(cudaFuncSetAttribute(fp8_grouped_gemm_kernel<2>, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES));
     cudaLaunchConfig_t cfg = {};
     cudaLaunchAttribute attr;
     attr.id = cudaLaunchAttributeClusterDimension;
     attr.val.clusterDim.x = 2, attr.val.clusterDim.y = 1, attr.val.clusterDim.z = 1;
     cfg.gridDim = dim3(2 * rt.sms), cfg.blockDim = dim3(THREADS), cfg.dynamicSmemBytes = SMEM_BYTES;
     cfg.attrs = &attr, cfg.numAttrs = 1;
-    CUDA_CHECK(cudaOccupancyMaxActiveClusters(&rt.clusters2, fp8_grouped_fprop_kernel<2>, &cfg));
+    CUDA_CHECK(cudaOccupancyMaxActiveClusters(&rt.clusters2, fp8_grouped_gemm_kernel<2>, &cfg));
     rt.ready = 1;
 }
 
@@ -439,9 +440,9 @@ static void launch(GroupedParams &p, int cluster) {
     cfg.gridDim = dim3((unsigned)(cluster * (n_units < max_clusters ? n_units : max_clusters)));
     cfg.blockDim = dim3(THREADS), cfg.dynamicSmemBytes = SMEM_BYTES, cfg.stream = 0;
     cfg.attrs = &attr, cfg.numAttrs = cluster > 1 ? 1 : 0;
-    if (cluster == 1) CUDA_CHECK(cudaLaunchKernelEx(&cfg, fp8_grouped_fprop_kernel<1>, p));
-    else CUDA_CHECK(cudaLaunchKernelEx(&cfg, fp8_grouped_fprop_kernel<2>, p));
-    CUDA_CHECK_LAUNCH("fp8_grouped_fprop_kernel");
+    if (cluster == 1) CUDA_CHECK(cudaLaunchKernelEx(&cfg, fp8_grouped_gemm_kernel<1>, p));
+    else CUDA_CHECK(cudaLaunchKernelEx(&cfg, fp8_grouped_gemm_kernel<2>, p));
+    CUDA_CHECK_LAUNCH("fp8_grouped_gemm_kernel");
 }
 
 }  // namespace
@@ -457,9 +458,9 @@ extern "C" int cuda_fp8_grouped_gemm_multicast(int enable) {
     return previous;
 }
 
-extern "C" void cuda_fp8_grouped_fprop_bf16(uint16_t *y, const uint8_t *qx, const float *sx, const uint8_t *const *qw,
-                                            const float *const *sw, int n_seg, const int *rows0, int N, int K) {
-    static const char op[] = "cuda_fp8_grouped_fprop_bf16";
+extern "C" void cuda_fp8_grouped_gemm_bf16(uint16_t *y, const uint8_t *qx, const float *sx, const uint8_t *const *qw,
+                                           const float *const *sw, int n_seg, const int *rows0, int N, int K) {
+    static const char op[] = "cuda_fp8_grouped_gemm_bf16";
     const SegTable seg = seg_table(op, n_seg, rows0);
     if (seg.rows0[n_seg] == 0 || N <= 0 || K <= 0) return;
     runtime_init(op);

@@ -1,9 +1,10 @@
 /*
- * fp8_grouped_gemm.h - fp8moe's own grouped FP8 Fprop for the routed experts (kernels/cuda/fp8_grouped_gemm.cu):
+ * fp8_grouped_gemm.h - fp8moe's own grouped FP8 GEMM for the routed experts (kernels/cuda/fp8_grouped_gemm.cu):
  * every expert's Y_g = X_g W_g^T in one persistent Hopper kernel (wgmma, TMA), instead of one cuBLASLt GEMM per
- * expert (gemm.cu). Same operands, same output and the same promotion arithmetic as kernels.h's
- * fp8_gemm_fprop_grouped_bf16; not wired into the model yet (train/linear.c decides that), timed beside cuBLASLt by
- * `fp8moe bench gemm` and checked against the CPU reference by tests/gpu/test_gpu_grouped_gemm.c.
+ * expert. gemm.cu runs kernels.h's fp8_gemm_fprop_grouped_bf16 (W_g the weight) and fp8_gemm_dgrad_grouped_bf16
+ * (W_g the weight's transposed codes, its scales transposed) on it unless FP8MOE_GROUPED_GEMM=cublaslt
+ * (cuda_fp8_grouped_gemm_use_own, gemm.h); `fp8moe bench gemm` times it beside cuBLASLt and
+ * tests/gpu/test_gpu_grouped_gemm.c checks both forms against the CPU reference and cuBLASLt.
  *
  * All pointers are device pointers except the host arrays qw, sw and rows0; everything runs on the default stream.
  */
@@ -18,7 +19,7 @@ extern "C" {
 
 // y (rows0[n_seg] + 15 rows, row stride round_up(N, 128), BF16 bits) = for each segment g, rows rows0[g] ..
 // rows0[g+1]-1: X_g W_g^T rounded to BF16 (RNE), columns N .. round_up(N, 128)-1 of those rows 0. Only those rows are
-// written (the 15 scratch rows that fp8_gemm_fprop_grouped_bf16's contract allows it to write are left alone).
+// written (the 15 scratch rows that kernels.h's *_grouped_bf16 contract allows it to write are left alone).
 //   qx, sx: the grouped 1x128 operand of x (rows0[n_seg], K) (fp8_quantize_1x128_grouped): segment g's rows at
 //           qx + Kp P16_g (T16_g rows of Kp bytes), its scales at sx + KB P16_g as [KB][T16_g]
 //           (P16_g = sum_{h<g} 16 ceil(T_h / 16), KB = ceil(K / 128), Kp = 128 KB);
@@ -30,8 +31,8 @@ extern "C" {
 // kb = 0, 1, ... in order from acc = 0; y = bf16(acc). Deterministic: every element has one owner and one order, no
 // atomics. Needs a compute capability 9.0 GPU (sm_90a code) and 16-byte aligned qx, sx, y, qw[g], sw[g]; stops the
 // process naming the argument otherwise.
-void cuda_fp8_grouped_fprop_bf16(uint16_t *y, const uint8_t *qx, const float *sx, const uint8_t *const *qw,
-                                 const float *const *sw, int n_seg, const int *rows0, int N, int K);
+void cuda_fp8_grouped_gemm_bf16(uint16_t *y, const uint8_t *qx, const float *sx, const uint8_t *const *qw,
+                                const float *const *sw, int n_seg, const int *rows0, int N, int K);
 
 // Whether the kernel may run as clusters of two CTAs that share each X tile through TMA multicast (used when the
 // weight has an even number of 128-column blocks); 0, the default, runs one CTA per tile (the multicast form measured

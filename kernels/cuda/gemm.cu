@@ -62,6 +62,7 @@
 
 #include "kernels/cuda/cuda_ops.h"
 #include "kernels/cuda/common.cuh"
+#include "kernels/cuda/fp8_grouped_gemm.h"
 #include "kernels/cuda/gemm.h"
 
 static void lt_check_at(cublasStatus_t status, const char *call, const char *file, int line) {
@@ -932,20 +933,69 @@ extern "C" void cuda_fp8_gemm_fprop_grouped(real *y, const real *residual, const
                       residual);
 }
 
-// kernels.h fp8_gemm_fprop_grouped_bf16 and fp8_gemm_dgrad_grouped_bf16: the GEMMs straight into the BF16 array
-// (fp8_gemm_segments' out_bf16; cuBLASLt's pointers stay 16-byte aligned, the row stride being a multiple of 128).
+// ---------------------------------------------------------------------------- the BF16-output grouped GEMMs
+// kernels.h fp8_gemm_fprop_grouped_bf16 and fp8_gemm_dgrad_grouped_bf16 (the routed experts' w1/w3 and w2 Fprops, w2's
+// Dgrad) run on fp8moe's own grouped kernel (fp8_grouped_gemm.cu: every segment in one persistent launch) or, with
+// FP8MOE_GROUPED_GEMM=cublaslt, as one cuBLASLt GEMM per segment on the lanes (fp8_gemm_segments' out_bf16). Both
+// compute each 128-deep block's tensor-core sum and promote it as fma(P, s_x s_w, acc) in block order, and give the
+// same bits (tests/gpu/test_gpu_grouped_gemm.c checks this for both forms); the own kernel is the default because it
+// pays no launch per segment and keeps the SMs busy across segments (docs/benchmarks.md).
+static int own_grouped = -1;  // -1: not yet read from FP8MOE_GROUPED_GEMM
+
+static bool grouped_gemm_is_own(void) {
+    if (own_grouped >= 0) return own_grouped;
+    const char *env = getenv("FP8MOE_GROUPED_GEMM");
+    if (env == NULL || !strcmp(env, "own")) own_grouped = 1;
+    else if (!strcmp(env, "cublaslt")) own_grouped = 0;
+    else {
+        fprintf(stderr, "%s:%d: FP8MOE_GROUPED_GEMM = '%s' - expected own (the default) or cublaslt (which kernel runs "
+                        "the routed experts' BF16-output FP8 GEMMs; docs/gpu.md)\n", __FILE__, __LINE__, env);
+        exit(1);
+    }
+    return own_grouped;
+}
+
+extern "C" int cuda_fp8_grouped_gemm_use_own(int enable) {
+    const int previous = grouped_gemm_is_own();
+    own_grouped = enable != 0;
+    return previous;
+}
+
 extern "C" void cuda_fp8_gemm_fprop_grouped_bf16(uint16_t *y, const uint8_t *qx, const float *sx,
                                                  const uint8_t *const *qw, const float *const *sw, int n_seg,
                                                  const int *rows0, int N, int K) {
+    if (grouped_gemm_is_own()) {
+        cuda_fp8_grouped_gemm_bf16(y, qx, sx, qw, sw, n_seg, rows0, N, K);
+        return;
+    }
     fp8_gemm_segments("fp8_gemm_fprop_grouped_bf16", false, NULL, false, NULL, N, K, 1, &qx, &sx, &qw, &sw, n_seg,
                       rows0, N, K, NULL, y);
 }
 
+// The own kernel computes dx_g = dy_g (W_g^T)^T from the transposed codes qwt[g] (K, N) and their block scales
+// transposed to (KB, NB4), which is the layout fp8_quantize_128x128 gives a (K, N) matrix: one launch transposes the
+// scales of every weight with rows (transpose_block_scales), as cuBLASLt's Dgrad does.
 extern "C" void cuda_fp8_gemm_dgrad_grouped_bf16(uint16_t *dx, const uint8_t *qdy, const float *sdy,
                                                  const uint8_t *const *qwt, const float *const *sw, int n_seg,
                                                  const int *rows0, int N, int K) {
-    fp8_gemm_segments("fp8_gemm_dgrad_grouped_bf16", true, NULL, false, NULL, K, N, 1, &qdy, &sdy, &qwt, &sw, n_seg,
-                      rows0, N, K, NULL, dx);
+    static const char op[] = "fp8_gemm_dgrad_grouped_bf16";
+    if (!grouped_gemm_is_own()) {
+        fp8_gemm_segments(op, true, NULL, false, NULL, K, N, 1, &qdy, &sdy, &qwt, &sw, n_seg, rows0, N, K, NULL, dx);
+        return;
+    }
+    const SegTable seg = seg_table(op, n_seg, rows0);
+    if (seg.rows0[n_seg] == 0 || N <= 0 || K <= 0) return;
+    ctx_init();
+    const float *used[FP8_MAX_SEGMENTS];  // the scales of the weights with rows (empty segments' may be NULL)
+    int n_w = 0;
+    for (int g = 0; g < n_seg; g++)
+        if (rows0[g + 1] > rows0[g]) used[n_w++] = sw[g];
+    const int64_t stride = scale_t_stride(N, K);
+    float *swt = (float *)cuda_scratch(&ctx.scale_t, sizeof(float) * (size_t)(stride * n_w));
+    transpose_block_scales(swt, used, n_w, N, K);
+    const float *swt_of[FP8_MAX_SEGMENTS];
+    for (int g = 0, w = 0; g < n_seg; g++) swt_of[g] = rows0[g + 1] > rows0[g] ? swt + w++ * stride : NULL;
+    cuda_fp8_grouped_gemm_bf16(dx, qdy, sdy, qwt, swt_of, n_seg, rows0, K, N);
 }
 
 extern "C" void cuda_fp8_gemm_dgrad_grouped(real *dx, GradStore store, const DgradUnpermute *unpermute, int n_mats,

@@ -1,28 +1,31 @@
 /*
- * test_gpu_grouped_gemm.c - fp8moe's own grouped FP8 Fprop (kernels/cuda/fp8_grouped_gemm.cu,
- * cuda_fp8_grouped_fprop_bf16) against the CPU reference of the same FP8 operands (kernels/cpu/fp8.c through
- * fp8_gemm_fprop_grouped_bf16 on DEVICE_CPU) and against today's cuBLASLt path (the same call on DEVICE_CUDA: one
- * GEMM per segment), with and without the TMA multicast of the activation tile. Runs only on a Hopper GPU
- * (tests/gpu/run.sh); with no visible GPU it FAILS.
+ * test_gpu_grouped_gemm.c - fp8moe's own grouped FP8 GEMM (kernels/cuda/fp8_grouped_gemm.cu), in both forms the model
+ * runs on it: kernels.h's fp8_gemm_fprop_grouped_bf16 and fp8_gemm_dgrad_grouped_bf16 (the weights' transposed codes
+ * and scales), each called through kernels.h with the own kernel selected (cuda_fp8_grouped_gemm_use_own(1), the
+ * default) against the CPU reference of the same FP8 operands (the same call on DEVICE_CPU, kernels/cpu/fp8.c) and
+ * against the cuBLASLt path (use_own(0): one GEMM per segment), with and without the TMA multicast of the activation
+ * tile. Runs only on a Hopper GPU (tests/gpu/run.sh); with no visible GPU it FAILS.
  *
  * Inputs are fresh random values every run (the seed is printed; FP8MOE_TEST_SEED=<n> repeats a run): non-zero,
  * random signs, magnitudes spread over 8 binades, so tiles have different scales and E4M3 subnormals occur. They are
  * quantised by the CUDA quantisers (bit-identical to the CPU's: test_gpu_fp8) and the CPU and both GPU GEMMs read
  * the same bytes. Segment lengths are uneven: empty segments, lengths that are not multiples of 128 or of 16, a
  * segment of one row, segments longer than one row tile, N and K that are not multiples of 128 (padded blocks), odd
- * and even numbers of weight column blocks (the multicast runs only for even ones), the bench-1gpu expert shapes
- * (N x K = 1024 x 2048 and 2048 x 1024, 32 segments), and more non-empty segments than one launch takes (80).
+ * and even numbers of output column blocks (the multicast runs only for even ones), the bench-1gpu expert shapes
+ * (w1,w3 and w2 Fprop, w2 Dgrad; 32 segments), and more non-empty segments than one launch takes (80).
  *
- * Tolerance, per output element, |own - cpu| <= (2^-10 + 4 KB 2^-24) S (1 + 2^-7) + ulp_bf16(max(|own|, |cpu|)):
- * both compute sum over K blocks of P_kb s_x s_w from the same E4M3 values and scales. The CPU's P_kb is exact (then
+ * Tolerance, per output element, |own - cpu| <= (2^-10 + 4 KB 2^-24) S (1 + 2^-7) + ulp_bf16(max(|own|, |cpu|))
+ * (KB: the contraction's 128-blocks): both compute sum over K blocks of P_kb s_x s_w from the same E4M3 values and
+ * scales. The CPU's P_kb is exact (then
  * rounded to FP32); the tensor cores add a block's 128 products with reduced precision, within 2^-10 of S = sum_k
  * |a_k s_a b_k s_b| (DESIGN.md section 4, the bound cuBLASLt's path is held to in test_gpu_fp8). The promotion
  * (CPU: acc + (P s_x) s_w; here fma(P, s_x s_w, acc)) differs by a few FP32 roundings per block, within 4 KB 2^-24
  * S. Both round their FP32 result to BF16 (half an ulp each, so one ulp of the larger between them). S itself is
- * computed by the CPU GEMM on |a| and |b| (sign bits cleared), which rounds it to BF16 (hence the 1 + 2^-7). Against
- * cuBLASLt both sides carry the tensor-core term: twice the first term. Columns N.. of a row must be 0 exactly, the
+ * computed by the same CPU GEMM on |a| and |b| (sign bits cleared) in BF16 (hence the 1 + 2^-7). Against cuBLASLt
+ * both sides carry the tensor-core term: twice the first term. Columns N.. of a row must be 0 exactly, the
  * 15 rows after the last must be untouched (poison), and the share of elements bitwise equal to the CPU's and to
- * cuBLASLt's is printed (with the same tensor-core sums and promotion order most agree exactly).
+ * cuBLASLt's is printed (with the same tensor-core sums and promotion order most agree exactly), and the own kernel
+ * must equal cuBLASLt bit for bit (the model's bits do not depend on which kernel runs, FP8MOE_GROUPED_GEMM).
  * Determinism: each variant runs twice into freshly poisoned outputs; the results must be bitwise identical, and the
  * multicast and single-CTA variants must agree bit for bit (same products, same order).
  */
@@ -41,6 +44,7 @@
 #include <time.h>
 
 #include "kernels/cuda/fp8_grouped_gemm.h"
+#include "kernels/cuda/gemm.h"
 #include "kernels/kernels.h"
 #include "tests/gpu/gpucheck.h"
 #include "unit/opcheck.h"
@@ -82,7 +86,8 @@ typedef struct {
     int n_seg;
     const int *lengths;  // n_seg lengths; NULL: random in [lo, hi], segment 1 empty, segment 2 of 77 rows
     int lo, hi;
-    int N, K;
+    int N, K;   // the weights (N, K)
+    int dgrad;  // 0: Fprop y (T, N) = x W^T; 1: Dgrad dx (T, K) = dy W
 } Case;
 
 // The segments' row offsets (n + 1 entries).
@@ -97,50 +102,55 @@ static void case_rows0(const Case *c, uint64_t seed, int *rows0) {
     }
 }
 
-// The FP8 operands of one case on both sides: the device ones (CUDA quantisers) and their host copies.
+// The FP8 operands of one case on both sides: the device ones (CUDA quantisers) and their host copies. The GEMM
+// reads a (T, C) 1x128 operand and the weights' codes (the Dgrad's: transposed) and writes O columns.
 typedef struct {
-    int n, T, P16, N, K, KB, Kp, NB, Np, KB4;
+    int n, T, P16, N, K, dgrad;
+    int C, CB, Cp, O, Op;  // contraction, its 128-blocks and padded length; output columns and their row stride
     int rows0[FP8_MAX_SEGMENTS + 1];
     uint8_t *qx_d, *qx;
     float *sx_d, *sx;
-    const uint8_t *qw_d[FP8_MAX_SEGMENTS], *qw[FP8_MAX_SEGMENTS];
+    const uint8_t *qw_d[FP8_MAX_SEGMENTS], *qw[FP8_MAX_SEGMENTS];  // the codes the GEMM reads
     const float *sw_d[FP8_MAX_SEGMENTS], *sw[FP8_MAX_SEGMENTS];
+    uint8_t *codes_d[FP8_MAX_SEGMENTS][2];  // both code layouts on the device, for freeing
 } Operands;
 
 static void operands_make(Operands *o, const Case *c, uint64_t seed) {
     memset(o, 0, sizeof *o);
-    o->n = c->n_seg, o->N = c->N, o->K = c->K;
+    o->n = c->n_seg, o->N = c->N, o->K = c->K, o->dgrad = c->dgrad;
+    o->C = c->dgrad ? c->N : c->K, o->O = c->dgrad ? c->K : c->N;
     case_rows0(c, seed, o->rows0);
     o->T = o->rows0[o->n];
     for (int g = 0; g < o->n; g++) o->P16 += ceil_div(o->rows0[g + 1] - o->rows0[g], 16) * 16;
-    o->KB = ceil_div(c->K, FP8_TILE), o->Kp = o->KB * FP8_TILE, o->KB4 = (o->KB + 3) / 4 * 4;
-    o->NB = ceil_div(c->N, FP8_TILE), o->Np = o->NB * FP8_TILE;
+    o->CB = ceil_div(o->C, FP8_TILE), o->Cp = o->CB * FP8_TILE, o->Op = ceil_div(o->O, FP8_TILE) * FP8_TILE;
     char err[256] = "";
 
-    float *x = gpucheck_malloc((size_t)o->T * c->K * sizeof(float));
-    fill_log_uniform(x, (int64_t)o->T * c->K, seed + 1, -6.0, 2.0);
-    float *x_d = device_alloc(DEVICE_CUDA, (size_t)o->T * c->K * sizeof(float) + 16);
-    device_memcpy_from_host(DEVICE_CUDA, x_d, x, (size_t)o->T * c->K * sizeof(float));
-    const size_t qx_bytes = (size_t)o->P16 * o->Kp, sx_bytes = (size_t)o->KB * o->P16 * sizeof(float);
+    float *x = gpucheck_malloc((size_t)o->T * o->C * sizeof(float));
+    fill_log_uniform(x, (int64_t)o->T * o->C, seed + 1, -6.0, 2.0);
+    float *x_d = device_alloc(DEVICE_CUDA, (size_t)o->T * o->C * sizeof(float) + 16);
+    device_memcpy_from_host(DEVICE_CUDA, x_d, x, (size_t)o->T * o->C * sizeof(float));
+    const size_t qx_bytes = (size_t)o->P16 * o->Cp, sx_bytes = (size_t)o->CB * o->P16 * sizeof(float);
     o->qx_d = device_alloc(DEVICE_CUDA, qx_bytes + 16), o->sx_d = device_alloc(DEVICE_CUDA, sx_bytes + 16);
     poison_device(o->qx_d, qx_bytes + 16), poison_device(o->sx_d, sx_bytes + 16);
-    assert_int_equal(fp8_quantize_1x128_grouped(DEVICE_CUDA, o->qx_d, o->sx_d, x_d, NULL, o->n, o->rows0, c->K, err,
+    assert_int_equal(fp8_quantize_1x128_grouped(DEVICE_CUDA, o->qx_d, o->sx_d, x_d, NULL, o->n, o->rows0, o->C, err,
                                                 sizeof err), 0);
     device_free(DEVICE_CUDA, x_d), free(x);
 
-    const size_t w_elems = (size_t)c->N * c->K, qw_bytes = (size_t)o->Np * o->Kp;
-    const size_t sw_bytes = (size_t)o->NB * o->KB4 * sizeof(float);
+    const int NB = ceil_div(c->N, FP8_TILE), KB = ceil_div(c->K, FP8_TILE), KB4 = (KB + 3) / 4 * 4;
+    const size_t w_elems = (size_t)c->N * c->K, qw_bytes = (size_t)NB * KB * FP8_TILE * FP8_TILE;
+    const size_t sw_bytes = (size_t)NB * KB4 * sizeof(float);
     float *w = gpucheck_malloc(w_elems * sizeof(float));
     float *w_d = device_alloc(DEVICE_CUDA, w_elems * sizeof(float));
     for (int g = 0; g < o->n; g++) {
         if (o->rows0[g + 1] == o->rows0[g]) continue;
         fill_log_uniform(w, (int64_t)w_elems, seed + 100 + (uint64_t)g, -8.0, 0.0);
         device_memcpy_from_host(DEVICE_CUDA, w_d, w, w_elems * sizeof(float));
-        uint8_t *q = device_alloc(DEVICE_CUDA, qw_bytes);
+        uint8_t *q = device_alloc(DEVICE_CUDA, qw_bytes), *qt = device_alloc(DEVICE_CUDA, qw_bytes);
         float *s = device_alloc(DEVICE_CUDA, sw_bytes);
-        assert_int_equal(fp8_quantize_128x128(DEVICE_CUDA, q, NULL, s, w_d, c->N, c->K, err, sizeof err), 0);
-        o->qw_d[g] = q, o->sw_d[g] = s;
-        o->qw[g] = gpucheck_to_host(q, qw_bytes), o->sw[g] = gpucheck_to_host(s, sw_bytes);
+        assert_int_equal(fp8_quantize_128x128(DEVICE_CUDA, q, qt, s, w_d, c->N, c->K, err, sizeof err), 0);
+        o->codes_d[g][0] = q, o->codes_d[g][1] = qt;
+        o->qw_d[g] = c->dgrad ? qt : q, o->sw_d[g] = s;
+        o->qw[g] = gpucheck_to_host(o->qw_d[g], qw_bytes), o->sw[g] = gpucheck_to_host(s, sw_bytes);
     }
     device_free(DEVICE_CUDA, w_d), free(w);
     assert_int_equal(fp8_check_finite(DEVICE_CUDA, err, sizeof err), 0);
@@ -150,17 +160,26 @@ static void operands_make(Operands *o, const Case *c, uint64_t seed) {
 static void operands_free(Operands *o) {
     for (int g = 0; g < o->n; g++) {
         if (o->qw_d[g] == NULL) continue;
-        device_free(DEVICE_CUDA, (void *)o->qw_d[g]), device_free(DEVICE_CUDA, (void *)o->sw_d[g]);
+        device_free(DEVICE_CUDA, o->codes_d[g][0]), device_free(DEVICE_CUDA, o->codes_d[g][1]);
+        device_free(DEVICE_CUDA, (void *)o->sw_d[g]);
         free((void *)o->qw[g]), free((void *)o->sw[g]);
     }
     device_free(DEVICE_CUDA, o->qx_d), device_free(DEVICE_CUDA, o->sx_d);
     free(o->qx), free(o->sx);
 }
 
-// The same GEMM on |a| and |b| (E4M3 sign bits cleared; the scales are positive): S (T, N) = sum_k |a s_a b s_b|,
+// The case's GEMM through kernels.h on dev: the Fprop or the Dgrad with BF16 output.
+static void run_gemm(const Operands *o, Device dev, uint16_t *y, const uint8_t *qx, const float *sx,
+                     const uint8_t *const *qw, const float *const *sw) {
+    if (o->dgrad) fp8_gemm_dgrad_grouped_bf16(dev, y, qx, sx, qw, sw, o->n, o->rows0, o->N, o->K);
+    else fp8_gemm_fprop_grouped_bf16(dev, y, qx, sx, qw, sw, o->n, o->rows0, o->N, o->K);
+}
+
+// The same GEMM on |a| and |b| (E4M3 sign bits cleared; the scales are positive): S (T, O) = sum_k |a s_a b s_b|,
 // rounded to BF16 by the CPU op.
 static float *abs_sums(const Operands *o) {
-    const size_t qx_bytes = (size_t)o->P16 * o->Kp, qw_bytes = (size_t)o->Np * o->Kp;
+    const size_t qx_bytes = (size_t)o->P16 * o->Cp;
+    const size_t qw_bytes = (size_t)ceil_div(o->N, FP8_TILE) * ceil_div(o->K, FP8_TILE) * FP8_TILE * FP8_TILE;
     uint8_t *qx = gpucheck_malloc(qx_bytes);
     for (size_t i = 0; i < qx_bytes; i++) qx[i] = o->qx[i] & 0x7F;
     const uint8_t *qw[FP8_MAX_SEGMENTS] = {NULL};
@@ -170,10 +189,13 @@ static float *abs_sums(const Operands *o) {
         for (size_t i = 0; i < qw_bytes; i++) q[i] = o->qw[g][i] & 0x7F;
         qw[g] = q;
     }
-    float *S = gpucheck_malloc((size_t)o->T * o->N * sizeof(float) + 1);
-    fp8_gemm_fprop_grouped(DEVICE_CPU, S, NULL, qx, o->sx, qw, o->sw, o->n, o->rows0, o->N, o->K);
+    uint16_t *s16 = gpucheck_malloc((size_t)bf16_rows_elems(o->T, o->O) * sizeof(uint16_t));
+    run_gemm(o, DEVICE_CPU, s16, qx, o->sx, qw, o->sw);
+    float *S = gpucheck_malloc((size_t)o->T * o->O * sizeof(float) + 1);
+    for (int64_t r = 0; r < o->T; r++)
+        for (int64_t j = 0; j < o->O; j++) S[r * o->O + j] = bf16_to_float(s16[r * o->Op + j]);
     for (int g = 0; g < o->n; g++) free((void *)qw[g]);
-    free(qx);
+    free(qx), free(s16);
     return S;
 }
 
@@ -183,19 +205,19 @@ typedef struct {
     int64_t worst, equal, n;
 } Cmp;
 
-// x against ref over the T x N valid elements (BF16 bits, row stride Np) with the bound of the file comment, tc_terms
+// x against ref over the T x O valid elements (BF16 bits, row stride Op) with the bound of the file comment, tc_terms
 // tensor-core terms.
 static Cmp compare(const Operands *o, const uint16_t *x, const uint16_t *ref, const float *S, int tc_terms) {
     Cmp c = {0, 0, 0, 0, 0};
-    const double rel = (tc_terms * TC_REL + 4.0 * o->KB * 0x1p-24) * (1.0 + 0x1p-7);
+    const double rel = (tc_terms * TC_REL + 4.0 * o->CB * 0x1p-24) * (1.0 + 0x1p-7);
     for (int64_t r = 0; r < o->T; r++)
-        for (int64_t j = 0; j < o->N; j++) {
-            const int64_t i = r * o->Np + j;
+        for (int64_t j = 0; j < o->O; j++) {
+            const int64_t i = r * o->Op + j;
             const double a = bf16_to_float(x[i]), b = bf16_to_float(ref[i]);
-            const double bound = rel * S[r * o->N + j] + bf16_ulp(fmax(fabs(a), fabs(b)));
+            const double bound = rel * S[r * o->O + j] + bf16_ulp(fmax(fabs(a), fabs(b)));
             double ratio = fabs(a - b) / bound;
             if (isnan(ratio)) ratio = INFINITY;
-            if (!(ratio <= c.max_ratio)) c.max_ratio = ratio, c.worst = r * o->N + j;
+            if (!(ratio <= c.max_ratio)) c.max_ratio = ratio, c.worst = r * o->O + j;
             if (fabs(a - b) > c.max_abs) c.max_abs = fabs(a - b);
             c.equal += x[i] == ref[i];
             c.n++;
@@ -203,63 +225,68 @@ static Cmp compare(const Operands *o, const uint16_t *x, const uint16_t *ref, co
     return c;
 }
 
-// Elements of the own kernel's output that break the layout: columns N.. of a valid row not 0, and the 15 rows after
+// Elements of the own kernel's output that break the layout: columns O.. of a valid row not 0, and the 15 rows after
 // the last not the poison they started as.
 static int64_t layout_errors(const Operands *o, const uint16_t *y) {
     int64_t bad = 0;
     for (int64_t r = 0; r < o->T + 15; r++)
-        for (int64_t j = (r < o->T ? o->N : 0); j < o->Np; j++) bad += y[r * o->Np + j] != (r < o->T ? 0x0000 : 0xFFFF);
+        for (int64_t j = (r < o->T ? o->O : 0); j < o->Op; j++) bad += y[r * o->Op + j] != (r < o->T ? 0x0000 : 0xFFFF);
     return bad;
 }
 
-static void test_grouped_fprop(void **state) {
+static void test_grouped_gemm(void **state) {
     const Case *c = *state;
-    const uint64_t seed = run_seed ^ (0x9E3779B97F4A7C15ull * (uint64_t)(c->N * 7 + c->K * 13 + c->n_seg));
+    const uint64_t seed =
+        run_seed ^ (0x9E3779B97F4A7C15ull * (uint64_t)(c->N * 7 + c->K * 13 + c->n_seg + 1000 * c->dgrad));
     Operands o;
     operands_make(&o, c, seed);
-    const size_t y_elems = (size_t)bf16_rows_elems(o.T, o.N), y_bytes = y_elems * sizeof(uint16_t);
+    const size_t y_elems = (size_t)bf16_rows_elems(o.T, o.O), y_bytes = y_elems * sizeof(uint16_t);
 
     // CPU reference and S
     uint16_t *y_cpu = gpucheck_malloc(y_bytes);
-    fp8_gemm_fprop_grouped_bf16(DEVICE_CPU, y_cpu, o.qx, o.sx, o.qw, o.sw, o.n, o.rows0, o.N, o.K);
+    run_gemm(&o, DEVICE_CPU, y_cpu, o.qx, o.sx, o.qw, o.sw);
     float *S = abs_sums(&o);
 
-    // today's cuBLASLt path
+    // the cuBLASLt path
     uint16_t *y_d = device_alloc(DEVICE_CUDA, y_bytes);
     poison_device(y_d, y_bytes);
-    fp8_gemm_fprop_grouped_bf16(DEVICE_CUDA, y_d, o.qx_d, o.sx_d, o.qw_d, o.sw_d, o.n, o.rows0, o.N, o.K);
+    const int own_before = cuda_fp8_grouped_gemm_use_own(0);
+    run_gemm(&o, DEVICE_CUDA, y_d, o.qx_d, o.sx_d, o.qw_d, o.sw_d);
     uint16_t *y_lt = gpucheck_to_host(y_d, y_bytes);
 
     // own kernel: multicast allowed (variant 0), then forced off (variant 1); each twice
+    cuda_fp8_grouped_gemm_use_own(1);
     uint16_t *y_own[2][2];
     for (int v = 0; v < 2; v++) {
         const int previous = cuda_fp8_grouped_gemm_multicast(v == 0);
         for (int rep = 0; rep < 2; rep++) {
             poison_device(y_d, y_bytes);
-            cuda_fp8_grouped_fprop_bf16(y_d, o.qx_d, o.sx_d, o.qw_d, o.sw_d, o.n, o.rows0, o.N, o.K);
+            run_gemm(&o, DEVICE_CUDA, y_d, o.qx_d, o.sx_d, o.qw_d, o.sw_d);
             y_own[v][rep] = gpucheck_to_host(y_d, y_bytes);
         }
         cuda_fp8_grouped_gemm_multicast(previous);
     }
+    cuda_fp8_grouped_gemm_use_own(own_before);
 
     int pass = 1;
     char shape[48];
-    snprintf(shape, sizeof shape, "%d seg %d x %d x %d", o.n, o.T, o.N, o.K);
+    snprintf(shape, sizeof shape, "%s %d seg %d x %d x %d", o.dgrad ? "D" : "F", o.n, o.T, o.O, o.C);
     for (int v = 0; v < 2; v++) {
         const Cmp vc = compare(&o, y_own[v][0], y_cpu, S, 1), vl = compare(&o, y_own[v][0], y_lt, S, 2);
         const int64_t layout = layout_errors(&o, y_own[v][0]);
         const int repeat = memcmp(y_own[v][0], y_own[v][1], y_bytes) == 0;
         const int same_variant = memcmp(y_own[v][0], y_own[0][0], y_bytes) == 0;
-        const int ok = vc.max_ratio <= 1.0 && vl.max_ratio <= 1.0 && layout == 0 && repeat && same_variant;
-        const char *variant = v == 0 ? (o.NB % 2 == 0 ? "multicast" : "single(odd NB)") : "single";
-        printf("%-13s %-14s %-28s %10.3e %9.4f %8.3f%% %9.4f %8.3f%% %6lld  %-5s %-5s %s\n", c->name, variant, shape,
+        const int ok = vc.max_ratio <= 1.0 && vl.max_ratio <= 1.0 && vl.equal == vl.n && layout == 0 && repeat &&
+                       same_variant;
+        const char *variant = v == 0 ? (o.Op / FP8_TILE % 2 == 0 ? "multicast" : "single(odd NB)") : "single";
+        printf("%-15s %-14s %-30s %10.3e %9.4f %8.3f%% %9.4f %8.3f%% %6lld  %-5s %-5s %s\n", c->name, variant, shape,
                vc.max_abs, vc.max_ratio, 100.0 * (double)vc.equal / (double)(vc.n > 0 ? vc.n : 1), vl.max_ratio,
                100.0 * (double)vl.equal / (double)(vl.n > 0 ? vl.n : 1), (long long)layout, repeat ? "yes" : "NO",
                same_variant ? "yes" : "NO", ok ? "ok" : "FAIL");
         if (!(vc.max_ratio <= 1.0)) {
-            const int64_t r = vc.worst / o.N, j = vc.worst % o.N;
+            const int64_t r = vc.worst / o.O, j = vc.worst % o.O;
             printf("    worst vs cpu at row %lld col %lld: own %.9g cpu %.9g S %.6g\n", (long long)r, (long long)j,
-                   bf16_to_float(y_own[v][0][r * o.Np + j]), bf16_to_float(y_cpu[r * o.Np + j]), S[vc.worst]);
+                   bf16_to_float(y_own[v][0][r * o.Op + j]), bf16_to_float(y_cpu[r * o.Op + j]), S[vc.worst]);
         }
         pass &= ok;
     }
@@ -273,12 +300,12 @@ static void test_grouped_fprop(void **state) {
 
 static int print_header(void **state) {
     (void)state;
-    printf("\nown grouped FP8 Fprop (cuda_fp8_grouped_fprop_bf16) vs the CPU reference and vs cuBLASLt per segment; "
-           "seed %llu\n", (unsigned long long)run_seed);
-    printf("err/bnd: max |own - ref| / the file comment's bound (pass <= 1); bitwise: share of the T x N elements equal "
-           "to ref; layout: padding columns not 0 or rows after T written; rep: second run bitwise equal; =mc: equal "
-           "to the multicast variant\n");
-    printf("%-13s %-14s %-28s %10s %9s %9s %9s %9s %6s  %-5s %-5s\n", "case", "variant", "segments rows x N x K",
+    printf("\nown grouped FP8 GEMM (fp8_gemm_fprop/dgrad_grouped_bf16 on cuda_fp8_grouped_gemm_bf16) vs the CPU reference "
+           "and vs cuBLASLt per segment; seed %llu\n", (unsigned long long)run_seed);
+    printf("F/D: Fprop or Dgrad, rows x output columns x contraction; err/bnd: max |own - ref| / the file comment's "
+           "bound (pass <= 1); =cpu, =lt: share of the elements bitwise equal to ref (=lt must be 100%%); layout: padding "
+           "columns not 0 or rows after T written; rep: second run bitwise equal; =mc: equal to the multicast variant\n");
+    printf("%-15s %-14s %-30s %10s %9s %9s %9s %9s %6s  %-5s %-5s\n", "case", "variant", "form segments rows x O x C",
            "max|o-c|", "err/bnd", "=cpu", "vs lt", "=lt", "layout", "rep", "=mc");
     return 0;
 }
@@ -288,19 +315,24 @@ int main(void) {
     const char *s = getenv("FP8MOE_TEST_SEED");
     run_seed = s != NULL ? strtoull(s, NULL, 10) : (uint64_t)time(NULL);
     static const int len_a[] = {200, 0, 77, 128, 300, 16}, len_b[] = {45, 0, 260, 1}, len_c[] = {129, 0, 255, 64, 500};
-    static Case c_a = {"mixed", 6, len_a, 0, 0, 384, 512};
-    static Case c_b = {"padded N,K", 4, len_b, 0, 0, 320, 300};
-    static Case c_c = {"even NB", 5, len_c, 0, 0, 256, 640};
-    static Case c_d = {"expert w1,w3", 32, NULL, 0, 400, 1024, 2048};
-    static Case c_e = {"expert w2", 32, NULL, 0, 400, 2048, 1024};
-    static Case c_f = {"80 segments", 80, NULL, 1, 50, 256, 256};
-    const struct CMUnitTest tests[] = {
-        cmocka_unit_test_prestate_setup_teardown(test_grouped_fprop, print_header, NULL, &c_a),
-        cmocka_unit_test_prestate(test_grouped_fprop, &c_b),
-        cmocka_unit_test_prestate(test_grouped_fprop, &c_c),
-        cmocka_unit_test_prestate(test_grouped_fprop, &c_d),
-        cmocka_unit_test_prestate(test_grouped_fprop, &c_e),
-        cmocka_unit_test_prestate(test_grouped_fprop, &c_f),
+    static Case cases[] = {
+        {"mixed", 6, len_a, 0, 0, 384, 512, 0},
+        {"padded N,K", 4, len_b, 0, 0, 320, 300, 0},
+        {"even NB", 5, len_c, 0, 0, 256, 640, 0},
+        {"expert w1,w3", 32, NULL, 0, 400, 1024, 2048, 0},
+        {"expert w2", 32, NULL, 0, 400, 2048, 1024, 0},
+        {"80 segments", 80, NULL, 1, 50, 256, 256, 0},
+        {"dgrad mixed", 6, len_a, 0, 0, 384, 512, 1},
+        {"dgrad padded", 4, len_b, 0, 0, 320, 300, 1},
+        {"dgrad even KB", 5, len_c, 0, 0, 640, 256, 1},
+        {"expert w2 dgrad", 32, NULL, 0, 400, 2048, 1024, 1},
+        {"dgrad 80 seg", 80, NULL, 1, 50, 256, 384, 1},
     };
+    struct CMUnitTest tests[sizeof cases / sizeof cases[0]];
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        const struct CMUnitTest t = cmocka_unit_test_prestate_setup_teardown(test_grouped_gemm, i == 0 ? print_header : NULL,
+                                                                              NULL, &cases[i]);
+        tests[i] = t;
+    }
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
