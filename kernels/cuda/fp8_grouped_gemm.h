@@ -40,6 +40,12 @@ void cuda_fp8_grouped_gemm_bf16(uint16_t *y, const uint8_t *qx, const float *sx,
 // order); for the test's and the benchmark's comparison.
 int cuda_fp8_grouped_gemm_multicast(int enable);
 
+// Whether the two consumer warpgroups issue each K block's products in turn (1, the default: each one's promotion then
+// overlaps the other's products on the tensor cores) or as they come (0: they finish together and promote while the
+// tensor cores idle). Returns the previous setting. Both give the same bits; for the test's and the benchmark's
+// comparison.
+int cuda_fp8_grouped_gemm_ordered(int enable);
+
 // The most CTAs one launch runs (the persistent grid): the SM count, or with multicast twice the number of clusters of
 // two that fit on the GPU at once (cudaOccupancyMaxActiveClusters). For the benchmark's report.
 int cuda_fp8_grouped_gemm_max_ctas(int multicast);

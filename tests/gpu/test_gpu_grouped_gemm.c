@@ -27,7 +27,8 @@
  * cuBLASLt's is printed (with the same tensor-core sums and promotion order most agree exactly), and the own kernel
  * must equal cuBLASLt bit for bit (the model's bits do not depend on which kernel runs, FP8MOE_GROUPED_GEMM).
  * Determinism: each variant runs twice into freshly poisoned outputs; the results must be bitwise identical, and the
- * multicast and single-CTA variants must agree bit for bit (same products, same order).
+ * variants (multicast, single CTA, single CTA with the consumers' issue order left free) must agree bit for bit (same
+ * products, same order).
  */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -50,6 +51,7 @@
 #include "unit/opcheck.h"
 
 #define TC_REL 0x1p-10  // tensor-core accumulation inside a 128-block (DESIGN.md section 4)
+#define N_VARIANTS 3     // of the own kernel: multicast, single CTA, single CTA with the consumers' order left free
 
 static uint64_t run_seed;
 
@@ -254,31 +256,34 @@ static void test_grouped_gemm(void **state) {
     run_gemm(&o, DEVICE_CUDA, y_d, o.qx_d, o.sx_d, o.qw_d, o.sw_d);
     uint16_t *y_lt = gpucheck_to_host(y_d, y_bytes);
 
-    // own kernel: multicast allowed (variant 0), then forced off (variant 1); each twice
+    // own kernel: multicast allowed (variant 0), then forced off (variant 1), then also the consumers' issue order
+    // left free (variant 2); each twice
     cuda_fp8_grouped_gemm_use_own(1);
-    uint16_t *y_own[2][2];
-    for (int v = 0; v < 2; v++) {
-        const int previous = cuda_fp8_grouped_gemm_multicast(v == 0);
+    uint16_t *y_own[N_VARIANTS][2];
+    for (int v = 0; v < N_VARIANTS; v++) {
+        const int mc_before = cuda_fp8_grouped_gemm_multicast(v == 0), ordered_before = cuda_fp8_grouped_gemm_ordered(v < 2);
         for (int rep = 0; rep < 2; rep++) {
             poison_device(y_d, y_bytes);
             run_gemm(&o, DEVICE_CUDA, y_d, o.qx_d, o.sx_d, o.qw_d, o.sw_d);
             y_own[v][rep] = gpucheck_to_host(y_d, y_bytes);
         }
-        cuda_fp8_grouped_gemm_multicast(previous);
+        cuda_fp8_grouped_gemm_multicast(mc_before), cuda_fp8_grouped_gemm_ordered(ordered_before);
     }
     cuda_fp8_grouped_gemm_use_own(own_before);
 
     int pass = 1;
     char shape[48];
     snprintf(shape, sizeof shape, "%s %d seg %d x %d x %d", o.dgrad ? "D" : "F", o.n, o.T, o.O, o.C);
-    for (int v = 0; v < 2; v++) {
+    for (int v = 0; v < N_VARIANTS; v++) {
         const Cmp vc = compare(&o, y_own[v][0], y_cpu, S, 1), vl = compare(&o, y_own[v][0], y_lt, S, 2);
         const int64_t layout = layout_errors(&o, y_own[v][0]);
         const int repeat = memcmp(y_own[v][0], y_own[v][1], y_bytes) == 0;
         const int same_variant = memcmp(y_own[v][0], y_own[0][0], y_bytes) == 0;
         const int ok = vc.max_ratio <= 1.0 && vl.max_ratio <= 1.0 && vl.equal == vl.n && layout == 0 && repeat &&
                        same_variant;
-        const char *variant = v == 0 ? (o.Op / FP8_TILE % 2 == 0 ? "multicast" : "single(odd NB)") : "single";
+        const char *variant = v == 0 ? (o.Op / FP8_TILE % 2 == 0 ? "multicast" : "single(odd NB)")
+                              : v == 1 ? "single"
+                                       : "single unord";
         printf("%-15s %-14s %-30s %10.3e %9.4f %8.3f%% %9.4f %8.3f%% %6lld  %-5s %-5s %s\n", c->name, variant, shape,
                vc.max_abs, vc.max_ratio, 100.0 * (double)vc.equal / (double)(vc.n > 0 ? vc.n : 1), vl.max_ratio,
                100.0 * (double)vl.equal / (double)(vl.n > 0 ? vl.n : 1), (long long)layout, repeat ? "yes" : "NO",
@@ -291,7 +296,7 @@ static void test_grouped_gemm(void **state) {
         pass &= ok;
     }
     fflush(stdout);
-    for (int v = 0; v < 2; v++) free(y_own[v][0]), free(y_own[v][1]);
+    for (int v = 0; v < N_VARIANTS; v++) free(y_own[v][0]), free(y_own[v][1]);
     free(y_cpu), free(y_lt), free(S);
     device_free(DEVICE_CUDA, y_d);
     operands_free(&o);
