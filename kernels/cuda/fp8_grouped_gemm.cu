@@ -2,9 +2,9 @@
  * fp8_grouped_gemm.cu - fp8moe's own grouped FP8 GEMM for the routed experts: Y_g = X_g W_g^T for every expert
  * segment g in one persistent Hopper kernel, with DeepSeek-V3's promotion (each 128-deep K block's tensor-core sum
  * is scaled by its 1x128 activation scale and its 128x128 weight-block scale as it is added to FP32 accumulators
- * held in registers). The interface is fp8_grouped_gemm.h; the operands and the BF16 output are exactly those of
- * kernels.h's fp8_gemm_fprop_grouped_bf16 and, with the transposed weights, fp8_gemm_dgrad_grouped_bf16, which gemm.cu
- * runs here (or, with FP8MOE_GROUPED_GEMM=cublaslt, as one cuBLASLt GEMM per expert).
+ * held in registers). The interface is fp8_grouped_gemm.h; the operands and the BF16 products are exactly those of
+ * kernels.h's grouped Fprops and, with the transposed weights, Dgrads, whose GEMMs gemm.cu runs here (or, with
+ * FP8MOE_GROUPED_GEMM=cublaslt, as one cuBLASLt GEMM per expert).
  *
  * Why: cuBLASLt has no grouped block-scaled FP8 GEMM, so the experts' GEMMs were one GEMM per expert and Linear
  * (issue 23). One launch over all segments' tiles keeps every SM busy across segment boundaries and pays no launch
@@ -13,7 +13,8 @@
  * ncu: the tensor pipe is active about 50% of the time, L2 at 69% of its peak; 256-row tiles and products split
  * into two m64n64 halves per block were tried and were slower (the benchmarks page). Not done yet: BLOCK_N > 128
  * (acc + fin of m64n256 exceed the registers; BLOCK_N = 192 needs the two weight-scale blocks DeepGEMM handles),
- * the Wgrad form.
+ * the Wgrad form. The two consumer warpgroups issue each block's products in turn (ORDERED, below), so that one
+ * promotes while the other's products run.
  *
  * Tiles: 128 output rows (tokens of one segment) x 128 output columns (one weight block row nb) x the whole K, in
  * K blocks of 128 (one scale of each operand per row and block). A segment's last row tile may run past its rows:
@@ -490,8 +491,9 @@ extern "C" int cuda_fp8_grouped_gemm_ordered(int enable) {
     return previous;
 }
 
-extern "C" void cuda_fp8_grouped_gemm_bf16(uint16_t *y, const uint8_t *qx, const float *sx, const uint8_t *const *qw,
-                                           const float *const *sw, int n_seg, const int *rows0, int N, int K) {
+extern "C" void cuda_fp8_grouped_gemm_bf16(uint16_t *y, int y_rows_padded, const uint8_t *qx, const float *sx,
+                                           const uint8_t *const *qw, const float *const *sw, int n_seg,
+                                           const int *rows0, int N, int K) {
     static const char op[] = "cuda_fp8_grouped_gemm_bf16";
     const SegTable seg = seg_table(op, n_seg, rows0);
     if (seg.rows0[n_seg] == 0 || N <= 0 || K <= 0) return;
@@ -513,7 +515,8 @@ extern "C" void cuda_fp8_grouped_gemm_bf16(uint16_t *y, const uint8_t *qx, const
                          g, (const void *)qw[g], g, (const void *)sw[g]);
         require_aligned16(qw[g], op, "qw[g]");
         encode_map(&p.b[n], CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, qw[g], Np, Kp, Kp, BK, BN, op, "a weight qw[g]");
-        encode_map(&p.y_map[n], CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, y + (size_t)rows0[g] * Np, rows, Np, Np, 64, 64, op,
+        const int y_row = y_rows_padded ? seg.p16[g] : rows0[g];
+        encode_map(&p.y_map[n], CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, y + (size_t)y_row * Np, rows, Np, Np, 64, 64, op,
                    "a segment's rows of y");
         p.sa[n] = sx + (size_t)KB * seg.p16[g], p.sb[n] = sw[g];
         p.a_row0[n] = seg.p16[g], p.t16[n] = seg.p16[g + 1] - seg.p16[g], p.rows[n] = rows;

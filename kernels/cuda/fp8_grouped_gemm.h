@@ -1,8 +1,8 @@
 /*
  * fp8_grouped_gemm.h - fp8moe's own grouped FP8 GEMM for the routed experts (kernels/cuda/fp8_grouped_gemm.cu):
  * every expert's Y_g = X_g W_g^T in one persistent Hopper kernel (wgmma, TMA), instead of one cuBLASLt GEMM per
- * expert. gemm.cu runs kernels.h's fp8_gemm_fprop_grouped_bf16 (W_g the weight) and fp8_gemm_dgrad_grouped_bf16
- * (W_g the weight's transposed codes, its scales transposed) on it unless FP8MOE_GROUPED_GEMM=cublaslt
+ * expert. gemm.cu runs kernels.h's grouped Fprops (W_g the weight) and Dgrads (W_g the weight's transposed codes,
+ * its scales transposed) with more than one segment on it unless FP8MOE_GROUPED_GEMM=cublaslt
  * (cuda_fp8_grouped_gemm_use_own, gemm.h); `fp8moe bench gemm` times it beside cuBLASLt and
  * tests/gpu/test_gpu_grouped_gemm.c checks both forms against the CPU reference and cuBLASLt.
  *
@@ -17,9 +17,11 @@
 extern "C" {
 #endif
 
-// y (rows0[n_seg] + 15 rows, row stride round_up(N, 128), BF16 bits) = for each segment g, rows rows0[g] ..
-// rows0[g+1]-1: X_g W_g^T rounded to BF16 (RNE), columns N .. round_up(N, 128)-1 of those rows 0. Only those rows are
-// written (the 15 scratch rows that kernels.h's *_grouped_bf16 contract allows it to write are left alone).
+// y (row stride round_up(N, 128), BF16 bits): for each segment g, its rows0[g+1] - rows0[g] rows of X_g W_g^T rounded
+// to BF16 (RNE), columns N .. round_up(N, 128)-1 of those rows 0, at row rows0[g] of y (y_rows_padded = 0: kernels.h's
+// *_grouped_bf16 layout) or at row P16_g, the segment's first row in qx (y_rows_padded = 1: gemm.cu's conversion
+// scratch). Only those rows are written (the padding rows between segments and the 15 scratch rows that kernels.h's
+// *_grouped_bf16 contract allows a GEMM to write are left alone).
 //   qx, sx: the grouped 1x128 operand of x (rows0[n_seg], K) (fp8_quantize_1x128_grouped): segment g's rows at
 //           qx + Kp P16_g (T16_g rows of Kp bytes), its scales at sx + KB P16_g as [KB][T16_g]
 //           (P16_g = sum_{h<g} 16 ceil(T_h / 16), KB = ceil(K / 128), Kp = 128 KB);
@@ -31,8 +33,9 @@ extern "C" {
 // kb = 0, 1, ... in order from acc = 0; y = bf16(acc). Deterministic: every element has one owner and one order, no
 // atomics. Needs a compute capability 9.0 GPU (sm_90a code) and 16-byte aligned qx, sx, y, qw[g], sw[g]; stops the
 // process naming the argument otherwise.
-void cuda_fp8_grouped_gemm_bf16(uint16_t *y, const uint8_t *qx, const float *sx, const uint8_t *const *qw,
-                                const float *const *sw, int n_seg, const int *rows0, int N, int K);
+void cuda_fp8_grouped_gemm_bf16(uint16_t *y, int y_rows_padded, const uint8_t *qx, const float *sx,
+                                const uint8_t *const *qw, const float *const *sw, int n_seg, const int *rows0, int N,
+                                int K);
 
 // Whether the kernel may run as clusters of two CTAs that share each X tile through TMA multicast (used when the
 // weight has an even number of 128-column blocks); 0, the default, runs one CTA per tile (the multicast form measured

@@ -850,52 +850,46 @@ extern "C" void cuda_fp8_gemm_dgrad_bf16(uint16_t *dx, const uint8_t *qdy, const
     fp8_gemm_dgrad_bf16_t(default_lane(), dx, qdy, sdy, qwt, swt, T, N, K);
 }
 
+// ---------------------------------------------------------------------------- the grouped GEMMs' kernel
+// The grouped calls with more than one segment (the routed experts: kernels.h's fp8_gemm_fprop_grouped*,
+// fp8_gemm_dgrad_grouped*) run each matrix's GEMMs over all segments as one launch of fp8moe's own grouped kernel
+// (fp8_grouped_gemm.cu), or, with FP8MOE_GROUPED_GEMM=cublaslt, as one cuBLASLt GEMM per segment on the lanes. Both
+// compute each 128-deep block's tensor-core sum and promote it as fma(P, s_x s_w, acc) in block order, and give the
+// same bits (tests/gpu/test_gpu_grouped_gemm.c checks this); the own kernel is the default because it pays no launch
+// per segment and keeps the SMs busy across segments (docs/benchmarks.md). One-segment calls (every other Linear)
+// stay on cuBLASLt, faster at their large shapes.
+static int own_grouped = -1;  // -1: not yet read from FP8MOE_GROUPED_GEMM
+
+static bool grouped_gemm_is_own(void) {
+    if (own_grouped >= 0) return own_grouped;
+    const char *env = getenv("FP8MOE_GROUPED_GEMM");
+    if (env == NULL || !strcmp(env, "own")) own_grouped = 1;
+    else if (!strcmp(env, "cublaslt")) own_grouped = 0;
+    else {
+        fprintf(stderr, "%s:%d: FP8MOE_GROUPED_GEMM = '%s' - expected own (the default) or cublaslt (which kernel runs "
+                        "the routed experts' FP8 GEMMs; docs/gpu.md)\n", __FILE__, __LINE__, env);
+        exit(1);
+    }
+    return own_grouped;
+}
+
+extern "C" int cuda_fp8_grouped_gemm_use_own(int enable) {
+    const int previous = grouped_gemm_is_own();
+    own_grouped = enable != 0;
+    return previous;
+}
+
 // The BF16-output Fprop (fp8_gemm_fprop_bf16_on) or Dgrad (on transposed scales: fp8_gemm_dgrad_bf16_t) on a
 // lane: out (T, ld) BF16 from a (T rows of a 1x128 operand) and b (a weight).
 typedef void (*Fp8GemmBf16)(Lane lane, uint16_t *out, const uint8_t *qa, const float *sa, const uint8_t *qb,
                             const float *sb, int T, int N, int K);
 
-// kernels.h's Fprop and Dgrad take any T and any number of segments (the routed experts: *_grouped), and the
-// Dgrad several matrices. Segment g's 1x128 operand is T16_g rows (the padding rows are zero) at row p16[g]
-// of qa[i], its scales at CB * p16[g] (CB = contraction blocks); matrix i's GEMM of segment g runs on all
-// T16_g rows into rows p16[g].. of BF16 scratch i (row stride `out_cols` rounded up to 128, the n_mats
-// scratches one after another), and ONE conversion launch keeps (adds, with `add`) the valid rows of every
-// segment, summing the matrices in order. A conversion per segment cost a routed-expert Linear one launch per
-// expert (about 675 launches of 9-52 us per step of a 2-layer model, ~10% of the GPU time), and one per
-// matrix a full extra pass over the FP32 gradient; the GEMMs are the same, so are the bits.
-// The Dgrad (`dgrad`) first transposes the block scales of every weight it uses (matrix i, non-empty segment g,
-// in that order) in one launch into one scratch, at scale_t_stride apart, instead of one launch per GEMM.
-// With out_bf16 (one matrix; out NULL) each segment's GEMM writes its BF16 product straight into out_bf16 at row
-// rows0[g] (row stride ld), its rows padded to 16 spilling onto the next segment's first rows, which that segment's
-// GEMM, later on the stream, writes over (kernels.h *_grouped_bf16: 15 rows of scratch follow the last segment), and
-// nothing is converted.
-static void fp8_gemm_segments(const char *op, bool dgrad, real *out, bool add, const DgradUnpermute *unpermute,
-                              int out_cols, int contraction, int n_mats, const uint8_t *const *qa, const float *const *sa,
-                              const uint8_t *const *const *qb, const float *const *const *sb, int n_seg,
-                              const int *rows0, int N, int K, const real *residual = NULL, uint16_t *out_bf16 = NULL) {
-    const SegTable seg = seg_table(op, n_seg, rows0);
-    if (seg.rows0[n_seg] == 0 || out_cols <= 0) return;
-    if (n_mats < 1 || n_mats > FP8_MAX_DGRAD_MATS || (out_bf16 != NULL && n_mats != 1))
-        gemm_fail(__LINE__, op, "%d matrices - expected 1 to %d (FP8_MAX_DGRAD_MATS, kernels.h), 1 with a BF16 output",
-                  n_mats, FP8_MAX_DGRAD_MATS);
-    const int ld = round_up(out_cols, FP8_TILE), CB = ceil_div(contraction, FP8_TILE);
-    const int64_t per_mat = (int64_t)seg.p16[n_seg] * ld;
-    ctx_init();
-    uint16_t *tmp = out_bf16 ? NULL : (uint16_t *)cuda_scratch(&ctx.out_bf16, sizeof(uint16_t) * (size_t)(per_mat * n_mats));
-    // The Dgrad's transposed scales live in ctx.scale_t, a buffer other than tmp's; nothing below asks for
-    // ctx.scale_t again (the GEMMs get fp8_gemm_dgrad_bf16_t, not the wrapper that uses it), so swt stays valid.
+// fp8_gemm_segments' GEMMs as one cuBLASLt GEMM per segment and matrix, spread over the lanes.
+static void segments_on_lanes(const SegTable &seg, bool dgrad, uint16_t *tmp, int64_t per_mat, uint16_t *out_bf16,
+                              int ld, int CB, int n_mats, const uint8_t *const *qa, const float *const *sa,
+                              const uint8_t *const *const *qb, const float *const *const *sb, const float *swt,
+                              int64_t swt_stride, int n_seg, const int *rows0, int N, int K) {
     const Fp8GemmBf16 gemm = dgrad ? fp8_gemm_dgrad_bf16_t : fp8_gemm_fprop_bf16_on;
-    float *swt = NULL;
-    const int64_t swt_stride = dgrad ? scale_t_stride(N, K) : 0;
-    if (dgrad) {
-        const float *sw[FP8_MAX_DGRAD_MATS * FP8_MAX_SEGMENTS];
-        int n_w = 0;
-        for (int i = 0; i < n_mats; i++)
-            for (int g = 0; g < n_seg; g++)
-                if (seg.p16[g + 1] > seg.p16[g]) sw[n_w++] = sb[i][g];  // empty segments' pointers may be NULL
-        swt = (float *)cuda_scratch(&ctx.scale_t, sizeof(float) * (size_t)(swt_stride * n_w));
-        transpose_block_scales(swt, sw, n_w, N, K);
-    }
     // Into tmp each segment writes its own padded rows p16[g].. (the lanes cannot collide); into out_bf16 a segment's
     // padding rows land on the next segment's first rows, which the next GEMM on the same lane writes later, so a
     // segment whose padding would reach the rows of a later lane writes into its lane's edge scratch, and the copy of
@@ -920,6 +914,65 @@ static void fp8_gemm_segments(const char *op, bool dgrad, real *out, bool add, c
         }
     }
     lanes_join(n_lanes);
+}
+
+// kernels.h's Fprop and Dgrad take any T and any number of segments (the routed experts: *_grouped), and the
+// Dgrad several matrices. Segment g's 1x128 operand is T16_g rows (the padding rows are zero) at row p16[g]
+// of qa[i], its scales at CB * p16[g] (CB = contraction blocks); matrix i's GEMM of segment g runs on all
+// T16_g rows into rows p16[g].. of BF16 scratch i (row stride `out_cols` rounded up to 128, the n_mats
+// scratches one after another), and ONE conversion launch keeps (adds, with `add`) the valid rows of every
+// segment, summing the matrices in order. A conversion per segment cost a routed-expert Linear one launch per
+// expert (about 675 launches of 9-52 us per step of a 2-layer model, ~10% of the GPU time), and one per
+// matrix a full extra pass over the FP32 gradient; the GEMMs are the same, so are the bits.
+// The Dgrad (`dgrad`) first transposes the block scales of every weight it uses (matrix i, non-empty segment g,
+// in that order) in one launch into one scratch, at scale_t_stride apart, instead of one launch per GEMM.
+// With out_bf16 (one matrix; out NULL) each segment's GEMM writes its BF16 product straight into out_bf16 at row
+// rows0[g] (row stride ld), its rows padded to 16 spilling onto the next segment's first rows, which that segment's
+// GEMM, later on the stream, writes over (kernels.h *_grouped_bf16: 15 rows of scratch follow the last segment), and
+// nothing is converted. That is the cuBLASLt form (segments_on_lanes); a call with more than one segment runs on the
+// own kernel instead (unless FP8MOE_GROUPED_GEMM=cublaslt), one launch per matrix, which writes only each segment's
+// valid rows (of scratch i at p16[g], or of out_bf16 at rows0[g]), the same values.
+static void fp8_gemm_segments(const char *op, bool dgrad, real *out, bool add, const DgradUnpermute *unpermute,
+                              int out_cols, int contraction, int n_mats, const uint8_t *const *qa, const float *const *sa,
+                              const uint8_t *const *const *qb, const float *const *const *sb, int n_seg,
+                              const int *rows0, int N, int K, const real *residual = NULL, uint16_t *out_bf16 = NULL) {
+    const SegTable seg = seg_table(op, n_seg, rows0);
+    if (seg.rows0[n_seg] == 0 || out_cols <= 0) return;
+    if (n_mats < 1 || n_mats > FP8_MAX_DGRAD_MATS || (out_bf16 != NULL && n_mats != 1))
+        gemm_fail(__LINE__, op, "%d matrices - expected 1 to %d (FP8_MAX_DGRAD_MATS, kernels.h), 1 with a BF16 output",
+                  n_mats, FP8_MAX_DGRAD_MATS);
+    const int ld = round_up(out_cols, FP8_TILE), CB = ceil_div(contraction, FP8_TILE);
+    const int64_t per_mat = (int64_t)seg.p16[n_seg] * ld;
+    ctx_init();
+    uint16_t *tmp = out_bf16 ? NULL : (uint16_t *)cuda_scratch(&ctx.out_bf16, sizeof(uint16_t) * (size_t)(per_mat * n_mats));
+    // The Dgrad's transposed scales live in ctx.scale_t, a buffer other than tmp's; nothing below asks for
+    // ctx.scale_t again (the GEMMs get fp8_gemm_dgrad_bf16_t, not the wrapper that uses it), so swt stays valid.
+    float *swt = NULL;
+    const int64_t swt_stride = dgrad ? scale_t_stride(N, K) : 0;
+    if (dgrad) {
+        const float *sw[FP8_MAX_DGRAD_MATS * FP8_MAX_SEGMENTS];
+        int n_w = 0;
+        for (int i = 0; i < n_mats; i++)
+            for (int g = 0; g < n_seg; g++)
+                if (seg.p16[g + 1] > seg.p16[g]) sw[n_w++] = sb[i][g];  // empty segments' pointers may be NULL
+        swt = (float *)cuda_scratch(&ctx.scale_t, sizeof(float) * (size_t)(swt_stride * n_w));
+        transpose_block_scales(swt, sw, n_w, N, K);
+    }
+    if (n_seg > 1 && grouped_gemm_is_own()) {
+        // each matrix's segments in one launch of the own kernel, into out_bf16 at rows rows0[g] or into tmp at the
+        // operand's padded rows p16[g] (where the conversion below reads them); the Dgrad's weight g of matrix i
+        // reads its transposed scales, which that layout makes the scales of a (K, N) weight
+        for (int i = 0, w = 0; i < n_mats; i++) {
+            const float *scales[FP8_MAX_SEGMENTS];
+            for (int g = 0; g < n_seg; g++)
+                scales[g] = !dgrad ? sb[i][g] : seg.p16[g + 1] > seg.p16[g] ? swt + w++ * swt_stride : NULL;
+            cuda_fp8_grouped_gemm_bf16(out_bf16 ? out_bf16 : tmp + i * per_mat, out_bf16 == NULL, qa[i], sa[i], qb[i],
+                                       scales, n_seg, rows0, out_cols, contraction);
+        }
+    } else {
+        segments_on_lanes(seg, dgrad, tmp, per_mat, out_bf16, ld, CB, n_mats, qa, sa, qb, sb, swt, swt_stride, n_seg,
+                          rows0, N, K);
+    }
     if (out_bf16) return;
     if (unpermute) bf16_unpermute_rows(out, add, tmp, seg, out_cols, ld, n_mats, per_mat, unpermute);
     else if (add) bf16_to_float_rows<true>(out, tmp, seg, out_cols, ld, n_mats, per_mat);
@@ -933,69 +986,20 @@ extern "C" void cuda_fp8_gemm_fprop_grouped(real *y, const real *residual, const
                       residual);
 }
 
-// ---------------------------------------------------------------------------- the BF16-output grouped GEMMs
-// kernels.h fp8_gemm_fprop_grouped_bf16 and fp8_gemm_dgrad_grouped_bf16 (the routed experts' w1/w3 and w2 Fprops, w2's
-// Dgrad) run on fp8moe's own grouped kernel (fp8_grouped_gemm.cu: every segment in one persistent launch) or, with
-// FP8MOE_GROUPED_GEMM=cublaslt, as one cuBLASLt GEMM per segment on the lanes (fp8_gemm_segments' out_bf16). Both
-// compute each 128-deep block's tensor-core sum and promote it as fma(P, s_x s_w, acc) in block order, and give the
-// same bits (tests/gpu/test_gpu_grouped_gemm.c checks this for both forms); the own kernel is the default because it
-// pays no launch per segment and keeps the SMs busy across segments (docs/benchmarks.md).
-static int own_grouped = -1;  // -1: not yet read from FP8MOE_GROUPED_GEMM
-
-static bool grouped_gemm_is_own(void) {
-    if (own_grouped >= 0) return own_grouped;
-    const char *env = getenv("FP8MOE_GROUPED_GEMM");
-    if (env == NULL || !strcmp(env, "own")) own_grouped = 1;
-    else if (!strcmp(env, "cublaslt")) own_grouped = 0;
-    else {
-        fprintf(stderr, "%s:%d: FP8MOE_GROUPED_GEMM = '%s' - expected own (the default) or cublaslt (which kernel runs "
-                        "the routed experts' BF16-output FP8 GEMMs; docs/gpu.md)\n", __FILE__, __LINE__, env);
-        exit(1);
-    }
-    return own_grouped;
-}
-
-extern "C" int cuda_fp8_grouped_gemm_use_own(int enable) {
-    const int previous = grouped_gemm_is_own();
-    own_grouped = enable != 0;
-    return previous;
-}
-
+// kernels.h fp8_gemm_fprop_grouped_bf16 and fp8_gemm_dgrad_grouped_bf16: the GEMMs straight into the BF16 array
+// (fp8_gemm_segments' out_bf16; cuBLASLt's pointers stay 16-byte aligned, the row stride being a multiple of 128).
 extern "C" void cuda_fp8_gemm_fprop_grouped_bf16(uint16_t *y, const uint8_t *qx, const float *sx,
                                                  const uint8_t *const *qw, const float *const *sw, int n_seg,
                                                  const int *rows0, int N, int K) {
-    if (grouped_gemm_is_own()) {
-        cuda_fp8_grouped_gemm_bf16(y, qx, sx, qw, sw, n_seg, rows0, N, K);
-        return;
-    }
     fp8_gemm_segments("fp8_gemm_fprop_grouped_bf16", false, NULL, false, NULL, N, K, 1, &qx, &sx, &qw, &sw, n_seg,
                       rows0, N, K, NULL, y);
 }
 
-// The own kernel computes dx_g = dy_g (W_g^T)^T from the transposed codes qwt[g] (K, N) and their block scales
-// transposed to (KB, NB4), which is the layout fp8_quantize_128x128 gives a (K, N) matrix: one launch transposes the
-// scales of every weight with rows (transpose_block_scales), as cuBLASLt's Dgrad does.
 extern "C" void cuda_fp8_gemm_dgrad_grouped_bf16(uint16_t *dx, const uint8_t *qdy, const float *sdy,
                                                  const uint8_t *const *qwt, const float *const *sw, int n_seg,
                                                  const int *rows0, int N, int K) {
-    static const char op[] = "fp8_gemm_dgrad_grouped_bf16";
-    if (!grouped_gemm_is_own()) {
-        fp8_gemm_segments(op, true, NULL, false, NULL, K, N, 1, &qdy, &sdy, &qwt, &sw, n_seg, rows0, N, K, NULL, dx);
-        return;
-    }
-    const SegTable seg = seg_table(op, n_seg, rows0);
-    if (seg.rows0[n_seg] == 0 || N <= 0 || K <= 0) return;
-    ctx_init();
-    const float *used[FP8_MAX_SEGMENTS];  // the scales of the weights with rows (empty segments' may be NULL)
-    int n_w = 0;
-    for (int g = 0; g < n_seg; g++)
-        if (rows0[g + 1] > rows0[g]) used[n_w++] = sw[g];
-    const int64_t stride = scale_t_stride(N, K);
-    float *swt = (float *)cuda_scratch(&ctx.scale_t, sizeof(float) * (size_t)(stride * n_w));
-    transpose_block_scales(swt, used, n_w, N, K);
-    const float *swt_of[FP8_MAX_SEGMENTS];
-    for (int g = 0, w = 0; g < n_seg; g++) swt_of[g] = rows0[g + 1] > rows0[g] ? swt + w++ * stride : NULL;
-    cuda_fp8_grouped_gemm_bf16(dx, qdy, sdy, qwt, swt_of, n_seg, rows0, K, N);
+    fp8_gemm_segments("fp8_gemm_dgrad_grouped_bf16", true, NULL, false, NULL, K, N, 1, &qdy, &sdy, &qwt, &sw, n_seg,
+                      rows0, N, K, NULL, dx);
 }
 
 extern "C" void cuda_fp8_gemm_dgrad_grouped(real *dx, GradStore store, const DgradUnpermute *unpermute, int n_mats,
