@@ -25,7 +25,7 @@
  * before; --idle-ms N sleeps N ms before each measurement to show the latter (see docs/gpu.md).
  * The grouped section times the routed experts' BF16-output GEMMs (w1/w3 and w2 Fprop, w2 Dgrad) as the model calls
  * them, every expert's segment in one call, through the cuBLASLt path (one GEMM per segment) and fp8moe's own grouped
- * kernel (kernels/cuda/fp8_grouped_gemm.cu, the model's default), in the same run on the same operands
+ * kernel (kernels/cuda/fp8_grouped_gemm.cu, FP8MOE_GROUPED_GEMM=own), in the same run on the same operands
  * (--grouped-only: that section alone).
  */
 #include "train/bench.h"
@@ -335,7 +335,7 @@ static void bench_quantisers(const Timer *t, Buffers *B, int R, int C) {
 // moe_inter_dim), and w2's Dgrad (dx (rows, moe_inter_dim) from dy (rows, dim)), routed uniformly (T k / E rows per
 // expert) and unevenly (lengths 0.4..1.6 x the mean, one expert empty, the same total). Columns: the cuBLASLt path
 // (one GEMM per segment on 2 lanes), fp8moe's own kernel with the activation tile multicast to 2 CTAs, with one CTA
-// per tile (the model's default), and with one CTA per tile and the consumers' issue order left free
+// per tile (its default form), and with one CTA per tile and the consumers' issue order left free
 // (cuda_fp8_grouped_gemm_ordered(0)), each through kernels.h's call (the Dgrad's includes its scale transpose).
 // TFLOPS = 2 rows N K / median time; "own/LT" is cuBLASLt's time over the default's, "=lt" the share of the default's
 // output elements bitwise equal to cuBLASLt's and "max|d|" the largest difference over the largest |y|.

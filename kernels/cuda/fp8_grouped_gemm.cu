@@ -3,8 +3,8 @@
  * segment g in one persistent Hopper kernel, with DeepSeek-V3's promotion (each 128-deep K block's tensor-core sum
  * is scaled by its 1x128 activation scale and its 128x128 weight-block scale as it is added to FP32 accumulators
  * held in registers). The interface is fp8_grouped_gemm.h; the operands and the BF16 products are exactly those of
- * kernels.h's grouped Fprops and, with the transposed weights, Dgrads, whose GEMMs gemm.cu runs here (or, with
- * FP8MOE_GROUPED_GEMM=cublaslt, as one cuBLASLt GEMM per expert).
+ * kernels.h's grouped Fprops and, with the transposed weights, Dgrads, whose GEMMs gemm.cu runs here with
+ * FP8MOE_GROUPED_GEMM=own (by default as one cuBLASLt GEMM per expert).
  *
  * Why: cuBLASLt has no grouped block-scaled FP8 GEMM, so the experts' GEMMs were one GEMM per expert and Linear
  * (issue 23). One launch over all segments' tiles keeps every SM busy across segment boundaries and pays no launch

@@ -1,8 +1,9 @@
 /*
  * test_gpu_grouped_gemm.c - fp8moe's own grouped FP8 GEMM (kernels/cuda/fp8_grouped_gemm.cu), in both forms the model
- * runs on it: kernels.h's fp8_gemm_fprop_grouped_bf16 and fp8_gemm_dgrad_grouped_bf16 (the weights' transposed codes
- * and scales), each called through kernels.h with the own kernel selected (cuda_fp8_grouped_gemm_use_own(1), the
- * default) against the CPU reference of the same FP8 operands (the same call on DEVICE_CPU, kernels/cpu/fp8.c) and
+ * runs on it with FP8MOE_GROUPED_GEMM=own: kernels.h's fp8_gemm_fprop_grouped_bf16 and fp8_gemm_dgrad_grouped_bf16
+ * (the weights' transposed codes and scales), each called through kernels.h with the own kernel selected
+ * (cuda_fp8_grouped_gemm_use_own(1)) against the CPU reference of the same FP8 operands (the same call on DEVICE_CPU,
+ * kernels/cpu/fp8.c) and
  * against the cuBLASLt path (use_own(0): one GEMM per segment), with and without the TMA multicast of the activation
  * tile. Runs only on a Hopper GPU (tests/gpu/run.sh); with no visible GPU it FAILS.
  *
@@ -26,6 +27,8 @@
  * 15 rows after the last must be untouched (poison), and the share of elements bitwise equal to the CPU's and to
  * cuBLASLt's is printed (with the same tensor-core sums and promotion order most agree exactly), and the own kernel
  * must equal cuBLASLt bit for bit (the model's bits do not depend on which kernel runs, FP8MOE_GROUPED_GEMM).
+ * The FP32-output forms (kernels.h's fp8_gemm_fprop_grouped, and fp8_gemm_dgrad_grouped of two matrices, whose
+ * products go through gemm.cu's conversion scratch at the operand's padded rows) must also give cuBLASLt's bits.
  * Determinism: each variant runs twice into freshly poisoned outputs; the results must be bitwise identical, and the
  * variants (multicast, single CTA, single CTA with the consumers' issue order left free) must agree bit for bit (same
  * products, same order).
@@ -177,6 +180,27 @@ static void run_gemm(const Operands *o, Device dev, uint16_t *y, const uint8_t *
     else fp8_gemm_fprop_grouped_bf16(dev, y, qx, sx, qw, sw, o->n, o->rows0, o->N, o->K);
 }
 
+// The case's GEMM in kernels.h's FP32-output form on the GPU with the own kernel (own = 1) or cuBLASLt: the Fprop
+// written into y (T, O), or the Dgrad of two matrices (the same weights twice, as w1 and w3) written over y, which
+// goes through the conversion scratch at the operand's padded rows. Returns the host copy of y.
+static float *run_gemm_f32(const Operands *o, int own) {
+    const size_t bytes = (size_t)o->T * o->O * sizeof(float);
+    float *y_d = device_alloc(DEVICE_CUDA, bytes + 16);
+    poison_device(y_d, bytes + 16);
+    const int before = cuda_fp8_grouped_gemm_use_own(own);
+    if (o->dgrad) {
+        const uint8_t *qdy[2] = {o->qx_d, o->qx_d}, *const *qwt[2] = {o->qw_d, o->qw_d};
+        const float *sdy[2] = {o->sx_d, o->sx_d}, *const *sw[2] = {o->sw_d, o->sw_d};
+        fp8_gemm_dgrad_grouped(DEVICE_CUDA, y_d, GRAD_WRITE, NULL, 2, qdy, sdy, qwt, sw, o->n, o->rows0, o->N, o->K);
+    } else {
+        fp8_gemm_fprop_grouped(DEVICE_CUDA, y_d, NULL, o->qx_d, o->sx_d, o->qw_d, o->sw_d, o->n, o->rows0, o->N, o->K);
+    }
+    cuda_fp8_grouped_gemm_use_own(before);
+    float *y = gpucheck_to_host(y_d, bytes);
+    device_free(DEVICE_CUDA, y_d);
+    return y;
+}
+
 // The same GEMM on |a| and |b| (E4M3 sign bits cleared; the scales are positive): S (T, O) = sum_k |a s_a b s_b|,
 // rounded to BF16 by the CPU op.
 static float *abs_sums(const Operands *o) {
@@ -271,7 +295,18 @@ static void test_grouped_gemm(void **state) {
     }
     cuda_fp8_grouped_gemm_use_own(own_before);
 
-    int pass = 1;
+    // the FP32-output form: own and cuBLASLt bitwise equal, every element written (no poison left)
+    float *f_own = run_gemm_f32(&o, 1), *f_lt = run_gemm_f32(&o, 0);
+    const size_t f_bytes = (size_t)o.T * o.O * sizeof(float);
+    int64_t f_nan = 0;
+    for (size_t i = 0; i < (size_t)o.T * o.O; i++) f_nan += isnan(f_own[i]);
+    const int f32_ok = memcmp(f_own, f_lt, f_bytes) == 0 && f_nan == 0;
+    free(f_own), free(f_lt);
+
+    int pass = f32_ok;
+    printf("%-15s FP32 form (%s): own %s cuBLASLt, %lld unwritten\n", c->name,
+           o.dgrad ? "2-matrix Dgrad, GRAD_WRITE" : "Fprop", f32_ok ? "bitwise equal to" : "DIFFERENT from",
+           (long long)f_nan);
     char shape[48];
     snprintf(shape, sizeof shape, "%s %d seg %d x %d x %d", o.dgrad ? "D" : "F", o.n, o.T, o.O, o.C);
     for (int v = 0; v < N_VARIANTS; v++) {
