@@ -334,9 +334,8 @@ static void bench_quantisers(const Timer *t, Buffers *B, int R, int C) {
 // every segment in one call: the Fprops of w1 (and w3: N = moe_inter_dim, K = dim) and of w2 (N = dim, K =
 // moe_inter_dim), and w2's Dgrad (dx (rows, moe_inter_dim) from dy (rows, dim)), routed uniformly (T k / E rows per
 // expert) and unevenly (lengths 0.4..1.6 x the mean, one expert empty, the same total). Columns: the cuBLASLt path
-// (one GEMM per segment on 2 lanes), fp8moe's own kernel with the activation tile multicast to 2 CTAs, with one CTA
-// per tile (its default form), and with one CTA per tile and the consumers' issue order left free
-// (cuda_fp8_grouped_gemm_ordered(0)), each through kernels.h's call (the Dgrad's includes its scale transpose).
+// (one GEMM per segment on 2 lanes), fp8moe's own kernel with the activation tile multicast to 2 CTAs, and with one
+// CTA per tile (its default form), each through kernels.h's call (the Dgrad's includes its scale transpose).
 // TFLOPS = 2 rows N K / median time; "own/LT" is cuBLASLt's time over the default's, "=lt" the share of the default's
 // output elements bitwise equal to cuBLASLt's and "max|d|" the largest difference over the largest |y|.
 typedef struct {
@@ -431,8 +430,8 @@ static void bench_grouped(const Timer *t, const Config *cfg) {
     printf("\ngrouped expert GEMMs: %d experts of one micro-batch (%d tokens x top-%d = %d rows) in one call, BF16 "
            "output; TFLOPS = 2 rows N K / median time; own kernel on up to %d CTAs (multicast: %d)\n", E, T, topk, rows,
            cuda_fp8_grouped_gemm_max_ctas(0), cuda_fp8_grouped_gemm_max_ctas(1));
-    printf("%-17s %-8s %22s | %9s %9s %9s %9s | %8s %8s %10s | %9s %9s\n", "GEMM", "routing", "rows x N x K",
-           "cuBLASLt", "own mcast", "own 1cta", "own unord", "own/LT", "=lt", "max|d|", "LT ms", "own ms");
+    printf("%-17s %-8s %22s | %9s %9s %9s | %8s %8s %10s | %9s %9s\n", "GEMM", "routing", "rows x N x K", "cuBLASLt",
+           "own mcast", "own 1cta", "own/LT", "=lt", "max|d|", "LT ms", "own ms");
     char err[256];
     static const char *names[3] = {"expert w1,w3", "expert w2", "expert w2 Dgrad"};
     for (int shape = 0; shape < 3; shape++) {
@@ -459,18 +458,14 @@ static void bench_grouped(const Timer *t, const Config *cfg) {
             cuda_fp8_grouped_gemm_multicast(0);
             const double one_ms = grouped_median_ms(t, grouped_own, &g);
             BENCH_CHECK(cudaMemcpy(h_own, y, y_bytes, cudaMemcpyDeviceToHost));
-            const int ordered_before = cuda_fp8_grouped_gemm_ordered(0);
-            const double free_ms = grouped_median_ms(t, grouped_own, &g);
-            cuda_fp8_grouped_gemm_ordered(ordered_before);
             cuda_fp8_grouped_gemm_multicast(previous);
             double equal, rel;
             grouped_compare(h_own, h_lt, rows, out_cols, (int)bf16_rows_ld(out_cols), &equal, &rel);
             char dims[40];
             snprintf(dims, sizeof dims, "%d x %d x %d", rows, out_cols, contraction);
-            printf("%-17s %-8s %22s | %9.1f %9.1f %9.1f %9.1f | %7.2fx %7.3f%% %10.2e | %9.4f %9.4f\n", names[shape],
+            printf("%-17s %-8s %22s | %9.1f %9.1f %9.1f | %7.2fx %7.3f%% %10.2e | %9.4f %9.4f\n", names[shape],
                    uneven ? "uneven" : "uniform", dims, flop / (lt_ms * 1e-3) * 1e-12, flop / (mc_ms * 1e-3) * 1e-12,
-                   flop / (one_ms * 1e-3) * 1e-12, flop / (free_ms * 1e-3) * 1e-12, lt_ms / one_ms, 100.0 * equal,
-                   rel, lt_ms, one_ms);
+                   flop / (one_ms * 1e-3) * 1e-12, lt_ms / one_ms, 100.0 * equal, rel, lt_ms, one_ms);
             fflush(stdout);
         }
     }

@@ -8,13 +8,14 @@
  *
  * Why: cuBLASLt has no grouped block-scaled FP8 GEMM, so the experts' GEMMs were one GEMM per expert and Linear
  * (issue 23). One launch over all segments' tiles keeps every SM busy across segment boundaries and pays no launch
- * per segment. Measured on an H200 (docs/benchmarks.md, 2026-12-01): at the bench-1gpu expert shapes it runs at
- * 0.95x cuBLASLt's per-segment path with uniform routing and 1.02-1.07x with uneven routing, bitwise equal to it.
+ * per segment. Measured on an H200 (docs/benchmarks.md, 2026-12-01 and 2026-12-05): at the bench-1gpu expert shapes
+ * it runs at 0.87-1.07x cuBLASLt's per-segment path (depending on the form, the routing and the machine), bitwise
+ * equal to it in every form.
  * ncu: the tensor pipe is active about 50% of the time, L2 at 69% of its peak; 256-row tiles and products split
  * into two m64n64 halves per block were tried and were slower (the benchmarks page). Not done yet: BLOCK_N > 128
  * (acc + fin of m64n256 exceed the registers; BLOCK_N = 192 needs the two weight-scale blocks DeepGEMM handles),
- * the Wgrad form. The two consumer warpgroups issue each block's products in turn (ORDERED, below), so that one
- * promotes while the other's products run.
+ * the Wgrad form. Also tried (2026-12-05): the two consumers issuing each block's products in turn (named
+ * barriers), so that one would promote while the other's products run: no faster.
  *
  * Tiles: 128 output rows (tokens of one segment) x 128 output columns (one weight block row nb) x the whole K, in
  * K blocks of 128 (one scale of each operand per row and block). A segment's last row tile may run past its rows:
@@ -146,10 +147,6 @@ __device__ __forceinline__ void cluster_sync() {
 __device__ __forceinline__ void named_barrier(int id, int threads) {
     asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
-// Arrival on named barrier id (expecting `threads` in all) without waiting for it.
-__device__ __forceinline__ void named_arrive(int id, int threads) {
-    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-}
 
 // TMA: the box at (c0 = K byte, c1 = row) of tensor map `map` into shared dst, completing on bar.
 __device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap *map, int c0, int c1, uint32_t bar) {
@@ -230,11 +227,7 @@ __device__ __forceinline__ void unit_coords(const GroupedParams &p, int u, int &
 }
 
 // ---------------------------------------------------------------------------- the kernel
-// Named barriers of the consumers' issue order (ORDERED): "consumer 0 has issued block it", "consumer 1 has issued it"
-// (ids 1 and 2 are the consumers' epilogue barriers, 0 is __syncthreads).
-constexpr int ORDER_BAR_0 = 3, ORDER_BAR_1 = 4;
-
-template <int CLUSTER, bool ORDERED>
+template <int CLUSTER>
 __global__ void __launch_bounds__(THREADS, 1) fp8_grouped_gemm_kernel(const __grid_constant__ GroupedParams p) {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const uint32_t raw = smem_u32(smem_raw), base = (raw + 1023u) & ~1023u;
@@ -308,25 +301,12 @@ __global__ void __launch_bounds__(THREADS, 1) fp8_grouped_gemm_kernel(const __gr
                 const float *sa = reinterpret_cast<const float *>(smem + SMEM_SA + s * SA_BYTES) + cw * 64;
                 const float sa0 = sa[r0], sa1 = sa[r0 + 8];  // read before the stage is released
                 const uint32_t a_tile = base + SMEM_A + s * A_BYTES + cw * 64 * BK, b_tile = base + SMEM_B + s * B_BYTES;
-                // ORDERED: consumer 0 issues block it's products only after consumer 1 issued block it - 1's, and
-                // consumer 1 only after consumer 0 issued block it's, so the tensor cores run them one consumer
-                // after the other and each consumer's promotion overlaps the other's products (issued together,
-                // both finish together and both promote while the tensor cores idle).
-                if constexpr (ORDERED) {
-                    if (cw == 0 && it > 0) named_barrier(ORDER_BAR_1, 256);
-                    if (cw == 1) named_barrier(ORDER_BAR_0, 256);
-                }
                 fence_regs(acc, 64);
                 wgmma_fence();
 #pragma unroll
                 for (int j = 0; j < BK / 32; j++)
                     wgmma_m64n128k32_e4m3(acc, sw128_desc(a_tile + 32 * j), sw128_desc(b_tile + 32 * j), j > 0);
                 wgmma_commit();
-                if constexpr (ORDERED) {
-                    // consumer 1's last arrival would have no wait to match: left out, so no barrier is left pending
-                    if (cw == 0) named_arrive(ORDER_BAR_0, 256);
-                    else if (u + step < n_units || kb + 1 < p.kb) named_arrive(ORDER_BAR_1, 256);
-                }
                 wgmma_wait_all();
                 fence_regs(acc, 64);
                 if constexpr (CLUSTER > 1) {
@@ -377,7 +357,6 @@ __global__ void __launch_bounds__(THREADS, 1) fp8_grouped_gemm_kernel(const __gr
 
 // ---------------------------------------------------------------------------- host side
 static int multicast_enabled = 0;  // off by default: measured no faster (file comment, docs/benchmarks.md)
-static int ordered_enabled = 1;    // the consumers' products in a fixed order (the kernel's ORDERED)
 
 // Stops with "fp8_grouped_gemm.cu:<line>: <op>: <message>" for a call that breaks a documented precondition.
 static void grouped_fail(int line, const char *op, const char *fmt, ...) {
@@ -425,17 +404,15 @@ static void runtime_init(const char *op) {
         grouped_fail(__LINE__, op, "the driver has no cuTensorMapEncodeTiled (query result %d) - expected a CUDA 12+ "
                                    "driver", (int)found);
     rt.encode = (EncodeTiledFn)fn;
-    CUDA_CHECK(cudaFuncSetAttribute(fp8_grouped_gemm_kernel<1, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES));
-    CUDA_CHECK(cudaFuncSetAttribute(fp8_grouped_gemm_kernel<2, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES));
-    CUDA_CHECK(cudaFuncSetAttribute(fp8_grouped_gemm_kernel<1, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES));
-    CUDA_CHECK(cudaFuncSetAttribute(fp8_grouped_gemm_kernel<2, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES));
+    CUDA_CHECK(cudaFuncSetAttribute(fp8_grouped_gemm_kernel<1>, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES));
+    CUDA_CHECK(cudaFuncSetAttribute(fp8_grouped_gemm_kernel<2>, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES));
     cudaLaunchConfig_t cfg = {};
     cudaLaunchAttribute attr;
     attr.id = cudaLaunchAttributeClusterDimension;
     attr.val.clusterDim.x = 2, attr.val.clusterDim.y = 1, attr.val.clusterDim.z = 1;
     cfg.gridDim = dim3(2 * rt.sms), cfg.blockDim = dim3(THREADS), cfg.dynamicSmemBytes = SMEM_BYTES;
     cfg.attrs = &attr, cfg.numAttrs = 1;
-    CUDA_CHECK(cudaOccupancyMaxActiveClusters(&rt.clusters2, fp8_grouped_gemm_kernel<2, false>, &cfg));
+    CUDA_CHECK(cudaOccupancyMaxActiveClusters(&rt.clusters2, fp8_grouped_gemm_kernel<2>, &cfg));
     rt.ready = 1;
 }
 
@@ -465,10 +442,8 @@ static void launch(GroupedParams &p, int cluster) {
     cfg.gridDim = dim3((unsigned)(cluster * (n_units < max_clusters ? n_units : max_clusters)));
     cfg.blockDim = dim3(THREADS), cfg.dynamicSmemBytes = SMEM_BYTES, cfg.stream = 0;
     cfg.attrs = &attr, cfg.numAttrs = cluster > 1 ? 1 : 0;
-    if (cluster == 1 && ordered_enabled) CUDA_CHECK(cudaLaunchKernelEx(&cfg, fp8_grouped_gemm_kernel<1, true>, p));
-    else if (cluster == 1) CUDA_CHECK(cudaLaunchKernelEx(&cfg, fp8_grouped_gemm_kernel<1, false>, p));
-    else if (ordered_enabled) CUDA_CHECK(cudaLaunchKernelEx(&cfg, fp8_grouped_gemm_kernel<2, true>, p));
-    else CUDA_CHECK(cudaLaunchKernelEx(&cfg, fp8_grouped_gemm_kernel<2, false>, p));
+    if (cluster == 1) CUDA_CHECK(cudaLaunchKernelEx(&cfg, fp8_grouped_gemm_kernel<1>, p));
+    else CUDA_CHECK(cudaLaunchKernelEx(&cfg, fp8_grouped_gemm_kernel<2>, p));
     CUDA_CHECK_LAUNCH("fp8_grouped_gemm_kernel");
 }
 
@@ -482,12 +457,6 @@ extern "C" int cuda_fp8_grouped_gemm_max_ctas(int multicast) {
 extern "C" int cuda_fp8_grouped_gemm_multicast(int enable) {
     const int previous = multicast_enabled;
     multicast_enabled = enable != 0;
-    return previous;
-}
-
-extern "C" int cuda_fp8_grouped_gemm_ordered(int enable) {
-    const int previous = ordered_enabled;
-    ordered_enabled = enable != 0;
     return previous;
 }
 

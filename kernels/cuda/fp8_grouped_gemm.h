@@ -3,7 +3,7 @@
  * every expert's Y_g = X_g W_g^T in one persistent Hopper kernel (wgmma, TMA), instead of one cuBLASLt GEMM per
  * expert. gemm.cu runs kernels.h's grouped Fprops (W_g the weight) and Dgrads (W_g the weight's transposed codes,
  * its scales transposed) with more than one segment on it with FP8MOE_GROUPED_GEMM=own
- * (cuda_fp8_grouped_gemm_use_own, gemm.h; not yet the default); `fp8moe bench gemm` times it beside cuBLASLt and
+ * (cuda_fp8_grouped_gemm_use_own, gemm.h; not the default while it is no faster than cuBLASLt); `fp8moe bench gemm` times it beside cuBLASLt and
  * tests/gpu/test_gpu_grouped_gemm.c checks both forms against the CPU reference and cuBLASLt.
  *
  * All pointers are device pointers except the host arrays qw, sw and rows0; everything runs on the default stream.
@@ -42,12 +42,6 @@ void cuda_fp8_grouped_gemm_bf16(uint16_t *y, int y_rows_padded, const uint8_t *q
 // no faster: docs/benchmarks.md). Returns the previous setting. Both give the same bits (the same products in the same
 // order); for the test's and the benchmark's comparison.
 int cuda_fp8_grouped_gemm_multicast(int enable);
-
-// Whether the two consumer warpgroups issue each K block's products in turn (1, the default: each one's promotion then
-// overlaps the other's products on the tensor cores) or as they come (0: they finish together and promote while the
-// tensor cores idle). Returns the previous setting. Both give the same bits; for the test's and the benchmark's
-// comparison.
-int cuda_fp8_grouped_gemm_ordered(int enable);
 
 // The most CTAs one launch runs (the persistent grid): the SM count, or with multicast twice the number of clusters of
 // two that fit on the GPU at once (cudaOccupancyMaxActiveClusters). For the benchmark's report.
