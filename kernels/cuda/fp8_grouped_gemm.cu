@@ -9,7 +9,7 @@
  * Why: cuBLASLt has no grouped block-scaled FP8 GEMM, so the experts' GEMMs were one GEMM per expert and Linear
  * (issue 23). One launch over all segments' tiles keeps every SM busy across segment boundaries and pays no launch
  * per segment. Measured on an H200 (docs/benchmarks.md, 2026-12-01 and 2026-12-05): at the bench-1gpu expert shapes
- * it runs at 0.87-1.07x cuBLASLt's per-segment path (depending on the form, the routing and the machine), bitwise
+ * it runs at 0.88-1.07x cuBLASLt's per-segment path (depending on the form, the routing and the machine), bitwise
  * equal to it in every form.
  * ncu: the tensor pipe is active about 50% of the time, L2 at 69% of its peak; 256-row tiles and products split
  * into two m64n64 halves per block were tried and were slower (the benchmarks page). Not done yet: BLOCK_N > 128
