@@ -18,6 +18,7 @@ for run in a b; do
   grep -E '^step ' "$TMP/$run.log" | tail -n "$STEPS"
 done
 if [ -n "${OUT:-}" ]; then  # to compare with other builds
+  mkdir -p "$OUT"
   tag=$(printf '%s' "$*" | tr -c 'A-Za-z0-9.' '_' | sed 's/^_*//')
   cp "$TMP/a/metrics.jsonl" "$OUT/determinism_metrics${tag:+_$tag}.jsonl"
 fi
