@@ -3,8 +3,9 @@
  * every expert's Y_g = X_g W_g^T in one persistent Hopper kernel (wgmma, TMA), instead of one cuBLASLt GEMM per
  * expert. gemm.cu runs kernels.h's grouped Fprops (W_g the weight) and Dgrads (W_g the weight's transposed codes,
  * its scales transposed) with more than one segment on it with FP8MOE_GROUPED_GEMM=own
- * (cuda_fp8_grouped_gemm_use_own, gemm.h; not the default while it is no faster than cuBLASLt); `fp8moe bench gemm` times it beside cuBLASLt and
- * tests/gpu/test_gpu_grouped_gemm.c checks both forms against the CPU reference and cuBLASLt.
+ * (cuda_fp8_grouped_gemm_use_own, gemm.h; not the default while it is no faster than cuBLASLt); `fp8moe bench gemm`
+ * times it beside cuBLASLt and tests/gpu/test_gpu_grouped_gemm.c checks both forms against the CPU reference and
+ * cuBLASLt.
  *
  * All pointers are device pointers except the host arrays qw, sw and rows0; everything runs on the default stream.
  */

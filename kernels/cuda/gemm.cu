@@ -885,11 +885,12 @@ extern "C" int cuda_fp8_grouped_gemm_use_own(int enable) {
 typedef void (*Fp8GemmBf16)(Lane lane, uint16_t *out, const uint8_t *qa, const float *sa, const uint8_t *qb,
                             const float *sb, int T, int N, int K);
 
-// fp8_gemm_segments' GEMMs as one cuBLASLt GEMM per segment and matrix, spread over the lanes.
+// fp8_gemm_segments' GEMMs as one cuBLASLt GEMM per segment and matrix, spread over the lanes; scales[i][g] is the
+// weight scale array matrix i's GEMM of segment g reads.
 static void segments_on_lanes(const SegTable &seg, bool dgrad, uint16_t *tmp, int64_t per_mat, uint16_t *out_bf16,
                               int ld, int CB, int n_mats, const uint8_t *const *qa, const float *const *sa,
-                              const uint8_t *const *const *qb, const float *const *const *sb, const float *swt,
-                              int64_t swt_stride, int n_seg, const int *rows0, int N, int K) {
+                              const uint8_t *const *const *qb, const float *const (*scales)[FP8_MAX_SEGMENTS],
+                              int n_seg, const int *rows0, int N, int K) {
     const Fp8GemmBf16 gemm = dgrad ? fp8_gemm_dgrad_bf16_t : fp8_gemm_fprop_bf16_on;
     // Into tmp each segment writes its own padded rows p16[g].. (the lanes cannot collide); into out_bf16 a segment's
     // padding rows land on the next segment's first rows, which the next GEMM on the same lane writes later, so a
@@ -897,7 +898,6 @@ static void segments_on_lanes(const SegTable &seg, bool dgrad, uint16_t *tmp, in
     // its valid rows follows it on that lane.
     const int n_lanes = lanes_for(seg.p16, n_seg);
     lanes_fork(n_lanes);
-    int w = 0;  // the Dgrad's weight number: its transposed scales are at swt + w * swt_stride
     for (int i = 0; i < n_mats; i++) {
         for (int g = 0; g < n_seg; g++) {
             const int p16 = seg.p16[g], T16 = seg.p16[g + 1] - p16;
@@ -907,8 +907,8 @@ static void segments_on_lanes(const SegTable &seg, bool dgrad, uint16_t *tmp, in
             const bool edge = out_bf16 && n_lanes > 1 && rows0[g] + T16 > next_lane_row(seg, g, n_lanes);
             uint16_t *into = edge ? (uint16_t *)cuda_scratch(&ctx.edge[lane_index(lane)], sizeof(uint16_t) * (size_t)T16 * ld)
                                   : dst;
-            gemm(lane, into, qa[i] + (size_t)p16 * CB * FP8_TILE, sa[i] + (size_t)CB * p16, qb[i][g],
-                 dgrad ? swt + w++ * swt_stride : sb[i][g], T16, N, K);
+            gemm(lane, into, qa[i] + (size_t)p16 * CB * FP8_TILE, sa[i] + (size_t)CB * p16, qb[i][g], scales[i][g], T16,
+                 N, K);
             if (edge)
                 CUDA_CHECK(cudaMemcpyAsync(dst, into, sizeof(uint16_t) * (size_t)(rows0[g + 1] - rows0[g]) * ld,
                                            cudaMemcpyDeviceToDevice, lane.stream));
@@ -959,20 +959,20 @@ static void fp8_gemm_segments(const char *op, bool dgrad, real *out, bool add, c
         swt = (float *)cuda_scratch(&ctx.scale_t, sizeof(float) * (size_t)(swt_stride * n_w));
         transpose_block_scales(swt, sw, n_w, N, K);
     }
+    // The weight scales each GEMM reads: the weight's own, or the Dgrad's transposed ones (which are the scales of
+    // the (K, N) weight its transposed codes form), in the order transpose_block_scales wrote them.
+    const float *scales[FP8_MAX_DGRAD_MATS][FP8_MAX_SEGMENTS];
+    for (int i = 0, w = 0; i < n_mats; i++)
+        for (int g = 0; g < n_seg; g++)
+            scales[i][g] = !dgrad ? sb[i][g] : seg.p16[g + 1] > seg.p16[g] ? swt + w++ * swt_stride : NULL;
     if (n_seg > 1 && grouped_gemm_is_own()) {
         // each matrix's segments in one launch of the own kernel, into out_bf16 at rows rows0[g] or into tmp at the
-        // operand's padded rows p16[g] (where the conversion below reads them); the Dgrad's weight g of matrix i
-        // reads its transposed scales, which that layout makes the scales of a (K, N) weight
-        for (int i = 0, w = 0; i < n_mats; i++) {
-            const float *scales[FP8_MAX_SEGMENTS];
-            for (int g = 0; g < n_seg; g++)
-                scales[g] = !dgrad ? sb[i][g] : seg.p16[g + 1] > seg.p16[g] ? swt + w++ * swt_stride : NULL;
+        // operand's padded rows p16[g] (where the conversion below reads them)
+        for (int i = 0; i < n_mats; i++)
             cuda_fp8_grouped_gemm_bf16(out_bf16 ? out_bf16 : tmp + i * per_mat, out_bf16 == NULL, qa[i], sa[i], qb[i],
-                                       scales, n_seg, rows0, out_cols, contraction);
-        }
+                                       scales[i], n_seg, rows0, out_cols, contraction);
     } else {
-        segments_on_lanes(seg, dgrad, tmp, per_mat, out_bf16, ld, CB, n_mats, qa, sa, qb, sb, swt, swt_stride, n_seg,
-                          rows0, N, K);
+        segments_on_lanes(seg, dgrad, tmp, per_mat, out_bf16, ld, CB, n_mats, qa, sa, qb, scales, n_seg, rows0, N, K);
     }
     if (out_bf16) return;
     if (unpermute) bf16_unpermute_rows(out, add, tmp, seg, out_cols, ld, n_mats, per_mat, unpermute);

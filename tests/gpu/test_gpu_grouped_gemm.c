@@ -111,6 +111,7 @@ static void case_rows0(const Case *c, uint64_t seed, int *rows0) {
 typedef struct {
     int n, T, P16, N, K, dgrad;
     int C, CB, Cp, O, Op;  // contraction, its 128-blocks and padded length; output columns and their row stride
+    size_t qw_bytes;       // one weight's codes (either layout)
     int rows0[FP8_MAX_SEGMENTS + 1];
     uint8_t *qx_d, *qx;
     float *sx_d, *sx;
@@ -141,7 +142,7 @@ static void operands_make(Operands *o, const Case *c, uint64_t seed) {
     device_free(DEVICE_CUDA, x_d), free(x);
 
     const int NB = ceil_div(c->N, FP8_TILE), KB = ceil_div(c->K, FP8_TILE), KB4 = (KB + 3) / 4 * 4;
-    const size_t w_elems = (size_t)c->N * c->K, qw_bytes = (size_t)NB * KB * FP8_TILE * FP8_TILE;
+    const size_t w_elems = (size_t)c->N * c->K, qw_bytes = o->qw_bytes = (size_t)NB * KB * FP8_TILE * FP8_TILE;
     const size_t sw_bytes = (size_t)NB * KB4 * sizeof(float);
     float *w = gpucheck_malloc(w_elems * sizeof(float));
     float *w_d = device_alloc(DEVICE_CUDA, w_elems * sizeof(float));
@@ -203,8 +204,7 @@ static float *run_gemm_f32(const Operands *o, int own) {
 // The same GEMM on |a| and |b| (E4M3 sign bits cleared; the scales are positive): S (T, O) = sum_k |a s_a b s_b|,
 // rounded to BF16 by the CPU op.
 static float *abs_sums(const Operands *o) {
-    const size_t qx_bytes = (size_t)o->P16 * o->Cp;
-    const size_t qw_bytes = (size_t)ceil_div(o->N, FP8_TILE) * ceil_div(o->K, FP8_TILE) * FP8_TILE * FP8_TILE;
+    const size_t qx_bytes = (size_t)o->P16 * o->Cp, qw_bytes = o->qw_bytes;
     uint8_t *qx = gpucheck_malloc(qx_bytes);
     for (size_t i = 0; i < qx_bytes; i++) qx[i] = o->qx[i] & 0x7F;
     const uint8_t *qw[FP8_MAX_SEGMENTS] = {NULL};
