@@ -855,9 +855,10 @@ extern "C" void cuda_fp8_gemm_dgrad_bf16(uint16_t *dx, const uint8_t *qdy, const
 // fp8_gemm_dgrad_grouped*) run each matrix's GEMMs over all segments as one launch of fp8moe's own grouped kernel
 // (fp8_grouped_gemm.cu) with FP8MOE_GROUPED_GEMM=own, or, by default, as one cuBLASLt GEMM per segment on the lanes.
 // Both compute each 128-deep block's tensor-core sum and promote it as fma(P, s_x s_w, acc) in block order and should
-// give the same bits (tests/gpu/test_gpu_grouped_gemm.c requires it, and it held for every form on an H200); the own
-// kernel pays no launch per segment and keeps the SMs busy across segments, but it is not the default because it is
-// not faster yet (0.88-1.03x cuBLASLt at the bench-1gpu expert shapes, the same step time: docs/benchmarks.md).
+// give the same bits (tests/gpu/test_gpu_grouped_gemm.c requires it, and it held for every form on an H200 and an
+// H100); the own kernel pays no launch per segment and keeps the SMs busy across segments, but it is not the default
+// because it is not faster by more than the benchmark's spread yet (0.88-1.03x cuBLASLt at the bench-1gpu expert
+// shapes; in the step the same tokens/s on an H200, 1.0% more on an H100: docs/benchmarks.md).
 // One-segment calls (every other Linear) stay on cuBLASLt, faster at their large shapes.
 static int own_grouped = -1;  // -1: not yet read from FP8MOE_GROUPED_GEMM
 
