@@ -3,9 +3,8 @@
  * runs on it with FP8MOE_GROUPED_GEMM=own: kernels.h's fp8_gemm_fprop_grouped_bf16 and fp8_gemm_dgrad_grouped_bf16
  * (the weights' transposed codes and scales), each called through kernels.h with the own kernel selected
  * (cuda_fp8_grouped_gemm_use_own(1)) against the CPU reference of the same FP8 operands (the same call on DEVICE_CPU,
- * kernels/cpu/fp8.c) and
- * against the cuBLASLt path (use_own(0): one GEMM per segment), with and without the TMA multicast of the activation
- * tile. Runs only on a Hopper GPU (tests/gpu/run.sh); with no visible GPU it FAILS.
+ * kernels/cpu/fp8.c) and against the cuBLASLt path (use_own(0): one GEMM per segment), with and without the TMA
+ * multicast of the activation tile. Runs only on a Hopper GPU (tests/gpu/run.sh); with no visible GPU it FAILS.
  *
  * Inputs are fresh random values every run (the seed is printed; FP8MOE_TEST_SEED=<n> repeats a run): non-zero,
  * random signs, magnitudes spread over 8 binades, so tiles have different scales and E4M3 subnormals occur. They are
