@@ -23,8 +23,8 @@
  * GEMM different. An H200 running dense FP8 GEMMs back to back reaches its power limit and lowers its
  * clock, so sustained numbers (the default) are up to ~10% below those of a GPU that was idle a moment
  * before; --idle-ms N sleeps N ms before each measurement to show the latter (see docs/gpu.md).
- * The grouped section times the routed experts' BF16-output GEMMs (w1/w3 and w2 Fprop, w2 Dgrad) as the model calls
- * them, every expert's segment in one call, through the cuBLASLt path (one GEMM per segment) and fp8moe's own grouped
+ * The grouped section times the routed experts' BF16-output GEMMs (w1/w3 and w2 Fprop, w2 Dgrad) and their Wgrads
+ * (FP32, added to) as the model calls them, every expert's segment in one call, through the cuBLASLt path (one GEMM per segment) and fp8moe's own grouped
  * kernel (kernels/cuda/fp8_grouped_gemm.cu, FP8MOE_GROUPED_GEMM=own), in the same run on the same operands
  * (--grouped-only: that section alone).
  */
@@ -48,9 +48,9 @@ const char *const bench_gemm_usage =
     "      (default configs/bench-1gpu.ini); then quantiser bandwidth vs a device-to-device copy.\n"
     "      Median of N (default 50) timed runs after the warm-up (default 5). --idle-ms N: leave the GPU idle\n"
     "      N ms before each measurement (default 0: back to back, the GPU at its sustained power and clock).\n"
-    "      Then the routed experts' grouped GEMMs (w1/w3 and w2 Fprop, w2 Dgrad; all experts in one call): cuBLASLt\n"
-    "      per segment vs fp8moe's own grouped kernel. --fixed-only: only the fixed shapes; --grouped-only: only\n"
-    "      the grouped GEMMs.\n"
+    "      Then the routed experts' grouped GEMMs (w1/w3 and w2 Fprop, w2 Dgrad, w1 and w2 Wgrad; all experts in\n"
+    "      one call): cuBLASLt per segment vs fp8moe's own grouped kernel. --fixed-only: only the fixed shapes;\n"
+    "      --grouped-only: only the grouped GEMMs.\n"
     "      Needs a CUDA build and a GPU.\n";
 
 #ifndef FP8MOE_CUDA
@@ -339,18 +339,24 @@ static void bench_quantisers(const Timer *t, Buffers *B, int R, int C) {
 // TFLOPS = 2 rows N K / median time; "own/LT" is cuBLASLt's time over the default's, "=lt" the share of the default's
 // output elements bitwise equal to cuBLASLt's and "max|d|" the largest difference over the largest |y|.
 typedef struct {
-    int n_seg, N, K, dgrad;  // the weights are (N, K); the Fprop's output has N columns, the Dgrad's K
+    int n_seg, N, K, dgrad, wgrad;  // the weights are (N, K); the Fprop's output has N columns, the Dgrad's K
     int rows0[FP8_MAX_SEGMENTS + 1];
     const uint8_t *qx;
     const float *sx;
     const uint8_t *qw[FP8_MAX_SEGMENTS];  // the Dgrad's: the transposed codes
     const float *sw[FP8_MAX_SEGMENTS];
     uint16_t *y;
+    const uint8_t *qdyt, *qxt;  // the Wgrad's 128x1 operands of dY (rows, N) and X (rows, K)
+    const float *sdyt, *sxt;
+    float *dw;                  // its gradients (E, N, K), added to
 } GroupedRun;
 
 static void grouped_call(const GroupedRun *g, int own) {
     const int previous = cuda_fp8_grouped_gemm_use_own(own);
-    if (g->dgrad) fp8_gemm_dgrad_grouped_bf16(DEVICE_CUDA, g->y, g->qx, g->sx, g->qw, g->sw, g->n_seg, g->rows0, g->N, g->K);
+    if (g->wgrad)
+        fp8_gemm_wgrad_grouped(DEVICE_CUDA, g->dw, g->qdyt, g->sdyt, g->qxt, g->sxt, g->n_seg, g->rows0, g->N, g->K);
+    else if (g->dgrad)
+        fp8_gemm_dgrad_grouped_bf16(DEVICE_CUDA, g->y, g->qx, g->sx, g->qw, g->sw, g->n_seg, g->rows0, g->N, g->K);
     else fp8_gemm_fprop_grouped_bf16(DEVICE_CUDA, g->y, g->qx, g->sx, g->qw, g->sw, g->n_seg, g->rows0, g->N, g->K);
     cuda_fp8_grouped_gemm_use_own(previous);
 }
@@ -470,6 +476,60 @@ static void bench_grouped(const Timer *t, const Config *cfg) {
         }
     }
     free(h_lt), free(h_own);
+
+    // The Wgrads (dW_e += dY_e^T X_e over each expert's tokens, FP32 added to), w1's (and w3's) and w2's: own/LT and
+    // "=lt" are as above, from one call of each onto zeroed gradients; "max|d|" over the largest |dW|.
+    const size_t tiles = (size_t)rows / 128 + (size_t)E, qt_bytes = (size_t)Kmax * 128 * tiles;
+    uint8_t *qdyt = dalloc(qt_bytes), *qxt = dalloc(qt_bytes);
+    float *sdyt = dalloc(tiles * Kmax * sizeof(float)), *sxt = dalloc(tiles * Kmax * sizeof(float));
+    const size_t dw_elems = (size_t)E * I * D;
+    float *dw = dalloc(dw_elems * sizeof(float)), *h_dw_lt = malloc(dw_elems * sizeof(float)),
+          *h_dw_own = malloc(dw_elems * sizeof(float));
+    if (h_dw_lt == NULL || h_dw_own == NULL) {
+        fprintf(stderr, "%s:%d: out of host memory (2 x %zu FP32 gradients)\n", __FILE__, __LINE__, dw_elems);
+        exit(1);
+    }
+    static const char *wnames[2] = {"expert w1 Wgrad", "expert w2 Wgrad"};
+    for (int shape = 0; shape < 2; shape++) {
+        GroupedRun g;
+        memset(&g, 0, sizeof g);
+        g.n_seg = E, g.N = shape == 0 ? I : D, g.K = shape == 0 ? D : I, g.wgrad = 1;
+        g.qdyt = qdyt, g.sdyt = sdyt, g.qxt = qxt, g.sxt = sxt, g.dw = dw;
+        for (int uneven = 0; uneven < 2; uneven++) {
+            grouped_rows0(g.rows0, E, rows, uneven);
+            quantise_or_die(fp8_quantize_128x1_transposed_grouped(DEVICE_CUDA, qdyt, sdyt, x, NULL, E, g.rows0, g.N, err,
+                                                                  sizeof err), "dY", err);
+            quantise_or_die(fp8_quantize_128x1_transposed_grouped(DEVICE_CUDA, qxt, sxt, x, NULL, E, g.rows0, g.K, err,
+                                                                  sizeof err), "X", err);
+            const double flop = 2.0 * rows * g.N * g.K;
+            const double lt_ms = grouped_median_ms(t, grouped_cublaslt, &g);
+            const double own_ms = grouped_median_ms(t, grouped_own, &g);
+            float *h[2] = {h_dw_lt, h_dw_own};
+            for (int own = 0; own < 2; own++) {
+                BENCH_CHECK(cudaMemset(dw, 0, dw_elems * sizeof(float)));
+                grouped_call(&g, own);
+                BENCH_CHECK(cudaMemcpy(h[own], dw, dw_elems * sizeof(float), cudaMemcpyDeviceToHost));
+            }
+            int64_t same = 0;
+            double max_d = 0, max_b = 0;
+            for (size_t i = 0; i < dw_elems; i++) {
+                same += memcmp(&h_dw_own[i], &h_dw_lt[i], sizeof(float)) == 0;
+                const double d = fabs((double)h_dw_own[i] - h_dw_lt[i]);
+                if (d > max_d || isnan(d)) max_d = isnan(d) ? INFINITY : d;
+                if (fabs(h_dw_lt[i]) > max_b) max_b = fabs(h_dw_lt[i]);
+            }
+            char dims[40];
+            snprintf(dims, sizeof dims, "%d x %d x %d", g.N, g.K, rows);
+            printf("%-17s %-8s %22s | %9.1f %9s %9.1f | %7.2fx %7.3f%% %10.2e | %9.4f %9.4f\n", wnames[shape],
+                   uneven ? "uneven" : "uniform", dims, flop / (lt_ms * 1e-3) * 1e-12, "-", flop / (own_ms * 1e-3) * 1e-12,
+                   lt_ms / own_ms, 100.0 * (double)same / (double)dw_elems, max_d / (max_b > 0 ? max_b : 1), lt_ms,
+                   own_ms);
+            fflush(stdout);
+        }
+    }
+    free(h_dw_lt), free(h_dw_own);
+    void *wbufs[] = {qdyt, qxt, sdyt, sxt, dw};
+    for (size_t i = 0; i < sizeof wbufs / sizeof wbufs[0]; i++) BENCH_CHECK(cudaFree(wbufs[i]));
     void *bufs[] = {x, w, qx, qw, qwt, sx, sw, y};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) BENCH_CHECK(cudaFree(bufs[i]));
 }

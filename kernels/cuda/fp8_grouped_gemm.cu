@@ -75,24 +75,36 @@ constexpr int MAX_GROUPS = 64;                 // non-empty segments per launch 
 constexpr uint32_t A_BYTES = BM * BK, B_BYTES = BN * BK, SA_BYTES = BM * 4;
 constexpr uint32_t OUT_BOX_BYTES = 64 * 128;  // BF16 staging of 64 rows x 64 columns, 128-byte swizzle
 constexpr uint32_t SMEM_A = 0, SMEM_B = SMEM_A + STAGES * A_BYTES, SMEM_OUT = SMEM_B + STAGES * B_BYTES;
-constexpr uint32_t SMEM_SA = SMEM_OUT + 2 * 2 * OUT_BOX_BYTES, SMEM_BAR = SMEM_SA + STAGES * SA_BYTES;
+constexpr uint32_t SB_BYTES = BN * 4;    // Wgrad: the 128 X scales of a column tile and K block
+constexpr uint32_t SMEM_SA = SMEM_OUT + 2 * 2 * OUT_BOX_BYTES, SMEM_SB = SMEM_SA + STAGES * SA_BYTES;
+constexpr uint32_t SMEM_BAR = SMEM_SB + STAGES * SB_BYTES;
 constexpr uint32_t SMEM_BYTES = SMEM_BAR + 2 * STAGES * 8 + 1024;  // + the round-up of the base to 1024 bytes
 constexpr uint64_t WAIT_TRAP_NS = 10000000000ull;  // 10 s
-static_assert(SMEM_B % 1024 == 0 && SMEM_OUT % 1024 == 0 && SMEM_SA % 16 == 0 && SMEM_BAR % 8 == 0, "stage alignment");
+static_assert(SMEM_B % 1024 == 0 && SMEM_OUT % 1024 == 0 && SMEM_SA % 16 == 0 && SMEM_SB % 16 == 0 && SMEM_BAR % 8 == 0,
+              "stage alignment");
 static_assert(SMEM_BYTES <= 232448, "shared memory of one SM");
 
-// One launch's segments (the non-empty ones, in order). Everything the kernel reads besides the operands.
+// One launch's segments (the non-empty ones, in order). Everything the kernel reads besides the operands. The Fprop
+// form (Y_g = X_g W_g^T, X_g a segment's rows of one 1x128 operand) and the Wgrad form (dW_g += dY_g^T X_g, both 128x1
+// operands of segment g: the contraction runs over its tokens) differ in where A comes from, how many K blocks a
+// segment has, how B is scaled and what the epilogue does.
 struct GroupedParams {
-    CUtensorMap a;                  // qx: (P16 rows, Kp) bytes, box 128 (K) x BM / CLUSTER rows
-    CUtensorMap b[MAX_GROUPS];      // weight g: (Np, Kp) bytes, box 128 x 128
-    CUtensorMap y_map[MAX_GROUPS];  // segment g's rows of y: (rows[g], Np) BF16, box 64 x 64, 128-byte swizzle
-    const float *sa[MAX_GROUPS];    // segment g's X scales, [KB][t16[g]]
-    const float *sb[MAX_GROUPS];    // weight g's block scales, (NB, KB4)
+    CUtensorMap a[MAX_GROUPS];      // Fprop: a[0] = qx (P16 rows, Kp) bytes, box 128 (K) x BM / CLUSTER rows;
+                                    // Wgrad: segment g's dY^T codes (N rows, 128 tiles_g) bytes, box 128 x BM
+    CUtensorMap b[MAX_GROUPS];      // Fprop: weight g (Np, Kp) bytes; Wgrad: segment g's X^T codes (K rows, 128
+                                    // tiles_g); box 128 x 128
+    CUtensorMap y_map[MAX_GROUPS];  // Fprop: segment g's rows of y: (rows[g], Np) BF16, box 64 x 64, 128-byte swizzle
+    const float *sa[MAX_GROUPS];    // A's scales of segment g: Fprop [KB][t16[g]], Wgrad [tiles_g][N]
+    const float *sb[MAX_GROUPS];    // B's: Fprop weight g's block scales (NB, KB4); Wgrad [tiles_g][K]
+    float *dw[MAX_GROUPS];          // Wgrad: segment g's gradient (N, K), added to
     int units0[MAX_GROUPS + 1];     // first unit of each segment (units: row tile x CLUSTER column tiles)
-    int a_row0[MAX_GROUPS];         // P16_g: the segment's first row in qx
-    int t16[MAX_GROUPS];            // its rows rounded up to 16 (the stride of its scale rows)
-    int rows[MAX_GROUPS];           // its true rows
-    int n_groups, units_n, kb, kb4;  // units per row tile (NB / CLUSTER), K blocks, KB4
+    int a_row0[MAX_GROUPS];         // Fprop: P16_g, the segment's first row in qx; Wgrad: 0
+    int sa_ld[MAX_GROUPS];          // floats from one K block's A scales to the next: Fprop t16[g] (the segment's
+                                    // rows rounded up to 16), Wgrad N
+    int kblocks[MAX_GROUPS];        // K blocks: Fprop KB, Wgrad the segment's token tiles
+    int rows[MAX_GROUPS];           // Fprop: the segment's true rows
+    int n_groups, units_n, kb4;     // units per row tile (NB / CLUSTER), Fprop's KB4
+    int out_rows, out_cols;         // Wgrad: N, K
 };
 static_assert(sizeof(GroupedParams) <= 32000, "kernel parameter limit (32764 bytes)");
 
@@ -227,8 +239,10 @@ __device__ __forceinline__ void unit_coords(const GroupedParams &p, int u, int &
 }
 
 // ---------------------------------------------------------------------------- the kernel
-template <int CLUSTER>
+// WGRAD: the Wgrad form (file comment); CLUSTER must then be 1.
+template <int CLUSTER, bool WGRAD>
 __global__ void __launch_bounds__(THREADS, 1) fp8_grouped_gemm_kernel(const __grid_constant__ GroupedParams p) {
+    static_assert(!WGRAD || CLUSTER == 1, "the Wgrad form runs one CTA per tile");
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const uint32_t raw = smem_u32(smem_raw), base = (raw + 1023u) & ~1023u;
     unsigned char *smem = smem_raw + (base - raw);
@@ -258,45 +272,51 @@ __global__ void __launch_bounds__(THREADS, 1) fp8_grouped_gemm_kernel(const __gr
                 int mb, nu;
                 unit_coords(p, u, g, mb, nu);
                 const int nb = nu * CLUSTER + (int)rank;
-                const int sa_rows = min(BM, p.t16[g] - mb * BM);  // a multiple of 16: 64-byte multiples
-                const float *sa = p.sa[g] + mb * BM;
+                const int sa_rows = min(BM, p.sa_ld[g] - mb * BM);  // a multiple of 16 (Fprop) or 4 (Wgrad): 16-byte
+                const float *sa = p.sa[g] + mb * BM;                 // multiples
                 const int a_row = p.a_row0[g] + mb * BM + (int)rank * A_ROWS;
-                for (int kb = 0; kb < p.kb; kb++, it++) {
+                const CUtensorMap *a_map = WGRAD ? &p.a[g] : &p.a[0];
+                const int sb_cols = WGRAD ? min(BN, p.out_cols - nb * BN) : 0;  // a multiple of 4
+                const float *sb = p.sb[g] + nb * BN;
+                for (int kb = 0; kb < p.kblocks[g]; kb++, it++) {
                     const uint32_t s = it % STAGES, phase = (it / STAGES) & 1;
                     mbar_wait(empty + 8 * s, phase ^ 1);
                     const uint32_t bar = full + 8 * s;
-                    mbar_expect_tx(bar, A_BYTES + B_BYTES + (uint32_t)sa_rows * 4);
+                    mbar_expect_tx(bar, A_BYTES + B_BYTES + (uint32_t)(sa_rows + sb_cols) * 4);
                     const uint32_t a_dst = base + SMEM_A + s * A_BYTES + rank * A_ROWS * BK;
-                    if constexpr (CLUSTER > 1) tma_load_2d_multicast(a_dst, &p.a, kb * BK, a_row, bar, (1u << CLUSTER) - 1);
-                    else tma_load_2d(a_dst, &p.a, kb * BK, a_row, bar);
+                    if constexpr (CLUSTER > 1) tma_load_2d_multicast(a_dst, a_map, kb * BK, a_row, bar, (1u << CLUSTER) - 1);
+                    else tma_load_2d(a_dst, a_map, kb * BK, a_row, bar);
                     tma_load_2d(base + SMEM_B + s * B_BYTES, &p.b[g], kb * BK, nb * BN, bar);
-                    bulk_load(base + SMEM_SA + s * SA_BYTES, sa + (size_t)kb * p.t16[g], (uint32_t)sa_rows * 4, bar);
+                    bulk_load(base + SMEM_SA + s * SA_BYTES, sa + (size_t)kb * p.sa_ld[g], (uint32_t)sa_rows * 4, bar);
+                    if constexpr (WGRAD)
+                        bulk_load(base + SMEM_SB + s * SB_BYTES, sb + (size_t)kb * p.out_cols, (uint32_t)sb_cols * 4, bar);
                 }
             }
         }
     } else {
         // ------------------------------------------------------------------ consumers: rows (wg - 1) * 64 ..
         const int cw = wg - 1, r0 = warp * 16 + (lane >> 2);  // this thread's rows r0 and r0 + 8 of the 64
-        const bool issuer = (threadIdx.x & 127) == 0;        // issues the warpgroup's output stores
+        const int c0 = 2 * (lane & 3);                       // and columns 8j + c0, 8j + c0 + 1 of the 128
+        const bool issuer = (threadIdx.x & 127) == 0;        // issues the warpgroup's output stores (Fprop)
         const uint32_t out = base + SMEM_OUT + cw * 2 * OUT_BOX_BYTES;
         unsigned char *out_ptr = smem + SMEM_OUT + cw * 2 * OUT_BOX_BYTES;
         float acc[64], fin[64];
         int g = 0, mb = 0, nu = 0;
         uint32_t it = 0;
-        float sb_next = 0.0f;  // the next K block's weight scale, loaded one block ahead (across tiles too)
+        float sb_next = 0.0f;  // Fprop: the next K block's weight scale, loaded one block ahead (across tiles too)
         if (first < n_units) {
             unit_coords(p, first, g, mb, nu);
-            sb_next = __ldg(p.sb[g] + (nu * CLUSTER + (int)rank) * p.kb4);
+            if constexpr (!WGRAD) sb_next = __ldg(p.sb[g] + (nu * CLUSTER + (int)rank) * p.kb4);
         }
         for (int u = first; u < n_units; u += step) {
-            const int nb = nu * CLUSTER + (int)rank;
+            const int nb = nu * CLUSTER + (int)rank, kblocks = p.kblocks[g];
             const float *sbp = p.sb[g] + nb * p.kb4;
 #pragma unroll
             for (int i = 0; i < 64; i++) fin[i] = 0.0f;
-            for (int kb = 0; kb < p.kb; kb++, it++) {
+            for (int kb = 0; kb < kblocks; kb++, it++) {
                 const uint32_t s = it % STAGES, phase = (it / STAGES) & 1;
                 const float sb = sb_next;
-                if (kb + 1 < p.kb) sb_next = __ldg(sbp + kb + 1);
+                if (!WGRAD && kb + 1 < kblocks) sb_next = __ldg(sbp + kb + 1);
                 mbar_wait(full + 8 * s, phase);
                 const float *sa = reinterpret_cast<const float *>(smem + SMEM_SA + s * SA_BYTES) + cw * 64;
                 const float sa0 = sa[r0], sa1 = sa[r0 + 8];  // read before the stage is released
@@ -309,24 +329,72 @@ __global__ void __launch_bounds__(THREADS, 1) fp8_grouped_gemm_kernel(const __gr
                 wgmma_commit();
                 wgmma_wait_all();
                 fence_regs(acc, 64);
-                if constexpr (CLUSTER > 1) {
-                    if (lane < CLUSTER) mbar_arrive_cluster(empty + 8 * s, (uint32_t)lane);
-                } else if (lane == 0) {
-                    mbar_arrive(empty + 8 * s);
-                }
-                const float s0 = sa0 * sb, s1 = sa1 * sb;
+                if constexpr (WGRAD) {
+                    // each column has its own X scale: read from the stage, which is released after the promotion
+                    const float *sbs = reinterpret_cast<const float *>(smem + SMEM_SB + s * SB_BYTES) + c0;
 #pragma unroll
-                for (int j = 0; j < 16; j++) {
-                    fin[4 * j + 0] = fmaf(acc[4 * j + 0], s0, fin[4 * j + 0]);
-                    fin[4 * j + 1] = fmaf(acc[4 * j + 1], s0, fin[4 * j + 1]);
-                    fin[4 * j + 2] = fmaf(acc[4 * j + 2], s1, fin[4 * j + 2]);
-                    fin[4 * j + 3] = fmaf(acc[4 * j + 3], s1, fin[4 * j + 3]);
+                    for (int j = 0; j < 16; j++) {
+                        const float2 b2 = *reinterpret_cast<const float2 *>(sbs + 8 * j);
+                        fin[4 * j + 0] = fmaf(acc[4 * j + 0], sa0 * b2.x, fin[4 * j + 0]);
+                        fin[4 * j + 1] = fmaf(acc[4 * j + 1], sa0 * b2.y, fin[4 * j + 1]);
+                        fin[4 * j + 2] = fmaf(acc[4 * j + 2], sa1 * b2.x, fin[4 * j + 2]);
+                        fin[4 * j + 3] = fmaf(acc[4 * j + 3], sa1 * b2.y, fin[4 * j + 3]);
+                    }
+                    __syncwarp();
+                    if (lane == 0) mbar_arrive(empty + 8 * s);
+                } else {
+                    if constexpr (CLUSTER > 1) {
+                        if (lane < CLUSTER) mbar_arrive_cluster(empty + 8 * s, (uint32_t)lane);
+                    } else if (lane == 0) {
+                        mbar_arrive(empty + 8 * s);
+                    }
+                    const float s0 = sa0 * sb, s1 = sa1 * sb;
+#pragma unroll
+                    for (int j = 0; j < 16; j++) {
+                        fin[4 * j + 0] = fmaf(acc[4 * j + 0], s0, fin[4 * j + 0]);
+                        fin[4 * j + 1] = fmaf(acc[4 * j + 1], s0, fin[4 * j + 1]);
+                        fin[4 * j + 2] = fmaf(acc[4 * j + 2], s1, fin[4 * j + 2]);
+                        fin[4 * j + 3] = fmaf(acc[4 * j + 3], s1, fin[4 * j + 3]);
+                    }
                 }
             }
             const int tile_g = g, row_in_seg = mb * BM + cw * 64;
             if (u + step < n_units) {  // the next tile's first weight scale, in flight during the epilogue
                 unit_coords(p, u + step, g, mb, nu);
-                sb_next = __ldg(p.sb[g] + (nu * CLUSTER + (int)rank) * p.kb4);
+                if constexpr (!WGRAD) sb_next = __ldg(p.sb[g] + (nu * CLUSTER + (int)rank) * p.kb4);
+            }
+            if constexpr (WGRAD) {
+                // epilogue: dW += fin, each thread its own elements (8-byte pairs: a warp's access is 8 rows of 32
+                // contiguous bytes, whole sectors); half the row's pairs loaded before any is stored, for the latency
+                float *dw = p.dw[tile_g];
+                const int row_a = row_in_seg + r0, row_b = row_a + 8;
+#pragma unroll
+                for (int h = 0; h < 2; h++) {
+                    float2 old[16];
+#pragma unroll
+                    for (int jj = 0; jj < 8; jj++) {
+                        const int col = nb * BN + 8 * (8 * h + jj) + c0;
+                        const bool in_cols = col < p.out_cols;
+                        old[2 * jj] = in_cols && row_a < p.out_rows
+                                      ? *reinterpret_cast<const float2 *>(dw + (size_t)row_a * p.out_cols + col)
+                                      : make_float2(0.0f, 0.0f);
+                        old[2 * jj + 1] = in_cols && row_b < p.out_rows
+                                          ? *reinterpret_cast<const float2 *>(dw + (size_t)row_b * p.out_cols + col)
+                                          : make_float2(0.0f, 0.0f);
+                    }
+#pragma unroll
+                    for (int jj = 0; jj < 8; jj++) {
+                        const int j = 8 * h + jj, col = nb * BN + 8 * j + c0;
+                        if (col >= p.out_cols) continue;
+                        if (row_a < p.out_rows)
+                            *reinterpret_cast<float2 *>(dw + (size_t)row_a * p.out_cols + col) =
+                                make_float2(old[2 * jj].x + fin[4 * j + 0], old[2 * jj].y + fin[4 * j + 1]);
+                        if (row_b < p.out_rows)
+                            *reinterpret_cast<float2 *>(dw + (size_t)row_b * p.out_cols + col) =
+                                make_float2(old[2 * jj + 1].x + fin[4 * j + 2], old[2 * jj + 1].y + fin[4 * j + 3]);
+                    }
+                }
+                continue;
             }
             // epilogue: BF16 into two 64 x 64 boxes in TMA's 128-byte swizzle (chunk c of row r at c ^ (r % 8):
             // conflict-free), then TMA stores, which drop the rows past the segment's end
@@ -350,7 +418,7 @@ __global__ void __launch_bounds__(THREADS, 1) fp8_grouped_gemm_kernel(const __gr
                 bulk_commit();
             }
         }
-        if (issuer) bulk_wait<false>();  // the last stores are done before the CTA (and its shared memory) goes
+        if (!WGRAD && issuer) bulk_wait<false>();  // the last stores are done before the CTA (and its shared memory) goes
     }
     if constexpr (CLUSTER > 1) cluster_sync();  // no remote arrival or multicast may reach a CTA that has exited
 }
@@ -404,15 +472,19 @@ static void runtime_init(const char *op) {
         grouped_fail(__LINE__, op, "the driver has no cuTensorMapEncodeTiled (query result %d) - expected a CUDA 12+ "
                                    "driver", (int)found);
     rt.encode = (EncodeTiledFn)fn;
-    CUDA_CHECK(cudaFuncSetAttribute(fp8_grouped_gemm_kernel<1>, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES));
-    CUDA_CHECK(cudaFuncSetAttribute(fp8_grouped_gemm_kernel<2>, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES));
+    CUDA_CHECK(cudaFuncSetAttribute(fp8_grouped_gemm_kernel<1, false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    SMEM_BYTES));
+    CUDA_CHECK(cudaFuncSetAttribute(fp8_grouped_gemm_kernel<2, false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    SMEM_BYTES));
+    CUDA_CHECK(cudaFuncSetAttribute(fp8_grouped_gemm_kernel<1, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    SMEM_BYTES));
     cudaLaunchConfig_t cfg = {};
     cudaLaunchAttribute attr;
     attr.id = cudaLaunchAttributeClusterDimension;
     attr.val.clusterDim.x = 2, attr.val.clusterDim.y = 1, attr.val.clusterDim.z = 1;
     cfg.gridDim = dim3(2 * rt.sms), cfg.blockDim = dim3(THREADS), cfg.dynamicSmemBytes = SMEM_BYTES;
     cfg.attrs = &attr, cfg.numAttrs = 1;
-    CUDA_CHECK(cudaOccupancyMaxActiveClusters(&rt.clusters2, fp8_grouped_gemm_kernel<2>, &cfg));
+    CUDA_CHECK(cudaOccupancyMaxActiveClusters(&rt.clusters2, fp8_grouped_gemm_kernel<2, false>, &cfg));
     rt.ready = 1;
 }
 
@@ -431,7 +503,7 @@ static void encode_map(CUtensorMap *map, CUtensorMapDataType type, int elem_byte
                      what, (long long)rows, (long long)cols, base, (int)r);
 }
 
-static void launch(GroupedParams &p, int cluster) {
+static void launch(GroupedParams &p, int cluster, bool wgrad) {
     const int n_units = p.units0[p.n_groups];
     if (n_units == 0) return;
     cudaLaunchConfig_t cfg = {};
@@ -442,8 +514,9 @@ static void launch(GroupedParams &p, int cluster) {
     cfg.gridDim = dim3((unsigned)(cluster * (n_units < max_clusters ? n_units : max_clusters)));
     cfg.blockDim = dim3(THREADS), cfg.dynamicSmemBytes = SMEM_BYTES, cfg.stream = 0;
     cfg.attrs = &attr, cfg.numAttrs = cluster > 1 ? 1 : 0;
-    if (cluster == 1) CUDA_CHECK(cudaLaunchKernelEx(&cfg, fp8_grouped_gemm_kernel<1>, p));
-    else CUDA_CHECK(cudaLaunchKernelEx(&cfg, fp8_grouped_gemm_kernel<2>, p));
+    if (wgrad) CUDA_CHECK(cudaLaunchKernelEx(&cfg, fp8_grouped_gemm_kernel<1, true>, p));
+    else if (cluster == 1) CUDA_CHECK(cudaLaunchKernelEx(&cfg, fp8_grouped_gemm_kernel<1, false>, p));
+    else CUDA_CHECK(cudaLaunchKernelEx(&cfg, fp8_grouped_gemm_kernel<2, false>, p));
     CUDA_CHECK_LAUNCH("fp8_grouped_gemm_kernel");
 }
 
@@ -470,11 +543,11 @@ extern "C" void cuda_fp8_grouped_gemm_bf16(uint16_t *y, int y_rows_padded, const
     require_aligned16(y, op, "y"), require_aligned16(qx, op, "qx"), require_aligned16(sx, op, "sx");
     const int KB = (K + BK - 1) / BK, Kp = KB * BK, NB = (N + BN - 1) / BN, KB4 = (KB + 3) / 4 * 4;
     const int cluster = multicast_enabled && NB % 2 == 0 ? 2 : 1;
-    static GroupedParams p;  // 11 KB: not on the stack; one host thread drives the GPU (gemm.cu's rule too)
+    static GroupedParams p;  // 27 KB: not on the stack; one host thread drives the GPU (gemm.cu's rule too)
     memset(&p, 0, sizeof p);
-    encode_map(&p.a, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, qx, seg.p16[n_seg], Kp, Kp, BK, BM / cluster, op, "qx");
+    encode_map(&p.a[0], CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, qx, seg.p16[n_seg], Kp, Kp, BK, BM / cluster, op, "qx");
     const int Np = NB * BN;
-    p.units_n = NB / cluster, p.kb = KB, p.kb4 = KB4;
+    p.units_n = NB / cluster, p.kb4 = KB4;
     int n = 0;
     for (int g = 0; g < n_seg; g++) {
         const int rows = rows0[g + 1] - rows0[g];
@@ -488,16 +561,54 @@ extern "C" void cuda_fp8_grouped_gemm_bf16(uint16_t *y, int y_rows_padded, const
         encode_map(&p.y_map[n], CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, y + (size_t)y_row * Np, rows, Np, Np, 64, 64, op,
                    "a segment's rows of y");
         p.sa[n] = sx + (size_t)KB * seg.p16[g], p.sb[n] = sw[g];
-        p.a_row0[n] = seg.p16[g], p.t16[n] = seg.p16[g + 1] - seg.p16[g], p.rows[n] = rows;
+        p.a_row0[n] = seg.p16[g], p.sa_ld[n] = seg.p16[g + 1] - seg.p16[g], p.kblocks[n] = KB, p.rows[n] = rows;
         p.units0[n + 1] = p.units0[n] + (rows + BM - 1) / BM * p.units_n;
         if (++n == MAX_GROUPS) {
             p.n_groups = n;
-            launch(p, cluster);
+            launch(p, cluster, false);
             n = 0;
         }
     }
     if (n > 0) {
         p.n_groups = n;
-        launch(p, cluster);
+        launch(p, cluster, false);
+    }
+}
+
+extern "C" void cuda_fp8_grouped_wgrad(float *dw, const uint8_t *qdyt, const float *sdyt, const uint8_t *qxt,
+                                       const float *sxt, int n_seg, const int *rows0, int N, int K) {
+    static const char op[] = "cuda_fp8_grouped_wgrad";
+    const SegTable seg = seg_table(op, n_seg, rows0);
+    if (seg.rows0[n_seg] == 0 || N <= 0 || K <= 0) return;
+    runtime_init(op);
+    if (N % 4 != 0 || K % 4 != 0)
+        grouped_fail(__LINE__, op, "dw (N, K) = (%d, %d) - expected N and K multiples of 4 (16-byte rows of scales)",
+                     N, K);
+    require_aligned16(dw, op, "dw"), require_aligned16(qdyt, op, "qdyt"), require_aligned16(sdyt, op, "sdyt");
+    require_aligned16(qxt, op, "qxt"), require_aligned16(sxt, op, "sxt");
+    const int MB = (N + BM - 1) / BM, NB = (K + BN - 1) / BN;
+    static GroupedParams p;  // 27 KB: not on the stack; one host thread drives the GPU (gemm.cu's rule too)
+    memset(&p, 0, sizeof p);
+    p.units_n = NB, p.out_rows = N, p.out_cols = K;
+    int n = 0;
+    for (int g = 0; g < n_seg; g++) {
+        const int t0 = seg.tiles0[g], tiles = seg.tiles0[g + 1] - t0, Tp = tiles * BK;
+        if (tiles == 0) continue;
+        encode_map(&p.a[n], CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, qdyt + (size_t)N * BK * t0, N, Tp, Tp, BK, BM, op,
+                   "a segment's dY codes qdyt");
+        encode_map(&p.b[n], CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, qxt + (size_t)K * BK * t0, K, Tp, Tp, BK, BN, op,
+                   "a segment's X codes qxt");
+        p.sa[n] = sdyt + (size_t)N * t0, p.sb[n] = sxt + (size_t)K * t0, p.dw[n] = dw + (size_t)g * N * K;
+        p.a_row0[n] = 0, p.sa_ld[n] = N, p.kblocks[n] = tiles;
+        p.units0[n + 1] = p.units0[n] + MB * NB;
+        if (++n == MAX_GROUPS) {
+            p.n_groups = n;
+            launch(p, 1, true);
+            n = 0;
+        }
+    }
+    if (n > 0) {
+        p.n_groups = n;
+        launch(p, 1, true);
     }
 }

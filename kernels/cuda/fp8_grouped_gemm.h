@@ -38,6 +38,18 @@ void cuda_fp8_grouped_gemm_bf16(uint16_t *y, int y_rows_padded, const uint8_t *q
                                 const uint8_t *const *qw, const float *const *sw, int n_seg, const int *rows0, int N,
                                 int K);
 
+// dw + g N K (N, K) += dY_g^T X_g for every non-empty segment g (T_g = rows0[g+1] - rows0[g] tokens), in one launch
+// for all segments (up to MAX_GROUPS non-empty ones; more take more launches): kernels.h's fp8_gemm_wgrad_grouped on
+// the same operands, the 128x1 operands of all segments one after another as fp8_quantize_128x1_transposed_grouped
+// writes them (segment g's from tile t_g: qdyt + N 128 t_g, sdyt + N t_g, qxt + K 128 t_g, sxt + K t_g; rows0 a host
+// array, 1 <= n_seg <= FP8_MAX_SEGMENTS). The contraction runs over each segment's own 128-token tiles.
+// Arithmetic: per 128 x 128 output tile and token tile kb, the tile's sum P of E4M3 products on the tensor cores,
+// then acc = fma(P, s_dy[n][kb] * s_x[k][kb], acc) in FP32 registers, kb in order from acc = 0; dw = dw + acc (one
+// FP32 add per element, read and written by its one owner: deterministic, no atomics). N and K must be multiples of
+// 4 (16-byte rows of scales) and every pointer 16-byte aligned; stops the process naming the argument otherwise.
+void cuda_fp8_grouped_wgrad(float *dw, const uint8_t *qdyt, const float *sdyt, const uint8_t *qxt, const float *sxt,
+                            int n_seg, const int *rows0, int N, int K);
+
 // Whether the kernel may run as clusters of two CTAs that share each X tile through TMA multicast (used when the
 // weight has an even number of 128-column blocks); 0, the default, runs one CTA per tile (the multicast form measured
 // no faster: docs/benchmarks.md). Returns the previous setting. Both give the same bits (the same products in the same

@@ -30,6 +30,9 @@
  * products go through gemm.cu's conversion scratch at the operand's padded rows) must also give cuBLASLt's bits.
  * Determinism: each variant runs twice into freshly poisoned outputs; the results must be bitwise identical, and the
  * multicast and single-CTA variants must agree bit for bit (same products, same order).
+ * The Wgrad form (fp8_gemm_wgrad_grouped on cuda_fp8_grouped_wgrad: dW_g += dY_g^T X_g on 128x1 operands, the
+ * contraction over each segment's tokens) has its own cases and bound (test_grouped_wgrad); its bits against
+ * cuBLASLt's are reported, not required (the two may promote the per-column scales in different orders).
  */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -333,13 +336,151 @@ static void test_grouped_gemm(void **state) {
     assert_true(pass);
 }
 
+// ---------------------------------------------------------------------------- the Wgrad form
+// kernels.h's fp8_gemm_wgrad_grouped: dw + g N K (N, K) += dY_g^T X_g for every segment, on the 128x1 operands of dY
+// (T, N) and X (T, K) (fp8_quantize_128x1_transposed_grouped), with the own kernel (cuda_fp8_grouped_wgrad) against
+// the CPU reference and cuBLASLt (one GEMM per segment). dw starts as random values (the call adds to it). Bound per
+// element: |own - cpu| <= (2^-10 + 4 TB_g 2^-24) S (1 + 2^-7) + ulp_fp32(max(|own|, |cpu|)) (TB_g: segment g's token
+// tiles, the contraction's 128-blocks; the last term: both round dw + acc to FP32 once), S the CPU's FP32 sum of
+// |dy s_dy x s_x| (sign bits cleared, added onto zeros); against cuBLASLt twice the first term. Empty segments' dw
+// must be untouched; a second run from the same dw must give the same bits.
+typedef struct {
+    int n, T, TB, N, K;
+    int rows0[FP8_MAX_SEGMENTS + 1];
+    size_t qdy_bytes, sdy_bytes, qx_bytes, sx_bytes, dw_elems;
+    uint8_t *qdy_d, *qx_d, *qdy, *qx;
+    float *sdy_d, *sx_d, *sdy, *sx, *dw0;
+} WgradOperands;
+
+static void wgrad_operands_make(WgradOperands *o, const Case *c, uint64_t seed) {
+    memset(o, 0, sizeof *o);
+    o->n = c->n_seg, o->N = c->N, o->K = c->K;
+    case_rows0(c, seed, o->rows0);
+    o->T = o->rows0[o->n];
+    for (int g = 0; g < o->n; g++) o->TB += ceil_div(o->rows0[g + 1] - o->rows0[g], FP8_TILE);
+    o->qdy_bytes = (size_t)o->N * o->TB * FP8_TILE, o->sdy_bytes = (size_t)o->TB * o->N * sizeof(float);
+    o->qx_bytes = (size_t)o->K * o->TB * FP8_TILE, o->sx_bytes = (size_t)o->TB * o->K * sizeof(float);
+    char err[256] = "";
+    const int cols[2] = {o->N, o->K};
+    uint8_t **q_d[2] = {&o->qdy_d, &o->qx_d};
+    float **s_d[2] = {&o->sdy_d, &o->sx_d};
+    const size_t q_bytes[2] = {o->qdy_bytes, o->qx_bytes}, s_bytes[2] = {o->sdy_bytes, o->sx_bytes};
+    for (int i = 0; i < 2; i++) {
+        const size_t n = (size_t)o->T * cols[i];
+        float *v = gpucheck_malloc(n * sizeof(float) + 1);
+        fill_log_uniform(v, (int64_t)n, seed + 1 + (uint64_t)i, -6.0, 2.0);
+        float *v_d = device_alloc(DEVICE_CUDA, n * sizeof(float) + 16);
+        device_memcpy_from_host(DEVICE_CUDA, v_d, v, n * sizeof(float));
+        *q_d[i] = device_alloc(DEVICE_CUDA, q_bytes[i] + 16), *s_d[i] = device_alloc(DEVICE_CUDA, s_bytes[i] + 16);
+        assert_int_equal(fp8_quantize_128x1_transposed_grouped(DEVICE_CUDA, *q_d[i], *s_d[i], v_d, NULL, o->n, o->rows0,
+                                                               cols[i], err, sizeof err), 0);
+        device_free(DEVICE_CUDA, v_d), free(v);
+    }
+    assert_int_equal(fp8_check_finite(DEVICE_CUDA, err, sizeof err), 0);
+    o->qdy = gpucheck_to_host(o->qdy_d, o->qdy_bytes), o->sdy = gpucheck_to_host(o->sdy_d, o->sdy_bytes);
+    o->qx = gpucheck_to_host(o->qx_d, o->qx_bytes), o->sx = gpucheck_to_host(o->sx_d, o->sx_bytes);
+    o->dw_elems = (size_t)o->n * o->N * o->K;
+    o->dw0 = gpucheck_malloc(o->dw_elems * sizeof(float));
+    fill_log_uniform(o->dw0, (int64_t)o->dw_elems, seed + 7, -4.0, 4.0);
+}
+
+static void wgrad_operands_free(WgradOperands *o) {
+    device_free(DEVICE_CUDA, o->qdy_d), device_free(DEVICE_CUDA, o->qx_d);
+    device_free(DEVICE_CUDA, o->sdy_d), device_free(DEVICE_CUDA, o->sx_d);
+    free(o->qdy), free(o->qx), free(o->sdy), free(o->sx), free(o->dw0);
+}
+
+// dw0 + the Wgrads on the GPU through kernels.h with the own kernel (own = 1) or cuBLASLt; the host copy.
+static float *run_wgrad_gpu(const WgradOperands *o, int own) {
+    const size_t bytes = o->dw_elems * sizeof(float);
+    float *dw_d = gpucheck_to_device(o->dw0, bytes);
+    const int before = cuda_fp8_grouped_gemm_use_own(own);
+    fp8_gemm_wgrad_grouped(DEVICE_CUDA, dw_d, o->qdy_d, o->sdy_d, o->qx_d, o->sx_d, o->n, o->rows0, o->N, o->K);
+    cuda_fp8_grouped_gemm_use_own(before);
+    float *dw = gpucheck_to_host(dw_d, bytes);
+    device_free(DEVICE_CUDA, dw_d);
+    return dw;
+}
+
+static double f32_ulp(double v) {
+    const double a = fmax(fabs(v), (double)FLT_MIN);
+    return ldexp(1.0, (int)floor(log2(a)) - 23);
+}
+
+// x against ref over the non-empty segments' gradients; returns max |x - ref| / bound with tc_terms tensor-core terms,
+// and the share bitwise equal in *equal. Empty segments' gradients must equal dw0: their differing elements go to
+// *untouched_errors.
+static double wgrad_compare(const WgradOperands *o, const float *x, const float *ref, const float *S, int tc_terms,
+                            double *equal, int64_t *untouched_errors) {
+    double worst = 0;
+    int64_t same = 0, n = 0, bad = 0;
+    const size_t NK = (size_t)o->N * o->K;
+    for (int g = 0; g < o->n; g++) {
+        const int TBg = ceil_div(o->rows0[g + 1] - o->rows0[g], FP8_TILE);
+        const double rel = (tc_terms * TC_REL + 4.0 * TBg * 0x1p-24) * (1.0 + 0x1p-7);
+        for (size_t i = g * NK; i < (g + 1) * NK; i++) {
+            if (TBg == 0) {
+                bad += memcmp(&x[i], &o->dw0[i], sizeof(float)) != 0;
+                continue;
+            }
+            const double a = x[i], b = ref[i];
+            double ratio = fabs(a - b) / (rel * S[i] + f32_ulp(fmax(fabs(a), fabs(b))));
+            if (isnan(ratio)) ratio = INFINITY;
+            if (!(ratio <= worst)) worst = ratio;
+            same += memcmp(&x[i], &ref[i], sizeof(float)) == 0;
+            n++;
+        }
+    }
+    *equal = (double)same / (double)(n > 0 ? n : 1);
+    *untouched_errors = bad;
+    return worst;
+}
+
+static void test_grouped_wgrad(void **state) {
+    const Case *c = *state;
+    const uint64_t seed = run_seed ^ (0x9E3779B97F4A7C15ull * (uint64_t)(c->N * 7 + c->K * 13 + c->n_seg + 2000));
+    WgradOperands o;
+    wgrad_operands_make(&o, c, seed);
+    const size_t bytes = o.dw_elems * sizeof(float);
+
+    // CPU reference, and S from the codes with their sign bits cleared onto zeros
+    float *dw_cpu = gpucheck_malloc(bytes);
+    memcpy(dw_cpu, o.dw0, bytes);
+    fp8_gemm_wgrad_grouped(DEVICE_CPU, dw_cpu, o.qdy, o.sdy, o.qx, o.sx, o.n, o.rows0, o.N, o.K);
+    uint8_t *ady = gpucheck_malloc(o.qdy_bytes), *ax = gpucheck_malloc(o.qx_bytes);
+    for (size_t i = 0; i < o.qdy_bytes; i++) ady[i] = o.qdy[i] & 0x7F;
+    for (size_t i = 0; i < o.qx_bytes; i++) ax[i] = o.qx[i] & 0x7F;
+    float *S = gpucheck_malloc(bytes);
+    memset(S, 0, bytes);
+    fp8_gemm_wgrad_grouped(DEVICE_CPU, S, ady, o.sdy, ax, o.sx, o.n, o.rows0, o.N, o.K);
+    free(ady), free(ax);
+
+    float *own[2] = {run_wgrad_gpu(&o, 1), run_wgrad_gpu(&o, 1)}, *lt = run_wgrad_gpu(&o, 0);
+    double eq_cpu, eq_lt;
+    int64_t untouched, untouched_lt;
+    const double r_cpu = wgrad_compare(&o, own[0], dw_cpu, S, 1, &eq_cpu, &untouched);
+    const double r_lt = wgrad_compare(&o, own[0], lt, S, 2, &eq_lt, &untouched_lt);
+    const int repeat = memcmp(own[0], own[1], bytes) == 0;
+    const int ok = r_cpu <= 1.0 && r_lt <= 1.0 && untouched == 0 && repeat;
+    char shape[48];
+    snprintf(shape, sizeof shape, "W %d seg %d x %d x %d", o.n, o.N, o.K, o.T);
+    printf("%-15s %-14s %-30s %10s %9.4f %8.3f%% %9.4f %8.3f%% %6lld  %-5s %-5s %s\n", c->name, "single", shape, "",
+           r_cpu, 100.0 * eq_cpu, r_lt, 100.0 * eq_lt, (long long)untouched, repeat ? "yes" : "NO", "-",
+           ok ? "ok" : "FAIL");
+    fflush(stdout);
+    free(own[0]), free(own[1]), free(lt), free(dw_cpu), free(S);
+    wgrad_operands_free(&o);
+    assert_true(ok);
+}
+
 static int print_header(void **state) {
     (void)state;
     printf("\nown grouped FP8 GEMM (fp8_gemm_fprop/dgrad_grouped_bf16 on cuda_fp8_grouped_gemm_bf16) vs the CPU reference "
            "and vs cuBLASLt per segment; seed %llu\n", (unsigned long long)run_seed);
     printf("F/D: Fprop or Dgrad, rows x output columns x contraction; err/bnd: max |own - ref| / the file comment's "
-           "bound (pass <= 1); =cpu, =lt: share of the elements bitwise equal to ref (=lt must be 100%%); layout: padding "
-           "columns not 0 or rows after T written; rep: second run bitwise equal; =mc: equal to the multicast variant\n");
+           "bound (pass <= 1); =cpu, =lt: share of the elements bitwise equal to ref (=lt must be 100%% for F and D); "
+           "layout: padding columns not 0 or rows after T written (W: empty segments' dw changed); rep: second run "
+           "bitwise equal; =mc: equal to the multicast variant. W: Wgrad, dW rows x columns x tokens\n");
     printf("%-15s %-14s %-30s %10s %9s %9s %9s %9s %6s  %-5s %-5s\n", "case", "variant", "form segments rows x O x C",
            "max|o-c|", "err/bnd", "=cpu", "vs lt", "=lt", "layout", "rep", "=mc");
     return 0;
@@ -363,11 +504,24 @@ int main(void) {
         {"expert w2 dgrad", 32, NULL, 0, 400, 2048, 1024, 1},
         {"dgrad 80 seg", 80, NULL, 1, 50, 256, 384, 1},
     };
-    struct CMUnitTest tests[sizeof cases / sizeof cases[0]];
-    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    static Case wgrad_cases[] = {  // N, K: dW's (N, K); dgrad unused
+        {"wgrad mixed", 6, len_a, 0, 0, 384, 512, 0},
+        {"wgrad padded", 4, len_b, 0, 0, 320, 300, 0},
+        {"w1,w3 wgrad", 32, NULL, 0, 400, 1024, 2048, 0},
+        {"w2 wgrad", 32, NULL, 0, 400, 2048, 1024, 0},
+        {"wgrad 80 seg", 80, NULL, 1, 50, 256, 384, 0},
+    };
+    enum { N_CASES = sizeof cases / sizeof cases[0], N_WGRAD = sizeof wgrad_cases / sizeof wgrad_cases[0] };
+    struct CMUnitTest tests[N_CASES + N_WGRAD];
+    for (size_t i = 0; i < N_CASES; i++) {
         const struct CMUnitTest t = cmocka_unit_test_prestate_setup_teardown(test_grouped_gemm, i == 0 ? print_header : NULL,
                                                                               NULL, &cases[i]);
         tests[i] = t;
+    }
+    for (size_t i = 0; i < N_WGRAD; i++) {
+        const struct CMUnitTest t = cmocka_unit_test_prestate_setup_teardown(test_grouped_wgrad, NULL, NULL,
+                                                                              &wgrad_cases[i]);
+        tests[N_CASES + i] = t;
     }
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
