@@ -351,9 +351,12 @@ typedef struct {
     float *dw;                  // its gradients (E, N, K), added to
 } GroupedRun;
 
+// The Wgrad's own form is called directly (the model's Wgrads stay on cuBLASLt: gemm.cu).
 static void grouped_call(const GroupedRun *g, int own) {
     const int previous = cuda_fp8_grouped_gemm_use_own(own);
-    if (g->wgrad)
+    if (g->wgrad && own)
+        cuda_fp8_grouped_wgrad(g->dw, g->qdyt, g->sdyt, g->qxt, g->sxt, g->n_seg, g->rows0, g->N, g->K);
+    else if (g->wgrad)
         fp8_gemm_wgrad_grouped(DEVICE_CUDA, g->dw, g->qdyt, g->sdyt, g->qxt, g->sxt, g->n_seg, g->rows0, g->N, g->K);
     else if (g->dgrad)
         fp8_gemm_dgrad_grouped_bf16(DEVICE_CUDA, g->y, g->qx, g->sx, g->qw, g->sw, g->n_seg, g->rows0, g->N, g->K);

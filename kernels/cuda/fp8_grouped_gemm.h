@@ -5,7 +5,7 @@
  * its scales transposed) with more than one segment on it with FP8MOE_GROUPED_GEMM=own
  * (cuda_fp8_grouped_gemm_use_own, gemm.h; not the default while it is no faster than cuBLASLt); `fp8moe bench gemm`
  * times it beside cuBLASLt and tests/gpu/test_gpu_grouped_gemm.c checks both forms against the CPU reference and
- * cuBLASLt.
+ * cuBLASLt. Its Wgrad form (cuda_fp8_grouped_wgrad) is run only by those two: slower than cuBLASLt so far.
  *
  * All pointers are device pointers except the host arrays qw, sw and rows0; everything runs on the default stream.
  */

@@ -852,9 +852,11 @@ extern "C" void cuda_fp8_gemm_dgrad_bf16(uint16_t *dx, const uint8_t *qdy, const
 
 // ---------------------------------------------------------------------------- the grouped GEMMs' kernel
 // The grouped calls with more than one segment (the routed experts: kernels.h's fp8_gemm_fprop_grouped*,
-// fp8_gemm_dgrad_grouped*, fp8_gemm_wgrad_grouped) run each matrix's GEMMs over all segments as one launch of fp8moe's
-// own grouped kernel (fp8_grouped_gemm.cu) with FP8MOE_GROUPED_GEMM=own, or, by default, as one cuBLASLt GEMM per
-// segment on the lanes. (The Wgrad's bits against cuBLASLt's: tests/gpu/test_gpu_grouped_gemm.c reports them.)
+// fp8_gemm_dgrad_grouped*) run each matrix's GEMMs over all segments as one launch of fp8moe's own grouped kernel
+// (fp8_grouped_gemm.cu) with FP8MOE_GROUPED_GEMM=own, or, by default, as one cuBLASLt GEMM per segment on the lanes.
+// The Wgrads (fp8_gemm_wgrad_grouped) stay on cuBLASLt either way: the own kernel's Wgrad form
+// (cuda_fp8_grouped_wgrad) measured 0.76-0.87x cuBLASLt on an H100 (docs/benchmarks.md) and is run only by its test
+// and `fp8moe bench gemm`.
 // Both compute each 128-deep block's tensor-core sum and promote it as fma(P, s_x s_w, acc) in block order and should
 // give the same bits (tests/gpu/test_gpu_grouped_gemm.c requires it, and it held for every form on an H200 and an
 // H100); the own kernel pays no launch per segment and keeps the SMs busy across segments, but it is not the default
@@ -1069,11 +1071,6 @@ extern "C" void cuda_fp8_gemm_wgrad_grouped(real *dw, const uint8_t *qdyt, const
                                             const float *sxt, int n_seg, const int *rows0, int N, int K) {
     const SegTable seg = seg_table("fp8_gemm_wgrad_grouped", n_seg, rows0);
     ctx_init();
-    if (n_seg > 1 && grouped_gemm_is_own() && alignment_of(dw) >= 16) {
-        // every segment's Wgrad in one launch of the own kernel (its preconditions are cuBLASLt's: N, K % 4)
-        cuda_fp8_grouped_wgrad(dw, qdyt, sdyt, qxt, sxt, n_seg, rows0, N, K);
-        return;
-    }
     const int n_lanes = alignment_of(dw) >= 16 && ((int64_t)N * K) % 4 == 0 ? lanes_for(seg.rows0, n_seg) : 1;
     lanes_fork(n_lanes);
     for (int g = 0; g < n_seg; g++) {
