@@ -21,10 +21,9 @@
  * tiles (k-grouped), both operands 128x1-scaled, so each output column has its own X scale per block: the producer
  * bulk-loads the block's 128 X scales into the stage beside the 128 dY scales, and the promotion is
  * fma(P, s_dy[row] s_x[col], acc) (twice the Fprop's FP32 work per block; the stage is released after it). The
- * epilogue adds acc to dW in global memory, each thread its own elements (read, add, write; prefetched into L2 at the
- * tile's start). Measured 0.76-0.87x cuBLASLt's per-segment Wgrads on an H100 (docs/benchmarks.md; the L2 prefetch
- * made no difference), so the model's Wgrads stay on cuBLASLt; overlapping one warpgroup's promotion with the other's
- * products is the next step for both forms.
+ * epilogue adds acc to dW in global memory, each thread its own elements (read, add, write). Measured 0.76-0.87x
+ * cuBLASLt's per-segment Wgrads on an H100 (docs/benchmarks.md), so the model's Wgrads stay on cuBLASLt; overlapping
+ * one warpgroup's promotion with the other's products is the next step for both forms.
  *
  * Tiles: 128 output rows (tokens of one segment) x 128 output columns (one weight block row nb) x the whole K, in
  * K blocks of 128 (one scale of each operand per row and block). A segment's last row tile may run past its rows:
@@ -205,9 +204,6 @@ template <bool READ> __device__ __forceinline__ void bulk_wait() {
     if constexpr (READ) asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
     else asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
 }
-__device__ __forceinline__ void prefetch_l2(const void *p) {
-    asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p));
-}
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
@@ -323,16 +319,6 @@ __global__ void __launch_bounds__(THREADS, 1) fp8_grouped_gemm_kernel(const __gr
         for (int u = first; u < n_units; u += step) {
             const int nb = nu * CLUSTER + (int)rank, kblocks = p.kblocks[g];
             const float *sbp = p.sb[g] + nb * p.kb4;
-            if constexpr (WGRAD) {
-                // the gradient this thread's epilogue reads, into L2 while the products run: its rows r0 and r0 + 8,
-                // the 32 columns (one 128-byte line) lane % 4 selects
-                const int row = mb * BM + cw * 64 + r0, col = nb * BN + 32 * (lane & 3);
-                const float *dw = p.dw[g];
-                if (col < p.out_cols) {
-                    if (row < p.out_rows) prefetch_l2(dw + (size_t)row * p.out_cols + col);
-                    if (row + 8 < p.out_rows) prefetch_l2(dw + (size_t)(row + 8) * p.out_cols + col);
-                }
-            }
 #pragma unroll
             for (int i = 0; i < 64; i++) fin[i] = 0.0f;
             for (int kb = 0; kb < kblocks; kb++, it++) {
@@ -387,8 +373,8 @@ __global__ void __launch_bounds__(THREADS, 1) fp8_grouped_gemm_kernel(const __gr
             }
             if constexpr (WGRAD) {
                 // epilogue: dW += fin, each thread its own elements (8-byte pairs: a warp's access is 8 rows of 32
-                // contiguous bytes, whole sectors); half of them loaded (from L2: prefetched above) before any of
-                // that half is stored (all at once spill registers)
+                // contiguous bytes, whole sectors); half of them loaded before any of that half is stored (all at
+                // once spill registers; an L2 prefetch of them at the tile's start made no difference)
                 float *dw = p.dw[tile_g];
                 const int row_a = row_in_seg + r0, row_b = row_a + 8;
 #pragma unroll

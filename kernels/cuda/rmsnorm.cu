@@ -151,21 +151,8 @@ __global__ void rmsnorm_backward_dweight_partial_kernel(float *dweight, float *p
     const int chunk = blockIdx.y;
     const int row0 = chunk * rows_per_chunk;
     const int row1 = min(N, row0 + rows_per_chunk);
-    // in row order, ROWS rows' loads issued before their adds (one row at a time kept too few bytes in flight)
-    constexpr int ROWS = 8;
     float sum = 0.0f;
-    int row = row0;
-    for (; row + ROWS <= row1; row += ROWS) {
-        float d[ROWS], x[ROWS], r[ROWS];
-#pragma unroll
-        for (int k = 0; k < ROWS; k++) {
-            const int64_t i = (int64_t)(row + k) * C + c;
-            d[k] = dout[i], x[k] = inp[i], r[k] = rstd[row + k];
-        }
-#pragma unroll
-        for (int k = 0; k < ROWS; k++) sum = __fadd_rn(sum, __fmul_rn(d[k], __fmul_rn(x[k], r[k])));
-    }
-    for (; row < row1; row++) {
+    for (int row = row0; row < row1; row++) {
         const int64_t i = (int64_t)row * C + c;
         sum = __fadd_rn(sum, __fmul_rn(dout[i], __fmul_rn(inp[i], rstd[row])));
     }
