@@ -33,7 +33,7 @@
  * The Wgrad form (cuda_fp8_grouped_wgrad: dW_g += dY_g^T X_g on 128x1 operands, the contraction over each segment's
  * tokens; not used by the model yet, being slower than cuBLASLt) has its own cases and bound (test_grouped_wgrad); its
  * bits against cuBLASLt's are reported, not required (they differ in 25-40% of the elements: the two promote the
- * per-column scales in different orders).
+ * per-column scales in different orders), and cuBLASLt's own ratio to the CPU bound is printed beside it.
  */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -344,8 +344,11 @@ static void test_grouped_gemm(void **state) {
 // segment). dw starts as random values (the call adds to it). Bound per
 // element: |own - cpu| <= (2^-10 + 4 TB_g 2^-24) S (1 + 2^-7) + ulp_fp32(max(|own|, |cpu|)) (TB_g: segment g's token
 // tiles, the contraction's 128-blocks; the last term: both round dw + acc to FP32 once), S the CPU's FP32 sum of
-// |dy s_dy x s_x| (sign bits cleared, added onto zeros); against cuBLASLt twice the first term. Empty segments' dw
-// must be untouched; a second run from the same dw must give the same bits.
+// |dy s_dy x s_x| (sign bits cleared, added onto zeros); against cuBLASLt twice the first term. The 2^-10 is
+// DESIGN.md's tensor-core term; over the expert shapes' 67M elements cuBLASLt's own Wgrads exceeded it against the
+// CPU by up to 3.5% with one seed (1796493503, on an H100: 1.035 and 1.032 of the bound, the own kernel the same to
+// 1e-4; docs/fp8.md), so where cuBLASLt's worst ratio is above 1 the own kernel's may be up to 1% above cuBLASLt's.
+// Empty segments' dw must be untouched; a second run from the same dw must give the same bits.
 typedef struct {
     int n, T, TB, N, K;
     int rows0[FP8_MAX_SEGMENTS + 1];
@@ -460,15 +463,20 @@ static void test_grouped_wgrad(void **state) {
     float *own[2] = {run_wgrad_gpu(&o, 1), run_wgrad_gpu(&o, 1)}, *lt = run_wgrad_gpu(&o, 0);
     double eq_cpu, eq_lt;
     int64_t untouched, untouched_lt;
+    double eq_lt_cpu;
+    int64_t untouched_lt_cpu;
     const double r_cpu = wgrad_compare(&o, own[0], dw_cpu, S, 1, &eq_cpu, &untouched);
     const double r_lt = wgrad_compare(&o, own[0], lt, S, 2, &eq_lt, &untouched_lt);
+    const double r_lt_cpu = wgrad_compare(&o, lt, dw_cpu, S, 1, &eq_lt_cpu, &untouched_lt_cpu);
     const int repeat = memcmp(own[0], own[1], bytes) == 0;
-    const int ok = r_cpu <= 1.0 && r_lt <= 1.0 && untouched == 0 && repeat;
+    // the design bound, or no more than 1% past cuBLASLt's own worst ratio where the hardware's accumulation takes
+    // cuBLASLt past it too (the wgrad comment)
+    const int ok = r_cpu <= fmax(1.0, 1.01 * r_lt_cpu) && r_lt <= 1.0 && untouched == 0 && repeat;
     char shape[48];
     snprintf(shape, sizeof shape, "W %d seg %d x %d x %d", o.n, o.N, o.K, o.T);
-    printf("%-15s %-14s %-30s %10s %9.4f %8.3f%% %9.4f %8.3f%% %6lld  %-5s %-5s %s\n", c->name, "single", shape, "",
-           r_cpu, 100.0 * eq_cpu, r_lt, 100.0 * eq_lt, (long long)untouched, repeat ? "yes" : "NO", "-",
-           ok ? "ok" : "FAIL");
+    printf("%-15s %-14s %-30s %10s %9.4f %8.3f%% %9.4f %8.3f%% %6lld  %-5s %-5s %s  (cuBLASLt vs cpu %.4f)\n", c->name,
+           "single", shape, "", r_cpu, 100.0 * eq_cpu, r_lt, 100.0 * eq_lt, (long long)untouched, repeat ? "yes" : "NO",
+           "-", ok ? "ok" : "FAIL", r_lt_cpu);
     fflush(stdout);
     free(own[0]), free(own[1]), free(lt), free(dw_cpu), free(S);
     wgrad_operands_free(&o);
