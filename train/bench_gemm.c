@@ -24,9 +24,10 @@
  * clock, so sustained numbers (the default) are up to ~10% below those of a GPU that was idle a moment
  * before; --idle-ms N sleeps N ms before each measurement to show the latter (see docs/gpu.md).
  * The grouped section times the routed experts' BF16-output GEMMs (w1/w3 and w2 Fprop, w2 Dgrad) and their Wgrads
- * (FP32, added to) as the model calls them, every expert's segment in one call, through the cuBLASLt path (one GEMM per segment) and fp8moe's own grouped
- * kernel (kernels/cuda/fp8_grouped_gemm.cu, FP8MOE_GROUPED_GEMM=own), in the same run on the same operands
- * (--grouped-only: that section alone).
+ * (FP32, added to) as the model calls them, every expert's segment in one call, through the cuBLASLt path (one GEMM
+ * per segment) and fp8moe's own grouped kernel (kernels/cuda/fp8_grouped_gemm.cu; FP8MOE_GROUPED_GEMM=own for the
+ * Fprops and Dgrads, the Wgrad form called directly), in the same run on the same operands (--grouped-only: that
+ * section alone).
  */
 #include "train/bench.h"
 #include "train/cli.h"
@@ -524,9 +525,9 @@ static void bench_grouped(const Timer *t, const Config *cfg) {
             char dims[40];
             snprintf(dims, sizeof dims, "%d x %d x %d", g.N, g.K, rows);
             printf("%-17s %-8s %22s | %9.1f %9s %9.1f | %7.2fx %7.3f%% %10.2e | %9.4f %9.4f\n", wnames[shape],
-                   uneven ? "uneven" : "uniform", dims, flop / (lt_ms * 1e-3) * 1e-12, "-", flop / (own_ms * 1e-3) * 1e-12,
-                   lt_ms / own_ms, 100.0 * (double)same / (double)dw_elems, max_d / (max_b > 0 ? max_b : 1), lt_ms,
-                   own_ms);
+                   uneven ? "uneven" : "uniform", dims, flop / (lt_ms * 1e-3) * 1e-12, "-",
+                   flop / (own_ms * 1e-3) * 1e-12, lt_ms / own_ms, 100.0 * (double)same / (double)dw_elems,
+                   max_d / (max_b > 0 ? max_b : 1), lt_ms, own_ms);
             fflush(stdout);
         }
     }

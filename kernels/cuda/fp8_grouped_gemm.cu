@@ -292,12 +292,14 @@ __global__ void __launch_bounds__(THREADS, 1) fp8_grouped_gemm_kernel(const __gr
                     const uint32_t bar = full + 8 * s;
                     mbar_expect_tx(bar, A_BYTES + B_BYTES + (uint32_t)(sa_rows + sb_cols) * 4);
                     const uint32_t a_dst = base + SMEM_A + s * A_BYTES + rank * A_ROWS * BK;
-                    if constexpr (CLUSTER > 1) tma_load_2d_multicast(a_dst, a_map, kb * BK, a_row, bar, (1u << CLUSTER) - 1);
+                    if constexpr (CLUSTER > 1)
+                        tma_load_2d_multicast(a_dst, a_map, kb * BK, a_row, bar, (1u << CLUSTER) - 1);
                     else tma_load_2d(a_dst, a_map, kb * BK, a_row, bar);
                     tma_load_2d(base + SMEM_B + s * B_BYTES, &p.b[g], kb * BK, nb * BN, bar);
                     bulk_load(base + SMEM_SA + s * SA_BYTES, sa + (size_t)kb * p.sa_ld[g], (uint32_t)sa_rows * 4, bar);
                     if constexpr (WGRAD)
-                        bulk_load(base + SMEM_SB + s * SB_BYTES, sb + (size_t)kb * p.out_cols, (uint32_t)sb_cols * 4, bar);
+                        bulk_load(base + SMEM_SB + s * SB_BYTES, sb + (size_t)kb * p.out_cols, (uint32_t)sb_cols * 4,
+                                  bar);
                 }
             }
         }
@@ -427,7 +429,8 @@ __global__ void __launch_bounds__(THREADS, 1) fp8_grouped_gemm_kernel(const __gr
                 bulk_commit();
             }
         }
-        if (!WGRAD && issuer) bulk_wait<false>();  // the last stores are done before the CTA (and its shared memory) goes
+        if (!WGRAD && issuer) bulk_wait<false>();  // the last stores are done before the CTA (and its shared memory)
+                                                    // goes
     }
     if constexpr (CLUSTER > 1) cluster_sync();  // no remote arrival or multicast may reach a CTA that has exited
 }
