@@ -429,8 +429,7 @@ __global__ void __launch_bounds__(THREADS, 1) fp8_grouped_gemm_kernel(const __gr
                 bulk_commit();
             }
         }
-        if (!WGRAD && issuer) bulk_wait<false>();  // the last stores are done before the CTA (and its shared memory)
-                                                    // goes
+        if (!WGRAD && issuer) bulk_wait<false>();  // the last stores done before the CTA's shared memory goes
     }
     if constexpr (CLUSTER > 1) cluster_sync();  // no remote arrival or multicast may reach a CTA that has exited
 }
