@@ -28,7 +28,10 @@
 #include "train/train_state.h"
 #include "train/weights_io.h"
 
-#define MAX_MODES 3  // fp32, bf16, fp8
+// The arms --modes takes: the three precision modes, and fp8 with one GEMM kind in BF16 (precision.bf16_fprop,
+// bf16_dgrad, bf16_wgrad: docs/config.md), which tells which of the FP8 GEMMs a gradient difference comes from.
+static const char *const mode_names[] = {"fp32", "bf16", "fp8", "fp8+bf16_fprop", "fp8+bf16_dgrad", "fp8+bf16_wgrad"};
+#define MAX_MODES ((int)(sizeof mode_names / sizeof mode_names[0]))
 #define PATHN (CONFIG_PATH_MAX + 64)
 
 const char *const grad_compare_usage =
@@ -39,7 +42,9 @@ const char *const grad_compare_usage =
     "      (a weights.h5 of fp8moe train), in one process. Writes per parameter tensor and over all of\n"
     "      them the raw gradient's L2 norm in each mode, its cosine with the reference's and the norm\n"
     "      ratio to FILE.csv (default <checkpoint.dir>-gradcompare/grads.csv); prints each mode's global\n"
-    "      norm, its overall cosine and ratio, and its worst tensor by cosine.\n";
+    "      norm, its overall cosine and ratio, and its worst tensor by cosine. Besides fp32, bf16 and fp8,\n"
+    "      --modes takes fp8+bf16_fprop, fp8+bf16_dgrad and fp8+bf16_wgrad: fp8 with that GEMM kind in\n"
+    "      BF16 (precision.bf16_*), to tell which FP8 GEMMs a difference comes from.\n";
 
 // ---------------------------------------------------------------------------- options
 
@@ -53,14 +58,30 @@ typedef struct {
     int n_sets;
 } Options;
 
-// "fp32,bf16" -> modes, each of fp32, bf16, fp8 at most once, at least two. Returns 0 or the usage status
-// (printed).
+// "fp32,bf16" -> modes, each of mode_names at most once, at least two. Returns 0 or the usage status (printed).
 static int parse_modes(const char *list, Options *o) {
-    char err[160];
-    o->n_modes = config_parse_mode_list(list, o->modes, err, sizeof err);
-    if (o->n_modes < 0) {
-        fprintf(stderr, "fp8moe gradcompare: --modes %s: %s (e.g. fp32,bf16,fp8)\nUsage:\n%s", list, err, grad_compare_usage);
-        return EXIT_USAGE;
+    o->n_modes = 0;
+    for (const char *p = list;;) {
+        const char *e = strchr(p, ',');
+        const int len = e ? (int)(e - p) : (int)strlen(p);
+        int k = -1;
+        for (int i = 0; i < MAX_MODES; i++)
+            if ((int)strlen(mode_names[i]) == len && !strncmp(p, mode_names[i], (size_t)len)) k = i;
+        if (k < 0) {
+            fprintf(stderr, "fp8moe gradcompare: --modes %s: unknown mode '%.*s'; expected a comma-separated list of "
+                    "fp32, bf16, fp8, fp8+bf16_fprop, fp8+bf16_dgrad and fp8+bf16_wgrad (e.g. fp32,bf16,fp8)\n"
+                    "Usage:\n%s", list, len, p, grad_compare_usage);
+            return EXIT_USAGE;
+        }
+        for (int i = 0; i < o->n_modes; i++)
+            if (o->modes[i] == mode_names[k]) {
+                fprintf(stderr, "fp8moe gradcompare: --modes %s: %s appears twice; expected each mode once\nUsage:\n%s",
+                        list, mode_names[k], grad_compare_usage);
+                return EXIT_USAGE;
+            }
+        o->modes[o->n_modes++] = mode_names[k];
+        if (!e) break;
+        p = e + 1;
     }
     if (o->n_modes < 2)
         return cli_usage_error("gradcompare", grad_compare_usage, "--modes %s: a comparison needs at least two modes (the first is the reference)", list);
@@ -70,7 +91,7 @@ static int parse_modes(const char *list, Options *o) {
 // Returns 0, 1 when help was printed (exit 0), or the usage status (message printed).
 static int parse_options(int argc, char **argv, Options *o) {
     memset(o, 0, sizeof *o);
-    o->modes[0] = "fp32", o->modes[1] = "bf16", o->modes[2] = "fp8";
+    o->modes[0] = mode_names[0], o->modes[1] = mode_names[1], o->modes[2] = mode_names[2];  // fp32, bf16, fp8
     o->n_modes = 3;
     o->sets = calloc((size_t)argc + 1, sizeof *o->sets);
     if (!o->sets) {
@@ -298,9 +319,9 @@ static void print_summary(const Options *o, const GradLayout *l, const Sums *sum
     printf("\ngradcompare: %s, the first step's gradients at %s%s: %d tensors, %lld parameters; reference %s\n",
            o->job, o->weights ? "the weights of " : "the initial weights of train.seed", o->weights ? o->weights : "",
            l->n_params, (long long)l->n_weights, o->modes[0]);
-    printf("  %-5s %10s %14s %10s %10s  %s\n", "mode", "loss", "grad norm", "cos(all)", "ratio(all)",
+    printf("  %-14s %10s %14s %10s %10s  %s\n", "mode", "loss", "grad norm", "cos(all)", "ratio(all)",
            "worst tensor by cosine");
-    printf("  %-5s %10.6f %14.9g %10s %10s\n", o->modes[0], mg[0].loss, sqrt(ref_sq[l->n_params]), "-", "-");
+    printf("  %-14s %10.6f %14.9g %10s %10s\n", o->modes[0], mg[0].loss, sqrt(ref_sq[l->n_params]), "-", "-");
     for (int k = 1; k < o->n_modes; k++) {
         int worst = -1;
         double worst_cos = INFINITY;
@@ -309,7 +330,7 @@ static void print_summary(const Options *o, const GradLayout *l, const Sums *sum
             if (isfinite(c) && c < worst_cos) worst = r, worst_cos = c;
         }
         const Sums all = sums[k * rows + l->n_params];
-        printf("  %-5s %10.6f %14.9g %10.6f %10.6f  ", o->modes[k], mg[k].loss, sqrt(all.sq), sums_cosine(all),
+        printf("  %-14s %10.6f %14.9g %10.6f %10.6f  ", o->modes[k], mg[k].loss, sqrt(all.sq), sums_cosine(all),
                sums_ratio(all));
         if (worst >= 0)
             printf("%s: cos %.6f, ratio %.6f\n", l->params[worst].name, worst_cos, sums_ratio(sums[k * rows + worst]));
@@ -336,18 +357,25 @@ int grad_compare_main(int argc, char **argv) {
     GradLayout layout = {0};
     Sums *sums = NULL, *part = NULL;
     double *ref_sq = NULL;
-    const char **ov = calloc((size_t)o.n_sets + 1, sizeof *ov);
+    const char **ov = calloc((size_t)o.n_sets + 2, sizeof *ov);
     if (!ov) goto done;
 
-    // Every mode's config first (the user's overrides, then precision.mode), so that a bad key costs nothing.
+    // Every mode's config first (the user's overrides, then precision.mode and for an fp8+bf16_<kind> arm
+    // precision.bf16_<kind> = true), so that a bad key costs nothing.
     for (int i = 0; i < o.n_sets; i++) ov[i] = o.sets[i];
-    char mode_set[MAX_MODES][32];
+    char mode_set[MAX_MODES][2][40];
     for (int k = 0; k < o.n_modes; k++) {
-        snprintf(mode_set[k], sizeof mode_set[k], "precision.mode=%s", o.modes[k]);
-        ov[o.n_sets] = mode_set[k];
+        const char *plus = strchr(o.modes[k], '+');
+        snprintf(mode_set[k][0], sizeof mode_set[k][0], "precision.mode=%.*s",
+                 plus ? (int)(plus - o.modes[k]) : (int)strlen(o.modes[k]), o.modes[k]);
+        ov[o.n_sets] = mode_set[k][0];
+        if (plus) {
+            snprintf(mode_set[k][1], sizeof mode_set[k][1], "precision.%s=true", plus + 1);
+            ov[o.n_sets + 1] = mode_set[k][1];
+        }
         cfgs[k] = malloc(sizeof *cfgs[k]);
         if (!cfgs[k]) goto done;
-        if (config_load(cfgs[k], o.job, ov, o.n_sets + 1, err, sizeof err) != 0) {
+        if (config_load(cfgs[k], o.job, ov, o.n_sets + (plus ? 2 : 1), err, sizeof err) != 0) {
             fprintf(stderr, "%s\n", err);
             rc = EXIT_USAGE;
             goto done;

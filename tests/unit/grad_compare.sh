@@ -8,7 +8,9 @@
 #    --set train.steps=1 --set precision.mode=M` records for step 1 (another code path: the trainer's own
 #    step and norm), to 1e-6 relative;
 #  - bf16 and fp8 against fp32 stay within bounds set from what was measured (below);
-#  - --weights loads the weights (the norm changes) and is deterministic (two runs give the same CSV bytes).
+#  - --weights loads the weights (the norm changes) and is deterministic (two runs give the same CSV bytes);
+#  - an fp8+bf16_dgrad arm is fp8 with precision.bf16_dgrad = true: its norm is the step-1 grad_norm of `train
+#    --set precision.mode=fp8 --set precision.bf16_dgrad=true`, and it differs from plain fp8's.
 # Under FP8MOE_SANITIZE=1 only the usage checks and one fp32,bf16 comparison on a smaller batch run.
 set -u
 . tests/lib.sh
@@ -22,6 +24,9 @@ COMMON=(--set data.text="$TEXT" --set data.cache_dir="$TMP/prepared" --set train
 # ---- usage errors: status 2 and a message that names what was wrong
 expect_usage gradcompare "unknown mode 'fp16'" $JOB --modes fp32,fp16
 expect_usage gradcompare "fp8 appears twice" $JOB --modes fp8,bf16,fp8
+expect_usage gradcompare "unknown mode 'fp8+bf16_attn'" $JOB --modes fp8,fp8+bf16_attn
+expect_usage gradcompare "precision.bf16_dgrad: true in precision.mode = fp32" $JOB --modes fp32,fp8 \
+  --set precision.bf16_dgrad=true
 expect_usage gradcompare "at least two modes" $JOB --modes fp32
 expect_usage gradcompare "--modes needs a value" $JOB --modes
 expect_usage gradcompare "missing the job file" --modes fp32,bf16
@@ -57,6 +62,9 @@ timed train-fp32 train $JOB "${COMMON[@]}" --set precision.mode=fp32 --set train
 for m in bf16 fp8; do
   timed train-$m train $JOB "${COMMON[@]}" --set precision.mode=$m --set train.steps=1 --set checkpoint.dir="$TMP/train-$m"
 done
+timed train-fp8-dgrad train $JOB "${COMMON[@]}" --set precision.mode=fp8 --set precision.bf16_dgrad=true \
+  --set train.steps=1 --set checkpoint.dir="$TMP/train-fp8-dgrad"
+timed gcv gradcompare $JOB --modes fp8,fp8+bf16_dgrad "${COMMON[@]}" --out "$TMP/v/grads.csv"
 timed gc gradcompare $JOB "${COMMON[@]}" --set checkpoint.dir="$TMP/job"   # default modes fp32,bf16,fp8 and CSV path
 sed -n '/^gradcompare: configs/,$p' "$TMP/gc.log"
 W="$TMP/train-fp32/weights.h5"
@@ -95,13 +103,19 @@ numel = sum(int(r["numel"]) for r in rows[:-1])
 if not numel == int(rows[-1]["numel"]) == banner:
     fail.append(f"numel: tensors sum to {numel}, all says {rows[-1]['numel']}, train printed {banner} parameters")
 
-# 2. each mode's global norm is the trainer's step-1 grad_norm (metrics.jsonl keeps 9 digits)
-for m in ("fp32", "bf16", "fp8"):
-    step1 = [json.loads(l) for l in open(f"{tmp}/train-{m}/metrics.jsonl") if '"type":"step"' in l][0]
-    got = float(rows[-1][f"{m}_norm"])
+# 2. each mode's global norm is the trainer's step-1 grad_norm (metrics.jsonl keeps 9 digits), the fp8+bf16_dgrad
+#    arm's that of fp8 with precision.bf16_dgrad = true
+v = list(csv.DictReader(open(f"{tmp}/v/grads.csv")))
+for m, run, table in (("fp32", "fp32", rows), ("bf16", "bf16", rows), ("fp8", "fp8", rows),
+                      ("fp8+bf16_dgrad", "fp8-dgrad", v)):
+    step1 = [json.loads(l) for l in open(f"{tmp}/train-{run}/metrics.jsonl") if '"type":"step"' in l][0]
+    got = float(table[-1][f"{m}_norm"])
     rel = abs(got - step1["grad_norm"]) / step1["grad_norm"]
     print(f"{m}: gradcompare norm {got:.9g}, train's step-1 grad_norm {step1['grad_norm']:.9g} (rel {rel:.1e})")
     if rel > 1e-6: fail.append(f"{m}: the all row's norm {got} is not step 1's grad_norm {step1['grad_norm']}")
+
+if v[-1]["fp8+bf16_dgrad_norm"] == v[-1]["fp8_norm"]:
+    fail.append(f"fp8+bf16_dgrad: the same norm as fp8's ({v[-1]['fp8_norm']}): the arm ran no BF16 Dgrad")
 
 # 3. bounds. Measured on 2026-12-02 (this CPU, seed 1234, the first batch of tests/data/shakespeare.txt):
 #    all rows:             bf16 cos 0.99992 ratio 1.0002;  fp8 cos 0.99672 ratio 0.9977
