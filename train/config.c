@@ -1110,26 +1110,32 @@ void config_print_reference(FILE *f) {
     }
 }
 
-int config_parse_mode_list(const char *list, const char *modes[3], char *err, size_t err_size) {
+int config_parse_word_list(const char *list, const char *const *words, const char **out, char *err, size_t err_size) {
     int n = 0;
     for (const char *p = list;;) {
         const char *e = strchr(p, ',');
         const size_t len = e ? (size_t)(e - p) : strlen(p);
         int k = -1;
-        for (int i = 0; precision_words[i]; i++)
-            if (strlen(precision_words[i]) == len && !strncmp(p, precision_words[i], len)) k = i;
+        for (int i = 0; words[i]; i++)
+            if (strlen(words[i]) == len && !strncmp(p, words[i], len)) k = i;
         if (k < 0) {
-            snprintf(err, err_size, "unknown mode '%.*s'; expected a comma-separated list of fp32, bf16 and fp8",
-                     (int)len, p);
+            int at = snprintf(err, err_size, "unknown mode '%.*s'; expected a comma-separated list of", (int)len, p);
+            for (int i = 0; words[i] && at >= 0 && (size_t)at < err_size; i++)
+                at += snprintf(err + at, err_size - (size_t)at, "%s %s", i == 0 ? "" : words[i + 1] ? "," : " and",
+                               words[i]);
             return -1;
         }
         for (int i = 0; i < n; i++)
-            if (modes[i] == precision_words[k]) {
-                snprintf(err, err_size, "%s appears twice; expected each mode once", precision_words[k]);
+            if (out[i] == words[k]) {
+                snprintf(err, err_size, "%s appears twice; expected each mode once", words[k]);
                 return -1;
             }
-        modes[n++] = precision_words[k];
+        out[n++] = words[k];
         if (!e) return n;
         p = e + 1;
     }
+}
+
+int config_parse_mode_list(const char *list, const char *modes[3], char *err, size_t err_size) {
+    return config_parse_word_list(list, precision_words, modes, err, err_size);
 }

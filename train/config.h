@@ -139,9 +139,11 @@ int config_check_layout(const Config *c, int world_size, char *err, size_t err_s
 // Print the resolved config as INI (every key, including defaults) to f.
 void config_print(const Config *c, FILE *f);
 
-// "bf16,fp8" -> the precision.mode words of the list, in its order, each at most once (fp8moe compare and
-// fp8moe gradcompare take such a --modes list). modes receives pointers to static strings ("fp32", "bf16",
-// "fp8"), at most 3. Returns how many, or -1 with err saying which word is unknown or repeated.
+// "bf16,fp8" -> the words of the list, each one of `words` (NULL-terminated) and at most once, in the list's order
+// (the --modes lists of fp8moe compare and gradcompare). out receives pointers into words (room for as many as
+// words has). Returns how many, or -1 with err saying which word is unknown or repeated and listing `words`.
+int config_parse_word_list(const char *list, const char *const *words, const char **out, char *err, size_t err_size);
+// The same over the precision.mode words ("fp32", "bf16", "fp8").
 int config_parse_mode_list(const char *list, const char *modes[3], char *err, size_t err_size);
 // Print the key table as the Markdown reference (docs/config.md is generated from it and checked).
 void config_print_reference(FILE *f);

@@ -30,8 +30,9 @@
 
 // The arms --modes takes: the three precision modes, and fp8 with one GEMM kind in BF16 (precision.bf16_fprop,
 // bf16_dgrad, bf16_wgrad: docs/config.md), which tells which of the FP8 GEMMs a gradient difference comes from.
-static const char *const mode_names[] = {"fp32", "bf16", "fp8", "fp8+bf16_fprop", "fp8+bf16_dgrad", "fp8+bf16_wgrad"};
-#define MAX_MODES ((int)(sizeof mode_names / sizeof mode_names[0]))
+static const char *const mode_names[] = {"fp32",           "bf16",           "fp8",           "fp8+bf16_fprop",
+                                         "fp8+bf16_dgrad", "fp8+bf16_wgrad", NULL};
+#define MAX_MODES ((int)(sizeof mode_names / sizeof mode_names[0]) - 1)
 #define PATHN (CONFIG_PATH_MAX + 64)
 
 const char *const grad_compare_usage =
@@ -60,28 +61,11 @@ typedef struct {
 
 // "fp32,bf16" -> modes, each of mode_names at most once, at least two. Returns 0 or the usage status (printed).
 static int parse_modes(const char *list, Options *o) {
-    o->n_modes = 0;
-    for (const char *p = list;;) {
-        const char *e = strchr(p, ',');
-        const int len = e ? (int)(e - p) : (int)strlen(p);
-        int k = -1;
-        for (int i = 0; i < MAX_MODES; i++)
-            if ((int)strlen(mode_names[i]) == len && !strncmp(p, mode_names[i], (size_t)len)) k = i;
-        if (k < 0) {
-            fprintf(stderr, "fp8moe gradcompare: --modes %s: unknown mode '%.*s'; expected a comma-separated list of "
-                    "fp32, bf16, fp8, fp8+bf16_fprop, fp8+bf16_dgrad and fp8+bf16_wgrad (e.g. fp32,bf16,fp8)\n"
-                    "Usage:\n%s", list, len, p, grad_compare_usage);
-            return EXIT_USAGE;
-        }
-        for (int i = 0; i < o->n_modes; i++)
-            if (o->modes[i] == mode_names[k]) {
-                fprintf(stderr, "fp8moe gradcompare: --modes %s: %s appears twice; expected each mode once\nUsage:\n%s",
-                        list, mode_names[k], grad_compare_usage);
-                return EXIT_USAGE;
-            }
-        o->modes[o->n_modes++] = mode_names[k];
-        if (!e) break;
-        p = e + 1;
+    char err[256];
+    o->n_modes = config_parse_word_list(list, mode_names, o->modes, err, sizeof err);
+    if (o->n_modes < 0) {
+        fprintf(stderr, "fp8moe gradcompare: --modes %s: %s (e.g. fp32,bf16,fp8)\nUsage:\n%s", list, err, grad_compare_usage);
+        return EXIT_USAGE;
     }
     if (o->n_modes < 2)
         return cli_usage_error("gradcompare", grad_compare_usage, "--modes %s: a comparison needs at least two modes (the first is the reference)", list);

@@ -54,8 +54,10 @@
  * L2 traffic it saves is not what bounds the kernel), so it is off by default.
  *
  * Tensor maps (cuTensorMapEncodeTiled, reached through cudaGetDriverEntryPointByVersion: no -lcuda) are built on the
- * host per call, one for X and two per non-empty segment (its weight, its rows of y), and passed in the kernel's
- * __grid_constant__ parameter (about 19 KB); up to MAX_GROUPS segments per launch, more segments take more launches.
+ * host per call - Fprop/Dgrad: one for X and two per non-empty segment (its weight, its rows of y); Wgrad: two per
+ * non-empty segment (its dY and X codes) - and passed in the kernel's __grid_constant__ parameter (about 27 KB, room
+ * for the Wgrad's per-segment A maps; the Fprop uses a[0] of them); up to MAX_GROUPS segments per launch, more
+ * segments take more launches.
  *
  * Numerics against the CPU reference (kernels/cpu/fp8.c: P exact, then acc = acc + ((float)P s_x) s_w): the
  * tensor cores add a block's products in reduced precision (DESIGN.md section 4: within 2^-10 sum |a s_a b s_b|),

@@ -204,19 +204,20 @@ static float *run_gemm_f32(const Operands *o, int own) {
     return y;
 }
 
-// The same GEMM on |a| and |b| (E4M3 sign bits cleared; the scales are positive): S (T, O) = sum_k |a s_a b s_b|,
-// rounded to BF16 by the CPU op.
+// A copy of n E4M3 codes with their sign bits cleared: the magnitudes (scales are positive, so a GEMM of these is
+// sum_k |a s_a b s_b|).
+static uint8_t *abs_codes(const uint8_t *q, size_t n) {
+    uint8_t *a = gpucheck_malloc(n);
+    for (size_t i = 0; i < n; i++) a[i] = q[i] & 0x7F;
+    return a;
+}
+
+// The same GEMM on |a| and |b| (abs_codes): S (T, O) = sum_k |a s_a b s_b|, rounded to BF16 by the CPU op.
 static float *abs_sums(const Operands *o) {
-    const size_t qx_bytes = (size_t)o->P16 * o->Cp, qw_bytes = o->qw_bytes;
-    uint8_t *qx = gpucheck_malloc(qx_bytes);
-    for (size_t i = 0; i < qx_bytes; i++) qx[i] = o->qx[i] & 0x7F;
+    uint8_t *qx = abs_codes(o->qx, (size_t)o->P16 * o->Cp);
     const uint8_t *qw[FP8_MAX_SEGMENTS] = {NULL};
-    for (int g = 0; g < o->n; g++) {
-        if (o->qw[g] == NULL) continue;
-        uint8_t *q = gpucheck_malloc(qw_bytes);
-        for (size_t i = 0; i < qw_bytes; i++) q[i] = o->qw[g][i] & 0x7F;
-        qw[g] = q;
-    }
+    for (int g = 0; g < o->n; g++)
+        if (o->qw[g] != NULL) qw[g] = abs_codes(o->qw[g], o->qw_bytes);
     uint16_t *s16 = gpucheck_malloc((size_t)bf16_rows_elems(o->T, o->O) * sizeof(uint16_t));
     run_gemm(o, DEVICE_CPU, s16, qx, o->sx, qw, o->sw);
     float *S = gpucheck_malloc((size_t)o->T * o->O * sizeof(float) + 1);
@@ -452,9 +453,7 @@ static void test_grouped_wgrad(void **state) {
     float *dw_cpu = gpucheck_malloc(bytes);
     memcpy(dw_cpu, o.dw0, bytes);
     fp8_gemm_wgrad_grouped(DEVICE_CPU, dw_cpu, o.qdy, o.sdy, o.qx, o.sx, o.n, o.rows0, o.N, o.K);
-    uint8_t *ady = gpucheck_malloc(o.qdy_bytes), *ax = gpucheck_malloc(o.qx_bytes);
-    for (size_t i = 0; i < o.qdy_bytes; i++) ady[i] = o.qdy[i] & 0x7F;
-    for (size_t i = 0; i < o.qx_bytes; i++) ax[i] = o.qx[i] & 0x7F;
+    uint8_t *ady = abs_codes(o.qdy, o.qdy_bytes), *ax = abs_codes(o.qx, o.qx_bytes);
     float *S = gpucheck_malloc(bytes);
     memset(S, 0, bytes);
     fp8_gemm_wgrad_grouped(DEVICE_CPU, S, ady, o.sdy, ax, o.sx, o.n, o.rows0, o.N, o.K);
