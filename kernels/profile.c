@@ -32,16 +32,16 @@ static struct {
     double seconds[PHASE_COUNT];
     double last_s;  // CPU: host time of the last boundary
     double peak_bytes;
-    int op_open;            // the open op's kind, -1 for none
+    int op_open;            // the open op's index (op_index), -1 for none
     double op_start_s;      // CPU: when it opened
-    double op_seconds[PROFILE_OP_COUNT];
-    int64_t op_counts[PROFILE_OP_COUNT];
+    double op_seconds[PROFILE_MAX_CHUNKS * PROFILE_OP_COUNT];  // by op_index
+    int64_t op_counts[PROFILE_MAX_CHUNKS * PROFILE_OP_COUNT];
 #ifdef FP8MOE_CUDA
     cudaEvent_t *events;
     int *event_phase;  // event_phase[i]: phase of the interval (events[i-1], events[i]), -1 for none
     int n_events, cap_events;
     int op_start_event;     // the event that opened the open op
-    int *op_events;         // (start event, end event, kind) per op ended since the last collect
+    int *op_events;         // (start event, end event, op_index) per op ended since the last collect
     int n_ops, cap_ops;
 #endif
 } prof = {.op_open = -1};
@@ -142,17 +142,25 @@ void profile_end(Phase p) {
     prof.depth--;
 }
 
+Phase profile_current_phase(void) {
+    return prof.on && prof.depth > 0 ? prof.charged[prof.depth - 1] : PHASE_OTHER_GEMM;
+}
+
 static void op_misuse(const char *what, ProfileOp k) {
     fprintf(stderr, "fp8moe: kernels/profile.c: %s (op kind %d, open %d): the profile_op marks are unbalanced\n", what,
             (int)k, prof.op_open);
     exit(1);
 }
 
-void profile_op_begin(ProfileOp k) {
+// An op of kind k on chunk `chunk` in the per-op arrays.
+static int op_index(ProfileOp k, int chunk) { return chunk * PROFILE_OP_COUNT + (int)k; }
+
+void profile_op_begin(ProfileOp k, int chunk) {
     if (!prof.on) return;
     if (k < 0 || k >= PROFILE_OP_COUNT || prof.op_open >= 0) op_misuse("profile_op_begin inside an op", k);
+    if (chunk < 0 || chunk >= PROFILE_MAX_CHUNKS) op_misuse("profile_op_begin of a chunk out of range", k);
     boundary();
-    prof.op_open = (int)k;
+    prof.op_open = op_index(k, chunk);
     prof.op_start_s = prof.last_s;
 #ifdef FP8MOE_CUDA
     prof.op_start_event = prof.n_events - 1;
@@ -161,12 +169,14 @@ void profile_op_begin(ProfileOp k) {
 
 void profile_op_end(ProfileOp k) {
     if (!prof.on) return;
-    if (prof.op_open != (int)k) op_misuse("profile_op_end without its profile_op_begin", k);
+    if (prof.op_open < 0 || prof.op_open % PROFILE_OP_COUNT != (int)k)
+        op_misuse("profile_op_end without its profile_op_begin", k);
     boundary();
+    const int index = prof.op_open;
     prof.op_open = -1;
     if (prof.dev == DEVICE_CPU) {
-        prof.op_seconds[k] += prof.last_s - prof.op_start_s;
-        prof.op_counts[k]++;
+        prof.op_seconds[index] += prof.last_s - prof.op_start_s;
+        prof.op_counts[index]++;
         return;
     }
 #ifdef FP8MOE_CUDA
@@ -179,11 +189,12 @@ void profile_op_end(ProfileOp k) {
         }
     }
     int *e = prof.op_events + 3 * prof.n_ops++;
-    e[0] = prof.op_start_event, e[1] = prof.n_events - 1, e[2] = (int)k;
+    e[0] = prof.op_start_event, e[1] = prof.n_events - 1, e[2] = index;
 #endif
 }
 
-void profile_op_totals(double seconds[PROFILE_OP_COUNT], int64_t counts[PROFILE_OP_COUNT]) {
+void profile_op_totals(double seconds[PROFILE_MAX_CHUNKS][PROFILE_OP_COUNT],
+                       int64_t counts[PROFILE_MAX_CHUNKS][PROFILE_OP_COUNT]) {
     memcpy(seconds, prof.op_seconds, sizeof prof.op_seconds);
     memcpy(counts, prof.op_counts, sizeof prof.op_counts);
 }
@@ -207,7 +218,8 @@ void profile_step_collect(double seconds_out[PHASE_COUNT]) {
     memset(seconds_out, 0, PHASE_COUNT * sizeof *seconds_out);
     if (!prof.on) return;
     if (prof.depth != 0) misuse("profile_step_collect with phases still open", prof.declared[prof.depth - 1]);
-    if (prof.op_open >= 0) op_misuse("profile_step_collect with an op still open", (ProfileOp)prof.op_open);
+    if (prof.op_open >= 0)
+        op_misuse("profile_step_collect with an op still open", (ProfileOp)(prof.op_open % PROFILE_OP_COUNT));
 #ifdef FP8MOE_CUDA
     if (prof.dev == DEVICE_CUDA) {
         CUDA_CHECK(cudaDeviceSynchronize());

@@ -41,16 +41,27 @@ typedef enum {
     // communication (zero in one process). Each is the time the call took on this rank, waiting for its peers
     // included: a rank that waits for a slower one counts that wait here, not in "other".
     PHASE_EP_COMM,      // the expert-parallel all-to-alls of dispatch and combine, forward and backward (parallel/ep.c)
-    PHASE_PIPE_WAIT,    // waiting for the pipeline's activation and gradient messages (train/step.c)
+    PHASE_PIPE_WAIT,    // waiting for the pipeline's activation and gradient messages, and for the other stages to
+                        // finish their ops at the step's end (the loss agreement when pp > 1; train/step.c)
     PHASE_GRAD_SYNC,    // the step's reductions over ranks: loss agreement, gradients, norm, ZeRO-1 gathers, load
     PHASE_COUNT
 } Phase;
 
 #define PROFILE_MAX_DEPTH 16
+#define PROFILE_MAX_CHUNKS 2  // model chunks a process holds (train/model.h PLACEMENT_MAX_CHUNKS)
 
-// The compute ops of a step's op list (train/step.c), each timed whole besides the phases inside it: what
-// `fp8moe bench step` gives the pipeline simulator as the measured F and B costs (parallel/schedule_sim.h).
-typedef enum { PROFILE_OP_FORWARD, PROFILE_OP_BACKWARD, PROFILE_OP_COUNT } ProfileOp;
+// The compute ops of a step's op list (train/step.c), each timed whole besides the phases inside it, by kind and by
+// the model chunk it runs (a pipeline rank holds one or two): what `fp8moe bench step` gives the pipeline simulator
+// as the measured costs of every stage (parallel/schedule_sim.h).
+// FORWARD: F; BACKWARD: B (a full backward); BACKWARD_INPUT: I, its input-gradient part; BACKWARD_WEIGHT: W, the
+// weight-gradient part (parallel/schedule.h).
+typedef enum {
+    PROFILE_OP_FORWARD,
+    PROFILE_OP_BACKWARD,
+    PROFILE_OP_BACKWARD_INPUT,
+    PROFILE_OP_BACKWARD_WEIGHT,
+    PROFILE_OP_COUNT
+} ProfileOp;
 
 // Turns the profiler on (1) or off (0) for ops on dev, and clears all accumulated time and the
 // memory peak. Turning on for DEVICE_CUDA in a build without CUDA stops with a message.
@@ -60,14 +71,19 @@ int profile_enabled(void);
 // Opens / closes phase p. profile_end's p must be the innermost open phase.
 void profile_begin(Phase p);
 void profile_end(Phase p);
+// The phase time accrues to now: the innermost open one as charged (PHASE_OTHER_GEMM inside PHASE_EXPERT_GEMM is
+// PHASE_EXPERT_GEMM); PHASE_OTHER_GEMM when none is open or the profiler is off. A GEMM run later on behalf of the
+// code running now (a W ticket, train/wgrad_ticket.h) is counted in it.
+Phase profile_current_phase(void);
 
-// Opens / closes op k (ops do not nest). Time still accrues to the phases as before: an op mark is only a
-// boundary of the phase intervals.
-void profile_op_begin(ProfileOp k);
+// Opens / closes op k of chunk `chunk` (0 .. PROFILE_MAX_CHUNKS - 1; ops do not nest). Time still accrues to the
+// phases as before: an op mark is only a boundary of the phase intervals.
+void profile_op_begin(ProfileOp k, int chunk);
 void profile_op_end(ProfileOp k);
-// The seconds and the number of the ops of each kind that ended since profile_enable, as of the last
+// The seconds and the number of the ops of each chunk and kind that ended since profile_enable, as of the last
 // profile_step_collect (which reads the device's timings).
-void profile_op_totals(double seconds[PROFILE_OP_COUNT], int64_t counts[PROFILE_OP_COUNT]);
+void profile_op_totals(double seconds[PROFILE_MAX_CHUNKS][PROFILE_OP_COUNT],
+                       int64_t counts[PROFILE_MAX_CHUNKS][PROFILE_OP_COUNT]);
 
 // Waits for the device, writes the seconds accrued to each phase since the last collect (or enable)
 // into seconds_out[PHASE_COUNT], samples the memory in use into the peak, and resets the times.

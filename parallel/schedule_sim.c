@@ -83,13 +83,18 @@ int schedule_costs_parse(const char *text, SchedCosts *c, char *err, size_t err_
     return 0;
 }
 
-static double op_cost(const SchedOp *op, const SchedCosts *c) {
+// Rank r's op under costs c (one SchedCosts, or with `stages` one per rank and chunk, c[2 r + chunk]).
+static double op_cost(const SchedOp *op, int r, const SchedCosts *c, int stages) {
+    const SchedCosts *k = stages ? &c[2 * r + op->chunk] : c;
     switch (op->kind) {
-    case SCHED_F: return c->f;
-    case SCHED_B: return c->b;
-    case SCHED_I: return c->b - c->w;
-    case SCHED_W: return c->w;
-    case SCHED_FB: return c->fb;
+    case SCHED_F: return k->f;
+    case SCHED_B: return k->b;
+    case SCHED_I: return k->b - k->w;
+    case SCHED_W: return k->w;
+    case SCHED_FB: {  // the forward's chunk's overlapped pair, with the backward's own B in place of its chunk's
+        const SchedCosts *kb = stages ? &c[2 * r + op->chunk_b] : c;
+        return k->fb - k->b + kb->b;
+    }
     default: return 0;
     }
 }
@@ -104,7 +109,7 @@ void schedule_sim_free(SchedSim *sim) {
     memset(sim, 0, sizeof *sim);
 }
 
-int schedule_simulate(const Schedule *s, const SchedCosts *c, SchedSim *out, char *err, size_t err_size) {
+static int simulate(const Schedule *s, const SchedCosts *c, int stages, SchedSim *out, char *err, size_t err_size) {
     memset(out, 0, sizeof *out);
     if (schedule_validate(s, err, err_size) != 0) return -1;
     int *match[SCHED_MAX_PP];
@@ -129,7 +134,7 @@ int schedule_simulate(const Schedule *s, const SchedCosts *c, SchedSim *out, cha
             while (pc[r] < s->n_ops[r]) {
                 const SchedOp *op = &s->ops[r][pc[r]];
                 if (!is_message(op->kind)) {
-                    double d = op_cost(op, c);
+                    double d = op_cost(op, r, c, stages);
                     out->start[r][pc[r]] = t[r];
                     out->end[r][pc[r]] = t[r] + d;
                     out->busy[r] += d;
@@ -173,6 +178,14 @@ int schedule_simulate(const Schedule *s, const SchedCosts *c, SchedSim *out, cha
     }
     for (int r = 0; r < P; r++) out->bubble[r] = out->makespan - out->busy[r];
     return 0;
+}
+
+int schedule_simulate(const Schedule *s, const SchedCosts *c, SchedSim *out, char *err, size_t err_size) {
+    return simulate(s, c, 0, out, err, err_size);
+}
+
+int schedule_simulate_stages(const Schedule *s, const SchedCosts *c, SchedSim *out, char *err, size_t err_size) {
+    return simulate(s, c, 1, out, err, err_size);
 }
 
 double schedule_bubble_formula(SchedKind kind, int pp, const SchedCosts *c) {

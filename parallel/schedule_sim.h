@@ -49,6 +49,11 @@ int schedule_costs_parse(const char *text, SchedCosts *c, char *err, size_t err_
 // out: schedule_sim_free). Returns 0 or -1 with err.
 int schedule_simulate(const Schedule *s, const SchedCosts *c, SchedSim *out, char *err, size_t err_size);
 void schedule_sim_free(SchedSim *sim);
+// schedule_simulate with costs of their own for every rank and chunk (the stages of a real model differ: the
+// last holds the head and the losses): rank r's ops of chunk k cost as c[2 r + k] says (2 s->pp entries; a rank
+// with one chunk reads only its first), an FB that chunk's fb with its backward chunk's b in place of the
+// forward chunk's (fb - b + b'); wait_sends is c[0]'s. With every entry the same, schedule_simulate's times.
+int schedule_simulate_stages(const Schedule *s, const SchedCosts *c, SchedSim *out, char *err, size_t err_size);
 
 // Table 2's bubble for kind at pp ranks: 1f1b (PP-1)(F+B), zb1p (PP-1)(F+B-2W), dualpipe
 // (PP/2-1)(F&B+B-3W), dualpipev the same with PP = 2 pp stages, i.e. (pp-1)(F&B+B-3W).

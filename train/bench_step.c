@@ -44,11 +44,12 @@ typedef struct {
     double phase_max_s[PHASE_COUNT]; // the slowest rank's
     double peak_bytes;               // the largest rank's
     Device dev;
-    // a pipeline (pp > 1): the compute ops over the timed steps, summed over the ranks (profile_op_totals)
+    // a pipeline (pp > 1): the compute ops over the timed steps by pp rank, chunk and kind, summed over the pp
+    // rank's data-parallel replicas (profile_op_totals)
     int pp, n_mb;
     SchedKind kind;
-    double op_s[PROFILE_OP_COUNT];
-    double op_n[PROFILE_OP_COUNT];
+    double op_s[SCHED_MAX_PP][PROFILE_MAX_CHUNKS][PROFILE_OP_COUNT];
+    double op_n[SCHED_MAX_PP][PROFILE_MAX_CHUNKS][PROFILE_OP_COUNT];
     double busy_min_s, busy_max_s;  // a rank's compute ops per step: the least and the most busy rank's
 } StepBench;
 
@@ -105,8 +106,8 @@ static int bench_precision(const char *job, const char **overrides, int n_overri
     fflush(stdout);
 
     out->pp = cfg->parallel.pp, out->n_mb = A, out->kind = (SchedKind)cfg->parallel.schedule;
-    double op_s0[PROFILE_OP_COUNT] = {0};
-    int64_t op_n[PROFILE_OP_COUNT], op_n0[PROFILE_OP_COUNT] = {0};
+    double op_s[PROFILE_MAX_CHUNKS][PROFILE_OP_COUNT], op_s0[PROFILE_MAX_CHUNKS][PROFILE_OP_COUNT] = {{0}};
+    int64_t op_n[PROFILE_MAX_CHUNKS][PROFILE_OP_COUNT], op_n0[PROFILE_MAX_CHUNKS][PROFILE_OP_COUNT] = {{0}};
     profile_enable(dev, 1);
     model_zero_load(m);
     for (int step = 0; step < warmup + steps; step++) {
@@ -126,13 +127,21 @@ static int bench_precision(const char *job, const char **overrides, int n_overri
         for (int p = 0; p < PHASE_COUNT; p++) out->phase_s[p] += phase_s[p];
     }
     out->peak_bytes = profile_peak_memory_bytes();
-    profile_op_totals(out->op_s, op_n);
-    for (int k = 0; k < PROFILE_OP_COUNT; k++) out->op_s[k] -= op_s0[k], out->op_n[k] = (double)(op_n[k] - op_n0[k]);
-    out->busy_min_s = out->busy_max_s = (out->op_s[PROFILE_OP_FORWARD] + out->op_s[PROFILE_OP_BACKWARD]) / steps;
+    profile_op_totals(op_s, op_n);
+    double busy = 0;
+    const int q = ts.pp->rank;  // this rank's entries; the other pp ranks' come with the sums below
+    for (int c = 0; c < PROFILE_MAX_CHUNKS; c++)
+        for (int k = 0; k < PROFILE_OP_COUNT; k++) {
+            out->op_s[q][c][k] = op_s[c][k] - op_s0[c][k];
+            out->op_n[q][c][k] = (double)(op_n[c][k] - op_n0[c][k]);
+            busy += out->op_s[q][c][k];
+        }
+    out->busy_min_s = out->busy_max_s = busy / steps;
     comm_allreduce_min_double(world, &out->busy_min_s, 1);
     comm_allreduce_max_double(world, &out->busy_max_s, 1);
-    comm_allreduce_sum_double(world, out->op_s, PROFILE_OP_COUNT);
-    comm_allreduce_sum_double(world, out->op_n, PROFILE_OP_COUNT);
+    const int op_entries = SCHED_MAX_PP * PROFILE_MAX_CHUNKS * PROFILE_OP_COUNT;
+    comm_allreduce_sum_double(world, &out->op_s[0][0][0], op_entries);
+    comm_allreduce_sum_double(world, &out->op_n[0][0][0], op_entries);
     memcpy(out->phase_max_s, out->phase_s, sizeof out->phase_s);
     comm_allreduce_max_double(world, out->phase_max_s, PHASE_COUNT);
     comm_allreduce_sum_double(world, out->phase_s, PHASE_COUNT);
@@ -180,23 +189,44 @@ static void print_table(const char *mode, const StepBench *r) {
            100.0 * (r->step_s - sum_s) / r->step_s);
 }
 
-// A pipeline's bubble against the simulator's: the schedule of the job simulated with the measured mean F and B
-// op costs (W = 0 and F&B = F + B: the executor runs I as the full backward, W as nothing and FB as F then B,
-// train/step_plan.h), beside the measured pipeline wait. Both are the idlest rank's, per step. The simulator
-// gives every stage the same costs, so the stages' imbalance (the last holds the head, the losses and MTP) is
-// printed beside it: the compute per step of the least and the most busy rank.
+// The mean seconds of op kind k of pp rank q's chunk c (q < 0: over every rank and chunk), 0 when none ran.
+static double op_mean(const StepBench *r, int q, int c, ProfileOp k) {
+    double s = 0, n = 0;
+    for (int p = 0; p < r->pp; p++)
+        for (int h = 0; h < PROFILE_MAX_CHUNKS; h++)
+            if (q < 0 || (p == q && h == c)) s += r->op_s[p][h][k], n += r->op_n[p][h][k];
+    return n > 0 ? s / n : 0.0;
+}
+
+// The simulator's costs of pp rank q's chunk c (q < 0: the means over all) from the measured ops: F; W, the
+// weight-gradient part (W ops); B, the full backward where the chunk ran B ops (1F1B, DualPipe's), else I + W
+// (ZB1P), so the simulator's I is B - W; F&B = F + B (the executor runs FB as F then B, train/step_plan.h).
+// wait_sends: the executor waits for a batch's sends with its receives (train/step.c).
+static SchedCosts measured_costs(const StepBench *r, int q, int c) {
+    const double f = op_mean(r, q, c, PROFILE_OP_FORWARD), b = op_mean(r, q, c, PROFILE_OP_BACKWARD);
+    const double i = op_mean(r, q, c, PROFILE_OP_BACKWARD_INPUT), w = op_mean(r, q, c, PROFILE_OP_BACKWARD_WEIGHT);
+    const double full = b > 0 ? b : i + w;
+    return (SchedCosts){.f = f, .b = full, .w = w, .fb = f + full, .wait_sends = 1};
+}
+
+// A pipeline's bubble against the simulator's: the schedule of the job simulated with every stage's measured mean
+// op costs (measured_costs of each pp rank and chunk: the stages differ, the last holding the head, the losses and
+// MTP), beside the measured pipeline wait. Both are the idlest rank's, per step. The compute per step of the least
+// and the most busy rank is printed too.
 static void print_pipeline_check(const char *mode, const StepBench *r) {
-    if (r->pp <= 1 || r->op_n[PROFILE_OP_FORWARD] <= 0 || r->op_n[PROFILE_OP_BACKWARD] <= 0) return;
-    const double f = r->op_s[PROFILE_OP_FORWARD] / r->op_n[PROFILE_OP_FORWARD];
-    const double b = r->op_s[PROFILE_OP_BACKWARD] / r->op_n[PROFILE_OP_BACKWARD];
+    if (r->pp <= 1) return;
+    const SchedCosts mean = measured_costs(r, -1, 0);
+    if (mean.f <= 0 || mean.b <= 0) return;
+    SchedCosts stage[2 * SCHED_MAX_PP];
+    for (int q = 0; q < r->pp; q++)
+        for (int c = 0; c < 2; c++) stage[2 * q + c] = measured_costs(r, q, c);
     char err[256];
     Schedule s;
     memset(&s, 0, sizeof s);
     SchedSim sim;
     memset(&sim, 0, sizeof sim);
-    const SchedCosts costs = {.f = f, .b = b, .w = 0, .fb = f + b};
     if (schedule_build(&s, r->kind, r->pp, r->n_mb, err, sizeof err) != 0 ||
-        schedule_simulate(&s, &costs, &sim, err, sizeof err) != 0) {
+        schedule_simulate_stages(&s, stage, &sim, err, sizeof err) != 0) {
         printf("%s pipeline: cannot simulate %s: %s\n", mode, schedule_kind_name(r->kind), err);
         schedule_free(&s);
         return;
@@ -204,14 +234,22 @@ static void print_pipeline_check(const char *mode, const StepBench *r) {
     double bubble = 0;
     for (int q = 0; q < r->pp; q++) bubble = sim.bubble[q] > bubble ? sim.bubble[q] : bubble;
     const double wait = r->phase_max_s[PHASE_PIPE_WAIT] / r->steps, step = r->step_s / r->steps;
-    printf("%s pipeline (%s, pp %d, %d micro-batches): measured F %.3f ms, B %.3f ms per op (mean over ranks and ops)\n",
-           mode, schedule_kind_name(r->kind), r->pp, r->n_mb, 1e3 * f, 1e3 * b);
-    printf("  simulated with them: makespan %.3f ms, bubble %.3f ms (%.1f%%; the idlest rank)\n", 1e3 * sim.makespan,
-           1e3 * bubble, sim.makespan > 0 ? 100.0 * bubble / sim.makespan : 0.0);
+    printf("%s pipeline (%s, pp %d, %d micro-batches): measured F %.3f ms, B %.3f ms", mode,
+           schedule_kind_name(r->kind), r->pp, r->n_mb, 1e3 * mean.f, 1e3 * mean.b);
+    if (mean.w > 0) printf(", W %.3f ms", 1e3 * mean.w);
+    printf(" per op (mean over ranks and ops)\n");
+    for (int q = 0; q < r->pp; q++)
+        for (int c = 0; c < s.n_chunks; c++) {
+            const SchedCosts *k = &stage[2 * q + c];
+            printf("    rank %d chunk %d (stage %d of pipe %d): F %.3f ms, B %.3f ms, W %.3f ms\n", q, c, s.chunk[q][c].stage,
+                   s.chunk[q][c].pipe, 1e3 * k->f, 1e3 * k->b, 1e3 * k->w);
+        }
+    printf("  simulated with every stage's costs: makespan %.3f ms, bubble %.3f ms (%.1f%%; the idlest rank)\n",
+           1e3 * sim.makespan, 1e3 * bubble, sim.makespan > 0 ? 100.0 * bubble / sim.makespan : 0.0);
     printf("  measured: pipeline wait %.3f ms per step (%.1f%% of the step; the idlest rank); measured / simulated "
            "bubble %.3f\n", 1e3 * wait, 100.0 * wait / step, bubble > 0 ? wait / bubble : 0.0);
-    printf("  stage balance: compute ops %.3f ms per step on the least busy rank, %.3f on the most busy (the "
-           "simulation assumes equal stages)\n", 1e3 * r->busy_min_s, 1e3 * r->busy_max_s);
+    printf("  stage balance: compute ops %.3f ms per step on the least busy rank, %.3f on the most busy\n",
+           1e3 * r->busy_min_s, 1e3 * r->busy_max_s);
     schedule_sim_free(&sim);
     schedule_free(&s);
 }

@@ -149,8 +149,8 @@ static const ConfigKey key_table[] = {
     ENUM(parallel, schedule, PipelineSchedule, pipeline_words, "1f1b",
          "pipeline schedule at pp above 1, over the step's train.grad_accum micro-batches (N): 1f1b; zb1p; dualpipe "
          "(pp and N even, N >= 2 pp; two copies of every stage); dualpipev (N >= 2 pp; 2 pp stages in a V). The "
-         "executor runs I and W as one full backward and FB as a forward then a backward: the gradients of the "
-         "split, not yet its timing (docs/parallelism.md)"),
+         "executor runs I as the backward without the block Linears' weight gradients, W as those (the same "
+         "gradients, bit for bit), and FB as a forward then a backward (docs/parallelism.md)"),
     INT(parallel, ep, 1, 65536, "1", "expert-parallel ranks; divides dp and moe.n_routed_experts"),
     INT(parallel, dp, 1, 65536, "1", "data-parallel ranks per pipeline stage"),
     ENUM(parallel, backend, ParallelBackend, backend_words, "auto",

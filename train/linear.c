@@ -18,6 +18,7 @@
 #include "train/linear.h"
 
 #include "kernels/profile.h"
+#include "train/wgrad_ticket.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -277,9 +278,33 @@ static Fp8Operand take_1x128(RunCtx *rc, size_t *used, GroupSizes z, int C) {
     return (Fp8Operand){scratch_take(rc, used, (size_t)z.p16 * KB * FP8_TILE),
                         scratch_take(rc, used, (size_t)KB * z.p16 * sizeof(float))};
 }
+// A Wgrad operand: in scratch, or, while a W ticket is recording (rc->wgrad_ticket), in the ticket's storage, where
+// it stays until the ticket runs its GEMM.
 static Fp8Operand take_128x1(RunCtx *rc, size_t *used, GroupSizes z, int C) {
-    return (Fp8Operand){scratch_take(rc, used, (size_t)C * z.tiles * FP8_TILE),
-                        scratch_take(rc, used, (size_t)z.tiles * C * sizeof(float))};
+    const size_t q_bytes = (size_t)C * z.tiles * FP8_TILE, s_bytes = (size_t)z.tiles * C * sizeof(float);
+    WgradTicket *t = rc->wgrad_ticket;
+    if (t) return (Fp8Operand){wgrad_ticket_take(t, q_bytes), wgrad_ticket_take(t, s_bytes)};
+    return (Fp8Operand){scratch_take(rc, used, q_bytes), scratch_take(rc, used, s_bytes)};
+}
+
+// A BF16 Wgrad operand of n elements: in scratch, or in a recording W ticket's storage (as take_128x1).
+static uint16_t *take_wgrad_bf16(RunCtx *rc, size_t *used, size_t n) {
+    WgradTicket *t = rc->wgrad_ticket;
+    return t ? wgrad_ticket_take(t, n * sizeof(uint16_t)) : scratch_take(rc, used, n * sizeof(uint16_t));
+}
+
+// A copy of n FP32 elements in a recording W ticket's storage.
+static const real *copy_for_ticket(RunCtx *rc, const real *src, size_t n) {
+    real *dst = wgrad_ticket_take(rc->wgrad_ticket, n * sizeof(real));
+    device_memcpy(rc->dev, dst, src, n * sizeof(real));
+    return dst;
+}
+
+// A Wgrad GEMM: run now, or recorded in the W ticket (its operands are in the ticket's storage, or kept with the
+// activations, which live until the ticket runs: train/step_plan.h).
+static void run_or_record_wgrad(RunCtx *rc, const WgradGemm *g) {
+    if (rc->wgrad_ticket) wgrad_ticket_add(rc->wgrad_ticket, g);
+    else wgrad_gemm_run(g, rc);
 }
 
 int linear_kept_tiles(int64_t rows, int n_groups) {
@@ -604,8 +629,9 @@ static void fp8_backward(RunCtx *rc, int n_groups, const int *offsets, int n_out
     }
     for (int i = 0; i < n_out; i++) {
         if (dweight[i] == NULL) continue;
-        fp8_gemm_wgrad_grouped(rc->dev, dweight[i], dyt[i].q, dyt[i].s, xt.q, xt.s, n_groups, offsets, OC, C);
-        for (int g = 0; g < n_groups; g++) rc->fp8_gemm_count += offsets[g + 1] > offsets[g];
+        const WgradGemm g = {WGRAD_FP8, profile_current_phase(), dweight[i], dyt[i].q, xt.q, dyt[i].s, xt.s, n_groups,
+                             OC, C, offsets};
+        run_or_record_wgrad(rc, &g);
     }
 }
 
@@ -646,14 +672,15 @@ static void bf16_backward(RunCtx *rc, int n_groups, const int *offsets, int n_ou
     uint16_t *x = NULL;
     for (int i = 0; i < n_out && x == NULL; i++) {
         if (dweight[i] == NULL) continue;
-        x = scratch_take(rc, &used, (size_t)rows * C * sizeof(uint16_t));
+        x = take_wgrad_bf16(rc, &used, (size_t)rows * C);
         bf16_round_input(rc, x, inp, inp_rows, rows, C);
     }
     uint16_t *dy[MAX_SHARED];
     for (int i = 0; i < n_out; i++) {
         dy[i] = NULL;
         if (dinp == NULL && dweight[i] == NULL) continue;
-        dy[i] = scratch_take(rc, &used, (size_t)rows * OC * sizeof(uint16_t));
+        dy[i] = dweight[i] ? take_wgrad_bf16(rc, &used, (size_t)rows * OC)
+                           : scratch_take(rc, &used, (size_t)rows * OC * sizeof(uint16_t));
         bf16_round_array(rc->dev, dy[i], dout[i], (int64_t)rows * OC);
     }
     if (dinp) {
@@ -665,8 +692,12 @@ static void bf16_backward(RunCtx *rc, int n_groups, const int *offsets, int n_ou
         }
         bf16_gemm_dgrad_grouped(rc->dev, dinp, dinp_store, unpermute, n_out, dys, w, n_groups, offsets, OC, C);
     }
-    for (int i = 0; i < n_out; i++)
-        if (dweight[i]) bf16_gemm_wgrad_grouped(rc->dev, dweight[i], dy[i], x, n_groups, offsets, OC, C);
+    for (int i = 0; i < n_out; i++) {
+        if (dweight[i] == NULL) continue;
+        const WgradGemm g = {WGRAD_BF16, profile_current_phase(), dweight[i], dy[i], x, NULL, NULL, n_groups, OC, C,
+                             offsets};
+        run_or_record_wgrad(rc, &g);
+    }
 }
 
 // ---------------------------------------------------------------------------- entry points (linear.h)
@@ -771,14 +802,26 @@ void linear_backward_grouped(RunCtx *rc, int n_groups, const int *offsets, int n
         // the FP32 reference matmul only accumulates: a written dinp is cleared first
         if (dinp != NULL && dinp_store == GRAD_WRITE)
             device_memset_zero(rc->dev, dinp, (size_t)offsets[n_groups] * (size_t)C * sizeof(real));
-        for (int g = 0; g < n_groups; g++) {
+        for (int g = 0; g < n_groups && dinp != NULL; g++) {
             const int r0 = offsets[g], n = offsets[g + 1] - offsets[g];
-            for (int i = 0; i < n_out && n > 0; i++) {
-                const int64_t wo = (int64_t)g * OC * C;
-                real *di = dinp ? dinp + (int64_t)r0 * C : NULL, *dw = dweight[i] ? dweight[i] + wo : NULL;
-                matmul_backward(rc->dev, di, dw, dout[i] + (int64_t)r0 * OC, inp + (int64_t)r0 * C, weight[i] + wo,
-                                n, C, OC);
+            for (int i = 0; i < n_out && n > 0; i++)
+                matmul_backward(rc->dev, dinp + (int64_t)r0 * C, NULL, dout[i] + (int64_t)r0 * OC, inp + (int64_t)r0 * C,
+                                weight[i] + (int64_t)g * OC * C, n, C, OC);
+        }
+        // the Wgrads, each of its own slices: a W ticket keeps copies of X and dY (the caller's buffers may be reused
+        // before it runs)
+        const size_t rows = (size_t)offsets[n_groups];
+        const real *x = inp;
+        for (int i = 0; i < n_out; i++) {
+            if (dweight[i] == NULL) continue;
+            const real *dy = dout[i];
+            if (rc->wgrad_ticket) {
+                if (x == inp) x = copy_for_ticket(rc, inp, rows * C);
+                dy = copy_for_ticket(rc, dout[i], rows * OC);
             }
+            const WgradGemm g = {WGRAD_FP32, profile_current_phase(), dweight[i], dy, x, NULL, NULL, n_groups, OC, C,
+                                 offsets};
+            run_or_record_wgrad(rc, &g);
         }
     }
     profile_end(PHASE_OTHER_GEMM);

@@ -18,6 +18,7 @@
 #include "optim/bias_balance.h"
 #include "train/layers.h"
 #include "train/linear.h"
+#include "train/wgrad_ticket.h"
 
 // ---------------------------------------------------------------------------- shapes
 Dims dims_from_config(const Config *c, int B, int T) {
@@ -556,6 +557,7 @@ typedef struct {
 
 struct ChunkActs {
     ActsArena arena;
+    WgradTicket *wgrad;        // the block Linears' weight gradients between chunk_backward_input and _weights
     int chunk;
     Dims d;
     int V;                     // vocabulary size
@@ -593,6 +595,7 @@ ChunkActs *chunk_acts_create(Model *m, int chunk, int B, int T) {
     const ChunkSpec *cs = &m->chunks[chunk];
     const Config *c = &m->cfg;
     a->arena.dev = m->rc.dev;
+    a->wgrad = wgrad_ticket_create(m->rc.dev);  // no storage until a first chunk_backward_input
     a->chunk = chunk;
     a->d = dims_from_config(c, B, T);
     a->V = c->model.vocab_size;
@@ -678,6 +681,7 @@ void chunk_acts_free(ChunkActs *a) {
     free(a->host_losses);
     free(a->probs_row);
     arena_free_all(&a->arena);
+    wgrad_ticket_free(a->wgrad);
     free(a);
 }
 
@@ -864,6 +868,22 @@ void chunk_backward(Model *m, int chunk, ChunkActs *a, const real *dout_hidden, 
     else
         copy_block(dev, din_hidden, D, a->d_cur, D, N, D, 0);
 }
+
+void chunk_backward_input(Model *m, int chunk, ChunkActs *a, const real *dout_hidden, real *din_hidden,
+                          real loss_scale) {
+    if (wgrad_ticket_pending(a->wgrad)) {
+        fprintf(stderr, "fp8moe: train/model.c: internal error: chunk_backward_input on an activation set whose W "
+                        "ticket has not run\n");
+        exit(1);
+    }
+    m->rc.wgrad_ticket = a->wgrad;
+    chunk_backward(m, chunk, a, dout_hidden, din_hidden, loss_scale);
+    m->rc.wgrad_ticket = NULL;
+}
+
+void chunk_backward_weights(Model *m, ChunkActs *a) { wgrad_ticket_run(a->wgrad, &m->rc); }
+
+int chunk_weights_pending(const ChunkActs *a) { return wgrad_ticket_pending(a->wgrad) > 0; }
 
 LossTerms chunk_losses(const ChunkActs *a) { return a->terms; }
 

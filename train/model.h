@@ -176,6 +176,16 @@ real chunk_forward(Model *m, int chunk, ChunkActs *a, const int *inputs, const i
 //   loss_scale multiplies every loss term's gradient (1/grad_accum for a mean over micro-batches).
 void chunk_backward(Model *m, int chunk, ChunkActs *a, const real *dout_hidden, real *din_hidden,
                     real loss_scale);
+// The backward split in two (the pipeline schedules' I and W, parallel/schedule.h): chunk_backward_input is
+// chunk_backward without the block Linears' weight gradients, which it leaves in the activation set's W ticket
+// (train/wgrad_ticket.h); chunk_backward_weights runs them. The set must not take another forward in between
+// (the ticket's operands may lie in it). The gradients are chunk_backward's, bit for bit, whatever else runs
+// between the two, provided each chunk's tickets run in the order of their micro-batches' I parts.
+void chunk_backward_input(Model *m, int chunk, ChunkActs *a, const real *dout_hidden, real *din_hidden,
+                          real loss_scale);
+void chunk_backward_weights(Model *m, ChunkActs *a);
+// Whether a's W ticket holds weight gradients not yet run (chunk_backward_input without chunk_backward_weights).
+int chunk_weights_pending(const ChunkActs *a);
 
 // Loss terms of the last forward pass of a last chunk (unweighted means over valid positions).
 typedef struct {

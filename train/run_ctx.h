@@ -28,6 +28,7 @@ typedef struct {
     void *linear_scratch;              // quantised (fp8) or rounded (bf16) operands of the current Linear
     size_t linear_scratch_bytes;
     int64_t fp8_gemm_count;            // FP8 GEMMs run so far (precision = fp8), see train/linear.h
+    struct WgradTicket *wgrad_ticket;  // while set, the block Linears' Wgrads go into it (train/wgrad_ticket.h)
 } RunCtx;
 
 #endif

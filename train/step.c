@@ -59,9 +59,10 @@ int train_step(TrainState *ts, StepResult *out, char *err, size_t err_size) {
     int bad_mb = -1;  // the first micro-batch whose loss was not finite
     LossTerms bad = {0};
     int holds[ts->plan.n_acts];  // the (chunk, micro-batch) whose activations each set holds, as chunk * A + mb, or -1
+    int awaits_w[ts->plan.n_acts];  // the set's micro-batch has run its I and awaits its W
     CommRequest reqs[n_ops > 0 ? n_ops : 1];
     int n_reqs = 0, live = 0;
-    for (int k = 0; k < ts->plan.n_acts; k++) holds[k] = -1;
+    for (int k = 0; k < ts->plan.n_acts; k++) holds[k] = -1, awaits_w[k] = 0;
     // the step's micro-batches, in the loader's order (a rank with two chunks forwards each twice)
     const size_t row_ints = (size_t)bt->B * (bt->T + 1);
     for (int mb = 0; mb < A; mb++) {
@@ -79,9 +80,10 @@ int train_step(TrainState *ts, StepResult *out, char *err, size_t err_size) {
     for (int i = 0; i < n_ops && (bad_mb < 0 || !may_skip); i++) {
         const StepOp *op = &ops[i];
         char name[32];
-        const int compute = op->kind == STEP_FORWARD || op->kind == STEP_BACKWARD;
-        if (op->chunk < 0 || op->chunk >= m->n_chunks || op->micro_batch < 0 || op->micro_batch >= A || op->slot < 0 ||
-            op->slot >= ts->plan.n_slots || op->local_slot >= ts->plan.n_slots ||
+        const int weights = op->kind == STEP_BACKWARD_WEIGHT;  // uses no boundary slot
+        const int compute = step_op_is_compute(op->kind);
+        if (op->chunk < 0 || op->chunk >= m->n_chunks || op->micro_batch < 0 || op->micro_batch >= A ||
+            (!weights && (op->slot < 0 || op->slot >= ts->plan.n_slots)) || op->local_slot >= ts->plan.n_slots ||
             (compute && (op->act < 0 || op->act >= ts->plan.n_acts || ts->plan.act_chunk[op->act] != op->chunk))) {
             step_op_format(op, name, sizeof name);  // (only for the message: not every op's cost)
             snprintf(err, err_size, "step %d: op %d (%s, slot %d, activation set %d) is outside this model's %d chunk(s), "
@@ -90,17 +92,17 @@ int train_step(TrainState *ts, StepResult *out, char *err, size_t err_size) {
             m->count_load = 0;
             return -1;
         }
-        BoundarySlot *sl = &ts->slots[op->slot];
+        BoundarySlot *sl = weights ? NULL : &ts->slots[op->slot];
         ChunkActs *acts = compute ? ts->act_sets[op->act] : NULL;
         const ChunkSpec *cs = &m->chunks[op->chunk];
         const int key = op->chunk * A + op->micro_batch;
         // the boundary tensors: from / to another rank through this slot, or the previous stage's slot on this rank
-        const real *in = cs->has_embedding ? NULL : op->local_slot >= 0 ? ts->slots[op->local_slot].out : sl->in;
-        real *din = cs->has_embedding ? NULL : op->local_slot >= 0 ? ts->slots[op->local_slot].dout : sl->din;
+        const real *in = cs->has_embedding || weights ? NULL : op->local_slot >= 0 ? ts->slots[op->local_slot].out : sl->in;
+        real *din = cs->has_embedding || weights ? NULL : op->local_slot >= 0 ? ts->slots[op->local_slot].dout : sl->din;
         if (!compute) {
             // a batch of messages: posted together, waited for before the next compute op
             post_message(ts, op, boundary_bytes, &reqs[n_reqs++]);
-            const int batch_ends = i + 1 == n_ops || ops[i + 1].kind == STEP_FORWARD || ops[i + 1].kind == STEP_BACKWARD;
+            const int batch_ends = i + 1 == n_ops || step_op_is_compute(ops[i + 1].kind);
             if (batch_ends) {
                 profile_begin(PHASE_PIPE_WAIT);
                 for (int r = 0; r < n_reqs; r++) comm_wait(&reqs[r]);
@@ -117,7 +119,7 @@ int train_step(TrainState *ts, StepResult *out, char *err, size_t err_size) {
             }
             const int *rows = bt->step_rows + op->micro_batch * row_ints;
             train_split_batch(rows, rows, bt->B, bt->T, bt->inputs, bt->targets);
-            profile_op_begin(PROFILE_OP_FORWARD);
+            profile_op_begin(PROFILE_OP_FORWARD, op->chunk);
             real weighted = chunk_forward(m, op->chunk, acts, bt->inputs, bt->targets, in, cs->has_head ? NULL : sl->out);
             LossTerms lt = chunk_losses(acts);
             profile_op_end(PROFILE_OP_FORWARD);
@@ -139,16 +141,32 @@ int train_step(TrainState *ts, StepResult *out, char *err, size_t err_size) {
                 return -1;
             }
         } else {
-            if (holds[op->act] != key) {
+            // B and I after the forward (and not after an I), W after the I
+            if (holds[op->act] != key || awaits_w[op->act] != weights) {
                 step_op_format(op, name, sizeof name);  // (only for the message: not every op's cost)
-                snprintf(err, err_size, "step %d: op %d (%s) runs the backward of chunk %d's micro-batch %d, whose forward "
-                         "is not held in its activation set %d", s, i, name, op->chunk, op->micro_batch, op->act);
+                snprintf(err, err_size, "step %d: op %d (%s) runs the %s of chunk %d's micro-batch %d, but its activation "
+                         "set %d does not hold %s", s, i, name, weights ? "weight gradients" : "backward", op->chunk,
+                         op->micro_batch, op->act, weights ? "the input-gradient part of its backward (an I)" :
+                         awaits_w[op->act] ? "a forward whose backward is still to run" : "its forward");
                 m->count_load = 0;
                 return -1;
             }
-            profile_op_begin(PROFILE_OP_BACKWARD);
-            chunk_backward(m, op->chunk, acts, cs->has_head ? NULL : sl->dout, din, loss_scale);
-            profile_op_end(PROFILE_OP_BACKWARD);
+            if (op->kind == STEP_BACKWARD) {
+                profile_op_begin(PROFILE_OP_BACKWARD, op->chunk);
+                chunk_backward(m, op->chunk, acts, cs->has_head ? NULL : sl->dout, din, loss_scale);
+                profile_op_end(PROFILE_OP_BACKWARD);
+            } else if (op->kind == STEP_BACKWARD_INPUT) {
+                profile_op_begin(PROFILE_OP_BACKWARD_INPUT, op->chunk);
+                chunk_backward_input(m, op->chunk, acts, cs->has_head ? NULL : sl->dout, din, loss_scale);
+                profile_op_end(PROFILE_OP_BACKWARD_INPUT);
+                awaits_w[op->act] = 1;
+                continue;  // the set stays live until the W
+            } else {
+                profile_op_begin(PROFILE_OP_BACKWARD_WEIGHT, op->chunk);
+                chunk_backward_weights(m, acts);
+                profile_op_end(PROFILE_OP_BACKWARD_WEIGHT);
+                awaits_w[op->act] = 0;
+            }
             holds[op->act] = -1;
             live--;
         }
@@ -161,11 +179,14 @@ int train_step(TrainState *ts, StepResult *out, char *err, size_t err_size) {
     const int fp8_bad = fp8_check_finite(ts->dev, why, sizeof why) != 0;
     double agreed[7] = {loss_sum, mtp_sum, bal_sum, bad_mb >= 0, fp8_bad, (double)m->ep.rows_within_node,
                         (double)m->ep.rows_across_nodes};
-    profile_begin(PHASE_GRAD_SYNC);
+    // In a pipeline a rank that ends its ops early waits here for the last stage's: the tail of its bubble, counted
+    // with its other pipeline waits (what the simulator's bubble counts: parallel/schedule_sim.h).
+    const Phase agreement = ts->pp->size > 1 ? PHASE_PIPE_WAIT : PHASE_GRAD_SYNC;
+    profile_begin(agreement);
     comm_allreduce_sum_double(ts->world, agreed, 7);
     double max_nodes = m->ep.max_nodes_per_token;
     if (m->ep.node_of_ep_rank) comm_allreduce_max_double(ts->world, &max_nodes, 1);
-    profile_end(PHASE_GRAD_SYNC);
+    profile_end(agreement);
     if (agreed[3] > 0) {
         if (bad_mb >= 0)
             snprintf(err, err_size, "step %d, micro-batch %d: the loss is not finite (loss %g, mtp %g, bal %g); "

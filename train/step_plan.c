@@ -33,18 +33,21 @@ int step_plan_one_process(StepPlan *p, int grad_accum, char *err, size_t err_siz
     return 0;
 }
 
-static int is_message(StepOpKind k) { return k != STEP_FORWARD && k != STEP_BACKWARD; }
+int step_op_is_compute(StepOpKind k) {
+    return k == STEP_FORWARD || k == STEP_BACKWARD || k == STEP_BACKWARD_INPUT || k == STEP_BACKWARD_WEIGHT;
+}
+static int is_message(StepOpKind k) { return !step_op_is_compute(k); }
 
-// The schedule's ops of `rank` as StepOps without slots (I -> a full backward, W -> nothing, FB -> F then B).
+// The schedule's ops of `rank` as StepOps without slots (FB -> F then B).
 static void map_ops(StepPlan *p, const Schedule *s, int rank) {
     for (int i = 0; i < s->n_ops[rank]; i++) {
         const SchedOp *o = &s->ops[rank][i];
         StepOp op = {STEP_FORWARD, o->chunk, schedule_global_mb(s, rank, o->chunk, o->mb), -1, -1, -1, -1};
         switch (o->kind) {
         case SCHED_F: break;
-        case SCHED_B:
-        case SCHED_I: op.kind = STEP_BACKWARD; break;
-        case SCHED_W: continue;
+        case SCHED_B: op.kind = STEP_BACKWARD; break;
+        case SCHED_I: op.kind = STEP_BACKWARD_INPUT; break;
+        case SCHED_W: op.kind = STEP_BACKWARD_WEIGHT; break;
         case SCHED_SEND:
             op.kind = o->msg == SCHED_ACT ? STEP_SEND_ACTIVATION : STEP_SEND_GRADIENT;
             op.peer = o->peer;
@@ -92,13 +95,18 @@ int step_plan_pipeline(StepPlan *p, const Schedule *s, int rank, char *err, size
     for (int k = 0; k < keys; k++) slot_of[k] = act_of[k] = -1;
     for (int i = 0; i < p->n_ops; i++)
         if (p->ops[i].kind == STEP_SEND_GRADIENT) grad_sent[p->ops[i].chunk * N + p->ops[i].micro_batch] = 1;
-    // Walk the ops: a (chunk, micro-batch) takes the lowest free boundary slot at its first op; a backward frees
-    // it, or marks it to be freed after the message batch that sends its input-gradient. Its forward takes an
-    // activation set, its backward frees it.
+    // Walk the ops: a (chunk, micro-batch) takes the lowest free boundary slot at its first op; a backward (B or
+    // I) frees it, or marks it to be freed after the message batch that sends its input-gradient. Its forward
+    // takes an activation set, its B or W frees it. A W uses no slot.
     int n_release = 0;
     for (int i = 0; i < p->n_ops; i++) {
         StepOp *op = &p->ops[i];
         const int key = op->chunk * N + op->micro_batch;
+        if (op->kind == STEP_BACKWARD_WEIGHT) {
+            op->act = act_of[key];
+            act_busy[op->act] = 0;
+            continue;
+        }
         if (slot_of[key] < 0) {
             int k = 0;
             while (busy[k]) k++;
@@ -114,13 +122,13 @@ int step_plan_pipeline(StepPlan *p, const Schedule *s, int rank, char *err, size
             act_busy[a] = 1;
             act_of[key] = a;
         }
-        if (op->kind == STEP_FORWARD || op->kind == STEP_BACKWARD) op->act = act_of[key];
-        const int prev = op->kind == STEP_FORWARD || op->kind == STEP_BACKWARD ? local_previous_chunk(s, rank, op->chunk)
-                                                                               : -1;
+        const int backward = op->kind == STEP_BACKWARD || op->kind == STEP_BACKWARD_INPUT;
+        if (op->kind == STEP_FORWARD || backward) op->act = act_of[key];
+        const int prev = op->kind == STEP_FORWARD || backward ? local_previous_chunk(s, rank, op->chunk) : -1;
         // the previous stage's slot: held from its forward (before this one's) to its backward (after this one's)
         if (prev >= 0) op->local_slot = slot_of[prev * N + op->micro_batch];
-        if (op->kind == STEP_BACKWARD) {
-            act_busy[op->act] = 0;
+        if (backward) {
+            if (op->kind == STEP_BACKWARD) act_busy[op->act] = 0;
             if (!grad_sent[key]) busy[op->slot] = 0;
         }
         if (op->kind == STEP_SEND_GRADIENT) release[n_release++] = op->slot;
@@ -152,6 +160,8 @@ void step_op_format(const StepOp *op, char *buf, size_t size) {
     switch (op->kind) {
     case STEP_FORWARD: snprintf(buf, size, "%dF%d", c, m); break;
     case STEP_BACKWARD: snprintf(buf, size, "%dB%d", c, m); break;
+    case STEP_BACKWARD_INPUT: snprintf(buf, size, "%dI%d", c, m); break;
+    case STEP_BACKWARD_WEIGHT: snprintf(buf, size, "%dW%d", c, m); break;
     case STEP_SEND_ACTIVATION: snprintf(buf, size, "s%dA%d>%d", c, m, q); break;
     case STEP_RECV_ACTIVATION: snprintf(buf, size, "r%dA%d<%d", c, m, q); break;
     case STEP_SEND_GRADIENT: snprintf(buf, size, "s%dG%d>%d", c, m, q); break;

@@ -6,8 +6,9 @@
  * Why a plan, made once when the state is built: the schedule is the same every step, so where each (chunk,
  * micro-batch) keeps its tensors, and how many of each the rank needs, are decided here, before the first step,
  * and the step allocates nothing. Two kinds of storage, with their own lifetimes:
- *   - an activation set (ChunkActs of the op's chunk): taken by the forward, free again after the backward, so
- *     a rank holds at most the schedule's live sets (schedule_memory), what Table 2's activation column counts;
+ *   - an activation set (ChunkActs of the op's chunk): taken by the forward, free again after the backward (a
+ *     B, or the W that runs an I's ticket: the ticket's operands may lie in the set), so a rank holds exactly the
+ *     schedule's live sets (schedule_memory), what Table 2's activation column counts;
  *   - a boundary slot (the received input, the output sent on, the received output-gradient, the input-gradient
  *     sent back; (B*T, D) each, any chunk): taken by the first op that names its (chunk, micro-batch), a receive
  *     or the forward, and free again after the backward, or, when the backward's input-gradient is sent, after
@@ -15,12 +16,13 @@
  *     together and waits for before its next compute op: parallel/schedule.h's batch semantics).
  *
  * Mapping from the schedule (parallel/schedule.h "Mapping to the executor"): F -> STEP_FORWARD, B ->
- * STEP_BACKWARD, SEND / RECV -> the four message kinds, FB -> STEP_FORWARD then STEP_BACKWARD (one after
- * the other: correct, without the overlap). I -> STEP_BACKWARD and W -> nothing: the executor does not
- * split the backward yet, so an I runs the whole backward of its micro-batch and its W is empty. The
- * gradients are the same, and in the same order (each chunk's I ops, and so its weight-gradient
- * accumulations, run in micro-batch order, as W's FIFO would); what the split gains in timing is not had
- * yet. Two stages of one pipe on one rank (dualpipev's turn at rank pp-1) hand over without a message: the
+ * STEP_BACKWARD, I -> STEP_BACKWARD_INPUT (the backward without the block Linears' weight gradients, left in
+ * the activation set's W ticket: train/model.h chunk_backward_input), W -> STEP_BACKWARD_WEIGHT (runs the
+ * ticket of the (chunk, micro-batch) the schedule names, the FIFO's oldest), SEND / RECV -> the four message
+ * kinds, FB -> STEP_FORWARD then STEP_BACKWARD (one after the other: correct, without the overlap). The
+ * gradients are those of full backwards in the same order: every weight gradient gets its micro-batches'
+ * products in micro-batch order, in the I parts or in the W parts (train/wgrad_ticket.h); the validator checks
+ * the FIFO. Two stages of one pipe on one rank (dualpipev's turn at rank pp-1) hand over without a message: the
  * later stage's forward reads the earlier one's output, and its backward writes the earlier one's
  * output-gradient, in the earlier one's boundary slot (StepOp.local_slot).
  */
@@ -34,6 +36,8 @@
 typedef enum {
     STEP_FORWARD,           // forward of the chunk for the micro-batch (the next batch of the loader)
     STEP_BACKWARD,          // its full backward
+    STEP_BACKWARD_INPUT,    // its backward without the block Linears' weight gradients (a W ticket)
+    STEP_BACKWARD_WEIGHT,   // the weight gradients of its STEP_BACKWARD_INPUT (uses no boundary slot)
     STEP_SEND_ACTIVATION,   // the forward's output to the next stage's pp rank
     STEP_RECV_ACTIVATION,   // the forward's input from the previous stage's pp rank
     STEP_SEND_GRADIENT,     // the backward's input-gradient to the previous stage's pp rank
@@ -44,8 +48,8 @@ typedef struct {
     StepOpKind kind;
     int chunk;        // chunk of this process's model (0: a rank holds one)
     int micro_batch;  // 0 .. grad_accum - 1 within the step, in the loader's order
-    int slot;         // the boundary slot the op reads or writes, 0 .. n_slots - 1
-    int act;          // forwards and backwards: the activation set, 0 .. n_acts - 1; -1 for messages
+    int slot;         // the boundary slot the op reads or writes, 0 .. n_slots - 1; -1 for STEP_BACKWARD_WEIGHT
+    int act;          // compute ops: the activation set, 0 .. n_acts - 1; -1 for messages
     int peer;         // message ops: the pp rank at the other end; -1 for compute ops
     int local_slot;   // the previous stage is on this rank: a forward's input is this slot's output, a backward's
                       // input-gradient goes to this slot's output-gradient; -1 otherwise
@@ -66,7 +70,9 @@ int step_plan_one_process(StepPlan *p, int grad_accum, char *err, size_t err_siz
 // with err (out of memory, or rank outside the schedule).
 int step_plan_pipeline(StepPlan *p, const Schedule *s, int rank, char *err, size_t err_size);
 void step_plan_free(StepPlan *p);
-// "0F3" (chunk 0, micro-batch 3), "1B3", "s0A3>1" (send the activation of chunk 0's micro-batch 3 to pp rank 1),
+// Forwards and the three backward kinds; the rest are messages.
+int step_op_is_compute(StepOpKind k);
+// "0F3" (chunk 0, micro-batch 3), "1B3", "1I3", "1W3", "s0A3>1" (send the activation of chunk 0's micro-batch 3 to pp rank 1),
 // "r0A3<0", "s1G3>0", "r1G3<2": for error messages and tests.
 void step_op_format(const StepOp *op, char *buf, size_t size);
 

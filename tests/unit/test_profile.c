@@ -3,7 +3,8 @@
  * phases charge each interval to the innermost phase only, checked against busy-waits of known length
  * measured by an independent clock (CLOCK_MONOTONIC); an other-GEMM phase inside an expert-GEMM phase
  * is charged to the expert phase; collect resets the times; the op timers (profile_op_begin/end) time
- * whole ops beside the phases inside them, count them, and start from zero at enable.
+ * whole ops beside the phases inside them, count them by chunk and kind, and start from zero at enable;
+ * profile_current_phase names the phase time accrues to.
  */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -101,36 +102,72 @@ static void test_other_gemm_inside_expert(void **state) {
     profile_enable(DEVICE_CPU, 0);
 }
 
-// forward [ attention 10 ms | 10 ms ], 10 ms outside, backward 20 ms, forward 10 ms: forwards 2 ops of 30 ms
-// in all, the backward 1 op of 20 ms; the attention phase inside the first forward still 10 ms.
+// forward of chunk 0 [ attention 10 ms | 10 ms ], 10 ms outside, backward of chunk 1 20 ms, forward of chunk 0
+// 10 ms, W of chunk 1 10 ms: chunk 0's forwards 2 ops of 30 ms in all, chunk 1's backward 1 op of 20 ms and its W
+// 1 op of 10 ms, nothing else; the attention phase inside the first forward still 10 ms.
 static void test_op_timers(void **state) {
     (void)state;
     profile_enable(DEVICE_CPU, 1);
-    profile_op_begin(PROFILE_OP_FORWARD);
+    profile_op_begin(PROFILE_OP_FORWARD, 0);
     profile_begin(PHASE_ATTENTION);
     busy_wait_ms(10);
     profile_end(PHASE_ATTENTION);
     busy_wait_ms(10);
     profile_op_end(PROFILE_OP_FORWARD);
     busy_wait_ms(10);
-    profile_op_begin(PROFILE_OP_BACKWARD);
+    profile_op_begin(PROFILE_OP_BACKWARD, 1);
     busy_wait_ms(20);
     profile_op_end(PROFILE_OP_BACKWARD);
-    profile_op_begin(PROFILE_OP_FORWARD);
+    profile_op_begin(PROFILE_OP_FORWARD, 0);
     busy_wait_ms(10);
     profile_op_end(PROFILE_OP_FORWARD);
-    double s[PHASE_COUNT], op_s[PROFILE_OP_COUNT];
-    int64_t op_n[PROFILE_OP_COUNT];
+    profile_op_begin(PROFILE_OP_BACKWARD_WEIGHT, 1);
+    busy_wait_ms(10);
+    profile_op_end(PROFILE_OP_BACKWARD_WEIGHT);
+    double s[PHASE_COUNT], op_s[PROFILE_MAX_CHUNKS][PROFILE_OP_COUNT];
+    int64_t op_n[PROFILE_MAX_CHUNKS][PROFILE_OP_COUNT];
     profile_step_collect(s);
     profile_op_totals(op_s, op_n);
-    assert_int_equal(op_n[PROFILE_OP_FORWARD], 2);
-    assert_int_equal(op_n[PROFILE_OP_BACKWARD], 1);
-    assert_true(1e3 * op_s[PROFILE_OP_FORWARD] >= 0.8 * 30 && 1e3 * op_s[PROFILE_OP_FORWARD] < 30 + 0.8 * 10);
-    assert_true(1e3 * op_s[PROFILE_OP_BACKWARD] >= 0.8 * 20 && 1e3 * op_s[PROFILE_OP_BACKWARD] < 20 + 0.8 * 10);
+    const int64_t want_n[PROFILE_MAX_CHUNKS][PROFILE_OP_COUNT] = {{[PROFILE_OP_FORWARD] = 2},
+                                                                  {[PROFILE_OP_BACKWARD] = 1,
+                                                                   [PROFILE_OP_BACKWARD_WEIGHT] = 1}};
+    for (int c = 0; c < PROFILE_MAX_CHUNKS; c++)
+        for (int k = 0; k < PROFILE_OP_COUNT; k++) {
+            assert_int_equal(op_n[c][k], want_n[c][k]);
+            if (want_n[c][k] == 0) assert_true(op_s[c][k] == 0);
+        }
+    assert_true(1e3 * op_s[0][PROFILE_OP_FORWARD] >= 0.8 * 30 && 1e3 * op_s[0][PROFILE_OP_FORWARD] < 30 + 0.8 * 10);
+    assert_true(1e3 * op_s[1][PROFILE_OP_BACKWARD] >= 0.8 * 20 && 1e3 * op_s[1][PROFILE_OP_BACKWARD] < 20 + 0.8 * 10);
+    assert_true(1e3 * op_s[1][PROFILE_OP_BACKWARD_WEIGHT] >= 0.8 * 10 &&
+                1e3 * op_s[1][PROFILE_OP_BACKWARD_WEIGHT] < 10 + 0.8 * 10);
     assert_true(1e3 * s[PHASE_ATTENTION] >= 0.8 * 10 && 1e3 * s[PHASE_ATTENTION] < 10 + 0.8 * 10);
     profile_enable(DEVICE_CPU, 1);  // enable starts the totals from zero
     profile_op_totals(op_s, op_n);
-    assert_true(op_s[PROFILE_OP_FORWARD] == 0 && op_n[PROFILE_OP_FORWARD] == 0 && op_n[PROFILE_OP_BACKWARD] == 0);
+    for (int c = 0; c < PROFILE_MAX_CHUNKS; c++)
+        for (int k = 0; k < PROFILE_OP_COUNT; k++) assert_true(op_s[c][k] == 0 && op_n[c][k] == 0);
+    profile_enable(DEVICE_CPU, 0);
+}
+
+// profile_current_phase: the innermost open phase as charged; other-GEMM when none is open or the profiler is off.
+static void test_current_phase(void **state) {
+    (void)state;
+    profile_enable(DEVICE_CPU, 0);
+    profile_begin(PHASE_ATTENTION);  // off: no phase is open
+    assert_int_equal(profile_current_phase(), PHASE_OTHER_GEMM);
+    profile_end(PHASE_ATTENTION);
+    profile_enable(DEVICE_CPU, 1);
+    assert_int_equal(profile_current_phase(), PHASE_OTHER_GEMM);
+    profile_begin(PHASE_PERMUTE);
+    assert_int_equal(profile_current_phase(), PHASE_PERMUTE);
+    profile_end(PHASE_PERMUTE);
+    profile_begin(PHASE_EXPERT_GEMM);
+    profile_begin(PHASE_OTHER_GEMM);
+    assert_int_equal(profile_current_phase(), PHASE_EXPERT_GEMM);
+    profile_begin(PHASE_QUANTISE);
+    assert_int_equal(profile_current_phase(), PHASE_QUANTISE);
+    profile_end(PHASE_QUANTISE);
+    profile_end(PHASE_OTHER_GEMM);
+    profile_end(PHASE_EXPERT_GEMM);
     profile_enable(DEVICE_CPU, 0);
 }
 
@@ -140,6 +177,7 @@ int main(void) {
         cmocka_unit_test(test_nested_innermost),
         cmocka_unit_test(test_other_gemm_inside_expert),
         cmocka_unit_test(test_op_timers),
+        cmocka_unit_test(test_current_phase),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -8,6 +8,8 @@
  *   - the bubble (makespan - a rank's busy time): 1F1B at PP=16, F=1, B=2 is 45 on every rank; ZB1P
  *     (PP-1)(F+B-2W); DualPipe at F=1, B=2, W=1, F&B=3 is 2(PP/2-1) on every rank for PP = 4, 8, 16 and
  *     every N of the range; DualPipeV (P-1)(F&B+B-3W);
+ *   - costs per rank and chunk (schedule_simulate_stages): uniform ones give schedule_simulate's times, a slow
+ *     last stage of 1F1B the hand-worked bubbles, and every rank's busy time its ops' costs;
  *   - activation memory per rank PP (1F1B's rank 0, ZB1P's every rank), PP+1 (DualPipe), 2P+1 stages of
  *     2P (DualPipeV); parameters 1x, 1x, 2x, 2x;
  *   - constraint errors name the numbers; cost strings are parsed or refused by key.
@@ -408,6 +410,66 @@ static void test_wait_sends(void **state) {
     schedule_free(&s);
 }
 
+// Costs per rank and chunk (schedule_simulate_stages): with every entry the same, schedule_simulate's makespan and
+// bubbles for every kind; a slow last stage of 1F1B at PP = 2, N = 2 (rank 0 F=1, B=2; rank 1 F=2, B=3), worked by
+// hand: rank 0 F0 [0,1] F1 [1,2], rank 1 F0 [1,3] B0 [3,6] F1 [6,8] B1 [8,11], rank 0 B0 [6,8] B1 [11,13]: makespan
+// 13, bubbles 13 - 6 = 7 and 13 - 10 = 3; and each rank's busy time, under DualPipe's two chunks of different
+// costs, the sum of its ops' costs with an FB at fb - b + b' (its backward chunk's b').
+static void test_stage_costs(void **state) {
+    (void)state;
+    char err[512];
+    const struct { SchedKind k; int P, N; } kinds[] = {
+        {SCHED_1F1B, 4, 8}, {SCHED_ZB1P, 4, 9}, {SCHED_DUALPIPE, 4, 10}, {SCHED_DUALPIPEV, 3, 8}};
+    for (size_t i = 0; i < sizeof kinds / sizeof kinds[0]; i++) {
+        Schedule s;
+        build(&s, kinds[i].k, kinds[i].P, kinds[i].N);
+        SchedCosts c = costs("F=1,B=2.5,W=0.75,FB=3"), per[2 * SCHED_MAX_PP];
+        for (int k = 0; k < 2 * kinds[i].P; k++) per[k] = c;
+        SchedSim a, b;
+        assert_int_equal(schedule_simulate(&s, &c, &a, err, sizeof err), 0);
+        assert_int_equal(schedule_simulate_stages(&s, per, &b, err, sizeof err), 0);
+        assert_true(a.makespan == b.makespan);
+        for (int r = 0; r < kinds[i].P; r++) assert_true(a.bubble[r] == b.bubble[r] && a.busy[r] == b.busy[r]);
+        schedule_sim_free(&a);
+        schedule_sim_free(&b);
+        schedule_free(&s);
+    }
+    Schedule s;
+    build(&s, SCHED_1F1B, 2, 2);
+    SchedCosts per[4] = {costs("F=1,B=2"), costs("F=1,B=2"), costs("F=2,B=3"), costs("F=2,B=3")};
+    SchedSim sim;
+    assert_int_equal(schedule_simulate_stages(&s, per, &sim, err, sizeof err), 0);
+    assert_true(fabs(sim.makespan - 13) < 1e-12);
+    assert_true(fabs(sim.bubble[0] - 7) < 1e-12 && fabs(sim.bubble[1] - 3) < 1e-12);
+    schedule_sim_free(&sim);
+    schedule_free(&s);
+    build(&s, SCHED_DUALPIPE, 4, 8);
+    SchedCosts dp[8];
+    for (int r = 0; r < 4; r++)
+        for (int k = 0; k < 2; k++) {
+            char text[64];
+            snprintf(text, sizeof text, "F=%d,B=%d,W=1,FB=%d", 1 + r + k, 3 + 2 * r + k, 3 + 3 * r + 2 * k);
+            dp[2 * r + k] = costs(text);
+        }
+    assert_int_equal(schedule_simulate_stages(&s, dp, &sim, err, sizeof err), 0);
+    for (int r = 0; r < 4; r++) {
+        double busy = 0;
+        for (int i = 0; i < s.n_ops[r]; i++) {
+            const SchedOp *o = &s.ops[r][i];
+            const SchedCosts *k = &dp[2 * r + o->chunk];
+            if (o->kind == SCHED_F) busy += k->f;
+            if (o->kind == SCHED_B) busy += k->b;
+            if (o->kind == SCHED_I) busy += k->b - k->w;
+            if (o->kind == SCHED_W) busy += k->w;
+            if (o->kind == SCHED_FB) busy += k->fb - k->b + dp[2 * r + o->chunk_b].b;
+        }
+        assert_true(fabs(sim.busy[r] - busy) < 1e-9);
+        assert_true(fabs(sim.bubble[r] - (sim.makespan - busy)) < 1e-9);
+    }
+    schedule_sim_free(&sim);
+    schedule_free(&s);
+}
+
 // ---------------------------------------------------------------------------- memory (Table 2)
 
 static void test_memory(void **state) {
@@ -478,6 +540,7 @@ int main(void) {
         cmocka_unit_test(test_1f1b_bubble),          cmocka_unit_test(test_zb1p_bubble),
         cmocka_unit_test(test_dualpipe_bubble),      cmocka_unit_test(test_dualpipev_bubble),
         cmocka_unit_test(test_formula_limits),       cmocka_unit_test(test_wait_sends),
+        cmocka_unit_test(test_stage_costs),
         cmocka_unit_test(test_memory),               cmocka_unit_test(test_timeline),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

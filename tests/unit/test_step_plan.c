@@ -1,13 +1,12 @@
 /*
  * test_step_plan.c - a rank's op list of a training step and its storage (train/step_plan.h), for every
  * schedule kind over the ranges of tests/unit/test_schedule.c:
- *   - the plan of every rank keeps the schedule's compute ops in order (F, B; I as B; W dropped; FB as F then B)
- *     and its messages, with peers and micro-batches;
+ *   - the plan of every rank keeps the schedule's compute ops in order (F, B, I, W; FB as F then B) and its
+ *     messages, with peers and micro-batches;
  *   - replaying the ops, no activation set or boundary slot is taken while another (chunk, micro-batch) holds
- *     it, a backward finds its own forward's set, a set holds its own chunk, and a local hand-over names the
- *     previous stage's live slot;
- *   - the rank's activation sets equal the schedule's live bound (schedule_memory) for 1F1B, DualPipe and
- *     DualPipeV, and stay within it for ZB1P (whose I runs the whole backward here, so no W ticket holds a set);
+ *     it, a B or I finds its own forward's set, a W the set of its own I (which keeps it: the W ticket's operands),
+ *     a W takes no slot, a set holds its own chunk, and a local hand-over names the previous stage's live slot;
+ *   - the rank's activation sets equal the schedule's live bound (schedule_memory) for every kind;
  *   - the one-process plan is F0 B0 F1 B1 ... in set and slot 0.
  * Expected values come from the schedule (parallel/schedule.h) and its memory count, not from the planner.
  */
@@ -31,12 +30,18 @@ static int expected_compute(const Schedule *s, int r, int *kind, int *chunk, int
         const SchedOp *o = &s->ops[r][i];
         if (o->kind == SCHED_F || o->kind == SCHED_FB)
             kind[n] = STEP_FORWARD, chunk[n] = o->chunk, mb[n++] = schedule_global_mb(s, r, o->chunk, o->mb);
-        if (o->kind == SCHED_B || o->kind == SCHED_I)
-            kind[n] = STEP_BACKWARD, chunk[n] = o->chunk, mb[n++] = schedule_global_mb(s, r, o->chunk, o->mb);
+        if (o->kind == SCHED_B || o->kind == SCHED_I || o->kind == SCHED_W)
+            kind[n] = o->kind == SCHED_B ? STEP_BACKWARD : o->kind == SCHED_I ? STEP_BACKWARD_INPUT : STEP_BACKWARD_WEIGHT,
+            chunk[n] = o->chunk, mb[n++] = schedule_global_mb(s, r, o->chunk, o->mb);
         if (o->kind == SCHED_FB)
             kind[n] = STEP_BACKWARD, chunk[n] = o->chunk_b, mb[n++] = schedule_global_mb(s, r, o->chunk_b, o->mb_b);
     }
     return n;
+}
+
+// The message kinds, listed here rather than taken from the planner (step_op_is_compute).
+static int is_message_kind(StepOpKind k) {
+    return k == STEP_SEND_ACTIVATION || k == STEP_RECV_ACTIVATION || k == STEP_SEND_GRADIENT || k == STEP_RECV_GRADIENT;
 }
 
 static void check_rank(const Schedule *s, int r) {
@@ -51,6 +56,7 @@ static void check_rank(const Schedule *s, int r) {
     // replay: who holds each set and slot (chunk * N + mb, or -1)
     int *set_holder = malloc((size_t)(p.n_acts + 1) * sizeof *set_holder);
     int *slot_holder = malloc((size_t)(p.n_slots + 1) * sizeof *slot_holder);
+    int *awaits_w = calloc((size_t)(p.n_acts + 1), sizeof *awaits_w);
     for (int a = 0; a < p.n_acts; a++) set_holder[a] = -1;
     for (int k = 0; k < p.n_slots; k++) slot_holder[k] = -1;
     int n_compute = 0, n_messages = 0, n_sched_messages = 0;
@@ -58,6 +64,19 @@ static void check_rank(const Schedule *s, int r) {
     for (int i = 0; i < p.n_ops; i++) {
         const StepOp *op = &p.ops[i];
         const int key = op->chunk * N + op->micro_batch;
+        if (op->kind == STEP_BACKWARD_WEIGHT) {  // no slot; the set its I kept
+            assert_true(n_compute < n_expected);
+            if ((int)op->kind != kind[n_compute] || op->chunk != chunk[n_compute] || op->micro_batch != mb[n_compute])
+                fail_msg("%s pp=%d N=%d rank %d: compute op %d differs from the schedule's", name, s->pp, N, r, n_compute);
+            n_compute++;
+            assert_int_equal(op->slot, -1);
+            assert_int_equal(op->local_slot, -1);
+            assert_true(op->act >= 0 && op->act < p.n_acts);
+            assert_int_equal(set_holder[op->act], key);
+            assert_int_equal(awaits_w[op->act], 1);
+            set_holder[op->act] = -1, awaits_w[op->act] = 0;
+            continue;
+        }
         assert_true(op->slot >= 0 && op->slot < p.n_slots);
         // a slot is the key's from its first op to its release; a new key may take it only once it is free
         if (slot_holder[op->slot] != key) {
@@ -66,7 +85,8 @@ static void check_rank(const Schedule *s, int r) {
                          r, i, op->slot, slot_holder[op->slot]);
             slot_holder[op->slot] = key;
         }
-        if (op->kind == STEP_FORWARD || op->kind == STEP_BACKWARD) {
+        const int backward = op->kind == STEP_BACKWARD || op->kind == STEP_BACKWARD_INPUT;
+        if (op->kind == STEP_FORWARD || backward) {
             assert_true(n_compute < n_expected);
             if ((int)op->kind != kind[n_compute] || op->chunk != chunk[n_compute] || op->micro_batch != mb[n_compute])
                 fail_msg("%s pp=%d N=%d rank %d: compute op %d differs from the schedule's", name, s->pp, N, r, n_compute);
@@ -78,7 +98,9 @@ static void check_rank(const Schedule *s, int r) {
                 set_holder[op->act] = key;
             } else {
                 assert_int_equal(set_holder[op->act], key);
-                set_holder[op->act] = -1;
+                assert_int_equal(awaits_w[op->act], 0);
+                if (op->kind == STEP_BACKWARD) set_holder[op->act] = -1;
+                else awaits_w[op->act] = 1;  // held until its W
             }
             if (op->local_slot >= 0) {  // the previous stage on this rank holds its slot for this micro-batch
                 assert_true(op->local_slot < p.n_slots && op->local_slot != op->slot);
@@ -92,22 +114,22 @@ static void check_rank(const Schedule *s, int r) {
         // releases as the plan defines them: after a backward whose gradient is not sent, or after the message
         // batch that sends it (replayed from the ops themselves)
         int sends_later = 0;
-        for (int j = i + 1; j < p.n_ops && op->kind == STEP_BACKWARD; j++)
+        for (int j = i + 1; j < p.n_ops && backward; j++)
             sends_later |= p.ops[j].kind == STEP_SEND_GRADIENT && p.ops[j].chunk * N + p.ops[j].micro_batch == key;
-        if (op->kind == STEP_BACKWARD && !sends_later) slot_holder[op->slot] = -1;
-        const int batch_end = op->kind != STEP_FORWARD && op->kind != STEP_BACKWARD &&
-                              (i + 1 == p.n_ops || p.ops[i + 1].kind == STEP_FORWARD || p.ops[i + 1].kind == STEP_BACKWARD);
+        if (backward && !sends_later) slot_holder[op->slot] = -1;
+        const int batch_end = is_message_kind(op->kind) && (i + 1 == p.n_ops || !is_message_kind(p.ops[i + 1].kind));
         if (batch_end)
-            for (int j = i; j >= 0 && p.ops[j].kind != STEP_FORWARD && p.ops[j].kind != STEP_BACKWARD; j--)
+            for (int j = i; j >= 0 && is_message_kind(p.ops[j].kind); j--)
                 if (p.ops[j].kind == STEP_SEND_GRADIENT) slot_holder[p.ops[j].slot] = -1;
     }
+    for (int a = 0; a < p.n_acts; a++) assert_int_equal(set_holder[a], -1);  // every W ran
     assert_int_equal(n_compute, n_expected);
     assert_int_equal(n_messages, n_sched_messages);
     int bound, param_chunks;
     schedule_memory(s, r, &bound, &param_chunks);
-    if (s->kind == SCHED_ZB1P ? p.n_acts > bound : p.n_acts != bound)
+    if (p.n_acts != bound)
         fail_msg("%s pp=%d N=%d rank %d: %d activation sets, schedule bound %d", name, s->pp, N, r, p.n_acts, bound);
-    free(kind), free(chunk), free(mb), free(set_holder), free(slot_holder);
+    free(kind), free(chunk), free(mb), free(set_holder), free(slot_holder), free(awaits_w);
     step_plan_free(&p);
 }
 
