@@ -241,8 +241,8 @@ static void print_pipeline_check(const char *mode, const StepBench *r) {
     for (int q = 0; q < r->pp; q++)
         for (int c = 0; c < s.n_chunks; c++) {
             const SchedCosts *k = &stage[2 * q + c];
-            printf("    rank %d chunk %d (stage %d of pipe %d): F %.3f ms, B %.3f ms, W %.3f ms\n", q, c, s.chunk[q][c].stage,
-                   s.chunk[q][c].pipe, 1e3 * k->f, 1e3 * k->b, 1e3 * k->w);
+            printf("    rank %d chunk %d (stage %d of pipe %d): F %.3f ms, B %.3f ms, W %.3f ms\n", q, c,
+                   s.chunk[q][c].stage, s.chunk[q][c].pipe, 1e3 * k->f, 1e3 * k->b, 1e3 * k->w);
         }
     printf("  simulated with every stage's costs: makespan %.3f ms, bubble %.3f ms (%.1f%%; the idlest rank)\n",
            1e3 * sim.makespan, 1e3 * bubble, sim.makespan > 0 ? 100.0 * bubble / sim.makespan : 0.0);

@@ -104,8 +104,9 @@ void wgrad_gemm_run(const WgradGemm *g, RunCtx *rc) {
         for (int k = 0; k < g->n_groups; k++) {
             const int r0 = g->offsets[k], n = g->offsets[k + 1] - r0;
             if (n > 0)
-                matmul_backward(rc->dev, NULL, g->dw + (int64_t)k * g->OC * g->C, (const real *)g->dy + (int64_t)r0 * g->OC,
-                                (const real *)g->x + (int64_t)r0 * g->C, NULL, n, g->C, g->OC);
+                matmul_backward(rc->dev, NULL, g->dw + (int64_t)k * g->OC * g->C,
+                                (const real *)g->dy + (int64_t)r0 * g->OC, (const real *)g->x + (int64_t)r0 * g->C, NULL,
+                                n, g->C, g->OC);
         }
         break;
     }
@@ -121,9 +122,11 @@ void wgrad_ticket_run(WgradTicket *t, RunCtx *rc) {
     t->n_gemms = 0;
     t->n_offsets = 0;
     t->used = 0;
-    if (t->n_blocks > 1) {  // one block of the total from now on (device_free waits for the GEMMs above)
+    if (t->n_blocks > 1) {  // one block from now on (device_free waits for the GEMMs above), a quarter more than the
+                            // blocks held: the next micro-batch's routed experts may pad their rows to more tiles
         size_t total = 0;
         for (int i = 0; i < t->n_blocks; i++) total += t->cap[i];
+        total += total / 4;
         free_blocks(t);
         t->block[0] = device_alloc(t->dev, total);
         t->cap[0] = total;

@@ -14,8 +14,9 @@
  *
  * Storage: device memory on the model's device, in blocks that never move while the ticket holds GEMMs (a block
  * is added when one runs out, of at least the capacity so far); once run, a ticket of several blocks is remade as
- * one block of their total, so a ticket reaches its size in the first steps and allocates nothing after (the
- * routed experts' padded rows vary per micro-batch, so a later step may still grow it once).
+ * one block of their total and a quarter, so a ticket reaches its size in the first step and allocates nothing
+ * after, unless a later micro-batch's routed rows (which vary with the routing, and with expert parallelism) need
+ * more again.
  */
 #ifndef FP8MOE_WGRAD_TICKET_H
 #define FP8MOE_WGRAD_TICKET_H

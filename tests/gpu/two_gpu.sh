@@ -10,7 +10,7 @@
 #   3. `mpirun -np 2 fp8moe bench a2a` (bench-1gpu's shapes) beside the raw NCCL all-to-all at the same bytes;
 #   4. the pipeline: `mpirun -np 2 fp8moe bench step configs/bench-1gpu.ini --set parallel.pp=2` with 1f1b, zb1p,
 #      dualpipev and dualpipe over 8 micro-batches of 4 x 2048: step time, and the measured bubble beside the
-#      simulator's from the measured F and B (bench step's pipeline lines, docs/gpu.md "Step benchmark").
+#      simulator's from every stage's measured F, B and W (bench step's pipeline lines, docs/gpu.md "Step benchmark").
 # Prints a summary of the numbers; logs under $OUT (default /tmp/fp8moe_two_gpu) for docs/benchmarks.md.
 # STAGES (default "1 2 3 4") picks the parts. Exit status non-zero if a part failed (numbers are not judged here:
 # performance targets are read from the logs, never asserted by a test).
@@ -85,7 +85,7 @@ PY
     for sched in 1f1b zb1p dualpipev dualpipe; do
       runlog "pp2_$sched" "${MPIRUN[@]}" -np 2 "$BIN" bench step configs/bench-1gpu.ini --set mtp.depth=0 \
         --set parallel.pp=2 --set parallel.schedule=$sched --set train.micro_batch_size=4 --set train.grad_accum=8 \
-        "${DATA[@]}" && grep -E '^(fp8|bf16): [0-9]+ steps|^(fp8|bf16) pipeline|^  (simulated|measured|stage balance)' \
+        "${DATA[@]}" && grep -E '^(fp8|bf16): [0-9]+ steps|^(fp8|bf16) pipeline|^    rank |^  (simulated|measured|stage balance)' \
         "$OUT/pp2_$sched.log"
     done
     ;;

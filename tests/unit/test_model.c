@@ -17,6 +17,7 @@
 #include <cmocka.h>
 
 #include "kernels/rng.h"
+#include "tests/unit/token_batch.h"
 #include "train/config.h"
 #include "train/linear.h"
 #include "train/model.h"
@@ -31,15 +32,7 @@ static void load_tiny(Config *cfg) {
 }
 
 static void random_batch(int *inputs, int *targets, uint64_t seed) {
-    uint64_t key = rng_key(seed, 1, 2, 3);
-    int row[T + 1];
-    for (int b = 0; b < B; b++) {
-        for (int t = 0; t <= T; t++) row[t] = (int)(rng_u64(key, (uint64_t)(b * 100 + t)) % 256);
-        for (int t = 0; t < T; t++) {
-            inputs[b * T + t] = row[t];
-            targets[b * T + t] = row[t + 1];
-        }
-    }
+    token_batch(inputs, targets, B, T, rng_key(seed, 1, 2, 3));
 }
 
 // Runs forward + backward of one micro-batch through all chunks; returns the loss.

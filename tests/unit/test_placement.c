@@ -23,6 +23,7 @@
 #include <cmocka.h>
 
 #include "kernels/rng.h"
+#include "tests/unit/token_batch.h"
 #include "train/config.h"
 #include "train/model.h"
 
@@ -38,15 +39,7 @@ static void load_tiny(Config *cfg, const char *mode, int mtp_depth, int n_layers
 }
 
 static void random_batch(int *inputs, int *targets, uint64_t seed) {
-    uint64_t key = rng_key(seed, 4, 5, 6);
-    for (int b = 0; b < B; b++) {
-        int row[T + 1];
-        for (int t = 0; t <= T; t++) row[t] = (int)(rng_u64(key, (uint64_t)(b * 100 + t)) % 256);
-        for (int t = 0; t < T; t++) {
-            inputs[b * T + t] = row[t];
-            targets[b * T + t] = row[t + 1];
-        }
-    }
+    token_batch(inputs, targets, B, T, rng_key(seed, 4, 5, 6));
 }
 
 // Every tensor of `part` is the tensor of the same global name in `whole`, with the same shape, role and
