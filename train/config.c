@@ -135,6 +135,11 @@ static const ConfigKey key_table[] = {
          "block Linears: fp32 reference, bf16 baseline, or fp8 (E4M3, 1x128 / 128x128 scaling, docs/fp8.md)"),
     {"precision", "bf16_fprop", KEY_BOOL, OFF_INT(precision.bf16_fprop), 0, 0, 0, 0, "false", NULL, 0,
      "fp8 mode: run the Linears' forward GEMMs (Y = X W^T) in BF16, as bf16 mode does (a diagnostic, docs/fp8.md)"},
+    STR(precision, bf16_fprop_only, 0, "",
+        "with bf16_fprop: only the block Linears whose tensor names contain one of these comma-separated parts "
+        "(\"wq_b\", \"layers.2.attn.wq_a,layers.2.attn.wq_b\") run their forward GEMM in BF16; each part must be in "
+        "some block Linear's name; empty = every Linear (a diagnostic: which Fprop a difference comes from, "
+        "docs/fp8.md)"),
     {"precision", "bf16_dgrad", KEY_BOOL, OFF_INT(precision.bf16_dgrad), 0, 0, 0, 0, "false", NULL, 0,
      "fp8 mode: run the input-gradient GEMMs (dX = dY W) in BF16 (a diagnostic, docs/fp8.md)"},
     {"precision", "bf16_wgrad", KEY_BOOL, OFF_INT(precision.bf16_wgrad), 0, 0, 0, 0, "false", NULL, 0,
@@ -927,6 +932,23 @@ static int check_config(ParseState *st) {
         fail(st, "%s: precision.%s: true in precision.mode = %s - expected only in fp8 mode (the other modes run no FP8 "
                  "GEMMs to replace)",
              at, key_table[k].name, precision_words[pc->mode]);
+        return -1;
+    }
+    if (pc->bf16_fprop_only[0] != '\0' && !pc->bf16_fprop) {
+        format_origin(st, KEY_INDEX(precision, bf16_fprop_only), at, sizeof at);
+        fail(st, "%s: precision.bf16_fprop_only: \"%s\" without precision.bf16_fprop = true - expected it only with "
+                 "bf16_fprop (it narrows which Linears' Fprops that runs in BF16)",
+             at, pc->bf16_fprop_only);
+        return -1;
+    }
+    for (const char *p = pc->bf16_fprop_only; *p; p++) {
+        if ((*p >= 'a' && *p <= 'z') || (*p >= 'A' && *p <= 'Z') || (*p >= '0' && *p <= '9') || *p == '_' ||
+            *p == '.' || (*p == ',' && p[1] != ',' && p[1] != '\0' && p != pc->bf16_fprop_only))
+            continue;
+        format_origin(st, KEY_INDEX(precision, bf16_fprop_only), at, sizeof at);
+        fail(st, "%s: precision.bf16_fprop_only: \"%s\" - expected comma-separated parts of tensor names (letters, "
+                 "digits, '_' and '.'), e.g. wq_b or layers.2.attn.wq_a,layers.2.attn.wq_b",
+             at, pc->bf16_fprop_only);
         return -1;
     }
     if (c->optim.min_lr > c->optim.lr) {

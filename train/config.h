@@ -55,6 +55,9 @@ typedef struct {
     // fp8 mode only: GEMM kinds of the block Linears run in BF16 instead (the bf16 mode's GEMMs), for finding
     // which kind makes fp8 differ from bf16 (TransformerEngine's override_linear_precision does the same)
     int bf16_fprop, bf16_dgrad, bf16_wgrad;
+    // with bf16_fprop: only the Linears whose tensor names contain one of these comma-separated parts ("wq_b",
+    // "layers.2.attn.wq_a") run their Fprop in BF16; empty = every Linear
+    char bf16_fprop_only[CONFIG_PATH_MAX];
 } PrecisionConfig;
 
 typedef enum { PARALLEL_BACKEND_AUTO = 0, PARALLEL_BACKEND_MPI = 1, PARALLEL_BACKEND_NCCL = 2 } ParallelBackend;

@@ -37,7 +37,7 @@ static const char *const mode_names[] = {"fp32",           "bf16",           "fp
 
 const char *const grad_compare_usage =
     "  fp8moe gradcompare JOB.ini [--modes fp32,bf16,fp8] [--weights FILE.h5] [--out FILE.csv]\n"
-    "                     [--set section.key=value]...\n"
+    "                     [--fprop-only PARTS] [--set section.key=value]...\n"
     "      One training step of JOB.ini's first global batch in each mode (default fp32,bf16,fp8; the\n"
     "      first is the reference, fp32 recommended), at the initial weights of train.seed or at FILE.h5's\n"
     "      (a weights.h5 of fp8moe train), in one process. Writes per parameter tensor and over all of\n"
@@ -45,7 +45,9 @@ const char *const grad_compare_usage =
     "      ratio to FILE.csv (default <checkpoint.dir>-gradcompare/grads.csv); prints each mode's global\n"
     "      norm, its overall cosine and ratio, and its worst tensor by cosine. Besides fp32, bf16 and fp8,\n"
     "      --modes takes fp8+bf16_fprop, fp8+bf16_dgrad and fp8+bf16_wgrad: fp8 with that GEMM kind in\n"
-    "      BF16 (precision.bf16_*), to tell which FP8 GEMMs a difference comes from.\n";
+    "      BF16 (precision.bf16_*), to tell which FP8 GEMMs a difference comes from. --fprop-only PARTS\n"
+    "      (with the fp8+bf16_fprop arm) puts only the Linears whose tensor names contain one of the\n"
+    "      comma-separated PARTS (e.g. wq_b, or layers.2.attn.wq_a) in BF16 (precision.bf16_fprop_only).\n";
 
 // ---------------------------------------------------------------------------- options
 
@@ -55,6 +57,7 @@ typedef struct {
     int n_modes;
     const char *weights;  // NULL: the initial weights of train.seed
     const char *out;      // NULL: <checkpoint.dir>-gradcompare/grads.csv
+    const char *fprop_only;  // NULL, or precision.bf16_fprop_only of the fp8+bf16_fprop arm
     const char **sets;
     int n_sets;
 } Options;
@@ -85,7 +88,7 @@ static int parse_options(int argc, char **argv, Options *o) {
     for (int i = 0; i < argc; i++) {
         const char *a = argv[i];
         const int takes_value = !strcmp(a, "--modes") || !strcmp(a, "--weights") || !strcmp(a, "--out") ||
-                                !strcmp(a, "--set");
+                                !strcmp(a, "--fprop-only") || !strcmp(a, "--set");
         if (takes_value && i + 1 >= argc) return cli_usage_error("gradcompare", grad_compare_usage, "%s needs a value", a);
         const char *v = takes_value ? argv[++i] : NULL;
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
@@ -103,6 +106,9 @@ static int parse_options(int argc, char **argv, Options *o) {
             }
             if (!S_ISREG(st.st_mode)) return cli_usage_error("gradcompare", grad_compare_usage, "--weights %s: not a regular file; expected a weights.h5", v);
             o->weights = v;
+        } else if (!strcmp(a, "--fprop-only")) {
+            if (!v[0]) return cli_usage_error("gradcompare", grad_compare_usage, "--fprop-only needs tensor-name parts; got an empty string%s", "");
+            o->fprop_only = v;
         } else if (!strcmp(a, "--out")) {
             if (!v[0]) return cli_usage_error("gradcompare", grad_compare_usage, "--out needs a file name; got an empty string%s", "");
             o->out = v;
@@ -341,25 +347,35 @@ int grad_compare_main(int argc, char **argv) {
     GradLayout layout = {0};
     Sums *sums = NULL, *part = NULL;
     double *ref_sq = NULL;
-    const char **ov = calloc((size_t)o.n_sets + 2, sizeof *ov);
+    const char **ov = calloc((size_t)o.n_sets + 3, sizeof *ov);
     if (!ov) goto done;
 
     // Every mode's config first (the user's overrides, then precision.mode and for an fp8+bf16_<kind> arm
     // precision.bf16_<kind> = true), so that a bad key costs nothing.
     for (int i = 0; i < o.n_sets; i++) ov[i] = o.sets[i];
-    char mode_set[MAX_MODES][2][40];
+    char mode_set[MAX_MODES][2][40], only_set[CONFIG_PATH_MAX + 40] = "";
+    int has_fprop_arm = 0;
+    for (int k = 0; k < o.n_modes; k++) has_fprop_arm |= !strcmp(o.modes[k], "fp8+bf16_fprop");
+    if (o.fprop_only && !has_fprop_arm) {
+        rc = cli_usage_error("gradcompare", grad_compare_usage, "--fprop-only %s: expected with the fp8+bf16_fprop arm in "
+                             "--modes (it narrows that arm's BF16 Fprops)", o.fprop_only);
+        goto done;
+    }
+    if (o.fprop_only) snprintf(only_set, sizeof only_set, "precision.bf16_fprop_only=%s", o.fprop_only);
     for (int k = 0; k < o.n_modes; k++) {
         const char *plus = strchr(o.modes[k], '+');
         snprintf(mode_set[k][0], sizeof mode_set[k][0], "precision.mode=%.*s",
                  plus ? (int)(plus - o.modes[k]) : (int)strlen(o.modes[k]), o.modes[k]);
         ov[o.n_sets] = mode_set[k][0];
+        int n_ov = o.n_sets + 1;
         if (plus) {
             snprintf(mode_set[k][1], sizeof mode_set[k][1], "precision.%s=true", plus + 1);
-            ov[o.n_sets + 1] = mode_set[k][1];
+            ov[n_ov++] = mode_set[k][1];
+            if (o.fprop_only && !strcmp(plus + 1, "bf16_fprop")) ov[n_ov++] = only_set;
         }
         cfgs[k] = malloc(sizeof *cfgs[k]);
         if (!cfgs[k]) goto done;
-        if (config_load(cfgs[k], o.job, ov, o.n_sets + (plus ? 2 : 1), err, sizeof err) != 0) {
+        if (config_load(cfgs[k], o.job, ov, n_ov, err, sizeof err) != 0) {
             fprintf(stderr, "%s\n", err);
             rc = EXIT_USAGE;
             goto done;

@@ -65,6 +65,7 @@ typedef struct {
     float *s;         // fp8: (NB, KB4), kernels.h fp8_quantize_128x128
     uint16_t *b;      // bf16: (OC, C) BF16 bits
     int64_t version;  // the rc->weights_version converted (0: not yet)
+    int fprop_bf16;   // fp8 mode: its Fprop runs in BF16 (linear_fprop_in_bf16)
 } CachedWeight;
 
 struct LinearWeightCache {
@@ -134,7 +135,8 @@ static void weight_cache_create(RunCtx *rc, const ParamInfo *params, int n_param
                 }
                 if (bf16) e->b = (uint16_t *)(base + 2 * q_total + s_total + b_at);
             } else {
-                c->entries[c->n] = (CachedWeight){.offset = p->offset, .OC = OC, .C = C};
+                c->entries[c->n] = (CachedWeight){.offset = p->offset, .OC = OC, .C = C,
+                                                  .fprop_bf16 = fp8 && linear_fprop_in_bf16(pc, p->name)};
             }
             c->n++;
             q_at += q, s_at += sb, b_at += b;
@@ -354,6 +356,56 @@ void linear_reserve_scratch(RunCtx *rc, const ParamInfo *params, int n_params, i
     scratch_reserve(rc, most);
 }
 
+// Calls f(part, n, arg) for each comma-separated part of list (n characters, not terminated) until f returns
+// non-zero; returns that, or 0.
+static int each_part(const char *list, int (*f)(const char *part, size_t n, const void *arg), const void *arg) {
+    for (const char *p = list; *p;) {
+        const size_t n = strcspn(p, ",");
+        const int r = n ? f(p, n, arg) : 0;
+        if (r) return r;
+        p += n + (p[n] == ',');
+    }
+    return 0;
+}
+
+static int part_in_name(const char *part, size_t n, const void *name) {
+    for (const char *s = name; (s = strchr(s, part[0])) != NULL; s++)
+        if (strncmp(s, part, n) == 0) return 1;
+    return 0;
+}
+
+int linear_fprop_in_bf16(const PrecisionConfig *pc, const char *tensor_name) {
+    if (pc->mode != PRECISION_FP8 || !pc->bf16_fprop) return 0;
+    return pc->bf16_fprop_only[0] == '\0' || each_part(pc->bf16_fprop_only, part_in_name, tensor_name);
+}
+
+typedef struct {
+    const ParamInfo *params;
+    int n;
+    char *err;
+    size_t err_size;
+} PartCheck;
+
+// 0 when the part is in some block Linear's name; else -1 with the error written.
+static int part_unmatched(const char *part, size_t n, const void *arg) {
+    const PartCheck *c = arg;
+    const char *example = NULL;
+    for (int i = 0; i < c->n; i++) {
+        if (!is_block_linear(&c->params[i])) continue;
+        if (part_in_name(part, n, c->params[i].name)) return 0;
+        if (!example) example = c->params[i].name;
+    }
+    snprintf(c->err, c->err_size, "precision.bf16_fprop_only: \"%.*s\" is in no block Linear's tensor name - expected "
+             "part of one, e.g. %s", (int)n, part, example ? example : "(the model has no block Linear)");
+    return -1;
+}
+
+int linear_check_fprop_only(const PrecisionConfig *pc, const ParamInfo *params, int n_params, char *err,
+                            size_t err_size) {
+    const PartCheck c = {params, n_params, err, err_size};
+    return each_part(pc->bf16_fprop_only, part_unmatched, &c);
+}
+
 int linear_fp8_fused(const RunCtx *rc) {
     const PrecisionConfig *p = &rc->precision;
     return p->mode == PRECISION_FP8 && !p->bf16_fprop && !p->bf16_dgrad && !p->bf16_wgrad;
@@ -537,8 +589,19 @@ static void fp8_forward(RunCtx *rc, int n_groups, const int *offsets, int n_out,
                         const real *residual, KeptInput *kept, SharedFprop *fprop) {
     if (rc->precision.bf16_fprop) {  // the plain paths (linear_fp8_fused): an FP32 array in, FP32 out
         if (inp->kind != OPERAND_ARRAY || out_bf16 != NULL) not_plain("an Fprop");
-        bf16_forward(rc, n_groups, offsets, n_out, out, inp->x, inp->rows, weight, C, OC, residual);
-        return;
+        // which Fprops run in BF16 (precision.bf16_fprop_only; a stack of experts goes by its first expert's name)
+        int n_bf16 = 0;
+        for (int i = 0; i < n_out; i++)
+            n_bf16 += rc->weight_cache->entries[find_entry(rc, weight[i], OC[i], C)].fprop_bf16;
+        if (n_bf16 == n_out) {
+            bf16_forward(rc, n_groups, offsets, n_out, out, inp->x, inp->rows, weight, C, OC, residual);
+            return;
+        }
+        if (n_bf16 > 0) {  // some of each: Linear by Linear (the input quantised or rounded for each, the same bits)
+            for (int i = 0; i < n_out; i++)
+                fp8_forward(rc, n_groups, offsets, 1, &out[i], NULL, inp, &weight[i], C, &OC[i], residual, kept, fprop);
+            return;
+        }
     }
     const GroupSizes z = group_sizes(n_groups, offsets);
     scratch_reserve(rc, fprop_bytes(z, C));

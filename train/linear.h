@@ -55,6 +55,13 @@ typedef struct {
 // every GEMM kind in FP8, so a job that runs a kind in BF16 (precision.bf16_fprop / _dgrad / _wgrad) takes the
 // plain paths instead, as bf16 mode does: FP32 activations, each GEMM kind through its own mode's functions.
 int linear_fp8_fused(const RunCtx *rc);
+// Whether pc runs the forward GEMM of the block Linear named tensor_name ("layers.2.attn.wq_b.weight") in BF16:
+// precision.bf16_fprop, narrowed by bf16_fprop_only to the Linears whose names contain one of its parts.
+int linear_fprop_in_bf16(const PrecisionConfig *pc, const char *tensor_name);
+// Checks bf16_fprop_only against a whole model's tensors: every part is in some block Linear's name. Returns 0, or
+// -1 with err naming the part.
+int linear_check_fprop_only(const PrecisionConfig *pc, const ParamInfo *params, int n_params, char *err,
+                            size_t err_size);
 
 // inp (N, C), weight (OC, C) -> out (N, OC) = inp @ weight^T; `kept` (or NULL) as above.
 void linear_forward(RunCtx *rc, real *out, const real *inp, const real *weight, int N, int C, int OC, KeptInput *kept);

@@ -382,6 +382,13 @@ static int model_build(Model *m, const Config *cfg, Device dev, const Placement 
     free(tb.wslots);
     free(tb.gslots);
     free(tb.init_std);
+    // precision.bf16_fprop_only names Linears of the whole model: checked where the whole model is (one process)
+    const int whole = pl->n_chunks == 1 && pl->chunk[0].first_layer == 0 && pl->chunk[0].n_layers == L &&
+                      pl->expert0 == 0 && pl->n_experts == cfg->moe.n_routed_experts;
+    if (whole && linear_check_fprop_only(&cfg->precision, m->params, m->n_params, err, err_size) != 0) {
+        model_free(m);
+        return -1;
+    }
 
     int E = cfg->moe.n_routed_experts;
     m->router_bias = device_alloc(dev, (size_t)(m->n_moe_layers ? m->n_moe_layers : 1) * E * sizeof(real));

@@ -10,7 +10,10 @@
 #  - bf16 and fp8 against fp32 stay within bounds set from what was measured (below);
 #  - --weights loads the weights (the norm changes) and is deterministic (two runs give the same CSV bytes);
 #  - an fp8+bf16_dgrad arm is fp8 with precision.bf16_dgrad = true: its norm is the step-1 grad_norm of `train
-#    --set precision.mode=fp8 --set precision.bf16_dgrad=true`, and it differs from plain fp8's.
+#    --set precision.mode=fp8 --set precision.bf16_dgrad=true`, and it differs from plain fp8's;
+#  - --fprop-only narrows the fp8+bf16_fprop arm (precision.bf16_fprop_only): "weight" gives the plain arm's CSV
+#    byte for byte, "wq_b" a norm unlike fp8's and the plain arm's, with the fp8 column unchanged; without the
+#    arm, or empty, it is a usage error.
 # Under FP8MOE_SANITIZE=1 only the usage checks and one fp32,bf16 comparison on a smaller batch run.
 set -u
 . tests/lib.sh
@@ -28,6 +31,8 @@ expect_usage gradcompare "unknown mode 'fp8+bf16_attn'" $JOB --modes fp8,fp8+bf1
 expect_usage gradcompare "precision.bf16_dgrad: true in precision.mode = fp32" $JOB --modes fp32,fp8 \
   --set precision.bf16_dgrad=true
 expect_usage gradcompare "at least two modes" $JOB --modes fp32
+expect_usage gradcompare "--fprop-only wq_b: expected with the fp8+bf16_fprop arm" $JOB --modes fp32,fp8 --fprop-only wq_b
+expect_usage gradcompare "--fprop-only needs tensor-name parts" $JOB --modes fp32,fp8+bf16_fprop --fprop-only ''
 expect_usage gradcompare "--modes needs a value" $JOB --modes
 expect_usage gradcompare "missing the job file" --modes fp32,bf16
 expect_usage gradcompare "$TMP/nope.ini" "$TMP/nope.ini"
@@ -65,6 +70,18 @@ done
 timed train-fp8-dgrad train $JOB "${COMMON[@]}" --set precision.mode=fp8 --set precision.bf16_dgrad=true \
   --set train.steps=1 --set checkpoint.dir="$TMP/train-fp8-dgrad"
 timed gcv gradcompare $JOB --modes fp8,fp8+bf16_dgrad "${COMMON[@]}" --out "$TMP/v/grads.csv"
+# --fprop-only narrows the fp8+bf16_fprop arm only: "weight" (in every name) gives the plain arm's numbers, wq_b others
+timed gcf gradcompare $JOB --modes fp8,fp8+bf16_fprop "${COMMON[@]}" --out "$TMP/f/grads.csv"
+timed gcfa gradcompare $JOB --modes fp8,fp8+bf16_fprop --fprop-only weight "${COMMON[@]}" --out "$TMP/fa/grads.csv"
+timed gcfq gradcompare $JOB --modes fp8,fp8+bf16_fprop --fprop-only wq_b "${COMMON[@]}" --out "$TMP/fq/grads.csv"
+cmp -s "$TMP/f/grads.csv" "$TMP/fa/grads.csv" || fail "--fprop-only weight: the CSV differs from the plain fp8+bf16_fprop arm's"
+python3 - "$TMP" <<'PY' || fail "--fprop-only wq_b: the arm is not between fp8 and fp8+bf16_fprop (above)"
+import csv, sys
+f, q = (list(csv.DictReader(open(f"{sys.argv[1]}/{d}/grads.csv")))[-1] for d in ("f", "fq"))
+n = "fp8+bf16_fprop_norm"
+print(f"--fprop-only wq_b: norm {q[n]} (fp8 {q['fp8_norm']}, every Fprop in BF16 {f[n]})")
+sys.exit(0 if q["fp8_norm"] == f["fp8_norm"] and q[n] not in (f[n], f["fp8_norm"]) else 1)
+PY
 timed gc gradcompare $JOB "${COMMON[@]}" --set checkpoint.dir="$TMP/job"   # default modes fp32,bf16,fp8 and CSV path
 sed -n '/^gradcompare: configs/,$p' "$TMP/gc.log"
 W="$TMP/train-fp32/weights.h5"

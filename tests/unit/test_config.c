@@ -488,6 +488,26 @@ static void test_ranges_match_the_program(void **state) {
     assert_int_equal(c.model.vocab_size, 65536);
 }
 
+// precision.bf16_fprop_only: only with bf16_fprop (in fp8 mode), comma-separated parts of tensor names; the parts
+// are kept as written (the model checks them against its tensors, tests/unit/bf16_gemm_kinds.sh).
+static void test_bf16_fprop_only(void **state) {
+    (void)state;
+    Config c;
+    expect_error("[precision]\nmode = fp8\nbf16_fprop_only = wq_b\n", NULL, 0,
+                 "job.ini:3: precision.bf16_fprop_only: \"wq_b\" without precision.bf16_fprop = true");
+    const char *bad[] = {"wq b", "wq_b,", ",wq_b", "wq_a,,wq_b", "wq-b"};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        char text[128], want[128];
+        snprintf(text, sizeof text, "[precision]\nmode = fp8\nbf16_fprop = true\nbf16_fprop_only = %s\n", bad[i]);
+        snprintf(want, sizeof want, "job.ini:4: precision.bf16_fprop_only: \"%s\" - expected comma-separated parts",
+                 bad[i]);
+        expect_error(text, NULL, 0, want);
+    }
+    assert_int_equal(load(&c, "[precision]\nmode = fp8\nbf16_fprop = true\nbf16_fprop_only = layers.2.attn.wq_a,wq_b\n"),
+                     0);
+    assert_string_equal(c.precision.bf16_fprop_only, "layers.2.attn.wq_a,wq_b");
+}
+
 // Pipeline layouts the model cannot hold are invalid jobs, named by their key, after the checks that say what would be
 // wrong with the layout itself: more stages than layers (dualpipev cuts 2 pp stages). Pipeline,
 // data and expert parallel layouts load (their world size is checked at launch, train/trainer.c).
@@ -634,10 +654,10 @@ static void test_round_trip(void **state) {
     fclose(f);
     rc = config_load_string(&b, "printed.ini", text, NULL, 0, err, sizeof err);
     if (rc != 0) fail_msg("%s\n%s", err, text);
-    // Every key is printed: count the `key = value` lines against the keys of config.h (66).
+    // Every key is printed: count the `key = value` lines against the keys of config.h (67).
     int lines = 0;
     for (char *p = text; (p = strstr(p, " = ")) != NULL; p += 3) lines++;
-    assert_int_equal(lines, 66);
+    assert_int_equal(lines, 67);
     free(text);
     memset(a.path, 0, sizeof a.path);
     memset(b.path, 0, sizeof b.path);
@@ -712,6 +732,7 @@ int main(void) {
         cmocka_unit_test(test_overrides),
         cmocka_unit_test(test_round_trip),
         cmocka_unit_test(test_doc_up_to_date),
+        cmocka_unit_test(test_bf16_fprop_only),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
