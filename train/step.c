@@ -172,6 +172,12 @@ int train_step(TrainState *ts, StepResult *out, char *err, size_t err_size) {
         }
     }
     m->count_load = 0;
+    for (int k = 0; k < ts->plan.n_acts && (bad_mb < 0 || !may_skip); k++)
+        if (awaits_w[k]) {  // the validated schedules run every I's ticket: a bug in the op list
+            snprintf(err, err_size, "step %d: activation set %d still holds the weight gradients of an I at the end of "
+                     "the ops (its W is missing from the op list)", s, k);
+            return -1;
+        }
     fault_point("step", s, ts->world->rank);  // the crash tests' SIGKILL during a step (train/fault.h)
     // The step's one agreement over the world: loss sums (rank order), and whether any rank met a non-finite loss
     // or FP8 value (deferred on the GPU, kernels.h), so that every rank stops at the same step.
