@@ -19,6 +19,7 @@ struct WgradTicket {
     void *block[MAX_BLOCKS];
     size_t cap[MAX_BLOCKS];
     int n_blocks;
+    size_t held;  // the blocks' capacities together
     size_t used;  // in the last block
     Recorded *gemms;
     int n_gemms, cap_gemms;
@@ -41,6 +42,7 @@ WgradTicket *wgrad_ticket_create(Device dev) {
 static void free_blocks(WgradTicket *t) {
     for (int i = 0; i < t->n_blocks; i++) device_free(t->dev, t->block[i]);
     t->n_blocks = 0;
+    t->held = 0;
     t->used = 0;
 }
 
@@ -59,11 +61,10 @@ void *wgrad_ticket_take(WgradTicket *t, size_t bytes) {
             fprintf(stderr, "fp8moe: train/wgrad_ticket.c: internal error: a W ticket ran out of blocks\n");
             exit(1);
         }
-        size_t total = 0;
-        for (int i = 0; i < t->n_blocks; i++) total += t->cap[i];
-        const size_t cap = need > total ? need : total;
+        const size_t cap = need > t->held ? need : t->held;
         t->block[t->n_blocks] = device_alloc(t->dev, cap);
         t->cap[t->n_blocks++] = cap;
+        t->held += cap;
         t->used = 0;
     }
     void *p = (char *)t->block[t->n_blocks - 1] + t->used;
@@ -124,12 +125,11 @@ void wgrad_ticket_run(WgradTicket *t, RunCtx *rc) {
     t->used = 0;
     if (t->n_blocks > 1) {  // one block from now on (device_free waits for the GEMMs above), a quarter more than the
                             // blocks held: the next micro-batch's routed experts may pad their rows to more tiles
-        size_t total = 0;
-        for (int i = 0; i < t->n_blocks; i++) total += t->cap[i];
-        total += total / 4;
+        const size_t total = t->held + t->held / 4;
         free_blocks(t);
         t->block[0] = device_alloc(t->dev, total);
         t->cap[0] = total;
+        t->held = total;
         t->n_blocks = 1;
     }
 }
