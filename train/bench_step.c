@@ -32,7 +32,9 @@ const char *const bench_step_usage =
     "      steps (default 3), in fp8 and then in bf16: tokens/s, model TFLOPS, peak memory and the ms per\n"
     "      step of attention, expert GEMMs, other GEMMs, quantisation, MoE permute, optimizer, the\n"
     "      communication (EP all-to-all, pipeline wait, grad sync) and the rest. Under mpirun the job's\n"
-    "      parallel layout runs as `fp8moe train` runs it; the figures are then per rank (mean and slowest).\n";
+    "      parallel layout runs as `fp8moe train` runs it; the figures are then per rank (mean and slowest).\n"
+    "      With parallel.pp > 1 it also prints every stage's F, B and W and the schedule simulated with them\n"
+    "      (sends that wait, as the executor's do, and sends that do not) beside the measured bubble.\n";
 
 typedef struct {
     int steps;
@@ -209,10 +211,18 @@ static SchedCosts measured_costs(const StepBench *r, int q, int c) {
     return (SchedCosts){.f = f, .b = full, .w = w, .fb = f + full, .wait_sends = 1};
 }
 
+// The largest of the pp ranks' simulated bubbles (the idlest rank's).
+static double idlest_bubble(const SchedSim *sim, int pp) {
+    double bubble = 0;
+    for (int q = 0; q < pp; q++) bubble = sim->bubble[q] > bubble ? sim->bubble[q] : bubble;
+    return bubble;
+}
+
 // A pipeline's bubble against the simulator's: the schedule of the job simulated with every stage's measured mean
 // op costs (measured_costs of each pp rank and chunk: the stages differ, the last holding the head, the losses and
-// MTP), beside the measured pipeline wait. Both are the idlest rank's, per step. The compute per step of the least
-// and the most busy rank is printed too.
+// MTP), beside the measured pipeline wait. Both are the idlest rank's, per step. The same simulated with sends that
+// complete at once says what the executor's waiting for sends costs. The compute per step of the least and the most
+// busy rank is printed too.
 static void print_pipeline_check(const char *mode, const StepBench *r) {
     if (r->pp <= 1) return;
     const SchedCosts mean = measured_costs(r, -1, 0);
@@ -231,8 +241,19 @@ static void print_pipeline_check(const char *mode, const StepBench *r) {
         schedule_free(&s);
         return;
     }
-    double bubble = 0;
-    for (int q = 0; q < r->pp; q++) bubble = sim.bubble[q] > bubble ? sim.bubble[q] : bubble;
+    const double bubble = idlest_bubble(&sim, r->pp);
+    // What the executor's waiting for sends costs: the same schedule and costs with sends that complete at once
+    SchedCosts eager[2 * SCHED_MAX_PP];
+    for (int k = 0; k < 2 * r->pp; k++) eager[k] = stage[k], eager[k].wait_sends = 0;
+    SchedSim sim_eager;
+    memset(&sim_eager, 0, sizeof sim_eager);
+    if (schedule_simulate_stages(&s, eager, &sim_eager, err, sizeof err) != 0) {
+        printf("%s pipeline: cannot simulate %s with sends that do not wait: %s\n", mode, schedule_kind_name(r->kind), err);
+        schedule_sim_free(&sim);
+        schedule_free(&s);
+        return;
+    }
+    const double bubble_eager = idlest_bubble(&sim_eager, r->pp);
     const double wait = r->phase_max_s[PHASE_PIPE_WAIT] / r->steps, step = r->step_s / r->steps;
     printf("%s pipeline (%s, pp %d, %d micro-batches): measured F %.3f ms, B %.3f ms", mode,
            schedule_kind_name(r->kind), r->pp, r->n_mb, 1e3 * mean.f, 1e3 * mean.b);
@@ -246,10 +267,13 @@ static void print_pipeline_check(const char *mode, const StepBench *r) {
         }
     printf("  simulated with every stage's costs: makespan %.3f ms, bubble %.3f ms (%.1f%%; the idlest rank)\n",
            1e3 * sim.makespan, 1e3 * bubble, sim.makespan > 0 ? 100.0 * bubble / sim.makespan : 0.0);
+    printf("  simulated with sends that do not wait (the executor waits for a batch's sends with its receives): "
+           "makespan %.3f ms, bubble %.3f ms\n", 1e3 * sim_eager.makespan, 1e3 * bubble_eager);
     printf("  measured: pipeline wait %.3f ms per step (%.1f%% of the step; the idlest rank); measured / simulated "
            "bubble %.3f\n", 1e3 * wait, 100.0 * wait / step, bubble > 0 ? wait / bubble : 0.0);
     printf("  stage balance: compute ops %.3f ms per step on the least busy rank, %.3f on the most busy\n",
            1e3 * r->busy_min_s, 1e3 * r->busy_max_s);
+    schedule_sim_free(&sim_eager);
     schedule_sim_free(&sim);
     schedule_free(&s);
 }

@@ -5,8 +5,8 @@
 #     tokens/s over the 2 ranks; every phase row has a mean and a slowest rank with slowest >= mean; the
 #     communication phases are measured: EP all-to-all and grad sync above 0, pipeline wait 0 (no pipeline);
 #   - pp = 2 with 1f1b over 4 micro-batches (configs/tiny.ini at 4 layers): pipeline wait above 0 and the
-#     pipeline lines (measured F and B > 0, each stage's costs, the simulated makespan and bubble, the measured /
-#     simulated ratio, the stage balance);
+#     pipeline lines (measured F and B > 0, each stage's costs, the simulated makespan and bubble, the same with
+#     sends that do not wait, which cannot be longer, the measured / simulated ratio, the stage balance);
 #   - the same with zb1p: also a measured W > 0 (the I/W split runs the weight gradients as W ops) on every stage;
 #   - a layout that does not fit the launch (dp = 4 on 2 ranks) is refused with exit status 2 and its reason.
 # Run from the repository root; BUILD names the build directory (default build).
@@ -59,6 +59,13 @@ for mode in ("fp8", "bf16"):
             bad.append("%s: not every stage's measured costs" % mode)
 if kind and len(re.findall(r"^  simulated with every stage's costs: makespan [0-9.]+ ms, bubble [0-9.]+ ms", text, re.M)) != 2:
     bad.append("no simulated makespan for both modes")
+waiting = [float(x) for x in re.findall(r"^  simulated with every stage's costs: makespan ([0-9.]+) ms", text, re.M)]
+eager = [float(x) for x in re.findall(r"^  simulated with sends that do not wait \(the executor waits for a batch's "
+                                      r"sends with its receives\): makespan ([0-9.]+) ms, bubble [0-9.]+ ms$", text, re.M)]
+if kind and (len(eager) != 2 or len(waiting) != 2):
+    bad.append("no simulated makespan with sends that do not wait for both modes")
+elif kind and any(e > w + 1e-3 for e, w in zip(eager, waiting)):
+    bad.append("sends that do not wait give a longer makespan (%s) than sends that wait (%s)" % (eager, waiting))
 if kind and len(re.findall(r"^  stage balance: compute ops [0-9.]+ ms per step on the least busy rank, "
                                      r"[0-9.]+ on the most busy", text, re.M)) != 2:
     bad.append("no stage balance for both modes")
@@ -83,12 +90,12 @@ fi
 if run_np2 pp 0 configs/tiny.ini "${COMMON[@]}" --set parallel.pp=2 --set parallel.schedule=1f1b --set train.grad_accum=4 \
     --set model.n_layers=4; then
   check "pp=2 1f1b" "$TMP/pp.log" pp && echo "ok: pp=2 1f1b: pipeline wait measured, the bubble beside the simulator's"
-  grep -A5 "^fp8 pipeline" "$TMP/pp.log"
+  grep -A6 "^fp8 pipeline" "$TMP/pp.log"
 fi
 if run_np2 zb 0 configs/tiny.ini "${COMMON[@]}" --set parallel.pp=2 --set parallel.schedule=zb1p --set train.grad_accum=4 \
     --set model.n_layers=4; then
   check "pp=2 zb1p" "$TMP/zb.log" zb && echo "ok: pp=2 zb1p: W measured on every stage, the bubble beside the simulator's"
-  grep -A5 "^fp8 pipeline" "$TMP/zb.log"
+  grep -A6 "^fp8 pipeline" "$TMP/zb.log"
 fi
 if run_np2 bad 2 configs/tiny-fp8.ini "${COMMON[@]}" --set parallel.dp=4; then
   grep -q "parallel.dp" "$TMP/bad.log" && echo "ok: dp = 4 on 2 ranks refused with exit status 2" \
