@@ -230,29 +230,25 @@ static void print_pipeline_check(const char *mode, const StepBench *r) {
     SchedCosts stage[2 * SCHED_MAX_PP];
     for (int q = 0; q < r->pp; q++)
         for (int c = 0; c < 2; c++) stage[2 * q + c] = measured_costs(r, q, c);
-    char err[256];
-    Schedule s;
-    memset(&s, 0, sizeof s);
-    SchedSim sim;
-    memset(&sim, 0, sizeof sim);
-    if (schedule_build(&s, r->kind, r->pp, r->n_mb, err, sizeof err) != 0 ||
-        schedule_simulate_stages(&s, stage, &sim, err, sizeof err) != 0) {
-        printf("%s pipeline: cannot simulate %s: %s\n", mode, schedule_kind_name(r->kind), err);
-        schedule_free(&s);
-        return;
-    }
-    const double bubble = idlest_bubble(&sim, r->pp);
     // What the executor's waiting for sends costs: the same schedule and costs with sends that complete at once
     SchedCosts eager[2 * SCHED_MAX_PP];
     for (int k = 0; k < 2 * r->pp; k++) eager[k] = stage[k], eager[k].wait_sends = 0;
-    SchedSim sim_eager;
+    char err[256];
+    Schedule s;
+    memset(&s, 0, sizeof s);
+    SchedSim sim, sim_eager;
+    memset(&sim, 0, sizeof sim);
     memset(&sim_eager, 0, sizeof sim_eager);
-    if (schedule_simulate_stages(&s, eager, &sim_eager, err, sizeof err) != 0) {
-        printf("%s pipeline: cannot simulate %s with sends that do not wait: %s\n", mode, schedule_kind_name(r->kind), err);
+    if (schedule_build(&s, r->kind, r->pp, r->n_mb, err, sizeof err) != 0 ||
+        schedule_simulate_stages(&s, stage, &sim, err, sizeof err) != 0 ||
+        schedule_simulate_stages(&s, eager, &sim_eager, err, sizeof err) != 0) {
+        printf("%s pipeline: cannot simulate %s: %s\n", mode, schedule_kind_name(r->kind), err);
+        schedule_sim_free(&sim_eager);
         schedule_sim_free(&sim);
         schedule_free(&s);
         return;
     }
+    const double bubble = idlest_bubble(&sim, r->pp);
     const double bubble_eager = idlest_bubble(&sim_eager, r->pp);
     const double wait = r->phase_max_s[PHASE_PIPE_WAIT] / r->steps, step = r->step_s / r->steps;
     printf("%s pipeline (%s, pp %d, %d micro-batches): measured F %.3f ms, B %.3f ms", mode,

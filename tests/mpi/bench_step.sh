@@ -57,14 +57,15 @@ for mode in ("fp8", "bf16"):
         if len(stages) != 2 or any(float(f) <= 0 or float(b) <= 0 or (float(w) > 0) != (kind == "zb1p")
                                    for _, f, b, w in stages):
             bad.append("%s: not every stage's measured costs" % mode)
-if kind and len(re.findall(r"^  simulated with every stage's costs: makespan [0-9.]+ ms, bubble [0-9.]+ ms", text, re.M)) != 2:
+waiting = [float(x) for x in re.findall(r"^  simulated with every stage's costs: makespan ([0-9.]+) ms, bubble [0-9.]+ ms",
+                                        text, re.M)]
+if kind and len(waiting) != 2:
     bad.append("no simulated makespan for both modes")
-waiting = [float(x) for x in re.findall(r"^  simulated with every stage's costs: makespan ([0-9.]+) ms", text, re.M)]
 eager = [float(x) for x in re.findall(r"^  simulated with sends that do not wait \(the executor waits for a batch's "
                                       r"sends with its receives\): makespan ([0-9.]+) ms, bubble [0-9.]+ ms$", text, re.M)]
-if kind and (len(eager) != 2 or len(waiting) != 2):
+if kind and len(eager) != 2:
     bad.append("no simulated makespan with sends that do not wait for both modes")
-elif kind and any(e > w + 1e-3 for e, w in zip(eager, waiting)):
+elif kind and len(waiting) == 2 and any(e > w + 1e-3 for e, w in zip(eager, waiting)):
     bad.append("sends that do not wait give a longer makespan (%s) than sends that wait (%s)" % (eager, waiting))
 if kind and len(re.findall(r"^  stage balance: compute ops [0-9.]+ ms per step on the least busy rank, "
                                      r"[0-9.]+ on the most busy", text, re.M)) != 2:
