@@ -20,7 +20,7 @@ COMMON=(--steps 2 --warmup 1 --set train.device=cpu --set train.threads=1 --set 
 # check NAME OUT EXPECT: the tables of OUT; EXPECT "ep" (EP and grad sync measured, no pipeline), or "pp" / "zb"
 # (a pp = 2 pipeline of 1f1b / zb1p)
 check() {
-  python3 - "$2" "$3" <<'PY' || fail "$1: the output is not what bench step prints under mpirun (above)"
+  python3 - "$2" "$3" <<'PY' || { fail "$1: the output is not what bench step prints under mpirun (above)"; return 1; }
 import re, sys
 text, expect = open(sys.argv[1]).read(), sys.argv[2]
 kind = {"pp": "1f1b", "zb": "zb1p"}.get(expect)
