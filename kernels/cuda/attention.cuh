@@ -3,7 +3,7 @@
  * attention_backward): attention.cu holds the BF16 staging pre-pass, the mma.sync kernels (any head dim) and the
  * host dispatch; attention_wgmma.cu the Hopper kernels (wgmma, sm_90a) for the head dims they support. Both read
  * the same staged BF16 operands (Staged below) and write the same outputs, so the dispatch can pick either per
- * call. The device helpers here are the ones both kernel families use: cp.async copies, the C -> A fragment
+ * call. The device helpers here are the ones both kernel families use (the cp.async copies are common.cuh's): the C -> A fragment
  * repacking that feeds P and dS into the second product, the quad reductions of the online softmax, and the row
  * stores of an accumulator (whose per-warp layout is the same for mma.sync m16n8 tiles and a wgmma m64 tile).
  */
@@ -23,15 +23,6 @@ constexpr float LOG2E = 1.4426950408889634f;
 constexpr float LN2 = 0.6931471805599453f;
 
 // ---------------------------------------------------------------------------- device helpers
-__device__ __forceinline__ uint32_t smem_addr(const void *p) { return (uint32_t)__cvta_generic_to_shared(p); }
-
-// 16 bytes global -> shared, asynchronous (completes at the next cp_async_wait_all of this thread).
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void *src) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
-
 // Two floats rounded to BF16 (RNE) in one register, lo in the low half.
 __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
     const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);

@@ -10,7 +10,8 @@
  * is reported at the kernel that caused it (tests/gpu/run.sh sets it; it costs speed, not results).
  *
  * The CUDA block also holds the segment table of the grouped (per-expert) FP8 calls, which the quantisers
- * (fp8_quant.cu) and the GEMMs' output conversion (gemm.cu) share.
+ * (fp8_quant.cu) and the GEMMs' output conversion (gemm.cu) share, and the cp.async copies to shared memory that
+ * the attention kernels and the pipelined quantiser use.
  *
  * This header is plain C outside the __CUDACC__ block, so device.c (compiled by gcc) can use it too.
  * All ops run on the legacy default stream, so consecutive ops are ordered without extra syncs.
@@ -215,6 +216,23 @@ __device__ inline int segment_of(const int *prefix, int n, int v) {
     }
     return lo;
 }
+
+// ---------------------------------------------------------------------------- asynchronous copies to shared memory
+__device__ __forceinline__ uint32_t smem_addr(const void *p) { return (uint32_t)__cvta_generic_to_shared(p); }
+
+// 16 bytes global -> shared, asynchronous (completes at the next cp_async_wait_all of this thread).
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void *src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
+}
+// The same, reading src_bytes (0 or 16) of src and zero-filling the rest: 0 writes 16 zero bytes, reading nothing.
+__device__ __forceinline__ void cp_async16_zfill(uint32_t dst, const void *src, int src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+// Waits for all but the most recently committed group of this thread's copies.
+__device__ __forceinline__ void cp_async_wait_all_but_last() { asm volatile("cp.async.wait_group 1;\n" ::: "memory"); }
+
 #endif // __CUDACC__
 
 #endif

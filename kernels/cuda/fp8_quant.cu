@@ -5,7 +5,7 @@
  * common.cuh); the plain forms are one segment of the same kernels; the fp8_quantize_swiglu_* forms are the
  * same kernels reading a SwiGLU value computed on the fly instead of an array, and
  * fp8_quantize_swiglu_grads_both_layouts_grouped is the both-layouts kernel holding two values, da and db, per
- * element). They feed the cuBLASLt block-scaled GEMMs of gemm.cu and must produce BIT-IDENTICAL FP8 data and
+ * element, pipelined through shared memory where the columns are whole tiles). They feed the cuBLASLt block-scaled GEMMs of gemm.cu and must produce BIT-IDENTICAL FP8 data and
  * scales to the CPU reference (kernels/cpu/fp8.c), which tests/gpu/test_gpu_fp8.c checks.
  *
  * Why they match the CPU bit for bit: per tile, amax is a max (exact in any order), s = amax / 448 is one
@@ -33,6 +33,7 @@
  */
 #include <cuda_fp8.h>
 #include <float.h>
+#include <type_traits>
 #include <stdint.h>
 #include <string.h>
 
@@ -636,46 +637,47 @@ struct BothOperands {
     unsigned long long call[NV];
 };
 
-template <bool VEC4, int NV, bool ROWWISE, class Src>
-__global__ void __launch_bounds__(QBOTH_THREADS * NV, 2 / NV)
-    quantize_both_kernel(const __grid_constant__ BothOperands<NV> out, const __grid_constant__ Src src,
-                         const __grid_constant__ SegTable seg, int C, int Kp, unsigned long long *bad) {
-    constexpr int ROW_GROUPS = QBOTH_THREADS * NV / 32, PASSES = FP8_TILE / ROW_GROUPS; // rows per thread
-    static_assert(PASSES % 4 == 0, "a thread packs its rows of a column 4 to a word");
-    // The column partials are dead once the column scales are taken (a barrier before the byte tiles are written),
-    // so they share memory with the tiles: two values' separate arrays would exceed 48 KiB.
-    __shared__ __align__(16) union {
+// Where tile (tb, kb) - row tile tile_row of the grid's, column tile kb - lies: its segment g, that segment's rows T
+// (R16 rounded up to 16, Tp to 128) and first row row0 of the input, and where the segment's operands start.
+struct BothTile {
+    int g, tb, kb, T, R16, Tp;
+    int64_t row0, at_q1, at_s1, at_q2, at_s2;
+};
+
+__device__ inline BothTile both_tile(const SegTable &seg, int tile_row, int kb, int C, int Kp) {
+    BothTile t;
+    t.g = segment_of(seg.tiles0, seg.n, tile_row), t.tb = tile_row - seg.tiles0[t.g], t.kb = kb;
+    t.T = seg.rows0[t.g + 1] - seg.rows0[t.g], t.R16 = seg.p16[t.g + 1] - seg.p16[t.g];
+    t.Tp = (seg.tiles0[t.g + 1] - seg.tiles0[t.g]) * FP8_TILE;
+    t.row0 = seg.rows0[t.g];
+    t.at_q1 = (int64_t)Kp * seg.p16[t.g], t.at_s1 = (int64_t)(Kp / FP8_TILE) * seg.p16[t.g];
+    t.at_q2 = (int64_t)C * FP8_TILE * seg.tiles0[t.g], t.at_s2 = (int64_t)C * seg.tiles0[t.g];
+    return t;
+}
+
+// The shared memory of one tile of NV values. The column partials are dead once the column scales are taken (a
+// barrier before the byte tiles are written), so they share memory with the tiles: two values' separate arrays
+// would exceed 48 KiB.
+template <int NV>
+struct BothSmem {
+    static constexpr int ROW_GROUPS = QBOTH_THREADS * NV / 32;
+    union {
         float partial[NV][ROW_GROUPS][FP8_TILE + 1];
         uint8_t tile[NV][FP8_TILE][FP8_TILE];  // [column][row], PASSES-byte chunks at swizzled positions
-    } sm;
-    __shared__ float col_scale[NV][FP8_TILE], col_recip[NV][FP8_TILE];  // and their reciprocals (Fp8Divisor)
-    // this block's segment: its rows of x and its place in the operands
-    const int g = segment_of(seg.tiles0, seg.n, blockIdx.y), tb = blockIdx.y - seg.tiles0[g];
-    const int T = seg.rows0[g + 1] - seg.rows0[g], R16 = seg.p16[g + 1] - seg.p16[g];
-    const int Tp = (seg.tiles0[g + 1] - seg.tiles0[g]) * FP8_TILE, KB = Kp / FP8_TILE;
-    const int64_t row0 = seg.rows0[g];
-    const int64_t at_q1 = (int64_t)Kp * seg.p16[g], at_s1 = (int64_t)KB * seg.p16[g];
-    const int64_t at_q2 = (int64_t)C * FP8_TILE * seg.tiles0[g], at_s2 = (int64_t)C * seg.tiles0[g];
-    const int kb = blockIdx.x;
-    const int lane = threadIdx.x & 31, c = lane * 4, rg = threadIdx.x >> 5;
-    const int col = kb * FP8_TILE + c, t0 = tb * FP8_TILE + rg * PASSES;  // this thread's rows: t0 + p
+    } u;
+    float col_scale[NV][FP8_TILE], col_recip[NV][FP8_TILE];  // and their reciprocals (Fp8Divisor)
+};
 
-    float v[NV][PASSES][4];
-    // A full tile (every row < T, every column < C, vector loads) loads without the per-row checks; the branch is the
-    // same for the whole block. Every load first (see note_if_bad).
-    if (VEC4 && (tb + 1) * FP8_TILE <= T && (kb + 1) * FP8_TILE <= C) {
-#pragma unroll
-        for (int p = 0; p < PASSES; p++) {
-            if constexpr (NV == 1) src.load4_full(v[0][p], row0 + t0 + p, col);
-            else src.load4x2_full(v[0][p], v[1][p], row0 + t0 + p, col);
-        }
-    } else {
-        for (int p = 0; p < PASSES; p++) {
-            const int len = t0 + p < T ? C : 0;  // rows past T load as zeros
-            if constexpr (NV == 1) src.template load4<VEC4>(v[0][p], row0 + t0 + p, col, len);
-            else src.template load4x2<VEC4>(v[0][p], v[1][p], row0 + t0 + p, col, len);
-        }
-    }
+// Both layouts of one tile from the values v this thread holds (rows t0 + p of columns col..col + 3, as the kernel
+// below loads them), by all QBOTH_THREADS * NV threads of the block; the block's barriers are inside.
+template <int NV, bool ROWWISE, int PASSES>
+__device__ __forceinline__ void quantize_tile(const BothOperands<NV> &out, float (&v)[NV][PASSES][4], const BothTile &tt,
+                                              BothSmem<NV> &sm, int C, int Kp, unsigned long long *bad) {
+    constexpr int ROW_GROUPS = BothSmem<NV>::ROW_GROUPS;
+    static_assert(PASSES == FP8_TILE / ROW_GROUPS && PASSES % 4 == 0, "a thread packs its rows of a column 4 to a word");
+    const int kb = tt.kb, T = tt.T;
+    const int lane = threadIdx.x & 31, c = lane * 4, rg = threadIdx.x >> 5;
+    const int col = kb * FP8_TILE + c, t0 = tt.tb * FP8_TILE + rg * PASSES;  // this thread's rows: t0 + p
 #pragma unroll
     for (int i = 0; i < NV; i++) {
         // a[j]: the maximum of this thread's part of column c + j, NaN if one of them is (max_nan)
@@ -687,7 +689,7 @@ __global__ void __launch_bounds__(QBOTH_THREADS * NV, 2 / NV)
             for (int p = 0; p < PASSES; p++)
                 for (int j = 0; j < 4; j++)
                     if (t0 + p < T)
-                        note_if_bad(v[i][p][j], (unsigned long long)(row0 + t0 + p) * C + col + j, out.call[i], bad);
+                        note_if_bad(v[i][p][j], (unsigned long long)(tt.row0 + t0 + p) * C + col + j, out.call[i], bad);
         }
         if constexpr (ROWWISE) {
             // 1x128: this warp holds all 128 columns of its PASSES rows (m[p]: this lane's part of row t0 + p). Lane l
@@ -701,39 +703,40 @@ __global__ void __launch_bounds__(QBOTH_THREADS * NV, 2 / NV)
             }
             const float my_scale = fp8_scale_of(warp_rows_max<PASSES>(m)), my_recip = __frcp_rn(my_scale);
             const int my_row = t0 + lane / LANES_PER_ROW;
-            if (lane % LANES_PER_ROW == 0 && my_row < R16) out.s1[i][at_s1 + (int64_t)kb * R16 + my_row] = my_scale;
+            if (lane % LANES_PER_ROW == 0 && my_row < tt.R16)
+                out.s1[i][tt.at_s1 + (int64_t)kb * tt.R16 + my_row] = my_scale;
             for (int p = 0; p < PASSES; p++) {
                 const int t = t0 + p;
                 const float sc = __shfl_sync(0xffffffffu, my_scale, p * LANES_PER_ROW);
                 const Fp8Divisor d = {sc, __shfl_sync(0xffffffffu, my_recip, p * LANES_PER_ROW), fp8_fast_scale(sc)};
-                if (t < R16)
-                    *reinterpret_cast<uint32_t *>(out.q1[i] + at_q1 + (int64_t)t * Kp + col) = fp8_pack4(v[i][p], d);
+                if (t < tt.R16)
+                    *reinterpret_cast<uint32_t *>(out.q1[i] + tt.at_q1 + (int64_t)t * Kp + col) = fp8_pack4(v[i][p], d);
             }
         }
         // 128x1: this thread's column maxima, one partial of the row groups'
-        for (int j = 0; j < 4; j++) sm.partial[i][rg][c + j] = a[j];
+        for (int j = 0; j < 4; j++) sm.u.partial[i][rg][c + j] = a[j];
     }
     __syncthreads();
     if (threadIdx.x < NV * FP8_TILE) {
         const int i = threadIdx.x / FP8_TILE, cc = threadIdx.x % FP8_TILE;
         float m = 0.0f;
-        for (int grp = 0; grp < ROW_GROUPS; grp++) m = fmaxf(m, sm.partial[i][grp][cc]);
+        for (int grp = 0; grp < ROW_GROUPS; grp++) m = fmaxf(m, sm.u.partial[i][grp][cc]);
         const float sc = fp8_scale_of(m);
-        col_scale[i][cc] = sc, col_recip[i][cc] = __frcp_rn(sc);
-        if (kb * FP8_TILE + cc < C) out.s2[i][at_s2 + (int64_t)tb * C + kb * FP8_TILE + cc] = sc;
+        sm.col_scale[i][cc] = sc, sm.col_recip[i][cc] = __frcp_rn(sc);
+        if (kb * FP8_TILE + cc < C) out.s2[i][tt.at_s2 + (int64_t)tt.tb * C + kb * FP8_TILE + cc] = sc;
     }
     __syncthreads();
     // 128x1 bytes: column c + j of this thread's rows, packed 4 rows to a word
     for (int i = 0; i < NV; i++)
         for (int j = 0; j < 4; j++) {
-            const float sc = col_scale[i][c + j];
-            const Fp8Divisor d = {sc, col_recip[i][c + j], fp8_fast_scale(sc)};
+            const float sc = sm.col_scale[i][c + j];
+            const Fp8Divisor d = {sc, sm.col_recip[i][c + j], fp8_fast_scale(sc)};
             uint32_t word[PASSES / 4];
             for (int h = 0; h < PASSES / 4; h++) {
                 const float rows4[4] = {v[i][4 * h][j], v[i][4 * h + 1][j], v[i][4 * h + 2][j], v[i][4 * h + 3][j]};
                 word[h] = fp8_pack4(rows4, d);
             }
-            uint8_t *chunk = &sm.tile[i][c + j][(rg ^ tile_swizzle<ROW_GROUPS>(c + j)) * PASSES];
+            uint8_t *chunk = &sm.u.tile[i][c + j][(rg ^ tile_swizzle<ROW_GROUPS>(c + j)) * PASSES];
             if constexpr (PASSES == 8) *reinterpret_cast<uint2 *>(chunk) = make_uint2(word[0], word[1]);
             else *reinterpret_cast<uint32_t *>(chunk) = word[0];
         }
@@ -743,11 +746,116 @@ __global__ void __launch_bounds__(QBOTH_THREADS * NV, 2 / NV)
         for (int w = threadIdx.x; w < FP8_TILE * ROW_GROUPS; w += QBOTH_THREADS * NV) {
             const int cc = w / ROW_GROUPS, k = w % ROW_GROUPS;
             if (kb * FP8_TILE + cc >= C) continue;
-            const uint8_t *chunk = &sm.tile[i][cc][(k ^ tile_swizzle<ROW_GROUPS>(cc)) * PASSES];
-            uint8_t *dst = out.q2[i] + at_q2 + (int64_t)(kb * FP8_TILE + cc) * Tp + tb * FP8_TILE + k * PASSES;
+            const uint8_t *chunk = &sm.u.tile[i][cc][(k ^ tile_swizzle<ROW_GROUPS>(cc)) * PASSES];
+            uint8_t *dst = out.q2[i] + tt.at_q2 + (int64_t)(kb * FP8_TILE + cc) * tt.Tp + tt.tb * FP8_TILE + k * PASSES;
             if constexpr (PASSES == 8) *reinterpret_cast<uint2 *>(dst) = *reinterpret_cast<const uint2 *>(chunk);
             else *reinterpret_cast<uint32_t *>(dst) = *reinterpret_cast<const uint32_t *>(chunk);
         }
+    }
+}
+
+template <bool VEC4, int NV, bool ROWWISE, class Src>
+__global__ void __launch_bounds__(QBOTH_THREADS * NV, 2 / NV)
+    quantize_both_kernel(const __grid_constant__ BothOperands<NV> out, const __grid_constant__ Src src,
+                         const __grid_constant__ SegTable seg, int C, int Kp, unsigned long long *bad) {
+    constexpr int PASSES = FP8_TILE / BothSmem<NV>::ROW_GROUPS;  // rows per thread
+    __shared__ __align__(16) BothSmem<NV> sm;
+    const BothTile tt = both_tile(seg, blockIdx.y, blockIdx.x, C, Kp);
+    const int lane = threadIdx.x & 31, rg = threadIdx.x >> 5;
+    const int col = tt.kb * FP8_TILE + lane * 4, t0 = tt.tb * FP8_TILE + rg * PASSES;  // this thread's rows: t0 + p
+    float v[NV][PASSES][4];
+    // A full tile (every row < T, every column < C, vector loads) loads without the per-row checks; the branch is the
+    // same for the whole block. Every load first (see note_if_bad).
+    if (VEC4 && (tt.tb + 1) * FP8_TILE <= tt.T && (tt.kb + 1) * FP8_TILE <= C) {
+#pragma unroll
+        for (int p = 0; p < PASSES; p++) {
+            if constexpr (NV == 1) src.load4_full(v[0][p], tt.row0 + t0 + p, col);
+            else src.load4x2_full(v[0][p], v[1][p], tt.row0 + t0 + p, col);
+        }
+    } else {
+        for (int p = 0; p < PASSES; p++) {
+            const int len = t0 + p < tt.T ? C : 0;  // rows past T load as zeros
+            if constexpr (NV == 1) src.template load4<VEC4>(v[0][p], tt.row0 + t0 + p, col, len);
+            else src.template load4x2<VEC4>(v[0][p], v[1][p], tt.row0 + t0 + p, col, len);
+        }
+    }
+    quantize_tile<NV, ROWWISE>(out, v, tt, sm, C, Kp, bad);
+}
+
+// ---------------------------------------------------------------------------- the SwiGLU gradients, pipelined
+// The kernel above holds a tile's 2 x 16384 values in registers, so one 1024-thread block fills an SM and the SM
+// reads no memory while the block computes, reduces and stores (about 1.5 TB/s on an H100, docs/benchmarks.md). This
+// form for the joint SwiGLU gradients (NV = 2, whole column tiles, 16-byte aligned rows) is persistent: each block
+// takes tiles blockIdx.x, + gridDim.x, ... (row tile by row tile, the column tiles of a row tile in turn) and copies
+// the next tile's dout, a and b rows (3 x 32 KiB of BF16) into shared memory with cp.async while it quantises the
+// current one from the other copy. Rows past the segment's end are zero-filled, and swiglu_backward_element(0, 0, 0)
+// gives +0 for da and db, the value the kernel above pads with, so every byte and scale is the same as its.
+// Measured on an H100 (2026-12-06): 9% faster than the kernel above, and now bound by its instruction issue (0.79
+// warps issued per scheduler and cycle, DRAM at 38%): the sigmoid and four divisions per element are what is left.
+constexpr int SWIGLU_STAGE_INPUTS = 3;  // dout, a, b
+constexpr size_t SWIGLU_STAGE_BYTES = (size_t)SWIGLU_STAGE_INPUTS * FP8_TILE * FP8_TILE * sizeof(uint16_t);
+
+// Copies tile `tile` (of KB column tiles per row tile) of dout, a and b into `stage` ([input][row][column] BF16), by
+// all threads of the block, as one cp.async group of each thread.
+__device__ inline void stage_swiglu_tile(uint32_t stage, const SwigluGradRows &src, const SegTable &seg, int tile,
+                                         int KB) {
+    constexpr int CHUNKS = FP8_TILE * (int)sizeof(uint16_t) / 16;  // 16-byte chunks of a tile row
+    constexpr int THREADS = 2 * QBOTH_THREADS;
+    const int tile_row = tile / KB, kb = tile - tile_row * KB;
+    const int g = segment_of(seg.tiles0, seg.n, tile_row), tb = tile_row - seg.tiles0[g];
+    const int valid = seg.rows0[g + 1] - seg.rows0[g] - tb * FP8_TILE;  // rows of the tile inside the segment
+    const int64_t row0 = seg.rows0[g] + (int64_t)tb * FP8_TILE;
+#pragma unroll
+    for (int x = 0; x < SWIGLU_STAGE_INPUTS; x++) {
+        const uint16_t *in = x == 0 ? src.dout : x == 1 ? src.a : src.b;
+#pragma unroll
+        for (int k = 0; k < FP8_TILE * CHUNKS / THREADS; k++) {
+            const int i = threadIdx.x + k * THREADS, r = i / CHUNKS, ch = i % CHUNKS;
+            const bool inside = r < valid;
+            const uint16_t *from = inside ? in + (row0 + r) * src.ld + kb * FP8_TILE + ch * 8 : in;
+            cp_async16_zfill(stage + (uint32_t)(((x * FP8_TILE + r) * FP8_TILE + ch * 8) * sizeof(uint16_t)), from,
+                             inside ? 16 : 0);
+        }
+    }
+    cp_async_commit();
+}
+
+__global__ void __launch_bounds__(2 * QBOTH_THREADS, 1)
+    quantize_swiglu_grads_pipelined_kernel(const __grid_constant__ BothOperands<2> out,
+                                           const __grid_constant__ SwigluGradRows src,
+                                           const __grid_constant__ SegTable seg, int C, int n_tiles,
+                                           unsigned long long *bad) {
+    constexpr int PASSES = FP8_TILE / BothSmem<2>::ROW_GROUPS;  // 4 rows per thread
+    extern __shared__ __align__(16) uint16_t staged[];  // two stages of SWIGLU_STAGE_BYTES
+    __shared__ __align__(16) BothSmem<2> sm;
+    const int KB = C / FP8_TILE;
+    const uint32_t stage0 = smem_addr(staged);
+    const int lane = threadIdx.x & 31, rg = threadIdx.x >> 5;
+    if (blockIdx.x < n_tiles) stage_swiglu_tile(stage0, src, seg, blockIdx.x, KB);
+    int s = 0;
+    for (int tile = blockIdx.x; tile < n_tiles; tile += gridDim.x, s ^= 1) {
+        // the next tile's copies go into the stage the previous iteration read (its reads ended before that
+        // iteration's first barrier); an empty group when there is none, so the wait below is always for this tile's
+        if (tile + gridDim.x < n_tiles)
+            stage_swiglu_tile(stage0 + (s ^ 1) * (uint32_t)SWIGLU_STAGE_BYTES, src, seg, tile + gridDim.x, KB);
+        else cp_async_commit();
+        cp_async_wait_all_but_last();
+        __syncthreads();
+        const BothTile tt = both_tile(seg, tile / KB, tile % KB, C, C);
+        const uint16_t *st = staged + (size_t)s * (SWIGLU_STAGE_BYTES / sizeof(uint16_t));
+        float v[2][PASSES][4];
+#pragma unroll
+        for (int p = 0; p < PASSES; p++) {
+            const int at = (rg * PASSES + p) * FP8_TILE + lane * 4;  // row rg * PASSES + p of the tile, column lane * 4
+            const float4 gv = bf16x4_to_float4(*reinterpret_cast<const uint2 *>(st + at));
+            const float4 av = bf16x4_to_float4(*reinterpret_cast<const uint2 *>(st + FP8_TILE * FP8_TILE + at));
+            const float4 bv = bf16x4_to_float4(*reinterpret_cast<const uint2 *>(st + 2 * FP8_TILE * FP8_TILE + at));
+            swiglu_backward_element(&v[0][p][0], &v[1][p][0], gv.x, av.x, bv.x);
+            swiglu_backward_element(&v[0][p][1], &v[1][p][1], gv.y, av.y, bv.y);
+            swiglu_backward_element(&v[0][p][2], &v[1][p][2], gv.z, av.z, bv.z);
+            swiglu_backward_element(&v[0][p][3], &v[1][p][3], gv.w, av.w, bv.w);
+        }
+        quantize_tile<2, true>(out, v, tt, sm, C, C, bad);
     }
 }
 
@@ -780,6 +888,24 @@ static int quantize_both_segments(const char *op, const BothValue *val, const Sr
     for (int i = 0; i < NV; i++) {
         int rc_log;  // 0: the log has room
         out.call[i] = log_call(val[i].op, val[i].tensor, rows0[n], C, &rc_log, err, err_size);
+    }
+    if constexpr (NV == 2 && ROWWISE && std::is_same<Src, SwigluGradRows>::value) {
+        if (C % FP8_TILE == 0 && src.aligned16()) {  // whole column tiles, 16-byte rows: the pipelined form
+            static int sms = 0;
+            if (sms == 0) {
+                int dev = 0;
+                CUDA_CHECK(cudaGetDevice(&dev));
+                CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+                CUDA_CHECK(cudaFuncSetAttribute(quantize_swiglu_grads_pipelined_kernel,
+                                                cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                (int)(2 * SWIGLU_STAGE_BYTES)));
+            }
+            const int n_tiles = KB * seg.tiles0[n];
+            quantize_swiglu_grads_pipelined_kernel<<<n_tiles < sms ? n_tiles : sms, 2 * QBOTH_THREADS,
+                                                     2 * SWIGLU_STAGE_BYTES>>>(out, src, seg, C, n_tiles, bad);
+            CUDA_CHECK_LAUNCH("quantize_swiglu_grads_pipelined_kernel");
+            return rc;
+        }
     }
     const dim3 grid((unsigned)KB, (unsigned)seg.tiles0[n]);
     if (C % 4 == 0 && src.aligned16())

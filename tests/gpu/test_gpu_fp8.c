@@ -937,7 +937,8 @@ static void test_quantize_swiglu_nonfinite(void **state) {
 // the CUDA fp8_quantize_swiglu_both_layouts_grouped(SWIGLU_DA / SWIGLU_DB) writes - every byte of q and every scale,
 // padding included, both sides poisoned first (0xFF: the E4M3 NaN code, NaN scales), and no poison left - on the
 // segment layouts, widths and input offsets of test_quantize_swiglu (the scalar-load kernel where an input is 4 bytes
-// into its buffer or C = 202). test_quantize_swiglu ties those two calls to the composition and to the CPU.
+// into its buffer or C = 202; the pipelined kernel at whole column tiles and aligned rows) and on one of about ten
+// tiles per block of the pipelined kernel. test_quantize_swiglu ties those two calls to the composition and to the CPU.
 typedef struct {
     uint8_t *qa1, *qa2, *qb1, *qb2;
     float *sa1, *sa2, *sb1, *sb2;
@@ -2197,6 +2198,11 @@ int main(void) {
     static SwigluCase sw_a = {1, sw_one, 384, 0, 1}, sw_b = {4, sw_mix, 384, 0, 2}, sw_c = {4, sw_mix, 200, 0, 3};
     static SwigluCase sw_d = {4, sw_mix, 202, 0, 4}, sw_e = {6, sw_big, 1024, 0, 5}, sw_f = {6, sw_big, 1024, 1, 6};
     static SwigluCase sw_g = {6, sw_big, 1024, 2, 7}, sw_h = {6, sw_big, 202, 0, 8};
+    // The joint da, db quantiser's pipelined form (whole column tiles, aligned rows: sw_a, sw_b, sw_e) with about ten
+    // tiles per block, so that each block's two shared-memory stages take turns: 9 segments of 21,000 rows (one
+    // empty, one of 50 rows) at C = 1024.
+    static const int sw_many[] = {0, 2900, 2900, 6001, 9000, 11111, 15000, 18000, 18050, 21000};
+    static SwigluCase sw_i = {9, sw_many, 1024, 0, 9};
     // The combine's gradient through the routing plan: one empty expert segment always; 150 tokens at whole tiles and a
     // partial last tile; 2048 tokens x 6 of 32 experts at C = 1024 (vector loads), with dout 4 bytes into its buffer
     // (scalar loads), and at C = 202 (scalar loads).
@@ -2246,6 +2252,7 @@ int main(void) {
         cmocka_unit_test_prestate(test_quantize_swiglu_grads, &sw_f),
         cmocka_unit_test_prestate(test_quantize_swiglu_grads, &sw_g),
         cmocka_unit_test_prestate(test_quantize_swiglu_grads, &sw_h),
+        cmocka_unit_test_prestate(test_quantize_swiglu_grads, &sw_i),
         cmocka_unit_test(test_quantize_swiglu_grads_nonfinite),
         cmocka_unit_test_prestate(test_quantize_combine_grad, &cg_a),
         cmocka_unit_test_prestate(test_quantize_combine_grad, &cg_b),
