@@ -5,8 +5,9 @@
  * common.cuh); the plain forms are one segment of the same kernels; the fp8_quantize_swiglu_* forms are the
  * same kernels reading a SwiGLU value computed on the fly instead of an array, and
  * fp8_quantize_swiglu_grads_both_layouts_grouped is the both-layouts kernel holding two values, da and db, per
- * element, pipelined through shared memory where the columns are whole tiles). They feed the cuBLASLt block-scaled GEMMs of gemm.cu and must produce BIT-IDENTICAL FP8 data and
- * scales to the CPU reference (kernels/cpu/fp8.c), which tests/gpu/test_gpu_fp8.c checks.
+ * element, pipelined through shared memory where the columns are whole tiles). They feed the cuBLASLt block-scaled
+ * GEMMs of gemm.cu and must produce BIT-IDENTICAL FP8 data and scales to the CPU reference (kernels/cpu/fp8.c),
+ * which tests/gpu/test_gpu_fp8.c checks.
  *
  * Why they match the CPU bit for bit: per tile, amax is a max (exact in any order), s = amax / 448 is one
  * IEEE division (__fdiv_rn, no reciprocal), s = 1 when that is 0, and q = E4M3(x / s) is the correctly rounded
@@ -671,10 +672,12 @@ struct BothSmem {
 // Both layouts of one tile from the values v this thread holds (rows t0 + p of columns col..col + 3, as the kernel
 // below loads them), by all QBOTH_THREADS * NV threads of the block; the block's barriers are inside.
 template <int NV, bool ROWWISE, int PASSES>
-__device__ __forceinline__ void quantize_tile(const BothOperands<NV> &out, float (&v)[NV][PASSES][4], const BothTile &tt,
-                                              BothSmem<NV> &sm, int C, int Kp, unsigned long long *bad) {
+__device__ __forceinline__ void quantize_tile(const BothOperands<NV> &out, float (&v)[NV][PASSES][4],
+                                              const BothTile &tt, BothSmem<NV> &sm, int C, int Kp,
+                                              unsigned long long *bad) {
     constexpr int ROW_GROUPS = BothSmem<NV>::ROW_GROUPS;
-    static_assert(PASSES == FP8_TILE / ROW_GROUPS && PASSES % 4 == 0, "a thread packs its rows of a column 4 to a word");
+    static_assert(PASSES == FP8_TILE / ROW_GROUPS && PASSES % 4 == 0,
+                  "a thread packs its rows of a column 4 to a word");
     const int kb = tt.kb, T = tt.T;
     const int lane = threadIdx.x & 31, c = lane * 4, rg = threadIdx.x >> 5;
     const int col = kb * FP8_TILE + c, t0 = tt.tb * FP8_TILE + rg * PASSES;  // this thread's rows: t0 + p
