@@ -257,6 +257,11 @@ struct SwigluGradRows {
         const float4 av = bf16x4_to_float4(*reinterpret_cast<const uint2 *>(a + at));
         const float4 bv = bf16x4_to_float4(*reinterpret_cast<const uint2 *>(b + at));
         const float4 gv = bf16x4_to_float4(*reinterpret_cast<const uint2 *>(dout + at));
+        grads4(da, db, gv, av, bv);
+    }
+    // da and db of 4 elements from their dout, a and b (read from global memory above, from shared memory by the
+    // pipelined kernel).
+    static __device__ void grads4(float da[4], float db[4], float4 gv, float4 av, float4 bv) {
         swiglu_backward_element(&da[0], &db[0], gv.x, av.x, bv.x);
         swiglu_backward_element(&da[1], &db[1], gv.y, av.y, bv.y);
         swiglu_backward_element(&da[2], &db[2], gv.z, av.z, bv.z);
@@ -853,10 +858,7 @@ __global__ void __launch_bounds__(2 * QBOTH_THREADS, 1)
             const float4 gv = bf16x4_to_float4(*reinterpret_cast<const uint2 *>(st + at));
             const float4 av = bf16x4_to_float4(*reinterpret_cast<const uint2 *>(st + FP8_TILE * FP8_TILE + at));
             const float4 bv = bf16x4_to_float4(*reinterpret_cast<const uint2 *>(st + 2 * FP8_TILE * FP8_TILE + at));
-            swiglu_backward_element(&v[0][p][0], &v[1][p][0], gv.x, av.x, bv.x);
-            swiglu_backward_element(&v[0][p][1], &v[1][p][1], gv.y, av.y, bv.y);
-            swiglu_backward_element(&v[0][p][2], &v[1][p][2], gv.z, av.z, bv.z);
-            swiglu_backward_element(&v[0][p][3], &v[1][p][3], gv.w, av.w, bv.w);
+            SwigluGradRows::grads4(v[0][p], v[1][p], gv, av, bv);
         }
         quantize_tile<2, true>(out, v, tt, sm, C, C, bad);
     }
