@@ -217,6 +217,18 @@ __device__ inline int segment_of(const int *prefix, int n, int v) {
     return lo;
 }
 
+// The current device's SM count, asked once per process (a process uses one device): the persistent kernels'
+// grid size.
+static inline int cuda_sm_count(void) {
+    static int sms = 0;
+    if (sms == 0) {
+        int dev = 0;
+        CUDA_CHECK(cudaGetDevice(&dev));
+        CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+    }
+    return sms;
+}
+
 // ---------------------------------------------------------------------------- asynchronous copies to shared memory
 __device__ __forceinline__ uint32_t smem_addr(const void *p) { return (uint32_t)__cvta_generic_to_shared(p); }
 

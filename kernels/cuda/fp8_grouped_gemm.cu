@@ -477,7 +477,7 @@ static void runtime_init(const char *op) {
     if (prop.major != 9 || prop.minor != 0)
         grouped_fail(__LINE__, op, "the GPU %s has compute capability %d.%d - expected 9.0 (Hopper: the kernel is "
                                    "sm_90a code, wgmma and TMA)", prop.name, prop.major, prop.minor);
-    rt.sms = prop.multiProcessorCount;
+    rt.sms = cuda_sm_count();
     void *fn = NULL;
     cudaDriverEntryPointQueryResult found;
     CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found));

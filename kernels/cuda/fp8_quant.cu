@@ -5,7 +5,8 @@
  * common.cuh); the plain forms are one segment of the same kernels; the fp8_quantize_swiglu_* forms are the
  * same kernels reading a SwiGLU value computed on the fly instead of an array, and
  * fp8_quantize_swiglu_grads_both_layouts_grouped is the both-layouts kernel holding two values, da and db, per
- * element, pipelined through shared memory where the columns are whole tiles). They feed the cuBLASLt block-scaled
+ * element; the both-layouts calls of SwiGLU values and of the combine's gradient run pipelined through shared memory
+ * where the columns are whole tiles). They feed the cuBLASLt block-scaled
  * GEMMs of gemm.cu and must produce BIT-IDENTICAL FP8 data and scales to the CPU reference (kernels/cpu/fp8.c),
  * which tests/gpu/test_gpu_fp8.c checks.
  *
@@ -34,7 +35,6 @@
  */
 #include <cuda_fp8.h>
 #include <float.h>
-#include <type_traits>
 #include <stdint.h>
 #include <string.h>
 
@@ -664,9 +664,9 @@ __device__ inline BothTile both_tile(const SegTable &seg, int tile_row, int kb, 
 // The shared memory of one tile of NV values. The column partials are dead once the column scales are taken (a
 // barrier before the byte tiles are written), so they share memory with the tiles: two values' separate arrays
 // would exceed 48 KiB.
-template <int NV>
+template <int NV, int ROW_GROUPS_ = QBOTH_THREADS * NV / 32>
 struct BothSmem {
-    static constexpr int ROW_GROUPS = QBOTH_THREADS * NV / 32;
+    static constexpr int ROW_GROUPS = ROW_GROUPS_;  // warps of the block
     union {
         float partial[NV][ROW_GROUPS][FP8_TILE + 1];
         uint8_t tile[NV][FP8_TILE][FP8_TILE];  // [column][row], PASSES-byte chunks at swizzled positions
@@ -678,11 +678,10 @@ struct BothSmem {
 // below loads them), by all QBOTH_THREADS * NV threads of the block; the block's barriers are inside.
 template <int NV, bool ROWWISE, int PASSES>
 __device__ __forceinline__ void quantize_tile(const BothOperands<NV> &out, float (&v)[NV][PASSES][4],
-                                              const BothTile &tt, BothSmem<NV> &sm, int C, int Kp,
+                                              const BothTile &tt, BothSmem<NV, FP8_TILE / PASSES> &sm, int C, int Kp,
                                               unsigned long long *bad) {
-    constexpr int ROW_GROUPS = BothSmem<NV>::ROW_GROUPS;
-    static_assert(PASSES == FP8_TILE / ROW_GROUPS && PASSES % 4 == 0,
-                  "a thread packs its rows of a column 4 to a word");
+    constexpr int ROW_GROUPS = FP8_TILE / PASSES, THREADS = 32 * ROW_GROUPS;
+    static_assert(PASSES % 4 == 0, "a thread packs its rows of a column 4 to a word");
     const int kb = tt.kb, T = tt.T;
     const int lane = threadIdx.x & 31, c = lane * 4, rg = threadIdx.x >> 5;
     const int col = kb * FP8_TILE + c, t0 = tt.tb * FP8_TILE + rg * PASSES;  // this thread's rows: t0 + p
@@ -751,7 +750,7 @@ __device__ __forceinline__ void quantize_tile(const BothOperands<NV> &out, float
     __syncthreads();
     // q2 row kb * 128 + cc, bytes tb * 128 + k * PASSES ..: chunk k of the tile's column cc
     for (int i = 0; i < NV; i++) {
-        for (int w = threadIdx.x; w < FP8_TILE * ROW_GROUPS; w += QBOTH_THREADS * NV) {
+        for (int w = threadIdx.x; w < FP8_TILE * ROW_GROUPS; w += THREADS) {
             const int cc = w / ROW_GROUPS, k = w % ROW_GROUPS;
             if (kb * FP8_TILE + cc >= C) continue;
             const uint8_t *chunk = &sm.u.tile[i][cc][(k ^ tile_swizzle<ROW_GROUPS>(cc)) * PASSES];
@@ -790,78 +789,153 @@ __global__ void __launch_bounds__(QBOTH_THREADS * NV, 2 / NV)
     quantize_tile<NV, ROWWISE>(out, v, tt, sm, C, Kp, bad);
 }
 
-// ---------------------------------------------------------------------------- the SwiGLU gradients, pipelined
-// The kernel above holds a tile's 2 x 16384 values in registers, so one 1024-thread block fills an SM and the SM
-// reads no memory while the block computes, reduces and stores (about 1.5 TB/s on an H100, docs/benchmarks.md). This
-// form for the joint SwiGLU gradients (NV = 2, whole column tiles, 16-byte aligned rows) is persistent: each block
-// takes tiles blockIdx.x, + gridDim.x, ... (row tile by row tile, the column tiles of a row tile in turn) and copies
-// the next tile's dout, a and b rows (3 x 32 KiB of BF16) into shared memory with cp.async while it quantises the
-// current one from the other copy. Rows past the segment's end are zero-filled, and swiglu_backward_element(0, 0, 0)
-// gives +0 for da and db, the value the kernel above pads with, so every byte and scale is the same as its.
-// Measured on an H100 (2026-12-06): 9% faster than the kernel above, and now bound by its instruction issue (0.79
-// warps issued per scheduler and cycle, DRAM at 38%): the sigmoid and four divisions per element are what is left.
-constexpr int SWIGLU_STAGE_INPUTS = 3;  // dout, a, b
-constexpr size_t SWIGLU_STAGE_BYTES = (size_t)SWIGLU_STAGE_INPUTS * FP8_TILE * FP8_TILE * sizeof(uint16_t);
+// ---------------------------------------------------------------------------- both layouts, pipelined
+// The kernel above holds a tile's values in registers, so while a block computes, reduces and stores, its SM reads
+// nothing for it. Where the values cost arithmetic (the SwiGLU values), at whole column tiles and 16-byte aligned
+// rows, this kernel runs instead: one persistent 1024-thread block per SM takes tiles blockIdx.x, + gridDim.x, ...
+// (row tile by row tile, the column tiles of a row tile in turn) and copies the next tile's raw inputs into shared
+// memory with cp.async while it quantises the current one from the other copy. A staged source (below) says what a
+// tile's inputs are (STAGE_BYTES of them), copies them (stage) and gives each thread its values (values);
+// quantize_tile then does what it does for the kernel above, so the bytes and scales are the same. Rows past the
+// segment's end are zero-filled, and every staged source gives +0 for them, the value the kernel above pads with.
+// Measured on an H100 (docs/benchmarks.md, 2026-12-06): the SwiGLU gradients 9% and the SwiGLU output 8% faster than
+// the kernel above. Not for sources that only read: a plain array is at bandwidth from registers (two blocks per SM
+// keep the memory busy; its pipelined form was slower), and the combine's gradient, whose rows are gathered, was 22%
+// slower staged (one 64 KiB tile in flight per SM against two blocks' registers' worth).
+constexpr int PIPE_THREADS = 1024;
+constexpr int PIPE_PASSES = FP8_TILE / (PIPE_THREADS / 32);  // rows per thread: 4
+constexpr uint32_t BF16_TILE_BYTES = FP8_TILE * FP8_TILE * sizeof(uint16_t);
 
-// Copies tile `tile` (of KB column tiles per row tile) of dout, a and b into `stage` ([input][row][column] BF16), by
-// all threads of the block, as one cp.async group of each thread.
-__device__ inline void stage_swiglu_tile(uint32_t stage, const SwigluGradRows &src, const SegTable &seg, int tile,
-                                         int KB) {
-    constexpr int CHUNKS = FP8_TILE * (int)sizeof(uint16_t) / 16;  // 16-byte chunks of a tile row
-    constexpr int THREADS = 2 * QBOTH_THREADS;
-    const int tile_row = tile / KB, kb = tile - tile_row * KB;
-    const int g = segment_of(seg.tiles0, seg.n, tile_row), tb = tile_row - seg.tiles0[g];
-    const int valid = seg.rows0[g + 1] - seg.rows0[g] - tb * FP8_TILE;  // rows of the tile inside the segment
-    const int64_t row0 = seg.rows0[g] + (int64_t)tb * FP8_TILE;
-#pragma unroll
-    for (int x = 0; x < SWIGLU_STAGE_INPUTS; x++) {
-        const uint16_t *in = x == 0 ? src.dout : x == 1 ? src.a : src.b;
-#pragma unroll
-        for (int k = 0; k < FP8_TILE * CHUNKS / THREADS; k++) {
-            const int i = threadIdx.x + k * THREADS, r = i / CHUNKS, ch = i % CHUNKS;
-            const bool inside = r < valid;
-            const uint16_t *from = inside ? in + (row0 + r) * src.ld + kb * FP8_TILE + ch * 8 : in;
-            cp_async16_zfill(stage + (uint32_t)(((x * FP8_TILE + r) * FP8_TILE + ch * 8) * sizeof(uint16_t)), from,
-                             inside ? 16 : 0);
-        }
-    }
-    cp_async_commit();
+// A staged tile's rows: the input row of its first row, how many of its 128 rows lie in the segment, its first column.
+struct TileRows {
+    int64_t row0;
+    int valid, col0;
+};
+
+__device__ inline TileRows tile_rows(const BothTile &t) {
+    return TileRows{t.row0 + (int64_t)t.tb * FP8_TILE, t.T - t.tb * FP8_TILE, t.kb * FP8_TILE};
 }
 
-__global__ void __launch_bounds__(2 * QBOTH_THREADS, 1)
-    quantize_swiglu_grads_pipelined_kernel(const __grid_constant__ BothOperands<2> out,
-                                           const __grid_constant__ SwigluGradRows src,
-                                           const __grid_constant__ SegTable seg, int C, int n_tiles,
-                                           unsigned long long *bad) {
-    constexpr int PASSES = FP8_TILE / BothSmem<2>::ROW_GROUPS;  // 4 rows per thread
-    extern __shared__ __align__(16) uint16_t staged[];  // two stages of SWIGLU_STAGE_BYTES
-    __shared__ __align__(16) BothSmem<2> sm;
-    const int KB = C / FP8_TILE;
-    const uint32_t stage0 = smem_addr(staged);
+// One BF16 input's tile (rows of stride ld) -> [row][column] at `at`, by all PIPE_THREADS threads.
+__device__ inline void stage_bf16_tile(uint32_t at, const uint16_t *in, int64_t ld, const TileRows &r) {
+    constexpr int CHUNKS = FP8_TILE * (int)sizeof(uint16_t) / 16;  // 16-byte chunks of a tile row
+#pragma unroll
+    for (int k = 0; k < FP8_TILE * CHUNKS / PIPE_THREADS; k++) {
+        const int i = threadIdx.x + k * PIPE_THREADS, row = i / CHUNKS, ch = i % CHUNKS;
+        const bool inside = row < r.valid;
+        const uint16_t *from = inside ? in + (r.row0 + row) * ld + r.col0 + ch * 8 : in;
+        cp_async16_zfill(at + (uint32_t)((row * FP8_TILE + ch * 8) * sizeof(uint16_t)), from, inside ? 16 : 0);
+    }
+}
+
+// Columns c..c+3 of row r of a staged BF16 tile, widened.
+__device__ inline float4 staged_bf16x4(const unsigned char *tile, int r, int c) {
+    return bf16x4_to_float4(*reinterpret_cast<const uint2 *>(tile + (r * FP8_TILE + c) * sizeof(uint16_t)));
+}
+
+// The SwiGLU output h = silu(a) * b (SwigluRows' SWIGLU_OUT: w2's Fprop and Wgrad input): a and b staged.
+struct SwigluOutStaged {
+    static constexpr int NV = 1;
+    static constexpr uint32_t STAGE_BYTES = 2 * BF16_TILE_BYTES;
+    const uint16_t *a, *b;
+    int64_t ld;
+    __device__ void stage(unsigned char *st, const TileRows &r) const {
+        stage_bf16_tile(smem_addr(st), a, ld, r);
+        stage_bf16_tile(smem_addr(st + BF16_TILE_BYTES), b, ld, r);
+    }
+    __device__ void values(float (&v)[1][PIPE_PASSES][4], const unsigned char *st, int r0, int c) const {
+#pragma unroll
+        for (int p = 0; p < PIPE_PASSES; p++) {
+            const float4 av = staged_bf16x4(st, r0 + p, c), bv = staged_bf16x4(st + BF16_TILE_BYTES, r0 + p, c);
+            v[0][p][0] = swiglu_element(av.x, bv.x), v[0][p][1] = swiglu_element(av.y, bv.y);
+            v[0][p][2] = swiglu_element(av.z, bv.z), v[0][p][3] = swiglu_element(av.w, bv.w);
+        }
+    }
+};
+
+// Both SwiGLU gradients da, db (SwigluGradRows): dout, a and b staged.
+struct SwigluGradStaged {
+    static constexpr int NV = 2;
+    static constexpr uint32_t STAGE_BYTES = 3 * BF16_TILE_BYTES;
+    const uint16_t *dout, *a, *b;
+    int64_t ld;
+    __device__ void stage(unsigned char *st, const TileRows &r) const {
+        stage_bf16_tile(smem_addr(st), dout, ld, r);
+        stage_bf16_tile(smem_addr(st + BF16_TILE_BYTES), a, ld, r);
+        stage_bf16_tile(smem_addr(st + 2 * BF16_TILE_BYTES), b, ld, r);
+    }
+    __device__ void values(float (&v)[2][PIPE_PASSES][4], const unsigned char *st, int r0, int c) const {
+#pragma unroll
+        for (int p = 0; p < PIPE_PASSES; p++)
+            SwigluGradRows::grads4(v[0][p], v[1][p], staged_bf16x4(st, r0 + p, c),
+                                   staged_bf16x4(st + BF16_TILE_BYTES, r0 + p, c),
+                                   staged_bf16x4(st + 2 * BF16_TILE_BYTES, r0 + p, c));
+    }
+};
+
+template <class Staged>
+__global__ void __launch_bounds__(PIPE_THREADS, 1)
+    quantize_both_pipelined_kernel(const __grid_constant__ BothOperands<Staged::NV> out,
+                                   const __grid_constant__ Staged src, const __grid_constant__ SegTable seg, int C,
+                                   int n_tiles, unsigned long long *bad) {
+    constexpr int NV = Staged::NV;
+    extern __shared__ __align__(16) unsigned char staged[];  // two stages of Staged::STAGE_BYTES
+    __shared__ __align__(16) BothSmem<NV, PIPE_THREADS / 32> sm;
+    const int KB = C / FP8_TILE, step = gridDim.x;
     const int lane = threadIdx.x & 31, rg = threadIdx.x >> 5;
-    if (blockIdx.x < n_tiles) stage_swiglu_tile(stage0, src, seg, blockIdx.x, KB);
+    if (blockIdx.x < n_tiles) src.stage(staged, tile_rows(both_tile(seg, blockIdx.x / KB, blockIdx.x % KB, C, C)));
+    cp_async_commit();
     int s = 0;
-    for (int tile = blockIdx.x; tile < n_tiles; tile += gridDim.x, s ^= 1) {
+    for (int tile = blockIdx.x; tile < n_tiles; tile += step, s ^= 1) {
         // the next tile's copies go into the stage the previous iteration read (its reads ended before that
-        // iteration's first barrier); an empty group when there is none, so the wait below is always for this tile's
-        if (tile + gridDim.x < n_tiles)
-            stage_swiglu_tile(stage0 + (s ^ 1) * (uint32_t)SWIGLU_STAGE_BYTES, src, seg, tile + gridDim.x, KB);
-        else cp_async_commit();
+        // iteration's first barrier in quantize_tile); an empty group when there is none, so the wait below is always
+        // for this tile's
+        const int next = tile + step;
+        if (next < n_tiles)
+            src.stage(staged + (s ^ 1) * Staged::STAGE_BYTES, tile_rows(both_tile(seg, next / KB, next % KB, C, C)));
+        cp_async_commit();
         cp_async_wait_all_but_last();
         __syncthreads();
         const BothTile tt = both_tile(seg, tile / KB, tile % KB, C, C);
-        const uint16_t *st = staged + (size_t)s * (SWIGLU_STAGE_BYTES / sizeof(uint16_t));
-        float v[2][PASSES][4];
-#pragma unroll
-        for (int p = 0; p < PASSES; p++) {
-            const int at = (rg * PASSES + p) * FP8_TILE + lane * 4;  // row rg * PASSES + p of the tile, column lane * 4
-            const float4 gv = bf16x4_to_float4(*reinterpret_cast<const uint2 *>(st + at));
-            const float4 av = bf16x4_to_float4(*reinterpret_cast<const uint2 *>(st + FP8_TILE * FP8_TILE + at));
-            const float4 bv = bf16x4_to_float4(*reinterpret_cast<const uint2 *>(st + 2 * FP8_TILE * FP8_TILE + at));
-            SwigluGradRows::grads4(v[0][p], v[1][p], gv, av, bv);
-        }
-        quantize_tile<2, true>(out, v, tt, sm, C, C, bad);
+        float v[NV][PIPE_PASSES][4];
+        src.values(v, staged + s * Staged::STAGE_BYTES, rg * PIPE_PASSES, lane * 4);
+        quantize_tile<NV, true>(out, v, tt, sm, C, C, bad);
     }
+}
+
+// The pipelined kernel over a call's tiles, one block per SM at most.
+template <class Staged>
+static void quantize_both_pipelined(const BothOperands<Staged::NV> &out, const Staged &src, const SegTable &seg,
+                                    int n, int C, unsigned long long *bad) {
+    static bool smem_raised = false;  // once per staged source
+    if (!smem_raised) {
+        CUDA_CHECK(cudaFuncSetAttribute(quantize_both_pipelined_kernel<Staged>,
+                                        cudaFuncAttributeMaxDynamicSharedMemorySize, (int)(2 * Staged::STAGE_BYTES)));
+        smem_raised = true;
+    }
+    const int n_tiles = C / FP8_TILE * seg.tiles0[n], sms = cuda_sm_count();
+    quantize_both_pipelined_kernel<Staged><<<n_tiles < sms ? n_tiles : sms, PIPE_THREADS, 2 * Staged::STAGE_BYTES>>>(
+        out, src, seg, C, n_tiles, bad);
+    CUDA_CHECK_LAUNCH("quantize_both_pipelined_kernel");
+}
+
+// Whether a call of the both-layouts kernel runs pipelined, and then its launch: sources with a staged form, at whole
+// column tiles and 16-byte aligned rows. ArrayRows has none (above).
+template <int NV, class Src>
+static bool pipelined(const BothOperands<NV> &, const Src &, const SegTable &, int, int, unsigned long long *) {
+    return false;
+}
+static bool pipelined(const BothOperands<1> &out, const SwigluRows &src, const SegTable &seg, int n, int C,
+                      unsigned long long *bad) {
+    if (src.value != SWIGLU_OUT || C % FP8_TILE != 0 || !src.aligned16()) return false;
+    quantize_both_pipelined(out, SwigluOutStaged{src.a, src.b, src.ld}, seg, n, C, bad);
+    return true;
+}
+static bool pipelined(const BothOperands<2> &out, const SwigluGradRows &src, const SegTable &seg, int n, int C,
+                      unsigned long long *bad) {
+    if (C % FP8_TILE != 0 || !src.aligned16()) return false;
+    quantize_both_pipelined(out, SwigluGradStaged{src.dout, src.a, src.b, src.ld}, seg, n, C, bad);
+    return true;
 }
 
 // One value of a both-layouts call: its operands, and the op and tensor that its non-finite elements are reported as.
@@ -894,23 +968,8 @@ static int quantize_both_segments(const char *op, const BothValue *val, const Sr
         int rc_log;  // 0: the log has room
         out.call[i] = log_call(val[i].op, val[i].tensor, rows0[n], C, &rc_log, err, err_size);
     }
-    if constexpr (NV == 2 && ROWWISE && std::is_same<Src, SwigluGradRows>::value) {
-        if (C % FP8_TILE == 0 && src.aligned16()) {  // whole column tiles, 16-byte rows: the pipelined form
-            static int sms = 0;
-            if (sms == 0) {
-                int dev = 0;
-                CUDA_CHECK(cudaGetDevice(&dev));
-                CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-                CUDA_CHECK(cudaFuncSetAttribute(quantize_swiglu_grads_pipelined_kernel,
-                                                cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                (int)(2 * SWIGLU_STAGE_BYTES)));
-            }
-            const int n_tiles = KB * seg.tiles0[n];
-            quantize_swiglu_grads_pipelined_kernel<<<n_tiles < sms ? n_tiles : sms, 2 * QBOTH_THREADS,
-                                                     2 * SWIGLU_STAGE_BYTES>>>(out, src, seg, C, n_tiles, bad);
-            CUDA_CHECK_LAUNCH("quantize_swiglu_grads_pipelined_kernel");
-            return rc;
-        }
+    if constexpr (ROWWISE) {
+        if (pipelined(out, src, seg, n, C, bad)) return rc;
     }
     const dim3 grid((unsigned)KB, (unsigned)seg.tiles0[n]);
     if (C % 4 == 0 && src.aligned16())

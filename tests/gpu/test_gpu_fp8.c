@@ -2198,9 +2198,9 @@ int main(void) {
     static SwigluCase sw_a = {1, sw_one, 384, 0, 1}, sw_b = {4, sw_mix, 384, 0, 2}, sw_c = {4, sw_mix, 200, 0, 3};
     static SwigluCase sw_d = {4, sw_mix, 202, 0, 4}, sw_e = {6, sw_big, 1024, 0, 5}, sw_f = {6, sw_big, 1024, 1, 6};
     static SwigluCase sw_g = {6, sw_big, 1024, 2, 7}, sw_h = {6, sw_big, 202, 0, 8};
-    // The joint da, db quantiser's pipelined form (whole column tiles, aligned rows: sw_a, sw_b, sw_e) with about ten
-    // tiles per block, so that each block's two shared-memory stages take turns: 9 segments of 21,000 rows (one
-    // empty, one of 50 rows) at C = 1024.
+    // The pipelined both-layouts kernel (the SwiGLU output and the joint da, db quantiser at whole column tiles and
+    // aligned rows: sw_a, sw_b, sw_e) with about ten tiles per block, so that each block's two shared-memory stages
+    // take turns: 9 segments of 21,000 rows (one empty, one of 50 rows) at C = 1024.
     static const int sw_many[] = {0, 2900, 2900, 6001, 9000, 11111, 15000, 18000, 18050, 21000};
     static SwigluCase sw_i = {9, sw_many, 1024, 0, 9};
     // The combine's gradient through the routing plan: one empty expert segment always; 150 tokens at whole tiles and a
@@ -2243,6 +2243,7 @@ int main(void) {
         cmocka_unit_test_prestate(test_quantize_swiglu, &sw_f),
         cmocka_unit_test_prestate(test_quantize_swiglu, &sw_g),
         cmocka_unit_test_prestate(test_quantize_swiglu, &sw_h),
+        cmocka_unit_test_prestate(test_quantize_swiglu, &sw_i),
         cmocka_unit_test(test_quantize_swiglu_nonfinite),
         cmocka_unit_test_prestate(test_quantize_swiglu_grads, &sw_a),
         cmocka_unit_test_prestate(test_quantize_swiglu_grads, &sw_b),
