@@ -270,13 +270,16 @@ struct SwigluGradRows {
 };
 
 // The routed experts' output gradient through the routing plan (kernels.h
-// fp8_quantize_combine_grad_both_layouts_grouped): row s is topk_w[t,k] * dout[t], the product moe.cu's
-// combine backward stores, for t = seg_token[s] and the k whose slot_of entry is s (found among the token's K).
+// fp8_quantize_combine_grad_both_layouts_grouped): row s is w_s * dout[t], the product moe.cu's combine backward
+// stores, for t = seg_token[s] and w_s = slot_w[s], the weight topk_w[t,k] of the k whose slot_of entry is s
+// (combine_slot_weights_kernel, once per call). A row's two loads (its token, its weight) are independent, so only
+// its dout load waits for one of them; finding the weight among the token's K slots in every tile, as a ballot per
+// row, issued about a third more instructions and made each row a chain of three loads (ncu, 2026-12-06).
 struct CombineGradRows {
     const float *dout;
-    const int *seg_token, *slot_of;
-    const float *topk_w;
-    int K, C;
+    const int *seg_token;
+    const float *slot_w;
+    int C;
     bool aligned16() const { return is_aligned(dout, 16); }
     template <bool VEC4>
     __device__ void load4(float v[4], int64_t row, int col, int len) const {
@@ -284,39 +287,31 @@ struct CombineGradRows {
             v[0] = v[1] = v[2] = v[3] = 0.0f;
             return;
         }
-        // Every load depends on t alone, none on another's value (the slot compare only selects), so they are all
-        // in flight at once: a load of topk_w behind the compare made each row a chain of three memory latencies.
         const int64_t t = seg_token[row];
+        const float w = slot_w[row];
         ::load4<VEC4>(v, dout + t * C, col, len);
-        float w = 0.0f;
-        for (int k = 0; k < K; k++) {
-            const float wk = topk_w[t * K + k];
-            w = slot_of[t * K + k] == row ? wk : w;
-        }
         for (int j = 0; j < 4; j++) v[j] = col + j < len ? __fmul_rn(w, v[j]) : 0.0f;  // padding: 0, as an array's
     }
-    // The same for 4 columns of a row inside the array, called by all 32 lanes of a warp for the same row (the
-    // both-layouts kernel's full tiles): lane k < K looks at the token's slot k, and the weight comes from the lane
-    // whose slot is this row (the last such, as above) - two loads per lane instead of 2K.
+    // The same for 4 columns of a row inside the array (the both-layouts kernel's full tiles).
     __device__ void load4_full(float v[4], int64_t row, int col) const {
         const int64_t t = seg_token[row];
+        const float w = slot_w[row];
         const float4 f = *reinterpret_cast<const float4 *>(dout + t * C + col);
-        float w = 0.0f;
-        if (K <= 32) {
-            const int lane = threadIdx.x & 31;
-            const float wk = lane < K ? topk_w[t * K + lane] : 0.0f;
-            const unsigned hit = __ballot_sync(0xffffffffu, lane < K && slot_of[t * K + lane] == row);
-            const float found = __shfl_sync(0xffffffffu, wk, hit ? 31 - __clz(hit) : 0);
-            w = hit ? found : 0.0f;
-        } else {
-            for (int k = 0; k < K; k++) {
-                const float wk = topk_w[t * K + k];
-                w = slot_of[t * K + k] == row ? wk : w;
-            }
-        }
         v[0] = __fmul_rn(w, f.x), v[1] = __fmul_rn(w, f.y), v[2] = __fmul_rn(w, f.z), v[3] = __fmul_rn(w, f.w);
     }
 };
+
+// slot_w[s] for the rows s < rows of the plan: topk_w[t,k] for t = seg_token[s] and the k whose slot_of entry is s
+// (the last such; 0 if none), one thread per row.
+__global__ void combine_slot_weights_kernel(float *slot_w, const int *seg_token, const int *slot_of,
+                                            const float *topk_w, int K, int rows) {
+    const int s = blockIdx.x * blockDim.x + threadIdx.x;
+    if (s >= rows) return;
+    const int64_t t = seg_token[s];
+    float w = 0.0f;
+    for (int k = 0; k < K; k++) w = slot_of[t * K + k] == s ? topk_w[t * K + k] : w;
+    slot_w[s] = w;
+}
 
 // The per-process device word that the kernels report the first bad element into, and a pinned host
 // word to read it back. The word holds NO_BAD_ELEMENT between checks: it is set once at allocation and
@@ -1015,9 +1010,15 @@ extern "C" int cuda_fp8_quantize_combine_grad_both_layouts_grouped(uint8_t *q1, 
                                                                    const int *slot_of, const real *topk_w, int K,
                                                                    int n_seg, const int *rows0, int C, char *err,
                                                                    size_t err_size) {
+    static Scratch slot_w_scratch;
+    const int rows = n_seg >= 1 && n_seg <= FP8_MAX_SEGMENTS ? rows0[n_seg] : 0;  // seg_table reports a bad n_seg
+    float *slot_w = (float *)cuda_scratch(&slot_w_scratch, (size_t)(rows > 0 ? rows : 1) * sizeof(float));
+    if (rows > 0) {
+        combine_slot_weights_kernel<<<ceil_div(rows, 256), 256>>>(slot_w, seg_token, slot_of, topk_w, K, rows);
+        CUDA_CHECK_LAUNCH("combine_slot_weights_kernel");
+    }
     return quantize_both_segments("fp8_quantize_combine_grad_both_layouts_grouped", "topk_w * dout", q1, s1, q2, s2,
-                                  CombineGradRows{dout, seg_token, slot_of, topk_w, K, C}, n_seg, rows0, C, err,
-                                  err_size);
+                                  CombineGradRows{dout, seg_token, slot_w, C}, n_seg, rows0, C, err, err_size);
 }
 
 extern "C" int cuda_fp8_quantize_128x1_transposed(uint8_t *q, float *s, const real *x, int T, int C, char *err,
