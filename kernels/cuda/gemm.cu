@@ -580,7 +580,7 @@ __global__ void bf16_to_float_rows_kernel(float *__restrict__ y, const uint16_t 
 // The token-order form (kernels.h DgradUnpermute): y (n_tok, cols) row t += sum over j < topk, in order, of the
 // n_src outputs' sum (in order) at row slot_of[t * topk + j] of x (bf16_to_float_rows_kernel's layout): the bits
 // of that kernel writing a (rows, cols) FP32 buffer and moe_unpermute_backward reading it, without the buffer.
-// One warp per token row and chunk of columns; each slot's segment is looked up once per warp.
+// One warp per token row and chunk of columns; the token's slots are looked up side by side, one lane per slot.
 template <bool VEC4, bool ADD>
 __global__ void bf16_unpermute_rows_kernel(float *__restrict__ y, const uint16_t *__restrict__ x, int n_src,
                                            int64_t src_stride, const __grid_constant__ SegTable seg, int cols, int ld,
@@ -604,21 +604,34 @@ __global__ void bf16_unpermute_rows_kernel(float *__restrict__ y, const uint16_t
             acc[i][0] = yr[c];
         }
     }
-    for (int j = 0; j < topk; j++) {
-        const int s = slot_of[(int64_t)t * topk + j];
-        const int g = segment_of(seg.rows0, seg.n, s);
-        const uint16_t *xr = x + (int64_t)(seg.p16[g] + s - seg.rows0[g]) * ld;
+    // Lane l finds slot j0 + l's row of x (its slot_of entry, then its segment), so the token's slots are looked up
+    // side by side instead of one chain of loads per slot; the rows go to every lane by shuffles, and with them
+    // known the data loads of consecutive slots do not wait for each other (x and y do not alias).
+    const int lane = threadIdx.x & 31;
+    for (int j0 = 0; j0 < topk; j0 += 32) {
+        int64_t my_row = 0;
+        if (j0 + lane < topk) {
+            const int s = slot_of[(int64_t)t * topk + j0 + lane];
+            const int g = segment_of(seg.rows0, seg.n, s);
+            my_row = seg.p16[g] + s - seg.rows0[g];
+        }
+        const int n_j = topk - j0 < 32 ? topk - j0 : 32;
+#pragma unroll 4
+        for (int j = 0; j < n_j; j++) {
+            const uint16_t *xr = x + __shfl_sync(0xffffffffu, my_row, j) * ld;
 #pragma unroll
-        for (int i = 0; i < CONV_STEPS; i++) {
-            const int c = c0 + i * 32 * per;
-            if (c >= cols) break;
-            if (VEC4) {
-                const float4 v =
-                    add_sources4(bf16x4_to_float4(*reinterpret_cast<const uint2 *>(xr + c)), xr, n_src, src_stride, c);
-                acc[i][0] = __fadd_rn(acc[i][0], v.x), acc[i][1] = __fadd_rn(acc[i][1], v.y);
-                acc[i][2] = __fadd_rn(acc[i][2], v.z), acc[i][3] = __fadd_rn(acc[i][3], v.w);
-            } else {
-                acc[i][0] = __fadd_rn(acc[i][0], add_sources1(bf16_bits_to_float(xr[c]), xr, n_src, src_stride, c));
+            for (int i = 0; i < CONV_STEPS; i++) {
+                const int c = c0 + i * 32 * per;
+                if (c >= cols) break;
+                if (VEC4) {
+                    const float4 v = add_sources4(bf16x4_to_float4(*reinterpret_cast<const uint2 *>(xr + c)), xr,
+                                                  n_src, src_stride, c);
+                    acc[i][0] = __fadd_rn(acc[i][0], v.x), acc[i][1] = __fadd_rn(acc[i][1], v.y);
+                    acc[i][2] = __fadd_rn(acc[i][2], v.z), acc[i][3] = __fadd_rn(acc[i][3], v.w);
+                } else {
+                    acc[i][0] =
+                        __fadd_rn(acc[i][0], add_sources1(bf16_bits_to_float(xr[c]), xr, n_src, src_stride, c));
+                }
             }
         }
     }
