@@ -199,7 +199,7 @@ int bench_attention_main(int argc, char **argv) {
 
     const size_t rows = (size_t)p.B * p.T;
     p.nq = rows * p.H * dqk, p.nkv = rows * p.H * (p.dn + p.dv), p.nr = rows * p.dr, p.nv = rows * p.H * p.dv;
-    const size_t ns = (size_t)attention_state_elems(DEVICE_CUDA, p.B, p.T, p.H);
+    const size_t ns = (size_t)attention_state_elems(DEVICE_CUDA, p.B, p.T, p.H, p.dn, p.dr, p.dv);
     enum { N_BUFS = 8 };
     float **bufs[N_BUFS] = {&p.q, &p.dq, &p.kv, &p.d_kv, &p.k_rope, &p.d_k_rope, &p.dout, &p.out};
     const size_t sizes[N_BUFS] = {p.nq, p.nq, p.nkv, p.nkv, p.nr, p.nr, p.nv, p.nv};
