@@ -135,10 +135,6 @@ void layer_scratch_alloc(ActsArena *ar, LayerScratch *s, const Dims *d, int has_
     s->t_rstd = ARENA_REALS(ar, N);
     s->t_kva = ARENA_REALS(ar, N * (d->kvr + d->dr));
     s->t_k_rope_raw = ARENA_REALS(ar, N * d->dr);
-    if (!attention_backward_reads_inputs(ar->dev)) {  // MLA's q and kv, transient there (mla_acts_alloc)
-        s->t_qf = ARENA_REALS(ar, NH * d->dqk);
-        s->t_kv = ARENA_REALS(ar, NH * (d->dn + d->dv));
-    }
     s->d_xn = ARENA_REALS(ar, N * d->D);
     if (d->qr > 0) {
         s->d_cq = ARENA_REALS(ar, N * d->qr);
@@ -152,6 +148,10 @@ void layer_scratch_alloc(ActsArena *ar, LayerScratch *s, const Dims *d, int has_
     s->d_k_rope_raw = ARENA_REALS(ar, N * d->dr);
     s->d_kv = ARENA_REALS(ar, NH * (d->dn + d->dv));
     s->d_o = ARENA_REALS(ar, NH * d->dv);
+    // MLA's q and kv where they are transient (mla_acts_alloc): the memory of their gradients, the same sizes. A
+    // block's forward is done with q and kv before it ends, and a chunk's backward, which writes d_qf and d_kv,
+    // never runs at the same time as its forward, so each chunk keeps no extra scratch for them.
+    if (!attention_backward_reads_inputs(ar->dev)) s->t_qf = s->d_qf, s->t_kv = s->d_kv;
     int64_t ffn_elems = N * d->inter;
     if (has_moe) {
         if (N * d->shared_I > ffn_elems) ffn_elems = N * d->shared_I;

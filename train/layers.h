@@ -117,7 +117,8 @@ typedef struct {
     real *t_xn, *t_rstd;                  // BlockActs' normalised inputs (N, D), and an rstd (N) to recompute them
     real *t_kva, *t_k_rope_raw;           // MlaActs' transients
     real *t_qf, *t_kv;                    // and its qf and kv where the attention backward does not read them
-                                          // (kernels.h attention_backward_reads_inputs); NULL elsewhere
+                                          // (kernels.h attention_backward_reads_inputs): d_qf's and d_kv's
+                                          // memory; NULL elsewhere
     real *t_h;                            // FfnActs' h, sized for the largest FFN (dense, shared, N*K x I); NULL
                                           // in fp8 mode, as d_a and d_b (linear.h SwigluScratch)
     real *t_xp;                           // MoeActs' xp (N*K, D), MoE chunks that gather it only
