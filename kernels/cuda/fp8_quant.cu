@@ -5,10 +5,9 @@
  * common.cuh); the plain forms are one segment of the same kernels; the fp8_quantize_swiglu_* forms are the
  * same kernels reading a SwiGLU value computed on the fly instead of an array, and
  * fp8_quantize_swiglu_grads_both_layouts_grouped is the both-layouts kernel holding two values, da and db, per
- * element; the both-layouts calls of SwiGLU values and of the combine's gradient run pipelined through shared memory
- * where the columns are whole tiles). They feed the cuBLASLt block-scaled
- * GEMMs of gemm.cu and must produce BIT-IDENTICAL FP8 data and scales to the CPU reference (kernels/cpu/fp8.c),
- * which tests/gpu/test_gpu_fp8.c checks.
+ * element; the both-layouts calls of the SwiGLU output and gradients run pipelined through shared memory where the
+ * columns are whole tiles). They feed the cuBLASLt block-scaled GEMMs of gemm.cu and must produce BIT-IDENTICAL
+ * FP8 data and scales to the CPU reference (kernels/cpu/fp8.c), which tests/gpu/test_gpu_fp8.c checks.
  *
  * Why they match the CPU bit for bit: per tile, amax is a max (exact in any order), s = amax / 448 is one
  * IEEE division (__fdiv_rn, no reciprocal), s = 1 when that is 0, and q = E4M3(x / s) is the correctly rounded
@@ -273,8 +272,9 @@ struct SwigluGradRows {
 // fp8_quantize_combine_grad_both_layouts_grouped): row s is w_s * dout[t], the product moe.cu's combine backward
 // stores, for t = seg_token[s] and w_s = slot_w[s], the weight topk_w[t,k] of the k whose slot_of entry is s
 // (combine_slot_weights_kernel, once per call). A row's two loads (its token, its weight) are independent, so only
-// its dout load waits for one of them; finding the weight among the token's K slots in every tile, as a ballot per
-// row, issued about a third more instructions and made each row a chain of three loads (ncu, 2026-12-06).
+// its dout load waits for one of them. Finding the weight among the token's K slots in every tile (two loads, a
+// ballot and a shuffle per row, after the token's load) left the kernel at 54% of DRAM bandwidth, its warps waiting
+// on loads 5.4 of every 14 cycles (ncu, H100, 2026-12-06); looked up once per call it is 27% faster.
 struct CombineGradRows {
     const float *dout;
     const int *seg_token;
@@ -669,8 +669,8 @@ struct BothSmem {
     float col_scale[NV][FP8_TILE], col_recip[NV][FP8_TILE];  // and their reciprocals (Fp8Divisor)
 };
 
-// Both layouts of one tile from the values v this thread holds (rows t0 + p of columns col..col + 3, as the kernel
-// below loads them), by all QBOTH_THREADS * NV threads of the block; the block's barriers are inside.
+// Both layouts of one tile from the values v this thread holds (rows t0 + p of columns col..col + 3, as the kernels
+// below load them), by all 32 x 128 / PASSES threads of the block; the block's barriers are inside.
 template <int NV, bool ROWWISE, int PASSES>
 __device__ __forceinline__ void quantize_tile(const BothOperands<NV> &out, float (&v)[NV][PASSES][4],
                                               const BothTile &tt, BothSmem<NV, FP8_TILE / PASSES> &sm, int C, int Kp,
@@ -793,10 +793,12 @@ __global__ void __launch_bounds__(QBOTH_THREADS * NV, 2 / NV)
 // tile's inputs are (STAGE_BYTES of them), copies them (stage) and gives each thread its values (values);
 // quantize_tile then does what it does for the kernel above, so the bytes and scales are the same. Rows past the
 // segment's end are zero-filled, and every staged source gives +0 for them, the value the kernel above pads with.
-// Measured on an H100 (docs/benchmarks.md, 2026-12-06): the SwiGLU gradients 9% and the SwiGLU output 8% faster than
-// the kernel above. Not for sources that only read: a plain array is at bandwidth from registers (two blocks per SM
-// keep the memory busy; its pipelined form was slower), and the combine's gradient, whose rows are gathered, was 22%
-// slower staged (one 64 KiB tile in flight per SM against two blocks' registers' worth).
+// Measured on an H100 (docs/benchmarks.md, 2026-12-06): the SwiGLU gradients 9% and the SwiGLU output 7% faster than
+// the kernel above, and then bound by their instruction issue (the gradients: 0.79 warps issued per scheduler and
+// cycle, DRAM at 38%; the sigmoid and the divisions per element are what is left). Not for sources that only read:
+// a plain array is at bandwidth from registers (two blocks per SM keep the memory busy; its pipelined form was
+// slower), and the combine's gradient, whose rows are gathered, was 22% slower staged (one 64 KiB tile in flight per
+// SM against two blocks' registers' worth).
 constexpr int PIPE_THREADS = 1024;
 constexpr int PIPE_PASSES = FP8_TILE / (PIPE_THREADS / 32);  // rows per thread: 4
 constexpr uint32_t BF16_TILE_BYTES = FP8_TILE * FP8_TILE * sizeof(uint16_t);
