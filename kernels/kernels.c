@@ -99,10 +99,16 @@ void rope_backward(Device dev, real *dinp, const real *dout, int ld, int B, int 
     cpu_rope_backward(dinp, dout, ld, B, T, H, D, theta);
 }
 
-int64_t attention_state_elems(Device dev, int B, int T, int H) {
-    if (dev == DEVICE_CUDA) return (int64_t)B * H * T;
+int64_t attention_state_elems(Device dev, int B, int T, int H, int Dn, int Dr, int Dv) {
+#ifdef FP8MOE_CUDA
+    if (dev == DEVICE_CUDA) return cuda_attention_state_elems(B, T, H, Dn, Dr, Dv);
+#endif
+    if (dev != DEVICE_CPU) no_cuda_op("attention_state_elems");
+    (void)Dn, (void)Dr, (void)Dv;
     return (int64_t)B * H * T * T;
 }
+
+int attention_backward_reads_inputs(Device dev) { return dev != DEVICE_CUDA; }
 
 void attention_forward(Device dev, real *out, real *state, const real *q, const real *kv, const real *k_rope, int B, int T, int H, int Dn, int Dr, int Dv) {
 #ifdef FP8MOE_CUDA

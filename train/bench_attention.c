@@ -15,8 +15,8 @@
  *
  * Timing: CUDA events around each of `runs` back-to-back calls (default 20) after 3 warm-up calls; the
  * median is reported, forward and backward separately. Each call includes the op's conversion pre-pass
- * (FP32 q, kv, k_rope -> BF16 head-major), and the backward the sum of the heads' rope-key gradients, as
- * the model pays them. Inputs are random (q in [-2, 2), kv, k_rope, dout in [-1, 1)), generated on the
+ * (the forward: FP32 q, kv, k_rope -> BF16 head-major, kept in the state for the backward; the backward: dout),
+ * and the backward the sum of the heads' rope-key gradients, as the model pays them. Inputs are random (q in [-2, 2), kv, k_rope, dout in [-1, 1)), generated on the
  * host once. After timing, forward and backward are run twice more
  * and compared bitwise (the op's determinism), and the outputs checked to be finite. All of this runs twice:
  * with the kernels the model uses (the Hopper wgmma ones where they serve the shape), then with the mma.sync
@@ -199,7 +199,7 @@ int bench_attention_main(int argc, char **argv) {
 
     const size_t rows = (size_t)p.B * p.T;
     p.nq = rows * p.H * dqk, p.nkv = rows * p.H * (p.dn + p.dv), p.nr = rows * p.dr, p.nv = rows * p.H * p.dv;
-    const size_t ns = (size_t)attention_state_elems(DEVICE_CUDA, p.B, p.T, p.H);
+    const size_t ns = (size_t)attention_state_elems(DEVICE_CUDA, p.B, p.T, p.H, p.dn, p.dr, p.dv);
     enum { N_BUFS = 8 };
     float **bufs[N_BUFS] = {&p.q, &p.dq, &p.kv, &p.d_kv, &p.k_rope, &p.d_k_rope, &p.dout, &p.out};
     const size_t sizes[N_BUFS] = {p.nq, p.nq, p.nkv, p.nkv, p.nr, p.nr, p.nv, p.nv};
@@ -229,7 +229,7 @@ int bench_attention_main(int argc, char **argv) {
     printf("FLOPs: forward = 2 B H (T (T+1) / 2) (dqk + dv) = %.4g, backward = 2.5 x forward = %.4g (the extra "
            "recomputation of the deterministic backward is not counted)\n", fwd_flop, bwd_flop);
     printf("time: median of %d back-to-back runs after %d warm-up (CUDA events), each including the op's BF16 "
-           "conversion pre-pass\n\n", runs, WARMUP);
+           "conversion pre-pass (the forward's of q, kv, k_rope; the backward's of dout)\n\n", runs, WARMUP);
 
     // the op as the model runs it, then with the Hopper kernels switched off: the mma.sync kernels on the same
     // shape, the comparison point (both rows show the same kernels where the Hopper ones do not serve the shape)

@@ -54,15 +54,18 @@ static void mla_acts_alloc(ActsArena *ar, MlaActs *a, const Dims *d, const Layer
         a->cq_rstd = ARENA_REALS(ar, N);
         a->cqn = ARENA_REALS(ar, (int64_t)N * d->qr);
     }
-    a->qf = ARENA_REALS(ar, (int64_t)NH * d->dqk);
+    // q and kv are read again by the attention backward only where attention_backward_reads_inputs (the CPU);
+    // the CUDA op keeps its own BF16 copies in the state, so there they are transient
+    const int keep_qkv = attention_backward_reads_inputs(ar->dev);
+    a->qf = keep_qkv ? ARENA_REALS(ar, (int64_t)NH * d->dqk) : s->t_qf;
     a->kva = s->t_kva;
     a->ckv = ARENA_REALS(ar, (int64_t)N * d->kvr);
     a->ckv_rstd = ARENA_REALS(ar, N);
     a->ckvn = ARENA_REALS(ar, (int64_t)N * d->kvr);
     a->k_rope_raw = s->t_k_rope_raw;
     a->k_rope = ARENA_REALS(ar, (int64_t)N * d->dr);
-    a->kv = ARENA_REALS(ar, (int64_t)NH * (d->dn + d->dv));
-    a->att = ARENA_REALS(ar, attention_state_elems(ar->dev, d->B, d->T, d->H));
+    a->kv = keep_qkv ? ARENA_REALS(ar, (int64_t)NH * (d->dn + d->dv)) : s->t_kv;
+    a->att = ARENA_REALS(ar, attention_state_elems(ar->dev, d->B, d->T, d->H, d->dn, d->dr, d->dv));
     a->o = ARENA_REALS(ar, (int64_t)NH * d->dv);
     a->xn_kept = kept_alloc(ar, keep, N, 1, d->D);
     a->cqn_kept = kept_alloc(ar, keep && d->qr > 0, N, 1, d->qr);
@@ -145,6 +148,10 @@ void layer_scratch_alloc(ActsArena *ar, LayerScratch *s, const Dims *d, int has_
     s->d_k_rope_raw = ARENA_REALS(ar, N * d->dr);
     s->d_kv = ARENA_REALS(ar, NH * (d->dn + d->dv));
     s->d_o = ARENA_REALS(ar, NH * d->dv);
+    // MLA's q and kv where they are transient (mla_acts_alloc): the memory of their gradients, the same sizes. A
+    // block's forward is done with q and kv before it ends, and a chunk's backward, which writes d_qf and d_kv,
+    // never runs at the same time as its forward, so each chunk keeps no extra scratch for them.
+    if (!attention_backward_reads_inputs(ar->dev)) s->t_qf = s->d_qf, s->t_kv = s->d_kv;
     int64_t ffn_elems = N * d->inter;
     if (has_moe) {
         if (N * d->shared_I > ffn_elems) ffn_elems = N * d->shared_I;

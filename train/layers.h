@@ -46,13 +46,14 @@ Dims dims_from_config(const Config *c, int B, int T);
 typedef struct {
     real *cq, *cq_rstd, *cqn;      // (N, qr), (N), (N, qr)     q_lora_rank > 0 only
     real *qf;                      // (N*H, dqk) = [q_nope ; RoPE(q_rope)] per head (the projection output, rope
-                                   // part rotated in place)
+                                   // part rotated in place; transient where the attention backward does not
+                                   // read it, kernels.h attention_backward_reads_inputs)
     real *kva;                     // (N, kvr + dr) = W_DKV x (transient)
     real *ckv, *ckv_rstd, *ckvn;   // (N, kvr) compressed kv, its rstd, normalised
     real *k_rope_raw;              // (N, dr) the rope key before RoPE (transient)
     real *k_rope;                  // (N, dr) after RoPE, shared by all heads
     real *kv;                      // (N, H*(dn+dv)) = W_UKV ckvn = [k_nope ; v] per head; with k_rope, the attention
-                                   // core's keys and values as it reads them (kernels.h)
+                                   // core's keys and values as it reads them (kernels.h; transient as qf)
     real *att;                     // attention backward state: attention_state_elems(dev, B, T, H) reals
     real *o;                       // (N, H*dv) attention output before W_O
     // fp8 mode: the Linear inputs' Wgrad operands kept from the forward (linear.h KeptInput; q NULL in other
@@ -115,6 +116,9 @@ typedef struct {
 typedef struct {
     real *t_xn, *t_rstd;                  // BlockActs' normalised inputs (N, D), and an rstd (N) to recompute them
     real *t_kva, *t_k_rope_raw;           // MlaActs' transients
+    real *t_qf, *t_kv;                    // and its qf and kv where the attention backward does not read them
+                                          // (kernels.h attention_backward_reads_inputs): d_qf's and d_kv's
+                                          // memory; NULL elsewhere
     real *t_h;                            // FfnActs' h, sized for the largest FFN (dense, shared, N*K x I); NULL
                                           // in fp8 mode, as d_a and d_b (linear.h SwigluScratch)
     real *t_xp;                           // MoeActs' xp (N*K, D), MoE chunks that gather it only

@@ -8,7 +8,7 @@
  * attention.cuh holds what both families share); everything else described here holds for both.
  *
  * Numerics (DESIGN.md section 4: the attention core stays BF16/FP32): q, k, v and dout are rounded to
- * BF16 (round-to-nearest-even) once per call by a conversion pre-pass; every product of two matrices
+ * BF16 (round-to-nearest-even) once by a conversion pre-pass; every product of two matrices
  * runs on the tensor cores (mma.sync m16n8k16, BF16 inputs, FP32 accumulation); the probabilities P
  * and the score gradients dS are rounded to BF16 only as MMA inputs; the softmax statistics (running
  * max m, running sum l, the log-sum-exp) and everything elementwise are FP32. The softmax works in
@@ -16,7 +16,8 @@
  * exp of the natural-log scores, one FP32 rounding of the folded constant apart).
  *
  * Backward state: instead of the (B, H, T, T) probabilities of the CPU reference, the forward writes
- * lse (B, H, T), the FP32 natural log-sum-exp of each query row's scaled scores; the backward
+ * lse (B, H, T), the FP32 natural log-sum-exp of each query row's scaled scores (and keeps its BF16
+ * operands after it, see the pre-pass); the backward
  * recomputes P = exp2(scale log2(e) q k^T - lse log2(e)) tile by tile. attention_backward is also
  * given the forward's output `out`, so D_i = sum_d dout_id out_id (the softmax backward's row term) is
  * one row-dot pass instead of a recomputation of the forward.
@@ -25,16 +26,18 @@
  * written where MLA keeps them: kv (B, T, H, Dn + Dv) = [k_nope ; v] per token and head, k_rope (B, T, Dr)
  * shared by every head; key (t, h) = [k_nope[t, h] ; k_rope[t]], Dqk = Dn + Dr.
  *
- * Pre-pass (one launch per call, plus one in the backward): q, k, v and dout are copied from FP32 into
- * BF16 scratch in head-major layout (B, H, Tpad, DP): DP = D rounded up to 16 (the MMA's k step), Tpad =
- * T rounded up to 128 (the largest tile), zeros in the padding. q and dout are read from (B, T, H, D);
- * each key row is assembled from kv's k_nope and the token's k_rope, each value row read from kv (Dn
- * floats into its row): the same BF16 values, in the same scratch, as per-head (B, T, H, D) copies of
- * the keys and values would give, so the kernels below see no difference. Every tile a kernel needs is
- * then one contiguous block of BF16 rows, copied to shared memory with 16-byte cp.async and no bounds
- * checks. The backward pre-pass also writes D and lse * log2(e) padded to (B, H, Tpad). The scratch is
- * the counted grow-on-demand cuda_scratch of common.cuh (process-wide; all ops run on the default
- * stream, so consecutive calls cannot overlap on it).
+ * Pre-pass (one launch in the forward, one in the backward): the forward copies q, k and v from FP32 into
+ * BF16 in head-major layout (B, H, Tpad, DP): DP = D rounded up to 16 (the MMA's k step), Tpad = T rounded
+ * up to 128 (the largest tile), zeros in the padding. q is read from (B, T, H, D); each key row is
+ * assembled from kv's k_nope and the token's k_rope, each value row read from kv (Dn floats into its row):
+ * the same BF16 values as per-head (B, T, H, D) copies of the keys and values would give, so the kernels
+ * below see no difference. These copies live in the backward state, after lse (state_layout), and the
+ * backward reads them there: q, kv and k_rope are converted once, not again in the backward, which does
+ * not read them at all. The backward pre-pass copies dout the same way and writes D and lse * log2(e)
+ * padded to (B, H, Tpad), into the counted grow-on-demand cuda_scratch of common.cuh (process-wide; all
+ * ops run on the default stream, so consecutive calls cannot overlap on it). Every tile a kernel needs
+ * is one contiguous block of BF16 rows, copied to shared memory with 16-byte cp.async and no bounds
+ * checks.
  *
  * Kernels (each output element is written by exactly one thread, sums in a fixed order, no atomics,
  * so every result is bitwise reproducible run to run):
@@ -640,9 +643,9 @@ static int pick_bm(size_t (*smem)(int, int, int), int DQP, int DVP) {
     return smem(128, DQP, DVP) <= smem_limit() ? 128 : 64;
 }
 
-// The BF16 copies of q, k, v, dout (B, H, Tpad, DP), the backward's D and lse2 (B, H, Tpad), and the per-head
-// rope-key gradients (B, T, H, Dr) that the backward sums over the heads into d_k_rope.
-static Scratch bf16_scratch, stats_scratch, rope_grad_scratch;
+// The backward's BF16 copy of dout (B, H, Tpad, DVP), its D and lse2 (B, H, Tpad), and the per-head rope-key
+// gradients (B, T, H, Dr) that it sums over the heads into d_k_rope.
+static Scratch dout_scratch, stats_scratch, rope_grad_scratch;
 
 static int wgmma_enabled = 1;  // cuda_attention_wgmma
 extern "C" int cuda_attention_wgmma(int enable) {
@@ -652,22 +655,54 @@ extern "C" int cuda_attention_wgmma(int enable) {
 }
 static bool use_wgmma(const Staged *s) { return wgmma_enabled && attention_wgmma_supported(s->DQP, s->DVP); }
 
-// q (B, T, H, Dqk), kv (B, T, H, Dn + Dv), k_rope (B, T, Dr) as in kernels.h.
-static Staged stage_inputs(const float *q, const float *kv, const float *k_rope, int B, int T, int H, int Dn, int Dr,
-                           int Dv, int with_stats) {
-    const int Dqk = Dn + Dr;
-    Staged s;
-    s.Tpad = (T + T_ALIGN - 1) / T_ALIGN * T_ALIGN, s.DQP = pad16(Dqk), s.DVP = pad16(Dv);
-    const size_t nq = (size_t)B * H * s.Tpad * s.DQP, nv = (size_t)B * H * s.Tpad * s.DVP;
-    // the forward asks for the backward's size too, so a training step grows the scratch only once
-    bf16 *base = (bf16 *)cuda_scratch(&bf16_scratch, sizeof(bf16) * (2 * nq + 2 * nv));
-    s.q = base, s.k = base + nq, s.v = base + 2 * nq, s.dout = base + 2 * nq + nv;
-    s.D = s.lse2 = NULL;
-    if (with_stats) {
-        const size_t ns = (size_t)B * H * s.Tpad;
-        s.D = (float *)cuda_scratch(&stats_scratch, sizeof(float) * 2 * ns);
-        s.lse2 = s.D + ns;
+// The state (kernels.h): lse (B, H, T) FP32, then the forward's staged BF16 q, k (B, H, Tpad, DQP) and v (B, H,
+// Tpad, DVP), each starting STATE_ALIGN bytes aligned (cudaMalloc's alignment, which the arena's state has).
+// Keeping them there spares the backward the conversion of q, kv and k_rope (a pass over about 370 MB per layer
+// at 8 x 2048 tokens), and lets MLA reuse q's and kv's FP32 memory after the forward (train/block.c).
+static const size_t STATE_ALIGN = 256;
+static size_t align_up(size_t n) { return (n + STATE_ALIGN - 1) / STATE_ALIGN * STATE_ALIGN; }
+
+struct StateLayout {
+    int Tpad, DQP, DVP;
+    size_t q_at, k_at, v_at, bytes;  // byte offsets in the state, and its size
+};
+
+static StateLayout state_layout(int B, int T, int H, int Dn, int Dr, int Dv) {
+    StateLayout l;
+    l.Tpad = (T + T_ALIGN - 1) / T_ALIGN * T_ALIGN, l.DQP = pad16(Dn + Dr), l.DVP = pad16(Dv);
+    const size_t nq = (size_t)B * H * l.Tpad * l.DQP, nv = (size_t)B * H * l.Tpad * l.DVP;
+    l.q_at = align_up(sizeof(float) * (size_t)B * H * T);
+    l.k_at = align_up(l.q_at + sizeof(bf16) * nq);
+    l.v_at = align_up(l.k_at + sizeof(bf16) * nq);
+    l.bytes = l.v_at + sizeof(bf16) * nv;
+    return l;
+}
+
+extern "C" int64_t cuda_attention_state_elems(int B, int T, int H, int Dn, int Dr, int Dv) {
+    if (B <= 0 || T <= 0 || H <= 0) return 0;
+    return (int64_t)((state_layout(B, T, H, Dn, Dr, Dv).bytes + sizeof(float) - 1) / sizeof(float));
+}
+
+// The staged operands that live in the state; dout, D and lse2 are the backward's to set.
+static Staged staged_in_state(const real *state, int B, int T, int H, int Dn, int Dr, int Dv) {
+    const StateLayout l = state_layout(B, T, H, Dn, Dr, Dv);
+    unsigned char *base = (unsigned char *)state;  // the kernels only read q, k, v in the backward
+    if ((uintptr_t)base % STATE_ALIGN != 0) {
+        fprintf(stderr, "fp8moe: attention (kernels/cuda/attention.cu): the state at %p is not %zu-byte aligned - "
+                        "expected a buffer of its own from device_alloc\n", (const void *)state, STATE_ALIGN);
+        exit(1);
     }
+    Staged s;
+    s.Tpad = l.Tpad, s.DQP = l.DQP, s.DVP = l.DVP;
+    s.q = (bf16 *)(base + l.q_at), s.k = (bf16 *)(base + l.k_at), s.v = (bf16 *)(base + l.v_at);
+    s.dout = NULL, s.D = s.lse2 = NULL;
+    return s;
+}
+
+// q (B, T, H, Dqk), kv (B, T, H, Dn + Dv), k_rope (B, T, Dr) as in kernels.h -> s's q, k, v.
+static void stage_inputs(const Staged &s, const float *q, const float *kv, const float *k_rope, int B, int T, int H,
+                         int Dn, int Dr, int Dv) {
+    const int Dqk = Dn + Dr;
     // q as it is; the key [k_nope from kv ; k_rope]; the value from kv (its rows Dn floats in)
     ConvertJobs jobs;
     const float *src1[3] = {q, kv, kv + Dn}, *src2[3] = {NULL, k_rope, NULL};
@@ -688,7 +723,6 @@ static Staged stage_inputs(const float *q, const float *kv, const float *k_rope,
     const dim3 grid((unsigned)(((size_t)s.Tpad * max_chunks + threads - 1) / threads), (unsigned)H, (unsigned)B);
     attention_to_bf16_kernel<<<grid, threads>>>(jobs, T, s.Tpad, H);
     CUDA_CHECK_LAUNCH("attention_to_bf16_kernel");
-    return s;
 }
 
 template <int DV_CAP>
@@ -703,13 +737,14 @@ static void launch_forward(float *out, float *lse, const Staged *s, int B, int T
     CUDA_CHECK_LAUNCH("attention_forward_kernel");
 }
 
-// state = lse (B, H, T), see kernels.h.
+// state = lse (B, H, T) and the staged q, k, v (state_layout), see kernels.h.
 extern "C" void cuda_attention_forward(real *out, real *state, const real *q, const real *kv, const real *k_rope,
                                        int B, int T, int H, int Dn, int Dr, int Dv) {
     check_shape("attention_forward", B, T, H, Dn, Dr, Dv);
     if (B <= 0 || T <= 0 || H <= 0) return;
     const int Dqk = Dn + Dr;
-    const Staged s = stage_inputs(q, kv, k_rope, B, T, H, Dn, Dr, Dv, 0);
+    const Staged s = staged_in_state(state, B, T, H, Dn, Dr, Dv);
+    stage_inputs(s, q, kv, k_rope, B, T, H, Dn, Dr, Dv);
     if (use_wgmma(&s)) {
         attention_wgmma_forward(out, state, &s, B, T, H, Dqk, Dv);
         return;
@@ -757,10 +792,12 @@ static void launch_dkv_any_dv(const DkvOut *o, const Staged *s, int B, int T, in
     }
 }
 
-// out = the forward's output, state = lse (B, H, T), both from cuda_attention_forward on the same q, kv, k_rope.
+// out = the forward's output, state its lse (B, H, T) and staged q, k, v, both from cuda_attention_forward; q, kv
+// and k_rope are not read (kernels.h attention_backward_reads_inputs).
 extern "C" void cuda_attention_backward(real *dq, real *d_kv, real *d_k_rope, const real *dout, const real *out,
                                         const real *state, const real *q, const real *kv, const real *k_rope, int B,
                                         int T, int H, int Dn, int Dr, int Dv) {
+    (void)q, (void)kv, (void)k_rope;
     check_shape("attention_backward", B, T, H, Dn, Dr, Dv);
     const int Dqk = Dn + Dr;
     const bool want_rope = d_k_rope != NULL && Dr > 0;
@@ -768,7 +805,11 @@ extern "C" void cuda_attention_backward(real *dq, real *d_kv, real *d_k_rope, co
     if (B <= 0 || T <= 0 || H <= 0 || (dq == NULL && o.dk_nope == NULL && !want_rope && o.dv == NULL)) return;
     const int64_t n_rope = (int64_t)B * T * Dr;
     if (want_rope) o.dk_rope = (float *)cuda_scratch(&rope_grad_scratch, sizeof(float) * (size_t)n_rope * H);
-    const Staged s = stage_inputs(q, kv, k_rope, B, T, H, Dn, Dr, Dv, 1);
+    Staged s = staged_in_state(state, B, T, H, Dn, Dr, Dv);
+    const size_t ns = (size_t)B * H * s.Tpad;
+    s.dout = (bf16 *)cuda_scratch(&dout_scratch, sizeof(bf16) * ns * s.DVP);
+    s.D = (float *)cuda_scratch(&stats_scratch, sizeof(float) * 2 * ns);
+    s.lse2 = s.D + ns;
     const int threads = 256;  // 8 rows (warps) per block; Tpad is a multiple of 8
     const dim3 prep_grid((unsigned)(s.Tpad / 8), (unsigned)H, (unsigned)B);
     attention_backward_prep_kernel<<<prep_grid, threads>>>(s.dout, s.D, s.lse2, dout, out, state, T, s.Tpad, H, Dv,

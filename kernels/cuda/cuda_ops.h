@@ -92,9 +92,11 @@ void cuda_bf16_matmul_forward_bf16(uint16_t *out, const real *inp, const real *w
 void cuda_bf16_matmul_backward_bf16(real *dinp, real *dweight, const uint16_t *dout, const real *inp,
                                     const real *weight, int N, int C, int OC);
 
-// Causal attention core, flash-style (kernels/cuda/attention.cu); state = lse (B, H, T), see kernels.h;
+// Causal attention core, flash-style (kernels/cuda/attention.cu); state = lse (B, H, T) and the staged BF16
+// q, k, v, see kernels.h;
 // the backward's out is the forward's output (B, T, H, Dv); kv (B, T, H, Dn + Dv) and k_rope (B, T, Dr) as in
 // kernels.h.
+int64_t cuda_attention_state_elems(int B, int T, int H, int Dn, int Dr, int Dv);
 void cuda_attention_forward(real *out, real *state, const real *q, const real *kv, const real *k_rope, int B, int T, int H, int Dn, int Dr, int Dv);
 void cuda_attention_backward(real *dq, real *d_kv, real *d_k_rope, const real *dout, const real *out, const real *state, const real *q, const real *kv, const real *k_rope, int B, int T, int H, int Dn, int Dr, int Dv);
 // Whether the attention core may run its Hopper kernels (kernels/cuda/attention_wgmma.cu) where they serve the

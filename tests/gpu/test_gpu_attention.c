@@ -17,10 +17,13 @@
  *   out, dq, d_kv,    against the f64 reference on BF16-ROUNDED inputs (tight: only the kernel's own
  *   d_k_rope          roundings remain) and against the CPU op on the FP32 inputs (looser: adds the
  *                     effect of rounding the inputs to BF16);
- *   state             = (B, H, T) log-sum-exp (kernels.h), against the f64 reference; nothing beyond it
- *                     is written; attention_state_elems gives the documented sizes;
+ *   state             starts with the (B, H, T) log-sum-exp (kernels.h), against the f64 reference; nothing
+ *                     beyond attention_state_elems is written, which gives the documented sizes;
  *   determinism       forward and backward run twice: bitwise identical;
  *   NULL gradients    dq alone, d_kv alone, d_k_rope alone: bitwise the same as in the full call;
+ *   inputs gone       the backward with q, kv and k_rope overwritten by NaN after the forward: the same
+ *                     gradients bitwise (it reads the BF16 copies in the state, as
+ *                     attention_backward_reads_inputs says);
  *   one head at a time  H = 1 calls on each head's q, kv, dout (the same k_rope): out and d_kv bitwise the
  *                     H-head call's head h, and d_k_rope bitwise ((0 + g_0) + g_1) + ... + g_{H-1} of the
  *                     single-head calls' rope gradients, added on the host: the reduction's head order;
@@ -337,13 +340,21 @@ static void test_attention(void **state) {
     snprintf(shape, sizeof shape, "(%d,%d,%d,%d+%d,%d)%s", B, T, H, Dn, Dr, Dv, c->mma_only ? " mma" : "");
     const int wgmma_before = cuda_attention_wgmma(!c->mma_only);
     const int64_t N = (int64_t)B * T, nq = N * H * Dqk, nkv = N * H * ld, nr = N * Dr, nv = N * H * Dv;
-    const int64_t ns = (int64_t)B * H * T;
+    const int64_t ns = (int64_t)B * H * T;  // the state's lse
+    const int64_t n_state = attention_state_elems(DEVICE_CUDA, B, T, H, Dn, Dr, Dv);
     const uint64_t seed = (uint64_t)B * 1000003u + (uint64_t)T * 1009u + (uint64_t)Dn * 131u + (uint64_t)Dr * 31u +
                           (uint64_t)Dv;
 
-    // the documented state sizes
-    assert_int_equal(attention_state_elems(DEVICE_CUDA, B, T, H), ns);
-    assert_int_equal(attention_state_elems(DEVICE_CPU, B, T, H), ns * T);
+    // the documented state sizes: CUDA's lse and, after it, the BF16 q, k (B, H, Tpad, DQP) and v (B, H, Tpad, DVP)
+    // at 256-byte boundaries (Tpad = T up to 128, DQP and DVP up to 16; counted here from kernels.h's layout)
+    {
+        const int64_t Tpad = (T + 127) / 128 * 128, DQP = (Dqk + 15) / 16 * 16, DVP = (Dv + 15) / 16 * 16;
+        const int64_t nq = (int64_t)B * H * Tpad * DQP * 2, nvb = (int64_t)B * H * Tpad * DVP * 2;
+        const int64_t q_at = (ns * 4 + 255) / 256 * 256, k_at = (q_at + nq + 255) / 256 * 256;
+        const int64_t v_at = (k_at + nq + 255) / 256 * 256;
+        assert_int_equal(n_state, (v_at + nvb + 3) / 4);
+    }
+    assert_int_equal(attention_state_elems(DEVICE_CPU, B, T, H, Dn, Dr, Dv), ns * T);
 
     float *q = floats(nq), *kv = floats(nkv), *k_rope = floats(nr), *dout = floats(nv);
     float *dq0 = floats(nq), *dkv0 = floats(nkv), *dkr0 = floats(nr);
@@ -381,11 +392,11 @@ static void test_attention(void **state) {
     // GPU: out and state (with a tail that must stay untouched) poisoned
     const int64_t tail = 64;
     float *d_q = gpu_copy_of(q, nq), *d_kv = gpu_copy_of(kv, nkv), *d_kr = Dr > 0 ? gpu_copy_of(k_rope, nr) : NULL;
-    float *d_dout = gpu_copy_of(dout, nv), *d_out = gpu_nan_floats(nv), *d_state = gpu_nan_floats(ns + tail);
+    float *d_dout = gpu_copy_of(dout, nv), *d_out = gpu_nan_floats(nv), *d_state = gpu_nan_floats(n_state + tail);
     float *d_dq = gpu_copy_of(dq0, nq), *d_dkv = gpu_copy_of(dkv0, nkv), *d_dkr = Dr > 0 ? gpu_copy_of(dkr0, nr) : NULL;
     attention_forward(DEVICE_CUDA, d_out, d_state, d_q, d_kv, d_kr, B, T, H, Dn, Dr, Dv);
     attention_backward(DEVICE_CUDA, d_dq, d_dkv, d_dkr, d_dout, d_out, d_state, d_q, d_kv, d_kr, B, T, H, Dn, Dr, Dv);
-    float *g_out = host_copy_of(d_out, nv), *g_state = host_copy_of(d_state, ns + tail);
+    float *g_out = host_copy_of(d_out, nv), *g_state = host_copy_of(d_state, n_state + tail);
     float *g_dq = host_copy_of(d_dq, nq), *g_dkv = host_copy_of(d_dkv, nkv), *g_dkr = host_copy_of(d_dkr, nr);
 
     // tolerances (file comment)
@@ -435,13 +446,13 @@ static void test_attention(void **state) {
     ok &= check_output(shape, "d_kv", g_dkv, c_dkv, ref_dkv, tol_dkv_ref, tol_dkv_cpu, mag_dkv, nkv);
     if (Dr > 0) ok &= check_output(shape, "d_k_rope", g_dkr, c_dkr, ref_dkr, tol_dkr_ref, tol_dkr_cpu, mag_dkr, nr);
     int64_t tail_written = 0;
-    for (int64_t i = ns; i < ns + tail; i++) tail_written += !isnan(g_state[i]);
-    printf("%-24s %-30s %28s  %s\n", shape, "state beyond (B,H,T)", tail_written ? "WRITTEN" : "untouched",
+    for (int64_t i = n_state; i < n_state + tail; i++) tail_written += !isnan(g_state[i]);
+    printf("%-24s %-30s %28s  %s\n", shape, "beyond attention_state_elems", tail_written ? "WRITTEN" : "untouched",
            tail_written ? "FAIL" : "ok");
     ok &= tail_written == 0;
 
     // determinism: the same calls again, bitwise
-    float *d_out2 = gpu_nan_floats(nv), *d_state2 = gpu_nan_floats(ns);
+    float *d_out2 = gpu_nan_floats(nv), *d_state2 = gpu_nan_floats(n_state);
     attention_forward(DEVICE_CUDA, d_out2, d_state2, d_q, d_kv, d_kr, B, T, H, Dn, Dr, Dv);
     upload(d_dq, dq0, nq), upload(d_dkv, dkv0, nkv), upload(d_dkr, dkr0, nr);
     attention_backward(DEVICE_CUDA, d_dq, d_dkv, d_dkr, d_dout, d_out2, d_state2, d_q, d_kv, d_kr, B, T, H, Dn, Dr, Dv);
@@ -463,6 +474,24 @@ static void test_attention(void **state) {
     ok &= check_bitwise(shape, "d_kv alone", g_dkv, h_dkv3, nkv);
     if (Dr > 0) ok &= check_bitwise(shape, "d_k_rope alone", g_dkr, h_dkr3, nr);
 
+    // The backward does not read q, kv and k_rope (kernels.h attention_backward_reads_inputs: MLA reuses their
+    // memory): with them overwritten by NaN after the forward, the same gradients, bitwise.
+    assert_int_equal(attention_backward_reads_inputs(DEVICE_CUDA), 0);
+    assert_int_equal(attention_backward_reads_inputs(DEVICE_CPU), 1);
+    {
+        float *nan_q = gpu_nan_floats(nq), *nan_kv = gpu_nan_floats(nkv), *nan_kr = Dr > 0 ? gpu_nan_floats(nr) : NULL;
+        upload(d_dq, dq0, nq), upload(d_dkv, dkv0, nkv), upload(d_dkr, dkr0, nr);
+        attention_backward(DEVICE_CUDA, d_dq, d_dkv, d_dkr, d_dout, d_out, d_state, nan_q, nan_kv, nan_kr, B, T, H, Dn,
+                           Dr, Dv);
+        float *h_dq4 = host_copy_of(d_dq, nq), *h_dkv4 = host_copy_of(d_dkv, nkv), *h_dkr4 = host_copy_of(d_dkr, nr);
+        ok &= check_bitwise(shape, "inputs gone: dq", g_dq, h_dq4, nq);
+        ok &= check_bitwise(shape, "inputs gone: d_kv", g_dkv, h_dkv4, nkv);
+        if (Dr > 0) ok &= check_bitwise(shape, "inputs gone: d_k_rope", g_dkr, h_dkr4, nr);
+        device_free(DEVICE_CUDA, nan_q), device_free(DEVICE_CUDA, nan_kv);
+        if (nan_kr) device_free(DEVICE_CUDA, nan_kr);
+        free(h_dq4), free(h_dkv4), free(h_dkr4);
+    }
+
     // One head at a time (H = 1 calls on head h's q, kv and dout, the same k_rope): each head's blocks compute
     // exactly what they compute among H heads, so out and d_kv must match the H-head call's head h bitwise, and
     // d_k_rope must be the heads' rope-key gradients added on the host in head order from 0.0f - the kernels.h
@@ -470,7 +499,8 @@ static void test_attention(void **state) {
     {
         float *qh = floats(N * Dqk), *kvh = floats(N * ld), *doh = floats(N * Dv), *sum = floats(nr);
         float *d_qh = gpu_nan_floats(N * Dqk), *d_kvh = gpu_nan_floats(N * ld), *d_doh = gpu_nan_floats(N * Dv);
-        float *d_oh = gpu_nan_floats(N * Dv), *d_sh = gpu_nan_floats(N), *d_dkvh = gpu_nan_floats(N * ld);
+        float *d_oh = gpu_nan_floats(N * Dv), *d_dkvh = gpu_nan_floats(N * ld);
+        float *d_sh = gpu_nan_floats(attention_state_elems(DEVICE_CUDA, B, T, 1, Dn, Dr, Dv));
         float *d_dkrh = Dr > 0 ? gpu_nan_floats(nr) : NULL;
         for (int64_t i = 0; i < nr; i++) sum[i] = 0.0f;
         int64_t differ_out = 0, differ_kv = 0;
