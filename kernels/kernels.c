@@ -104,11 +104,8 @@ int64_t attention_state_elems(Device dev, int B, int T, int H, int Dn, int Dr, i
     if (dev == DEVICE_CUDA) return cuda_attention_state_elems(B, T, H, Dn, Dr, Dv);
 #endif
     if (dev != DEVICE_CPU) no_cuda_op("attention_state_elems");
-    (void)Dn, (void)Dr, (void)Dv;
-    return (int64_t)B * H * T * T;
+    return cpu_attention_state_elems(B, T, H, Dn, Dr, Dv);
 }
-
-int attention_backward_reads_inputs(Device dev) { return dev != DEVICE_CUDA; }
 
 void attention_forward(Device dev, real *out, real *state, const real *q, const real *kv, const real *k_rope, int B, int T, int H, int Dn, int Dr, int Dv) {
 #ifdef FP8MOE_CUDA
@@ -118,13 +115,26 @@ void attention_forward(Device dev, real *out, real *state, const real *q, const 
     cpu_attention_forward(out, state, q, kv, k_rope, B, T, H, Dn, Dr, Dv);
 }
 
-void attention_backward(Device dev, real *dq, real *d_kv, real *d_k_rope, const real *dout, const real *out, const real *state, const real *q, const real *kv, const real *k_rope, int B, int T, int H, int Dn, int Dr, int Dv) {
+void attention_forward_bf16(Device dev, real *out, real *state, const uint16_t *q16, int64_t ldq, const uint16_t *kv16,
+                            int64_t ldkv, const real *k_rope, int B, int T, int H, int Dn, int Dr, int Dv,
+                            real rope_theta) {
 #ifdef FP8MOE_CUDA
-    if (dev == DEVICE_CUDA) { cuda_attention_backward(dq, d_kv, d_k_rope, dout, out, state, q, kv, k_rope, B, T, H, Dn, Dr, Dv); return; }
+    if (dev == DEVICE_CUDA) {
+        cuda_attention_forward_bf16(out, state, q16, ldq, kv16, ldkv, k_rope, B, T, H, Dn, Dr, Dv, rope_theta);
+        return;
+    }
+#endif
+    if (dev != DEVICE_CPU) no_cuda_op("attention_forward_bf16");
+    cpu_attention_forward_bf16(out, state, q16, ldq, kv16, ldkv, k_rope, B, T, H, Dn, Dr, Dv, rope_theta);
+}
+
+void attention_backward(Device dev, real *dq, real *d_kv, real *d_k_rope, const real *dout, const real *out, const real *state, int B, int T, int H, int Dn, int Dr, int Dv) {
+#ifdef FP8MOE_CUDA
+    if (dev == DEVICE_CUDA) { cuda_attention_backward(dq, d_kv, d_k_rope, dout, out, state, B, T, H, Dn, Dr, Dv); return; }
 #endif
     if (dev != DEVICE_CPU) no_cuda_op("attention_backward");
     (void)out;  // the CPU reference takes D from its stored probabilities (kernels/cpu/attention.c)
-    cpu_attention_backward(dq, d_kv, d_k_rope, dout, state, q, kv, k_rope, B, T, H, Dn, Dr, Dv);
+    cpu_attention_backward(dq, d_kv, d_k_rope, dout, state, B, T, H, Dn, Dr, Dv);
 }
 
 void swiglu_forward(Device dev, real *out, const real *a, const real *b, int64_t n) {

@@ -113,27 +113,33 @@ void rope_backward(Device dev, real *dinp, const real *dout, int ld, int B, int 
 // The key of (token t, head h) is k[t,h] = [kv[t,h,0:Dn] ; k_rope[t,0:Dr]], its value v[t,h] = kv[t,h,Dn:Dn+Dv]:
 // both are read where they lie, so MLA makes no per-head copies of them. Dn or Dr may be 0 (Dqk >= 1).
 //   out (B, T, H, Dv):  out[t] = sum_{t2 <= t} softmax_t2(scale q[t] . k[t2]) v[t2], scale = 1/sqrt(Dqk).
-// `state` is the backward state: written by attention_forward, read by attention_backward on the same
-// q, kv, k_rope. Its size and contents depend on the device; allocate attention_state_elems(dev, B, T, H, Dn, Dr,
-// Dv) reals:
+// `state` is the backward state: written by attention_forward (or attention_forward_bf16), read by
+// attention_backward, which reads nothing else of the forward's but `out`: the state holds the operands the
+// backward needs, so a caller may reuse q's and kv's memory after the forward. Its size and contents depend on the
+// device; allocate attention_state_elems(dev, B, T, H, Dn, Dr, Dv) reals:
 //   DEVICE_CPU  (B, H, T, T): the softmax probabilities state[b,h,t,t2] (the reference materialises
-//               them; entries above the diagonal are 0).
+//               them; entries above the diagonal are 0), then copies of q, kv and k_rope as given.
 //   DEVICE_CUDA (B, H, T) first: FP32 log-sum-exp of each query row, state[b,h,t] = log sum_{t2 <= t}
 //               exp(scale q[t] . k[t2]) (natural log, scores from BF16-rounded q and k); the backward
 //               recomputes the probabilities from it (flash-style, T x T is never stored). Then the BF16 copies
 //               of q, the keys and the values that the forward's tensor-core products read (attention.cu's
 //               padded layout): the backward reads those instead of converting q, kv and k_rope again.
-// attention_backward_reads_inputs(dev) says whether attention_backward reads q, kv and k_rope (the CPU reference
-// does; the CUDA op does not, its state holds what it needs), so whether a caller must keep them from the forward
-// to the backward or may reuse their memory in between.
 // CUDA numerics: q, k, v (and dout in the backward) are rounded to BF16 and multiplied on tensor cores
 // with FP32 accumulation; softmax statistics are FP32; probabilities and score gradients are rounded to
 // BF16 as inputs of the second product. CUDA results agree with the CPU to the BF16 tolerances stated in
 // tests/gpu/test_gpu_attention.c, not to FP32 rounding. Head dims Dqk, Dv 1..256 on CUDA.
 int64_t attention_state_elems(Device dev, int B, int T, int H, int Dn, int Dr, int Dv);
-int attention_backward_reads_inputs(Device dev);
 void attention_forward(Device dev, real *out, real *state, const real *q, const real *kv, const real *k_rope,
                        int B, int T, int H, int Dn, int Dr, int Dv);
+// attention_forward on MLA's BF16 products (fp8 mode: kernels.h fp8_gemm_fprop_grouped_bf16's rows), without
+// FP32 copies of them: q16 is the query projection's product BEFORE RoPE, row (b, t) = H heads of Dqk values at
+// q16 + (b T + t) ldq; kv16 is W_UKV's, row (b, t) = H heads of [k_nope ; v] at kv16 + (b T + t) ldkv; k_rope (B,
+// T, Dr) FP32 after RoPE, as above. The op rotates each head's last Dr query values as rope_forward (ld = Dqk,
+// angle t theta^(-2j/Dr)) rotates the values of the BF16 bits, and then attends: the same out and state, bit for
+// bit, as widening q16 and kv16 to FP32, rope_forward on the query and attention_forward.
+void attention_forward_bf16(Device dev, real *out, real *state, const uint16_t *q16, int64_t ldq, const uint16_t *kv16,
+                            int64_t ldkv, const real *k_rope, int B, int T, int H, int Dn, int Dr, int Dv,
+                            real rope_theta);
 // Gradients, each WRITTEN (old contents never read; a NULL one is skipped, d_k_rope also when Dr = 0):
 //   dq (B,T,H,Dqk);  d_kv (B,T,H,Dn+Dv) = [dk_nope ; dv] per token and head, kv's layout;
 //   d_k_rope (B,T,Dr) = the sum over heads of each head's rope-key gradient g_h (the last Dr columns of its
@@ -141,14 +147,11 @@ void attention_forward(Device dev, real *out, real *state, const real *q, const 
 //   + g_{H-1}, as a zeroed buffer gets when the heads' gradients are added to it one at a time. Both devices form
 //   every g_h in full before the sum (the CUDA op in an FP32 (B,T,H,Dr) scratch), so the order is fixed and no
 //   atomics are used.
-// dout (B,T,H,Dv). out (B,T,H,Dv) and state are what attention_forward wrote for the same q, kv, k_rope (which
-// the CUDA op does not read again: see attention_backward_reads_inputs). The
-// CUDA op takes the softmax backward's row term D[t] = dout[t] . out[t] from out (no recomputation of the
-// forward); the CPU reference computes it from the stored probabilities (sum_t2 att[t,t2] (dout[t] . v[t2])),
-// as before, and does not read out.
+// dout (B,T,H,Dv). out (B,T,H,Dv) and state are what the forward wrote. The CUDA op takes the softmax backward's
+// row term D[t] = dout[t] . out[t] from out (no recomputation of the forward); the CPU reference computes it from
+// the stored probabilities (sum_t2 att[t,t2] (dout[t] . v[t2])), as before, and does not read out.
 void attention_backward(Device dev, real *dq, real *d_kv, real *d_k_rope, const real *dout, const real *out,
-                        const real *state, const real *q, const real *kv, const real *k_rope, int B, int T, int H,
-                        int Dn, int Dr, int Dv);
+                        const real *state, int B, int T, int H, int Dn, int Dr, int Dv);
 
 // ---------------------------------------------------------------------------- SwiGLU
 // elementwise over n: out = silu(a) * b, silu(a) = a * sigmoid(a)   (a = w1 x, b = w3 x)

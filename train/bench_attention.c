@@ -88,8 +88,8 @@ static void run_forward(Problem *p) {
     attention_forward(DEVICE_CUDA, p->out, p->state, p->q, p->kv, p->k_rope, p->B, p->T, p->H, p->dn, p->dr, p->dv);
 }
 static void run_backward(Problem *p) {
-    attention_backward(DEVICE_CUDA, p->dq, p->d_kv, p->d_k_rope, p->dout, p->out, p->state, p->q, p->kv, p->k_rope,
-                       p->B, p->T, p->H, p->dn, p->dr, p->dv);
+    attention_backward(DEVICE_CUDA, p->dq, p->d_kv, p->d_k_rope, p->dout, p->out, p->state, p->B, p->T, p->H, p->dn,
+                       p->dr, p->dv);
 }
 
 static int cmp_float(const void *a, const void *b) {

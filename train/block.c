@@ -54,17 +54,15 @@ static void mla_acts_alloc(ActsArena *ar, MlaActs *a, const Dims *d, const Layer
         a->cq_rstd = ARENA_REALS(ar, N);
         a->cqn = ARENA_REALS(ar, (int64_t)N * d->qr);
     }
-    // q and kv are read again by the attention backward only where attention_backward_reads_inputs (the CPU);
-    // the CUDA op keeps its own BF16 copies in the state, so there they are transient
-    const int keep_qkv = attention_backward_reads_inputs(ar->dev);
-    a->qf = keep_qkv ? ARENA_REALS(ar, (int64_t)NH * d->dqk) : s->t_qf;
+    // q and kv are transient: the attention state keeps what its backward reads (kernels.h)
+    a->qf = s->t_qf, a->kv = s->t_kv;
+    a->q16 = s->t_q16, a->kv16 = s->t_kv16;
     a->kva = s->t_kva;
     a->ckv = ARENA_REALS(ar, (int64_t)N * d->kvr);
     a->ckv_rstd = ARENA_REALS(ar, N);
     a->ckvn = ARENA_REALS(ar, (int64_t)N * d->kvr);
     a->k_rope_raw = s->t_k_rope_raw;
     a->k_rope = ARENA_REALS(ar, (int64_t)N * d->dr);
-    a->kv = keep_qkv ? ARENA_REALS(ar, (int64_t)NH * (d->dn + d->dv)) : s->t_kv;
     a->att = ARENA_REALS(ar, attention_state_elems(ar->dev, d->B, d->T, d->H, d->dn, d->dr, d->dv));
     a->o = ARENA_REALS(ar, (int64_t)NH * d->dv);
     a->xn_kept = kept_alloc(ar, keep, N, 1, d->D);
@@ -128,7 +126,14 @@ void block_acts_alloc(ActsArena *ar, BlockActs *a, const Dims *d, int is_moe, co
     }
 }
 
-void layer_scratch_alloc(ActsArena *ar, LayerScratch *s, const Dims *d, int has_moe, int needs_xp, int gate_values,
+// n BF16 values (a transient of the forward) in the memory of grad, a gradient of grad_elems reals that is written
+// only in the backward, when they fit there; else in memory of their own.
+static uint16_t *bf16_in_grad(ActsArena *ar, real *grad, int64_t grad_elems, int64_t n) {
+    if ((size_t)n * sizeof(uint16_t) <= (size_t)grad_elems * sizeof(real)) return (uint16_t *)grad;
+    return arena_alloc(ar, (size_t)n * sizeof(uint16_t));
+}
+
+void layer_scratch_alloc(ActsArena *ar, LayerScratch *s, const Dims *d, int has_moe, int needs_xp, int fp8_fused,
                          int needs_d_eout, int shares_fprop) {
     int64_t N = d->N, NH = (int64_t)d->N * d->H, NK = (int64_t)d->N * d->K;
     s->t_xn = ARENA_REALS(ar, N * d->D);
@@ -148,10 +153,14 @@ void layer_scratch_alloc(ActsArena *ar, LayerScratch *s, const Dims *d, int has_
     s->d_k_rope_raw = ARENA_REALS(ar, N * d->dr);
     s->d_kv = ARENA_REALS(ar, NH * (d->dn + d->dv));
     s->d_o = ARENA_REALS(ar, NH * d->dv);
-    // MLA's q and kv where they are transient (mla_acts_alloc): the memory of their gradients, the same sizes. A
-    // block's forward is done with q and kv before it ends, and a chunk's backward, which writes d_qf and d_kv,
-    // never runs at the same time as its forward, so each chunk keeps no extra scratch for them.
-    if (!attention_backward_reads_inputs(ar->dev)) s->t_qf = s->d_qf, s->t_kv = s->d_kv;
+    // MLA's transient q and kv (mla_acts_alloc), or their BF16 products: the memory of their gradients. A block's
+    // forward is done with them before it ends, and a chunk's backward, which writes d_qf and d_kv, never runs at
+    // the same time as its forward, so each chunk keeps no extra scratch for them.
+    s->t_qf = s->d_qf, s->t_kv = s->d_kv;
+    if (fp8_fused && d->qr > 0) {
+        s->t_q16 = bf16_in_grad(ar, s->d_qf, NH * d->dqk, bf16_rows_elems(N, d->H * d->dqk));
+        s->t_kv16 = bf16_in_grad(ar, s->d_kv, NH * (d->dn + d->dv), bf16_rows_elems(N, d->H * (d->dn + d->dv)));
+    }
     int64_t ffn_elems = N * d->inter;
     if (has_moe) {
         if (N * d->shared_I > ffn_elems) ffn_elems = N * d->shared_I;
@@ -171,7 +180,7 @@ void layer_scratch_alloc(ActsArena *ar, LayerScratch *s, const Dims *d, int has_
                                          .C = d->D};
         }
     }
-    if (gate_values) {
+    if (!fp8_fused) {
         s->t_h = ARENA_REALS(ar, ffn_elems);
         s->d_a = ARENA_REALS(ar, ffn_elems);
         s->d_b = ARENA_REALS(ar, ffn_elems);

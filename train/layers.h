@@ -46,14 +46,17 @@ Dims dims_from_config(const Config *c, int B, int T);
 typedef struct {
     real *cq, *cq_rstd, *cqn;      // (N, qr), (N), (N, qr)     q_lora_rank > 0 only
     real *qf;                      // (N*H, dqk) = [q_nope ; RoPE(q_rope)] per head (the projection output, rope
-                                   // part rotated in place; transient where the attention backward does not
-                                   // read it, kernels.h attention_backward_reads_inputs)
+                                   // part rotated in place; transient: the attention state keeps what the
+                                   // backward reads)
     real *kva;                     // (N, kvr + dr) = W_DKV x (transient)
     real *ckv, *ckv_rstd, *ckvn;   // (N, kvr) compressed kv, its rstd, normalised
     real *k_rope_raw;              // (N, dr) the rope key before RoPE (transient)
     real *k_rope;                  // (N, dr) after RoPE, shared by all heads
     real *kv;                      // (N, H*(dn+dv)) = W_UKV ckvn = [k_nope ; v] per head; with k_rope, the attention
                                    // core's keys and values as it reads them (kernels.h; transient as qf)
+    uint16_t *q16, *kv16;          // fp8 mode's fused paths with q_lora_rank > 0, instead of qf and kv: the
+                                   // projections' BF16 products, q16 before RoPE (linear_forward_bf16, kernels.h
+                                   // attention_forward_bf16; transient); NULL elsewhere
     real *att;                     // attention backward state: attention_state_elems(dev, B, T, H) reals
     real *o;                       // (N, H*dv) attention output before W_O
     // fp8 mode: the Linear inputs' Wgrad operands kept from the forward (linear.h KeptInput; q NULL in other
@@ -116,9 +119,9 @@ typedef struct {
 typedef struct {
     real *t_xn, *t_rstd;                  // BlockActs' normalised inputs (N, D), and an rstd (N) to recompute them
     real *t_kva, *t_k_rope_raw;           // MlaActs' transients
-    real *t_qf, *t_kv;                    // and its qf and kv where the attention backward does not read them
-                                          // (kernels.h attention_backward_reads_inputs): d_qf's and d_kv's
-                                          // memory; NULL elsewhere
+    real *t_qf, *t_kv;                    // and its qf and kv: d_qf's and d_kv's memory
+    uint16_t *t_q16, *t_kv16;             // and its q16 and kv16 (fp8_fused, q_lora_rank > 0): in d_qf's and d_kv's
+                                          // memory where they fit; NULL elsewhere
     real *t_h;                            // FfnActs' h, sized for the largest FFN (dense, shared, N*K x I); NULL
                                           // in fp8 mode, as d_a and d_b (linear.h SwigluScratch)
     real *t_xp;                           // MoeActs' xp (N*K, D), MoE chunks that gather it only
@@ -136,15 +139,16 @@ typedef struct {
 
 // The chunk's scratch first, then each block's activations, whose transients point into it. The scratch's flags:
 // has_moe, any block of the chunk is a MoE block; needs_xp, its MoE blocks gather their experts' inputs
-// (!moe_experts_read_tokens); gate_values, the FFNs write their gate's h, d_h, d_a and d_b in FP32, as bf16 and fp32
-// do (fp8 computes h, d_a and d_b in its quantisers and keeps d_h in BF16, linear.h); needs_d_eout, the combine
+// (!moe_experts_read_tokens); fp8_fused, the chunk runs fp8 mode's fused paths (linear_fp8_fused): the FFNs compute
+// their gate's h, d_a and d_b in the quantisers and keep d_h in BF16 (linear.h; bf16 and fp32 write them in FP32),
+// and MLA keeps its queries and keys/values as their projections' BF16 products (t_q16, t_kv16); needs_d_eout, the combine
 // backward writes the experts' output gradient (!moe_combine_grad_in_quantiser); shares_fprop, the MoE blocks'
 // experts share their input's Fprop operand (FfnActs). keep_inputs (fp8 mode): the blocks keep their Linear inputs'
 // Wgrad operands and their FFN gates' inputs in BF16 (MlaActs, FfnActs). bf16_expert_outputs
 // (moe_combine_grad_in_quantiser): the MoE blocks keep their routed experts' outputs as w2's BF16 product (eout_bf16)
 // instead of in FP32 (eout).
 void layer_scratch_alloc(ActsArena *arena, LayerScratch *s, const Dims *d, int has_moe, int needs_xp,
-                         int gate_values, int needs_d_eout, int shares_fprop);
+                         int fp8_fused, int needs_d_eout, int shares_fprop);
 void block_acts_alloc(ActsArena *arena, BlockActs *a, const Dims *d, int is_moe, const LayerScratch *s,
                       int keep_inputs, int bf16_expert_outputs);
 

@@ -768,6 +768,16 @@ void linear_forward(RunCtx *rc, real *out, const real *inp, const real *weight, 
     linear_forward_shared(rc, 1, &out, inp, &weight, N, C, &OC, kept);
 }
 
+static void forward_grouped(RunCtx *rc, int n_groups, const int *offsets, int n_out, real *const *out,
+                            uint16_t *const *out_bf16, const real *inp, const int *inp_rows, const real *const *weight,
+                            int C, const int *OC, const real *residual, KeptInput *kept, SharedFprop *fprop);
+
+void linear_forward_bf16(RunCtx *rc, uint16_t *out_bf16, const real *inp, const real *weight, int N, int C, int OC,
+                         KeptInput *kept) {
+    const int offsets[2] = {0, N};
+    forward_grouped(rc, 1, offsets, 1, NULL, &out_bf16, inp, NULL, &weight, C, &OC, NULL, kept, NULL);
+}
+
 // inp_rows is for the FP8 quantisers and the BF16 rounding; fp32 mode gets its rows gathered by the caller.
 static void check_inp_rows(const RunCtx *rc, const int *inp_rows) {
     if (inp_rows == NULL || rc->precision.mode != PRECISION_FP32) return;
@@ -777,11 +787,17 @@ static void check_inp_rows(const RunCtx *rc, const int *inp_rows) {
 }
 
 // linear_forward_grouped with Linear i's own output width OC[i] and a residual (n_out = 1 then; else NULL) added to
-// the output (linear_forward_residual).
-static void forward_grouped(RunCtx *rc, int n_groups, const int *offsets, int n_out, real *const *out, const real *inp,
-                            const int *inp_rows, const real *const *weight, int C, const int *OC, const real *residual,
-                            KeptInput *kept, SharedFprop *fprop) {
+// the output (linear_forward_residual); with out_bf16 instead of out, the BF16 products (linear_forward_bf16).
+static void forward_grouped(RunCtx *rc, int n_groups, const int *offsets, int n_out, real *const *out,
+                            uint16_t *const *out_bf16, const real *inp, const int *inp_rows, const real *const *weight,
+                            int C, const int *OC, const real *residual, KeptInput *kept, SharedFprop *fprop) {
     if (n_out > MAX_SHARED) too_many_shared(n_out);
+    if (out_bf16 != NULL && (!linear_fp8_fused(rc) || residual != NULL)) {
+        fprintf(stderr, "fp8moe: train/linear.c: internal error: BF16 products asked of a Linear %s (only fp8 mode's "
+                        "fused paths leave them, without a residual: linear_fp8_fused)\n",
+                residual != NULL ? "with a residual" : "outside fp8 mode's fused paths");
+        exit(1);
+    }
     if (residual != NULL && n_out != 1) {
         fprintf(stderr, "fp8moe: train/linear.c: internal error: a residual with %d Linears (only one takes it)\n",
                 n_out);
@@ -791,7 +807,7 @@ static void forward_grouped(RunCtx *rc, int n_groups, const int *offsets, int n_
     profile_begin(PHASE_OTHER_GEMM);  // the caller may make it an expert GEMM (kernels/profile.h)
     if (rc->precision.mode == PRECISION_FP8) {
         const Operand x = array_operand(inp, inp_rows);
-        fp8_forward(rc, n_groups, offsets, n_out, out, NULL, &x, weight, C, OC, residual, kept, fprop);
+        fp8_forward(rc, n_groups, offsets, n_out, out, out_bf16, &x, weight, C, OC, residual, kept, fprop);
     } else if (rc->precision.mode == PRECISION_BF16) {
         bf16_forward(rc, n_groups, offsets, n_out, out, inp, inp_rows, weight, C, OC, residual);
     } else {
@@ -812,19 +828,19 @@ void linear_forward_grouped(RunCtx *rc, int n_groups, const int *offsets, int n_
     int widths[MAX_SHARED];
     if (n_out > MAX_SHARED) too_many_shared(n_out);
     for (int i = 0; i < n_out; i++) widths[i] = OC;
-    forward_grouped(rc, n_groups, offsets, n_out, out, inp, inp_rows, weight, C, widths, NULL, kept, fprop);
+    forward_grouped(rc, n_groups, offsets, n_out, out, NULL, inp, inp_rows, weight, C, widths, NULL, kept, fprop);
 }
 
 void linear_forward_shared(RunCtx *rc, int n_out, real *const *out, const real *inp, const real *const *weight, int N,
                            int C, const int *OC, KeptInput *kept) {
     const int offsets[2] = {0, N};
-    forward_grouped(rc, 1, offsets, n_out, out, inp, NULL, weight, C, OC, NULL, kept, NULL);
+    forward_grouped(rc, 1, offsets, n_out, out, NULL, inp, NULL, weight, C, OC, NULL, kept, NULL);
 }
 
 void linear_forward_residual(RunCtx *rc, real *out, const real *inp, const real *weight, const real *residual, int N,
                              int C, int OC, KeptInput *kept) {
     const int offsets[2] = {0, N};
-    forward_grouped(rc, 1, offsets, 1, &out, inp, NULL, &weight, C, &OC, residual, kept, NULL);
+    forward_grouped(rc, 1, offsets, 1, &out, NULL, inp, NULL, &weight, C, &OC, residual, kept, NULL);
 }
 
 void linear_backward(RunCtx *rc, real *dinp, GradStore dinp_store, real *dweight, const real *dout, const real *inp,

@@ -65,6 +65,12 @@ int linear_check_fprop_only(const PrecisionConfig *pc, const ParamInfo *params, 
 
 // inp (N, C), weight (OC, C) -> out (N, OC) = inp @ weight^T; `kept` (or NULL) as above.
 void linear_forward(RunCtx *rc, real *out, const real *inp, const real *weight, int N, int C, int OC, KeptInput *kept);
+// linear_forward's product left in BF16, without its FP32 conversion (fp8 mode's fused paths only,
+// linear_fp8_fused): out_bf16 holds kernels.h fp8_gemm_fprop_grouped_bf16's rows, N + 15 rows of bf16_rows_ld(OC)
+// (bf16_rows_elems(N, OC) values), whose values are linear_forward's out exactly (MLA's queries and keys/values,
+// which the attention core reads in BF16: kernels.h attention_forward_bf16).
+void linear_forward_bf16(RunCtx *rc, uint16_t *out_bf16, const real *inp, const real *weight, int N, int C, int OC,
+                         KeptInput *kept);
 // out = inp @ weight^T + residual (N, OC): the bits of linear_forward then add_inplace(out, residual); in fp8 and
 // bf16 modes the residual is added in the GEMM output's conversion pass (a block's residual branch after MLA).
 void linear_forward_residual(RunCtx *rc, real *out, const real *inp, const real *weight, const real *residual, int N,

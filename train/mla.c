@@ -8,7 +8,8 @@
  * Every head's full key and value are used (no weight absorption): this is the training formulation, and
  * absorption is an inference optimisation. They are not copied out per head: the attention core reads the
  * keys and values in W_UKV's output kv = [k_C ; v] per head and the one k_R per token (kernels.h), and
- * writes their gradients in the same layout.
+ * writes their gradients in the same layout. q and kv live only until the attention core has read them: its state
+ * keeps what its backward needs. In fp8 mode they are never FP32 at all (kernels.h attention_forward_bf16).
  */
 #include "train/layers.h"
 #include "train/linear.h"
@@ -29,22 +30,31 @@ void mla_forward(Model *m, const MlaWeights *w, MlaActs *a, const Dims *d, const
         const int widths[2] = {d->qr > 0 ? d->qr : H * dqk, kva_w};
         linear_forward_shared(&m->rc, 2, outs, xn, ws, N, d->D, widths, &a->xn_kept);
     }
+    // fp8 mode (with a query compression) leaves the up-projections' products in BF16, and the attention core reads
+    // them as they are, rotating the queries' rope parts as it stages them (kernels.h attention_forward_bf16): the
+    // bits of the FP32 path below, without its FP32 q and kv
+    const int bf16_products = a->q16 != NULL;
     if (d->qr > 0) {
         rmsnorm_forward(dev, a->cqn, a->cq_rstd, a->cq, w->q_norm, N, d->qr);
-        linear_forward(&m->rc, a->qf, a->cqn, w->wq_b, N, d->qr, H * dqk, &a->cqn_kept);
+        if (bf16_products) linear_forward_bf16(&m->rc, a->q16, a->cqn, w->wq_b, N, d->qr, H * dqk, &a->cqn_kept);
+        else linear_forward(&m->rc, a->qf, a->cqn, w->wq_b, N, d->qr, H * dqk, &a->cqn_kept);
     }
-    rope_forward(dev, a->qf + d->dn, a->qf + d->dn, dqk, d->B, d->T, H, d->dr, d->rope_theta);
+    if (!bf16_products) rope_forward(dev, a->qf + d->dn, a->qf + d->dn, dqk, d->B, d->T, H, d->dr, d->rope_theta);
     // keys and values through the compressed latent
     copy_block(dev, a->ckv, d->kvr, a->kva, kva_w, N, d->kvr, 0);
     copy_block(dev, a->k_rope_raw, d->dr, a->kva + d->kvr, kva_w, N, d->dr, 0);
     rope_forward(dev, a->k_rope, a->k_rope_raw, d->dr, d->B, d->T, 1, d->dr, d->rope_theta);
     rmsnorm_forward(dev, a->ckvn, a->ckv_rstd, a->ckv, w->kv_norm, N, d->kvr);
     int kv_w = d->dn + d->dv;
-    linear_forward(&m->rc, a->kv, a->ckvn, w->wkv_b, N, d->kvr, H * kv_w, &a->ckvn_kept);
+    if (bf16_products) linear_forward_bf16(&m->rc, a->kv16, a->ckvn, w->wkv_b, N, d->kvr, H * kv_w, &a->ckvn_kept);
+    else linear_forward(&m->rc, a->kv, a->ckvn, w->wkv_b, N, d->kvr, H * kv_w, &a->ckvn_kept);
     // attention core (head h's key [kv's k_C ; the shared k_rope], its value kv's v, read in place) and output
     // projection
     profile_begin(PHASE_ATTENTION);
-    attention_forward(dev, a->o, a->att, a->qf, a->kv, a->k_rope, d->B, d->T, H, d->dn, d->dr, d->dv);
+    if (bf16_products)
+        attention_forward_bf16(dev, a->o, a->att, a->q16, bf16_rows_ld(H * dqk), a->kv16, bf16_rows_ld(H * kv_w),
+                               a->k_rope, d->B, d->T, H, d->dn, d->dr, d->dv, d->rope_theta);
+    else attention_forward(dev, a->o, a->att, a->qf, a->kv, a->k_rope, d->B, d->T, H, d->dn, d->dr, d->dv);
     profile_end(PHASE_ATTENTION);
     linear_forward_residual(&m->rc, out, a->o, w->wo, residual, N, H * d->dv, d->D, &a->o_kept);
 }
@@ -65,8 +75,7 @@ void mla_backward(Model *m, const MlaWeights *w, const MlaWeights *g, MlaActs *a
     // d_kv = [d k_C ; dv] per head; d_k_rope, the shared rope key's, collects every head's gradient, added in
     // head order
     profile_begin(PHASE_ATTENTION);
-    attention_backward(dev, s->d_qf, s->d_kv, s->d_k_rope, s->d_o, a->o, a->att, a->qf, a->kv, a->k_rope, d->B,
-                       d->T, H, d->dn, d->dr, d->dv);
+    attention_backward(dev, s->d_qf, s->d_kv, s->d_k_rope, s->d_o, a->o, a->att, d->B, d->T, H, d->dn, d->dr, d->dv);
     profile_end(PHASE_ATTENTION);
     rope_backward(dev, s->d_k_rope_raw, s->d_k_rope, d->dr, d->B, d->T, 1, d->dr, d->rope_theta);
     copy_block(dev, s->d_kva + d->kvr, kva_w, s->d_k_rope_raw, d->dr, N, d->dr, 0);

@@ -631,7 +631,7 @@ ChunkActs *chunk_acts_create(Model *m, int chunk, int B, int T) {
         return NULL;
     }
     layer_scratch_alloc(ar, &a->scratch, d, has_moe, has_moe && !moe_experts_read_tokens(m),
-                        !linear_fp8_fused(&m->rc), has_moe && !moe_combine_grad_in_quantiser(m),
+                        linear_fp8_fused(&m->rc), has_moe && !moe_combine_grad_in_quantiser(m),
                         has_moe && moe_combine_grad_in_quantiser(m));
     const int keep = linear_fp8_fused(&m->rc);  // the Linears' Wgrad operands (linear.h KeptInput)
     const int eout16 = moe_combine_grad_in_quantiser(m);

@@ -1,9 +1,10 @@
 /*
- * attention.c - CPU reference of the causal softmax attention core (attention_forward / _backward in
- * kernels.h): out = softmax(q k^T / sqrt(Dqk), causal) v per batch row and head, with the probabilities
- * materialised in att (B, H, T, T) for the backward pass. att is the CPU form of kernels.h's backward
- * "state" (attention_state_elems(DEVICE_CPU, ...) = B*H*T*T); the CUDA op keeps only a (B, H, T)
- * log-sum-exp per query row and recomputes the probabilities (kernels/cuda/attention.cu).
+ * attention.c - CPU reference of the causal softmax attention core (attention_forward / _forward_bf16 /
+ * _backward in kernels.h): out = softmax(q k^T / sqrt(Dqk), causal) v per batch row and head, with the
+ * probabilities materialised in att (B, H, T, T) for the backward pass. The CPU form of kernels.h's backward
+ * "state" is att followed by copies of q, kv and k_rope (cpu_state_layout), so the backward needs nothing of the
+ * forward's but the state, as on CUDA; the CUDA op keeps only a (B, H, T) log-sum-exp per query row and BF16
+ * copies of its operands, and recomputes the probabilities (kernels/cuda/attention.cu).
  *
  * Keys and values are read in MLA's layout (kernels.h): the key of (t, h) is [kv[t,h,0:Dn] ; k_rope[t]],
  * its value kv[t,h,Dn:]. Each head's key is assembled only in the transposed copy below (the forward) or
@@ -47,15 +48,47 @@ static void transpose_keys(real *kT, const real *kv, const real *k_rope, int b, 
     transpose_head(kT + (size_t)Dn * T, k_rope, Dr, b, 0, T, 1, Dr);
 }
 
+// ---------------------------------------------------------------------------- state
+// The state's parts: att (B, H, T, T), then q (B, T, H, Dqk), kv (B, T, H, Dn + Dv), k_rope (B, T, Dr).
+typedef struct {
+    real *att, *q, *kv, *k_rope;
+} CpuState;
+
+static CpuState cpu_state_layout(const real *state, int B, int T, int H, int Dn, int Dr, int Dv) {
+    CpuState s;
+    s.att = (real *)state;
+    s.q = s.att + (size_t)B * H * T * T;
+    s.kv = s.q + (size_t)B * T * H * (Dn + Dr);
+    s.k_rope = s.kv + (size_t)B * T * H * (Dn + Dv);
+    return s;
+}
+
+int64_t cpu_attention_state_elems(int B, int T, int H, int Dn, int Dr, int Dv) {
+    return (int64_t)B * H * T * T + (int64_t)B * T * H * (Dn + Dr) + (int64_t)B * T * H * (Dn + Dv) +
+           (int64_t)B * T * Dr;
+}
+
+// dst = src (n values) unless they are the same array (attention_forward_bf16 widens into the state itself).
+static void copy_into_state(real *dst, const real *src, size_t n) {
+    if (n > 0 && dst != src) memcpy(dst, src, n * sizeof(real));
+}
+
 // ---------------------------------------------------------------------------- forward
 // q (B, T, H, Dqk), kv (B, T, H, Dn + Dv), k_rope (B, T, Dr) -> out (B, T, H, Dv), att (B, H, T, T); Dqk = Dn + Dr,
 // k[t2] = [kv[t2, h, 0:Dn] ; k_rope[t2]], v[t2] = kv[t2, h, Dn:]. For each (b, h, t):
 //   score[t2] = (sum_d q[t, d] * k[t2, d]) * scale,  scale = 1/sqrt(Dqk),  t2 <= t
 //   att[t, t2] = exp(score[t2] - max) / sum_t2' exp(score[t2'] - max), 0 for t2 > t
 //   out[t, :] = sum_{t2 <= t} att[t, t2] * v[t2, :]
-void cpu_attention_forward(real *out, real *att, const real *q, const real *kv, const real *k_rope, int B, int T,
-                           int H, int Dn, int Dr, int Dv) {
+// The operands are copied into the state first and read there.
+void cpu_attention_forward(real *out, real *state, const real *q_in, const real *kv_in, const real *k_rope_in, int B,
+                           int T, int H, int Dn, int Dr, int Dv) {
     const int Dqk = Dn + Dr, kv_ld = Dn + Dv;
+    const CpuState st = cpu_state_layout(state, B, T, H, Dn, Dr, Dv);
+    copy_into_state(st.q, q_in, (size_t)B * T * H * Dqk);
+    copy_into_state(st.kv, kv_in, (size_t)B * T * H * kv_ld);
+    if (Dr > 0) copy_into_state(st.k_rope, k_rope_in, (size_t)B * T * Dr);
+    real *att = st.att;
+    const real *q = st.q, *kv = st.kv, *k_rope = st.k_rope;
     const real scale = (real)1 / sqrt((real)Dqk);
     CpuRegionError err = {0};  // a thread's scratch that cannot be allocated (scratch.c)
 #pragma omp parallel if ((double)B * H * T * T * (Dqk + Dv) > 65536.0)
@@ -105,6 +138,22 @@ void cpu_attention_forward(real *out, real *att, const real *q, const real *kv, 
     cpu_region_check(&err);
 }
 
+// q16 and kv16 widened into the state (exactly), the query's rope part rotated there by cpu_rope_forward, then
+// the forward above on the state's own copies: the bits of widening, rope_forward and attention_forward.
+void cpu_attention_forward_bf16(real *out, real *state, const uint16_t *q16, int64_t ldq, const uint16_t *kv16,
+                                int64_t ldkv, const real *k_rope, int B, int T, int H, int Dn, int Dr, int Dv,
+                                real rope_theta) {
+    const int Dqk = Dn + Dr, kv_ld = Dn + Dv;
+    const CpuState st = cpu_state_layout(state, B, T, H, Dn, Dr, Dv);
+    const int64_t N = (int64_t)B * T;
+    for (int64_t n = 0; n < N; n++) {
+        cpu_bf16_widen_array(st.q + n * H * Dqk, q16 + n * ldq, (int64_t)H * Dqk);
+        cpu_bf16_widen_array(st.kv + n * H * kv_ld, kv16 + n * ldkv, (int64_t)H * kv_ld);
+    }
+    if (Dr > 0) cpu_rope_forward(st.q + Dn, st.q + Dn, Dqk, B, T, H, Dr, rope_theta);
+    cpu_attention_forward(out, state, st.q, st.kv, k_rope, B, T, H, Dn, Dr, Dv);
+}
+
 // ---------------------------------------------------------------------------- backward
 // In the forward pass this was out[t] = sum_t2 att[t, t2] v[t2] with att = softmax(scale * q k^T), so
 // for each (b, h, t), with g = dout[t]:
@@ -115,9 +164,12 @@ void cpu_attention_forward(real *out, real *att, const real *q, const real *kv, 
 // may be NULL. Gradients of one (b, h) are summed in thread-local buffers from 0 (dk and dv over t in increasing
 // order) and stored once: dk's first Dn columns and dv into d_kv, its last Dr columns (the head's gradient of
 // the shared rope key) into rope_g (B, T, H, Dr), which is then summed over the heads in order from 0.
-void cpu_attention_backward(real *dq, real *d_kv, real *d_k_rope, const real *dout, const real *att, const real *q,
-                            const real *kv, const real *k_rope, int B, int T, int H, int Dn, int Dr, int Dv) {
+// q, kv and k_rope are the forward's copies in the state.
+void cpu_attention_backward(real *dq, real *d_kv, real *d_k_rope, const real *dout, const real *state, int B, int T,
+                            int H, int Dn, int Dr, int Dv) {
     const int Dqk = Dn + Dr, kv_ld = Dn + Dv;
+    const CpuState st = cpu_state_layout(state, B, T, H, Dn, Dr, Dv);
+    const real *att = st.att, *q = st.q, *kv = st.kv, *k_rope = st.k_rope;
     real *rope_g = d_k_rope && Dr > 0 ? cpu_values_or_die((size_t)B * T * H * Dr, "attention_backward rope-key gradients")
                                       : NULL;
     const int want_dk = (d_kv && Dn > 0) || rope_g, want_dv = d_kv != NULL;

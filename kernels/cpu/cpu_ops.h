@@ -14,8 +14,12 @@ void cpu_rmsnorm_forward(real *out, real *rstd, const real *inp, const real *wei
 void cpu_rmsnorm_backward(real *dinp, real *dweight, const real *dout, const real *inp, const real *weight, const real *rstd, int N, int C);
 void cpu_rope_forward(real *out, const real *inp, int ld, int B, int T, int H, int D, real theta);
 void cpu_rope_backward(real *dinp, const real *dout, int ld, int B, int T, int H, int D, real theta);
-void cpu_attention_forward(real *out, real *att, const real *q, const real *kv, const real *k_rope, int B, int T, int H, int Dn, int Dr, int Dv);
-void cpu_attention_backward(real *dq, real *d_kv, real *d_k_rope, const real *dout, const real *att, const real *q, const real *kv, const real *k_rope, int B, int T, int H, int Dn, int Dr, int Dv);
+int64_t cpu_attention_state_elems(int B, int T, int H, int Dn, int Dr, int Dv);
+void cpu_attention_forward(real *out, real *state, const real *q, const real *kv, const real *k_rope, int B, int T, int H, int Dn, int Dr, int Dv);
+void cpu_attention_forward_bf16(real *out, real *state, const uint16_t *q16, int64_t ldq, const uint16_t *kv16,
+                                int64_t ldkv, const real *k_rope, int B, int T, int H, int Dn, int Dr, int Dv,
+                                real rope_theta);
+void cpu_attention_backward(real *dq, real *d_kv, real *d_k_rope, const real *dout, const real *state, int B, int T, int H, int Dn, int Dr, int Dv);
 void cpu_swiglu_forward(real *out, const real *a, const real *b, int64_t n);
 void cpu_swiglu_backward(real *da, real *db, const real *dout, const real *a, const real *b, int64_t n);
 void cpu_crossentropy_forward(real *losses, real *probs, const real *logits, const int *targets, int N, int V);

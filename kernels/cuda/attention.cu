@@ -26,7 +26,8 @@
  * written where MLA keeps them: kv (B, T, H, Dn + Dv) = [k_nope ; v] per token and head, k_rope (B, T, Dr)
  * shared by every head; key (t, h) = [k_nope[t, h] ; k_rope[t]], Dqk = Dn + Dr.
  *
- * Pre-pass (one launch in the forward, one in the backward): the forward copies q, k and v from FP32 into
+ * Pre-pass (one launch in the forward, one in the backward): the forward copies q, k and v from FP32 (or, in
+ * attention_forward_bf16, from MLA's BF16 products, rotating the queries' rope part on the way) into
  * BF16 in head-major layout (B, H, Tpad, DP): DP = D rounded up to 16 (the MMA's k step), Tpad = T rounded
  * up to 128 (the largest tile), zeros in the padding. q is read from (B, T, H, D); each key row is
  * assembled from kv's k_nope and the token's k_rope, each value row read from kv (Dn floats into its row):
@@ -216,33 +217,70 @@ __device__ __forceinline__ void load_tile_async(bf16 *s, int ld, const bf16 *g, 
 
 
 // ---------------------------------------------------------------------------- pre-pass kernels
-// One FP32 operand -> BF16 (B, H, Tpad, DP), zeros for t >= T and d >= D. Row (b, t, h) of the operand is read
-// in up to two parts: columns [0, D1) from the row of a (B, T, H, ld1) tensor at src1 (q; kv's k_nope; kv's v,
-// src1 = kv + Dn), then columns [D1, D) from the row of a (B, T, ld2) tensor at src2 that every head shares
+// One operand -> BF16 (B, H, Tpad, DP), zeros for t >= T and d >= D. Row (b, t, h) of the operand is read in up to
+// two parts: columns [0, D1) from src1 + tok tok_ld1 + h head_ld1 (tok = b T + t; q; kv's k_nope; kv's v, src1 =
+// kv + Dn), then columns [D1, D) from the row of a (B, T, ld2) FP32 tensor at src2 that every head shares
 // (k_rope, for the key; no second part when D1 = D). So the keys and values are staged from MLA's layout as
-// they are, with the same BF16 values a per-head (B, T, H, D) copy of them would give.
+// they are, with the same BF16 values a per-head (B, T, H, D) copy of them would give. src1 holds FP32 values
+// (attention_forward) or BF16 bits (attention_forward_bf16: MLA's BF16 products, whose rows are tokens at a stride
+// of their own). Columns [rope_at, D1) of part 1 (the query's rope part in attention_forward_bf16; rope_at = D1
+// elsewhere) are rotated first, pair (x[rope_at + 2j], x[rope_at + 2j + 1]) by the angle of position t and pair j
+// with rope_forward_kernel's expressions and table (elementwise.cu), so the values are those of rope_forward.
+template <typename Src>
 struct ConvertJob {
-    const float *src1, *src2;
+    const Src *src1;
+    const float *src2;
     bf16 *dst;
-    int ld1, ld2, D1, D, DP;
-    // a part's 8-column chunks can be read as two float4: its rows start 16-byte aligned (ld and base) and, for
+    int64_t tok_ld1;
+    int head_ld1, ld2, D1, D, DP, rope_at;
+    // a part's 8-column chunks can be read as whole 16-byte vectors: its rows start 16-byte aligned and, for
     // part 2, the chunks start at a multiple of 4 columns into its rows (D1 % 4 == 0)
     int vec1, vec2;
 };
+template <typename Src>
 struct ConvertJobs {
-    ConvertJob job[3];
+    ConvertJob<Src> job[3];
     int n;
 };
 
+__device__ __forceinline__ float value_of(float x) { return x; }
+__device__ __forceinline__ float value_of(bf16 x) { return __bfloat162float(x); }
+
+// The 8 values at p (16-byte aligned) as floats.
+__device__ __forceinline__ void load8(float *x, const float *p) {
+    const float4 lo = *reinterpret_cast<const float4 *>(p);
+    const float4 hi = *reinterpret_cast<const float4 *>(p + 4);
+    x[0] = lo.x, x[1] = lo.y, x[2] = lo.z, x[3] = lo.w, x[4] = hi.x, x[5] = hi.y, x[6] = hi.z, x[7] = hi.w;
+}
+__device__ __forceinline__ void load8(float *x, const bf16 *p) {
+    const uint4 v = *reinterpret_cast<const uint4 *>(p);
+    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        x[2 * i] = __uint_as_float(w[i] << 16);
+        x[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+    }
+}
+
+// rope_forward_kernel's rotation of the pair (x0, x1) by (c, s).
+__device__ __forceinline__ float rope_first(float x0, float x1, float c, float s) {
+    return __fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, s));
+}
+__device__ __forceinline__ float rope_second(float x0, float x1, float c, float s) {
+    return __fadd_rn(__fmul_rn(x0, s), __fmul_rn(x1, c));
+}
+
 // Grid (chunks, H, B): each thread makes one 16-byte chunk (8 BF16) of row t of head h of batch row b
-// of every job.
-__global__ void attention_to_bf16_kernel(ConvertJobs jobs, int T, int Tpad, int H) {
+// of every job. rope_cs, rope_sn: the (T, rope_half) cos and sin tables of the rotated columns (NULL if none).
+template <typename Src>
+__global__ void attention_to_bf16_kernel(ConvertJobs<Src> jobs, int T, int Tpad, int H, const float *rope_cs,
+                                         const float *rope_sn, int rope_half) {
     const int h = blockIdx.y, b = blockIdx.z;
     const int idx = blockIdx.x * blockDim.x + threadIdx.x;
 #pragma unroll
     for (int j = 0; j < 3; j++) {
         if (j >= jobs.n) break;
-        const ConvertJob J = jobs.job[j];
+        const ConvertJob<Src> J = jobs.job[j];
         const int chunks = J.DP >> 3;
         if (idx >= Tpad * chunks) continue;
         const int t = idx / chunks, c0 = (idx - t * chunks) * 8;
@@ -251,21 +289,38 @@ __global__ void attention_to_bf16_kernel(ConvertJobs jobs, int T, int Tpad, int 
         for (int i = 0; i < 8; i++) x[i] = 0.0f;
         if (t < T) {
             const size_t tok = (size_t)b * T + t;
-            const float *row1 = J.src1 + (tok * H + h) * J.ld1;
+            const Src *row1 = J.src1 + (int64_t)tok * J.tok_ld1 + (int64_t)h * J.head_ld1;
             const int64_t row2 = (int64_t)tok * J.ld2 - J.D1;  // src2[row2 + c] is the operand's column c >= D1
-            const float *vsrc = NULL;  // the chunk's 8 floats, when one float4 pair reads them
-            if (J.vec1 && c0 + 8 <= J.D1) vsrc = row1 + c0;
-            else if (J.vec2 && c0 >= J.D1 && c0 + 8 <= J.D) vsrc = J.src2 + (row2 + c0);
-            if (vsrc != NULL) {
-                const float4 lo = *reinterpret_cast<const float4 *>(vsrc);
-                const float4 hi = *reinterpret_cast<const float4 *>(vsrc + 4);
-                x[0] = lo.x, x[1] = lo.y, x[2] = lo.z, x[3] = lo.w, x[4] = hi.x, x[5] = hi.y, x[6] = hi.z, x[7] = hi.w;
-            } else {
+            if (J.vec1 && c0 + 8 <= J.D1) load8(x, row1 + c0);
+            else if (J.vec2 && c0 >= J.D1 && c0 + 8 <= J.D) load8(x, J.src2 + (row2 + c0));
+            else {
 #pragma unroll
                 for (int i = 0; i < 8; i++) {
                     const int c = c0 + i;
-                    if (c < J.D1) x[i] = row1[c];
+                    if (c < J.D1) x[i] = value_of(row1[c]);
                     else if (c < J.D) x[i] = J.src2[row2 + c];
+                }
+            }
+            if (J.rope_at < J.D1 && c0 + 8 > J.rope_at && c0 < J.D1) {  // the chunk holds rotated columns
+                const float *cs = rope_cs + (int64_t)t * rope_half, *sn = rope_sn + (int64_t)t * rope_half;
+                if (c0 >= J.rope_at && c0 + 8 <= J.D1 && (c0 - J.rope_at) % 2 == 0) {  // four whole pairs
+#pragma unroll
+                    for (int i = 0; i < 8; i += 2) {
+                        const int p = (c0 + i - J.rope_at) >> 1;
+                        const float x0 = x[i], x1 = x[i + 1];
+                        x[i] = rope_first(x0, x1, cs[p], sn[p]);
+                        x[i + 1] = rope_second(x0, x1, cs[p], sn[p]);
+                    }
+                } else {  // a chunk across the part's edges or pairs: each value from its pair, read again
+#pragma unroll
+                    for (int i = 0; i < 8; i++) {
+                        const int c = c0 + i;
+                        if (c < J.rope_at || c >= J.D1) continue;
+                        const int p = (c - J.rope_at) >> 1, first = J.rope_at + 2 * p;
+                        const float x0 = value_of(row1[first]), x1 = value_of(row1[first + 1]);
+                        x[i] = (c - J.rope_at) % 2 == 0 ? rope_first(x0, x1, cs[p], sn[p])
+                                                         : rope_second(x0, x1, cs[p], sn[p]);
+                    }
                 }
             }
         }
@@ -699,29 +754,38 @@ static Staged staged_in_state(const real *state, int B, int T, int H, int Dn, in
     return s;
 }
 
-// q (B, T, H, Dqk), kv (B, T, H, Dn + Dv), k_rope (B, T, Dr) as in kernels.h -> s's q, k, v.
-static void stage_inputs(const Staged &s, const float *q, const float *kv, const float *k_rope, int B, int T, int H,
-                         int Dn, int Dr, int Dv) {
+// The three jobs of the forward's pre-pass: q as it is (its rope part rotated from rope_at on); the key [k_nope
+// from kv ; k_rope]; the value from kv (its rows Dn values in). q_tok, kv_tok: the row strides of a token (head
+// strides Dqk and Dn + Dv), rope_at = Dqk for no rotation. Launches attention_to_bf16_kernel<Src>.
+template <typename Src>
+static void stage_jobs(const Staged &s, const Src *q, int64_t q_tok, const Src *kv, int64_t kv_tok,
+                       const float *k_rope, int B, int T, int H, int Dn, int Dr, int Dv, int rope_at,
+                       const float *rope_cs) {
     const int Dqk = Dn + Dr;
-    // q as it is; the key [k_nope from kv ; k_rope]; the value from kv (its rows Dn floats in)
-    ConvertJobs jobs;
-    const float *src1[3] = {q, kv, kv + Dn}, *src2[3] = {NULL, k_rope, NULL};
+    const int vec_elems = 16 / (int)sizeof(Src);  // a 16-byte load's values
+    ConvertJobs<Src> jobs;
+    const Src *src1[3] = {q, kv, kv + Dn};
+    const float *src2[3] = {NULL, k_rope, NULL};
     bf16 *dst[3] = {s.q, s.k, s.v};
-    const int ld1[3] = {Dqk, Dn + Dv, Dn + Dv}, ld2[3] = {0, Dr, 0};
-    const int D1[3] = {Dqk, Dn, Dv}, D[3] = {Dqk, Dqk, Dv};
+    const int64_t tok_ld1[3] = {q_tok, kv_tok, kv_tok};
+    const int head_ld1[3] = {Dqk, Dn + Dv, Dn + Dv}, ld2[3] = {0, Dr, 0};
+    const int D1[3] = {Dqk, Dn, Dv}, D[3] = {Dqk, Dqk, Dv}, rope[3] = {rope_at, Dn, Dv};
     int max_chunks = 0;
     for (int j = 0; j < 3; j++) {
-        ConvertJob *J = &jobs.job[j];
+        ConvertJob<Src> *J = &jobs.job[j];
         J->src1 = src1[j], J->src2 = D[j] > D1[j] ? src2[j] : NULL, J->dst = dst[j];
-        J->ld1 = ld1[j], J->ld2 = ld2[j], J->D1 = D1[j], J->D = D[j], J->DP = pad16(D[j]);
-        J->vec1 = ld1[j] % 4 == 0 && (uintptr_t)src1[j] % 16 == 0;
+        J->tok_ld1 = tok_ld1[j], J->head_ld1 = head_ld1[j], J->ld2 = ld2[j];
+        J->D1 = D1[j], J->D = D[j], J->DP = pad16(D[j]), J->rope_at = rope[j];
+        J->vec1 = tok_ld1[j] % vec_elems == 0 && head_ld1[j] % vec_elems == 0 && (uintptr_t)src1[j] % 16 == 0;
         J->vec2 = J->src2 != NULL && ld2[j] % 4 == 0 && D1[j] % 4 == 0 && (uintptr_t)J->src2 % 16 == 0;
         if (J->DP / 8 > max_chunks) max_chunks = J->DP / 8;
     }
     jobs.n = 3;
     const int threads = 256;
     const dim3 grid((unsigned)(((size_t)s.Tpad * max_chunks + threads - 1) / threads), (unsigned)H, (unsigned)B);
-    attention_to_bf16_kernel<<<grid, threads>>>(jobs, T, s.Tpad, H);
+    const int half = Dr / 2;
+    attention_to_bf16_kernel<Src><<<grid, threads>>>(jobs, T, s.Tpad, H, rope_cs,
+                                                     rope_cs != NULL ? rope_cs + (size_t)T * half : NULL, half);
     CUDA_CHECK_LAUNCH("attention_to_bf16_kernel");
 }
 
@@ -737,14 +801,8 @@ static void launch_forward(float *out, float *lse, const Staged *s, int B, int T
     CUDA_CHECK_LAUNCH("attention_forward_kernel");
 }
 
-// state = lse (B, H, T) and the staged q, k, v (state_layout), see kernels.h.
-extern "C" void cuda_attention_forward(real *out, real *state, const real *q, const real *kv, const real *k_rope,
-                                       int B, int T, int H, int Dn, int Dr, int Dv) {
-    check_shape("attention_forward", B, T, H, Dn, Dr, Dv);
-    if (B <= 0 || T <= 0 || H <= 0) return;
-    const int Dqk = Dn + Dr;
-    const Staged s = staged_in_state(state, B, T, H, Dn, Dr, Dv);
-    stage_inputs(s, q, kv, k_rope, B, T, H, Dn, Dr, Dv);
+// The forward's kernels on the staged operands: out and the lse (the state's first part).
+static void run_forward(float *out, float *state, const Staged &s, int B, int T, int H, int Dqk, int Dv) {
     if (use_wgmma(&s)) {
         attention_wgmma_forward(out, state, &s, B, T, H, Dqk, Dv);
         return;
@@ -755,6 +813,37 @@ extern "C" void cuda_attention_forward(real *out, real *state, const real *q, co
     case 192: launch_forward<192>(out, state, &s, B, T, H, Dqk, Dv); break;
     default: launch_forward<256>(out, state, &s, B, T, H, Dqk, Dv); break;
     }
+}
+
+// state = lse (B, H, T) and the staged q, k, v (state_layout), see kernels.h.
+extern "C" void cuda_attention_forward(real *out, real *state, const real *q, const real *kv, const real *k_rope,
+                                       int B, int T, int H, int Dn, int Dr, int Dv) {
+    check_shape("attention_forward", B, T, H, Dn, Dr, Dv);
+    if (B <= 0 || T <= 0 || H <= 0) return;
+    const int Dqk = Dn + Dr;
+    const Staged s = staged_in_state(state, B, T, H, Dn, Dr, Dv);
+    stage_jobs<float>(s, q, (int64_t)H * Dqk, kv, (int64_t)H * (Dn + Dv), k_rope, B, T, H, Dn, Dr, Dv, Dqk, NULL);
+    run_forward(out, state, s, B, T, H, Dqk, Dv);
+}
+
+// The same on MLA's BF16 products (kernels.h attention_forward_bf16): q16's rope part rotated in the pre-pass.
+extern "C" void cuda_attention_forward_bf16(real *out, real *state, const uint16_t *q16, int64_t ldq,
+                                            const uint16_t *kv16, int64_t ldkv, const real *k_rope, int B, int T,
+                                            int H, int Dn, int Dr, int Dv, real rope_theta) {
+    check_shape("attention_forward_bf16", B, T, H, Dn, Dr, Dv);
+    const int Dqk = Dn + Dr;
+    if (Dr % 2 != 0 || ldq < (int64_t)H * Dqk || ldkv < (int64_t)H * (Dn + Dv)) {
+        fprintf(stderr, "fp8moe: attention_forward_bf16 (kernels/cuda/attention.cu): got Dr = %d, ldq = %lld, ldkv = "
+                        "%lld for H = %d heads of Dqk = %d and Dn + Dv = %d; expected an even Dr (RoPE rotates pairs) "
+                        "and row strides of at least H Dqk and H (Dn + Dv)\n",
+                Dr, (long long)ldq, (long long)ldkv, H, Dqk, Dn + Dv);
+        exit(1);
+    }
+    if (B <= 0 || T <= 0 || H <= 0) return;
+    const Staged s = staged_in_state(state, B, T, H, Dn, Dr, Dv);
+    const float *rope_cs = Dr > 0 ? cuda_rope_table(T, Dr, rope_theta) : NULL;
+    stage_jobs<bf16>(s, (const bf16 *)q16, ldq, (const bf16 *)kv16, ldkv, k_rope, B, T, H, Dn, Dr, Dv, Dn, rope_cs);
+    run_forward(out, state, s, B, T, H, Dqk, Dv);
 }
 
 template <int DQK_CAP> static void launch_dq(float *dq, const Staged *s, int B, int T, int H, int Dqk) {
@@ -792,12 +881,9 @@ static void launch_dkv_any_dv(const DkvOut *o, const Staged *s, int B, int T, in
     }
 }
 
-// out = the forward's output, state its lse (B, H, T) and staged q, k, v, both from cuda_attention_forward; q, kv
-// and k_rope are not read (kernels.h attention_backward_reads_inputs).
+// out = the forward's output, state its lse (B, H, T) and staged q, k, v, both from cuda_attention_forward(_bf16).
 extern "C" void cuda_attention_backward(real *dq, real *d_kv, real *d_k_rope, const real *dout, const real *out,
-                                        const real *state, const real *q, const real *kv, const real *k_rope, int B,
-                                        int T, int H, int Dn, int Dr, int Dv) {
-    (void)q, (void)kv, (void)k_rope;
+                                        const real *state, int B, int T, int H, int Dn, int Dr, int Dv) {
     check_shape("attention_backward", B, T, H, Dn, Dr, Dv);
     const int Dqk = Dn + Dr;
     const bool want_rope = d_k_rope != NULL && Dr > 0;

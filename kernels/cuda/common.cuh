@@ -229,6 +229,10 @@ static inline int cuda_sm_count(void) {
     return sms;
 }
 
+// RoPE's cos table (T, D/2) then its sin table (T, D/2) for angle t theta^(-2j/D), on the device, cached for the
+// last (T, D, theta) (elementwise.cu): valid until the next call with other arguments.
+const float *cuda_rope_table(int T, int D, float theta);
+
 // ---------------------------------------------------------------------------- asynchronous copies to shared memory
 __device__ __forceinline__ uint32_t smem_addr(const void *p) { return (uint32_t)__cvta_generic_to_shared(p); }
 

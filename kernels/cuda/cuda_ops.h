@@ -93,12 +93,13 @@ void cuda_bf16_matmul_backward_bf16(real *dinp, real *dweight, const uint16_t *d
                                     const real *weight, int N, int C, int OC);
 
 // Causal attention core, flash-style (kernels/cuda/attention.cu); state = lse (B, H, T) and the staged BF16
-// q, k, v, see kernels.h;
-// the backward's out is the forward's output (B, T, H, Dv); kv (B, T, H, Dn + Dv) and k_rope (B, T, Dr) as in
-// kernels.h.
+// q, k, v, see kernels.h; the backward's out is the forward's output (B, T, H, Dv).
 int64_t cuda_attention_state_elems(int B, int T, int H, int Dn, int Dr, int Dv);
 void cuda_attention_forward(real *out, real *state, const real *q, const real *kv, const real *k_rope, int B, int T, int H, int Dn, int Dr, int Dv);
-void cuda_attention_backward(real *dq, real *d_kv, real *d_k_rope, const real *dout, const real *out, const real *state, const real *q, const real *kv, const real *k_rope, int B, int T, int H, int Dn, int Dr, int Dv);
+void cuda_attention_forward_bf16(real *out, real *state, const uint16_t *q16, int64_t ldq, const uint16_t *kv16,
+                                 int64_t ldkv, const real *k_rope, int B, int T, int H, int Dn, int Dr, int Dv,
+                                 real rope_theta);
+void cuda_attention_backward(real *dq, real *d_kv, real *d_k_rope, const real *dout, const real *out, const real *state, int B, int T, int H, int Dn, int Dr, int Dv);
 // Whether the attention core may run its Hopper kernels (kernels/cuda/attention_wgmma.cu) where they serve the
 // head dims (default 1); 0 forces the mma.sync kernels. Returns the previous setting. For the benchmark's and the
 // tests' comparison of the two kernel families on the same shape.

@@ -162,7 +162,8 @@ extern "C" void cuda_embedding_backward(real *dtable, const real *dout, const in
 // ---------------------------------------------------------------------------- RoPE
 // The cos/sin table (T, D/2) of angle t * theta^(-2j/D), built on the host in double and rounded once to
 // float by the same expressions as the CPU's rope_table, so both sides rotate by the same float values.
-// Cached for the last (T, D, theta): q and k of every layer use the same one.
+// Cached for the last (T, D, theta): q and k of every layer use the same one. Also read by the attention
+// forward's pre-pass, which rotates MLA's BF16 queries as it stages them (common.cuh cuda_rope_table).
 static struct {
     float *table; // device: cos (T * half) then sin (T * half)
     size_t capacity_floats;
@@ -171,7 +172,7 @@ static struct {
     int valid;
 } rope_cache;
 
-static const float *rope_table(int T, int D, float theta) {
+const float *cuda_rope_table(int T, int D, float theta) {
     if (rope_cache.valid && rope_cache.T == T && rope_cache.D == D && rope_cache.theta == theta)
         return rope_cache.table;
     const int half = D / 2;
@@ -244,7 +245,7 @@ extern "C" void cuda_rope_forward(real *out, const real *inp, int ld, int B, int
     const int half = D / 2;
     const int64_t n_pairs = (int64_t)B * T * H * half;
     if (n_pairs <= 0) return;
-    const float *cs = rope_table(T, D, theta);
+    const float *cs = cuda_rope_table(T, D, theta);
     rope_forward_kernel<<<grid_for(n_pairs, ELEMENTWISE_THREADS), ELEMENTWISE_THREADS>>>(
         out, inp, ld, cs, cs + (size_t)T * half, n_pairs, T, H, half);
     CUDA_CHECK_LAUNCH("rope_forward_kernel");
@@ -256,7 +257,7 @@ extern "C" void cuda_rope_backward(real *dinp, const real *dout, int ld, int B, 
     const int half = D / 2;
     const int64_t n_pairs = (int64_t)B * T * H * half;
     if (n_pairs <= 0) return;
-    const float *cs = rope_table(T, D, theta);
+    const float *cs = cuda_rope_table(T, D, theta);
     rope_backward_kernel<<<grid_for(n_pairs, ELEMENTWISE_THREADS), ELEMENTWISE_THREADS>>>(
         dinp, dout, ld, cs, cs + (size_t)T * half, n_pairs, T, H, half);
     CUDA_CHECK_LAUNCH("rope_backward_kernel");

@@ -22,8 +22,10 @@
  *   determinism       forward and backward run twice: bitwise identical;
  *   NULL gradients    dq alone, d_kv alone, d_k_rope alone: bitwise the same as in the full call;
  *   inputs gone       the backward with q, kv and k_rope overwritten by NaN after the forward: the same
- *                     gradients bitwise (it reads the BF16 copies in the state, as
- *                     attention_backward_reads_inputs says);
+ *                     gradients bitwise (it reads the BF16 copies in the state: kernels.h);
+ *   BF16 products     attention_forward_bf16 on q's and kv's BF16 values at padded row strides (the query before
+ *                     RoPE): out, the whole state and the gradients bitwise those of rope_forward and
+ *                     attention_forward on the widened values, with vector-aligned and odd strides;
  *   one head at a time  H = 1 calls on each head's q, kv, dout (the same k_rope): out and d_kv bitwise the
  *                     H-head call's head h, and d_k_rope bitwise ((0 + g_0) + g_1) + ... + g_{H-1} of the
  *                     single-head calls' rope gradients, added on the host: the reduction's head order;
@@ -354,7 +356,8 @@ static void test_attention(void **state) {
         const int64_t v_at = (k_at + nq + 255) / 256 * 256;
         assert_int_equal(n_state, (v_at + nvb + 3) / 4);
     }
-    assert_int_equal(attention_state_elems(DEVICE_CPU, B, T, H, Dn, Dr, Dv), ns * T);
+    const int64_t n_cpu_state = ns * T + nq + nkv + nr;  // the probabilities, then q, kv and k_rope (kernels.h)
+    assert_int_equal(attention_state_elems(DEVICE_CPU, B, T, H, Dn, Dr, Dv), n_cpu_state);
 
     float *q = floats(nq), *kv = floats(nkv), *k_rope = floats(nr), *dout = floats(nv);
     float *dq0 = floats(nq), *dkv0 = floats(nkv), *dkr0 = floats(nr);
@@ -369,10 +372,10 @@ static void test_attention(void **state) {
     const float *kr_in = Dr > 0 ? k_rope : NULL;  // kernels.h: k_rope is not read when Dr = 0
 
     // CPU reference op on the FP32 inputs
-    float *c_out = floats(nv), *c_att = floats(ns * T);
+    float *c_out = floats(nv), *c_att = floats(n_cpu_state);
     float *c_dq = copy_floats(dq0, nq), *c_dkv = copy_floats(dkv0, nkv), *c_dkr = copy_floats(dkr0, nr);
     attention_forward(DEVICE_CPU, c_out, c_att, q, kv, kr_in, B, T, H, Dn, Dr, Dv);
-    attention_backward(DEVICE_CPU, c_dq, c_dkv, c_dkr, dout, c_out, c_att, q, kv, kr_in, B, T, H, Dn, Dr, Dv);
+    attention_backward(DEVICE_CPU, c_dq, c_dkv, c_dkr, dout, c_out, c_att, B, T, H, Dn, Dr, Dv);
 
     // f64 reference on the BF16-rounded inputs, per head, gathered into the op's layout
     float *qr = floats(nq), *kvr = floats(nkv), *krr = floats(nr), *dor = floats(nv);
@@ -395,7 +398,7 @@ static void test_attention(void **state) {
     float *d_dout = gpu_copy_of(dout, nv), *d_out = gpu_nan_floats(nv), *d_state = gpu_nan_floats(n_state + tail);
     float *d_dq = gpu_copy_of(dq0, nq), *d_dkv = gpu_copy_of(dkv0, nkv), *d_dkr = Dr > 0 ? gpu_copy_of(dkr0, nr) : NULL;
     attention_forward(DEVICE_CUDA, d_out, d_state, d_q, d_kv, d_kr, B, T, H, Dn, Dr, Dv);
-    attention_backward(DEVICE_CUDA, d_dq, d_dkv, d_dkr, d_dout, d_out, d_state, d_q, d_kv, d_kr, B, T, H, Dn, Dr, Dv);
+    attention_backward(DEVICE_CUDA, d_dq, d_dkv, d_dkr, d_dout, d_out, d_state, B, T, H, Dn, Dr, Dv);
     float *g_out = host_copy_of(d_out, nv), *g_state = host_copy_of(d_state, n_state + tail);
     float *g_dq = host_copy_of(d_dq, nq), *g_dkv = host_copy_of(d_dkv, nkv), *g_dkr = host_copy_of(d_dkr, nr);
 
@@ -455,7 +458,7 @@ static void test_attention(void **state) {
     float *d_out2 = gpu_nan_floats(nv), *d_state2 = gpu_nan_floats(n_state);
     attention_forward(DEVICE_CUDA, d_out2, d_state2, d_q, d_kv, d_kr, B, T, H, Dn, Dr, Dv);
     upload(d_dq, dq0, nq), upload(d_dkv, dkv0, nkv), upload(d_dkr, dkr0, nr);
-    attention_backward(DEVICE_CUDA, d_dq, d_dkv, d_dkr, d_dout, d_out2, d_state2, d_q, d_kv, d_kr, B, T, H, Dn, Dr, Dv);
+    attention_backward(DEVICE_CUDA, d_dq, d_dkv, d_dkr, d_dout, d_out2, d_state2, B, T, H, Dn, Dr, Dv);
     float *h_out2 = host_copy_of(d_out2, nv), *h_state2 = host_copy_of(d_state2, ns);
     float *h_dq2 = host_copy_of(d_dq, nq), *h_dkv2 = host_copy_of(d_dkv, nkv), *h_dkr2 = host_copy_of(d_dkr, nr);
     ok &= check_bitwise(shape, "repeat: out", g_out, h_out2, nv);
@@ -466,30 +469,80 @@ static void test_attention(void **state) {
 
     // NULL gradients: the others are computed exactly as in the full call
     upload(d_dq, dq0, nq), upload(d_dkv, dkv0, nkv), upload(d_dkr, dkr0, nr);
-    attention_backward(DEVICE_CUDA, d_dq, NULL, NULL, d_dout, d_out, d_state, d_q, d_kv, d_kr, B, T, H, Dn, Dr, Dv);
-    attention_backward(DEVICE_CUDA, NULL, d_dkv, NULL, d_dout, d_out, d_state, d_q, d_kv, d_kr, B, T, H, Dn, Dr, Dv);
-    attention_backward(DEVICE_CUDA, NULL, NULL, d_dkr, d_dout, d_out, d_state, d_q, d_kv, d_kr, B, T, H, Dn, Dr, Dv);
+    attention_backward(DEVICE_CUDA, d_dq, NULL, NULL, d_dout, d_out, d_state, B, T, H, Dn, Dr, Dv);
+    attention_backward(DEVICE_CUDA, NULL, d_dkv, NULL, d_dout, d_out, d_state, B, T, H, Dn, Dr, Dv);
+    attention_backward(DEVICE_CUDA, NULL, NULL, d_dkr, d_dout, d_out, d_state, B, T, H, Dn, Dr, Dv);
     float *h_dq3 = host_copy_of(d_dq, nq), *h_dkv3 = host_copy_of(d_dkv, nkv), *h_dkr3 = host_copy_of(d_dkr, nr);
     ok &= check_bitwise(shape, "dq alone", g_dq, h_dq3, nq);
     ok &= check_bitwise(shape, "d_kv alone", g_dkv, h_dkv3, nkv);
     if (Dr > 0) ok &= check_bitwise(shape, "d_k_rope alone", g_dkr, h_dkr3, nr);
 
-    // The backward does not read q, kv and k_rope (kernels.h attention_backward_reads_inputs: MLA reuses their
+    // The backward does not read q, kv and k_rope (kernels.h: the state holds what it needs, and MLA reuses their
     // memory): with them overwritten by NaN after the forward, the same gradients, bitwise.
-    assert_int_equal(attention_backward_reads_inputs(DEVICE_CUDA), 0);
-    assert_int_equal(attention_backward_reads_inputs(DEVICE_CPU), 1);
     {
-        float *nan_q = gpu_nan_floats(nq), *nan_kv = gpu_nan_floats(nkv), *nan_kr = Dr > 0 ? gpu_nan_floats(nr) : NULL;
+        float *nan_h = floats(nq > nkv ? nq : nkv);
+        for (int64_t i = 0; i < (nq > nkv ? nq : nkv); i++) nan_h[i] = NAN;
+        upload(d_q, nan_h, nq), upload(d_kv, nan_h, nkv);
+        if (Dr > 0) upload(d_kr, nan_h, nr);
         upload(d_dq, dq0, nq), upload(d_dkv, dkv0, nkv), upload(d_dkr, dkr0, nr);
-        attention_backward(DEVICE_CUDA, d_dq, d_dkv, d_dkr, d_dout, d_out, d_state, nan_q, nan_kv, nan_kr, B, T, H, Dn,
-                           Dr, Dv);
+        attention_backward(DEVICE_CUDA, d_dq, d_dkv, d_dkr, d_dout, d_out, d_state, B, T, H, Dn, Dr, Dv);
         float *h_dq4 = host_copy_of(d_dq, nq), *h_dkv4 = host_copy_of(d_dkv, nkv), *h_dkr4 = host_copy_of(d_dkr, nr);
         ok &= check_bitwise(shape, "inputs gone: dq", g_dq, h_dq4, nq);
         ok &= check_bitwise(shape, "inputs gone: d_kv", g_dkv, h_dkv4, nkv);
         if (Dr > 0) ok &= check_bitwise(shape, "inputs gone: d_k_rope", g_dkr, h_dkr4, nr);
-        device_free(DEVICE_CUDA, nan_q), device_free(DEVICE_CUDA, nan_kv);
-        if (nan_kr) device_free(DEVICE_CUDA, nan_kr);
-        free(h_dq4), free(h_dkv4), free(h_dkr4);
+        upload(d_q, q, nq), upload(d_kv, kv, nkv);
+        if (Dr > 0) upload(d_kr, k_rope, nr);
+        free(nan_h), free(h_dq4), free(h_dkv4), free(h_dkr4);
+    }
+
+    // BF16 products (MLA in fp8 mode): q (before RoPE) and kv as BF16 at padded row strides; the fused op must give
+    // the bits of widening them, rope_forward on the query's rope part and attention_forward - out, every element
+    // of the state (lse and the staged copies) and the gradients - with strides that allow 16-byte loads (pad 8)
+    // and strides that do not (pad 3). k_rope is the (already rotated) FP32 one.
+    for (int pad = 8; pad >= 3; pad -= 5) {
+        const int64_t ldq = (int64_t)H * Dqk + pad, ldkv = (int64_t)H * ld + pad;
+        const float theta = 10000.0f;
+        uint16_t *q16 = malloc(sizeof(uint16_t) * (size_t)(N * ldq)), *kv16 = malloc(sizeof(uint16_t) * (size_t)(N * ldkv));
+        float *qw = floats(nq), *kvw = floats(nkv);
+        assert_non_null(q16), assert_non_null(kv16);
+        for (int64_t n = 0; n < N; n++) {
+            for (int64_t i = 0; i < ldq; i++) q16[n * ldq + i] = float_to_bf16(i < H * Dqk ? q[n * H * Dqk + i] : 7.0f);
+            for (int64_t i = 0; i < ldkv; i++) kv16[n * ldkv + i] = float_to_bf16(i < H * ld ? kv[n * H * ld + i] : 7.0f);
+            for (int64_t i = 0; i < H * Dqk; i++) qw[n * H * Dqk + i] = bf16_to_float(q16[n * ldq + i]);
+            for (int64_t i = 0; i < H * ld; i++) kvw[n * H * ld + i] = bf16_to_float(kv16[n * ldkv + i]);
+        }
+        // the unfused path on the GPU: widened values, RoPE in place, the FP32 op
+        upload(d_q, qw, nq), upload(d_kv, kvw, nkv);
+        if (Dr > 0) rope_forward(DEVICE_CUDA, d_q + Dn, d_q + Dn, Dqk, B, T, H, Dr, theta);
+        float *d_out5 = gpu_nan_floats(nv), *d_state5 = gpu_nan_floats(n_state);
+        attention_forward(DEVICE_CUDA, d_out5, d_state5, d_q, d_kv, d_kr, B, T, H, Dn, Dr, Dv);
+        upload(d_dq, dq0, nq), upload(d_dkv, dkv0, nkv), upload(d_dkr, dkr0, nr);
+        attention_backward(DEVICE_CUDA, d_dq, d_dkv, d_dkr, d_dout, d_out5, d_state5, B, T, H, Dn, Dr, Dv);
+        float *w_out = host_copy_of(d_out5, nv), *w_state = host_copy_of(d_state5, n_state);
+        float *w_dq = host_copy_of(d_dq, nq), *w_dkv = host_copy_of(d_dkv, nkv), *w_dkr = host_copy_of(d_dkr, nr);
+        // the fused op
+        uint16_t *d_q16 = device_alloc(DEVICE_CUDA, sizeof(uint16_t) * (size_t)(N * ldq));
+        uint16_t *d_kv16 = device_alloc(DEVICE_CUDA, sizeof(uint16_t) * (size_t)(N * ldkv));
+        device_memcpy_from_host(DEVICE_CUDA, d_q16, q16, sizeof(uint16_t) * (size_t)(N * ldq));
+        device_memcpy_from_host(DEVICE_CUDA, d_kv16, kv16, sizeof(uint16_t) * (size_t)(N * ldkv));
+        float *d_out6 = gpu_nan_floats(nv), *d_state6 = gpu_nan_floats(n_state);
+        attention_forward_bf16(DEVICE_CUDA, d_out6, d_state6, d_q16, ldq, d_kv16, ldkv, d_kr, B, T, H, Dn, Dr, Dv, theta);
+        upload(d_dq, dq0, nq), upload(d_dkv, dkv0, nkv), upload(d_dkr, dkr0, nr);
+        attention_backward(DEVICE_CUDA, d_dq, d_dkv, d_dkr, d_dout, d_out6, d_state6, B, T, H, Dn, Dr, Dv);
+        float *f_out = host_copy_of(d_out6, nv), *f_state = host_copy_of(d_state6, n_state);
+        float *f_dq = host_copy_of(d_dq, nq), *f_dkv = host_copy_of(d_dkv, nkv), *f_dkr = host_copy_of(d_dkr, nr);
+        char what5[40];
+        snprintf(what5, sizeof what5, "BF16 products, pad %d: out", pad);
+        ok &= check_bitwise(shape, what5, w_out, f_out, nv);
+        ok &= check_bitwise(shape, "  ... state (lse, q, k, v)", w_state, f_state, n_state);
+        ok &= check_bitwise(shape, "  ... dq", w_dq, f_dq, nq);
+        ok &= check_bitwise(shape, "  ... d_kv", w_dkv, f_dkv, nkv);
+        if (Dr > 0) ok &= check_bitwise(shape, "  ... d_k_rope", w_dkr, f_dkr, nr);
+        upload(d_q, q, nq), upload(d_kv, kv, nkv);
+        void *dev[] = {d_out5, d_state5, d_out6, d_state6, d_q16, d_kv16};
+        for (size_t i = 0; i < sizeof dev / sizeof dev[0]; i++) device_free(DEVICE_CUDA, dev[i]);
+        free(q16), free(kv16), free(qw), free(kvw), free(w_out), free(w_state), free(w_dq), free(w_dkv), free(w_dkr);
+        free(f_out), free(f_state), free(f_dq), free(f_dkv), free(f_dkr);
     }
 
     // One head at a time (H = 1 calls on head h's q, kv and dout, the same k_rope): each head's blocks compute
@@ -508,8 +561,7 @@ static void test_attention(void **state) {
             take_head(qh, q, c, h, Dqk), take_head(kvh, kv, c, h, ld), take_head(doh, dout, c, h, Dv);
             upload(d_qh, qh, N * Dqk), upload(d_kvh, kvh, N * ld), upload(d_doh, doh, N * Dv);
             attention_forward(DEVICE_CUDA, d_oh, d_sh, d_qh, d_kvh, d_kr, B, T, 1, Dn, Dr, Dv);
-            attention_backward(DEVICE_CUDA, NULL, d_dkvh, d_dkrh, d_doh, d_oh, d_sh, d_qh, d_kvh, d_kr, B, T, 1, Dn,
-                               Dr, Dv);
+            attention_backward(DEVICE_CUDA, NULL, d_dkvh, d_dkrh, d_doh, d_oh, d_sh, B, T, 1, Dn, Dr, Dv);
             float *oh = host_copy_of(d_oh, N * Dv), *dkvh = host_copy_of(d_dkvh, N * ld);
             float *gh = host_copy_of(d_dkrh, nr);
             float *want_o = floats(N * Dv), *want_kv = floats(N * ld);
@@ -544,7 +596,7 @@ static void test_attention(void **state) {
     }
     upload(d_kv, kvp, nkv), upload(d_kr, krp, nr), upload(d_dq, dq0, nq);
     attention_forward(DEVICE_CUDA, d_out2, d_state2, d_q, d_kv, d_kr, B, T, H, Dn, Dr, Dv);
-    attention_backward(DEVICE_CUDA, d_dq, NULL, NULL, d_dout, d_out2, d_state2, d_q, d_kv, d_kr, B, T, H, Dn, Dr, Dv);
+    attention_backward(DEVICE_CUDA, d_dq, NULL, NULL, d_dout, d_out2, d_state2, B, T, H, Dn, Dr, Dv);
     float *h_out4 = host_copy_of(d_out2, nv), *h_state4 = host_copy_of(d_state2, ns), *h_dq4 = host_copy_of(d_dq, nq);
     char what[64];
     snprintf(what, sizeof what, "k,v at t*=%d changed: out", t_star);

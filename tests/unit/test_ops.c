@@ -716,8 +716,9 @@ static void check_attention(int B, int T, int H, int Dn, int Dr, int Dv, uint64_
     const int Dqk = Dn + Dr, N = B * T;
     const size_t nqk = (size_t)N * H * Dqk, nkv = (size_t)N * H * (Dn + Dv), nr = (size_t)N * Dr;
     const size_t nv = (size_t)N * H * Dv, natt = (size_t)B * H * T * T;
-    real *q = ralloc(nqk), *kv = ralloc(nkv), *k_rope = ralloc(nr), *out = ralloc(nv), *att = ralloc(natt);
-    real *dout = ralloc(nv);
+    // the state: the probabilities (natt), then the operands' copies
+    real *q = ralloc(nqk), *kv = ralloc(nkv), *k_rope = ralloc(nr), *out = ralloc(nv);
+    real *att = ralloc((size_t)cpu_attention_state_elems(B, T, H, Dn, Dr, Dv)), *dout = ralloc(nv);
     opcheck_fill_nonzero(q, nqk, seed, 0.1, 1.5);
     // k_nope and v share kv: its elements are keys' and values' alike, |.| < 1.5 (the bounds below assume
     // |k| <= 1.5 and |v| <= 1.5)
@@ -746,7 +747,7 @@ static void check_attention(int B, int T, int H, int Dn, int Dr, int Dv, uint64_
             for (int s = t + 1; s < T; s++) assert_true(att[((size_t)bh * T + t) * T + s] == 0);
 
     real *dq = ralloc(nqk), *d_kv = ralloc(nkv), *d_k_rope = ralloc(nr);
-    cpu_attention_backward(dq, d_kv, d_k_rope, dout, att, q, kv, k_rope, B, T, H, Dn, Dr, Dv);
+    cpu_attention_backward(dq, d_kv, d_k_rope, dout, att, B, T, H, Dn, Dr, Dv);
     double *ref_dq = dalloc(nqk), *ref_dk = dalloc(nqk), *ref_dv = dalloc(nv);
     double *ref_d_kv = dalloc(nkv), *ref_d_k_rope = dalloc(nr);
     ref_attention_backward(ref_dq, ref_dk, ref_dv, p.dout, p.q, k, v, B, T, H, Dqk, Dv);
@@ -781,14 +782,14 @@ static void check_attention(int B, int T, int H, int Dn, int Dr, int Dv, uint64_
     opcheck_fill_nonzero(w_q, nqk, seed + 5, 0.5, 3.0);
     opcheck_fill_nonzero(w_kv, nkv, seed + 6, 0.5, 3.0);
     opcheck_fill_nonzero(w_kr, nr, seed + 7, 0.5, 3.0);
-    cpu_attention_backward(w_q, w_kv, w_kr, dout, att, q, kv, k_rope, B, T, H, Dn, Dr, Dv);
+    cpu_attention_backward(w_q, w_kv, w_kr, dout, att, B, T, H, Dn, Dr, Dv);
     assert_memory_equal(w_q, dq, nqk * sizeof(real));
     assert_memory_equal(w_kv, d_kv, nkv * sizeof(real));
     if (nr > 0) assert_memory_equal(w_kr, d_k_rope, nr * sizeof(real));
     real *only_q = ralloc(nqk), *only_kv = ralloc(nkv), *only_kr = ralloc(nr);
-    cpu_attention_backward(only_q, NULL, NULL, dout, att, q, kv, k_rope, B, T, H, Dn, Dr, Dv);
-    cpu_attention_backward(NULL, only_kv, NULL, dout, att, q, kv, k_rope, B, T, H, Dn, Dr, Dv);
-    cpu_attention_backward(NULL, NULL, only_kr, dout, att, q, kv, k_rope, B, T, H, Dn, Dr, Dv);
+    cpu_attention_backward(only_q, NULL, NULL, dout, att, B, T, H, Dn, Dr, Dv);
+    cpu_attention_backward(NULL, only_kv, NULL, dout, att, B, T, H, Dn, Dr, Dv);
+    cpu_attention_backward(NULL, NULL, only_kr, dout, att, B, T, H, Dn, Dr, Dv);
     assert_memory_equal(only_q, dq, nqk * sizeof(real));
     assert_memory_equal(only_kv, d_kv, nkv * sizeof(real));
     if (nr > 0) assert_memory_equal(only_kr, d_k_rope, nr * sizeof(real));
@@ -908,10 +909,11 @@ static void check_attention_per_head(int B, int T, int H, int Dn, int Dr, int Dv
     }
 
     // the op on MLA's layout; gradients over NaN poison (an element not written stays NaN and differs)
-    real *out = nan_ralloc(nv), *att = nan_ralloc(natt), *dq = nan_ralloc(nqk), *d_kv = nan_ralloc(nkv),
+    real *out = nan_ralloc(nv), *att = nan_ralloc((size_t)cpu_attention_state_elems(B, T, H, Dn, Dr, Dv)),
+         *dq = nan_ralloc(nqk), *d_kv = nan_ralloc(nkv),
          *d_k_rope = nan_ralloc(nr);
     cpu_attention_forward(out, att, q, kv, Dr > 0 ? k_rope : NULL, B, T, H, Dn, Dr, Dv);
-    cpu_attention_backward(dq, d_kv, d_k_rope, dout, att, q, kv, Dr > 0 ? k_rope : NULL, B, T, H, Dn, Dr, Dv);
+    cpu_attention_backward(dq, d_kv, d_k_rope, dout, att, B, T, H, Dn, Dr, Dv);
     assert_memory_equal(out, want_out, nv * sizeof(real));
     assert_memory_equal(att, want_att, natt * sizeof(real));
     assert_memory_equal(dq, want_dq, nqk * sizeof(real));
@@ -932,15 +934,61 @@ static void test_attention_per_head_bitwise(void **state) {
     check_attention_per_head(2, 6, 2, 6, 0, 5, 1440);    // Dr = 0
 }
 
+// attention_forward_bf16 on BF16 products (rows at strides of their own, pad values apart) gives the bits of
+// widening them, rope_forward on the query's rope part and attention_forward: out and the whole state (its
+// probabilities and the operands' copies the backward reads). The rotation must really happen (Dr > 0): the state's
+// query then differs from the plain widened one.
+static void check_attention_forward_bf16(int B, int T, int H, int Dn, int Dr, int Dv, int pad, uint64_t seed) {
+    const int Dqk = Dn + Dr, ld = Dn + Dv, N = B * T;
+    const int64_t ldq = (int64_t)H * Dqk + pad, ldkv = (int64_t)H * ld + pad;
+    const size_t nqk = (size_t)N * H * Dqk, nkv = (size_t)N * H * ld, nr = (size_t)N * Dr, nv = (size_t)N * H * Dv;
+    const size_t nstate = (size_t)cpu_attention_state_elems(B, T, H, Dn, Dr, Dv);
+    const real theta = 10000;
+    // the products: random values rounded to BF16, written row by row at their strides (the pads left random too)
+    real *src_q = ralloc((size_t)N * ldq), *src_kv = ralloc((size_t)N * ldkv), *k_rope = ralloc(nr);
+    opcheck_fill_nonzero(src_q, (size_t)N * ldq, seed, 0.1, 2.0);
+    opcheck_fill_nonzero(src_kv, (size_t)N * ldkv, seed + 1, 0.1, 1.5);
+    opcheck_fill_nonzero(k_rope, nr, seed + 2, 0.1, 1.5);
+    uint16_t *q16 = talloc(sizeof(uint16_t) * (size_t)N * ldq), *kv16 = talloc(sizeof(uint16_t) * (size_t)N * ldkv);
+    cpu_bf16_round_array(q16, src_q, (int64_t)N * ldq);
+    cpu_bf16_round_array(kv16, src_kv, (int64_t)N * ldkv);
+    // the unfused path
+    real *q = ralloc(nqk), *q_plain = ralloc(nqk), *kv = ralloc(nkv);
+    for (int n = 0; n < N; n++) {
+        cpu_bf16_widen_array(q + (size_t)n * H * Dqk, q16 + n * ldq, (int64_t)H * Dqk);
+        cpu_bf16_widen_array(kv + (size_t)n * H * ld, kv16 + n * ldkv, (int64_t)H * ld);
+    }
+    memcpy(q_plain, q, nqk * sizeof(real));
+    if (Dr > 0) cpu_rope_forward(q + Dn, q + Dn, Dqk, B, T, H, Dr, theta);
+    real *want_out = nan_ralloc(nv), *want_state = nan_ralloc(nstate);
+    cpu_attention_forward(want_out, want_state, q, kv, Dr > 0 ? k_rope : NULL, B, T, H, Dn, Dr, Dv);
+    // the fused op, over NaN poison
+    real *out = nan_ralloc(nv), *state = nan_ralloc(nstate);
+    cpu_attention_forward_bf16(out, state, q16, ldq, kv16, ldkv, Dr > 0 ? k_rope : NULL, B, T, H, Dn, Dr, Dv, theta);
+    assert_memory_equal(out, want_out, nv * sizeof(real));
+    assert_memory_equal(state, want_state, nstate * sizeof(real));
+    if (Dr > 0) assert_memory_not_equal(q, q_plain, nqk * sizeof(real));
+    tfree_all();
+}
+
+static void test_attention_forward_bf16(void **state) {
+    (void)state;
+    check_attention_forward_bf16(2, 9, 3, 8, 4, 6, 5, 1500);  // MLA-like, rows padded
+    check_attention_forward_bf16(1, 7, 2, 0, 6, 4, 0, 1510);  // Dn = 0: the whole query rotated
+    check_attention_forward_bf16(2, 5, 2, 6, 0, 5, 3, 1520);  // Dr = 0: no rotation
+    check_attention_forward_bf16(1, 12, 4, 5, 2, 3, 1, 1530); // odd Dn: the pairs start at an odd column
+}
+
 // Changing the query, key and value of position tf may not change anything at earlier positions:
 // outputs and probability rows for t < tf stay bitwise identical, and position tf itself changes.
 static void test_attention_causal(void **state) {
     (void)state;
     const int B = 2, T = 9, H = 2, Dn = 4, Dr = 2, Dv = 5, Dqk = Dn + Dr, ld = Dn + Dv, tf = 5;
     const size_t nqk = (size_t)B * T * H * Dqk, nkv = (size_t)B * T * H * ld, nr = (size_t)B * T * Dr;
-    const size_t nv = (size_t)B * T * H * Dv, natt = (size_t)B * H * T * T;
+    const size_t nv = (size_t)B * T * H * Dv;
     real *q = ralloc(nqk), *kv = ralloc(nkv), *k_rope = ralloc(nr);
-    real *out1 = ralloc(nv), *att1 = ralloc(natt), *out2 = ralloc(nv), *att2 = ralloc(natt);
+    const size_t nstate = (size_t)cpu_attention_state_elems(B, T, H, Dn, Dr, Dv);
+    real *out1 = ralloc(nv), *att1 = ralloc(nstate), *out2 = ralloc(nv), *att2 = ralloc(nstate);
     opcheck_fill_nonzero(q, nqk, 750, 0.1, 1.5);
     opcheck_fill_nonzero(kv, nkv, 751, 0.1, 1.5);
     opcheck_fill_nonzero(k_rope, nr, 752, 0.1, 1.5);
@@ -1163,10 +1211,11 @@ static void run_all_ops(Outputs *o, int threads) {
     const size_t an = (size_t)DET_AB * DET_AT, nqk = an * DET_AH * (DET_DN + DET_DR);
     const size_t nkv = an * DET_AH * (DET_DN + DET_DV), nkr = an * DET_DR, nv = an * DET_AH * DET_DV;
     const size_t natt = (size_t)DET_AB * DET_AH * DET_AT * DET_AT;
-    real *att = ralloc(natt), *ao = ralloc(nv), *dq = ralloc(nqk), *d_kv = ralloc(nkv), *d_kr = ralloc(nkr);
+    real *att = ralloc((size_t)cpu_attention_state_elems(DET_AB, DET_AT, DET_AH, DET_DN, DET_DR, DET_DV));
+    real *ao = ralloc(nv), *dq = ralloc(nqk), *d_kv = ralloc(nkv), *d_kr = ralloc(nkr);
     const real *kv = g, *k_rope = g + nkv, *dout = g + nkv + nkr;
     cpu_attention_forward(ao, att, x, kv, k_rope, DET_AB, DET_AT, DET_AH, DET_DN, DET_DR, DET_DV);
-    cpu_attention_backward(dq, d_kv, d_kr, dout, att, x, kv, k_rope, DET_AB, DET_AT, DET_AH, DET_DN, DET_DR, DET_DV);
+    cpu_attention_backward(dq, d_kv, d_kr, dout, att, DET_AB, DET_AT, DET_AH, DET_DN, DET_DR, DET_DV);
     append(o, ao, nv); append(o, att, natt); append(o, dq, nqk); append(o, d_kv, nkv); append(o, d_kr, nkr);
 }
 
@@ -1199,6 +1248,7 @@ int main(void) {
         cmocka_unit_test(test_attention),
         cmocka_unit_test(test_attention_per_head_bitwise),
         cmocka_unit_test(test_attention_causal),
+        cmocka_unit_test(test_attention_forward_bf16),
         cmocka_unit_test(test_crossentropy),
         cmocka_unit_test(test_head_bf16),
         cmocka_unit_test(test_deterministic_across_threads),
