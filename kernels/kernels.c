@@ -137,6 +137,19 @@ void attention_backward(Device dev, real *dq, real *d_kv, real *d_k_rope, const 
     cpu_attention_backward(dq, d_kv, d_k_rope, dout, state, B, T, H, Dn, Dr, Dv);
 }
 
+void attention_backward_bf16(Device dev, real *dq, real *d_kv, real *d_k_rope, const uint16_t *dout16, int64_t ld,
+                             const real *out, const real *state, int B, int T, int H, int Dn, int Dr, int Dv) {
+#ifdef FP8MOE_CUDA
+    if (dev == DEVICE_CUDA) {
+        cuda_attention_backward_bf16(dq, d_kv, d_k_rope, dout16, ld, out, state, B, T, H, Dn, Dr, Dv);
+        return;
+    }
+#endif
+    if (dev != DEVICE_CPU) no_cuda_op("attention_backward_bf16");
+    (void)out;  // as attention_backward
+    cpu_attention_backward_bf16(dq, d_kv, d_k_rope, dout16, ld, state, B, T, H, Dn, Dr, Dv);
+}
+
 void swiglu_forward(Device dev, real *out, const real *a, const real *b, int64_t n) {
 #ifdef FP8MOE_CUDA
     if (dev == DEVICE_CUDA) { cuda_swiglu_forward(out, a, b, n); return; }

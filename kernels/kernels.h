@@ -152,6 +152,11 @@ void attention_forward_bf16(Device dev, real *out, real *state, const uint16_t *
 // the stored probabilities (sum_t2 att[t,t2] (dout[t] . v[t2])), as before, and does not read out.
 void attention_backward(Device dev, real *dq, real *d_kv, real *d_k_rope, const real *dout, const real *out,
                         const real *state, int B, int T, int H, int Dn, int Dr, int Dv);
+// attention_backward with dout as a BF16 product (fp8 mode: MLA's output projection's Dgrad, kernels.h
+// fp8_gemm_dgrad_grouped_bf16's rows): row (b, t) = H heads of Dv values at dout16 + (b T + t) ld. The same
+// gradients, bit for bit, as attention_backward on the widened values.
+void attention_backward_bf16(Device dev, real *dq, real *d_kv, real *d_k_rope, const uint16_t *dout16, int64_t ld,
+                             const real *out, const real *state, int B, int T, int H, int Dn, int Dr, int Dv);
 
 // ---------------------------------------------------------------------------- SwiGLU
 // elementwise over n: out = silu(a) * b, silu(a) = a * sigmoid(a)   (a = w1 x, b = w3 x)

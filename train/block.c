@@ -126,8 +126,8 @@ void block_acts_alloc(ActsArena *ar, BlockActs *a, const Dims *d, int is_moe, co
     }
 }
 
-// n BF16 values (a transient of the forward) in the memory of grad, a gradient of grad_elems reals that is written
-// only in the backward, when they fit there; else in memory of their own.
+// n BF16 values in the memory of grad, a gradient of grad_elems reals, when they fit there; else in memory of their
+// own. For a forward transient in a gradient that only the backward writes, or a gradient that replaces it.
 static uint16_t *bf16_in_grad(ActsArena *ar, real *grad, int64_t grad_elems, int64_t n) {
     if ((size_t)n * sizeof(uint16_t) <= (size_t)grad_elems * sizeof(real)) return (uint16_t *)grad;
     return arena_alloc(ar, (size_t)n * sizeof(uint16_t));
@@ -161,6 +161,7 @@ void layer_scratch_alloc(ActsArena *ar, LayerScratch *s, const Dims *d, int has_
         s->t_q16 = bf16_in_grad(ar, s->d_qf, NH * d->dqk, bf16_rows_elems(N, d->H * d->dqk));
         s->t_kv16 = bf16_in_grad(ar, s->d_kv, NH * (d->dn + d->dv), bf16_rows_elems(N, d->H * (d->dn + d->dv)));
     }
+    if (fp8_fused) s->d_o16 = bf16_in_grad(ar, s->d_o, NH * d->dv, bf16_rows_elems(N, d->H * d->dv));
     int64_t ffn_elems = N * d->inter;
     if (has_moe) {
         if (N * d->shared_I > ffn_elems) ffn_elems = N * d->shared_I;

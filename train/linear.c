@@ -848,6 +848,20 @@ void linear_backward(RunCtx *rc, real *dinp, GradStore dinp_store, real *dweight
     linear_backward_shared(rc, 1, dinp, dinp_store, &dweight, &dout, inp, &weight, N, C, OC, kept);
 }
 
+void linear_backward_bf16(RunCtx *rc, uint16_t *dinp_bf16, real *dweight, const real *dout, const real *inp,
+                          const real *weight, int N, int C, int OC, const KeptInput *kept) {
+    if (!linear_fp8_fused(rc)) {
+        fprintf(stderr, "fp8moe: train/linear.c: internal error: a BF16 input gradient asked of a Linear outside fp8 "
+                        "mode's fused paths (linear_fp8_fused)\n");
+        exit(1);
+    }
+    const int offsets[2] = {0, N};
+    const Operand x = array_operand(inp, NULL), dy = array_operand(dout, NULL);
+    profile_begin(PHASE_OTHER_GEMM);
+    fp8_backward(rc, 1, offsets, 1, NULL, dinp_bf16, GRAD_WRITE, NULL, &dweight, &dy, &x, &weight, C, OC, kept);
+    profile_end(PHASE_OTHER_GEMM);
+}
+
 void linear_backward_shared(RunCtx *rc, int n_out, real *dinp, GradStore dinp_store, real *const *dweight,
                             const real *const *dout, const real *inp, const real *const *weight, int N, int C, int OC,
                             const KeptInput *kept) {

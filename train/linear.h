@@ -80,6 +80,12 @@ void linear_forward_residual(RunCtx *rc, real *out, const real *inp, const real 
 // this Linear produces, with no memset before. Weight gradients always accumulate. `kept`: what the forward kept.
 void linear_backward(RunCtx *rc, real *dinp, GradStore dinp_store, real *dweight, const real *dout, const real *inp,
                      const real *weight, int N, int C, int OC, const KeptInput *kept);
+// linear_backward with dinp WRITTEN as the Dgrad's BF16 product, without its FP32 conversion (fp8 mode's fused paths
+// only, linear_fp8_fused): dinp_bf16 holds kernels.h fp8_gemm_dgrad_grouped_bf16's rows, N + 15 rows of
+// bf16_rows_ld(C), whose values are linear_backward's dinp exactly (MLA's output projection: the attention backward
+// reads its input gradient in BF16, kernels.h attention_backward_bf16).
+void linear_backward_bf16(RunCtx *rc, uint16_t *dinp_bf16, real *dweight, const real *dout, const real *inp,
+                          const real *weight, int N, int C, int OC, const KeptInput *kept);
 // n_out Linears of the same input inp (N, C), weights (OC[i], C): out[i] = inp @ weight[i]^T, the input quantised
 // (bf16: rounded) once instead of n_out times (MLA's two down-projections of the normalised block input).
 // The same numbers as n_out linear_forward calls. n_out is at most 4.

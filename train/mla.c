@@ -9,7 +9,8 @@
  * absorption is an inference optimisation. They are not copied out per head: the attention core reads the
  * keys and values in W_UKV's output kv = [k_C ; v] per head and the one k_R per token (kernels.h), and
  * writes their gradients in the same layout. q and kv live only until the attention core has read them: its state
- * keeps what its backward needs. In fp8 mode they are never FP32 at all (kernels.h attention_forward_bf16).
+ * keeps what its backward needs. In fp8 mode they are never FP32 at all (kernels.h attention_forward_bf16), and
+ * neither is the attention output's gradient (attention_backward_bf16).
  */
 #include "train/layers.h"
 #include "train/linear.h"
@@ -71,11 +72,16 @@ void mla_backward(Model *m, const MlaWeights *w, const MlaWeights *g, MlaActs *a
     // attention_backward) or by copies that together cover every column, so they are written, not cleared
     // and added to.
     // forward was: out = o W_O^T, o = attention(qf, kv, k_rope)
-    linear_backward(&m->rc, s->d_o, GRAD_WRITE, g->wo, d_out, a->o, w->wo, N, H * d->dv, d->D, &a->o_kept);
+    // (fp8 mode: d_o stays W_O's BF16 Dgrad product, which the attention backward reads as it is)
+    if (s->d_o16) linear_backward_bf16(&m->rc, s->d_o16, g->wo, d_out, a->o, w->wo, N, H * d->dv, d->D, &a->o_kept);
+    else linear_backward(&m->rc, s->d_o, GRAD_WRITE, g->wo, d_out, a->o, w->wo, N, H * d->dv, d->D, &a->o_kept);
     // d_kv = [d k_C ; dv] per head; d_k_rope, the shared rope key's, collects every head's gradient, added in
     // head order
     profile_begin(PHASE_ATTENTION);
-    attention_backward(dev, s->d_qf, s->d_kv, s->d_k_rope, s->d_o, a->o, a->att, d->B, d->T, H, d->dn, d->dr, d->dv);
+    if (s->d_o16)
+        attention_backward_bf16(dev, s->d_qf, s->d_kv, s->d_k_rope, s->d_o16, bf16_rows_ld(H * d->dv), a->o, a->att,
+                                d->B, d->T, H, d->dn, d->dr, d->dv);
+    else attention_backward(dev, s->d_qf, s->d_kv, s->d_k_rope, s->d_o, a->o, a->att, d->B, d->T, H, d->dn, d->dr, d->dv);
     profile_end(PHASE_ATTENTION);
     rope_backward(dev, s->d_k_rope_raw, s->d_k_rope, d->dr, d->B, d->T, 1, d->dr, d->rope_theta);
     copy_block(dev, s->d_kva + d->kvr, kva_w, s->d_k_rope_raw, d->dr, N, d->dr, 0);

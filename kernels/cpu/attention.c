@@ -1,6 +1,6 @@
 /*
  * attention.c - CPU reference of the causal softmax attention core (attention_forward / _forward_bf16 /
- * _backward in kernels.h): out = softmax(q k^T / sqrt(Dqk), causal) v per batch row and head, with the
+ * _backward / _backward_bf16 in kernels.h): out = softmax(q k^T / sqrt(Dqk), causal) v per batch row and head, with the
  * probabilities materialised in att (B, H, T, T) for the backward pass. The CPU form of kernels.h's backward
  * "state" is att followed by copies of q, kv and k_rope (cpu_state_layout), so the backward needs nothing of the
  * forward's but the state, as on CUDA; the CUDA op keeps only a (B, H, T) log-sum-exp per query row and BF16
@@ -285,4 +285,14 @@ void cpu_attention_backward(real *dq, real *d_kv, real *d_k_rope, const real *do
         d_k_rope[i] = sum;
     }
     free(rope_g);
+}
+
+// dout widened from its BF16 rows (exactly) into a buffer of its own, then the backward above.
+void cpu_attention_backward_bf16(real *dq, real *d_kv, real *d_k_rope, const uint16_t *dout16, int64_t ld,
+                                 const real *state, int B, int T, int H, int Dn, int Dr, int Dv) {
+    const int64_t N = (int64_t)B * T, row = (int64_t)H * Dv;
+    real *dout = cpu_values_or_die((size_t)(N * row), "attention_backward_bf16 widened dout");
+    for (int64_t n = 0; n < N; n++) cpu_bf16_widen_array(dout + n * row, dout16 + n * ld, row);
+    cpu_attention_backward(dq, d_kv, d_k_rope, dout, state, B, T, H, Dn, Dr, Dv);
+    free(dout);
 }

@@ -20,6 +20,8 @@ void cpu_attention_forward_bf16(real *out, real *state, const uint16_t *q16, int
                                 int64_t ldkv, const real *k_rope, int B, int T, int H, int Dn, int Dr, int Dv,
                                 real rope_theta);
 void cpu_attention_backward(real *dq, real *d_kv, real *d_k_rope, const real *dout, const real *state, int B, int T, int H, int Dn, int Dr, int Dv);
+void cpu_attention_backward_bf16(real *dq, real *d_kv, real *d_k_rope, const uint16_t *dout16, int64_t ld,
+                                 const real *state, int B, int T, int H, int Dn, int Dr, int Dv);
 void cpu_swiglu_forward(real *out, const real *a, const real *b, int64_t n);
 void cpu_swiglu_backward(real *da, real *db, const real *dout, const real *a, const real *b, int64_t n);
 void cpu_crossentropy_forward(real *losses, real *probs, const real *logits, const int *targets, int N, int V);

@@ -336,8 +336,11 @@ __global__ void attention_to_bf16_kernel(ConvertJobs<Src> jobs, int T, int Tpad,
 //   D (B, H, Tpad)    = sum_d BF16(dout_d) out_d  (each lane sums its columns d = lane, lane + 32, ... in
 //                       order, then a butterfly: a fixed order), 0 for t >= T;
 //   lse2 (B, H, Tpad) = lse * log2(e), 0 for t >= T.
-// D uses the BF16-rounded dout, the same values dP = dO V^T is computed from.
-__global__ void attention_backward_prep_kernel(bf16 *dos, float *Dg, float *lse2, const float *dout,
+// D uses the BF16-rounded dout, the same values dP = dO V^T is computed from. dout's row (b, t) is at
+// dout + (b T + t) tok_ld: FP32 values (attention_backward, tok_ld = H Dv) or BF16 bits (attention_backward_bf16:
+// the output projection's Dgrad product at its own row stride), whose rounding to BF16 is exact.
+template <typename Src>
+__global__ void attention_backward_prep_kernel(bf16 *dos, float *Dg, float *lse2, const Src *dout, int64_t tok_ld,
                                                const float *out, const float *lse, int T, int Tpad, int H, int Dv,
                                                int DVP) {
     const int lane = threadIdx.x & 31;
@@ -347,11 +350,12 @@ __global__ void attention_backward_prep_kernel(bf16 *dos, float *Dg, float *lse2
     bf16 *dst = dos + (bh * Tpad + t) * DVP;
     float dot = 0.0f;
     if (t < T) {
-        const size_t src = (((size_t)b * T + t) * H + h) * Dv;
+        const size_t at = (((size_t)b * T + t) * H + h) * Dv;  // out's row
+        const Src *src = dout + ((int64_t)b * T + t) * tok_ld + (int64_t)h * Dv;
         for (int d = lane; d < DVP; d += 32) {
-            const bf16 g = __float2bfloat16_rn(d < Dv ? dout[src + d] : 0.0f);
+            const bf16 g = __float2bfloat16_rn(d < Dv ? value_of(src[d]) : 0.0f);
             dst[d] = g;
-            if (d < Dv) dot += __bfloat162float(g) * out[src + d];
+            if (d < Dv) dot += __bfloat162float(g) * out[at + d];
         }
     } else {
         for (int d = lane; d < DVP; d += 32) dst[d] = __float2bfloat16_rn(0.0f);
@@ -881,10 +885,13 @@ static void launch_dkv_any_dv(const DkvOut *o, const Staged *s, int B, int T, in
     }
 }
 
-// out = the forward's output, state its lse (B, H, T) and staged q, k, v, both from cuda_attention_forward(_bf16).
-extern "C" void cuda_attention_backward(real *dq, real *d_kv, real *d_k_rope, const real *dout, const real *out,
-                                        const real *state, int B, int T, int H, int Dn, int Dr, int Dv) {
-    check_shape("attention_backward", B, T, H, Dn, Dr, Dv);
+// out = the forward's output, state its lse (B, H, T) and staged q, k, v, both from cuda_attention_forward(_bf16);
+// dout's row (b, t) at dout + (b T + t) tok_ld (attention_backward_prep_kernel).
+template <typename Src>
+static void attention_backward_from(const char *op, real *dq, real *d_kv, real *d_k_rope, const Src *dout,
+                                    int64_t tok_ld, const real *out, const real *state, int B, int T, int H, int Dn,
+                                    int Dr, int Dv) {
+    check_shape(op, B, T, H, Dn, Dr, Dv);
     const int Dqk = Dn + Dr;
     const bool want_rope = d_k_rope != NULL && Dr > 0;
     DkvOut o = {d_kv != NULL && Dn > 0 ? d_kv : NULL, NULL, d_kv != NULL ? d_kv + Dn : NULL};
@@ -898,8 +905,8 @@ extern "C" void cuda_attention_backward(real *dq, real *d_kv, real *d_k_rope, co
     s.lse2 = s.D + ns;
     const int threads = 256;  // 8 rows (warps) per block; Tpad is a multiple of 8
     const dim3 prep_grid((unsigned)(s.Tpad / 8), (unsigned)H, (unsigned)B);
-    attention_backward_prep_kernel<<<prep_grid, threads>>>(s.dout, s.D, s.lse2, dout, out, state, T, s.Tpad, H, Dv,
-                                                           s.DVP);
+    attention_backward_prep_kernel<Src><<<prep_grid, threads>>>(s.dout, s.D, s.lse2, dout, tok_ld, out, state, T,
+                                                                s.Tpad, H, Dv, s.DVP);
     CUDA_CHECK_LAUNCH("attention_backward_prep_kernel");
     const bool wgmma = use_wgmma(&s);
     if (dq != NULL && wgmma) attention_wgmma_dq(dq, &s, B, T, H, Dqk);
@@ -927,4 +934,22 @@ extern "C" void cuda_attention_backward(real *dq, real *d_kv, real *d_k_rope, co
         attention_rope_grad_sum_kernel<<<blocks, sum_threads>>>(d_k_rope, o.dk_rope, n_rope, H, Dr);
         CUDA_CHECK_LAUNCH("attention_rope_grad_sum_kernel");
     }
+}
+
+extern "C" void cuda_attention_backward(real *dq, real *d_kv, real *d_k_rope, const real *dout, const real *out,
+                                        const real *state, int B, int T, int H, int Dn, int Dr, int Dv) {
+    attention_backward_from<float>("attention_backward", dq, d_kv, d_k_rope, dout, (int64_t)H * Dv, out, state, B, T,
+                                   H, Dn, Dr, Dv);
+}
+
+extern "C" void cuda_attention_backward_bf16(real *dq, real *d_kv, real *d_k_rope, const uint16_t *dout16, int64_t ld,
+                                             const real *out, const real *state, int B, int T, int H, int Dn, int Dr,
+                                             int Dv) {
+    if (ld < (int64_t)H * Dv) {
+        fprintf(stderr, "fp8moe: attention_backward_bf16 (kernels/cuda/attention.cu): row stride ld = %lld is below the "
+                        "H Dv = %d values of a token's row\n", (long long)ld, H * Dv);
+        exit(1);
+    }
+    attention_backward_from<bf16>("attention_backward_bf16", dq, d_kv, d_k_rope, (const bf16 *)dout16, ld, out, state,
+                                  B, T, H, Dn, Dr, Dv);
 }

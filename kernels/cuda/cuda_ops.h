@@ -100,6 +100,8 @@ void cuda_attention_forward_bf16(real *out, real *state, const uint16_t *q16, in
                                  int64_t ldkv, const real *k_rope, int B, int T, int H, int Dn, int Dr, int Dv,
                                  real rope_theta);
 void cuda_attention_backward(real *dq, real *d_kv, real *d_k_rope, const real *dout, const real *out, const real *state, int B, int T, int H, int Dn, int Dr, int Dv);
+void cuda_attention_backward_bf16(real *dq, real *d_kv, real *d_k_rope, const uint16_t *dout16, int64_t ld,
+                                  const real *out, const real *state, int B, int T, int H, int Dn, int Dr, int Dv);
 // Whether the attention core may run its Hopper kernels (kernels/cuda/attention_wgmma.cu) where they serve the
 // head dims (default 1); 0 forces the mma.sync kernels. Returns the previous setting. For the benchmark's and the
 // tests' comparison of the two kernel families on the same shape.

@@ -25,7 +25,8 @@
  *                     gradients bitwise (it reads the BF16 copies in the state: kernels.h);
  *   BF16 products     attention_forward_bf16 on q's and kv's BF16 values at padded row strides (the query before
  *                     RoPE): out, the whole state and the gradients bitwise those of rope_forward and
- *                     attention_forward on the widened values, with vector-aligned and odd strides;
+ *                     attention_forward on the widened values, with vector-aligned and odd strides; and
+ *                     attention_backward_bf16 on a BF16 dout the gradients of attention_backward on its widened values;
  *   one head at a time  H = 1 calls on each head's q, kv, dout (the same k_rope): out and d_kv bitwise the
  *                     H-head call's head h, and d_k_rope bitwise ((0 + g_0) + g_1) + ... + g_{H-1} of the
  *                     single-head calls' rope gradients, added on the host: the reduction's head order;
@@ -527,6 +528,30 @@ static void test_attention(void **state) {
         device_memcpy_from_host(DEVICE_CUDA, d_kv16, kv16, sizeof(uint16_t) * (size_t)(N * ldkv));
         float *d_out6 = gpu_nan_floats(nv), *d_state6 = gpu_nan_floats(n_state);
         attention_forward_bf16(DEVICE_CUDA, d_out6, d_state6, d_q16, ldq, d_kv16, ldkv, d_kr, B, T, H, Dn, Dr, Dv, theta);
+        // and dout as BF16 at a padded stride too, against the FP32 backward on its widened values
+        const int64_t ldo = (int64_t)H * Dv + pad;
+        uint16_t *do16 = malloc(sizeof(uint16_t) * (size_t)(N * ldo));
+        float *dow = floats(nv);
+        assert_non_null(do16);
+        for (int64_t n = 0; n < N; n++) {
+            for (int64_t i = 0; i < ldo; i++) do16[n * ldo + i] = float_to_bf16(i < H * Dv ? dout[n * H * Dv + i] : 7.0f);
+            for (int64_t i = 0; i < H * Dv; i++) dow[n * H * Dv + i] = bf16_to_float(do16[n * ldo + i]);
+        }
+        uint16_t *d_do16 = device_alloc(DEVICE_CUDA, sizeof(uint16_t) * (size_t)(N * ldo));
+        device_memcpy_from_host(DEVICE_CUDA, d_do16, do16, sizeof(uint16_t) * (size_t)(N * ldo));
+        upload(d_dout, dow, nv);
+        upload(d_dq, dq0, nq), upload(d_dkv, dkv0, nkv), upload(d_dkr, dkr0, nr);
+        attention_backward(DEVICE_CUDA, d_dq, d_dkv, d_dkr, d_dout, d_out6, d_state6, B, T, H, Dn, Dr, Dv);
+        float *v_dq = host_copy_of(d_dq, nq), *v_dkv = host_copy_of(d_dkv, nkv), *v_dkr = host_copy_of(d_dkr, nr);
+        upload(d_dq, dq0, nq), upload(d_dkv, dkv0, nkv), upload(d_dkr, dkr0, nr);
+        attention_backward_bf16(DEVICE_CUDA, d_dq, d_dkv, d_dkr, d_do16, ldo, d_out6, d_state6, B, T, H, Dn, Dr, Dv);
+        float *b_dq = host_copy_of(d_dq, nq), *b_dkv = host_copy_of(d_dkv, nkv), *b_dkr = host_copy_of(d_dkr, nr);
+        ok &= check_bitwise(shape, "  ... BF16 dout: dq", v_dq, b_dq, nq);
+        ok &= check_bitwise(shape, "  ... BF16 dout: d_kv", v_dkv, b_dkv, nkv);
+        if (Dr > 0) ok &= check_bitwise(shape, "  ... BF16 dout: d_k_rope", v_dkr, b_dkr, nr);
+        upload(d_dout, dout, nv);
+        device_free(DEVICE_CUDA, d_do16);
+        free(do16), free(dow), free(v_dq), free(v_dkv), free(v_dkr), free(b_dq), free(b_dkv), free(b_dkr);
         upload(d_dq, dq0, nq), upload(d_dkv, dkv0, nkv), upload(d_dkr, dkr0, nr);
         attention_backward(DEVICE_CUDA, d_dq, d_dkv, d_dkr, d_dout, d_out6, d_state6, B, T, H, Dn, Dr, Dv);
         float *f_out = host_copy_of(d_out6, nv), *f_state = host_copy_of(d_state6, n_state);

@@ -937,8 +937,9 @@ static void test_attention_per_head_bitwise(void **state) {
 // attention_forward_bf16 on BF16 products (rows at strides of their own, pad values apart) gives the bits of
 // widening them, rope_forward on the query's rope part and attention_forward: out and the whole state (its
 // probabilities and the operands' copies the backward reads). The rotation must really happen (Dr > 0): the state's
-// query then differs from the plain widened one.
-static void check_attention_forward_bf16(int B, int T, int H, int Dn, int Dr, int Dv, int pad, uint64_t seed) {
+// query then differs from the plain widened one. attention_backward_bf16 gives attention_backward's gradients on
+// the widened dout.
+static void check_attention_bf16_products(int B, int T, int H, int Dn, int Dr, int Dv, int pad, uint64_t seed) {
     const int Dqk = Dn + Dr, ld = Dn + Dv, N = B * T;
     const int64_t ldq = (int64_t)H * Dqk + pad, ldkv = (int64_t)H * ld + pad;
     const size_t nqk = (size_t)N * H * Dqk, nkv = (size_t)N * H * ld, nr = (size_t)N * Dr, nv = (size_t)N * H * Dv;
@@ -968,15 +969,29 @@ static void check_attention_forward_bf16(int B, int T, int H, int Dn, int Dr, in
     assert_memory_equal(out, want_out, nv * sizeof(real));
     assert_memory_equal(state, want_state, nstate * sizeof(real));
     if (Dr > 0) assert_memory_not_equal(q, q_plain, nqk * sizeof(real));
+    // the backward on a BF16 dout at a padded row stride: the gradients of the widened dout, bit for bit
+    const int64_t ldo = (int64_t)H * Dv + pad;
+    real *src_do = ralloc((size_t)N * ldo), *dout = ralloc(nv);
+    opcheck_fill_nonzero(src_do, (size_t)N * ldo, seed + 3, 0.1, 1.0);
+    uint16_t *dout16 = talloc(sizeof(uint16_t) * (size_t)N * ldo);
+    cpu_bf16_round_array(dout16, src_do, (int64_t)N * ldo);
+    for (int n = 0; n < N; n++) cpu_bf16_widen_array(dout + (size_t)n * H * Dv, dout16 + n * ldo, (int64_t)H * Dv);
+    real *want_dq = nan_ralloc(nqk), *want_dkv = nan_ralloc(nkv), *want_dkr = nan_ralloc(nr);
+    real *dq = nan_ralloc(nqk), *dkv = nan_ralloc(nkv), *dkr = nan_ralloc(nr);
+    cpu_attention_backward(want_dq, want_dkv, want_dkr, dout, want_state, B, T, H, Dn, Dr, Dv);
+    cpu_attention_backward_bf16(dq, dkv, dkr, dout16, ldo, state, B, T, H, Dn, Dr, Dv);
+    assert_memory_equal(dq, want_dq, nqk * sizeof(real));
+    assert_memory_equal(dkv, want_dkv, nkv * sizeof(real));
+    if (nr > 0) assert_memory_equal(dkr, want_dkr, nr * sizeof(real));
     tfree_all();
 }
 
-static void test_attention_forward_bf16(void **state) {
+static void test_attention_bf16_products(void **state) {
     (void)state;
-    check_attention_forward_bf16(2, 9, 3, 8, 4, 6, 5, 1500);  // MLA-like, rows padded
-    check_attention_forward_bf16(1, 7, 2, 0, 6, 4, 0, 1510);  // Dn = 0: the whole query rotated
-    check_attention_forward_bf16(2, 5, 2, 6, 0, 5, 3, 1520);  // Dr = 0: no rotation
-    check_attention_forward_bf16(1, 12, 4, 5, 2, 3, 1, 1530); // odd Dn: the pairs start at an odd column
+    check_attention_bf16_products(2, 9, 3, 8, 4, 6, 5, 1500);  // MLA-like, rows padded
+    check_attention_bf16_products(1, 7, 2, 0, 6, 4, 0, 1510);  // Dn = 0: the whole query rotated
+    check_attention_bf16_products(2, 5, 2, 6, 0, 5, 3, 1520);  // Dr = 0: no rotation
+    check_attention_bf16_products(1, 12, 4, 5, 2, 3, 1, 1530); // odd Dn: the pairs start at an odd column
 }
 
 // Changing the query, key and value of position tf may not change anything at earlier positions:
@@ -1248,7 +1263,7 @@ int main(void) {
         cmocka_unit_test(test_attention),
         cmocka_unit_test(test_attention_per_head_bitwise),
         cmocka_unit_test(test_attention_causal),
-        cmocka_unit_test(test_attention_forward_bf16),
+        cmocka_unit_test(test_attention_bf16_products),
         cmocka_unit_test(test_crossentropy),
         cmocka_unit_test(test_head_bf16),
         cmocka_unit_test(test_deterministic_across_threads),
