@@ -81,7 +81,9 @@ void mla_backward(Model *m, const MlaWeights *w, const MlaWeights *g, MlaActs *a
     if (s->d_o16)
         attention_backward_bf16(dev, s->d_qf, s->d_kv, s->d_k_rope, s->d_o16, bf16_rows_ld(H * d->dv), a->o, a->att,
                                 d->B, d->T, H, d->dn, d->dr, d->dv);
-    else attention_backward(dev, s->d_qf, s->d_kv, s->d_k_rope, s->d_o, a->o, a->att, d->B, d->T, H, d->dn, d->dr, d->dv);
+    else
+        attention_backward(dev, s->d_qf, s->d_kv, s->d_k_rope, s->d_o, a->o, a->att, d->B, d->T, H, d->dn, d->dr,
+                           d->dv);
     profile_end(PHASE_ATTENTION);
     rope_backward(dev, s->d_k_rope_raw, s->d_k_rope, d->dr, d->B, d->T, 1, d->dr, d->rope_theta);
     copy_block(dev, s->d_kva + d->kvr, kva_w, s->d_k_rope_raw, d->dr, N, d->dr, 0);

@@ -946,8 +946,8 @@ extern "C" void cuda_attention_backward_bf16(real *dq, real *d_kv, real *d_k_rop
                                              const real *out, const real *state, int B, int T, int H, int Dn, int Dr,
                                              int Dv) {
     if (ld < (int64_t)H * Dv) {
-        fprintf(stderr, "fp8moe: attention_backward_bf16 (kernels/cuda/attention.cu): row stride ld = %lld is below the "
-                        "H Dv = %d values of a token's row\n", (long long)ld, H * Dv);
+        fprintf(stderr, "fp8moe: attention_backward_bf16 (kernels/cuda/attention.cu): row stride ld = %lld is below "
+                        "the H Dv = %d values of a token's row\n", (long long)ld, H * Dv);
         exit(1);
     }
     attention_backward_from<bf16>("attention_backward_bf16", dq, d_kv, d_k_rope, (const bf16 *)dout16, ld, out, state,

@@ -880,7 +880,11 @@ __global__ void __launch_bounds__(PIPE_THREADS, 1)
     __shared__ __align__(16) BothSmem<NV, PIPE_THREADS / 32> sm;
     const int KB = C / FP8_TILE, step = gridDim.x;
     const int lane = threadIdx.x & 31, rg = threadIdx.x >> 5;
-    if (blockIdx.x < n_tiles) src.stage(staged, tile_rows(both_tile(seg, blockIdx.x / KB, blockIdx.x % KB, C, C)));
+    // the copies of tile t's rows into stage st (t: blockIdx.x or a later tile's number, each in its own type)
+    const auto stage_tile = [&](auto t, unsigned char *st) {
+        src.stage(st, tile_rows(both_tile(seg, t / KB, t % KB, C, C)));
+    };
+    if (blockIdx.x < n_tiles) stage_tile(blockIdx.x, staged);
     cp_async_commit();
     int s = 0;
     for (int tile = blockIdx.x; tile < n_tiles; tile += step, s ^= 1) {
@@ -888,8 +892,7 @@ __global__ void __launch_bounds__(PIPE_THREADS, 1)
         // iteration's first barrier in quantize_tile); an empty group when there is none, so the wait below is always
         // for this tile's
         const int next = tile + step;
-        if (next < n_tiles)
-            src.stage(staged + (s ^ 1) * Staged::STAGE_BYTES, tile_rows(both_tile(seg, next / KB, next % KB, C, C)));
+        if (next < n_tiles) stage_tile(next, staged + (s ^ 1) * Staged::STAGE_BYTES);
         cp_async_commit();
         cp_async_wait_all_but_last();
         __syncthreads();

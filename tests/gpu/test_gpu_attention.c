@@ -503,12 +503,14 @@ static void test_attention(void **state) {
     for (int pad = 8; pad >= 3; pad -= 5) {
         const int64_t ldq = (int64_t)H * Dqk + pad, ldkv = (int64_t)H * ld + pad;
         const float theta = 10000.0f;
-        uint16_t *q16 = malloc(sizeof(uint16_t) * (size_t)(N * ldq)), *kv16 = malloc(sizeof(uint16_t) * (size_t)(N * ldkv));
+        uint16_t *q16 = malloc(sizeof(uint16_t) * (size_t)(N * ldq));
+        uint16_t *kv16 = malloc(sizeof(uint16_t) * (size_t)(N * ldkv));
         float *qw = floats(nq), *kvw = floats(nkv);
         assert_non_null(q16), assert_non_null(kv16);
         for (int64_t n = 0; n < N; n++) {
             for (int64_t i = 0; i < ldq; i++) q16[n * ldq + i] = float_to_bf16(i < H * Dqk ? q[n * H * Dqk + i] : 7.0f);
-            for (int64_t i = 0; i < ldkv; i++) kv16[n * ldkv + i] = float_to_bf16(i < H * ld ? kv[n * H * ld + i] : 7.0f);
+            for (int64_t i = 0; i < ldkv; i++)
+                kv16[n * ldkv + i] = float_to_bf16(i < H * ld ? kv[n * H * ld + i] : 7.0f);
             for (int64_t i = 0; i < H * Dqk; i++) qw[n * H * Dqk + i] = bf16_to_float(q16[n * ldq + i]);
             for (int64_t i = 0; i < H * ld; i++) kvw[n * H * ld + i] = bf16_to_float(kv16[n * ldkv + i]);
         }
@@ -527,14 +529,16 @@ static void test_attention(void **state) {
         device_memcpy_from_host(DEVICE_CUDA, d_q16, q16, sizeof(uint16_t) * (size_t)(N * ldq));
         device_memcpy_from_host(DEVICE_CUDA, d_kv16, kv16, sizeof(uint16_t) * (size_t)(N * ldkv));
         float *d_out6 = gpu_nan_floats(nv), *d_state6 = gpu_nan_floats(n_state);
-        attention_forward_bf16(DEVICE_CUDA, d_out6, d_state6, d_q16, ldq, d_kv16, ldkv, d_kr, B, T, H, Dn, Dr, Dv, theta);
+        attention_forward_bf16(DEVICE_CUDA, d_out6, d_state6, d_q16, ldq, d_kv16, ldkv, d_kr, B, T, H, Dn, Dr, Dv,
+                               theta);
         // and dout as BF16 at a padded stride too, against the FP32 backward on its widened values
         const int64_t ldo = (int64_t)H * Dv + pad;
         uint16_t *do16 = malloc(sizeof(uint16_t) * (size_t)(N * ldo));
         float *dow = floats(nv);
         assert_non_null(do16);
         for (int64_t n = 0; n < N; n++) {
-            for (int64_t i = 0; i < ldo; i++) do16[n * ldo + i] = float_to_bf16(i < H * Dv ? dout[n * H * Dv + i] : 7.0f);
+            for (int64_t i = 0; i < ldo; i++)
+                do16[n * ldo + i] = float_to_bf16(i < H * Dv ? dout[n * H * Dv + i] : 7.0f);
             for (int64_t i = 0; i < H * Dv; i++) dow[n * H * Dv + i] = bf16_to_float(do16[n * ldo + i]);
         }
         uint16_t *d_do16 = device_alloc(DEVICE_CUDA, sizeof(uint16_t) * (size_t)(N * ldo));
