@@ -54,8 +54,9 @@ static void mla_acts_alloc(ActsArena *ar, MlaActs *a, const Dims *d, const Layer
         a->cq_rstd = ARENA_REALS(ar, N);
         a->cqn = ARENA_REALS(ar, (int64_t)N * d->qr);
     }
-    // q and kv are transient: the attention state keeps what its backward reads (kernels.h)
-    a->qf = s->t_qf, a->kv = s->t_kv;
+    // q and kv are transient, in their gradients' memory (layer_scratch_alloc): the attention state keeps what its
+    // backward reads (kernels.h)
+    a->qf = s->d_qf, a->kv = s->d_kv;
     a->q16 = s->t_q16, a->kv16 = s->t_kv16;
     a->kva = s->t_kva;
     a->ckv = ARENA_REALS(ar, (int64_t)N * d->kvr);
@@ -153,10 +154,9 @@ void layer_scratch_alloc(ActsArena *ar, LayerScratch *s, const Dims *d, int has_
     s->d_k_rope_raw = ARENA_REALS(ar, N * d->dr);
     s->d_kv = ARENA_REALS(ar, NH * (d->dn + d->dv));
     s->d_o = ARENA_REALS(ar, NH * d->dv);
-    // MLA's transient q and kv (mla_acts_alloc), or their BF16 products: the memory of their gradients. A block's
-    // forward is done with them before it ends, and a chunk's backward, which writes d_qf and d_kv, never runs at
-    // the same time as its forward, so each chunk keeps no extra scratch for them.
-    s->t_qf = s->d_qf, s->t_kv = s->d_kv;
+    // MLA's transient q and kv (mla_acts_alloc), or their BF16 products, live in the memory of their gradients. A
+    // block's forward is done with them before it ends, and a chunk's backward, which writes d_qf and d_kv, never
+    // runs at the same time as its forward, so each chunk keeps no extra scratch for them.
     if (fp8_fused && d->qr > 0) {
         s->t_q16 = bf16_in_grad(ar, s->d_qf, NH * d->dqk, bf16_rows_elems(N, d->H * d->dqk));
         s->t_kv16 = bf16_in_grad(ar, s->d_kv, NH * (d->dn + d->dv), bf16_rows_elems(N, d->H * (d->dn + d->dv)));

@@ -46,18 +46,19 @@ Dims dims_from_config(const Config *c, int B, int T);
 typedef struct {
     real *cq, *cq_rstd, *cqn;      // (N, qr), (N), (N, qr)     q_lora_rank > 0 only
     real *qf;                      // (N*H, dqk) = [q_nope ; RoPE(q_rope)] per head (the projection output, rope
-                                   // part rotated in place; transient: the attention state keeps what the
-                                   // backward reads)
+                                   // part rotated in place; transient, in d_qf's memory: the attention state
+                                   // keeps what the backward reads)
     real *kva;                     // (N, kvr + dr) = W_DKV x (transient)
     real *ckv, *ckv_rstd, *ckvn;   // (N, kvr) compressed kv, its rstd, normalised
     real *k_rope_raw;              // (N, dr) the rope key before RoPE (transient)
     real *k_rope;                  // (N, dr) after RoPE, shared by all heads
     real *kv;                      // (N, H*(dn+dv)) = W_UKV ckvn = [k_nope ; v] per head; with k_rope, the attention
-                                   // core's keys and values as it reads them (kernels.h; transient as qf)
+                                   // core's keys and values as it reads them (kernels.h; transient as qf, in d_kv's
+                                   // memory)
     uint16_t *q16, *kv16;          // fp8 mode's fused paths with q_lora_rank > 0, instead of qf and kv: the
                                    // projections' BF16 products, q16 before RoPE (linear_forward_bf16, kernels.h
                                    // attention_forward_bf16; transient); NULL elsewhere
-    real *att;                     // attention backward state: attention_state_elems(dev, B, T, H) reals
+    real *att;                     // attention backward state: attention_state_elems(dev, B, T, H, dn, dr, dv) reals
     real *o;                       // (N, H*dv) attention output before W_O
     // fp8 mode: the Linear inputs' Wgrad operands kept from the forward (linear.h KeptInput; q NULL in other
     // modes): the normalised block input (both down-projections), cqn, ckvn and o
@@ -119,7 +120,6 @@ typedef struct {
 typedef struct {
     real *t_xn, *t_rstd;                  // BlockActs' normalised inputs (N, D), and an rstd (N) to recompute them
     real *t_kva, *t_k_rope_raw;           // MlaActs' transients
-    real *t_qf, *t_kv;                    // and its qf and kv: d_qf's and d_kv's memory
     uint16_t *t_q16, *t_kv16;             // and its q16 and kv16 (fp8_fused, q_lora_rank > 0): in d_qf's and d_kv's
                                           // memory where they fit; NULL elsewhere
     uint16_t *d_o16;                      // fp8_fused: d_o as W_O's Dgrad product in BF16 (linear_backward_bf16,
