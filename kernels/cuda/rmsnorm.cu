@@ -3,13 +3,14 @@
  * the same function as the CPU reference cpu_rmsnorm_* and checked against it by tests/gpu.
  *
  * Deterministic: every sum is a fixed-order tree (block_sum) or a fixed-order loop; no atomics.
- * The weight gradient is a sum over all N rows. It is done in two kernels: each block of the first
- * sums a fixed chunk of rows per column into a scratch buffer of per-chunk partials, the second adds
- * the partials of each column in chunk order. The chunking depends only on N (never on the GPU or
- * timing), so results are bitwise reproducible. The scratch buffer is a process-wide cache grown on
- * demand with cudaMalloc and kept (at most RMSNORM_MAX_CHUNKS * C floats, 256 KiB at C = 1024); all
- * ops run on the default stream, so consecutive calls cannot overlap on it. (If ops ever run on
- * several streams or host threads, this cache must become per stream.)
+ * The weight gradient is a sum over all N rows. It is done in two kernels: each block of the backward
+ * kernel, besides its rows' input gradients, sums its chunk of RMSNORM_BWD_ROWS rows per column into a
+ * scratch buffer of per-chunk partials; the second kernel adds the partials of each column in a fixed tree.
+ * The chunking depends only on N (never on the GPU or timing), so results are bitwise reproducible, and a
+ * call that asks for one gradient only gets the bits it gets beside the other. The scratch buffer is a
+ * process-wide cache grown on demand with cudaMalloc and kept (ceil(N / 32) * C floats, 4 MiB at N = 16384,
+ * C = 2048); all ops run on the default stream, so consecutive calls cannot overlap on it. (If ops ever run
+ * on several streams or host threads, this cache must become per stream.)
  */
 #include "kernels/cuda/cuda_ops.h"
 #include "kernels/cuda/common.cuh"
@@ -90,122 +91,149 @@ extern "C" void cuda_rmsnorm_forward(real *out, real *rstd, const real *inp, con
 //   dinp_c  += rstd * (dout_c weight_c - inp_c * rstd^2 * (sum_j dout_j weight_j inp_j) / C)
 //   dweight_c += sum over rows of dout_c * inp_c * rstd
 // (the same expressions, in the same order, as cpu_rmsnorm_backward; only the sums' order differs).
-// dinp: one block per row (the dot product is a block reduction), the row's dout, inp and dinp in registers as in
-// the forward (PER). dweight: see the file comment.
+// One pass over dout and inp gives both: each block takes RMSNORM_BWD_ROWS consecutive rows, one after the other.
+// For each row it computes dinp as the forward computes out (the dot product a block reduction; the row's dout,
+// inp and dinp in registers, PER columns per thread; the weight loaded once per block), and each thread adds the
+// row's dout * inp * rstd of its columns to its running sums: the block's chunk of the weight gradient's sum,
+// written as one row of partial (n_chunks, C). A second kernel adds the chunks per column (file comment). A
+// separate weight-gradient kernel read dout and inp a second time: 8 of the 24 bytes per element the backward
+// moved. The loop form (PER = 0) keeps its running sums in its partial row instead of registers. Four blocks per SM
+// (at most 64 registers) for PER <= 8: at the bench model's 16,384 rows its 512 blocks are then one wave.
+static const int RMSNORM_BWD_ROWS = 32;
 
-template <int PER>
-__global__ void __launch_bounds__(RMSNORM_THREADS)
-    rmsnorm_backward_dinp_kernel(float *dinp, const float *dout, const float *inp, const float *weight,
-                                 const float *rstd, int C) {
+template <int PER, bool DINP, bool DWEIGHT>
+__global__ void __launch_bounds__(RMSNORM_THREADS, PER <= 8 ? 4 : 2)
+    rmsnorm_backward_kernel(float *dinp, float *partial, const float *dout, const float *inp, const float *weight,
+                            const float *rstd, int N, int C) {
     __shared__ float scratch[32];
-    const int64_t row = blockIdx.x;
-    const float *x = inp + row * C, *dy = dout + row * C;
-    float *dx = dinp + row * C;
-    const float r = rstd[row];
-
-    float dot = 0.0f; // sum_j dout_j weight_j inp_j
+    const int row0 = blockIdx.x * RMSNORM_BWD_ROWS, row1 = min(N, row0 + RMSNORM_BWD_ROWS);
+    float *part = DWEIGHT ? partial + (int64_t)blockIdx.x * C : NULL;
     if constexpr (PER > 0) {
-        float vx[PER], vdy[PER], vw[PER], vdx[PER];
+        float vw[PER], acc[PER];
 #pragma unroll
         for (int i = 0; i < PER; i++) {
             const int c = threadIdx.x + i * RMSNORM_THREADS;
-            const bool in = c < C;
-            vx[i] = in ? x[c] : 0.0f, vdy[i] = in ? dy[c] : 0.0f, vw[i] = in ? weight[c] : 0.0f;
-            vdx[i] = in ? dx[c] : 0.0f;
+            vw[i] = DINP && c < C ? weight[c] : 0.0f;
+            acc[i] = 0.0f;
         }
+        for (int row = row0; row < row1; row++) {
+            const float *x = inp + (int64_t)row * C, *dy = dout + (int64_t)row * C;
+            const float r = rstd[row];
+            float vx[PER], vdy[PER], vdx[PER];
 #pragma unroll
-        for (int i = 0; i < PER; i++)
-            if (threadIdx.x + i * RMSNORM_THREADS < C) dot = __fadd_rn(dot, __fmul_rn(__fmul_rn(vdy[i], vw[i]), vx[i]));
-        dot = block_sum(dot, scratch);
-        const float coef = __fmul_rn(__fmul_rn(r, r), __fdiv_rn(dot, (float)C));
+            for (int i = 0; i < PER; i++) {
+                const int c = threadIdx.x + i * RMSNORM_THREADS;
+                const bool in = c < C;
+                vx[i] = in ? x[c] : 0.0f, vdy[i] = in ? dy[c] : 0.0f;
+                if constexpr (DINP) vdx[i] = in ? dinp[(int64_t)row * C + c] : 0.0f;
+            }
+            if constexpr (DWEIGHT) {
 #pragma unroll
-        for (int i = 0; i < PER; i++) {
-            const int c = threadIdx.x + i * RMSNORM_THREADS;
-            const float term = __fsub_rn(__fmul_rn(vdy[i], vw[i]), __fmul_rn(vx[i], coef));
-            if (c < C) dx[c] = __fadd_rn(vdx[i], __fmul_rn(r, term));
+                for (int i = 0; i < PER; i++) acc[i] = __fadd_rn(acc[i], __fmul_rn(vdy[i], __fmul_rn(vx[i], r)));
+            }
+            if constexpr (DINP) {
+                float dot = 0.0f;  // sum_j dout_j weight_j inp_j
+#pragma unroll
+                for (int i = 0; i < PER; i++)
+                    if (threadIdx.x + i * RMSNORM_THREADS < C)
+                        dot = __fadd_rn(dot, __fmul_rn(__fmul_rn(vdy[i], vw[i]), vx[i]));
+                dot = block_sum(dot, scratch);
+                const float coef = __fmul_rn(__fmul_rn(r, r), __fdiv_rn(dot, (float)C));
+#pragma unroll
+                for (int i = 0; i < PER; i++) {
+                    const int c = threadIdx.x + i * RMSNORM_THREADS;
+                    const float term = __fsub_rn(__fmul_rn(vdy[i], vw[i]), __fmul_rn(vx[i], coef));
+                    if (c < C) dinp[(int64_t)row * C + c] = __fadd_rn(vdx[i], __fmul_rn(r, term));
+                }
+            }
+        }
+        if constexpr (DWEIGHT) {
+#pragma unroll
+            for (int i = 0; i < PER; i++)
+                if (threadIdx.x + i * RMSNORM_THREADS < C) part[threadIdx.x + i * RMSNORM_THREADS] = acc[i];
         }
     } else {
-        for (int c = threadIdx.x; c < C; c += RMSNORM_THREADS)
-            dot = __fadd_rn(dot, __fmul_rn(__fmul_rn(dy[c], weight[c]), x[c]));
-        dot = block_sum(dot, scratch);
-        const float coef = __fmul_rn(__fmul_rn(r, r), __fdiv_rn(dot, (float)C));
-        for (int c = threadIdx.x; c < C; c += RMSNORM_THREADS) {
-            const float term = __fsub_rn(__fmul_rn(dy[c], weight[c]), __fmul_rn(x[c], coef));
-            dx[c] = __fadd_rn(dx[c], __fmul_rn(r, term));
+        for (int row = row0; row < row1; row++) {
+            const float *x = inp + (int64_t)row * C, *dy = dout + (int64_t)row * C;
+            const float r = rstd[row];
+            if constexpr (DWEIGHT) {
+                for (int c = threadIdx.x; c < C; c += RMSNORM_THREADS)
+                    part[c] = __fadd_rn(row == row0 ? 0.0f : part[c], __fmul_rn(dy[c], __fmul_rn(x[c], r)));
+            }
+            if constexpr (DINP) {
+                float *dx = dinp + (int64_t)row * C;
+                float dot = 0.0f;
+                for (int c = threadIdx.x; c < C; c += RMSNORM_THREADS)
+                    dot = __fadd_rn(dot, __fmul_rn(__fmul_rn(dy[c], weight[c]), x[c]));
+                dot = block_sum(dot, scratch);
+                const float coef = __fmul_rn(__fmul_rn(r, r), __fdiv_rn(dot, (float)C));
+                for (int c = threadIdx.x; c < C; c += RMSNORM_THREADS) {
+                    const float term = __fsub_rn(__fmul_rn(dy[c], weight[c]), __fmul_rn(x[c], coef));
+                    dx[c] = __fadd_rn(dx[c], __fmul_rn(r, term));
+                }
+            }
         }
     }
 }
 
-// Columns per block of the dweight kernels, and the most row chunks (bounds the scratch size).
-static const int DWEIGHT_THREADS = 256;
-static const int RMSNORM_MAX_CHUNKS = 64;
-static const int RMSNORM_MIN_ROWS_PER_CHUNK = 32;
-
-// Thread (column c, chunk blockIdx.y) sums dout * norm over rows [row0, row1) in row order.
-// With one chunk the sum goes straight into dweight; otherwise into partial (n_chunks, C).
-__global__ void rmsnorm_backward_dweight_partial_kernel(float *dweight, float *partial, const float *dout,
-                                                        const float *inp, const float *rstd, int N, int C,
-                                                        int rows_per_chunk) {
-    const int c = blockIdx.x * blockDim.x + threadIdx.x;
-    if (c >= C) return;
-    const int chunk = blockIdx.y;
-    const int row0 = chunk * rows_per_chunk;
-    const int row1 = min(N, row0 + rows_per_chunk);
+// dweight[c] += the sum of partial[0..n_chunks)[c]. A block takes 32 columns; warp w sums chunks w, w + 8, ... in
+// order, then warp 0 adds the 8 warps' sums in warp order: a fixed tree for a given n_chunks, which depends on N
+// only.
+static const int FINISH_WARPS = 8;
+__global__ void __launch_bounds__(FINISH_WARPS * 32)
+    rmsnorm_backward_dweight_finish_kernel(float *dweight, const float *partial, int n_chunks, int C) {
+    __shared__ float warp_sums[FINISH_WARPS][32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int c = blockIdx.x * 32 + lane;
     float sum = 0.0f;
-    for (int row = row0; row < row1; row++) {
-        const int64_t i = (int64_t)row * C + c;
-        sum = __fadd_rn(sum, __fmul_rn(dout[i], __fmul_rn(inp[i], rstd[row])));
+    if (c < C)
+        for (int k = warp; k < n_chunks; k += FINISH_WARPS) sum = __fadd_rn(sum, partial[(int64_t)k * C + c]);
+    warp_sums[warp][lane] = sum;
+    __syncthreads();
+    if (warp == 0 && c < C) {
+        float total = warp_sums[0][lane];
+        for (int w = 1; w < FINISH_WARPS; w++) total = __fadd_rn(total, warp_sums[w][lane]);
+        dweight[c] = __fadd_rn(dweight[c], total);
     }
-    if (partial == NULL) dweight[c] = __fadd_rn(dweight[c], sum);
-    else partial[(int64_t)chunk * C + c] = sum;
-}
-
-// dweight[c] += partial[0][c] + partial[1][c] + ... in chunk order.
-__global__ void rmsnorm_backward_dweight_finish_kernel(float *dweight, const float *partial, int n_chunks, int C) {
-    const int c = blockIdx.x * blockDim.x + threadIdx.x;
-    if (c >= C) return;
-    float sum = 0.0f;
-    for (int chunk = 0; chunk < n_chunks; chunk++) sum = __fadd_rn(sum, partial[(int64_t)chunk * C + c]);
-    dweight[c] = __fadd_rn(dweight[c], sum);
 }
 
 // The process-wide scratch for dweight partials (see the file comment).
 static Scratch dweight_scratch;
 
-static float *get_dweight_scratch(size_t floats) {
-    return (float *)cuda_scratch(&dweight_scratch, floats * sizeof(float));
+template <int PER>
+static void launch_rmsnorm_backward(int n_chunks, float *dinp, float *partial, const float *dout, const float *inp,
+                                    const float *weight, const float *rstd, int N, int C) {
+    if (dinp != NULL && partial != NULL)
+        rmsnorm_backward_kernel<PER, true, true>
+            <<<n_chunks, RMSNORM_THREADS>>>(dinp, partial, dout, inp, weight, rstd, N, C);
+    else if (dinp != NULL)
+        rmsnorm_backward_kernel<PER, true, false>
+            <<<n_chunks, RMSNORM_THREADS>>>(dinp, partial, dout, inp, weight, rstd, N, C);
+    else
+        rmsnorm_backward_kernel<PER, false, true>
+            <<<n_chunks, RMSNORM_THREADS>>>(dinp, partial, dout, inp, weight, rstd, N, C);
+    CUDA_CHECK_LAUNCH("rmsnorm_backward_kernel");
 }
 
 extern "C" void cuda_rmsnorm_backward(real *dinp, real *dweight, const real *dout, const real *inp,
                                       const real *weight, const real *rstd, int N, int C) {
-    if (N <= 0 || C <= 0) return;
-    if (dinp != NULL) {
-        switch (columns_per_thread(C)) {
-        case 1: rmsnorm_backward_dinp_kernel<1><<<N, RMSNORM_THREADS>>>(dinp, dout, inp, weight, rstd, C); break;
-        case 2: rmsnorm_backward_dinp_kernel<2><<<N, RMSNORM_THREADS>>>(dinp, dout, inp, weight, rstd, C); break;
-        case 4: rmsnorm_backward_dinp_kernel<4><<<N, RMSNORM_THREADS>>>(dinp, dout, inp, weight, rstd, C); break;
-        case 8: rmsnorm_backward_dinp_kernel<8><<<N, RMSNORM_THREADS>>>(dinp, dout, inp, weight, rstd, C); break;
-        case RMSNORM_MAX_PER:
-            rmsnorm_backward_dinp_kernel<RMSNORM_MAX_PER><<<N, RMSNORM_THREADS>>>(dinp, dout, inp, weight, rstd, C);
-            break;
-        default: rmsnorm_backward_dinp_kernel<0><<<N, RMSNORM_THREADS>>>(dinp, dout, inp, weight, rstd, C); break;
-        }
-        CUDA_CHECK_LAUNCH("rmsnorm_backward_dinp_kernel");
+    if (N <= 0 || C <= 0 || (dinp == NULL && dweight == NULL)) return;
+    const int n_chunks = (N + RMSNORM_BWD_ROWS - 1) / RMSNORM_BWD_ROWS;
+    float *partial = dweight != NULL
+                         ? (float *)cuda_scratch(&dweight_scratch, (size_t)n_chunks * (size_t)C * sizeof(float))
+                         : NULL;
+    switch (columns_per_thread(C)) {
+    case 1: launch_rmsnorm_backward<1>(n_chunks, dinp, partial, dout, inp, weight, rstd, N, C); break;
+    case 2: launch_rmsnorm_backward<2>(n_chunks, dinp, partial, dout, inp, weight, rstd, N, C); break;
+    case 4: launch_rmsnorm_backward<4>(n_chunks, dinp, partial, dout, inp, weight, rstd, N, C); break;
+    case 8: launch_rmsnorm_backward<8>(n_chunks, dinp, partial, dout, inp, weight, rstd, N, C); break;
+    case RMSNORM_MAX_PER:
+        launch_rmsnorm_backward<RMSNORM_MAX_PER>(n_chunks, dinp, partial, dout, inp, weight, rstd, N, C);
+        break;
+    default: launch_rmsnorm_backward<0>(n_chunks, dinp, partial, dout, inp, weight, rstd, N, C); break;
     }
     if (dweight != NULL) {
-        // Chunks of at least 32 rows, at most 64 chunks: enough blocks to fill the GPU for typical
-        // C (thousands) and N (thousands of tokens), and a small scratch.
-        int rows_per_chunk = (N + RMSNORM_MAX_CHUNKS - 1) / RMSNORM_MAX_CHUNKS;
-        if (rows_per_chunk < RMSNORM_MIN_ROWS_PER_CHUNK) rows_per_chunk = RMSNORM_MIN_ROWS_PER_CHUNK;
-        const int n_chunks = (N + rows_per_chunk - 1) / rows_per_chunk;
-        const unsigned int col_blocks = (unsigned int)((C + DWEIGHT_THREADS - 1) / DWEIGHT_THREADS);
-        float *partial = n_chunks > 1 ? get_dweight_scratch((size_t)n_chunks * (size_t)C) : NULL;
-        rmsnorm_backward_dweight_partial_kernel<<<dim3(col_blocks, (unsigned int)n_chunks), DWEIGHT_THREADS>>>(
-            dweight, partial, dout, inp, rstd, N, C, rows_per_chunk);
-        CUDA_CHECK_LAUNCH("rmsnorm_backward_dweight_partial_kernel");
-        if (partial != NULL) {
-            rmsnorm_backward_dweight_finish_kernel<<<col_blocks, DWEIGHT_THREADS>>>(dweight, partial, n_chunks, C);
-            CUDA_CHECK_LAUNCH("rmsnorm_backward_dweight_finish_kernel");
-        }
+        rmsnorm_backward_dweight_finish_kernel<<<(C + 31) / 32, FINISH_WARPS * 32>>>(dweight, partial, n_chunks, C);
+        CUDA_CHECK_LAUNCH("rmsnorm_backward_dweight_finish_kernel");
     }
 }

@@ -651,10 +651,13 @@ static void test_adamw(void **state) {
 
 // ---------------------------------------------------------------------------- cases
 // Block sizes in the kernels: 256 (RMSNorm rows, dweight columns, elementwise), 512 (CE rows);
-// the dweight reduction uses chunks of >= 32 rows, at most 64 chunks. The shapes below are not
-// multiples of them and cover one chunk (N=1), a few (37, 300) and the 64-chunk cap (N=2500).
+// the backward's blocks take 32 rows each (one chunk of the weight gradient's sum), and its finishing kernel
+// sums the chunks in 8 warps. The shapes below are not multiples of them and cover one chunk (N = 1, 5), a few
+// (37, 300), more chunks than warps (N = 2500), each register form (PER 1, 2, 4, 8, 16 columns per thread) and
+// the loop form (C > 4096) with one chunk and with several.
 static RmsnormCase rms_small = {37, 300}, rms_wide = {1, 7168}, rms_mid = {300, 1536}, rms_tall = {2500, 257},
-                   rms_one_col = {5, 1};
+                   rms_one_col = {5, 1}, rms_per4 = {200, 768}, rms_per16 = {100, 3000},
+                   rms_wide_rows = {70, 5000};
 // SwiGLU: float4 path with only the scalar tail (n = 1), float4 path and a 3-element tail (1000003), float4
 // path alone (n a multiple of 4), and the scalar kernel (buffers 4 bytes past 16-byte alignment, odd n).
 static SwigluCase swiglu_one = {1, 0}, swiglu_big = {1000003, 0}, swiglu_vec4 = {1048576, 0},
@@ -778,6 +781,9 @@ int main(void) {
         cmocka_unit_test_prestate(test_rmsnorm, &rms_mid),
         cmocka_unit_test_prestate(test_rmsnorm, &rms_tall),
         cmocka_unit_test_prestate(test_rmsnorm, &rms_one_col),
+        cmocka_unit_test_prestate(test_rmsnorm, &rms_per4),
+        cmocka_unit_test_prestate(test_rmsnorm, &rms_per16),
+        cmocka_unit_test_prestate(test_rmsnorm, &rms_wide_rows),
         cmocka_unit_test_prestate(test_swiglu, &swiglu_one),
         cmocka_unit_test_prestate(test_swiglu, &swiglu_big),
         cmocka_unit_test_prestate(test_swiglu, &swiglu_vec4),
