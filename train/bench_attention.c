@@ -17,8 +17,8 @@
  * median is reported, forward and backward separately. Each call includes the op's conversion pre-pass
  * (the forward: FP32 q, kv, k_rope -> BF16 head-major, kept in the state for the backward; the backward: dout),
  * and the backward the sum of the heads' rope-key gradients, as the model pays them. Inputs are random (q in
- * [-2, 2), kv, k_rope, dout in [-1, 1)), generated on the host once. After timing, forward and backward are run twice more
- * and compared bitwise (the op's determinism), and the outputs checked to be finite. All of this runs twice:
+ * [-2, 2), kv, k_rope, dout in [-1, 1)), generated on the host once. After timing, forward and backward are run
+ * twice more and compared bitwise (the op's determinism), and the outputs checked to be finite. All of this runs twice:
  * with the kernels the model uses (the Hopper wgmma ones where they serve the shape), then with the mma.sync
  * kernels forced (cuda_attention_wgmma(0)), the comparison point measured in the same run.
  */
