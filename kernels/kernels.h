@@ -94,6 +94,10 @@ void rmsnorm_forward(Device dev, real *out, real *rstd, const real *inp, const r
 // dinp (N, C) += ..., dweight (C) += ...   (rstd from the forward pass)
 void rmsnorm_backward(Device dev, real *dinp, real *dweight, const real *dout, const real *inp,
                       const real *weight, const real *rstd, int N, int C);
+// rmsnorm_backward with dout as BF16 rows of stride ld >= C (a GEMM's BF16 product, bf16_rows_ld below: MLA's
+// latent gradients in fp8 mode, linear.h linear_backward_bf16): the bits of rmsnorm_backward on the widened values.
+void rmsnorm_backward_bf16(Device dev, real *dinp, real *dweight, const uint16_t *dout, int64_t ld, const real *inp,
+                           const real *weight, const real *rstd, int N, int C);
 
 // ---------------------------------------------------------------------------- RoPE
 // Interleaved rotary embedding (DeepSeek's reference layout): pairs (x[2j], x[2j+1]) of each vector

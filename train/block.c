@@ -161,7 +161,11 @@ void layer_scratch_alloc(ActsArena *ar, LayerScratch *s, const Dims *d, int has_
         s->t_q16 = bf16_in_grad(ar, s->d_qf, NH * d->dqk, bf16_rows_elems(N, d->H * d->dqk));
         s->t_kv16 = bf16_in_grad(ar, s->d_kv, NH * (d->dn + d->dv), bf16_rows_elems(N, d->H * (d->dn + d->dv)));
     }
-    if (fp8_fused) s->d_o16 = bf16_in_grad(ar, s->d_o, NH * d->dv, bf16_rows_elems(N, d->H * d->dv));
+    if (fp8_fused) {
+        s->d_o16 = bf16_in_grad(ar, s->d_o, NH * d->dv, bf16_rows_elems(N, d->H * d->dv));
+        s->d_ckvn16 = bf16_in_grad(ar, s->d_ckvn, N * d->kvr, bf16_rows_elems(N, d->kvr));
+        if (d->qr > 0) s->d_cqn16 = bf16_in_grad(ar, s->d_cqn, N * d->qr, bf16_rows_elems(N, d->qr));
+    }
     int64_t ffn_elems = N * d->inter;
     if (has_moe) {
         if (N * d->shared_I > ffn_elems) ffn_elems = N * d->shared_I;

@@ -125,6 +125,8 @@ typedef struct {
     uint16_t *d_o16;                      // fp8_fused: d_o as W_O's Dgrad product in BF16 (linear_backward_bf16,
                                           // kernels.h attention_backward_bf16), in d_o's memory where it fits; NULL
                                           // elsewhere
+    uint16_t *d_ckvn16, *d_cqn16;         // fp8_fused: d_ckvn and d_cqn (q_lora_rank > 0) as W_UKV's and W_UQ's
+                                          // Dgrad products in BF16 (kernels.h rmsnorm_backward_bf16), likewise
     real *t_h;                            // FfnActs' h, sized for the largest FFN (dense, shared, N*K x I); NULL
                                           // in fp8 mode, as d_a and d_b (linear.h SwigluScratch)
     real *t_xp;                           // MoeActs' xp (N*K, D), MoE chunks that gather it only
@@ -144,8 +146,8 @@ typedef struct {
 // has_moe, any block of the chunk is a MoE block; needs_xp, its MoE blocks gather their experts' inputs
 // (!moe_experts_read_tokens); fp8_fused, the chunk runs fp8 mode's fused paths (linear_fp8_fused): the FFNs compute
 // their gate's h, d_a and d_b in the quantisers and keep d_h in BF16 (linear.h; bf16 and fp32 write them in FP32),
-// and MLA keeps its queries and keys/values as their projections' BF16 products (t_q16, t_kv16) and the attention
-// output's gradient as W_O's (d_o16); needs_d_eout, the combine
+// and MLA keeps its queries and keys/values as their projections' BF16 products (t_q16, t_kv16), and the attention
+// output's and the latents' gradients as their Dgrads' (d_o16, d_ckvn16, d_cqn16); needs_d_eout, the combine
 // backward writes the experts' output gradient (!moe_combine_grad_in_quantiser); shares_fprop, the MoE blocks'
 // experts share their input's Fprop operand (FfnActs). keep_inputs (fp8 mode): the blocks keep their Linear inputs'
 // Wgrad operands and their FFN gates' inputs in BF16 (MlaActs, FfnActs). bf16_expert_outputs

@@ -87,9 +87,18 @@ void mla_backward(Model *m, const MlaWeights *w, const MlaWeights *g, MlaActs *a
     profile_end(PHASE_ATTENTION);
     rope_backward(dev, s->d_k_rope_raw, s->d_k_rope, d->dr, d->B, d->T, 1, d->dr, d->rope_theta);
     copy_block(dev, s->d_kva + d->kvr, kva_w, s->d_k_rope_raw, d->dr, N, d->dr, 0);
-    linear_backward(&m->rc, s->d_ckvn, GRAD_WRITE, g->wkv_b, s->d_kv, a->ckvn, w->wkv_b, N, d->kvr, H * kv_w,
-                    &a->ckvn_kept);
-    rmsnorm_backward(dev, s->d_ckv, g->kv_norm, s->d_ckvn, a->ckv, w->kv_norm, a->ckv_rstd, N, d->kvr);
+    // (fp8 mode: the latents' gradients d_ckvn and d_cqn stay their Dgrads' BF16 products, which RMSNorm's backward
+    // reads as they are)
+    if (s->d_ckvn16) {
+        linear_backward_bf16(&m->rc, s->d_ckvn16, g->wkv_b, s->d_kv, a->ckvn, w->wkv_b, N, d->kvr, H * kv_w,
+                             &a->ckvn_kept);
+        rmsnorm_backward_bf16(dev, s->d_ckv, g->kv_norm, s->d_ckvn16, bf16_rows_ld(d->kvr), a->ckv, w->kv_norm,
+                              a->ckv_rstd, N, d->kvr);
+    } else {
+        linear_backward(&m->rc, s->d_ckvn, GRAD_WRITE, g->wkv_b, s->d_kv, a->ckvn, w->wkv_b, N, d->kvr, H * kv_w,
+                        &a->ckvn_kept);
+        rmsnorm_backward(dev, s->d_ckv, g->kv_norm, s->d_ckvn, a->ckv, w->kv_norm, a->ckv_rstd, N, d->kvr);
+    }
     copy_block(dev, s->d_kva, kva_w, s->d_ckv, d->kvr, N, d->kvr, 0);
     linear_backward(&m->rc, d_xn, GRAD_WRITE, g->wkv_a, s->d_kva, xn, w->wkv_a, N, d->D, kva_w, &a->xn_kept);
     // qf = [q_nope ; RoPE(q_rope)] per head: the rope part of d_qf is rotated back in place, and d_qf is then
@@ -97,8 +106,16 @@ void mla_backward(Model *m, const MlaWeights *w, const MlaWeights *g, MlaActs *a
     rope_backward(dev, s->d_qf + d->dn, s->d_qf + d->dn, dqk, d->B, d->T, H, d->dr, d->rope_theta);
     if (d->qr > 0) {
         device_memset_zero(dev, s->d_cq, (size_t)N * d->qr * R);
-        linear_backward(&m->rc, s->d_cqn, GRAD_WRITE, g->wq_b, s->d_qf, a->cqn, w->wq_b, N, d->qr, H * dqk, &a->cqn_kept);
-        rmsnorm_backward(dev, s->d_cq, g->q_norm, s->d_cqn, a->cq, w->q_norm, a->cq_rstd, N, d->qr);
+        if (s->d_cqn16) {
+            linear_backward_bf16(&m->rc, s->d_cqn16, g->wq_b, s->d_qf, a->cqn, w->wq_b, N, d->qr, H * dqk,
+                                 &a->cqn_kept);
+            rmsnorm_backward_bf16(dev, s->d_cq, g->q_norm, s->d_cqn16, bf16_rows_ld(d->qr), a->cq, w->q_norm,
+                                  a->cq_rstd, N, d->qr);
+        } else {
+            linear_backward(&m->rc, s->d_cqn, GRAD_WRITE, g->wq_b, s->d_qf, a->cqn, w->wq_b, N, d->qr, H * dqk,
+                            &a->cqn_kept);
+            rmsnorm_backward(dev, s->d_cq, g->q_norm, s->d_cqn, a->cq, w->q_norm, a->cq_rstd, N, d->qr);
+        }
         linear_backward(&m->rc, d_xn, GRAD_ADD, g->wq_a, s->d_cq, xn, w->wq_a, N, d->D, d->qr, &a->xn_kept);
     } else {
         linear_backward(&m->rc, d_xn, GRAD_ADD, g->wq, s->d_qf, xn, w->wq, N, d->D, H * dqk, &a->xn_kept);

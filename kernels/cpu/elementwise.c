@@ -123,6 +123,16 @@ void cpu_rmsnorm_backward(real *dinp, real *dweight, const real *dout, const rea
     }
 }
 
+// dout as BF16 rows of stride ld: widened (exactly) into a scratch array, then the FP32 backward.
+void cpu_rmsnorm_backward_bf16(real *dinp, real *dweight, const uint16_t *dout, int64_t ld, const real *inp,
+                               const real *weight, const real *rstd, int N, int C) {
+    if (N <= 0 || C <= 0) return;
+    real *wide = cpu_values_or_die((size_t)N * (size_t)C, "rmsnorm_backward_bf16 widened dout");
+    for (int64_t n = 0; n < N; n++) cpu_bf16_widen_array(wide + n * C, dout + n * ld, C);
+    cpu_rmsnorm_backward(dinp, dweight, wide, inp, weight, rstd, N, C);
+    free(wide);
+}
+
 // ---------------------------------------------------------------------------- SwiGLU
 // a, b (n) -> out (n) = silu(a) * b, silu(a) = a * sigmoid(a) = a / (1 + exp(-a)).
 void cpu_swiglu_forward(real *out, const real *a, const real *b, int64_t n) {

@@ -116,6 +116,9 @@ __global__ void iota_kernel(int *rows, int n) {
 // sorted_tokens, sorted_rows (N): the (token, row) pairs sorted by token, rows of one token in row order.
 // Block (i, column block): if position i starts a token's run, thread c adds that run's dout rows to
 // dtable[token][c] in order, dtable first: ((dtable + dout[n1]) + dout[n2]) + ..., the CPU's sum.
+// Each warp finds the run's end 32 positions at a time (a ballot of "same token"): one position at a time, a run of
+// a frequent token (hundreds of rows in a 16,384-token batch of natural text) was a chain of that many dependent
+// loads, and the whole kernel took 0.56 ms on an H100 for a 32,768-token vocabulary (2026-12-06).
 __global__ void embedding_backward_kernel(float *dtable, const float *dout, const int *sorted_tokens,
                                           const int *sorted_rows, int N, int C, unsigned long long *err) {
     const int i = blockIdx.x;
@@ -125,13 +128,21 @@ __global__ void embedding_backward_kernel(float *dtable, const float *dout, cons
         if (threadIdx.x == 0 && blockIdx.y == 0) record_error(err, sorted_rows[i], token);
         return;
     }
+    const int lane = threadIdx.x & 31;
+    int end = i + 1;
+    for (;; end += 32) {  // every lane of every warp ends with the same `end`
+        const int j = end + lane;
+        const unsigned same = __ballot_sync(0xffffffffu, j < N && sorted_tokens[j] == token);
+        if (same != 0xffffffffu) {
+            end += __ffs(~same) - 1;
+            break;
+        }
+    }
     const int c = blockIdx.y * blockDim.x + threadIdx.x;
     if (c >= C) return;
-    int end = i + 1;
-    while (end < N && sorted_tokens[end] == token) end++;
     float *d = dtable + (int64_t)token * C + c;
     float acc = *d;
-#pragma unroll 4
+#pragma unroll 8
     for (int j = i; j < end; j++) acc = __fadd_rn(acc, dout[(int64_t)sorted_rows[j] * C + c]);
     *d = acc;
 }

@@ -287,6 +287,32 @@ static void test_rmsnorm(void **state) {
     ok &= check_bitwise_repeat("rmsnorm_backward", shape, "dinp", g_dinp, g_dinp2, NC);
     ok &= check_bitwise_repeat("rmsnorm_backward", shape, "dweight", g_dw, g_dw2, C);
 
+    // dout as BF16 rows at a padded stride (padding NaN, never read): the bits of rmsnorm_backward on the widened
+    // values
+    const int64_t ld = C + 3;
+    uint16_t *dout16 = malloc(sizeof(uint16_t) * (size_t)(N * ld));
+    float *wide = floats(NC);
+    assert_non_null(dout16);
+    for (int64_t r = 0; r < N; r++)
+        for (int64_t c = 0; c < ld; c++) dout16[r * ld + c] = c < C ? float_to_bf16(dout[r * C + c]) : 0x7FC0;
+    for (int64_t r = 0; r < N; r++)
+        for (int64_t c = 0; c < C; c++) wide[r * C + c] = bf16_to_float(dout16[r * ld + c]);
+    uint16_t *d_dout16 = device_alloc(DEVICE_CUDA, sizeof(uint16_t) * (size_t)(N * ld));
+    device_memcpy_from_host(DEVICE_CUDA, d_dout16, dout16, sizeof(uint16_t) * (size_t)(N * ld));
+    float *d_wide = gpu_copy_of(wide, (size_t)NC * 4);
+    device_memcpy_from_host(DEVICE_CUDA, d_dinp, dinp0, (size_t)NC * 4);
+    device_memcpy_from_host(DEVICE_CUDA, d_dw, dweight0, (size_t)C * 4);
+    rmsnorm_backward(DEVICE_CUDA, d_dinp, d_dw, d_wide, d_inp, d_weight, d_rstd_in, N, C);
+    float *w_dinp = host_copy_of(d_dinp, NC), *w_dw = host_copy_of(d_dw, C);
+    device_memcpy_from_host(DEVICE_CUDA, d_dinp, dinp0, (size_t)NC * 4);
+    device_memcpy_from_host(DEVICE_CUDA, d_dw, dweight0, (size_t)C * 4);
+    rmsnorm_backward_bf16(DEVICE_CUDA, d_dinp, d_dw, d_dout16, ld, d_inp, d_weight, d_rstd_in, N, C);
+    float *b_dinp = host_copy_of(d_dinp, NC), *b_dw = host_copy_of(d_dw, C);
+    ok &= check_bitwise_repeat("rmsnorm_backward_bf16", shape, "dinp", w_dinp, b_dinp, NC);
+    ok &= check_bitwise_repeat("rmsnorm_backward_bf16", shape, "dweight", w_dw, b_dw, C);
+    device_free(DEVICE_CUDA, d_dout16), device_free(DEVICE_CUDA, d_wide);
+    free(dout16), free(wide), free(w_dinp), free(w_dw), free(b_dinp), free(b_dw);
+
     float *host[] = {inp, weight, dout, dinp0, dweight0, rstd_in, c_out, c_rstd, g_out, g_rstd, c_dinp, c_dw,
                      g_dinp, g_dw, g_dinp2, g_dw2};
     for (size_t k = 0; k < sizeof host / sizeof host[0]; k++) free(host[k]);

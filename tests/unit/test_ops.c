@@ -474,6 +474,24 @@ static void check_rmsnorm(int N, int C, uint64_t seed, int finite_differences) {
     cpu_rmsnorm_backward(NULL, only_w, dout, inp, w, rstd, N, C);
     assert_memory_equal(only_inp, dinp, n * sizeof(real));
     assert_memory_equal(only_w, dw, C * sizeof(real));
+
+    // dout as BF16 rows at a padded stride (padding NaN, never read): the bits of the FP32 backward on the widened
+    // values, both gradients accumulated onto G as above.
+    const int64_t ld = C + 3;
+    uint16_t *dout16 = malloc(sizeof(uint16_t) * (size_t)(N * ld));
+    real *wide = ralloc(n), *acc16_inp = ralloc(n), *acc16_w = ralloc(C);
+    assert_non_null(dout16);
+    for (int64_t r = 0; r < N; r++)
+        for (int64_t c = 0; c < ld; c++) dout16[r * ld + c] = c < C ? float_to_bf16((float)dout[r * C + c]) : 0x7FC0;
+    for (int64_t r = 0; r < N; r++)
+        for (int64_t c = 0; c < C; c++) wide[r * C + c] = bf16_to_float(dout16[r * ld + c]);
+    memcpy(acc_inp, G_inp, n * sizeof(real)), memcpy(acc_w, G_w, C * sizeof(real));
+    memcpy(acc16_inp, G_inp, n * sizeof(real)), memcpy(acc16_w, G_w, C * sizeof(real));
+    cpu_rmsnorm_backward(acc_inp, acc_w, wide, inp, w, rstd, N, C);
+    cpu_rmsnorm_backward_bf16(acc16_inp, acc16_w, dout16, ld, inp, w, rstd, N, C);
+    assert_memory_equal(acc16_inp, acc_inp, n * sizeof(real));
+    assert_memory_equal(acc16_w, acc_w, C * sizeof(real));
+    free(dout16);
     tfree_all();
 }
 
