@@ -1,5 +1,5 @@
 /*
- * rmsnorm.cu - CUDA RMSNorm forward and backward (kernels.h: rmsnorm_forward / rmsnorm_backward),
+ * rmsnorm.cu - CUDA RMSNorm forward and backward (kernels.h: rmsnorm_forward / rmsnorm_backward / _bf16),
  * the same function as the CPU reference cpu_rmsnorm_* and checked against it by tests/gpu.
  *
  * Deterministic: every sum is a fixed-order tree (block_sum) or a fixed-order loop; no atomics.
