@@ -60,6 +60,22 @@ void mla_forward(Model *m, const MlaWeights *w, MlaActs *a, const Dims *d, const
     linear_forward_residual(&m->rc, out, a->o, w->wo, residual, N, H * d->dv, d->D, &a->o_kept);
 }
 
+// A compressed latent's way back through its up-projection and RMSNorm: forward was cn = RMSNorm(c), y = cn W^T
+// (W (OC, R)), so d_cn = dy W is written and d_c (N, R) += RMSNorm's backward of it; the norm's and W's gradients
+// add. In fp8 mode (d_cn16 given) d_cn stays the Dgrad's BF16 product, which RMSNorm's backward reads as it is: the
+// bits of the FP32 form, without its FP32 array.
+static void latent_backward(Model *m, real *d_c, real *g_norm, real *g_w, real *d_cn, uint16_t *d_cn16, const real *dy,
+                            const real *c, const real *cn, const real *rstd, const real *norm_w, const real *w, int N,
+                            int R, int OC, KeptInput *cn_kept) {
+    if (d_cn16) {
+        linear_backward_bf16(&m->rc, d_cn16, g_w, dy, cn, w, N, R, OC, cn_kept);
+        rmsnorm_backward_bf16(m->rc.dev, d_c, g_norm, d_cn16, bf16_rows_ld(R), c, norm_w, rstd, N, R);
+    } else {
+        linear_backward(&m->rc, d_cn, GRAD_WRITE, g_w, dy, cn, w, N, R, OC, cn_kept);
+        rmsnorm_backward(m->rc.dev, d_c, g_norm, d_cn, c, norm_w, rstd, N, R);
+    }
+}
+
 void mla_backward(Model *m, const MlaWeights *w, const MlaWeights *g, MlaActs *a, const Dims *d,
                   LayerScratch *s, const real *xn, const real *d_out, real *d_xn) {
     Device dev = m->rc.dev;
@@ -87,18 +103,8 @@ void mla_backward(Model *m, const MlaWeights *w, const MlaWeights *g, MlaActs *a
     profile_end(PHASE_ATTENTION);
     rope_backward(dev, s->d_k_rope_raw, s->d_k_rope, d->dr, d->B, d->T, 1, d->dr, d->rope_theta);
     copy_block(dev, s->d_kva + d->kvr, kva_w, s->d_k_rope_raw, d->dr, N, d->dr, 0);
-    // (fp8 mode: the latents' gradients d_ckvn and d_cqn stay their Dgrads' BF16 products, which RMSNorm's backward
-    // reads as they are)
-    if (s->d_ckvn16) {
-        linear_backward_bf16(&m->rc, s->d_ckvn16, g->wkv_b, s->d_kv, a->ckvn, w->wkv_b, N, d->kvr, H * kv_w,
-                             &a->ckvn_kept);
-        rmsnorm_backward_bf16(dev, s->d_ckv, g->kv_norm, s->d_ckvn16, bf16_rows_ld(d->kvr), a->ckv, w->kv_norm,
-                              a->ckv_rstd, N, d->kvr);
-    } else {
-        linear_backward(&m->rc, s->d_ckvn, GRAD_WRITE, g->wkv_b, s->d_kv, a->ckvn, w->wkv_b, N, d->kvr, H * kv_w,
-                        &a->ckvn_kept);
-        rmsnorm_backward(dev, s->d_ckv, g->kv_norm, s->d_ckvn, a->ckv, w->kv_norm, a->ckv_rstd, N, d->kvr);
-    }
+    latent_backward(m, s->d_ckv, g->kv_norm, g->wkv_b, s->d_ckvn, s->d_ckvn16, s->d_kv, a->ckv, a->ckvn, a->ckv_rstd,
+                    w->kv_norm, w->wkv_b, N, d->kvr, H * kv_w, &a->ckvn_kept);
     copy_block(dev, s->d_kva, kva_w, s->d_ckv, d->kvr, N, d->kvr, 0);
     linear_backward(&m->rc, d_xn, GRAD_WRITE, g->wkv_a, s->d_kva, xn, w->wkv_a, N, d->D, kva_w, &a->xn_kept);
     // qf = [q_nope ; RoPE(q_rope)] per head: the rope part of d_qf is rotated back in place, and d_qf is then
@@ -106,16 +112,8 @@ void mla_backward(Model *m, const MlaWeights *w, const MlaWeights *g, MlaActs *a
     rope_backward(dev, s->d_qf + d->dn, s->d_qf + d->dn, dqk, d->B, d->T, H, d->dr, d->rope_theta);
     if (d->qr > 0) {
         device_memset_zero(dev, s->d_cq, (size_t)N * d->qr * R);
-        if (s->d_cqn16) {
-            linear_backward_bf16(&m->rc, s->d_cqn16, g->wq_b, s->d_qf, a->cqn, w->wq_b, N, d->qr, H * dqk,
-                                 &a->cqn_kept);
-            rmsnorm_backward_bf16(dev, s->d_cq, g->q_norm, s->d_cqn16, bf16_rows_ld(d->qr), a->cq, w->q_norm,
-                                  a->cq_rstd, N, d->qr);
-        } else {
-            linear_backward(&m->rc, s->d_cqn, GRAD_WRITE, g->wq_b, s->d_qf, a->cqn, w->wq_b, N, d->qr, H * dqk,
-                            &a->cqn_kept);
-            rmsnorm_backward(dev, s->d_cq, g->q_norm, s->d_cqn, a->cq, w->q_norm, a->cq_rstd, N, d->qr);
-        }
+        latent_backward(m, s->d_cq, g->q_norm, g->wq_b, s->d_cqn, s->d_cqn16, s->d_qf, a->cq, a->cqn, a->cq_rstd,
+                        w->q_norm, w->wq_b, N, d->qr, H * dqk, &a->cqn_kept);
         linear_backward(&m->rc, d_xn, GRAD_ADD, g->wq_a, s->d_cq, xn, w->wq_a, N, d->D, d->qr, &a->xn_kept);
     } else {
         linear_backward(&m->rc, d_xn, GRAD_ADD, g->wq, s->d_qf, xn, w->wq, N, d->D, H * dqk, &a->xn_kept);
