@@ -193,11 +193,12 @@ static void check_rope_shape(const char *op, int ld, int D) {
     }
 }
 
-// inp, out: (B, T, H) vectors of D at stride ld (kernels.h), position = t: each pair (x0, x1) = (x[2j], x[2j+1])
-// becomes (x0 cos - x1 sin, x0 sin + x1 cos), i.e. the complex product (x0 + i x1) e^(i angle).
+// Every pair (x0, x1) = (x[2j], x[2j+1]) of the (B, T, H) vectors of D at stride ld, position = t, turned by
+// sign * angle: (x0 cos - x1 sin', x0 sin' + x1 cos) with sin' = sign * sin (exact: sign is +1 or -1).
 // out may alias inp: each pair is read before it is written.
-void cpu_rope_forward(real *out, const real *inp, int ld, int B, int T, int H, int D, real theta) {
-    check_rope_shape("rope_forward", ld, D);
+static void rope_rotate(const char *op, real *out, const real *inp, int ld, int B, int T, int H, int D, real theta,
+                        real sign) {
+    check_rope_shape(op, ld, D);
     const int half = D / 2;
     real *cs, *sn;
     rope_table(&cs, &sn, T, D, theta);
@@ -209,9 +210,9 @@ void cpu_rope_forward(real *out, const real *inp, int ld, int B, int T, int H, i
             const real *x = inp + ((size_t)bt * H + h) * ld;
             real *o = out + ((size_t)bt * H + h) * ld;
             for (int j = 0; j < half; j++) {
-                const real x0 = x[2 * j], x1 = x[2 * j + 1];
-                o[2 * j] = x0 * c[j] - x1 * s[j];
-                o[2 * j + 1] = x0 * s[j] + x1 * c[j];
+                const real x0 = x[2 * j], x1 = x[2 * j + 1], sj = sign * s[j];
+                o[2 * j] = x0 * c[j] - x1 * sj;
+                o[2 * j + 1] = x0 * sj + x1 * c[j];
             }
         }
     }
@@ -219,28 +220,14 @@ void cpu_rope_forward(real *out, const real *inp, int ld, int B, int T, int H, i
     free(sn);
 }
 
+// inp, out: (B, T, H) vectors of D at stride ld (kernels.h): each pair becomes the complex product
+// (x0 + i x1) e^(i angle). out may alias inp.
+void cpu_rope_forward(real *out, const real *inp, int ld, int B, int T, int H, int D, real theta) {
+    rope_rotate("rope_forward", out, inp, ld, B, T, H, D, theta, 1);
+}
+
 // The forward rotation R(angle) is orthogonal, so its adjoint is R(-angle), written (dinp may alias dout):
 //   dinp[2j] = d0 cos + d1 sin;   dinp[2j+1] = -d0 sin + d1 cos.   Layout as the forward's.
 void cpu_rope_backward(real *dinp, const real *dout, int ld, int B, int T, int H, int D, real theta) {
-    if (!dinp) return;
-    check_rope_shape("rope_backward", ld, D);
-    const int half = D / 2;
-    real *cs, *sn;
-    rope_table(&cs, &sn, T, D, theta);
-#pragma omp parallel for schedule(static) if ((int64_t)B * T * H * D >= PARALLEL_MIN_ELEMENTS)
-    for (int64_t bt = 0; bt < (int64_t)B * T; bt++) {
-        const real *c = cs + (size_t)(bt % T) * half;
-        const real *s = sn + (size_t)(bt % T) * half;
-        for (int h = 0; h < H; h++) {
-            const real *g = dout + ((size_t)bt * H + h) * ld;
-            real *d = dinp + ((size_t)bt * H + h) * ld;
-            for (int j = 0; j < half; j++) {
-                const real d0 = g[2 * j], d1 = g[2 * j + 1];
-                d[2 * j] = d0 * c[j] + d1 * s[j];
-                d[2 * j + 1] = d1 * c[j] - d0 * s[j];
-            }
-        }
-    }
-    free(cs);
-    free(sn);
+    if (dinp) rope_rotate("rope_backward", dinp, dout, ld, B, T, H, D, theta, -1);
 }
