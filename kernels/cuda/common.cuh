@@ -11,7 +11,8 @@
  *
  * The CUDA block also holds the segment table of the grouped (per-expert) FP8 calls, which the quantisers
  * (fp8_quant.cu) and the GEMMs' output conversion (gemm.cu) share, and the cp.async copies to shared memory that
- * the attention kernels and the pipelined quantiser use.
+ * the attention kernels and the pipelined quantiser use, and the deferred input-error slots (ErrorSlots) through
+ * which elementwise.cu and moe.cu report bad token and expert indices without a sync per launch.
  *
  * This header is plain C outside the __CUDACC__ block, so device.c (compiled by gcc) can use it too.
  * All ops run on the legacy default stream, so consecutive ops are ordered without extra syncs.
@@ -94,6 +95,44 @@ static inline void cuda_check_launch_at(const char *kernel, const char *file, in
 
 // The CUDA ops take `real` pointers; they exist only in the FP32 build (the double build has no CUDA).
 static_assert(sizeof(real) == sizeof(float), "CUDA ops are built for real = float only");
+
+// Deferred input errors: a file's kernels record the first bad element of each kind of error in a device slot
+// of its own ErrorSlots, and the host reads the slots back at its next sync point (one copy, not one per
+// launch). A slot holds (index << 32) | (uint32)value of the bad element with the smallest index (the op's input
+// index), or ERROR_SLOT_EMPTY; kernels lower it with an integer atomicMin, so what is recorded does not depend on
+// timing.
+static const unsigned long long ERROR_SLOT_EMPTY = ~0ull;
+typedef struct {
+    unsigned long long *slots; // device, n of them; NULL until the first reset
+    int n;
+} ErrorSlots;
+
+// Slot `which` of e, emptied (ordered before the kernel that follows on the stream).
+static inline unsigned long long *error_slot_reset_at(ErrorSlots *e, int which, const char *file, int line) {
+    if (e->slots == NULL) {
+        cuda_counted_malloc((void **)&e->slots, sizeof(unsigned long long) * (size_t)e->n, file, line);
+        cuda_check_at(cudaMemset(e->slots, 0xFF, sizeof(unsigned long long) * (size_t)e->n), "cudaMemset", file, line);
+    }
+    cuda_check_at(cudaMemset(e->slots + which, 0xFF, sizeof(unsigned long long)), "cudaMemset", file, line);
+    return e->slots + which;
+}
+#define error_slot_reset(e, which) error_slot_reset_at((e), (which), __FILE__, __LINE__)
+
+__device__ inline void record_error(unsigned long long *slot, int64_t index, int value) {
+    const unsigned long long i = index < 0xFFFFFFFFll ? (unsigned long long)index : 0xFFFFFFFEull;
+    atomicMin(slot, (i << 32) | (unsigned long long)(uint32_t)value);
+}
+
+// Copies e's slots into v (n of them; this synchronises); 0 when no slot was ever reset (v untouched).
+static inline int error_slots_read_at(const ErrorSlots *e, unsigned long long *v, const char *file, int line) {
+    if (e->slots == NULL) return 0;
+    cuda_check_at(cudaMemcpy(v, e->slots, sizeof(unsigned long long) * (size_t)e->n, cudaMemcpyDeviceToHost),
+                  "cudaMemcpy", file, line);
+    return 1;
+}
+#define error_slots_read(e, v) error_slots_read_at((e), (v), __FILE__, __LINE__)
+static inline int64_t error_index(unsigned long long slot) { return (int64_t)(slot >> 32); }
+static inline int error_value(unsigned long long slot) { return (int)(uint32_t)(slot & 0xFFFFFFFFull); }
 
 // Grid for grid-stride loops over n elements: enough blocks to fill the GPU, never more than needed.
 static inline unsigned int grid_for(int64_t n, int threads) {

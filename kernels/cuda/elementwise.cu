@@ -46,38 +46,20 @@ static const int ELEMENTWISE_THREADS = 256;
         exit(1);                                                                     \
     } while (0)
 
-// ---------------------------------------------------------------------------- scratch and error slots
-// One slot per kind of input error. A slot holds (row << 32) | (uint32)token of the first bad element, or
-// NO_ERROR; kernels lower it with an integer atomicMin, so the recorded element does not depend on timing.
+// ---------------------------------------------------------------------------- error slots
+// One slot per kind of input error (common.cuh ErrorSlots): the row and token of the first negative token.
 enum { ERR_EMBEDDING_FORWARD, ERR_EMBEDDING_BACKWARD, N_ERR_SLOTS };
-static const unsigned long long NO_ERROR = ~0ull;
-static unsigned long long *err_slots = NULL;
+static ErrorSlots errors = {NULL, N_ERR_SLOTS};
 
-// The device slot of one kind, reset to NO_ERROR (ordered before the kernel that follows on the stream).
-static unsigned long long *err_slot_reset(int which) {
-    if (err_slots == NULL) {
-        cuda_counted_malloc((void **)&err_slots, sizeof(unsigned long long) * N_ERR_SLOTS, __FILE__, __LINE__);
-        CUDA_CHECK(cudaMemset(err_slots, 0xFF, sizeof(unsigned long long) * N_ERR_SLOTS));
-    }
-    CUDA_CHECK(cudaMemset(err_slots + which, 0xFF, sizeof(unsigned long long)));
-    return err_slots + which;
-}
-
-__device__ inline void record_error(unsigned long long *slot, int64_t row, int value) {
-    const unsigned long long r = row < 0xFFFFFFFFll ? (unsigned long long)row : 0xFFFFFFFEull;
-    atomicMin(slot, (r << 32) | (unsigned long long)(uint32_t)value);
-}
-
-// Copies the slots back (this synchronises) and stops the process on the first recorded error.
+// Reads the slots back (this synchronises) and stops the process on the first recorded error.
 static void report_errors(void) {
-    if (err_slots == NULL) return;
     unsigned long long v[N_ERR_SLOTS];
-    CUDA_CHECK(cudaMemcpy(v, err_slots, sizeof v, cudaMemcpyDeviceToHost));
+    if (!error_slots_read(&errors, v)) return;
     static const char *const op[N_ERR_SLOTS] = {"embedding_forward", "embedding_backward"};
     for (int k = 0; k < N_ERR_SLOTS; k++) {
-        if (v[k] == NO_ERROR) continue;
-        ELEMENTWISE_FAIL("%s: token %d at row %llu is negative; expected an id in [0, vocab_size)", op[k],
-                         (int)(uint32_t)(v[k] & 0xFFFFFFFFull), v[k] >> 32);
+        if (v[k] == ERROR_SLOT_EMPTY) continue;
+        ELEMENTWISE_FAIL("%s: token %d at row %lld is negative; expected an id in [0, vocab_size)", op[k],
+                         error_value(v[k]), (long long)error_index(v[k]));
     }
 }
 
@@ -100,7 +82,7 @@ __global__ void embedding_forward_kernel(float *out, const int *tokens, const fl
 
 extern "C" void cuda_embedding_forward(real *out, const int *tokens, const real *table, int N, int C) {
     if (N <= 0 || C <= 0) return;
-    unsigned long long *err = err_slot_reset(ERR_EMBEDDING_FORWARD);
+    unsigned long long *err = error_slot_reset(&errors, ERR_EMBEDDING_FORWARD);
     embedding_forward_kernel<<<N, ELEMENTWISE_THREADS>>>(out, tokens, table, C, err);
     CUDA_CHECK_LAUNCH("embedding_forward_kernel");
     report_errors(); // this call's bad tokens, and any the last embedding_backward recorded
@@ -151,7 +133,7 @@ static Scratch emb_rows, emb_sorted_tokens, emb_sorted_rows, emb_sort_temp;
 
 extern "C" void cuda_embedding_backward(real *dtable, const real *dout, const int *tokens, int N, int C) {
     if (dtable == NULL || N <= 0 || C <= 0) return;
-    unsigned long long *err = err_slot_reset(ERR_EMBEDDING_BACKWARD);
+    unsigned long long *err = error_slot_reset(&errors, ERR_EMBEDDING_BACKWARD);
     int *rows = (int *)cuda_scratch(&emb_rows, sizeof(int) * (size_t)N);
     int *sorted_tokens = (int *)cuda_scratch(&emb_sorted_tokens, sizeof(int) * (size_t)N);
     int *sorted_rows = (int *)cuda_scratch(&emb_sorted_rows, sizeof(int) * (size_t)N);

@@ -65,9 +65,9 @@ static const size_t MAX_SHARED_BYTES = 48 * 1024;
         if (!(cond)) MOE_FAIL(__VA_ARGS__);                                          \
     } while (0)
 
-// ---------------------------------------------------------------------------- scratch and error slots
-// One slot per kind of input error. A slot holds (index << 32) | (uint32)value of the first bad element
-// (smallest linear index into the op's input), or NO_ERROR.
+// ---------------------------------------------------------------------------- error slots
+// One slot per kind of input error (common.cuh ErrorSlots); the index is the bad element's linear index into the
+// op's input.
 enum {
     ERR_ROUTER_NAN_LOGIT,      // index t * E + e
     ERR_ROUTER_FROZEN_INDEX,   // index t * K + k, value = the index
@@ -77,38 +77,26 @@ enum {
     ERR_PLAN_INDEX,            // index t * K + k
     N_ERR_SLOTS
 };
-static const unsigned long long NO_ERROR = ~0ull;
-static unsigned long long *err_slots = NULL;
+static ErrorSlots errors = {NULL, N_ERR_SLOTS};
 // The shapes the message needs (K or E of the call that set the slot), kept on the host per slot.
 static int err_width[N_ERR_SLOTS], err_limit[N_ERR_SLOTS];
 
-// The device slot of one kind, reset to NO_ERROR (ordered before the kernel that follows on the stream).
-// width: the row length that splits the recorded index into (row, column); limit: E, for the message.
+// The device slot of one kind, emptied. width: the row length that splits the recorded index into (row,
+// column); limit: E, for the message.
 static unsigned long long *err_slot_reset(int which, int width, int limit) {
-    if (err_slots == NULL) {
-        cuda_counted_malloc((void **)&err_slots, sizeof(unsigned long long) * N_ERR_SLOTS, __FILE__, __LINE__);
-        CUDA_CHECK(cudaMemset(err_slots, 0xFF, sizeof(unsigned long long) * N_ERR_SLOTS));
-    }
-    CUDA_CHECK(cudaMemset(err_slots + which, 0xFF, sizeof(unsigned long long)));
     err_width[which] = width;
     err_limit[which] = limit;
-    return err_slots + which;
-}
-
-__device__ inline void record_error(unsigned long long *slot, int64_t index, int value) {
-    const unsigned long long i = index < 0xFFFFFFFFll ? (unsigned long long)index : 0xFFFFFFFEull;
-    atomicMin(slot, (i << 32) | (unsigned long long)(uint32_t)value);
+    return error_slot_reset(&errors, which);
 }
 
 // Copies the slots back (this synchronises) and stops the process on the first recorded error.
 static void report_errors(void) {
-    if (err_slots == NULL) return;
     unsigned long long v[N_ERR_SLOTS];
-    CUDA_CHECK(cudaMemcpy(v, err_slots, sizeof v, cudaMemcpyDeviceToHost));
+    if (!error_slots_read(&errors, v)) return;
     for (int k = 0; k < N_ERR_SLOTS; k++) {
-        if (v[k] == NO_ERROR) continue;
-        const long long index = (long long)(v[k] >> 32), row = index / err_width[k], col = index % err_width[k];
-        const int value = (int)(uint32_t)(v[k] & 0xFFFFFFFFull), E = err_limit[k];
+        if (v[k] == ERROR_SLOT_EMPTY) continue;
+        const long long index = (long long)error_index(v[k]), row = index / err_width[k], col = index % err_width[k];
+        const int value = error_value(v[k]), E = err_limit[k];
         switch (k) {
         case ERR_ROUTER_NAN_LOGIT:
             MOE_FAIL("router_forward: logits[%lld, %lld] is NaN; expected a finite router logit (the model diverged "
