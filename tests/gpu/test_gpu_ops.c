@@ -92,8 +92,8 @@ static float *host_copy_of(const float *d, int64_t n) {
 static void print_table_header(void) {
     printf("\n%-22s %-18s %-8s %10s %9s %9s %9s %9s %9s %9s  %s\n", "op", "shape", "output", "max|g-c|", "gpu-cpu",
            "tol", "gpu-f64", "tol", "cpu-f64", "bitwise", "result");
-    printf("%-22s %-18s %-8s %10s %9s %9s %9s %9s %9s %9s  %s\n", "", "", "", "(abs)", "(err)", "(g-c)", "(err)", "(f64)",
-           "(err)", "equal", "");
+    printf("%-22s %-18s %-8s %10s %9s %9s %9s %9s %9s %9s  %s\n", "", "", "", "(abs)", "(err)", "(g-c)", "(err)",
+           "(f64)", "(err)", "equal", "");
 }
 
 // Compares one output of one op, prints its table row, and on failure says which side is wrong and
@@ -137,22 +137,22 @@ static int check_output(const char *op, const char *shape, const char *output, c
     return pass;
 }
 
-// Runs the same function twice on the GPU: the results must be bitwise identical (no atomics,
-// fixed reduction order). Prints a row and returns 1 on success.
-static int check_bitwise_repeat(const char *op, const char *shape, const char *output, const float *first,
-                                const float *second, int64_t n) {
+// Two GPU results that must be bitwise identical: the same call run twice (`against` "run twice": no atomics,
+// fixed reduction order), or two forms that promise the same bits (`against` names the other form). Prints a row
+// and returns 1 on success.
+static int check_bitwise_equal(const char *op, const char *shape, const char *output, const float *first,
+                               const float *second, int64_t n, const char *against) {
     int64_t differ = 0, first_diff = -1;
     for (int64_t i = 0; i < n; i++) {
         if (memcmp(&first[i], &second[i], sizeof(float)) != 0) {
             if (differ++ == 0) first_diff = i;
         }
     }
-    printf("%-22s %-18s %-8s %10s %9s %9s %9s %9s %9s %9s  %s\n", op, shape, output, "-", "-", "-", "-", "-", "-",
-           differ == 0 ? "repeat" : "differs", differ == 0 ? "ok (run twice: bitwise equal)" : "FAIL");
+    printf("%-22s %-18s %-8s %10s %9s %9s %9s %9s %9s %9s  %s (%s: bitwise equal)\n", op, shape, output, "-", "-", "-",
+           "-", "-", "-", differ == 0 ? "bitwise" : "differs", differ == 0 ? "ok" : "FAIL", against);
     if (differ > 0)
-        printf("    %lld elements differ between two identical GPU runs, first [%lld]: %.9g vs %.9g "
-               "(nondeterministic kernel)\n", (long long)differ, (long long)first_diff, first[first_diff],
-               second[first_diff]);
+        printf("    %lld elements differ (%s), first [%lld]: %.9g vs %.9g\n", (long long)differ, against,
+               (long long)first_diff, first[first_diff], second[first_diff]);
     fflush(stdout);
     return differ == 0;
 }
@@ -275,7 +275,8 @@ static void test_rmsnorm(void **state) {
     rmsnorm_backward(DEVICE_CUDA, d_dinp, d_dw, d_dout, d_inp, d_weight, d_rstd_in, N, C);
     float *g_dinp = host_copy_of(d_dinp, NC), *g_dw = host_copy_of(d_dw, C);
     ok &= check_output("rmsnorm_backward", shape, "dinp", g_dinp, c_dinp, ref_dinp, sc_dinp, NC, tol_both(sum_tol(C)));
-    ok &= check_output("rmsnorm_backward", shape, "dweight", g_dw, c_dw, ref_dw, sc_dw, C, tol_both(sum_tol((int64_t)N + 1)));
+    ok &= check_output("rmsnorm_backward", shape, "dweight", g_dw, c_dw, ref_dw, sc_dw, C,
+                       tol_both(sum_tol((int64_t)N + 1)));
 
     // again, one gradient at a time (the other NULL): same bits as the first run (deterministic, and a
     // NULL gradient changes nothing else)
@@ -284,8 +285,8 @@ static void test_rmsnorm(void **state) {
     rmsnorm_backward(DEVICE_CUDA, d_dinp, NULL, d_dout, d_inp, d_weight, d_rstd_in, N, C);
     rmsnorm_backward(DEVICE_CUDA, NULL, d_dw, d_dout, d_inp, d_weight, d_rstd_in, N, C);
     float *g_dinp2 = host_copy_of(d_dinp, NC), *g_dw2 = host_copy_of(d_dw, C);
-    ok &= check_bitwise_repeat("rmsnorm_backward", shape, "dinp", g_dinp, g_dinp2, NC);
-    ok &= check_bitwise_repeat("rmsnorm_backward", shape, "dweight", g_dw, g_dw2, C);
+    ok &= check_bitwise_equal("rmsnorm_backward", shape, "dinp", g_dinp, g_dinp2, NC, "run twice");
+    ok &= check_bitwise_equal("rmsnorm_backward", shape, "dweight", g_dw, g_dw2, C, "run twice");
 
     // dout as BF16 rows at a padded stride (padding NaN, never read): the bits of rmsnorm_backward on the widened
     // values
@@ -308,8 +309,9 @@ static void test_rmsnorm(void **state) {
     device_memcpy_from_host(DEVICE_CUDA, d_dw, dweight0, (size_t)C * 4);
     rmsnorm_backward_bf16(DEVICE_CUDA, d_dinp, d_dw, d_dout16, ld, d_inp, d_weight, d_rstd_in, N, C);
     float *b_dinp = host_copy_of(d_dinp, NC), *b_dw = host_copy_of(d_dw, C);
-    ok &= check_bitwise_repeat("rmsnorm_backward_bf16", shape, "dinp", w_dinp, b_dinp, NC);
-    ok &= check_bitwise_repeat("rmsnorm_backward_bf16", shape, "dweight", w_dw, b_dw, C);
+    const char *widened = "rmsnorm_backward on the widened dout";
+    ok &= check_bitwise_equal("rmsnorm_backward_bf16", shape, "dinp", w_dinp, b_dinp, NC, widened);
+    ok &= check_bitwise_equal("rmsnorm_backward_bf16", shape, "dweight", w_dw, b_dw, C, widened);
     device_free(DEVICE_CUDA, d_dout16), device_free(DEVICE_CUDA, d_wide);
     free(dout16), free(wide), free(w_dinp), free(w_dw), free(b_dinp), free(b_dw);
 
@@ -398,8 +400,8 @@ static void test_swiglu(void **state) {
     swiglu_backward(DEVICE_CUDA, d_da, NULL, d_dout, d_a, d_b, n);
     swiglu_backward(DEVICE_CUDA, NULL, d_db, d_dout, d_a, d_b, n);
     float *g_da2 = host_copy_of(d_da, n), *g_db2 = host_copy_of(d_db, n);
-    ok &= check_bitwise_repeat("swiglu_backward", shape, "da", g_da, g_da2, n);
-    ok &= check_bitwise_repeat("swiglu_backward", shape, "db", g_db, g_db2, n);
+    ok &= check_bitwise_equal("swiglu_backward", shape, "da", g_da, g_da2, n, "run twice");
+    ok &= check_bitwise_equal("swiglu_backward", shape, "db", g_db, g_db2, n, "run twice");
 
     float *host[] = {a, b, dout, poison, c_out, g_out, c_da, c_db, g_da, g_db, g_da2, g_db2};
     for (size_t k = 0; k < sizeof host / sizeof host[0]; k++) free(host[k]);
@@ -479,8 +481,8 @@ static void test_crossentropy(void **state) {
     device_memcpy_from_host(DEVICE_CUDA, d_p, c_p, (size_t)NV * 4); // overwrite with other values first
     crossentropy_forward(DEVICE_CUDA, d_loss, d_p, d_logits, d_targets, N, V);
     float *g_loss2 = host_copy_of(d_loss, N), *g_p2 = host_copy_of(d_p, NV);
-    ok &= check_bitwise_repeat("crossentropy_forward", shape, "losses", g_loss, g_loss2, N);
-    ok &= check_bitwise_repeat("crossentropy_forward", shape, "probs", g_p, g_p2, NV);
+    ok &= check_bitwise_equal("crossentropy_forward", shape, "losses", g_loss, g_loss2, N, "run twice");
+    ok &= check_bitwise_equal("crossentropy_forward", shape, "probs", g_p, g_p2, NV, "run twice");
 
     // backward from the same FP32 probs on both sides (the f64 ones, rounded), dlogits poisoned
     float *probs_in = floats(NV);
@@ -639,8 +641,9 @@ static void test_adamw(void **state) {
         // infinity and its first term is 0; the reference follows FP32 there
         const int v_overflows = v > FLT_MAX;
         const double upd = (v_overflows ? 0.0 : (m / bc1) / denom) + tc->weight_decay * p;
-        const double upd_size = (v_overflows ? 0.0 : (fabs(tc->beta1 * m_old) + fabs((1.0 - tc->beta1) * g)) / bc1 / denom) +
-                                fabs(tc->weight_decay * p);
+        const double step_size =
+            v_overflows ? 0.0 : (fabs(tc->beta1 * m_old) + fabs((1.0 - tc->beta1) * g)) / bc1 / denom;
+        const double upd_size = step_size + fabs(tc->weight_decay * p);
         ref_p[i] = p - tc->lr * upd;
         sc_p[i] = fabs(p) + tc->lr * upd_size;
         ref_m[i] = ref_bf16_rne((float)m); // (float)m: exact in the probe; else within 1 step anyway
@@ -730,7 +733,8 @@ static void test_crossentropy_bf16(void **state) {
     float *g_loss = host_copy_of(d_loss, N), *g_loss16 = host_copy_of(d_loss16, N);
     float *g_p = host_copy_of(d_logits, NV), *g_p16 = host_copy_of(d_p16, NV);
     const int fwd_ok = memcmp(g_loss, g_loss16, (size_t)N * 4) == 0 && memcmp(g_p, g_p16, (size_t)NV * 4) == 0;
-    printf("bf16 head %-14s losses and probabilities bitwise those of the FP32 form: %s\n", shape, fwd_ok ? "ok" : "FAIL");
+    printf("bf16 head %-14s losses and probabilities bitwise those of the FP32 form: %s\n", shape,
+           fwd_ok ? "ok" : "FAIL");
     ok &= fwd_ok;
 
     // the CPU's BF16 form on the same logits, against f64
