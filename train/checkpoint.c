@@ -72,24 +72,6 @@ static int agree(Comm *world, int failed, char *err, size_t err_size) {
     return -1;
 }
 
-#define SCALAR 0  // write_i64_attr's n for one value as a scalar attribute (an array otherwise, also of one)
-
-// An integer attribute `name` of object `what` (for messages) in file path: n values as an array, or with
-// n = SCALAR one value as a scalar.
-static int write_i64_attr(hid_t obj, const char *path, const char *what, const char *name, const int64_t *v, int n,
-                          char *err, size_t err_size) {
-    hsize_t dims = (hsize_t)n;
-    char cause[160] = "";
-    hid_t space = n == SCALAR ? H5Screate(H5S_SCALAR) : H5Screate_simple(1, &dims, NULL), attr = -1;
-    int ok = space >= 0 && (attr = H5Acreate2(obj, name, H5T_STD_I64LE, space, H5P_DEFAULT, H5P_DEFAULT)) >= 0 &&
-             H5Awrite(attr, H5T_NATIVE_INT64, v) >= 0;
-    if (!ok) h5io_cause(cause, sizeof cause, "");
-    if (attr >= 0 && H5Aclose(attr) < 0 && ok) ok = 0, h5io_cause(cause, sizeof cause, "");
-    h5io_close(space, H5Sclose);
-    if (!ok) snprintf(err, err_size, "%s: %s: attribute %s: cannot write it%s", path, what, name, cause);
-    return ok ? 0 : -1;
-}
-
 // Reads integer attribute `name` of obj: exactly n values (a scalar is one).
 static int read_i64_attr(hid_t obj, const char *path, const char *what, const char *name, int64_t *v, int n,
                          char *err, size_t err_size) {
@@ -145,51 +127,19 @@ static hid_t checked_dcpl(int ndim, const hsize_t *dims, size_t elem_bytes) {
     return dcpl;
 }
 
-typedef struct {
-    const char *name;
-    const int64_t *v;
-    int n;
-} I64Attr;
-
-// Dataset `name` (e.g. "weights/embed.weight") of file type ftype and shape dims, from data of mem type mtype,
-// chunked with Fletcher32, with integer attributes.
+// Dataset `name` of shape dims from data, chunked with Fletcher32 (checked_dcpl), with integer attributes.
 static int write_dataset(hid_t file, const char *path, const char *name, hid_t ftype, hid_t mtype, size_t elem_bytes,
-                         int ndim, const hsize_t *dims, const void *data, const I64Attr *attrs, int n_attrs, char *err,
-                         size_t err_size) {
-    int rc = -1;
-    char cause[160], what[CK_PATH];
-    snprintf(what, sizeof what, "dataset /%s", name);
-    hid_t space = H5Screate_simple(ndim, dims, NULL), dcpl = checked_dcpl(ndim, dims, elem_bytes), dset = -1;
-    if (space < 0 || dcpl < 0) {
-        snprintf(err, err_size, "%s: %s: cannot set up its dataspace and chunked, checksummed layout", path, what);
-        goto done;
+                         int ndim, const hsize_t *dims, const void *data, const H5I64Attr *attrs, int n_attrs,
+                         char *err, size_t err_size) {
+    const hid_t dcpl = checked_dcpl(ndim, dims, elem_bytes);
+    if (dcpl < 0) {
+        snprintf(err, err_size, "%s: dataset /%s: cannot set up its chunked, checksummed layout", path, name);
+        h5io_discard_writes(file);
+        return -1;
     }
-    dset = H5Dcreate2(file, name, ftype, space, H5P_DEFAULT, dcpl, H5P_DEFAULT);
-    if (dset < 0) {
-        snprintf(err, err_size, "%s: %s: cannot create it%s", path, what,
-                 h5io_cause(cause, sizeof cause, " (duplicate name or disk full?)"));
-        goto done;
-    }
-    if (H5Dwrite(dset, mtype, H5S_ALL, H5S_ALL, H5P_DEFAULT, data) < 0) {
-        snprintf(err, err_size, "%s: %s: write failed%s", path, what,
-                 h5io_cause(cause, sizeof cause, " (disk full or I/O error?)"));
-        goto done;
-    }
-    for (int a = 0; a < n_attrs; a++)
-        if (write_i64_attr(dset, path, what, attrs[a].name, attrs[a].v, attrs[a].n, err, err_size) != 0) goto done;
-    hid_t closing = dset;
-    dset = -1;
-    if (H5Dclose(closing) < 0) {  // may write the dataset's last buffered bytes
-        snprintf(err, err_size, "%s: %s: write failed%s", path, what,
-                 h5io_cause(cause, sizeof cause, " (disk full or I/O error?)"));
-        goto done;
-    }
-    rc = 0;
-done:
-    if (rc != 0) h5io_discard_writes(file);  // so the close below cannot fail on the full disk too
-    h5io_close(dset, H5Dclose);
+    const int rc = h5io_write_dataset(file, path, name, ftype, mtype, ndim, dims, dcpl, data, attrs, n_attrs, err,
+                                      err_size);
     h5io_close(dcpl, H5Pclose);
-    h5io_close(space, H5Sclose);
     return rc;
 }
 
@@ -364,7 +314,7 @@ static int write_weights(const Model *m, hid_t file, const char *path, const Rol
         hsize_t dims[3];
         int64_t shape[3], offset[3] = {0, 0, 0};
         for (int d = 0; d < p->ndim; d++) dims[d] = (hsize_t)p->shape[d], shape[d] = p->shape[d];
-        const I64Attr attrs[2] = {{"global_shape", shape, p->ndim}, {"offset", offset, p->ndim}};
+        const H5I64Attr attrs[2] = {{"global_shape", shape, p->ndim}, {"offset", offset, p->ndim}};
         char name[MODEL_NAME_MAX + 16];
         snprintf(name, sizeof name, "weights/%s", p->name);
         if (write_dataset(file, path, name, H5T_IEEE_F32LE, H5T_NATIVE_FLOAT, 4, p->ndim, dims, stage, attrs, 2, err,
@@ -379,7 +329,7 @@ static int write_weights(const Model *m, hid_t file, const char *path, const Rol
             for (int e = 0; e < E; e++) stage[e] = (float)host[e];
             const hsize_t dims = (hsize_t)E;
             const int64_t shape = E, offset = 0;
-            const I64Attr attrs[2] = {{"global_shape", &shape, 1}, {"offset", &offset, 1}};  // arrays of one
+            const H5I64Attr attrs[2] = {{"global_shape", &shape, 1}, {"offset", &offset, 1}};  // arrays of one
             char name[MODEL_NAME_MAX + 16];
             snprintf(name, sizeof name, "router_bias/%s", m->router_bias_names[l]);
             if (write_dataset(file, path, name, H5T_IEEE_F32LE, H5T_NATIVE_FLOAT, 4, 1, &dims, stage, attrs, 2, err,
@@ -427,7 +377,7 @@ static int write_moments(const TrainState *ts, hid_t file, const char *path, con
                 ndim = p->ndim;
                 for (int d = 0; d < ndim; d++) dims[d] = (hsize_t)p->shape[d];
             }
-            const I64Attr attrs[2] = {{"global_shape", shape, p->ndim}, {"flat_offset", &flat, SCALAR}};
+            const H5I64Attr attrs[2] = {{"global_shape", shape, p->ndim}, {"flat_offset", &flat, H5IO_SCALAR}};
             for (int q = 0; q < 2; q++) {
                 char name[MODEL_NAME_MAX + 16];
                 snprintf(name, sizeof name, "%s/%s", q ? "adam_v" : "adam_m", p->name);
@@ -460,10 +410,11 @@ static int write_rank_file(const TrainState *ts, const Where *w, const char *pat
                                                 w->me.edp_rank};
     static const char *const coord_names[5] = {"world_rank", "stage", "dp_rank", "ep_rank", "edp_rank"};
     if (h5io_write_string_attr(file, path, "format", CHECKPOINT_FORMAT, err, err_size) != 0 ||
-        write_i64_attr(file, path, "root group", "step", &step, SCALAR, err, err_size) != 0)
+        h5io_write_i64_attr(file, path, "root group", "step", &step, H5IO_SCALAR, err, err_size) != 0)
         goto done;
     for (int c = 0; c < 5; c++)
-        if (write_i64_attr(file, path, "root group", coord_names[c], &coords[c], SCALAR, err, err_size) != 0) goto done;
+        if (h5io_write_i64_attr(file, path, "root group", coord_names[c], &coords[c], H5IO_SCALAR, err, err_size) != 0)
+            goto done;
     if (write_weights(&ts->model, file, path, roles, err, err_size) != 0) goto done;
     if (write_moments(ts, file, path, roles, bf16, err, err_size) != 0) goto done;
     if (h5io_finish(&file, path, err, err_size) != 0) goto done;
@@ -522,7 +473,8 @@ static int write_manifest(const TrainState *ts, const Where *w, const char *path
                                "train.seed of the config and the loader cursor's epoch", err, err_size) != 0)
         goto done;
     for (size_t i = 0; i < sizeof ints / sizeof *ints; i++)
-        if (write_i64_attr(file, path, "root group", names[i], &ints[i], SCALAR, err, err_size) != 0) goto done;
+        if (h5io_write_i64_attr(file, path, "root group", names[i], &ints[i], H5IO_SCALAR, err, err_size) != 0)
+            goto done;
     const hsize_t nf = (hsize_t)n_files;
     if (n_files > 0 && write_dataset(file, path, "files", ftype, ftype, sizeof(FileEntry), 1, &nf, files, NULL, 0, err,
                                      err_size) != 0)

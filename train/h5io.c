@@ -96,6 +96,59 @@ done:
     return rc;
 }
 
+int h5io_write_i64_attr(hid_t obj, const char *path, const char *what, const char *name, const int64_t *v, int n,
+                        char *err, size_t err_size) {
+    hsize_t dims = (hsize_t)n;
+    char cause[160] = "";
+    hid_t space = n == H5IO_SCALAR ? H5Screate(H5S_SCALAR) : H5Screate_simple(1, &dims, NULL), attr = -1;
+    int ok = space >= 0 && (attr = H5Acreate2(obj, name, H5T_STD_I64LE, space, H5P_DEFAULT, H5P_DEFAULT)) >= 0 &&
+             H5Awrite(attr, H5T_NATIVE_INT64, v) >= 0;
+    if (!ok) h5io_cause(cause, sizeof cause, "");
+    if (attr >= 0 && H5Aclose(attr) < 0 && ok) ok = 0, h5io_cause(cause, sizeof cause, "");
+    h5io_close(space, H5Sclose);
+    if (!ok) snprintf(err, err_size, "%s: %s: attribute %s: cannot write it%s", path, what, name, cause);
+    return ok ? 0 : -1;
+}
+
+int h5io_write_dataset(hid_t file, const char *path, const char *name, hid_t ftype, hid_t mtype, int ndim,
+                       const hsize_t *dims, hid_t dcpl, const void *data, const H5I64Attr *attrs, int n_attrs,
+                       char *err, size_t err_size) {
+    int rc = -1;
+    char cause[160], what[512];
+    snprintf(what, sizeof what, "dataset /%s", name);
+    hid_t space = H5Screate_simple(ndim, dims, NULL), dset = -1;
+    if (space < 0) {
+        snprintf(err, err_size, "%s: %s: cannot create its dataspace", path, what);
+        goto done;
+    }
+    dset = H5Dcreate2(file, name, ftype, space, H5P_DEFAULT, dcpl, H5P_DEFAULT);
+    if (dset < 0) {
+        snprintf(err, err_size, "%s: %s: cannot create it%s", path, what,
+                 h5io_cause(cause, sizeof cause, " (duplicate name or disk full?)"));
+        goto done;
+    }
+    if (H5Dwrite(dset, mtype, H5S_ALL, H5S_ALL, H5P_DEFAULT, data) < 0) {
+        snprintf(err, err_size, "%s: %s: write failed%s", path, what,
+                 h5io_cause(cause, sizeof cause, " (disk full or I/O error?)"));
+        goto done;
+    }
+    for (int a = 0; a < n_attrs; a++)
+        if (h5io_write_i64_attr(dset, path, what, attrs[a].name, attrs[a].v, attrs[a].n, err, err_size) != 0) goto done;
+    hid_t closing = dset;
+    dset = -1;
+    if (H5Dclose(closing) < 0) {  // may write the dataset's last buffered bytes
+        snprintf(err, err_size, "%s: %s: write failed%s", path, what,
+                 h5io_cause(cause, sizeof cause, " (disk full or I/O error?)"));
+        goto done;
+    }
+    rc = 0;
+done:
+    if (rc != 0) h5io_discard_writes(file);  // so the close below cannot fail on the full disk too
+    h5io_close(dset, H5Dclose);
+    h5io_close(space, H5Sclose);
+    return rc;
+}
+
 int h5io_read_string_attr(hid_t obj, const char *path, const char *name, char **out, char *err, size_t err_size) {
     *out = NULL;
     htri_t exists = H5Aexists(obj, name);

@@ -1,8 +1,8 @@
 /*
  * h5io.h - the HDF5 habits that every fp8moe file writer and reader shares (train/weights_io.c, the
  * weights export, and train/checkpoint.c, the resumable checkpoint): quiet error stacks, the system's
- * reason behind a failed write, string attributes, a checked open, and a save protocol that survives a
- * full disk.
+ * reason behind a failed write, string and integer attributes, datasets written with their attributes, a checked
+ * open, and a save protocol that survives a full disk.
  *
  * Why a save protocol at all: HDF5 1.10 (Debian 12 ships 1.10.8) does not survive a failed H5Fclose.
  * H5F__dest frees the file's state even when its final flush fails but leaves the id registered, so a
@@ -28,6 +28,7 @@
 #define FP8MOE_H5IO_H
 
 #include <stddef.h>
+#include <stdint.h>
 
 #include <hdf5.h>
 
@@ -58,6 +59,24 @@ int h5io_checksum_failed(void);
 // A fixed-length string attribute `name` on object obj (a file, group or dataset) of the file at path.
 int h5io_write_string_attr(hid_t obj, const char *path, const char *name, const char *text, char *err,
                            size_t err_size);
+// An integer attribute `name` on obj (`what` names obj in messages: "root group", "dataset /embed.weight"): n values
+// as an array, or with n = H5IO_SCALAR one value as a scalar.
+#define H5IO_SCALAR 0
+int h5io_write_i64_attr(hid_t obj, const char *path, const char *what, const char *name, const int64_t *v, int n,
+                        char *err, size_t err_size);
+typedef struct {
+    const char *name;
+    const int64_t *v;
+    int n;  // h5io_write_i64_attr's
+} H5I64Attr;
+// Dataset `name` (e.g. "weights/embed.weight") of file type ftype and shape dims (ndim of them), written from data of
+// memory type mtype with the creation properties dcpl (H5P_DEFAULT: contiguous; the caller's chunked, checksummed
+// ones) and the integer attributes attrs (n_attrs of them, may be 0). After a failure the file's writes are
+// discarded (h5io_discard_writes), so the dataset's close cannot fail on a full disk too; the file is then only fit
+// for h5io_abandon.
+int h5io_write_dataset(hid_t file, const char *path, const char *name, hid_t ftype, hid_t mtype, int ndim,
+                       const hsize_t *dims, hid_t dcpl, const void *data, const H5I64Attr *attrs, int n_attrs,
+                       char *err, size_t err_size);
 // Reads the fixed-length string attribute `name` of obj into a malloc'd string *out (the caller frees it).
 // A missing attribute is reported as "root attribute "name" is missing (expected a file written by fp8moe
 // train)".

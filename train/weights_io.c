@@ -34,41 +34,13 @@ int weights_router_bias_name(const Model *m, int moe_index, char *buf, size_t si
     return 0;
 }
 
-// One FP32 dataset `name` of shape (ndim dims) from host data.
+// One FP32 dataset `name` of shape (ndim dims) from host data, contiguous.
 static int write_dataset(hid_t file, const char *path, const char *name, int ndim, const int *shape,
                          const float *data, char *err, size_t err_size) {
     hsize_t dims[3];
     for (int d = 0; d < ndim; d++) dims[d] = (hsize_t)shape[d];
-    int rc = -1;
-    char cause[160];
-    hid_t space = H5Screate_simple(ndim, dims, NULL), dset = -1;
-    if (space < 0) {
-        snprintf(err, err_size, "%s: dataset %s: cannot create its dataspace", path, name);
-        goto done;
-    }
-    dset = H5Dcreate2(file, name, H5T_IEEE_F32LE, space, H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT);
-    if (dset < 0) {
-        snprintf(err, err_size, "%s: dataset %s: cannot create it%s", path, name,
-                 h5io_cause(cause, sizeof cause, " (duplicate name or disk full?)"));
-        goto done;
-    }
-    if (H5Dwrite(dset, H5T_NATIVE_FLOAT, H5S_ALL, H5S_ALL, H5P_DEFAULT, data) < 0) {
-        snprintf(err, err_size, "%s: dataset %s: write failed%s", path, name,
-                 h5io_cause(cause, sizeof cause, " (disk full or I/O error?)"));
-        goto done;
-    }
-    hid_t closing = dset;
-    dset = -1;
-    if (H5Dclose(closing) < 0) {  // may write the dataset's last buffered bytes
-        snprintf(err, err_size, "%s: dataset %s: write failed%s", path, name,
-                 h5io_cause(cause, sizeof cause, " (disk full or I/O error?)"));
-        goto done;
-    }
-    rc = 0;
-done:
-    h5io_close(dset, H5Dclose);
-    h5io_close(space, H5Sclose);
-    return rc;
+    return h5io_write_dataset(file, path, name, H5T_IEEE_F32LE, H5T_NATIVE_FLOAT, ndim, dims, H5P_DEFAULT, data, NULL,
+                              0, err, err_size);
 }
 
 // The root attribute "format" must be WEIGHTS_FORMAT.
