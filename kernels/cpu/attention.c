@@ -290,9 +290,7 @@ void cpu_attention_backward(real *dq, real *d_kv, real *d_k_rope, const real *do
 // dout widened from its BF16 rows (exactly) into a buffer of its own, then the backward above.
 void cpu_attention_backward_bf16(real *dq, real *d_kv, real *d_k_rope, const uint16_t *dout16, int64_t ld,
                                  const real *state, int B, int T, int H, int Dn, int Dr, int Dv) {
-    const int64_t N = (int64_t)B * T, row = (int64_t)H * Dv;
-    real *dout = cpu_values_or_die((size_t)(N * row), "attention_backward_bf16 widened dout");
-    for (int64_t n = 0; n < N; n++) cpu_bf16_widen_array(dout + n * row, dout16 + n * ld, row);
+    real *dout = cpu_bf16_rows_widened(dout16, ld, (int64_t)B * T, H * Dv);
     cpu_attention_backward(dq, d_kv, d_k_rope, dout, state, B, T, H, Dn, Dr, Dv);
     free(dout);
 }

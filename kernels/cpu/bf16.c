@@ -36,10 +36,10 @@ float bf16_to_float(uint16_t h) {
     return f;
 }
 
-// x (rows of `cols` BF16 values at stride bf16_rows_ld(cols), kernels.h) as a new packed (rows, cols) array of the
-// values they hold, freed by the caller: the CPU reference of the ops that read such rows widens them first.
-real *cpu_bf16_rows_widened(const uint16_t *x, int64_t rows, int cols) {
-    const int64_t ld = bf16_rows_ld(cols);
+// x (rows of `cols` BF16 values at stride ld: bf16_rows_ld(cols) for a GEMM's BF16 product, kernels.h) as a new
+// packed (rows, cols) array of the values they hold (exact), freed by the caller: the CPU reference of the ops that
+// read such rows widens them first.
+real *cpu_bf16_rows_widened(const uint16_t *x, int64_t ld, int64_t rows, int cols) {
     real *v = cpu_values_or_die((size_t)(rows > 0 ? rows : 0) * (size_t)(cols > 0 ? cols : 0), "widened BF16 rows");
     for (int64_t r = 0; r < rows; r++)
         for (int c = 0; c < cols; c++) v[r * cols + c] = (real)bf16_to_float(x[r * ld + c]);

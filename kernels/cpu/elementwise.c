@@ -127,8 +127,7 @@ void cpu_rmsnorm_backward(real *dinp, real *dweight, const real *dout, const rea
 void cpu_rmsnorm_backward_bf16(real *dinp, real *dweight, const uint16_t *dout, int64_t ld, const real *inp,
                                const real *weight, const real *rstd, int N, int C) {
     if (N <= 0 || C <= 0) return;
-    real *wide = cpu_values_or_die((size_t)N * (size_t)C, "rmsnorm_backward_bf16 widened dout");
-    for (int64_t n = 0; n < N; n++) cpu_bf16_widen_array(wide + n * C, dout + n * ld, C);
+    real *wide = cpu_bf16_rows_widened(dout, ld, N, C);
     cpu_rmsnorm_backward(dinp, dweight, wide, inp, weight, rstd, N, C);
     free(wide);
 }

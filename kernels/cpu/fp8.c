@@ -664,8 +664,10 @@ static real *swiglu_value(const char *op, SwigluValue value, const uint16_t *dou
     check_segments(op, n, rows0);
     const int64_t count = (int64_t)rows0[n] * C;
     real *v = cpu_values_or_die((size_t)count, "SwiGLU values");
-    real *a = cpu_bf16_rows_widened(a16, rows0[n], C), *b = b16 ? cpu_bf16_rows_widened(b16, rows0[n], C) : NULL;
-    real *dout = dout16 ? cpu_bf16_rows_widened(dout16, rows0[n], C) : NULL;
+    const int64_t ld = bf16_rows_ld(C);
+    real *a = cpu_bf16_rows_widened(a16, ld, rows0[n], C);
+    real *b = b16 ? cpu_bf16_rows_widened(b16, ld, rows0[n], C) : NULL;
+    real *dout = dout16 ? cpu_bf16_rows_widened(dout16, ld, rows0[n], C) : NULL;
     if (value == SWIGLU_OUT) cpu_swiglu_forward(v, a, b, count);
     else if (value == SWIGLU_DA) cpu_swiglu_backward(v, NULL, dout, a, b, count);
     else cpu_swiglu_backward(NULL, v, dout, a, b, count);

@@ -127,14 +127,14 @@ void cpu_moe_combine_backward(real *dexpert_out, real *dtopk_w, const real *dout
 // kernels.h's *_bf16 forms: the ops above on the FP32 values of the BF16 rows (kernels.h bf16_rows_ld).
 void cpu_moe_combine_forward_bf16(real *out, const uint16_t *expert_out, const int *slot_of, const real *topk_w,
                                   const real *residual, int N, int K, int C) {
-    real *eo = cpu_bf16_rows_widened(expert_out, (int64_t)N * K, C);
+    real *eo = cpu_bf16_rows_widened(expert_out, bf16_rows_ld(C), (int64_t)N * K, C);
     cpu_moe_combine_forward(out, eo, slot_of, topk_w, residual, N, K, C);
     free(eo);
 }
 
 void cpu_moe_combine_backward_bf16(real *dtopk_w, const real *dout, const uint16_t *expert_out, const int *slot_of,
                                    const real *topk_w, int N, int K, int C) {
-    real *eo = cpu_bf16_rows_widened(expert_out, (int64_t)N * K, C);
+    real *eo = cpu_bf16_rows_widened(expert_out, bf16_rows_ld(C), (int64_t)N * K, C);
     cpu_moe_combine_backward(NULL, dtopk_w, dout, eo, slot_of, topk_w, N, K, C);
     free(eo);
 }
