@@ -335,10 +335,10 @@ static void bench_quantisers(const Timer *t, Buffers *B, int R, int C) {
 // every segment in one call: the Fprops of w1 (and w3: N = moe_inter_dim, K = dim) and of w2 (N = dim, K =
 // moe_inter_dim), and w2's Dgrad (dx (rows, moe_inter_dim) from dy (rows, dim)), routed uniformly (T k / E rows per
 // expert) and unevenly (lengths 0.4..1.6 x the mean, one expert empty, the same total). Columns: the cuBLASLt path
-// (one GEMM per segment on 2 lanes), fp8moe's own kernel with the activation tile multicast to 2 CTAs, and with one
-// CTA per tile (its default form), each through kernels.h's call (the Dgrad's includes its scale transpose).
-// TFLOPS = 2 rows N K / median time; "own/LT" is cuBLASLt's time over the default's, "=lt" the share of the default's
-// output elements bitwise equal to cuBLASLt's and "max|d|" the largest difference over the largest |y|.
+// (one GEMM per segment on 2 lanes), fp8moe's own kernel in its two forms (fp8_grouped_gemm.h: one CTA per 128 x 128
+// tile, and per 128 x 256 tile - the default), each through kernels.h's call (the Dgrad's includes its scale transpose). TFLOPS = 2 rows N K / median time; "LT/1cta" and "LT/wide" are
+// cuBLASLt's time over the single and wide forms', "=lt" the share of their output elements bitwise equal to
+// cuBLASLt's and "max|d|" the larger of their largest differences over the largest |y|.
 typedef struct {
     int n_seg, N, K, dgrad, wgrad;  // the weights are (N, K); the Fprop's output has N columns, the Dgrad's K
     int rows0[FP8_MAX_SEGMENTS + 1];
@@ -438,10 +438,10 @@ static void bench_grouped(const Timer *t, const Config *cfg) {
     fill_random(x, (size_t)rows * Kmax, 24680);
     fill_random(w, (size_t)E * I * D, 13579);
     printf("\ngrouped expert GEMMs: %d experts of one micro-batch (%d tokens x top-%d = %d rows) in one call, BF16 "
-           "output; TFLOPS = 2 rows N K / median time; own kernel on up to %d CTAs (multicast: %d)\n", E, T, topk, rows,
-           cuda_fp8_grouped_gemm_max_ctas(0), cuda_fp8_grouped_gemm_max_ctas(1));
-    printf("%-17s %-8s %22s | %9s %9s %9s | %8s %8s %10s | %9s %9s\n", "GEMM", "routing", "rows x N x K", "cuBLASLt",
-           "own mcast", "own 1cta", "own/LT", "=lt", "max|d|", "LT ms", "own ms");
+           "output; TFLOPS = 2 rows N K / median time; the own kernel runs one CTA per SM\n", E, T, topk, rows);
+    printf("%-17s %-8s %22s | %9s %9s %9s | %8s %8s %8s %8s %10s | %9s %9s %9s\n", "GEMM", "routing",
+           "rows x N x K", "cuBLASLt", "own 1cta", "own wide", "LT/1cta", "LT/wide", "=lt 1cta", "=lt wide", "max|d|",
+           "LT ms", "1cta ms", "wide ms");
     char err[256];
     static const char *names[3] = {"expert w1,w3", "expert w2", "expert w2 Dgrad"};
     for (int shape = 0; shape < 3; shape++) {
@@ -463,26 +463,32 @@ static void bench_grouped(const Timer *t, const Config *cfg) {
             const double lt_ms = grouped_median_ms(t, grouped_cublaslt, &g);
             const size_t y_bytes = (size_t)bf16_rows_elems(rows, out_cols) * sizeof(uint16_t);
             BENCH_CHECK(cudaMemcpy(h_lt, y, y_bytes, cudaMemcpyDeviceToHost));
-            const int previous = cuda_fp8_grouped_gemm_multicast(1);
-            const double mc_ms = grouped_median_ms(t, grouped_own, &g);
-            cuda_fp8_grouped_gemm_multicast(0);
+            const int previous = cuda_fp8_grouped_gemm_form(FP8_GROUPED_WIDE);
+            const double wide_ms = grouped_median_ms(t, grouped_own, &g);
+            BENCH_CHECK(cudaMemcpy(h_own, y, y_bytes, cudaMemcpyDeviceToHost));
+            double equal_wide, rel_wide;
+            grouped_compare(h_own, h_lt, rows, out_cols, (int)bf16_rows_ld(out_cols), &equal_wide, &rel_wide);
+            cuda_fp8_grouped_gemm_form(FP8_GROUPED_SINGLE);
             const double one_ms = grouped_median_ms(t, grouped_own, &g);
             BENCH_CHECK(cudaMemcpy(h_own, y, y_bytes, cudaMemcpyDeviceToHost));
-            cuda_fp8_grouped_gemm_multicast(previous);
+            cuda_fp8_grouped_gemm_form(previous);
             double equal, rel;
             grouped_compare(h_own, h_lt, rows, out_cols, (int)bf16_rows_ld(out_cols), &equal, &rel);
             char dims[40];
             snprintf(dims, sizeof dims, "%d x %d x %d", rows, out_cols, contraction);
-            printf("%-17s %-8s %22s | %9.1f %9.1f %9.1f | %7.2fx %7.3f%% %10.2e | %9.4f %9.4f\n", names[shape],
-                   uneven ? "uneven" : "uniform", dims, flop / (lt_ms * 1e-3) * 1e-12, flop / (mc_ms * 1e-3) * 1e-12,
-                   flop / (one_ms * 1e-3) * 1e-12, lt_ms / one_ms, 100.0 * equal, rel, lt_ms, one_ms);
+            printf("%-17s %-8s %22s | %9.1f %9.1f %9.1f | %7.2fx %7.2fx %7.3f%% %7.3f%% %10.2e | %9.4f %9.4f %9.4f\n",
+                   names[shape], uneven ? "uneven" : "uniform", dims, flop / (lt_ms * 1e-3) * 1e-12,
+                   flop / (one_ms * 1e-3) * 1e-12, flop / (wide_ms * 1e-3) * 1e-12,
+                   lt_ms / one_ms, lt_ms / wide_ms, 100.0 * equal, 100.0 * equal_wide, rel > rel_wide ? rel : rel_wide,
+                   lt_ms, one_ms, wide_ms);
             fflush(stdout);
         }
     }
     free(h_lt), free(h_own);
 
-    // The Wgrads (dW_e += dY_e^T X_e over each expert's tokens, FP32 added to), w1's (and w3's) and w2's: own/LT and
-    // "=lt" are as above, from one call of each onto zeroed gradients; "max|d|" over the largest |dW|.
+    // The Wgrads (dW_e += dY_e^T X_e over each expert's tokens, FP32 added to), w1's (and w3's) and w2's, whose own
+    // form runs 128 x 128 tiles (the "1cta" columns): LT/1cta and "=lt" are as above, from one call of each onto zeroed
+    // gradients; "max|d|" over the largest |dW|.
     const size_t tiles = (size_t)rows / 128 + (size_t)E, qt_bytes = (size_t)Kmax * 128 * tiles;
     uint8_t *qdyt = dalloc(qt_bytes), *qxt = dalloc(qt_bytes);
     float *sdyt = dalloc(tiles * Kmax * sizeof(float)), *sxt = dalloc(tiles * Kmax * sizeof(float));
@@ -524,10 +530,10 @@ static void bench_grouped(const Timer *t, const Config *cfg) {
             }
             char dims[40];
             snprintf(dims, sizeof dims, "%d x %d x %d", g.N, g.K, rows);
-            printf("%-17s %-8s %22s | %9.1f %9s %9.1f | %7.2fx %7.3f%% %10.2e | %9.4f %9.4f\n", wnames[shape],
-                   uneven ? "uneven" : "uniform", dims, flop / (lt_ms * 1e-3) * 1e-12, "-",
-                   flop / (own_ms * 1e-3) * 1e-12, lt_ms / own_ms, 100.0 * (double)same / (double)dw_elems,
-                   max_d / (max_b > 0 ? max_b : 1), lt_ms, own_ms);
+            printf("%-17s %-8s %22s | %9.1f %9.1f %9s | %7.2fx %8s %7.3f%% %8s %10.2e | %9.4f %9.4f %9s\n", wnames[shape],
+                   uneven ? "uneven" : "uniform", dims, flop / (lt_ms * 1e-3) * 1e-12, flop / (own_ms * 1e-3) * 1e-12,
+                   "-", lt_ms / own_ms, "-", 100.0 * (double)same / (double)dw_elems, "-",
+                   max_d / (max_b > 0 ? max_b : 1), lt_ms, own_ms, "-");
             fflush(stdout);
         }
     }

@@ -3,41 +3,39 @@
  * segment g in one persistent Hopper kernel, with DeepSeek-V3's promotion (each 128-deep K block's tensor-core sum
  * is scaled by its 1x128 activation scale and its 128x128 weight-block scale as it is added to FP32 accumulators
  * held in registers). The interface is fp8_grouped_gemm.h; the operands and the BF16 products are exactly those of
- * kernels.h's grouped Fprops and, with the transposed weights, Dgrads, whose GEMMs gemm.cu runs here with
- * FP8MOE_GROUPED_GEMM=own (by default as one cuBLASLt GEMM per expert).
+ * kernels.h's grouped Fprops and, with the transposed weights, Dgrads, whose GEMMs gemm.cu runs here (unless
+ * FP8MOE_GROUPED_GEMM=cublaslt: one cuBLASLt GEMM per expert).
  *
  * Why: cuBLASLt has no grouped block-scaled FP8 GEMM, so the experts' GEMMs were one GEMM per expert and Linear
  * (issue 23). One launch over all segments' tiles keeps every SM busy across segment boundaries and pays no launch
- * per segment. Measured on an H200 (docs/benchmarks.md, 2026-12-01 and 2026-12-05): at the bench-1gpu expert shapes
- * it runs at 0.88-1.07x cuBLASLt's per-segment path (depending on the form, the routing and the machine), bitwise
- * equal to it in every form.
- * ncu: the tensor pipe is active about 50% of the time, L2 at 69% of its peak; 256-row tiles and products split
- * into two m64n64 halves per block were tried and were slower (the benchmarks page). Not done yet: BLOCK_N > 128
- * (acc + fin of m64n256 exceed the registers; BLOCK_N = 192 needs the two weight-scale blocks DeepGEMM handles).
- * Also tried (2026-12-05): the two consumers issuing each block's products in turn (named barriers), so that one
- * would promote while the other's products run: no faster.
+ * per segment. With 128 x 128 tiles it ran at 0.88-1.07x cuBLASLt's per-segment path (docs/benchmarks.md,
+ * 2026-12-01 to 2026-12-05; ncu: the tensor pipe active about half the time); the wide form's 128 x 256 tiles run at
+ * 1,090-1,180 TFLOPS on an H100, 1.17-1.32x cuBLASLt (2026-12-06), bitwise equal to it in every form.
+ * Tried and slower: 256-row tiles, products split into two m64n64 halves per block, the two consumers issuing each
+ * block's products in turn (named barriers) so that one would promote while the other's products run.
  *
  * The Wgrad form (WGRAD; cuda_fp8_grouped_wgrad): dW_g += dY_g^T X_g, the contraction over segment g's own 128-token
  * tiles (k-grouped), both operands 128x1-scaled, so each output column has its own X scale per block: the producer
  * bulk-loads the block's 128 X scales into the stage beside the 128 dY scales, and the promotion is
  * fma(P, s_dy[row] s_x[col], acc) (twice the Fprop's FP32 work per block; the stage is released after it). The
  * epilogue adds acc to dW in global memory, each thread its own elements (read, add, write). Measured 0.76-0.87x
- * cuBLASLt's per-segment Wgrads on an H100 (docs/benchmarks.md), so the model's Wgrads stay on cuBLASLt; overlapping
- * one warpgroup's promotion with the other's products is the next step for both forms.
+ * cuBLASLt's per-segment Wgrads on an H100 (docs/benchmarks.md), so the model's Wgrads stay on cuBLASLt; its
+ * per-column scales leave no registers for the wide form's second half of fin.
  *
- * Tiles: 128 output rows (tokens of one segment) x 128 output columns (one weight block row nb) x the whole K, in
+ * Tiles: 128 output rows (tokens of one segment) x 128 output columns (one weight block row nb; two in the wide
+ * form below) x the whole K, in
  * K blocks of 128 (one scale of each operand per row and block). A segment's last row tile may run past its rows:
  * those rows are read (the next segment's rows or TMA's zero fill past the operand's end) and computed but never
- * stored. Units of work are CLUSTER consecutive column tiles of one row tile, numbered segment by segment, row tile
- * by row tile; the persistent grid takes units round-robin (cluster c takes c, c + clusters, ...). Each output
+ * stored. Units of work are output tiles, numbered segment by segment, row tile by row tile (column tiles within);
+ * the persistent grid takes them round-robin (CTA c takes c, c + CTAs, ...). Each output
  * element is computed by one thread in one fixed order, so results are bitwise reproducible and independent of the
  * grid size; no atomics.
  *
- * Block: 384 threads = 3 warpgroups, one CTA per SM (shared memory). Warpgroup 0 is the producer: one thread issues,
+ * Block: 384 threads = 3 warpgroups, one CTA per SM (shared memory). Warpgroup 2 is the producer: one thread issues,
  * per K block, the TMA loads of the X tile (128 rows x 128 bytes, 128-byte swizzle) and the W tile (the same) and a
  * bulk copy of the 128 X scales (kernels.h's 1x128 layout: [KB][T16_g] per segment, so a row tile's scales of one
  * block are contiguous) into one of STAGES shared-memory stages, all completing on that stage's "full" mbarrier
- * (transaction bytes). Warpgroups 1 and 2 are consumers, 64 rows each: per K block four wgmma m64n128k32 (E4M3,
+ * (transaction bytes). Warpgroups 0 and 1 are consumers, 64 rows each: per K block four wgmma m64n128k32 (E4M3,
  * K-major, both operands from shared memory) into a fresh FP32 accumulator, wait, release the stage (one arrival
  * per warp on its "empty" mbarrier), then fin = fma(acc, s_x * s_w, fin); the weight scale of the next block is
  * loaded one block ahead (the next tile's first one during this tile's epilogue). After the last block each consumer
@@ -45,13 +43,15 @@
  * one thread stores them with TMA through the segment's own output tensor map, whose row count drops the rows past
  * the segment's end; the stores run while the next tile's products start (the staging is reused once they have read
  * it).
- * With CLUSTER = 2 (weights with an even number of column blocks) the two CTAs of a cluster take the two column
- * tiles of one unit, i.e. the same X tile: each loads half of its rows with .multicast::cluster into both CTAs'
- * stage, signalling both CTAs' full barriers; each CTA's consumers therefore release a stage to both producers
- * (empty count 2 x 8 warps), and the CTAs meet at a cluster barrier before exiting so that no remote arrival or
- * multicast write reaches a CTA that has gone. The remote arrivals are release.cta, as CUTLASS's ClusterBarrier: with
- * release.cluster the multicast form ran at 0.6x the single-CTA one. With them it runs at the single-CTA speed (the
- * L2 traffic it saves is not what bounds the kernel), so it is off by default.
+ * A form in which clusters of two CTAs shared each X tile through TMA multicast (each loading half of it into both)
+ * ran at the single-CTA speed and was removed once the wide form below was faster (docs/benchmarks.md).
+ * The wide form (TN = 256, weights with an even number of column blocks) gives each CTA a 128 x 256 output tile: the
+ * stage holds the X tile and 256 weight rows (two blocks, one TMA box), and each consumer runs the four products and
+ * the promotion of the first 128 columns, then of the second, into one acc[64] and the two halves of fin[128], so
+ * each X tile is read from L2 once per 256 output columns and each stage's barrier wait serves twice the products.
+ * Its consumers need about 228 registers: they take 240 and the producer warpgroup gives up all but 24 (setmaxnreg;
+ * ptxas honours it only if no trap is inlined into the kernel: hang_trap). 3 stages of 48 KB and 64 KB of output
+ * staging fill the shared memory.
  *
  * Tensor maps (cuTensorMapEncodeTiled, reached through cudaGetDriverEntryPointByVersion: no -lcuda) are built on the
  * host per call - Fprop/Dgrad: one for X and two per non-empty segment (its weight, its rows of y); Wgrad: two per
@@ -78,28 +78,36 @@
 
 namespace {
 
-constexpr int BM = 128, BN = 128, BK = 128;  // output rows, output columns, K block (= the scaling granularity)
-constexpr int STAGES = 5;
-constexpr int THREADS = 384;
+constexpr int BM = 128, BN = 128, BK = 128;  // output rows, weight block columns, K block (= the scaling granularity)
+constexpr int THREADS = 384;  // two consumer warpgroups (warps 0-7) + the producer warpgroup (warps 8-11)
 constexpr int MAX_GROUPS = 64;                 // non-empty segments per launch (tensor maps in the parameter)
-constexpr uint32_t A_BYTES = BM * BK, B_BYTES = BN * BK, SA_BYTES = BM * 4;
+constexpr uint32_t A_BYTES = BM * BK, SA_BYTES = BM * 4;
 constexpr uint32_t OUT_BOX_BYTES = 64 * 128;  // BF16 staging of 64 rows x 64 columns, 128-byte swizzle
-constexpr uint32_t SMEM_A = 0, SMEM_B = SMEM_A + STAGES * A_BYTES, SMEM_OUT = SMEM_B + STAGES * B_BYTES;
-constexpr uint32_t SB_BYTES = BN * 4;    // Wgrad: the 128 X scales of a column tile and K block
-constexpr uint32_t SMEM_SA = SMEM_OUT + 2 * 2 * OUT_BOX_BYTES, SMEM_SB = SMEM_SA + STAGES * SA_BYTES;
-constexpr uint32_t SMEM_BAR = SMEM_SB + STAGES * SB_BYTES;
-constexpr uint32_t SMEM_BYTES = SMEM_BAR + 2 * STAGES * 8 + 1024;  // + the round-up of the base to 1024 bytes
+constexpr uint32_t SB_BYTES = BN * 4;         // Wgrad: the 128 X scales of a column tile and K block
 constexpr uint64_t WAIT_TRAP_NS = 10000000000ull;  // 10 s
-static_assert(SMEM_B % 1024 == 0 && SMEM_OUT % 1024 == 0 && SMEM_SA % 16 == 0 && SMEM_SB % 16 == 0 && SMEM_BAR % 8 == 0,
-              "stage alignment");
-static_assert(SMEM_BYTES <= 232448, "shared memory of one SM");
+// The wide form's registers per thread (setmaxnreg; the launch gives each 168): its consumers hold acc[64] and
+// fin[128] (about 228 in all), its producer thread a few; 2 x 128 x 240 + 128 x 24 <= 65536.
+constexpr int CONSUMER_REGS = 240, PRODUCER_REGS = 24;
+
+// Shared memory of a CTA whose output tiles are TN (128 or 256: the wide form) columns wide: STAGES stages of the A
+// tile, the B tile (TN rows of the weight), A's scales (and the Wgrad's B scales), the BF16 staging of the output
+// tile, the stages' full and empty barriers.
+template <int TN> struct Smem {
+    static constexpr int STAGES = TN == 256 ? 3 : 5;
+    static constexpr uint32_t B_BYTES = TN * BK, OUT_BYTES = 2 * (TN / 64) * OUT_BOX_BYTES;
+    static constexpr uint32_t A = 0, B = A + STAGES * A_BYTES, OUT = B + STAGES * B_BYTES;
+    static constexpr uint32_t SA = OUT + OUT_BYTES, SB = SA + STAGES * SA_BYTES, BAR = SB + STAGES * SB_BYTES;
+    static constexpr uint32_t BYTES = BAR + 2 * STAGES * 8 + 1024;  // + the round-up of the base to 1024 bytes
+    static_assert(B % 1024 == 0 && OUT % 1024 == 0 && SA % 16 == 0 && SB % 16 == 0 && BAR % 8 == 0, "stage alignment");
+    static_assert(BYTES <= 232448, "shared memory of one SM");
+};
 
 // One launch's segments (the non-empty ones, in order). Everything the kernel reads besides the operands. The Fprop
 // form (Y_g = X_g W_g^T, X_g a segment's rows of one 1x128 operand) and the Wgrad form (dW_g += dY_g^T X_g, both 128x1
 // operands of segment g: the contraction runs over its tokens) differ in where A comes from, how many K blocks a
 // segment has, how B is scaled and what the epilogue does.
 struct GroupedParams {
-    CUtensorMap a[MAX_GROUPS];      // Fprop: a[0] = qx (P16 rows, Kp) bytes, box 128 (K) x BM / CLUSTER rows;
+    CUtensorMap a[MAX_GROUPS];      // Fprop: a[0] = qx (P16 rows, Kp) bytes, box 128 (K) x BM rows;
                                     // Wgrad: segment g's dY^T codes (N rows, 128 tiles_g) bytes, box 128 x BM
     CUtensorMap b[MAX_GROUPS];      // Fprop: weight g (Np, Kp) bytes; Wgrad: segment g's X^T codes (K rows, 128
                                     // tiles_g); box 128 x 128
@@ -107,13 +115,13 @@ struct GroupedParams {
     const float *sa[MAX_GROUPS];    // A's scales of segment g: Fprop [KB][t16[g]], Wgrad [tiles_g][N]
     const float *sb[MAX_GROUPS];    // B's: Fprop weight g's block scales (NB, KB4); Wgrad [tiles_g][K]
     float *dw[MAX_GROUPS];          // Wgrad: segment g's gradient (N, K), added to
-    int units0[MAX_GROUPS + 1];     // first unit of each segment (units: row tile x CLUSTER column tiles)
+    int units0[MAX_GROUPS + 1];     // first unit (output tile) of each segment
     int a_row0[MAX_GROUPS];         // Fprop: P16_g, the segment's first row in qx; Wgrad: 0
     int sa_ld[MAX_GROUPS];          // floats from one K block's A scales to the next: Fprop t16[g] (the segment's
                                     // rows rounded up to 16), Wgrad N
     int kblocks[MAX_GROUPS];        // K blocks: Fprop KB, Wgrad the segment's token tiles
     int rows[MAX_GROUPS];           // Fprop: the segment's true rows
-    int n_groups, units_n, kb4;     // units per row tile (NB / CLUSTER), Fprop's KB4
+    int n_groups, units_n, kb4;     // units per row tile (column tiles), Fprop's KB4
     int out_rows, out_cols;         // Wgrad: N, K
 };
 static_assert(sizeof(GroupedParams) <= 32000, "kernel parameter limit (32764 bytes)");
@@ -140,6 +148,10 @@ __device__ __forceinline__ uint64_t global_ns() {
     asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t));
     return t;
 }
+// A trap out of line: an inlined one makes ptxas hold the whole function to the launch's register count (168 at 384
+// threads), ignoring the consumers' setmaxnreg, and the wide form's accumulators then spill.
+__device__ __noinline__ void hang_trap() { __trap(); }
+
 // Waits for the phase of the given parity; traps (an error at the next synchronising call) if it has not completed
 // after WAIT_TRAP_NS, which in this kernel means a bug, instead of hanging the GPU. The clock is read only once the
 // first poll has failed.
@@ -147,24 +159,10 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
     if (mbar_try_wait(bar, parity)) return;
     const uint64_t t0 = global_ns();
     while (!mbar_try_wait(bar, parity))
-        if (global_ns() - t0 > WAIT_TRAP_NS) __trap();
-}
-// Arrival on the barrier at CTA-relative address bar of cluster CTA `cta` (itself included).
-__device__ __forceinline__ void mbar_arrive_cluster(uint32_t bar, uint32_t cta) {
-    uint32_t remote;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(bar), "r"(cta));
-    asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];\n" ::"r"(remote) : "memory");
+        if (global_ns() - t0 > WAIT_TRAP_NS) hang_trap();
 }
 __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-}
-__device__ __forceinline__ uint32_t cluster_rank() {
-    uint32_t r;
-    asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
-    return r;
-}
-__device__ __forceinline__ void cluster_sync() {
-    asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;\n" ::: "memory");
 }
 __device__ __forceinline__ void named_barrier(int id, int threads) {
     asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
@@ -175,15 +173,6 @@ __device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap *map
     asm volatile(
         "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n"
         ::"r"(dst), "l"((uint64_t)map), "r"(c0), "r"(c1), "r"(bar)
-        : "memory");
-}
-// The same box into shared dst of every CTA in mask (same CTA-relative offsets), completing on each one's bar.
-__device__ __forceinline__ void tma_load_2d_multicast(uint32_t dst, const CUtensorMap *map, int c0, int c1, uint32_t bar,
-                                                      uint16_t mask) {
-    asm volatile(
-        "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster "
-        "[%0], [%1, {%2, %3}], [%4], %5;\n"
-        ::"r"(dst), "l"((uint64_t)map), "r"(c0), "r"(c1), "r"(bar), "h"(mask)
         : "memory");
 }
 // Contiguous bytes (a multiple of 16, 16-byte aligned both sides) global -> shared, completing on bar.
@@ -249,42 +238,45 @@ __device__ __forceinline__ void unit_coords(const GroupedParams &p, int u, int &
 }
 
 // ---------------------------------------------------------------------------- the kernel
-// WGRAD: the Wgrad form (file comment); CLUSTER must then be 1.
-template <int CLUSTER, bool WGRAD>
+// WGRAD: the Wgrad form (file comment); TN must then be 128. TN: the output tile's columns, 128, or
+// 256 for the wide form (two weight blocks per tile: the products of each 128-column half are summed and promoted in
+// turn into acc[64] and fin[128], so its consumers take more registers with setmaxnreg).
+template <bool WGRAD, int TN>
 __global__ void __launch_bounds__(THREADS, 1) fp8_grouped_gemm_kernel(const __grid_constant__ GroupedParams p) {
-    static_assert(!WGRAD || CLUSTER == 1, "the Wgrad form runs one CTA per tile");
+    static_assert(!WGRAD || TN == BN, "the Wgrad form runs 128 x 128 tiles");
+    static_assert(TN == BN || TN == 2 * BN, "tiles of 128 or 256 columns");
+    using L = Smem<TN>;
+    constexpr int STAGES = L::STAGES, HALVES = TN / BN;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const uint32_t raw = smem_u32(smem_raw), base = (raw + 1023u) & ~1023u;
     unsigned char *smem = smem_raw + (base - raw);
-    const uint32_t full = base + SMEM_BAR, empty = full + STAGES * 8;
-    const int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
-    const uint32_t rank = CLUSTER > 1 ? cluster_rank() : 0;
+    const uint32_t full = base + L::BAR, empty = full + STAGES * 8;
+    const int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;  // wg 2: the producer
 
-    if (threadIdx.x == 0) {
+    if (threadIdx.x == 256) {
         for (int s = 0; s < STAGES; s++) {
             mbar_init(full + 8 * s, 1);
-            mbar_init(empty + 8 * s, CLUSTER * 8);  // one arrival per consumer warp of every CTA that writes the stage
+            mbar_init(empty + 8 * s, 8);  // one arrival per consumer warp
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
-    if constexpr (CLUSTER > 1) cluster_sync();
-    else __syncthreads();
+    __syncthreads();
 
     const int n_units = p.units0[p.n_groups];
-    const int first = blockIdx.x / CLUSTER, step = gridDim.x / CLUSTER;
-    if (wg == 0) {
+    const int first = blockIdx.x, step = gridDim.x;
+    if (wg == 2) {
         // ------------------------------------------------------------------ producer: one thread
-        if (threadIdx.x == 0) {
-            constexpr int A_ROWS = BM / CLUSTER;  // rows of the X tile this CTA loads (for every CTA of the cluster)
+        if constexpr (HALVES > 1) asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(PRODUCER_REGS) : "memory");
+        if (threadIdx.x == 256) {
             int g = 0;
             uint32_t it = 0;
             for (int u = first; u < n_units; u += step) {
                 int mb, nu;
                 unit_coords(p, u, g, mb, nu);
-                const int nb = nu * CLUSTER + (int)rank;
+                const int nb = nu;                                   // output column tile (TN columns)
                 const int sa_rows = min(BM, p.sa_ld[g] - mb * BM);  // a multiple of 16 (Fprop) or 4 (Wgrad): 16-byte
                 const float *sa = p.sa[g] + mb * BM;                 // multiples
-                const int a_row = p.a_row0[g] + mb * BM + (int)rank * A_ROWS;
+                const int a_row = p.a_row0[g] + mb * BM;
                 const CUtensorMap *a_map = WGRAD ? &p.a[g] : &p.a[0];
                 const int sb_cols = WGRAD ? min(BN, p.out_cols - nb * BN) : 0;  // a multiple of 4
                 const float *sb = p.sb[g] + nb * BN;
@@ -292,88 +284,99 @@ __global__ void __launch_bounds__(THREADS, 1) fp8_grouped_gemm_kernel(const __gr
                     const uint32_t s = it % STAGES, phase = (it / STAGES) & 1;
                     mbar_wait(empty + 8 * s, phase ^ 1);
                     const uint32_t bar = full + 8 * s;
-                    mbar_expect_tx(bar, A_BYTES + B_BYTES + (uint32_t)(sa_rows + sb_cols) * 4);
-                    const uint32_t a_dst = base + SMEM_A + s * A_BYTES + rank * A_ROWS * BK;
-                    if constexpr (CLUSTER > 1)
-                        tma_load_2d_multicast(a_dst, a_map, kb * BK, a_row, bar, (1u << CLUSTER) - 1);
-                    else tma_load_2d(a_dst, a_map, kb * BK, a_row, bar);
-                    tma_load_2d(base + SMEM_B + s * B_BYTES, &p.b[g], kb * BK, nb * BN, bar);
-                    bulk_load(base + SMEM_SA + s * SA_BYTES, sa + (size_t)kb * p.sa_ld[g], (uint32_t)sa_rows * 4, bar);
+                    mbar_expect_tx(bar, A_BYTES + L::B_BYTES + (uint32_t)(sa_rows + sb_cols) * 4);
+                    tma_load_2d(base + L::A + s * A_BYTES, a_map, kb * BK, a_row, bar);
+                    tma_load_2d(base + L::B + s * L::B_BYTES, &p.b[g], kb * BK, nb * TN, bar);
+                    bulk_load(base + L::SA + s * SA_BYTES, sa + (size_t)kb * p.sa_ld[g], (uint32_t)sa_rows * 4, bar);
                     if constexpr (WGRAD)
-                        bulk_load(base + SMEM_SB + s * SB_BYTES, sb + (size_t)kb * p.out_cols, (uint32_t)sb_cols * 4,
+                        bulk_load(base + L::SB + s * SB_BYTES, sb + (size_t)kb * p.out_cols, (uint32_t)sb_cols * 4,
                                   bar);
                 }
             }
         }
     } else {
-        // ------------------------------------------------------------------ consumers: rows (wg - 1) * 64 ..
-        const int cw = wg - 1, r0 = warp * 16 + (lane >> 2);  // this thread's rows r0 and r0 + 8 of the 64
-        const int c0 = 2 * (lane & 3);                       // and columns 8j + c0, 8j + c0 + 1 of the 128
+        // ------------------------------------------------------------------ consumers: rows wg * 64 ..
+        if constexpr (HALVES > 1) asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(CONSUMER_REGS) : "memory");
+        const int cw = wg, r0 = warp * 16 + (lane >> 2);  // this thread's rows r0 and r0 + 8 of the 64
+        const int c0 = 2 * (lane & 3);                       // and columns 8j + c0, 8j + c0 + 1 of each 128
         const bool issuer = (threadIdx.x & 127) == 0;        // issues the warpgroup's output stores (Fprop)
-        const uint32_t out = base + SMEM_OUT + cw * 2 * OUT_BOX_BYTES;
-        unsigned char *out_ptr = smem + SMEM_OUT + cw * 2 * OUT_BOX_BYTES;
-        float acc[64], fin[64];
+        constexpr uint32_t WG_OUT = (TN / 64) * OUT_BOX_BYTES;
+        const uint32_t out = base + L::OUT + cw * WG_OUT;
+        unsigned char *out_ptr = smem + L::OUT + cw * WG_OUT;
+        float acc[64], fin[64 * HALVES];
         int g = 0, mb = 0, nu = 0;
         uint32_t it = 0;
-        float sb_next = 0.0f;  // Fprop: the next K block's weight scale, loaded one block ahead (across tiles too)
+        // Fprop: the next K block's weight scales (one per 128-column half), loaded one block ahead (across tiles too)
+        float sb_next[HALVES] = {};
         if (first < n_units) {
             unit_coords(p, first, g, mb, nu);
-            if constexpr (!WGRAD) sb_next = __ldg(p.sb[g] + (nu * CLUSTER + (int)rank) * p.kb4);
+            if constexpr (!WGRAD)
+#pragma unroll
+                for (int h = 0; h < HALVES; h++)
+                    sb_next[h] = __ldg(p.sb[g] + (nu * HALVES + h) * p.kb4);
         }
         for (int u = first; u < n_units; u += step) {
-            const int nb = nu * CLUSTER + (int)rank, kblocks = p.kblocks[g];
-            const float *sbp = p.sb[g] + nb * p.kb4;
+            const int nb = nu, kblocks = p.kblocks[g];
+            const float *sbp = p.sb[g] + nb * HALVES * p.kb4;
 #pragma unroll
-            for (int i = 0; i < 64; i++) fin[i] = 0.0f;
+            for (int i = 0; i < 64 * HALVES; i++) fin[i] = 0.0f;
             for (int kb = 0; kb < kblocks; kb++, it++) {
                 const uint32_t s = it % STAGES, phase = (it / STAGES) & 1;
-                const float sb = sb_next;
-                if (!WGRAD && kb + 1 < kblocks) sb_next = __ldg(sbp + kb + 1);
+                float sb[HALVES];
+#pragma unroll
+                for (int h = 0; h < HALVES; h++) {
+                    sb[h] = sb_next[h];
+                    if (!WGRAD && kb + 1 < kblocks) sb_next[h] = __ldg(sbp + h * p.kb4 + kb + 1);
+                }
                 mbar_wait(full + 8 * s, phase);
-                const float *sa = reinterpret_cast<const float *>(smem + SMEM_SA + s * SA_BYTES) + cw * 64;
+                const float *sa = reinterpret_cast<const float *>(smem + L::SA + s * SA_BYTES) + cw * 64;
                 const float sa0 = sa[r0], sa1 = sa[r0 + 8];  // read before the stage is released
-                const uint32_t a_tile = base + SMEM_A + s * A_BYTES + cw * 64 * BK, b_tile = base + SMEM_B + s * B_BYTES;
-                fence_regs(acc, 64);
-                wgmma_fence();
+                const uint32_t a_tile = base + L::A + s * A_BYTES + cw * 64 * BK, b_tile = base + L::B + s * L::B_BYTES;
 #pragma unroll
-                for (int j = 0; j < BK / 32; j++)
-                    wgmma_m64n128k32_e4m3(acc, sw128_desc(a_tile + 32 * j), sw128_desc(b_tile + 32 * j), j > 0);
-                wgmma_commit();
-                wgmma_wait_all();
-                fence_regs(acc, 64);
-                if constexpr (WGRAD) {
-                    // each column has its own X scale: read from the stage, which is released after the promotion
-                    const float *sbs = reinterpret_cast<const float *>(smem + SMEM_SB + s * SB_BYTES) + c0;
+                for (int h = 0; h < HALVES; h++) {
+                    fence_regs(acc, 64);
+                    wgmma_fence();
 #pragma unroll
-                    for (int j = 0; j < 16; j++) {
-                        const float2 b2 = *reinterpret_cast<const float2 *>(sbs + 8 * j);
-                        fin[4 * j + 0] = fmaf(acc[4 * j + 0], sa0 * b2.x, fin[4 * j + 0]);
-                        fin[4 * j + 1] = fmaf(acc[4 * j + 1], sa0 * b2.y, fin[4 * j + 1]);
-                        fin[4 * j + 2] = fmaf(acc[4 * j + 2], sa1 * b2.x, fin[4 * j + 2]);
-                        fin[4 * j + 3] = fmaf(acc[4 * j + 3], sa1 * b2.y, fin[4 * j + 3]);
-                    }
-                    __syncwarp();
-                    if (lane == 0) mbar_arrive(empty + 8 * s);
-                } else {
-                    if constexpr (CLUSTER > 1) {
-                        if (lane < CLUSTER) mbar_arrive_cluster(empty + 8 * s, (uint32_t)lane);
-                    } else if (lane == 0) {
-                        mbar_arrive(empty + 8 * s);
-                    }
-                    const float s0 = sa0 * sb, s1 = sa1 * sb;
+                    for (int j = 0; j < BK / 32; j++)
+                        wgmma_m64n128k32_e4m3(acc, sw128_desc(a_tile + 32 * j),
+                                              sw128_desc(b_tile + h * BN * BK + 32 * j), j > 0);
+                    wgmma_commit();
+                    wgmma_wait_all();
+                    fence_regs(acc, 64);
+                    float *f = fin + 64 * h;
+                    if constexpr (WGRAD) {
+                        // each column has its own X scale: read from the stage, which is released after the promotion
+                        const float *sbs = reinterpret_cast<const float *>(smem + L::SB + s * SB_BYTES) + c0;
 #pragma unroll
-                    for (int j = 0; j < 16; j++) {
-                        fin[4 * j + 0] = fmaf(acc[4 * j + 0], s0, fin[4 * j + 0]);
-                        fin[4 * j + 1] = fmaf(acc[4 * j + 1], s0, fin[4 * j + 1]);
-                        fin[4 * j + 2] = fmaf(acc[4 * j + 2], s1, fin[4 * j + 2]);
-                        fin[4 * j + 3] = fmaf(acc[4 * j + 3], s1, fin[4 * j + 3]);
+                        for (int j = 0; j < 16; j++) {
+                            const float2 b2 = *reinterpret_cast<const float2 *>(sbs + 8 * j);
+                            f[4 * j + 0] = fmaf(acc[4 * j + 0], sa0 * b2.x, f[4 * j + 0]);
+                            f[4 * j + 1] = fmaf(acc[4 * j + 1], sa0 * b2.y, f[4 * j + 1]);
+                            f[4 * j + 2] = fmaf(acc[4 * j + 2], sa1 * b2.x, f[4 * j + 2]);
+                            f[4 * j + 3] = fmaf(acc[4 * j + 3], sa1 * b2.y, f[4 * j + 3]);
+                        }
+                        __syncwarp();
+                        if (lane == 0) mbar_arrive(empty + 8 * s);
+                    } else {
+                        if (h == HALVES - 1 && lane == 0) mbar_arrive(empty + 8 * s);  // the stage's last products are done
+                        const float s0 = sa0 * sb[h], s1 = sa1 * sb[h];
+#pragma unroll
+                        for (int j = 0; j < 16; j++) {
+                            f[4 * j + 0] = fmaf(acc[4 * j + 0], s0, f[4 * j + 0]);
+                            f[4 * j + 1] = fmaf(acc[4 * j + 1], s0, f[4 * j + 1]);
+                            f[4 * j + 2] = fmaf(acc[4 * j + 2], s1, f[4 * j + 2]);
+                            f[4 * j + 3] = fmaf(acc[4 * j + 3], s1, f[4 * j + 3]);
+                        }
                     }
                 }
             }
             const int tile_g = g, row_in_seg = mb * BM + cw * 64;
-            if (u + step < n_units) {  // the next tile's first weight scale, in flight during the epilogue
+            if (u + step < n_units) {  // the next tile's first weight scales, in flight during the epilogue
                 unit_coords(p, u + step, g, mb, nu);
-                if constexpr (!WGRAD) sb_next = __ldg(p.sb[g] + (nu * CLUSTER + (int)rank) * p.kb4);
+                if constexpr (!WGRAD)
+#pragma unroll
+                    for (int h = 0; h < HALVES; h++)
+                        sb_next[h] = __ldg(p.sb[g] + (nu * HALVES + h) * p.kb4);
             }
             if constexpr (WGRAD) {
                 // epilogue: dW += fin, each thread its own elements (8-byte pairs: a warp's access is 8 rows of 32
@@ -409,13 +412,13 @@ __global__ void __launch_bounds__(THREADS, 1) fp8_grouped_gemm_kernel(const __gr
                 }
                 continue;
             }
-            // epilogue: BF16 into two 64 x 64 boxes in TMA's 128-byte swizzle (chunk c of row r at c ^ (r % 8):
+            // epilogue: BF16 into TN / 64 boxes of 64 x 64 in TMA's 128-byte swizzle (chunk c of row r at c ^ (r % 8):
             // conflict-free), then TMA stores, which drop the rows past the segment's end
             if (issuer) bulk_wait<true>();  // the previous tile's stores have read the staging boxes
             named_barrier(1 + cw, 128);
             const int t4 = 4 * (lane & 3);
 #pragma unroll
-            for (int j = 0; j < 16; j++) {
+            for (int j = 0; j < 16 * HALVES; j++) {
                 unsigned char *box = out_ptr + (j >> 3) * OUT_BOX_BYTES;
                 const int chunk = j & 7;
                 *reinterpret_cast<uint32_t *>(box + r0 * 128 + ((chunk ^ (r0 & 7)) << 4) + t4) =
@@ -426,18 +429,18 @@ __global__ void __launch_bounds__(THREADS, 1) fp8_grouped_gemm_kernel(const __gr
             fence_proxy_async();  // the generic-proxy writes above, before the TMA (async proxy) reads them
             named_barrier(1 + cw, 128);
             if (issuer && row_in_seg < p.rows[tile_g]) {
-                tma_store_2d(&p.y_map[tile_g], out, nb * BN, row_in_seg);
-                tma_store_2d(&p.y_map[tile_g], out + OUT_BOX_BYTES, nb * BN + 64, row_in_seg);
+#pragma unroll
+                for (int b = 0; b < TN / 64; b++)
+                    tma_store_2d(&p.y_map[tile_g], out + b * OUT_BOX_BYTES, nb * TN + 64 * b, row_in_seg);
                 bulk_commit();
             }
         }
         if (!WGRAD && issuer) bulk_wait<false>();  // the last stores done before the CTA's shared memory goes
     }
-    if constexpr (CLUSTER > 1) cluster_sync();  // no remote arrival or multicast may reach a CTA that has exited
 }
 
 // ---------------------------------------------------------------------------- host side
-static int multicast_enabled = 0;  // off by default: measured no faster (file comment, docs/benchmarks.md)
+static int form_chosen = FP8_GROUPED_WIDE;  // cuda_fp8_grouped_gemm_form
 
 // Stops with "fp8_grouped_gemm.cu:<line>: <op>: <message>" for a call that breaks a documented precondition.
 static void grouped_fail(int line, const char *op, const char *fmt, ...) {
@@ -461,11 +464,11 @@ typedef CUresult (*EncodeTiledFn)(CUtensorMap *, CUtensorMapDataType, cuuint32_t
                                   CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
 
 // What the launches need once per process: the driver's tensor-map encoder, the SM count, the kernels' shared memory
-// limit raised, the number of co-resident clusters of two.
+// limit raised.
 static struct {
     int ready;
     EncodeTiledFn encode;
-    int sms, clusters2;
+    int sms;
 } rt;
 
 static void runtime_init(const char *op) {
@@ -485,19 +488,12 @@ static void runtime_init(const char *op) {
         grouped_fail(__LINE__, op, "the driver has no cuTensorMapEncodeTiled (query result %d) - expected a CUDA 12+ "
                                    "driver", (int)found);
     rt.encode = (EncodeTiledFn)fn;
-    CUDA_CHECK(cudaFuncSetAttribute(fp8_grouped_gemm_kernel<1, false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    SMEM_BYTES));
-    CUDA_CHECK(cudaFuncSetAttribute(fp8_grouped_gemm_kernel<2, false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    SMEM_BYTES));
-    CUDA_CHECK(cudaFuncSetAttribute(fp8_grouped_gemm_kernel<1, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    SMEM_BYTES));
-    cudaLaunchConfig_t cfg = {};
-    cudaLaunchAttribute attr;
-    attr.id = cudaLaunchAttributeClusterDimension;
-    attr.val.clusterDim.x = 2, attr.val.clusterDim.y = 1, attr.val.clusterDim.z = 1;
-    cfg.gridDim = dim3(2 * rt.sms), cfg.blockDim = dim3(THREADS), cfg.dynamicSmemBytes = SMEM_BYTES;
-    cfg.attrs = &attr, cfg.numAttrs = 1;
-    CUDA_CHECK(cudaOccupancyMaxActiveClusters(&rt.clusters2, fp8_grouped_gemm_kernel<2, false>, &cfg));
+    CUDA_CHECK(cudaFuncSetAttribute(fp8_grouped_gemm_kernel<false, BN>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    Smem<BN>::BYTES));
+    CUDA_CHECK(cudaFuncSetAttribute(fp8_grouped_gemm_kernel<true, BN>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    Smem<BN>::BYTES));
+    CUDA_CHECK(cudaFuncSetAttribute(fp8_grouped_gemm_kernel<false, 2 * BN>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    Smem<2 * BN>::BYTES));
     rt.ready = 1;
 }
 
@@ -516,33 +512,28 @@ static void encode_map(CUtensorMap *map, CUtensorMapDataType type, int elem_byte
                      what, (long long)rows, (long long)cols, base, (int)r);
 }
 
-static void launch(GroupedParams &p, int cluster, bool wgrad) {
+// One launch of the kernel of `form` (FP8_GROUPED_*) or, with wgrad, of the Wgrad form: one CTA per SM, or per unit
+// when there are fewer.
+static void launch(const GroupedParams &p, int form, bool wgrad) {
     const int n_units = p.units0[p.n_groups];
     if (n_units == 0) return;
-    cudaLaunchConfig_t cfg = {};
-    cudaLaunchAttribute attr;
-    attr.id = cudaLaunchAttributeClusterDimension;
-    attr.val.clusterDim.x = (unsigned)cluster, attr.val.clusterDim.y = 1, attr.val.clusterDim.z = 1;
-    const int max_clusters = cluster == 1 ? rt.sms : (rt.clusters2 > 0 ? rt.clusters2 : rt.sms / 2);
-    cfg.gridDim = dim3((unsigned)(cluster * (n_units < max_clusters ? n_units : max_clusters)));
-    cfg.blockDim = dim3(THREADS), cfg.dynamicSmemBytes = SMEM_BYTES, cfg.stream = 0;
-    cfg.attrs = &attr, cfg.numAttrs = cluster > 1 ? 1 : 0;
-    if (wgrad) CUDA_CHECK(cudaLaunchKernelEx(&cfg, fp8_grouped_gemm_kernel<1, true>, p));
-    else if (cluster == 1) CUDA_CHECK(cudaLaunchKernelEx(&cfg, fp8_grouped_gemm_kernel<1, false>, p));
-    else CUDA_CHECK(cudaLaunchKernelEx(&cfg, fp8_grouped_gemm_kernel<2, false>, p));
+    const bool wide = form == FP8_GROUPED_WIDE && !wgrad;
+    const dim3 grid((unsigned)(n_units < rt.sms ? n_units : rt.sms));
+    const size_t smem = wide ? Smem<2 * BN>::BYTES : Smem<BN>::BYTES;
+    if (wgrad) fp8_grouped_gemm_kernel<true, BN><<<grid, THREADS, smem>>>(p);
+    else if (wide) fp8_grouped_gemm_kernel<false, 2 * BN><<<grid, THREADS, smem>>>(p);
+    else fp8_grouped_gemm_kernel<false, BN><<<grid, THREADS, smem>>>(p);
     CUDA_CHECK_LAUNCH("fp8_grouped_gemm_kernel");
 }
 
 }  // namespace
 
-extern "C" int cuda_fp8_grouped_gemm_max_ctas(int multicast) {
-    runtime_init("cuda_fp8_grouped_gemm_max_ctas");
-    return multicast ? 2 * (rt.clusters2 > 0 ? rt.clusters2 : rt.sms / 2) : rt.sms;
-}
-
-extern "C" int cuda_fp8_grouped_gemm_multicast(int enable) {
-    const int previous = multicast_enabled;
-    multicast_enabled = enable != 0;
+extern "C" int cuda_fp8_grouped_gemm_form(int form) {
+    if (form != FP8_GROUPED_SINGLE && form != FP8_GROUPED_WIDE)
+        grouped_fail(__LINE__, "cuda_fp8_grouped_gemm_form", "form %d - expected FP8_GROUPED_SINGLE or FP8_GROUPED_WIDE",
+                     form);
+    const int previous = form_chosen;
+    form_chosen = form;
     return previous;
 }
 
@@ -555,12 +546,13 @@ extern "C" void cuda_fp8_grouped_gemm_bf16(uint16_t *y, int y_rows_padded, const
     runtime_init(op);
     require_aligned16(y, op, "y"), require_aligned16(qx, op, "qx"), require_aligned16(sx, op, "sx");
     const int KB = (K + BK - 1) / BK, Kp = KB * BK, NB = (N + BN - 1) / BN, KB4 = (KB + 3) / 4 * 4;
-    const int cluster = multicast_enabled && NB % 2 == 0 ? 2 : 1;
+    const int form = NB % 2 == 0 ? form_chosen : FP8_GROUPED_SINGLE;  // the two-block forms need pairs of blocks
+    const int tn = form == FP8_GROUPED_WIDE ? 2 * BN : BN;
     static GroupedParams p;  // 27 KB: not on the stack; one host thread drives the GPU (gemm.cu's rule too)
     memset(&p, 0, sizeof p);
-    encode_map(&p.a[0], CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, qx, seg.p16[n_seg], Kp, Kp, BK, BM / cluster, op, "qx");
+    encode_map(&p.a[0], CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, qx, seg.p16[n_seg], Kp, Kp, BK, BM, op, "qx");
     const int Np = NB * BN;
-    p.units_n = NB / cluster, p.kb4 = KB4;
+    p.units_n = NB * BN / tn, p.kb4 = KB4;
     int n = 0;
     for (int g = 0; g < n_seg; g++) {
         const int rows = rows0[g + 1] - rows0[g];
@@ -569,7 +561,7 @@ extern "C" void cuda_fp8_grouped_gemm_bf16(uint16_t *y, int y_rows_padded, const
             grouped_fail(__LINE__, op, "segment %d has %d rows but qw[%d] = %p, sw[%d] = %p - expected its weight", g, rows,
                          g, (const void *)qw[g], g, (const void *)sw[g]);
         require_aligned16(qw[g], op, "qw[g]");
-        encode_map(&p.b[n], CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, qw[g], Np, Kp, Kp, BK, BN, op, "a weight qw[g]");
+        encode_map(&p.b[n], CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, qw[g], Np, Kp, Kp, BK, tn, op, "a weight qw[g]");
         const int y_row = y_rows_padded ? seg.p16[g] : rows0[g];
         encode_map(&p.y_map[n], CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, y + (size_t)y_row * Np, rows, Np, Np, 64, 64, op,
                    "a segment's rows of y");
@@ -578,13 +570,13 @@ extern "C" void cuda_fp8_grouped_gemm_bf16(uint16_t *y, int y_rows_padded, const
         p.units0[n + 1] = p.units0[n] + (rows + BM - 1) / BM * p.units_n;
         if (++n == MAX_GROUPS) {
             p.n_groups = n;
-            launch(p, cluster, false);
+            launch(p, form, false);
             n = 0;
         }
     }
     if (n > 0) {
         p.n_groups = n;
-        launch(p, cluster, false);
+        launch(p, form, false);
     }
 }
 
@@ -616,12 +608,12 @@ extern "C" void cuda_fp8_grouped_wgrad(float *dw, const uint8_t *qdyt, const flo
         p.units0[n + 1] = p.units0[n] + MB * NB;
         if (++n == MAX_GROUPS) {
             p.n_groups = n;
-            launch(p, 1, true);
+            launch(p, FP8_GROUPED_SINGLE, true);
             n = 0;
         }
     }
     if (n > 0) {
         p.n_groups = n;
-        launch(p, 1, true);
+        launch(p, FP8_GROUPED_SINGLE, true);
     }
 }

@@ -2,8 +2,8 @@
  * fp8_grouped_gemm.h - fp8moe's own grouped FP8 GEMM for the routed experts (kernels/cuda/fp8_grouped_gemm.cu):
  * every expert's Y_g = X_g W_g^T in one persistent Hopper kernel (wgmma, TMA), instead of one cuBLASLt GEMM per
  * expert. gemm.cu runs kernels.h's grouped Fprops (W_g the weight) and Dgrads (W_g the weight's transposed codes,
- * its scales transposed) with more than one segment on it with FP8MOE_GROUPED_GEMM=own
- * (cuda_fp8_grouped_gemm_use_own, gemm.h; not the default while it is no faster than cuBLASLt); `fp8moe bench gemm`
+ * its scales transposed) with more than one segment on it unless FP8MOE_GROUPED_GEMM=cublaslt
+ * (cuda_fp8_grouped_gemm_use_own, gemm.h); `fp8moe bench gemm`
  * times it beside cuBLASLt and tests/gpu/test_gpu_grouped_gemm.c checks both forms against the CPU reference and
  * cuBLASLt. Its Wgrad form (cuda_fp8_grouped_wgrad) is run only by those two: slower than cuBLASLt so far.
  *
@@ -50,15 +50,14 @@ void cuda_fp8_grouped_gemm_bf16(uint16_t *y, int y_rows_padded, const uint8_t *q
 void cuda_fp8_grouped_wgrad(float *dw, const uint8_t *qdyt, const float *sdyt, const uint8_t *qxt, const float *sxt,
                             int n_seg, const int *rows0, int N, int K);
 
-// Whether the kernel may run as clusters of two CTAs that share each X tile through TMA multicast (used when the
-// weight has an even number of 128-column blocks); 0, the default, runs one CTA per tile (the multicast form measured
-// no faster: docs/benchmarks.md). Returns the previous setting. Both give the same bits (the same products in the same
-// order); for the test's and the benchmark's comparison.
-int cuda_fp8_grouped_gemm_multicast(int enable);
+// The forms of the kernel, both giving the same bits (the same products summed and promoted in the same order):
+//   FP8_GROUPED_WIDE    one CTA per 128 x 256 output tile (two weight blocks: each X tile is read once per 256 output
+//                       columns), for weights with an even number of 128-column blocks; the default;
+//   FP8_GROUPED_SINGLE  one CTA per 128 x 128 tile: what weights with an odd number of blocks always run.
+enum { FP8_GROUPED_SINGLE = 0, FP8_GROUPED_WIDE = 1 };
 
-// The most CTAs one launch runs (the persistent grid): the SM count, or with multicast twice the number of clusters of
-// two that fit on the GPU at once (cudaOccupancyMaxActiveClusters). For the benchmark's report.
-int cuda_fp8_grouped_gemm_max_ctas(int multicast);
+// Chooses the form of the following calls; returns the previous one. For the test's and the benchmark's comparison.
+int cuda_fp8_grouped_gemm_form(int form);
 
 #ifdef __cplusplus
 }

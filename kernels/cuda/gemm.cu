@@ -866,25 +866,25 @@ extern "C" void cuda_fp8_gemm_dgrad_bf16(uint16_t *dx, const uint8_t *qdy, const
 // ---------------------------------------------------------------------------- the grouped GEMMs' kernel
 // The grouped calls with more than one segment (the routed experts: kernels.h's fp8_gemm_fprop_grouped*,
 // fp8_gemm_dgrad_grouped*) run each matrix's GEMMs over all segments as one launch of fp8moe's own grouped kernel
-// (fp8_grouped_gemm.cu) with FP8MOE_GROUPED_GEMM=own, or, by default, as one cuBLASLt GEMM per segment on the lanes.
+// (fp8_grouped_gemm.cu), or, with FP8MOE_GROUPED_GEMM=cublaslt, as one cuBLASLt GEMM per segment on the lanes.
 // The Wgrads (fp8_gemm_wgrad_grouped) stay on cuBLASLt either way: the own kernel's Wgrad form
 // (cuda_fp8_grouped_wgrad) measured 0.76-0.87x cuBLASLt on an H100 (docs/benchmarks.md) and is run only by its test
 // and `fp8moe bench gemm`.
 // Both compute each 128-deep block's tensor-core sum and promote it as fma(P, s_x s_w, acc) in block order and should
 // give the same bits (tests/gpu/test_gpu_grouped_gemm.c requires it, and it held for every form on an H200 and an
-// H100); the own kernel pays no launch per segment and keeps the SMs busy across segments, but it is not the default
-// because it is not faster by more than the benchmark's spread yet (0.88-1.03x cuBLASLt at the bench-1gpu expert
-// shapes; in the step the same tokens/s on an H200, 1.0% more on an H100: docs/benchmarks.md).
+// H100). The own kernel is the default: it pays no launch per segment, keeps the SMs busy across segments and, in
+// its wide form (128 x 256 tiles), ran at 1.17-1.32x cuBLASLt at the bench-1gpu expert shapes, which made the fp8
+// step 4.2% faster on an H100 (docs/benchmarks.md, 2026-12-06).
 // One-segment calls (every other Linear) stay on cuBLASLt, faster at their large shapes.
 static int own_grouped = -1;  // -1: not yet read from FP8MOE_GROUPED_GEMM
 
 static bool grouped_gemm_is_own(void) {
     if (own_grouped >= 0) return own_grouped;
     const char *env = getenv("FP8MOE_GROUPED_GEMM");
-    if (env == NULL || !strcmp(env, "cublaslt")) own_grouped = 0;
-    else if (!strcmp(env, "own")) own_grouped = 1;
+    if (env == NULL || !strcmp(env, "own")) own_grouped = 1;
+    else if (!strcmp(env, "cublaslt")) own_grouped = 0;
     else {
-        fprintf(stderr, "%s:%d: FP8MOE_GROUPED_GEMM = '%s' - expected cublaslt (the default) or own (which kernel runs "
+        fprintf(stderr, "%s:%d: FP8MOE_GROUPED_GEMM = '%s' - expected own (the default) or cublaslt (which kernel runs "
                         "the routed experts' FP8 GEMMs; docs/gpu.md)\n", __FILE__, __LINE__, env);
         exit(1);
     }
@@ -947,9 +947,9 @@ static void segments_on_lanes(const SegTable &seg, bool dgrad, uint16_t *tmp, in
 // With out_bf16 (one matrix; out NULL) each segment's GEMM writes its BF16 product straight into out_bf16 at row
 // rows0[g] (row stride ld), its rows padded to 16 spilling onto the next segment's first rows, which that segment's
 // GEMM, later on the stream, writes over (kernels.h *_grouped_bf16: 15 rows of scratch follow the last segment), and
-// nothing is converted. That is the cuBLASLt form (segments_on_lanes); with FP8MOE_GROUPED_GEMM=own a call with more
-// than one segment runs on the own kernel instead, one launch per matrix, which writes only each segment's valid rows
-// (of scratch i at p16[g], or of out_bf16 at rows0[g]), the same values.
+// nothing is converted. That is the cuBLASLt form (segments_on_lanes, FP8MOE_GROUPED_GEMM=cublaslt); by default a
+// call with more than one segment runs on the own kernel instead, one launch per matrix, which writes only each
+// segment's valid rows (of scratch i at p16[g], or of out_bf16 at rows0[g]), the same values.
 static void fp8_gemm_segments(const char *op, bool dgrad, real *out, bool add, const DgradUnpermute *unpermute,
                               int out_cols, int contraction, int n_mats, const uint8_t *const *qa, const float *const *sa,
                               const uint8_t *const *const *qb, const float *const *const *sb, int n_seg,

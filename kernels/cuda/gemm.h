@@ -27,8 +27,8 @@ void cuda_fp8_gemm_dgrad_bf16(uint16_t *dx, const uint8_t *qdy, const float *sdy
                               const float *sw, int T, int N, int K);
 
 // Which kernel runs the GEMMs of kernels.h's grouped FP8 Fprops and Dgrads with more than one segment from now on:
-// 1 = fp8moe's own grouped kernel (fp8_grouped_gemm.h), 0 = one cuBLASLt GEMM per segment (the default). The first
-// grouped call reads the environment variable FP8MOE_GROUPED_GEMM = cublaslt | own; this overrides it (the benchmark
+// 1 = fp8moe's own grouped kernel (fp8_grouped_gemm.h; the default), 0 = one cuBLASLt GEMM per segment. The first
+// grouped call reads the environment variable FP8MOE_GROUPED_GEMM = own | cublaslt; this overrides it (the benchmark
 // and the test compare the two). Returns the previous choice.
 int cuda_fp8_grouped_gemm_use_own(int enable);
 

@@ -159,6 +159,14 @@ for t in "$BUILD"/tests/test_gpu_*; do
   say "== $t"
   if "$t"; then say "PASSED: $t"; else say "FAILED: $t"; gpu_failed=$((gpu_failed + 1)); fi
 done
+# test_gpu_fp8 again with the routed experts' grouped GEMMs on cuBLASLt (FP8MOE_GROUPED_GEMM=cublaslt), the path the
+# default own kernel replaced; its grouped cases compare every grouped call with one plain cuBLASLt call per segment
+if [ -x "$BUILD/tests/test_gpu_fp8" ]; then
+  ran=$((ran + 1))
+  say "== FP8MOE_GROUPED_GEMM=cublaslt $BUILD/tests/test_gpu_fp8"
+  if FP8MOE_GROUPED_GEMM=cublaslt "$BUILD/tests/test_gpu_fp8"; then say "PASSED: test_gpu_fp8 (cublaslt)"
+  else say "FAILED: test_gpu_fp8 (cublaslt)"; gpu_failed=$((gpu_failed + 1)); fi
+fi
 if [ "$ran" = 0 ]; then say "FAIL: no $BUILD/tests/test_gpu_* was built (was CUDA >= 12.9 detected? see 'fp8moe:' line of make)"; exit 1; fi
 
 unit_status="skipped (no full build)"

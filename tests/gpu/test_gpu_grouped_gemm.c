@@ -3,15 +3,15 @@
  * runs on it with FP8MOE_GROUPED_GEMM=own: kernels.h's fp8_gemm_fprop_grouped_bf16 and fp8_gemm_dgrad_grouped_bf16
  * (the weights' transposed codes and scales), each called through kernels.h with the own kernel selected
  * (cuda_fp8_grouped_gemm_use_own(1)) against the CPU reference of the same FP8 operands (the same call on DEVICE_CPU,
- * kernels/cpu/fp8.c) and against the cuBLASLt path (use_own(0): one GEMM per segment), with and without the TMA
- * multicast of the activation tile. Runs only on a Hopper GPU (tests/gpu/run.sh); with no visible GPU it FAILS.
+ * kernels/cpu/fp8.c) and against the cuBLASLt path (use_own(0): one GEMM per segment), in each of the kernel's
+ * forms (fp8_grouped_gemm.h: 128 x 256 output tiles, 128 x 128 tiles). Runs only on a Hopper GPU (tests/gpu/run.sh); with no visible GPU it FAILS.
  *
  * Inputs are fresh random values every run (the seed is printed; FP8MOE_TEST_SEED=<n> repeats a run): non-zero,
  * random signs, magnitudes spread over 8 binades, so tiles have different scales and E4M3 subnormals occur. They are
  * quantised by the CUDA quantisers (bit-identical to the CPU's: test_gpu_fp8) and the CPU and both GPU GEMMs read
  * the same bytes. Segment lengths are uneven: empty segments, lengths that are not multiples of 128 or of 16, a
  * segment of one row, segments longer than one row tile, N and K that are not multiples of 128 (padded blocks), odd
- * and even numbers of output column blocks (the multicast runs only for even ones), the bench-1gpu expert shapes
+ * and even numbers of output column blocks (the two-block forms run only for even ones), the bench-1gpu expert shapes
  * (w1,w3 and w2 Fprop, w2 Dgrad; 32 segments), and more non-empty segments than one launch takes (80).
  *
  * Tolerance, per output element, |own - cpu| <= (2^-10 + 4 KB 2^-24) S (1 + 2^-7) + ulp_bf16(max(|own|, |cpu|))
@@ -29,7 +29,7 @@
  * The FP32-output forms (kernels.h's fp8_gemm_fprop_grouped, and fp8_gemm_dgrad_grouped of two matrices, whose
  * products go through gemm.cu's conversion scratch at the operand's padded rows) must also give cuBLASLt's bits.
  * Determinism: each variant runs twice into freshly poisoned outputs; the results must be bitwise identical, and the
- * multicast and single-CTA variants must agree bit for bit (same products, same order).
+ * forms must agree bit for bit (same products, same order).
  * The Wgrad form (cuda_fp8_grouped_wgrad: dW_g += dY_g^T X_g on 128x1 operands, the contraction over each segment's
  * tokens; not used by the model yet, being slower than cuBLASLt) has its own cases and bound (test_grouped_wgrad); its
  * bits against cuBLASLt's are reported, not required (they differ in 25-40% of the elements: the two promote the
@@ -56,7 +56,7 @@
 #include "unit/opcheck.h"
 
 #define TC_REL 0x1p-10  // tensor-core accumulation inside a 128-block (DESIGN.md section 4)
-#define N_VARIANTS 2     // of the own kernel: multicast, single CTA
+#define N_VARIANTS 2     // of the own kernel: fp8_grouped_gemm.h's forms, wide and single
 
 static uint64_t run_seed;
 
@@ -283,17 +283,18 @@ static void test_grouped_gemm(void **state) {
     run_gemm(&o, DEVICE_CUDA, y_d, o.qx_d, o.sx_d, o.qw_d, o.sw_d);
     uint16_t *y_lt = gpucheck_to_host(y_d, y_bytes);
 
-    // own kernel: multicast allowed (variant 0), then forced off (variant 1); each twice
+    // own kernel: each form twice
+    static const int forms[N_VARIANTS] = {FP8_GROUPED_WIDE, FP8_GROUPED_SINGLE};
     cuda_fp8_grouped_gemm_use_own(1);
     uint16_t *y_own[N_VARIANTS][2];
     for (int v = 0; v < N_VARIANTS; v++) {
-        const int mc_before = cuda_fp8_grouped_gemm_multicast(v == 0);
+        const int form_before = cuda_fp8_grouped_gemm_form(forms[v]);
         for (int rep = 0; rep < 2; rep++) {
             poison_device(y_d, y_bytes);
             run_gemm(&o, DEVICE_CUDA, y_d, o.qx_d, o.sx_d, o.qw_d, o.sw_d);
             y_own[v][rep] = gpucheck_to_host(y_d, y_bytes);
         }
-        cuda_fp8_grouped_gemm_multicast(mc_before);
+        cuda_fp8_grouped_gemm_form(form_before);
     }
     cuda_fp8_grouped_gemm_use_own(own_before);
 
@@ -318,7 +319,8 @@ static void test_grouped_gemm(void **state) {
         const int same_variant = memcmp(y_own[v][0], y_own[0][0], y_bytes) == 0;
         const int ok = vc.max_ratio <= 1.0 && vl.max_ratio <= 1.0 && vl.equal == vl.n && layout == 0 && repeat &&
                        same_variant;
-        const char *variant = v == 0 ? (o.Op / FP8_TILE % 2 == 0 ? "multicast" : "single(odd NB)") : "single";
+        const int pairs = o.Op / FP8_TILE % 2 == 0;  // the two-block forms run only on pairs of weight blocks
+        const char *variant = v == 1 ? "single" : pairs ? "wide" : "single(odd NB)";
         printf("%-15s %-14s %-30s %10.3e %9.4f %8.3f%% %9.4f %8.3f%% %6lld  %-5s %-5s %s\n", c->name, variant, shape,
                vc.max_abs, vc.max_ratio, 100.0 * (double)vc.equal / (double)(vc.n > 0 ? vc.n : 1), vl.max_ratio,
                100.0 * (double)vl.equal / (double)(vl.n > 0 ? vl.n : 1), (long long)layout, repeat ? "yes" : "NO",
@@ -489,9 +491,9 @@ static int print_header(void **state) {
     printf("F/D: Fprop or Dgrad, rows x output columns x contraction; err/bnd: max |own - ref| / the file comment's "
            "bound (pass <= 1); =cpu, =lt: share of the elements bitwise equal to ref (=lt must be 100%% for F and D); "
            "layout: padding columns not 0 or rows after T written (W: empty segments' dw changed); rep: second run "
-           "bitwise equal; =mc: equal to the multicast variant. W: Wgrad, dW rows x columns x tokens\n");
+           "bitwise equal; =wide: equal to the wide form. W: Wgrad, dW rows x columns x tokens\n");
     printf("%-15s %-14s %-30s %10s %9s %9s %9s %9s %6s  %-5s %-5s\n", "case", "variant", "form segments rows x O x C",
-           "max|o-c|", "err/bnd", "=cpu", "vs lt", "=lt", "layout", "rep", "=mc");
+           "max|o-c|", "err/bnd", "=cpu", "vs lt", "=lt", "layout", "rep", "=wide");
     return 0;
 }
 
