@@ -336,9 +336,10 @@ static void bench_quantisers(const Timer *t, Buffers *B, int R, int C) {
 // moe_inter_dim), and w2's Dgrad (dx (rows, moe_inter_dim) from dy (rows, dim)), routed uniformly (T k / E rows per
 // expert) and unevenly (lengths 0.4..1.6 x the mean, one expert empty, the same total). Columns: the cuBLASLt path
 // (one GEMM per segment on 2 lanes), fp8moe's own kernel in its two forms (fp8_grouped_gemm.h: one CTA per 128 x 128
-// tile, and per 128 x 256 tile - the default), each through kernels.h's call (the Dgrad's includes its scale transpose). TFLOPS = 2 rows N K / median time; "LT/1cta" and "LT/wide" are
-// cuBLASLt's time over the single and wide forms', "=lt" the share of their output elements bitwise equal to
-// cuBLASLt's and "max|d|" the larger of their largest differences over the largest |y|.
+// tile, and per 128 x 256 tile - the default), each through kernels.h's call (the Dgrad's includes its scale
+// transpose). TFLOPS = 2 rows N K / median time; "LT/1cta" and "LT/wide" are cuBLASLt's time over the single and
+// wide forms', "=lt" the share of their output elements bitwise equal to cuBLASLt's and "max|d|" the larger of their
+// largest differences over the largest |y|.
 typedef struct {
     int n_seg, N, K, dgrad, wgrad;  // the weights are (N, K); the Fprop's output has N columns, the Dgrad's K
     int rows0[FP8_MAX_SEGMENTS + 1];
@@ -530,9 +531,9 @@ static void bench_grouped(const Timer *t, const Config *cfg) {
             }
             char dims[40];
             snprintf(dims, sizeof dims, "%d x %d x %d", g.N, g.K, rows);
-            printf("%-17s %-8s %22s | %9.1f %9.1f %9s | %7.2fx %8s %7.3f%% %8s %10.2e | %9.4f %9.4f %9s\n", wnames[shape],
-                   uneven ? "uneven" : "uniform", dims, flop / (lt_ms * 1e-3) * 1e-12, flop / (own_ms * 1e-3) * 1e-12,
-                   "-", lt_ms / own_ms, "-", 100.0 * (double)same / (double)dw_elems, "-",
+            printf("%-17s %-8s %22s | %9.1f %9.1f %9s | %7.2fx %8s %7.3f%% %8s %10.2e | %9.4f %9.4f %9s\n",
+                   wnames[shape], uneven ? "uneven" : "uniform", dims, flop / (lt_ms * 1e-3) * 1e-12,
+                   flop / (own_ms * 1e-3) * 1e-12, "-", lt_ms / own_ms, "-", 100.0 * (double)same / (double)dw_elems, "-",
                    max_d / (max_b > 0 ? max_b : 1), lt_ms, own_ms, "-");
             fflush(stdout);
         }

@@ -358,7 +358,7 @@ __global__ void __launch_bounds__(THREADS, 1) fp8_grouped_gemm_kernel(const __gr
                         __syncwarp();
                         if (lane == 0) mbar_arrive(empty + 8 * s);
                     } else {
-                        if (h == HALVES - 1 && lane == 0) mbar_arrive(empty + 8 * s);  // the stage's last products are done
+                        if (h == HALVES - 1 && lane == 0) mbar_arrive(empty + 8 * s);  // the stage's last products
                         const float s0 = sa0 * sb[h], s1 = sa1 * sb[h];
 #pragma unroll
                         for (int j = 0; j < 16; j++) {
@@ -530,8 +530,8 @@ static void launch(const GroupedParams &p, int form, bool wgrad) {
 
 extern "C" int cuda_fp8_grouped_gemm_form(int form) {
     if (form != FP8_GROUPED_SINGLE && form != FP8_GROUPED_WIDE)
-        grouped_fail(__LINE__, "cuda_fp8_grouped_gemm_form", "form %d - expected FP8_GROUPED_SINGLE or FP8_GROUPED_WIDE",
-                     form);
+        grouped_fail(__LINE__, "cuda_fp8_grouped_gemm_form",
+                     "form %d - expected FP8_GROUPED_SINGLE or FP8_GROUPED_WIDE", form);
     const int previous = form_chosen;
     form_chosen = form;
     return previous;

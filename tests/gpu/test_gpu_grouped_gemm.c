@@ -4,7 +4,8 @@
  * (the weights' transposed codes and scales), each called through kernels.h with the own kernel selected
  * (cuda_fp8_grouped_gemm_use_own(1)) against the CPU reference of the same FP8 operands (the same call on DEVICE_CPU,
  * kernels/cpu/fp8.c) and against the cuBLASLt path (use_own(0): one GEMM per segment), in each of the kernel's
- * forms (fp8_grouped_gemm.h: 128 x 256 output tiles, 128 x 128 tiles). Runs only on a Hopper GPU (tests/gpu/run.sh); with no visible GPU it FAILS.
+ * forms (fp8_grouped_gemm.h: 128 x 256 output tiles, 128 x 128 tiles). Runs only on a Hopper GPU
+ * (tests/gpu/run.sh); with no visible GPU it FAILS.
  *
  * Inputs are fresh random values every run (the seed is printed; FP8MOE_TEST_SEED=<n> repeats a run): non-zero,
  * random signs, magnitudes spread over 8 binades, so tiles have different scales and E4M3 subnormals occur. They are
