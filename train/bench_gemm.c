@@ -533,7 +533,8 @@ static void bench_grouped(const Timer *t, const Config *cfg) {
             snprintf(dims, sizeof dims, "%d x %d x %d", g.N, g.K, rows);
             printf("%-17s %-8s %22s | %9.1f %9.1f %9s | %7.2fx %8s %7.3f%% %8s %10.2e | %9.4f %9.4f %9s\n",
                    wnames[shape], uneven ? "uneven" : "uniform", dims, flop / (lt_ms * 1e-3) * 1e-12,
-                   flop / (own_ms * 1e-3) * 1e-12, "-", lt_ms / own_ms, "-", 100.0 * (double)same / (double)dw_elems, "-",
+                   flop / (own_ms * 1e-3) * 1e-12, "-", lt_ms / own_ms, "-", 100.0 * (double)same / (double)dw_elems,
+                   "-",
                    max_d / (max_b > 0 ? max_b : 1), lt_ms, own_ms, "-");
             fflush(stdout);
         }
