@@ -15,7 +15,10 @@
 #
 # Logs under $OUT (a new temporary folder when unset): ab_new_bench.log, ab_base_bench.log, ab_new_kernels.txt,
 # ab_base_kernels.txt (the kernel profile's top 40), then a side-by-side summary on stdout. Extra arguments after
-# `run` go to bench.sh. AB_PROFILE=0 skips the kernel profiles. Needs nvcc and, for the profiles, ncu.
+# `run` go to bench.sh. AB_PROFILE=0 skips the kernel profiles. Each tree also trains 3 steps of bench-1gpu
+# (tests/gpu/determinism.sh: twice, bitwise run to run) and the summary says whether the two trees' losses and
+# gradient norms are bitwise identical - a "same bits" change must say yes (AB_BITS=0 skips it, about 80 s).
+# Needs nvcc and, for the profiles, ncu.
 # The base is built as $AB/build-base/fp8moe only (tests/ stay the working tree's, which may call new ops) and kept
 # there, so later commands can run it: e.g. BUILD=.ab/build-base tests/gpu/determinism.sh.
 set -u -o pipefail
@@ -59,7 +62,31 @@ measure() {  # label, bench args...
     OUT=$OUT/ab_$label bash tests/gpu/kernel_profile.sh > "$OUT/ab_$label/kernels.log" 2>&1
     grep -E '^ +[0-9.]+ ms' "$OUT/ab_$label/kernels.log" | head -n 40 > "$OUT/ab_${label}_kernels.txt"
   fi
-  rm -rf "$OUT/ab_$label"  # the profile's run folder and CSV: too many files to bring back
+  if [ "${AB_BITS:-1}" = 1 ]; then
+    STEPS=3 OUT=$OUT/ab_bits_$label bash tests/gpu/determinism.sh > "$OUT/ab_${label}_bits.log" 2>&1
+    cp "$OUT/ab_bits_$label/determinism_metrics.jsonl" "$OUT/ab_${label}_metrics.jsonl" 2> /dev/null
+  fi
+  rm -rf "$OUT/ab_$label" "$OUT/ab_bits_$label"  # the profile's run folder and CSV: too many files to bring back
+}
+
+# Whether the two trees' 3 training steps (measure) gave the same losses and gradient norms, bit for bit.
+same_bits() {
+  [ "${AB_BITS:-1}" = 1 ] || return 0
+  local label
+  for label in new base; do echo "bits: $label: $(tail -n 1 "$OUT/ab_${label}_bits.log" 2> /dev/null)"; done
+  python3 - "$OUT/ab_new_metrics.jsonl" "$OUT/ab_base_metrics.jsonl" <<'PY'
+import json, sys
+def rows(p):
+    try: return [json.loads(l) for l in open(p) if '"type":"step"' in l]
+    except OSError: return None
+new, base = rows(sys.argv[1]), rows(sys.argv[2])
+if not new or not base: sys.exit("bits: a tree's training metrics are missing (see ab_new_bits.log, ab_base_bits.log)")
+keys = [k for k in ("loss", "mtp_loss", "balance_loss", "grad_norm", "load_max_mean") if k in new[0]]
+diff = [(a["step"], k, a[k], b[k]) for a, b in zip(new, base) for k in keys if a[k] != b[k]]
+if len(new) != len(base): print(f"bits: new has {len(new)} steps, base {len(base)}: DIFFERENT")
+elif diff: print("bits: new and base DIFFERENT, first at step %d %s: %r vs %r" % diff[0])
+else: print(f"bits: new and base bitwise identical over {len(new)} steps ({', '.join(keys)})")
+PY
 }
 
 swap_in_base() {  # the working tree's versions go to $AB/new, the base's come in; added files move aside
@@ -116,7 +143,8 @@ case "${1:-}" in
     swap_in_base && build base build-gpu/fp8moe && measure base "$@"  # tests/ stay new: they may call new ops
     mkdir -p "$AB/build-base" && cp build-gpu/fp8moe "$AB/build-base/"  # for later runs: BUILD=$AB/build-base
     restore && build restored
-    summary ;;
+    summary
+    same_bits ;;
   *)
     sed -n '2,19p' "$0"; exit 2 ;;
 esac
