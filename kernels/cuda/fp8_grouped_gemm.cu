@@ -229,12 +229,20 @@ __device__ __forceinline__ uint32_t bf16x2_bits(float lo, float hi) {
     return *reinterpret_cast<const uint32_t *>(&v);
 }
 
-// Unit u of the launch -> segment g (advanced from the previous value: a CTA's units increase), row tile, column tile.
-__device__ __forceinline__ void unit_coords(const GroupedParams &p, int u, int &g, int &mb, int &nu) {
+// Unit u of the launch -> segment g (advanced from the previous value: a CTA's units increase), row tile mb, column
+// tile nb (TN columns).
+__device__ __forceinline__ void unit_coords(const GroupedParams &p, int u, int &g, int &mb, int &nb) {
     while (u >= p.units0[g + 1]) g++;
     const int local = u - p.units0[g];
     mb = local / p.units_n;
-    nu = local - mb * p.units_n;
+    nb = local - mb * p.units_n;
+}
+
+// The weight scales of K block 0 of column tile nb of segment g's weight, one per 128-column half (Fprop).
+template <int HALVES>
+__device__ __forceinline__ void first_weight_scales(const GroupedParams &p, int g, int nb, float *sb) {
+#pragma unroll
+    for (int h = 0; h < HALVES; h++) sb[h] = __ldg(p.sb[g] + (nb * HALVES + h) * p.kb4);
 }
 
 // ---------------------------------------------------------------------------- the kernel
@@ -271,9 +279,8 @@ __global__ void __launch_bounds__(THREADS, 1) fp8_grouped_gemm_kernel(const __gr
             int g = 0;
             uint32_t it = 0;
             for (int u = first; u < n_units; u += step) {
-                int mb, nu;
-                unit_coords(p, u, g, mb, nu);
-                const int nb = nu;                                   // output column tile (TN columns)
+                int mb, nb;
+                unit_coords(p, u, g, mb, nb);
                 const int sa_rows = min(BM, p.sa_ld[g] - mb * BM);  // a multiple of 16 (Fprop) or 4 (Wgrad): 16-byte
                 const float *sa = p.sa[g] + mb * BM;                 // multiples
                 const int a_row = p.a_row0[g] + mb * BM;
@@ -304,20 +311,17 @@ __global__ void __launch_bounds__(THREADS, 1) fp8_grouped_gemm_kernel(const __gr
         const uint32_t out = base + L::OUT + cw * WG_OUT;
         unsigned char *out_ptr = smem + L::OUT + cw * WG_OUT;
         float acc[64], fin[64 * HALVES];
-        int g = 0, mb = 0, nu = 0;
+        int g = 0, mb = 0, nb = 0;
         uint32_t it = 0;
         // Fprop: the next K block's weight scales (one per 128-column half), loaded one block ahead (across tiles too)
         float sb_next[HALVES] = {};
         if (first < n_units) {
-            unit_coords(p, first, g, mb, nu);
-            if constexpr (!WGRAD)
-#pragma unroll
-                for (int h = 0; h < HALVES; h++)
-                    sb_next[h] = __ldg(p.sb[g] + (nu * HALVES + h) * p.kb4);
+            unit_coords(p, first, g, mb, nb);
+            if constexpr (!WGRAD) first_weight_scales<HALVES>(p, g, nb, sb_next);
         }
         for (int u = first; u < n_units; u += step) {
-            const int nb = nu, kblocks = p.kblocks[g];
-            const float *sbp = p.sb[g] + nb * HALVES * p.kb4;
+            const int tile_nb = nb, kblocks = p.kblocks[g];
+            const float *sbp = p.sb[g] + tile_nb * HALVES * p.kb4;
 #pragma unroll
             for (int i = 0; i < 64 * HALVES; i++) fin[i] = 0.0f;
             for (int kb = 0; kb < kblocks; kb++, it++) {
@@ -372,11 +376,8 @@ __global__ void __launch_bounds__(THREADS, 1) fp8_grouped_gemm_kernel(const __gr
             }
             const int tile_g = g, row_in_seg = mb * BM + cw * 64;
             if (u + step < n_units) {  // the next tile's first weight scales, in flight during the epilogue
-                unit_coords(p, u + step, g, mb, nu);
-                if constexpr (!WGRAD)
-#pragma unroll
-                    for (int h = 0; h < HALVES; h++)
-                        sb_next[h] = __ldg(p.sb[g] + (nu * HALVES + h) * p.kb4);
+                unit_coords(p, u + step, g, mb, nb);
+                if constexpr (!WGRAD) first_weight_scales<HALVES>(p, g, nb, sb_next);
             }
             if constexpr (WGRAD) {
                 // epilogue: dW += fin, each thread its own elements (8-byte pairs: a warp's access is 8 rows of 32
@@ -389,7 +390,7 @@ __global__ void __launch_bounds__(THREADS, 1) fp8_grouped_gemm_kernel(const __gr
                     float2 old[16];
 #pragma unroll
                     for (int jj = 0; jj < 8; jj++) {
-                        const int col = nb * BN + 8 * (8 * h + jj) + c0;
+                        const int col = tile_nb * BN + 8 * (8 * h + jj) + c0;
                         const bool in_cols = col < p.out_cols;
                         old[2 * jj] = in_cols && row_a < p.out_rows
                                       ? *reinterpret_cast<const float2 *>(dw + (size_t)row_a * p.out_cols + col)
@@ -400,7 +401,7 @@ __global__ void __launch_bounds__(THREADS, 1) fp8_grouped_gemm_kernel(const __gr
                     }
 #pragma unroll
                     for (int jj = 0; jj < 8; jj++) {
-                        const int j = 8 * h + jj, col = nb * BN + 8 * j + c0;
+                        const int j = 8 * h + jj, col = tile_nb * BN + 8 * j + c0;
                         if (col >= p.out_cols) continue;
                         if (row_a < p.out_rows)
                             *reinterpret_cast<float2 *>(dw + (size_t)row_a * p.out_cols + col) =
@@ -431,7 +432,8 @@ __global__ void __launch_bounds__(THREADS, 1) fp8_grouped_gemm_kernel(const __gr
             if (issuer && row_in_seg < p.rows[tile_g]) {
 #pragma unroll
                 for (int b = 0; b < TN / 64; b++)
-                    tma_store_2d(&p.y_map[tile_g], out + b * OUT_BOX_BYTES, nb * TN + 64 * b, row_in_seg);
+                    tma_store_2d(&p.y_map[tile_g], out + b * OUT_BOX_BYTES, tile_nb * TN + 64 * b,
+                                 row_in_seg);
                 bulk_commit();
             }
         }
