@@ -464,24 +464,23 @@ static void bench_grouped(const Timer *t, const Config *cfg) {
             const double lt_ms = grouped_median_ms(t, grouped_cublaslt, &g);
             const size_t y_bytes = (size_t)bf16_rows_elems(rows, out_cols) * sizeof(uint16_t);
             BENCH_CHECK(cudaMemcpy(h_lt, y, y_bytes, cudaMemcpyDeviceToHost));
-            const int previous = cuda_fp8_grouped_gemm_form(FP8_GROUPED_WIDE);
-            const double wide_ms = grouped_median_ms(t, grouped_own, &g);
-            BENCH_CHECK(cudaMemcpy(h_own, y, y_bytes, cudaMemcpyDeviceToHost));
-            double equal_wide, rel_wide;
-            grouped_compare(h_own, h_lt, rows, out_cols, (int)bf16_rows_ld(out_cols), &equal_wide, &rel_wide);
-            cuda_fp8_grouped_gemm_form(FP8_GROUPED_SINGLE);
-            const double one_ms = grouped_median_ms(t, grouped_own, &g);
-            BENCH_CHECK(cudaMemcpy(h_own, y, y_bytes, cudaMemcpyDeviceToHost));
+            // the own kernel's forms: [0] one CTA per 128 x 128 tile, [1] per 128 x 256 tile
+            static const int forms[2] = {FP8_GROUPED_SINGLE, FP8_GROUPED_WIDE};
+            double ms[2], equal[2], rel[2];
+            const int previous = cuda_fp8_grouped_gemm_form(forms[0]);
+            for (int f = 0; f < 2; f++) {
+                cuda_fp8_grouped_gemm_form(forms[f]);
+                ms[f] = grouped_median_ms(t, grouped_own, &g);
+                BENCH_CHECK(cudaMemcpy(h_own, y, y_bytes, cudaMemcpyDeviceToHost));
+                grouped_compare(h_own, h_lt, rows, out_cols, (int)bf16_rows_ld(out_cols), &equal[f], &rel[f]);
+            }
             cuda_fp8_grouped_gemm_form(previous);
-            double equal, rel;
-            grouped_compare(h_own, h_lt, rows, out_cols, (int)bf16_rows_ld(out_cols), &equal, &rel);
             char dims[40];
             snprintf(dims, sizeof dims, "%d x %d x %d", rows, out_cols, contraction);
             printf("%-17s %-8s %22s | %9.1f %9.1f %9.1f | %7.2fx %7.2fx %7.3f%% %7.3f%% %10.2e | %9.4f %9.4f %9.4f\n",
                    names[shape], uneven ? "uneven" : "uniform", dims, flop / (lt_ms * 1e-3) * 1e-12,
-                   flop / (one_ms * 1e-3) * 1e-12, flop / (wide_ms * 1e-3) * 1e-12,
-                   lt_ms / one_ms, lt_ms / wide_ms, 100.0 * equal, 100.0 * equal_wide, rel > rel_wide ? rel : rel_wide,
-                   lt_ms, one_ms, wide_ms);
+                   flop / (ms[0] * 1e-3) * 1e-12, flop / (ms[1] * 1e-3) * 1e-12, lt_ms / ms[0], lt_ms / ms[1],
+                   100.0 * equal[0], 100.0 * equal[1], rel[0] > rel[1] ? rel[0] : rel[1], lt_ms, ms[0], ms[1]);
             fflush(stdout);
         }
     }
