@@ -486,9 +486,9 @@ static void bench_grouped(const Timer *t, const Config *cfg) {
     }
     free(h_lt), free(h_own);
 
-    // The Wgrads (dW_e += dY_e^T X_e over each expert's tokens, FP32 added to), w1's (and w3's) and w2's, whose own
-    // form runs 128 x 128 tiles (the "1cta" columns): LT/1cta and "=lt" are as above, from one call of each onto zeroed
-    // gradients; "max|d|" over the largest |dW|.
+    // The Wgrads (dW_e += dY_e^T X_e over each expert's tokens, FP32 added to), w1's (and w3's) and w2's, in the own
+    // kernel's two forms as above: the columns as above, "=lt" from one call of each onto zeroed gradients, "max|d|"
+    // over the largest |dW|.
     const size_t tiles = (size_t)rows / 128 + (size_t)E, qt_bytes = (size_t)Kmax * 128 * tiles;
     uint8_t *qdyt = dalloc(qt_bytes), *qxt = dalloc(qt_bytes);
     float *sdyt = dalloc(tiles * Kmax * sizeof(float)), *sxt = dalloc(tiles * Kmax * sizeof(float));
@@ -513,28 +513,34 @@ static void bench_grouped(const Timer *t, const Config *cfg) {
                                                                   sizeof err), "X", err);
             const double flop = 2.0 * rows * g.N * g.K;
             const double lt_ms = grouped_median_ms(t, grouped_cublaslt, &g);
-            const double own_ms = grouped_median_ms(t, grouped_own, &g);
-            float *h[2] = {h_dw_lt, h_dw_own};
-            for (int own = 0; own < 2; own++) {
+            BENCH_CHECK(cudaMemset(dw, 0, dw_elems * sizeof(float)));
+            grouped_call(&g, 0);
+            BENCH_CHECK(cudaMemcpy(h_dw_lt, dw, dw_elems * sizeof(float), cudaMemcpyDeviceToHost));
+            static const int forms[2] = {FP8_GROUPED_SINGLE, FP8_GROUPED_WIDE};
+            double ms[2], equal[2], max_d = 0, max_b = 0;
+            const int previous = cuda_fp8_grouped_gemm_form(forms[0]);
+            for (int f = 0; f < 2; f++) {
+                cuda_fp8_grouped_gemm_form(forms[f]);
+                ms[f] = grouped_median_ms(t, grouped_own, &g);
                 BENCH_CHECK(cudaMemset(dw, 0, dw_elems * sizeof(float)));
-                grouped_call(&g, own);
-                BENCH_CHECK(cudaMemcpy(h[own], dw, dw_elems * sizeof(float), cudaMemcpyDeviceToHost));
+                grouped_call(&g, 1);
+                BENCH_CHECK(cudaMemcpy(h_dw_own, dw, dw_elems * sizeof(float), cudaMemcpyDeviceToHost));
+                int64_t same = 0;
+                for (size_t i = 0; i < dw_elems; i++) {
+                    same += memcmp(&h_dw_own[i], &h_dw_lt[i], sizeof(float)) == 0;
+                    const double d = fabs((double)h_dw_own[i] - h_dw_lt[i]);
+                    if (d > max_d || isnan(d)) max_d = isnan(d) ? INFINITY : d;
+                    if (fabs(h_dw_lt[i]) > max_b) max_b = fabs(h_dw_lt[i]);
+                }
+                equal[f] = (double)same / (double)dw_elems;
             }
-            int64_t same = 0;
-            double max_d = 0, max_b = 0;
-            for (size_t i = 0; i < dw_elems; i++) {
-                same += memcmp(&h_dw_own[i], &h_dw_lt[i], sizeof(float)) == 0;
-                const double d = fabs((double)h_dw_own[i] - h_dw_lt[i]);
-                if (d > max_d || isnan(d)) max_d = isnan(d) ? INFINITY : d;
-                if (fabs(h_dw_lt[i]) > max_b) max_b = fabs(h_dw_lt[i]);
-            }
+            cuda_fp8_grouped_gemm_form(previous);
             char dims[40];
             snprintf(dims, sizeof dims, "%d x %d x %d", g.N, g.K, rows);
-            printf("%-17s %-8s %22s | %9.1f %9.1f %9s | %7.2fx %8s %7.3f%% %8s %10.2e | %9.4f %9.4f %9s\n",
+            printf("%-17s %-8s %22s | %9.1f %9.1f %9.1f | %7.2fx %7.2fx %7.3f%% %7.3f%% %10.2e | %9.4f %9.4f %9.4f\n",
                    wnames[shape], uneven ? "uneven" : "uniform", dims, flop / (lt_ms * 1e-3) * 1e-12,
-                   flop / (own_ms * 1e-3) * 1e-12, "-", lt_ms / own_ms, "-", 100.0 * (double)same / (double)dw_elems,
-                   "-",
-                   max_d / (max_b > 0 ? max_b : 1), lt_ms, own_ms, "-");
+                   flop / (ms[0] * 1e-3) * 1e-12, flop / (ms[1] * 1e-3) * 1e-12, lt_ms / ms[0], lt_ms / ms[1],
+                   100.0 * equal[0], 100.0 * equal[1], max_d / (max_b > 0 ? max_b : 1), lt_ms, ms[0], ms[1]);
             fflush(stdout);
         }
     }

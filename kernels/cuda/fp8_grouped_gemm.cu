@@ -18,9 +18,10 @@
  * tiles (k-grouped), both operands 128x1-scaled, so each output column has its own X scale per block: the producer
  * bulk-loads the block's 128 X scales into the stage beside the 128 dY scales, and the promotion is
  * fma(P, s_dy[row] s_x[col], acc) (twice the Fprop's FP32 work per block; the stage is released after it). The
- * epilogue adds acc to dW in global memory, each thread its own elements (read, add, write). Measured 0.76-0.87x
- * cuBLASLt's per-segment Wgrads on an H100 (docs/benchmarks.md), so the model's Wgrads stay on cuBLASLt; its
- * per-column scales leave no registers for the wide form's second half of fin.
+ * epilogue adds acc to dW in global memory, each thread its own elements (read, add, write: add_to_dw). It has the
+ * wide form too (256 output columns: the stage holds 256 X scales, each half's promotion reads its 128); on an H200
+ * at the expert shapes the wide form ran at 0.91-0.96x cuBLASLt's per-segment Wgrads and the 128 x 128 form at
+ * 0.82-0.84x (docs/benchmarks.md, 2026-12-06), so the model's Wgrads stay on cuBLASLt.
  *
  * Tiles: 128 output rows (tokens of one segment) x 128 output columns (one weight block row nb; two in the wide
  * form below) x the whole K, in
@@ -83,7 +84,6 @@ constexpr int THREADS = 384;  // two consumer warpgroups (warps 0-7) + the produ
 constexpr int MAX_GROUPS = 64;                 // non-empty segments per launch (tensor maps in the parameter)
 constexpr uint32_t A_BYTES = BM * BK, SA_BYTES = BM * 4;
 constexpr uint32_t OUT_BOX_BYTES = 64 * 128;  // BF16 staging of 64 rows x 64 columns, 128-byte swizzle
-constexpr uint32_t SB_BYTES = BN * 4;         // Wgrad: the 128 X scales of a column tile and K block
 constexpr uint64_t WAIT_TRAP_NS = 10000000000ull;  // 10 s
 // The wide form's registers per thread (setmaxnreg; the launch gives each 168): its consumers hold acc[64] and
 // fin[128] (about 228 in all), its producer thread a few; 2 x 128 x 240 + 128 x 24 <= 65536.
@@ -95,6 +95,7 @@ constexpr int CONSUMER_REGS = 240, PRODUCER_REGS = 24;
 template <int TN> struct Smem {
     static constexpr int STAGES = TN == 256 ? 3 : 5;
     static constexpr uint32_t B_BYTES = TN * BK, OUT_BYTES = 2 * (TN / 64) * OUT_BOX_BYTES;
+    static constexpr uint32_t SB_BYTES = TN * 4;  // Wgrad: the TN X scales of a column tile and K block
     static constexpr uint32_t A = 0, B = A + STAGES * A_BYTES, OUT = B + STAGES * B_BYTES;
     static constexpr uint32_t SA = OUT + OUT_BYTES, SB = SA + STAGES * SA_BYTES, BAR = SB + STAGES * SB_BYTES;
     static constexpr uint32_t BYTES = BAR + 2 * STAGES * 8 + 1024;  // + the round-up of the base to 1024 bytes
@@ -245,13 +246,47 @@ __device__ __forceinline__ void first_weight_scales(const GroupedParams &p, int 
     for (int h = 0; h < HALVES; h++) sb[h] = __ldg(p.sb[g] + (nb * HALVES + h) * p.kb4);
 }
 
+// The Wgrad's epilogue: dW += fin for a consumer thread's elements - rows row_a and row_a + 8 of dw (row stride ld),
+// columns col0 + 8j + c0 and + 1 (fin[4j..4j+3] as the accumulator layout holds them, j < NJ) - only rows < row_lim
+// and columns < col_lim (an even limit: pairs are written whole). In chunks of 8 column groups whose old values are
+// loaded before any is stored (all at once would spill; an L2 prefetch of them at the tile's start made no
+// difference); a warp's access is 8 rows of 32 contiguous bytes, whole sectors.
+template <int NJ>
+__device__ __forceinline__ void add_to_dw(float *dw, int row_a, int row_lim, int col0, int c0, int col_lim, int ld,
+                                          const float *fin) {
+    const int row_b = row_a + 8;
+    const bool in_a = row_a < row_lim, in_b = row_b < row_lim;
+#pragma unroll
+    for (int h = 0; h < NJ / 8; h++) {
+        float2 old[16];
+#pragma unroll
+        for (int jj = 0; jj < 8; jj++) {
+            const int col = col0 + 8 * (8 * h + jj) + c0;
+            const bool in_cols = col < col_lim;
+            const float2 zero = make_float2(0.0f, 0.0f);
+            old[2 * jj] = in_cols && in_a ? *reinterpret_cast<const float2 *>(dw + (size_t)row_a * ld + col) : zero;
+            old[2 * jj + 1] = in_cols && in_b ? *reinterpret_cast<const float2 *>(dw + (size_t)row_b * ld + col) : zero;
+        }
+#pragma unroll
+        for (int jj = 0; jj < 8; jj++) {
+            const int j = 8 * h + jj, col = col0 + 8 * j + c0;
+            if (col >= col_lim) continue;
+            if (in_a)
+                *reinterpret_cast<float2 *>(dw + (size_t)row_a * ld + col) =
+                    make_float2(old[2 * jj].x + fin[4 * j + 0], old[2 * jj].y + fin[4 * j + 1]);
+            if (in_b)
+                *reinterpret_cast<float2 *>(dw + (size_t)row_b * ld + col) =
+                    make_float2(old[2 * jj + 1].x + fin[4 * j + 2], old[2 * jj + 1].y + fin[4 * j + 3]);
+        }
+    }
+}
+
 // ---------------------------------------------------------------------------- the kernel
-// WGRAD: the Wgrad form (file comment); TN must then be 128. TN: the output tile's columns, 128, or
-// 256 for the wide form (two weight blocks per tile: the products of each 128-column half are summed and promoted in
-// turn into acc[64] and fin[128], so its consumers take more registers with setmaxnreg).
+// WGRAD: the Wgrad form (file comment). TN: the output tile's columns, 128, or 256 for the wide form (two weight
+// blocks per tile: the products of each 128-column half are summed and promoted in turn into acc[64] and fin[128], so
+// its consumers take more registers with setmaxnreg).
 template <bool WGRAD, int TN>
 __global__ void __launch_bounds__(THREADS, 1) fp8_grouped_gemm_kernel(const __grid_constant__ GroupedParams p) {
-    static_assert(!WGRAD || TN == BN, "the Wgrad form runs 128 x 128 tiles");
     static_assert(TN == BN || TN == 2 * BN, "tiles of 128 or 256 columns");
     using L = Smem<TN>;
     constexpr int STAGES = L::STAGES, HALVES = TN / BN;
@@ -285,8 +320,8 @@ __global__ void __launch_bounds__(THREADS, 1) fp8_grouped_gemm_kernel(const __gr
                 const float *sa = p.sa[g] + mb * BM;                 // multiples
                 const int a_row = p.a_row0[g] + mb * BM;
                 const CUtensorMap *a_map = WGRAD ? &p.a[g] : &p.a[0];
-                const int sb_cols = WGRAD ? min(BN, p.out_cols - nb * BN) : 0;  // a multiple of 4
-                const float *sb = p.sb[g] + nb * BN;
+                const int sb_cols = WGRAD ? min(TN, p.out_cols - nb * TN) : 0;  // a multiple of 4
+                const float *sb = p.sb[g] + nb * TN;
                 for (int kb = 0; kb < p.kblocks[g]; kb++, it++) {
                     const uint32_t s = it % STAGES, phase = (it / STAGES) & 1;
                     mbar_wait(empty + 8 * s, phase ^ 1);
@@ -296,7 +331,7 @@ __global__ void __launch_bounds__(THREADS, 1) fp8_grouped_gemm_kernel(const __gr
                     tma_load_2d(base + L::B + s * L::B_BYTES, &p.b[g], kb * BK, nb * TN, bar);
                     bulk_load(base + L::SA + s * SA_BYTES, sa + (size_t)kb * p.sa_ld[g], (uint32_t)sa_rows * 4, bar);
                     if constexpr (WGRAD)
-                        bulk_load(base + L::SB + s * SB_BYTES, sb + (size_t)kb * p.out_cols, (uint32_t)sb_cols * 4,
+                        bulk_load(base + L::SB + s * L::SB_BYTES, sb + (size_t)kb * p.out_cols, (uint32_t)sb_cols * 4,
                                   bar);
                 }
             }
@@ -350,7 +385,8 @@ __global__ void __launch_bounds__(THREADS, 1) fp8_grouped_gemm_kernel(const __gr
                     float *f = fin + 64 * h;
                     if constexpr (WGRAD) {
                         // each column has its own X scale: read from the stage, which is released after the promotion
-                        const float *sbs = reinterpret_cast<const float *>(smem + L::SB + s * SB_BYTES) + c0;
+                        const float *sbs =
+                            reinterpret_cast<const float *>(smem + L::SB + s * L::SB_BYTES) + h * BN + c0;
 #pragma unroll
                         for (int j = 0; j < 16; j++) {
                             const float2 b2 = *reinterpret_cast<const float2 *>(sbs + 8 * j);
@@ -360,7 +396,7 @@ __global__ void __launch_bounds__(THREADS, 1) fp8_grouped_gemm_kernel(const __gr
                             f[4 * j + 3] = fmaf(acc[4 * j + 3], sa1 * b2.y, f[4 * j + 3]);
                         }
                         __syncwarp();
-                        if (lane == 0) mbar_arrive(empty + 8 * s);
+                        if (h == HALVES - 1 && lane == 0) mbar_arrive(empty + 8 * s);
                     } else {
                         if (h == HALVES - 1 && lane == 0) mbar_arrive(empty + 8 * s);  // the stage's last products
                         const float s0 = sa0 * sb[h], s1 = sa1 * sb[h];
@@ -380,37 +416,8 @@ __global__ void __launch_bounds__(THREADS, 1) fp8_grouped_gemm_kernel(const __gr
                 if constexpr (!WGRAD) first_weight_scales<HALVES>(p, g, nb, sb_next);
             }
             if constexpr (WGRAD) {
-                // epilogue: dW += fin, each thread its own elements (8-byte pairs: a warp's access is 8 rows of 32
-                // contiguous bytes, whole sectors); half of them loaded before any of that half is stored (all at
-                // once spill registers; an L2 prefetch of them at the tile's start made no difference)
-                float *dw = p.dw[tile_g];
-                const int row_a = row_in_seg + r0, row_b = row_a + 8;
-#pragma unroll
-                for (int h = 0; h < 2; h++) {
-                    float2 old[16];
-#pragma unroll
-                    for (int jj = 0; jj < 8; jj++) {
-                        const int col = tile_nb * BN + 8 * (8 * h + jj) + c0;
-                        const bool in_cols = col < p.out_cols;
-                        old[2 * jj] = in_cols && row_a < p.out_rows
-                                      ? *reinterpret_cast<const float2 *>(dw + (size_t)row_a * p.out_cols + col)
-                                      : make_float2(0.0f, 0.0f);
-                        old[2 * jj + 1] = in_cols && row_b < p.out_rows
-                                          ? *reinterpret_cast<const float2 *>(dw + (size_t)row_b * p.out_cols + col)
-                                          : make_float2(0.0f, 0.0f);
-                    }
-#pragma unroll
-                    for (int jj = 0; jj < 8; jj++) {
-                        const int j = 8 * h + jj, col = tile_nb * BN + 8 * j + c0;
-                        if (col >= p.out_cols) continue;
-                        if (row_a < p.out_rows)
-                            *reinterpret_cast<float2 *>(dw + (size_t)row_a * p.out_cols + col) =
-                                make_float2(old[2 * jj].x + fin[4 * j + 0], old[2 * jj].y + fin[4 * j + 1]);
-                        if (row_b < p.out_rows)
-                            *reinterpret_cast<float2 *>(dw + (size_t)row_b * p.out_cols + col) =
-                                make_float2(old[2 * jj + 1].x + fin[4 * j + 2], old[2 * jj + 1].y + fin[4 * j + 3]);
-                    }
-                }
+                add_to_dw<16 * HALVES>(p.dw[tile_g], row_in_seg + r0, p.out_rows, tile_nb * TN, c0, p.out_cols,
+                                       p.out_cols, fin);
                 continue;
             }
             // epilogue: BF16 into TN / 64 boxes of 64 x 64 in TMA's 128-byte swizzle (chunk c of row r at c ^ (r % 8):
@@ -496,6 +503,8 @@ static void runtime_init(const char *op) {
                                     Smem<BN>::BYTES));
     CUDA_CHECK(cudaFuncSetAttribute(fp8_grouped_gemm_kernel<false, 2 * BN>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                     Smem<2 * BN>::BYTES));
+    CUDA_CHECK(cudaFuncSetAttribute(fp8_grouped_gemm_kernel<true, 2 * BN>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    Smem<2 * BN>::BYTES));
     rt.ready = 1;
 }
 
@@ -514,15 +523,16 @@ static void encode_map(CUtensorMap *map, CUtensorMapDataType type, int elem_byte
                      what, (long long)rows, (long long)cols, base, (int)r);
 }
 
-// One launch of the kernel of `form` (FP8_GROUPED_*) or, with wgrad, of the Wgrad form: one CTA per SM, or per unit
-// when there are fewer.
+// One launch of the kernel of `form` (FP8_GROUPED_*), the Fprop/Dgrad or (wgrad) the Wgrad form: one CTA per SM, or
+// per unit when there are fewer.
 static void launch(const GroupedParams &p, int form, bool wgrad) {
     const int n_units = p.units0[p.n_groups];
     if (n_units == 0) return;
-    const bool wide = form == FP8_GROUPED_WIDE && !wgrad;
+    const bool wide = form == FP8_GROUPED_WIDE;
     const dim3 grid((unsigned)(n_units < rt.sms ? n_units : rt.sms));
     const size_t smem = wide ? Smem<2 * BN>::BYTES : Smem<BN>::BYTES;
-    if (wgrad) fp8_grouped_gemm_kernel<true, BN><<<grid, THREADS, smem>>>(p);
+    if (wgrad && wide) fp8_grouped_gemm_kernel<true, 2 * BN><<<grid, THREADS, smem>>>(p);
+    else if (wgrad) fp8_grouped_gemm_kernel<true, BN><<<grid, THREADS, smem>>>(p);
     else if (wide) fp8_grouped_gemm_kernel<false, 2 * BN><<<grid, THREADS, smem>>>(p);
     else fp8_grouped_gemm_kernel<false, BN><<<grid, THREADS, smem>>>(p);
     CUDA_CHECK_LAUNCH("fp8_grouped_gemm_kernel");
@@ -594,28 +604,30 @@ extern "C" void cuda_fp8_grouped_wgrad(float *dw, const uint8_t *qdyt, const flo
     require_aligned16(dw, op, "dw"), require_aligned16(qdyt, op, "qdyt"), require_aligned16(sdyt, op, "sdyt");
     require_aligned16(qxt, op, "qxt"), require_aligned16(sxt, op, "sxt");
     const int MB = (N + BM - 1) / BM, NB = (K + BN - 1) / BN;
+    const int form = NB % 2 == 0 ? form_chosen : FP8_GROUPED_SINGLE;  // the two-block forms need pairs of blocks
+    const int tn = form == FP8_GROUPED_WIDE ? 2 * BN : BN;
     static GroupedParams p;  // 27 KB: not on the stack; one host thread drives the GPU (gemm.cu's rule too)
     memset(&p, 0, sizeof p);
-    p.units_n = NB, p.out_rows = N, p.out_cols = K;
+    p.units_n = NB * BN / tn, p.out_rows = N, p.out_cols = K;
     int n = 0;
     for (int g = 0; g < n_seg; g++) {
         const int t0 = seg.tiles0[g], tiles = seg.tiles0[g + 1] - t0, Tp = tiles * BK;
         if (tiles == 0) continue;
         encode_map(&p.a[n], CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, qdyt + (size_t)N * BK * t0, N, Tp, Tp, BK, BM, op,
                    "a segment's dY codes qdyt");
-        encode_map(&p.b[n], CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, qxt + (size_t)K * BK * t0, K, Tp, Tp, BK, BN, op,
+        encode_map(&p.b[n], CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, qxt + (size_t)K * BK * t0, K, Tp, Tp, BK, tn, op,
                    "a segment's X codes qxt");
         p.sa[n] = sdyt + (size_t)N * t0, p.sb[n] = sxt + (size_t)K * t0, p.dw[n] = dw + (size_t)g * N * K;
         p.a_row0[n] = 0, p.sa_ld[n] = N, p.kblocks[n] = tiles;
-        p.units0[n + 1] = p.units0[n] + MB * NB;
+        p.units0[n + 1] = p.units0[n] + MB * p.units_n;
         if (++n == MAX_GROUPS) {
             p.n_groups = n;
-            launch(p, FP8_GROUPED_SINGLE, true);
+            launch(p, form, true);
             n = 0;
         }
     }
     if (n > 0) {
         p.n_groups = n;
-        launch(p, FP8_GROUPED_SINGLE, true);
+        launch(p, form, true);
     }
 }

@@ -43,7 +43,8 @@ void cuda_fp8_grouped_gemm_bf16(uint16_t *y, int y_rows_padded, const uint8_t *q
 // the same operands, the 128x1 operands of all segments one after another as fp8_quantize_128x1_transposed_grouped
 // writes them (segment g's from tile t_g: qdyt + N 128 t_g, sdyt + N t_g, qxt + K 128 t_g, sxt + K t_g; rows0 a host
 // array, 1 <= n_seg <= FP8_MAX_SEGMENTS). The contraction runs over each segment's own 128-token tiles.
-// Arithmetic: per 128 x 128 output tile and token tile kb, the tile's sum P of E4M3 products on the tensor cores,
+// Arithmetic: per output tile (128 x 256 in the wide form where K / 128 is even, else 128 x 128: the same bits) and
+// token tile kb, the tile's sum P of E4M3 products on the tensor cores,
 // then acc = fma(P, s_dy[n][kb] * s_x[k][kb], acc) in FP32 registers, kb in order from acc = 0; dw = dw + acc (one
 // FP32 add per element, read and written by its one owner: deterministic, no atomics). N and K must be multiples of
 // 4 (16-byte rows of scales) and every pointer 16-byte aligned; stops the process naming the argument otherwise.

@@ -868,14 +868,15 @@ extern "C" void cuda_fp8_gemm_dgrad_bf16(uint16_t *dx, const uint8_t *qdy, const
 // fp8_gemm_dgrad_grouped*) run each matrix's GEMMs over all segments as one launch of fp8moe's own grouped kernel
 // (fp8_grouped_gemm.cu), or, with FP8MOE_GROUPED_GEMM=cublaslt, as one cuBLASLt GEMM per segment on the lanes.
 // The Wgrads (fp8_gemm_wgrad_grouped) stay on cuBLASLt either way: the own kernel's Wgrad form
-// (cuda_fp8_grouped_wgrad) measured 0.76-0.87x cuBLASLt on an H100 (docs/benchmarks.md) and is run only by its test
-// and `fp8moe bench gemm`.
+// (cuda_fp8_grouped_wgrad) measured 0.91-0.96x cuBLASLt on an H200 in its wide form, and the model's step 3.9% slower
+// with every Wgrad on it (docs/benchmarks.md, 2026-12-06); it is run only by its test and `fp8moe bench gemm`.
 // Both compute each 128-deep block's tensor-core sum and promote it as fma(P, s_x s_w, acc) in block order and should
 // give the same bits (tests/gpu/test_gpu_grouped_gemm.c requires it, and it held for every form on an H200 and an
 // H100). The own kernel is the default: it pays no launch per segment, keeps the SMs busy across segments and, in
 // its wide form (128 x 256 tiles), ran at 1.17-1.32x cuBLASLt at the bench-1gpu expert shapes, which made the fp8
 // step 4.2% faster on an H100 (docs/benchmarks.md, 2026-12-06).
-// One-segment calls (every other Linear) stay on cuBLASLt, faster at their large shapes.
+// One-segment calls (every other Linear) stay on cuBLASLt: on the own kernel the step was no faster (H200,
+// docs/benchmarks.md, 2026-12-06).
 static int own_grouped = -1;  // -1: not yet read from FP8MOE_GROUPED_GEMM
 
 static bool grouped_gemm_is_own(void) {

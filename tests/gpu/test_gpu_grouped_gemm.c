@@ -34,7 +34,8 @@
  * The Wgrad form (cuda_fp8_grouped_wgrad: dW_g += dY_g^T X_g on 128x1 operands, the contraction over each segment's
  * tokens; not used by the model yet, being slower than cuBLASLt) has its own cases and bound (test_grouped_wgrad); its
  * bits against cuBLASLt's are reported, not required (they differ in 25-40% of the elements: the two promote the
- * per-column scales in different orders), and cuBLASLt's own ratio to the CPU bound is printed beside it.
+ * per-column scales in different orders), and cuBLASLt's own ratio to the CPU bound is printed beside it. Its wide
+ * form (128 x 256 tiles, the default) must give the 128 x 128 form's bits.
  */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -462,7 +463,14 @@ static void test_grouped_wgrad(void **state) {
     fp8_gemm_wgrad_grouped(DEVICE_CPU, S, ady, o.sdy, ax, o.sx, o.n, o.rows0, o.N, o.K);
     free(ady), free(ax);
 
+    // the wide form twice (the default; weights with an odd number of column blocks run 128 x 128 tiles in both), the
+    // single form once: the same products in the same order, so all three must be bitwise equal
+    const int form_before = cuda_fp8_grouped_gemm_form(FP8_GROUPED_WIDE);
     float *own[2] = {run_wgrad_gpu(&o, 1), run_wgrad_gpu(&o, 1)}, *lt = run_wgrad_gpu(&o, 0);
+    cuda_fp8_grouped_gemm_form(FP8_GROUPED_SINGLE);
+    float *own_single = run_wgrad_gpu(&o, 1);
+    cuda_fp8_grouped_gemm_form(form_before);
+    const int same_forms = memcmp(own[0], own_single, bytes) == 0;
     double eq_cpu, eq_lt;
     int64_t untouched, untouched_lt;
     double eq_lt_cpu;
@@ -473,14 +481,14 @@ static void test_grouped_wgrad(void **state) {
     const int repeat = memcmp(own[0], own[1], bytes) == 0;
     // the design bound, or no more than 1% past cuBLASLt's own worst ratio where the hardware's accumulation takes
     // cuBLASLt past it too (the wgrad comment)
-    const int ok = r_cpu <= fmax(1.0, 1.01 * r_lt_cpu) && r_lt <= 1.0 && untouched == 0 && repeat;
+    const int ok = r_cpu <= fmax(1.0, 1.01 * r_lt_cpu) && r_lt <= 1.0 && untouched == 0 && repeat && same_forms;
     char shape[48];
     snprintf(shape, sizeof shape, "W %d seg %d x %d x %d", o.n, o.N, o.K, o.T);
     printf("%-15s %-14s %-30s %10s %9.4f %8.3f%% %9.4f %8.3f%% %6lld  %-5s %-5s %s  (cuBLASLt vs cpu %.4f)\n", c->name,
-           "single", shape, "", r_cpu, 100.0 * eq_cpu, r_lt, 100.0 * eq_lt, (long long)untouched, repeat ? "yes" : "NO",
-           "-", ok ? "ok" : "FAIL", r_lt_cpu);
+           o.K / FP8_TILE % 2 == 0 ? "wide" : "single (odd)", shape, "", r_cpu, 100.0 * eq_cpu, r_lt, 100.0 * eq_lt,
+           (long long)untouched, repeat ? "yes" : "NO", same_forms ? "yes" : "NO", ok ? "ok" : "FAIL", r_lt_cpu);
     fflush(stdout);
-    free(own[0]), free(own[1]), free(lt), free(dw_cpu), free(S);
+    free(own[0]), free(own[1]), free(own_single), free(lt), free(dw_cpu), free(S);
     wgrad_operands_free(&o);
     assert_true(ok);
 }
