@@ -18,10 +18,13 @@
  * tiles (k-grouped), both operands 128x1-scaled, so each output column has its own X scale per block: the producer
  * bulk-loads the block's 128 X scales into the stage beside the 128 dY scales, and the promotion is
  * fma(P, s_dy[row] s_x[col], acc) (twice the Fprop's FP32 work per block; the stage is released after it). The
- * epilogue adds acc to dW in global memory, each thread its own elements (read, add, write: add_to_dw). It has the
- * wide form too (256 output columns: the stage holds 256 X scales, each half's promotion reads its 128); on an H200
- * at the expert shapes the wide form ran at 0.91-0.96x cuBLASLt's per-segment Wgrads and the 128 x 128 form at
- * 0.82-0.84x (docs/benchmarks.md, 2026-12-06), so the model's Wgrads stay on cuBLASLt.
+ * epilogue adds acc to dW with TMA reduce-adds (cp.reduce.async.bulk.tensor .add: each consumer stages its rows in
+ * FP32 boxes of 64 x 32 in the 128-byte swizzle, one thread issues the adds, which the L2 performs while the
+ * consumers go on; every element gets one FP32 add, so the result is the read-add-write's, deterministic). It has
+ * the wide form too (256 output columns: the stage holds 256 X scales, each half's promotion reads its 128). On an
+ * H200 at the expert shapes the wide form ran at 0.98-0.99x cuBLASLt's per-segment Wgrads (0.91-0.96x with each
+ * thread's own read-add-write of dW), and the model's step 1.3% slower with the experts' Wgrads on it
+ * (docs/benchmarks.md, 2026-12-06), so the model's Wgrads stay on cuBLASLt.
  *
  * Tiles: 128 output rows (tokens of one segment) x 128 output columns (one weight block row nb; two in the wide
  * form below) x the whole K, in
@@ -55,8 +58,8 @@
  * staging fill the shared memory.
  *
  * Tensor maps (cuTensorMapEncodeTiled, reached through cudaGetDriverEntryPointByVersion: no -lcuda) are built on the
- * host per call - Fprop/Dgrad: one for X and two per non-empty segment (its weight, its rows of y); Wgrad: two per
- * non-empty segment (its dY and X codes) - and passed in the kernel's __grid_constant__ parameter (about 27 KB, room
+ * host per call - Fprop/Dgrad: one for X and two per non-empty segment (its weight, its rows of y); Wgrad: three per
+ * non-empty segment (its dY and X codes, its dW) - and passed in the kernel's __grid_constant__ parameter (about 27 KB, room
  * for the Wgrad's per-segment A maps; the Fprop uses a[0] of them); up to MAX_GROUPS segments per launch, more
  * segments take more launches.
  *
@@ -112,10 +115,10 @@ struct GroupedParams {
                                     // Wgrad: segment g's dY^T codes (N rows, 128 tiles_g) bytes, box 128 x BM
     CUtensorMap b[MAX_GROUPS];      // Fprop: weight g (Np, Kp) bytes; Wgrad: segment g's X^T codes (K rows, 128
                                     // tiles_g); box 128 x 128
-    CUtensorMap y_map[MAX_GROUPS];  // Fprop: segment g's rows of y: (rows[g], Np) BF16, box 64 x 64, 128-byte swizzle
+    CUtensorMap y_map[MAX_GROUPS];  // Fprop: segment g's rows of y: (rows[g], Np) BF16, box 64 x 64, 128-byte swizzle;
+                                    // Wgrad: segment g's dW (N, K) FP32, box 32 x 64
     const float *sa[MAX_GROUPS];    // A's scales of segment g: Fprop [KB][t16[g]], Wgrad [tiles_g][N]
     const float *sb[MAX_GROUPS];    // B's: Fprop weight g's block scales (NB, KB4); Wgrad [tiles_g][K]
-    float *dw[MAX_GROUPS];          // Wgrad: segment g's gradient (N, K), added to
     int units0[MAX_GROUPS + 1];     // first unit (output tile) of each segment
     int a_row0[MAX_GROUPS];         // Fprop: P16_g, the segment's first row in qx; Wgrad: 0
     int sa_ld[MAX_GROUPS];          // floats from one K block's A scales to the next: Fprop t16[g] (the segment's
@@ -192,6 +195,12 @@ __device__ __forceinline__ void tma_store_2d(const CUtensorMap *map, uint32_t sr
 }
 __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
 // Waits until this thread's bulk groups have read their shared memory (READ) or are complete.
+// Adds the box at shared address src into the tensor at (c0, c1), in L2 (one FP32 add per element, RN).
+__device__ __forceinline__ void tma_reduce_add_2d(const CUtensorMap *map, uint32_t src, int c0, int c1) {
+    asm volatile("cp.reduce.async.bulk.tensor.2d.global.shared::cta.add.tile.bulk_group [%0, {%1, %2}], [%3];\n"
+                 ::"l"((uint64_t)map), "r"(c0), "r"(c1), "r"(src)
+                 : "memory");
+}
 template <bool READ> __device__ __forceinline__ void bulk_wait() {
     if constexpr (READ) asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
     else asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
@@ -244,41 +253,6 @@ template <int HALVES>
 __device__ __forceinline__ void first_weight_scales(const GroupedParams &p, int g, int nb, float *sb) {
 #pragma unroll
     for (int h = 0; h < HALVES; h++) sb[h] = __ldg(p.sb[g] + (nb * HALVES + h) * p.kb4);
-}
-
-// The Wgrad's epilogue: dW += fin for a consumer thread's elements - rows row_a and row_a + 8 of dw (row stride ld),
-// columns col0 + 8j + c0 and + 1 (fin[4j..4j+3] as the accumulator layout holds them, j < NJ) - only rows < row_lim
-// and columns < col_lim (an even limit: pairs are written whole). In chunks of 8 column groups whose old values are
-// loaded before any is stored (all at once would spill; an L2 prefetch of them at the tile's start made no
-// difference); a warp's access is 8 rows of 32 contiguous bytes, whole sectors.
-template <int NJ>
-__device__ __forceinline__ void add_to_dw(float *dw, int row_a, int row_lim, int col0, int c0, int col_lim, int ld,
-                                          const float *fin) {
-    const int row_b = row_a + 8;
-    const bool in_a = row_a < row_lim, in_b = row_b < row_lim;
-#pragma unroll
-    for (int h = 0; h < NJ / 8; h++) {
-        float2 old[16];
-#pragma unroll
-        for (int jj = 0; jj < 8; jj++) {
-            const int col = col0 + 8 * (8 * h + jj) + c0;
-            const bool in_cols = col < col_lim;
-            const float2 zero = make_float2(0.0f, 0.0f);
-            old[2 * jj] = in_cols && in_a ? *reinterpret_cast<const float2 *>(dw + (size_t)row_a * ld + col) : zero;
-            old[2 * jj + 1] = in_cols && in_b ? *reinterpret_cast<const float2 *>(dw + (size_t)row_b * ld + col) : zero;
-        }
-#pragma unroll
-        for (int jj = 0; jj < 8; jj++) {
-            const int j = 8 * h + jj, col = col0 + 8 * j + c0;
-            if (col >= col_lim) continue;
-            if (in_a)
-                *reinterpret_cast<float2 *>(dw + (size_t)row_a * ld + col) =
-                    make_float2(old[2 * jj].x + fin[4 * j + 0], old[2 * jj].y + fin[4 * j + 1]);
-            if (in_b)
-                *reinterpret_cast<float2 *>(dw + (size_t)row_b * ld + col) =
-                    make_float2(old[2 * jj + 1].x + fin[4 * j + 2], old[2 * jj + 1].y + fin[4 * j + 3]);
-        }
-    }
 }
 
 // ---------------------------------------------------------------------------- the kernel
@@ -416,8 +390,34 @@ __global__ void __launch_bounds__(THREADS, 1) fp8_grouped_gemm_kernel(const __gr
                 if constexpr (!WGRAD) first_weight_scales<HALVES>(p, g, nb, sb_next);
             }
             if constexpr (WGRAD) {
-                add_to_dw<16 * HALVES>(p.dw[tile_g], row_in_seg + r0, p.out_rows, tile_nb * TN, c0, p.out_cols,
-                                       p.out_cols, fin);
+                // dW += fin through TMA reduce-adds: the warpgroup's 64 rows in passes of PW columns staged in FP32
+                // boxes of 64 rows x 32 columns (128-byte swizzle), each added into dW in L2 while the next pass (or
+                // the next tile's products) runs; TMA drops what lies past dW's rows and columns
+                constexpr int PW = (int)(WG_OUT / (64 * 4)), PASSES = TN / PW;
+#pragma unroll
+                for (int pass = 0; pass < PASSES; pass++) {
+                    if (issuer) bulk_wait<true>();  // the previous adds have read the staging boxes
+                    named_barrier(1 + cw, 128);
+#pragma unroll
+                    for (int jj = 0; jj < PW / 8; jj++) {
+                        const int j = pass * (PW / 8) + jj, bc = 8 * (jj & 3) + c0;  // column within its box
+                        unsigned char *box = out_ptr + (jj >> 2) * 8192;
+                        const int chunk = bc >> 2, off = (bc & 3) * 4;
+                        *reinterpret_cast<float2 *>(box + r0 * 128 + ((chunk ^ (r0 & 7)) << 4) + off) =
+                            make_float2(fin[4 * j + 0], fin[4 * j + 1]);
+                        *reinterpret_cast<float2 *>(box + (r0 + 8) * 128 + ((chunk ^ ((r0 + 8) & 7)) << 4) + off) =
+                            make_float2(fin[4 * j + 2], fin[4 * j + 3]);
+                    }
+                    fence_proxy_async();
+                    named_barrier(1 + cw, 128);
+                    if (issuer) {
+#pragma unroll
+                        for (int b = 0; b < PW / 32; b++)
+                            tma_reduce_add_2d(&p.y_map[tile_g], out + b * 8192, tile_nb * TN + pass * PW + 32 * b,
+                                              row_in_seg);
+                        bulk_commit();
+                    }
+                }
                 continue;
             }
             // epilogue: BF16 into TN / 64 boxes of 64 x 64 in TMA's 128-byte swizzle (chunk c of row r at c ^ (r % 8):
@@ -444,7 +444,7 @@ __global__ void __launch_bounds__(THREADS, 1) fp8_grouped_gemm_kernel(const __gr
                 bulk_commit();
             }
         }
-        if (!WGRAD && issuer) bulk_wait<false>();  // the last stores done before the CTA's shared memory goes
+        if (issuer) bulk_wait<false>();  // the last stores done before the CTA's shared memory goes
     }
 }
 
@@ -617,7 +617,9 @@ extern "C" void cuda_fp8_grouped_wgrad(float *dw, const uint8_t *qdyt, const flo
                    "a segment's dY codes qdyt");
         encode_map(&p.b[n], CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, qxt + (size_t)K * BK * t0, K, Tp, Tp, BK, tn, op,
                    "a segment's X codes qxt");
-        p.sa[n] = sdyt + (size_t)N * t0, p.sb[n] = sxt + (size_t)K * t0, p.dw[n] = dw + (size_t)g * N * K;
+        p.sa[n] = sdyt + (size_t)N * t0, p.sb[n] = sxt + (size_t)K * t0;
+        encode_map(&p.y_map[n], CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, dw + (size_t)g * N * K, N, K, K, 32, 64, op,
+                   "a segment's dw");
         p.a_row0[n] = 0, p.sa_ld[n] = N, p.kblocks[n] = tiles;
         p.units0[n + 1] = p.units0[n] + MB * p.units_n;
         if (++n == MAX_GROUPS) {

@@ -868,8 +868,9 @@ extern "C" void cuda_fp8_gemm_dgrad_bf16(uint16_t *dx, const uint8_t *qdy, const
 // fp8_gemm_dgrad_grouped*) run each matrix's GEMMs over all segments as one launch of fp8moe's own grouped kernel
 // (fp8_grouped_gemm.cu), or, with FP8MOE_GROUPED_GEMM=cublaslt, as one cuBLASLt GEMM per segment on the lanes.
 // The Wgrads (fp8_gemm_wgrad_grouped) stay on cuBLASLt either way: the own kernel's Wgrad form
-// (cuda_fp8_grouped_wgrad) measured 0.91-0.96x cuBLASLt on an H200 in its wide form, and the model's step 3.9% slower
-// with every Wgrad on it (docs/benchmarks.md, 2026-12-06); it is run only by its test and `fp8moe bench gemm`.
+// (cuda_fp8_grouped_wgrad) measured 0.98-0.99x cuBLASLt on an H200 in its wide form, and the model's step was 1.3%
+// slower with the routed experts' Wgrads on it, 3.9% with every Wgrad (docs/benchmarks.md, 2026-12-06); it is run
+// only by its test and `fp8moe bench gemm`.
 // Both compute each 128-deep block's tensor-core sum and promote it as fma(P, s_x s_w, acc) in block order and should
 // give the same bits (tests/gpu/test_gpu_grouped_gemm.c requires it, and it held for every form on an H200 and an
 // H100). The own kernel is the default: it pays no launch per segment, keeps the SMs busy across segments and, in
