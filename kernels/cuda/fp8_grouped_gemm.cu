@@ -58,10 +58,10 @@
  * staging fill the shared memory.
  *
  * Tensor maps (cuTensorMapEncodeTiled, reached through cudaGetDriverEntryPointByVersion: no -lcuda) are built on the
- * host per call - Fprop/Dgrad: one for X and two per non-empty segment (its weight, its rows of y); Wgrad: three per
- * non-empty segment (its dY and X codes, its dW) - and passed in the kernel's __grid_constant__ parameter (about 27 KB, room
- * for the Wgrad's per-segment A maps; the Fprop uses a[0] of them); up to MAX_GROUPS segments per launch, more
- * segments take more launches.
+ * host per call - Fprop/Dgrad: one for X and two per non-empty segment (its weight, its rows of y); Wgrad: three
+ * per non-empty segment (its dY and X codes, its dW) - and passed in the kernel's __grid_constant__ parameter (about
+ * 27 KB, room for the Wgrad's per-segment A maps; the Fprop uses a[0] of them); up to MAX_GROUPS segments per
+ * launch, more segments take more launches.
  *
  * Numerics against the CPU reference (kernels/cpu/fp8.c: P exact, then acc = acc + ((float)P s_x) s_w): the
  * tensor cores add a block's products in reduced precision (DESIGN.md section 4: within 2^-10 sum |a s_a b s_b|),
@@ -401,7 +401,7 @@ __global__ void __launch_bounds__(THREADS, 1) fp8_grouped_gemm_kernel(const __gr
 #pragma unroll
                     for (int jj = 0; jj < PW / 8; jj++) {
                         const int j = pass * (PW / 8) + jj, bc = 8 * (jj & 3) + c0;  // column within its box
-                        unsigned char *box = out_ptr + (jj >> 2) * 8192;
+                        unsigned char *box = out_ptr + (jj >> 2) * OUT_BOX_BYTES;  // 64 rows of 128 bytes too
                         const int chunk = bc >> 2, off = (bc & 3) * 4;
                         *reinterpret_cast<float2 *>(box + r0 * 128 + ((chunk ^ (r0 & 7)) << 4) + off) =
                             make_float2(fin[4 * j + 0], fin[4 * j + 1]);
@@ -413,8 +413,8 @@ __global__ void __launch_bounds__(THREADS, 1) fp8_grouped_gemm_kernel(const __gr
                     if (issuer) {
 #pragma unroll
                         for (int b = 0; b < PW / 32; b++)
-                            tma_reduce_add_2d(&p.y_map[tile_g], out + b * 8192, tile_nb * TN + pass * PW + 32 * b,
-                                              row_in_seg);
+                            tma_reduce_add_2d(&p.y_map[tile_g], out + b * OUT_BOX_BYTES,
+                                              tile_nb * TN + pass * PW + 32 * b, row_in_seg);
                         bulk_commit();
                     }
                 }
@@ -444,7 +444,7 @@ __global__ void __launch_bounds__(THREADS, 1) fp8_grouped_gemm_kernel(const __gr
                 bulk_commit();
             }
         }
-        if (issuer) bulk_wait<false>();  // the last stores done before the CTA's shared memory goes
+        if (issuer) bulk_wait<false>();  // the last stores (adds) done before the CTA's shared memory goes
     }
 }
 

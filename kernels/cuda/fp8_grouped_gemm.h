@@ -46,8 +46,9 @@ void cuda_fp8_grouped_gemm_bf16(uint16_t *y, int y_rows_padded, const uint8_t *q
 // Arithmetic: per output tile (128 x 256 in the wide form where K / 128 is even, else 128 x 128: the same bits) and
 // token tile kb, the tile's sum P of E4M3 products on the tensor cores,
 // then acc = fma(P, s_dy[n][kb] * s_x[k][kb], acc) in FP32 registers, kb in order from acc = 0; dw = dw + acc (one
-// FP32 add per element, made in L2 by a TMA reduce-add of the tile that owns it: deterministic, no atomics). N and K must be multiples of
-// 4 (16-byte rows of scales) and every pointer 16-byte aligned; stops the process naming the argument otherwise.
+// FP32 add per element, made in L2 by a TMA reduce-add of the tile that owns it: deterministic, no atomics). N and
+// K must be multiples of 4 (16-byte rows of scales) and every pointer 16-byte aligned; stops the process naming the
+// argument otherwise.
 void cuda_fp8_grouped_wgrad(float *dw, const uint8_t *qdyt, const float *sdyt, const uint8_t *qxt, const float *sxt,
                             int n_seg, const int *rows0, int N, int K);
 
