@@ -115,8 +115,8 @@ struct GroupedParams {
                                     // Wgrad: segment g's dY^T codes (N rows, 128 tiles_g) bytes, box 128 x BM
     CUtensorMap b[MAX_GROUPS];      // Fprop: weight g (Np, Kp) bytes; Wgrad: segment g's X^T codes (K rows, 128
                                     // tiles_g); box 128 x 128
-    CUtensorMap y_map[MAX_GROUPS];  // Fprop: segment g's rows of y: (rows[g], Np) BF16, box 64 x 64, 128-byte swizzle;
-                                    // Wgrad: segment g's dW (N, K) FP32, box 32 x 64
+    CUtensorMap out_map[MAX_GROUPS];  // the output, 128-byte swizzle: Fprop segment g's rows of y (rows[g], Np) BF16,
+                                      // box 64 x 64; Wgrad segment g's dW (N, K) FP32, box 32 x 64
     const float *sa[MAX_GROUPS];    // A's scales of segment g: Fprop [KB][t16[g]], Wgrad [tiles_g][N]
     const float *sb[MAX_GROUPS];    // B's: Fprop weight g's block scales (NB, KB4); Wgrad [tiles_g][K]
     int units0[MAX_GROUPS + 1];     // first unit (output tile) of each segment
@@ -413,7 +413,7 @@ __global__ void __launch_bounds__(THREADS, 1) fp8_grouped_gemm_kernel(const __gr
                     if (issuer) {
 #pragma unroll
                         for (int b = 0; b < PW / 32; b++)
-                            tma_reduce_add_2d(&p.y_map[tile_g], out + b * OUT_BOX_BYTES,
+                            tma_reduce_add_2d(&p.out_map[tile_g], out + b * OUT_BOX_BYTES,
                                               tile_nb * TN + pass * PW + 32 * b, row_in_seg);
                         bulk_commit();
                     }
@@ -439,7 +439,7 @@ __global__ void __launch_bounds__(THREADS, 1) fp8_grouped_gemm_kernel(const __gr
             if (issuer && row_in_seg < p.rows[tile_g]) {
 #pragma unroll
                 for (int b = 0; b < TN / 64; b++)
-                    tma_store_2d(&p.y_map[tile_g], out + b * OUT_BOX_BYTES, tile_nb * TN + 64 * b,
+                    tma_store_2d(&p.out_map[tile_g], out + b * OUT_BOX_BYTES, tile_nb * TN + 64 * b,
                                  row_in_seg);
                 bulk_commit();
             }
@@ -540,6 +540,10 @@ static void launch(const GroupedParams &p, int form, bool wgrad) {
 
 }  // namespace
 
+// The form a call runs for an output of `blocks` 128-column blocks: the chosen one, or the 128 x 128 form for an odd
+// count (the two-block form needs pairs of blocks).
+static int form_for(int blocks) { return blocks % 2 == 0 ? form_chosen : FP8_GROUPED_SINGLE; }
+
 extern "C" int cuda_fp8_grouped_gemm_form(int form) {
     if (form != FP8_GROUPED_SINGLE && form != FP8_GROUPED_WIDE)
         grouped_fail(__LINE__, "cuda_fp8_grouped_gemm_form",
@@ -558,8 +562,7 @@ extern "C" void cuda_fp8_grouped_gemm_bf16(uint16_t *y, int y_rows_padded, const
     runtime_init(op);
     require_aligned16(y, op, "y"), require_aligned16(qx, op, "qx"), require_aligned16(sx, op, "sx");
     const int KB = (K + BK - 1) / BK, Kp = KB * BK, NB = (N + BN - 1) / BN, KB4 = (KB + 3) / 4 * 4;
-    const int form = NB % 2 == 0 ? form_chosen : FP8_GROUPED_SINGLE;  // the two-block forms need pairs of blocks
-    const int tn = form == FP8_GROUPED_WIDE ? 2 * BN : BN;
+    const int form = form_for(NB), tn = form == FP8_GROUPED_WIDE ? 2 * BN : BN;
     static GroupedParams p;  // 27 KB: not on the stack; one host thread drives the GPU (gemm.cu's rule too)
     memset(&p, 0, sizeof p);
     encode_map(&p.a[0], CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, qx, seg.p16[n_seg], Kp, Kp, BK, BM, op, "qx");
@@ -575,8 +578,8 @@ extern "C" void cuda_fp8_grouped_gemm_bf16(uint16_t *y, int y_rows_padded, const
         require_aligned16(qw[g], op, "qw[g]");
         encode_map(&p.b[n], CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, qw[g], Np, Kp, Kp, BK, tn, op, "a weight qw[g]");
         const int y_row = y_rows_padded ? seg.p16[g] : rows0[g];
-        encode_map(&p.y_map[n], CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, y + (size_t)y_row * Np, rows, Np, Np, 64, 64, op,
-                   "a segment's rows of y");
+        encode_map(&p.out_map[n], CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, y + (size_t)y_row * Np, rows, Np, Np, 64, 64,
+                   op, "a segment's rows of y");
         p.sa[n] = sx + (size_t)KB * seg.p16[g], p.sb[n] = sw[g];
         p.a_row0[n] = seg.p16[g], p.sa_ld[n] = seg.p16[g + 1] - seg.p16[g], p.kblocks[n] = KB, p.rows[n] = rows;
         p.units0[n + 1] = p.units0[n] + (rows + BM - 1) / BM * p.units_n;
@@ -604,8 +607,7 @@ extern "C" void cuda_fp8_grouped_wgrad(float *dw, const uint8_t *qdyt, const flo
     require_aligned16(dw, op, "dw"), require_aligned16(qdyt, op, "qdyt"), require_aligned16(sdyt, op, "sdyt");
     require_aligned16(qxt, op, "qxt"), require_aligned16(sxt, op, "sxt");
     const int MB = (N + BM - 1) / BM, NB = (K + BN - 1) / BN;
-    const int form = NB % 2 == 0 ? form_chosen : FP8_GROUPED_SINGLE;  // the two-block forms need pairs of blocks
-    const int tn = form == FP8_GROUPED_WIDE ? 2 * BN : BN;
+    const int form = form_for(NB), tn = form == FP8_GROUPED_WIDE ? 2 * BN : BN;
     static GroupedParams p;  // 27 KB: not on the stack; one host thread drives the GPU (gemm.cu's rule too)
     memset(&p, 0, sizeof p);
     p.units_n = NB * BN / tn, p.out_rows = N, p.out_cols = K;
@@ -618,7 +620,7 @@ extern "C" void cuda_fp8_grouped_wgrad(float *dw, const uint8_t *qdyt, const flo
         encode_map(&p.b[n], CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, qxt + (size_t)K * BK * t0, K, Tp, Tp, BK, tn, op,
                    "a segment's X codes qxt");
         p.sa[n] = sdyt + (size_t)N * t0, p.sb[n] = sxt + (size_t)K * t0;
-        encode_map(&p.y_map[n], CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, dw + (size_t)g * N * K, N, K, K, 32, 64, op,
+        encode_map(&p.out_map[n], CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, dw + (size_t)g * N * K, N, K, K, 32, 64, op,
                    "a segment's dw");
         p.a_row0[n] = 0, p.sa_ld[n] = N, p.kblocks[n] = tiles;
         p.units0[n + 1] = p.units0[n] + MB * p.units_n;
