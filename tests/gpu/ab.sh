@@ -74,19 +74,7 @@ same_bits() {
   [ "${AB_BITS:-1}" = 1 ] || return 0
   local label
   for label in new base; do echo "bits: $label: $(tail -n 1 "$OUT/ab_${label}_bits.log" 2> /dev/null)"; done
-  python3 - "$OUT/ab_new_metrics.jsonl" "$OUT/ab_base_metrics.jsonl" <<'PY'
-import json, sys
-def rows(p):
-    try: return [json.loads(l) for l in open(p) if '"type":"step"' in l]
-    except OSError: return None
-new, base = rows(sys.argv[1]), rows(sys.argv[2])
-if not new or not base: sys.exit("bits: a tree's training metrics are missing (see ab_new_bits.log, ab_base_bits.log)")
-keys = [k for k in ("loss", "mtp_loss", "balance_loss", "grad_norm", "load_max_mean") if k in new[0]]
-diff = [(a["step"], k, a[k], b[k]) for a, b in zip(new, base) for k in keys if a[k] != b[k]]
-if len(new) != len(base): print(f"bits: new has {len(new)} steps, base {len(base)}: DIFFERENT")
-elif diff: print("bits: new and base DIFFERENT, first at step %d %s: %r vs %r" % diff[0])
-else: print(f"bits: new and base bitwise identical over {len(new)} steps ({', '.join(keys)})")
-PY
+  python3 tests/gpu/same_metrics.py "bits: new and base" "$OUT/ab_new_metrics.jsonl" "$OUT/ab_base_metrics.jsonl"
 }
 
 swap_in_base() {  # the working tree's versions go to $AB/new, the base's come in; added files move aside

@@ -22,14 +22,4 @@ if [ -n "${OUT:-}" ]; then  # to compare with other builds
   tag=$(printf '%s' "$*" | tr -c 'A-Za-z0-9.' '_' | sed 's/^_*//')
   cp "$TMP/a/metrics.jsonl" "$OUT/determinism_metrics${tag:+_$tag}.jsonl"
 fi
-python3 - "$TMP/a/metrics.jsonl" "$TMP/b/metrics.jsonl" "$STEPS" <<'PY'
-import json, sys
-def rows(p): return [json.loads(l) for l in open(p) if '"type":"step"' in l]
-a, b, n = rows(sys.argv[1]), rows(sys.argv[2]), int(sys.argv[3])
-keys = [k for k in ("loss", "mtp_loss", "balance_loss", "grad_norm", "load_max_mean") if k in a[0]]
-same = len(a) == len(b) == n and all(x[k] == y[k] for x, y in zip(a, b) for k in keys)
-print(f"determinism: {n} steps, fields {keys}: " + ("bitwise identical" if same else "DIFFERENT"))
-for x, y in zip(a, b):
-    if any(x[k] != y[k] for k in keys): print("  step", x["step"], {k: (x[k], y[k]) for k in keys})
-sys.exit(0 if same else 1)
-PY
+python3 tests/gpu/same_metrics.py determinism "$TMP/a/metrics.jsonl" "$TMP/b/metrics.jsonl" "$STEPS"
