@@ -486,7 +486,8 @@ static void test_grouped_wgrad(void **state) {
     snprintf(shape, sizeof shape, "W %d seg %d x %d x %d", o.n, o.N, o.K, o.T);
     printf("%-15s %-14s %-30s %10s %9.4f %8.3f%% %9.4f %8.3f%% %6lld  %-5s %-5s %s  (cuBLASLt vs cpu %.4f)\n", c->name,
            ceil_div(o.K, FP8_TILE) % 2 == 0 ? "wide" : "single (odd)", shape, "", r_cpu, 100.0 * eq_cpu, r_lt,
-           100.0 * eq_lt, (long long)untouched, repeat ? "yes" : "NO", same_forms ? "yes" : "NO", ok ? "ok" : "FAIL", r_lt_cpu);
+           100.0 * eq_lt, (long long)untouched, repeat ? "yes" : "NO", same_forms ? "yes" : "NO", ok ? "ok" : "FAIL",
+           r_lt_cpu);
     fflush(stdout);
     free(own[0]), free(own[1]), free(own_single), free(lt), free(dw_cpu), free(S);
     wgrad_operands_free(&o);
