@@ -233,9 +233,9 @@ typedef struct {
 // The quantisers divide by a tile's scale through a reciprocal and an FMA correction instead of an IEEE division
 // (fp8_quant.cu fp8_div); the bit-exact CPU comparisons below need it to give the E4M3 code of __fdiv_rn's quotient
 // for every element a tile can hold (|x| <= 448 s). Checked here for every FP32 significand of the scale, with 64
-// pseudo-random x each (either sign, |x| / s from 2^-71 to 448, signed zeros; s from 2^-30 to 2^31, inside and
-// outside the range the fast path serves): 2^29 codes, none may differ, nor the FP32 quotient where the fast path
-// claims its bits (|x| >= 2^-40).
+// pseudo-random x each (either sign, |x| / s from 2^-71 to 448, signed zeros; s from 2^-100 to 2^119, inside and
+// outside the range the fast path serves, which starts at 2^-90): 2^29 codes, none may differ, nor the FP32 quotient
+// where the fast path claims its bits (quotients >= 2^-12).
 static void test_division_matches_ieee(void **state) {
     (void)state;
     const unsigned long long mismatches = cuda_fp8_division_mismatches(64);
