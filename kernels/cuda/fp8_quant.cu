@@ -71,11 +71,10 @@ __device__ inline Fp8Divisor fp8_divisor(float s) { return Fp8Divisor{s, __frcp_
 // has the division's FP32 bits. A smaller one, true or computed (the latter within a few ulps of the former), lies
 // below E4M3's half-subnormal 2^-10: both encode as a zero of x's sign, which copysignf keeps where the correction
 // would lose it (x = -0 gives +0 from the FMAs). So no element needs a range test, only the tile's scale: the IEEE
-// division serves tiles with s outside the range (amax below about 2^-81, or non-finite). The range's low end
-// matters: gradients are small (a CPU step of bench-1gpu's model at 2048 tokens made 1.86 M of its 6.85 M tile scales
-// below 2^-20, down to 2^-43; a step of 16 x 2048 tokens has gradients 16 times smaller), and a range that started
-// at 2^-20 sent those tiles through __fdiv_rn, element by element. tests/gpu/test_gpu_fp8.c compares
-// the codes with __fdiv_rn's for every FP32 significand of s, on both sides of 2^-90 (cuda_fp8_division_mismatches).
+// division serves tiles with s outside the range (amax below about 2^-81, or non-finite). The low end matters:
+// gradients' tiles have scales far below 2^-20, where an earlier range stopped (docs/fp8.md has the measurement).
+// tests/gpu/test_gpu_fp8.c compares the codes with __fdiv_rn's for every FP32 significand of s, on both sides of
+// 2^-90 (cuda_fp8_division_mismatches).
 __device__ inline float fp8_div_fast(float x, Fp8Divisor d) {
     const float q = __fmul_rn(x, d.r);
     return copysignf(__fmaf_rn(__fmaf_rn(-d.s, q, x), d.r, q), x);
