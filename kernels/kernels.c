@@ -724,6 +724,50 @@ void bf16_gemm_dgrad_grouped(Device dev, real *dx, GradStore store, const DgradU
     }
 }
 
+void bf16_gemm_fprop_grouped_bf16(Device dev, uint16_t *y, const uint16_t *x, const uint16_t *const *w, int n_seg,
+                                  const int *rows0, int N, int K) {
+#ifdef FP8MOE_CUDA
+    if (dev == DEVICE_CUDA) { cuda_bf16_gemm_fprop_grouped_bf16(y, x, w, n_seg, rows0, N, K); return; }
+#endif
+    if (dev != DEVICE_CPU) no_cuda_op("bf16_gemm_fprop_grouped_bf16");
+    cpu_bf16_gemm_fprop_grouped_bf16(y, x, w, n_seg, rows0, N, K);
+}
+
+void bf16_gemm_dgrad_grouped_bf16(Device dev, uint16_t *dx, const uint16_t *dy, const uint16_t *const *w, int n_seg,
+                                  const int *rows0, int N, int K) {
+#ifdef FP8MOE_CUDA
+    if (dev == DEVICE_CUDA) { cuda_bf16_gemm_dgrad_grouped_bf16(dx, dy, w, n_seg, rows0, N, K); return; }
+#endif
+    if (dev != DEVICE_CPU) no_cuda_op("bf16_gemm_dgrad_grouped_bf16");
+    cpu_bf16_gemm_dgrad_grouped_bf16(dx, dy, w, n_seg, rows0, N, K);
+}
+
+void swiglu_forward_bf16(Device dev, uint16_t *h, const uint16_t *a, const uint16_t *b, int rows, int width) {
+#ifdef FP8MOE_CUDA
+    if (dev == DEVICE_CUDA) { cuda_swiglu_forward_bf16(h, a, b, rows, width); return; }
+#endif
+    if (dev != DEVICE_CPU) no_cuda_op("swiglu_forward_bf16");
+    cpu_swiglu_forward_bf16(h, a, b, rows, width);
+}
+
+void swiglu_backward_bf16(Device dev, uint16_t *h, uint16_t *da, uint16_t *db, const uint16_t *dh, const uint16_t *a,
+                          const uint16_t *b, int rows, int width) {
+#ifdef FP8MOE_CUDA
+    if (dev == DEVICE_CUDA) { cuda_swiglu_backward_bf16(h, da, db, dh, a, b, rows, width); return; }
+#endif
+    if (dev != DEVICE_CPU) no_cuda_op("swiglu_backward_bf16");
+    cpu_swiglu_backward_bf16(h, da, db, dh, a, b, rows, width);
+}
+
+void moe_combine_grad_bf16(Device dev, uint16_t *dy, const real *dout, const real *topk_w, const int *slot_of, int N,
+                           int K, int C) {
+#ifdef FP8MOE_CUDA
+    if (dev == DEVICE_CUDA) { cuda_moe_combine_grad_bf16(dy, dout, topk_w, slot_of, N, K, C); return; }
+#endif
+    if (dev != DEVICE_CPU) no_cuda_op("moe_combine_grad_bf16");
+    cpu_moe_combine_grad_bf16(dy, dout, topk_w, slot_of, N, K, C);
+}
+
 void bf16_gemm_wgrad(Device dev, real *dw, const uint16_t *dy, const uint16_t *x, int T, int N, int K) {
 #ifdef FP8MOE_CUDA
     if (dev == DEVICE_CUDA) { cuda_bf16_gemm_wgrad(dw, dy, x, T, N, K); return; }

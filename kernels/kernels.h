@@ -506,6 +506,31 @@ void bf16_gemm_dgrad_grouped(Device dev, real *dx, GradStore store, const DgradU
 void bf16_gemm_wgrad(Device dev, real *dw, const uint16_t *dy, const uint16_t *x, int T, int N, int K);
 void bf16_gemm_wgrad_grouped(Device dev, real *dw, const uint16_t *dy, const uint16_t *x, int n_seg, const int *rows0,
                              int N, int K);
+// The bf16 mode's SwiGLU FFNs (train/linear.c) keep their BF16 products as they are, in the layout of the
+// *_grouped_bf16 GEMMs above (bf16_rows_ld: rows of round_up(cols, 128), 15 rows of scratch after the last), and
+// round each GEMM operand in the pass that computes it:
+//   bf16_gemm_fprop_grouped_bf16: y (that layout, N columns) row rows0[g] + r = the BF16 value bf16_gemm_fprop_grouped
+//                                 writes there (columns N.. are not written): the gate's a and b, the routed experts'
+//                                 outputs.
+//   bf16_gemm_dgrad_grouped_bf16: one matrix's Dgrad, dx (that layout, K columns) = the BF16 value
+//                                 bf16_gemm_dgrad_grouped writes with GRAD_WRITE: w2's input gradient d_h.
+//   swiglu_forward_bf16:          h (rows, width) packed = bf16(swiglu_forward(a, b)), a and b in that layout.
+//   swiglu_backward_bf16:         da, db (rows, width) packed = bf16 of swiglu_backward(dh, a, b)'s da and db, and,
+//                                 when h is not NULL, h as swiglu_forward_bf16 writes it (w2's Wgrad operand, from
+//                                 the same read of a and b); dh, a, b in that layout.
+//   moe_combine_grad_bf16:        dy (N K, C) packed row slot_of[t K + k] = bf16(topk_w[t K + k] dout[t]): the rows
+//                                 moe_combine_backward writes into dexpert_out, rounded (w2's dY of the routed
+//                                 experts).
+// Each the bits of the FP32 op followed by bf16_round_array.
+void bf16_gemm_fprop_grouped_bf16(Device dev, uint16_t *y, const uint16_t *x, const uint16_t *const *w, int n_seg,
+                                  const int *rows0, int N, int K);
+void bf16_gemm_dgrad_grouped_bf16(Device dev, uint16_t *dx, const uint16_t *dy, const uint16_t *const *w, int n_seg,
+                                  const int *rows0, int N, int K);
+void swiglu_forward_bf16(Device dev, uint16_t *h, const uint16_t *a, const uint16_t *b, int rows, int width);
+void swiglu_backward_bf16(Device dev, uint16_t *h, uint16_t *da, uint16_t *db, const uint16_t *dh, const uint16_t *a,
+                          const uint16_t *b, int rows, int width);
+void moe_combine_grad_bf16(Device dev, uint16_t *dy, const real *dout, const real *topk_w, const int *slot_of, int N,
+                           int K, int C);
 
 // ---------------------------------------------------------------------------- optimizer
 // AdamW on n elements with BF16 moments m, v (uint16 bit patterns, round-to-nearest-even on store).

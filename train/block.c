@@ -73,10 +73,11 @@ static void mla_acts_alloc(ActsArena *ar, MlaActs *a, const Dims *d, const Layer
 }
 
 // rows of x in n_groups groups (the routed experts: their local experts' segments, x read through the routing
-// plan and not kept); keep (fp8 mode): keep the Wgrad operands, and the gate's inputs in BF16.
+// plan and not kept); keep (fp8 mode): keep the Wgrad operands; gate16 (linear_gate_in_bf16): the gate's inputs in
+// BF16.
 static void ffn_acts_alloc(ActsArena *ar, FfnActs *a, int64_t rows, int n_groups, int D, int width,
-                           const LayerScratch *s, int keep) {
-    if (keep) {  // fp8: the Fprops' BF16 products, with 15 rows of scratch (kernels.h fp8_gemm_fprop_grouped_bf16)
+                           const LayerScratch *s, int keep, int gate16) {
+    if (gate16) {  // the Fprops' BF16 products, with 15 rows of scratch (kernels.h fp8_gemm_fprop_grouped_bf16)
         const size_t bytes = (size_t)bf16_rows_elems(rows, width) * sizeof(uint16_t);
         a->gate.a16 = arena_alloc(ar, bytes), a->gate.b16 = arena_alloc(ar, bytes);
     } else {
@@ -88,7 +89,7 @@ static void ffn_acts_alloc(ActsArena *ar, FfnActs *a, int64_t rows, int n_groups
 }
 
 void block_acts_alloc(ActsArena *ar, BlockActs *a, const Dims *d, int is_moe, const LayerScratch *s,
-                      int keep_inputs, int bf16_expert_outputs) {
+                      int keep_inputs, int gate16, int bf16_expert_outputs) {
     int N = d->N, D = d->D;
     a->xn1 = s->t_xn;
     a->rstd1 = ARENA_REALS(ar, N);
@@ -97,7 +98,7 @@ void block_acts_alloc(ActsArena *ar, BlockActs *a, const Dims *d, int is_moe, co
     a->xn2 = s->t_xn;
     a->rstd2 = ARENA_REALS(ar, N);
     if (!is_moe) {
-        ffn_acts_alloc(ar, &a->ffn, N, 1, D, d->inter, s, keep_inputs);
+        ffn_acts_alloc(ar, &a->ffn, N, 1, D, d->inter, s, keep_inputs, gate16);
         return;
     }
     MoeActs *e = &a->moe;
@@ -114,7 +115,7 @@ void block_acts_alloc(ActsArena *ar, BlockActs *a, const Dims *d, int is_moe, co
     e->slot_of = ARENA_INTS(ar, NK);
     e->xp = s->t_xp;
     // the local experts' rows: this rank's own N x K at ep = 1, up to the EP group's N x K x ep (d->local_rows)
-    ffn_acts_alloc(ar, &e->experts, d->local_rows, d->E, D, d->I, s, keep_inputs);
+    ffn_acts_alloc(ar, &e->experts, d->local_rows, d->E, D, d->I, s, keep_inputs, gate16);
     if (bf16_expert_outputs)  // read by the combine and its backward in BF16 (moe.c)
         e->eout_bf16 = arena_alloc(ar, (size_t)bf16_rows_elems(NK, D) * sizeof(uint16_t));
     else
@@ -122,7 +123,7 @@ void block_acts_alloc(ActsArena *ar, BlockActs *a, const Dims *d, int is_moe, co
     // the routed experts copy their Fprop operand's rows from the shared expert's (linear.h SharedFprop); without
     // shared experts (moe.n_shared_experts = 0: no shared FFN runs, moe.c) they quantise their rows themselves
     if (d->shared_I > 0) {
-        ffn_acts_alloc(ar, &e->shared, N, 1, D, d->shared_I, s, keep_inputs);
+        ffn_acts_alloc(ar, &e->shared, N, 1, D, d->shared_I, s, keep_inputs, gate16);
         e->experts.x_fprop = e->shared.x_fprop = s->t_x_fprop;
     }
 }
@@ -135,7 +136,7 @@ static uint16_t *bf16_in_grad(ActsArena *ar, real *grad, int64_t grad_elems, int
 }
 
 void layer_scratch_alloc(ActsArena *ar, LayerScratch *s, const Dims *d, int has_moe, int needs_xp, int fp8_fused,
-                         int needs_d_eout, int shares_fprop) {
+                         int gate16, int needs_d_eout, int shares_fprop) {
     int64_t N = d->N, NH = (int64_t)d->N * d->H, NK = (int64_t)d->N * d->K;
     s->t_xn = ARENA_REALS(ar, N * d->D);
     s->t_rstd = ARENA_REALS(ar, N);
@@ -185,14 +186,14 @@ void layer_scratch_alloc(ActsArena *ar, LayerScratch *s, const Dims *d, int has_
                                          .C = d->D};
         }
     }
-    if (!fp8_fused) {
+    if (!gate16) {
         s->t_h = ARENA_REALS(ar, ffn_elems);
         s->d_a = ARENA_REALS(ar, ffn_elems);
         s->d_b = ARENA_REALS(ar, ffn_elems);
         s->d_h = ARENA_REALS(ar, ffn_elems);
         return;
     }
-    // fp8: d_h in BF16, rows + 15 rows of round_up(width, 128) for the largest FFN (linear.h SwigluScratch)
+    // d_h in BF16, rows + 15 rows of round_up(width, 128) for the largest FFN (linear.h SwigluScratch)
     int64_t d_h16 = bf16_rows_elems(N, d->inter);
     if (has_moe) {
         if (bf16_rows_elems(N, d->shared_I) > d_h16) d_h16 = bf16_rows_elems(N, d->shared_I);

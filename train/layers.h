@@ -66,11 +66,11 @@ typedef struct {
 } MlaActs;
 
 // ---------------------------------------------------------------------------- FFN and MoE
-// a = w1 x, b = w3 x (rows, width), kept for the backward (linear.h SwigluGate: FP32, or BF16 in fp8 mode); h =
-// silu(a) * b (rows, width) is transient: it points into the chunk's LayerScratch and ffn_backward recomputes it from
-// a and b (fp8 mode computes it in its quantisers and does not write it). fp8 mode keeps the Wgrad
-// operands of x (not for the routed experts, whose rows are read through the routing plan) and of h (linear.h
-// KeptInput; q NULL where nothing is kept).
+// a = w1 x, b = w3 x (rows, width), kept for the backward (linear.h SwigluGate: FP32, or BF16 in fp8 and bf16 modes);
+// h = silu(a) * b (rows, width) is transient: it points into the chunk's LayerScratch and ffn_backward recomputes it
+// from a and b (fp8 and bf16 modes compute it as an operand, in their quantisers or rounding, and do not write it).
+// fp8 mode keeps the Wgrad operands of x (not for the routed experts, whose rows are read through the routing plan)
+// and of h (linear.h KeptInput; q NULL where nothing is kept).
 // A MoE layer's shared and routed experts also share x's Fprop operand (fp8 with the experts reading token rows;
 // linear.h SharedFprop, a transient in the chunk's LayerScratch; q NULL otherwise): the shared expert writes it,
 // the routed experts copy their rows from it.
@@ -97,7 +97,7 @@ typedef struct {
     EpBuffers ep_buf;         // the local experts' rows after ep_dispatch
     FfnActs experts;          // (N*K, I)
     real *eout;               // (N*K, D) local expert outputs (NULL where eout_bf16 holds them)
-    uint16_t *eout_bf16;      // fp8 with one EP rank: w2's BF16 product (N*K + 15 rows of round_up(D, 128))
+    uint16_t *eout_bf16;      // fp8, bf16 with one EP rank: w2's BF16 product (N*K + 15 rows of round_up(D, 128))
     const real *eout_perm;    // expert outputs back in this rank's permuted order (after ep_combine)
     FfnActs shared;           // (N, shared_I)
 } MoeActs;
@@ -128,14 +128,14 @@ typedef struct {
     uint16_t *d_ckvn16, *d_cqn16;         // fp8_fused: d_ckvn and d_cqn (q_lora_rank > 0) as W_UKV's and W_UQ's
                                           // Dgrad products in BF16 (kernels.h rmsnorm_backward_bf16), likewise
     real *t_h;                            // FfnActs' h, sized for the largest FFN (dense, shared, N*K x I); NULL
-                                          // in fp8 mode, as d_a and d_b (linear.h SwigluScratch)
+                                          // with gate16, as d_a, d_b and d_h (linear.h SwigluScratch)
     real *t_xp;                           // MoeActs' xp (N*K, D), MoE chunks that gather it only
     real *d_xn;                           // (N, D)
     real *d_cq, *d_cqn, *d_qf;
     real *d_kva, *d_ckv, *d_ckvn, *d_k_rope, *d_k_rope_raw, *d_kv, *d_o;
     real *d_a, *d_b, *d_h;                // FFN gradients: dense / shared (N, width), all routed experts (N*K, I);
-                                          // bf16 and fp32 only
-    uint16_t *d_h16;                      // fp8: d_h in BF16 (linear.h SwigluScratch), the same rows + 15
+                                          // without gate16 only
+    uint16_t *d_h16;                      // gate16: d_h in BF16 (linear.h SwigluScratch), the same rows + 15
     real *d_logits, *d_scores, *d_topk_w; // router
     real *d_xp, *d_eout;                  // routed experts, (N*K, D); d_xp only where xp is gathered, d_eout
                                           // only where the combine backward writes it
@@ -144,19 +144,20 @@ typedef struct {
 
 // The chunk's scratch first, then each block's activations, whose transients point into it. The scratch's flags:
 // has_moe, any block of the chunk is a MoE block; needs_xp, its MoE blocks gather their experts' inputs
-// (!moe_experts_read_tokens); fp8_fused, the chunk runs fp8 mode's fused paths (linear_fp8_fused): the FFNs compute
-// their gate's h, d_a and d_b in the quantisers and keep d_h in BF16 (linear.h; bf16 and fp32 write them in FP32),
-// and MLA keeps its queries and keys/values as their projections' BF16 products (t_q16, t_kv16), and the attention
-// output's and the latents' gradients as their Dgrads' (d_o16, d_ckvn16, d_cqn16); needs_d_eout, the combine
-// backward writes the experts' output gradient (!moe_combine_grad_in_quantiser); shares_fprop, the MoE blocks'
+// (!moe_experts_read_tokens); fp8_fused, the chunk runs fp8 mode's fused paths (linear_fp8_fused): MLA keeps its
+// queries and keys/values as their projections' BF16 products (t_q16, t_kv16), and the attention output's and the
+// latents' gradients as their Dgrads' (d_o16, d_ckvn16, d_cqn16); gate16 (linear_gate_in_bf16: fp8 and bf16 modes),
+// the FFNs compute their gate's h, d_a and d_b as operands and keep d_h in BF16 (d_h16; linear.h; fp32 writes them
+// in FP32: t_h, d_a, d_b, d_h); needs_d_eout, the combine
+// backward writes the experts' output gradient (!moe_combine_grad_in_operand); shares_fprop, the MoE blocks'
 // experts share their input's Fprop operand (FfnActs). keep_inputs (fp8 mode): the blocks keep their Linear inputs'
-// Wgrad operands and their FFN gates' inputs in BF16 (MlaActs, FfnActs). bf16_expert_outputs
-// (moe_combine_grad_in_quantiser): the MoE blocks keep their routed experts' outputs as w2's BF16 product (eout_bf16)
+// Wgrad operands (MlaActs, FfnActs); gate16: their FFN gates' inputs in BF16 (FfnActs). bf16_expert_outputs
+// (moe_combine_grad_in_operand): the MoE blocks keep their routed experts' outputs as w2's BF16 product (eout_bf16)
 // instead of in FP32 (eout).
 void layer_scratch_alloc(ActsArena *arena, LayerScratch *s, const Dims *d, int has_moe, int needs_xp,
-                         int fp8_fused, int needs_d_eout, int shares_fprop);
+                         int fp8_fused, int gate16, int needs_d_eout, int shares_fprop);
 void block_acts_alloc(ActsArena *arena, BlockActs *a, const Dims *d, int is_moe, const LayerScratch *s,
-                      int keep_inputs, int bf16_expert_outputs);
+                      int keep_inputs, int gate16, int bf16_expert_outputs);
 
 // x_out (N, D) = block(x_in); a->x_in is set to x_in.
 void block_forward(Model *m, const BlockWeights *w, BlockActs *a, const Dims *d, const real *x_in,
@@ -186,9 +187,10 @@ void ffn_backward(Model *m, const FfnWeights *w, const FfnWeights *g, FfnActs *a
 // copy xp (top-K rows per token) is never written, in the forward or the backward, nor allocated. fp32 mode,
 // and EP, gather xp.
 int moe_experts_read_tokens(const Model *m);
-// Where the experts read the token rows in fp8 mode, their output gradient is read through the plan too (w2's dY
-// quantiser, linear.h CombineGrad): the combine backward's (N*K, D) d_eout is neither written nor allocated.
-int moe_combine_grad_in_quantiser(const Model *m);
+// Where the experts read the token rows in fp8 and bf16 modes (linear_gate_in_bf16), their output gradient is read
+// through the plan too (w2's dY quantiser or rounding, linear.h CombineGrad): the combine backward's (N*K, D) d_eout
+// is neither written nor allocated.
+int moe_combine_grad_in_operand(const Model *m);
 // residual (N, D) (or NULL) is added to out last, in the combine's pass: out = (shared + routed) + residual.
 void moe_forward(Model *m, const BlockWeights *w, MoeActs *a, const Dims *d, const real *x, const real *residual,
                  real *out);

@@ -328,11 +328,14 @@ static Fp8Operand kept_operand(const KeptInput *kept, GroupSizes z, int C) {
 static size_t bf16_bytes(int rows, int cols) { return pad_bytes((size_t)rows * cols * sizeof(uint16_t)); }
 
 // The most scratch one call of n_out Linears (OC, C) sharing an input on `rows` rows holds: bf16 the rounded
-// input and the rounded dYs (unpadded); fp8 the larger of a forward and a backward, its groups' padding adding
-// at most 15 rows (1x128) and one tile (128x1) per group of the `padded_groups`.
+// input and the rounded dYs (unpadded), and for a SwiGLU FFN's w1 and w3 (n_out = 2: C = D, OC = I) its whole
+// backward in bf16 mode (bf16_swiglu_backward: x and w2's dY, D wide, and h, da, db, I wide); fp8 the larger of a
+// forward and a backward, its groups' padding adding at most 15 rows (1x128) and one tile (128x1) per group of the
+// `padded_groups`.
 static size_t call_scratch_bytes(const RunCtx *rc, int rows, int padded_groups, int C, int OC, int n_out) {
     const size_t bf16 = bf16_bytes(rows, C) + (size_t)n_out * bf16_bytes(rows, OC);
-    if (rc->precision.mode == PRECISION_BF16) return bf16;
+    if (rc->precision.mode == PRECISION_BF16)
+        return n_out == 2 ? bf16 + bf16_bytes(rows, C) + bf16_bytes(rows, OC) : bf16;
     const GroupSizes z = {round_up(rows, 16) + 15 * padded_groups, ceil_div(rows, FP8_TILE) + padded_groups};
     const size_t f = fprop_bytes(z, C), b = backward_bytes(z, C, OC, n_out), fp8 = f > b ? f : b;
     return linear_fp8_fused(rc) || fp8 > bf16 ? fp8 : bf16;  // BF16 GEMM kinds use the bf16 mode's scratch
@@ -410,6 +413,8 @@ int linear_fp8_fused(const RunCtx *rc) {
     const PrecisionConfig *p = &rc->precision;
     return p->mode == PRECISION_FP8 && !p->bf16_fprop && !p->bf16_dgrad && !p->bf16_wgrad;
 }
+
+int linear_gate_in_bf16(const RunCtx *rc) { return linear_fp8_fused(rc) || rc->precision.mode == PRECISION_BF16; }
 
 // The bf16 mode's Linears (below), which fp8 mode also runs for the GEMM kinds a job asks in BF16.
 static void bf16_forward(RunCtx *rc, int n_groups, const int *offsets, int n_out, real *const *out, const real *inp,
@@ -763,6 +768,87 @@ static void bf16_backward(RunCtx *rc, int n_groups, const int *offsets, int n_ou
     }
 }
 
+// ---------------------------------------------------------------------------- bf16 SwiGLU FFNs
+// bf16 mode's FFNs in the form of fp8 mode's fused paths (linear_gate_in_bf16): a and b stay their Fprops' BF16
+// products, h, da and db are rounded in the passes that compute them (kernels.h swiglu_*_bf16), d_h stays w2's Dgrad
+// product, and the routed experts' output gradient is rounded as it is computed from the combine's (CombineGrad).
+// The GEMMs and their rounded operands are those bf16_forward / bf16_backward run on the FP32 arrays of
+// swiglu_forward / swiglu_backward, so the bits are theirs, without those arrays and their conversion passes.
+static void bf16_swiglu_forward(RunCtx *rc, int n_groups, const int *offsets, const FfnWeights *w, const real *x,
+                                const int *x_rows, const SwigluGate *gate, real *y, uint16_t *y_bf16, int D, int I) {
+    const int rows = offsets[n_groups];
+    const uint16_t *const *b = rc->weight_cache->b;
+    scratch_reserve(rc, bf16_bytes(rows, D) + bf16_bytes(rows, I));
+    size_t used = 0;
+    uint16_t *x16 = scratch_take(rc, &used, (size_t)rows * D * sizeof(uint16_t));
+    uint16_t *h16 = scratch_take(rc, &used, (size_t)rows * I * sizeof(uint16_t));
+    bf16_round_input(rc, x16, x, x_rows, rows, D);
+    group_weights(rc, 0, n_groups, offsets, w->w1, I, D);
+    bf16_gemm_fprop_grouped_bf16(rc->dev, gate->a16, x16, b, n_groups, offsets, I, D);
+    group_weights(rc, 0, n_groups, offsets, w->w3, I, D);
+    bf16_gemm_fprop_grouped_bf16(rc->dev, gate->b16, x16, b, n_groups, offsets, I, D);
+    swiglu_forward_bf16(rc->dev, h16, gate->a16, gate->b16, rows, I);
+    group_weights(rc, 0, n_groups, offsets, w->w2, D, I);
+    if (y_bf16) bf16_gemm_fprop_grouped_bf16(rc->dev, y_bf16, h16, b, n_groups, offsets, D, I);
+    else bf16_gemm_fprop_grouped(rc->dev, y, NULL, h16, b, n_groups, offsets, D, I);
+}
+
+static void bf16_swiglu_backward(RunCtx *rc, int n_groups, const int *offsets, const FfnWeights *w,
+                                 const FfnWeights *g, const SwigluGate *gate, const real *dy,
+                                 const CombineGrad *dy_combine, const real *x, const int *x_rows, real *dx,
+                                 GradStore dx_store, const DgradUnpermute *unpermute, uint16_t *d_h16, int D, int I) {
+    const int rows = offsets[n_groups];
+    const struct LinearWeightCache *c = rc->weight_cache;
+    scratch_reserve(rc, 2 * bf16_bytes(rows, D) + 3 * bf16_bytes(rows, I));
+    size_t used = 0;
+    // w2: its dY rounded (the routed experts': computed from the combine's gradient), its Dgrad left in BF16 (d_h)
+    uint16_t *dy16 = take_wgrad_bf16(rc, &used, (size_t)rows * D);
+    if (dy_combine) {
+        if (rows % dy_combine->topk != 0) {
+            fprintf(stderr, "fp8moe: train/linear.c: internal error: %d routed rows are not %d slots per token\n",
+                    rows, dy_combine->topk);
+            exit(1);
+        }
+        moe_combine_grad_bf16(rc->dev, dy16, dy_combine->d_out, dy_combine->topk_w, dy_combine->slot_of,
+                              rows / dy_combine->topk, dy_combine->topk, D);
+    } else {
+        bf16_round_array(rc->dev, dy16, dy, (int64_t)rows * D);
+    }
+    group_weights(rc, 0, n_groups, offsets, w->w2, D, I);
+    bf16_gemm_dgrad_grouped_bf16(rc->dev, d_h16, dy16, c->b, n_groups, offsets, D, I);
+    // h (w2's Wgrad operand), da and db (w1's and w3's dYs) in one pass over a, b and d_h
+    uint16_t *h16 = g->w2 ? take_wgrad_bf16(rc, &used, (size_t)rows * I) : NULL;
+    uint16_t *d_ab[2] = {take_wgrad_bf16(rc, &used, (size_t)rows * I), take_wgrad_bf16(rc, &used, (size_t)rows * I)};
+    swiglu_backward_bf16(rc->dev, h16, d_ab[0], d_ab[1], d_h16, gate->a16, gate->b16, rows, I);
+    if (g->w2) {
+        const WgradGemm w2 = {WGRAD_BF16, profile_current_phase(), g->w2, dy16, h16, NULL, NULL, n_groups, D, I,
+                              offsets};
+        run_or_record_wgrad(rc, &w2);
+    }
+    // w1 and w3: one Dgrad call, then their Wgrads
+    real *const g13[2] = {g->w1, g->w3};
+    const real *const w13[2] = {w->w1, w->w3};
+    uint16_t *x16 = NULL;
+    if (g13[0] || g13[1]) {
+        x16 = take_wgrad_bf16(rc, &used, (size_t)rows * D);
+        bf16_round_input(rc, x16, x, x_rows, rows, D);
+    }
+    if (dx) {
+        const uint16_t *dys[2] = {d_ab[0], d_ab[1]}, *const *ws[2];
+        for (int i = 0; i < 2; i++) {
+            group_weights(rc, i, n_groups, offsets, w13[i], I, D);
+            ws[i] = c->b + i * c->max_groups;
+        }
+        bf16_gemm_dgrad_grouped(rc->dev, dx, dx_store, unpermute, 2, dys, ws, n_groups, offsets, I, D);
+    }
+    for (int i = 0; i < 2; i++) {
+        if (g13[i] == NULL) continue;
+        const WgradGemm wi = {WGRAD_BF16, profile_current_phase(), g13[i], d_ab[i], x16, NULL, NULL, n_groups, I, D,
+                              offsets};
+        run_or_record_wgrad(rc, &wi);
+    }
+}
+
 // ---------------------------------------------------------------------------- entry points (linear.h)
 void linear_forward(RunCtx *rc, real *out, const real *inp, const real *weight, int N, int C, int OC, KeptInput *kept) {
     linear_forward_shared(rc, 1, &out, inp, &weight, N, C, &OC, kept);
@@ -924,12 +1010,12 @@ void linear_forward_swiglu_grouped(RunCtx *rc, int n_groups, const int *offsets,
                                    const int *x_rows, const SwigluGate *gate, real *h, real *y, uint16_t *y_bf16,
                                    int D, int I, KeptInput *x_kept, KeptInput *h_kept, SharedFprop *x_fprop) {
     const real *const w13[2] = {w->w1, w->w3};
-    if ((y_bf16 != NULL) == (y != NULL) || (y_bf16 != NULL && !linear_fp8_fused(rc))) {
-        fprintf(stderr, "fp8moe: train/linear.c: internal error: an FFN's output goes to an FP32 array, or in fp8 mode "
-                        "to a BF16 one\n");
+    if ((y_bf16 != NULL) == (y != NULL) || (y_bf16 != NULL && !linear_gate_in_bf16(rc))) {
+        fprintf(stderr, "fp8moe: train/linear.c: internal error: an FFN's output goes to an FP32 array, or with its "
+                        "gate in BF16 (linear_gate_in_bf16) to a BF16 one\n");
         exit(1);
     }
-    if (!linear_fp8_fused(rc)) {
+    if (!linear_gate_in_bf16(rc)) {
         real *const ab[2] = {gate->a, gate->b};
         linear_forward_grouped(rc, n_groups, offsets, 2, ab, x, x_rows, w13, D, I, x_kept, x_fprop);
         swiglu_forward(rc->dev, h, gate->a, gate->b, (int64_t)offsets[n_groups] * I);
@@ -939,6 +1025,11 @@ void linear_forward_swiglu_grouped(RunCtx *rc, int n_groups, const int *offsets,
     }
     check_inp_rows(rc, x_rows);
     profile_begin(PHASE_OTHER_GEMM);
+    if (rc->precision.mode == PRECISION_BF16) {
+        bf16_swiglu_forward(rc, n_groups, offsets, w, x, x_rows, gate, y, y_bf16, D, I);
+        profile_end(PHASE_OTHER_GEMM);
+        return;
+    }
     // a and b stay the Fprops' BF16 products; h is computed from them by w2's quantisers
     const Operand xin = array_operand(x, x_rows), hin = swiglu_operand(SWIGLU_OUT, NULL, gate->a16, gate->b16);
     uint16_t *const ab16[2] = {gate->a16, gate->b16};
@@ -957,12 +1048,12 @@ void linear_backward_swiglu_grouped(RunCtx *rc, int n_groups, const int *offsets
                                     int I, const KeptInput *x_kept, const KeptInput *h_kept) {
     real *const g13[2] = {g->w1, g->w3};
     const real *const w13[2] = {w->w1, w->w3}, *const w2[1] = {w->w2};
-    if ((dy_combine != NULL) != (linear_fp8_fused(rc) && dy == NULL)) {
-        fprintf(stderr, "fp8moe: train/linear.c: internal error: an FFN's output gradient must be an array, or in fp8 "
-                        "mode the combine's gradient through the routing plan\n");
+    if ((dy_combine != NULL) != (linear_gate_in_bf16(rc) && dy == NULL)) {
+        fprintf(stderr, "fp8moe: train/linear.c: internal error: an FFN's output gradient must be an array, or with "
+                        "its gate in BF16 (linear_gate_in_bf16) the combine's gradient through the routing plan\n");
         exit(1);
     }
-    if (!linear_fp8_fused(rc)) {
+    if (!linear_gate_in_bf16(rc)) {
         const int64_t n = (int64_t)offsets[n_groups] * I;
         swiglu_forward(rc->dev, s->h, gate->a, gate->b, n);
         linear_backward_grouped(rc, n_groups, offsets, 1, s->d_h, GRAD_WRITE, NULL, &g->w2, &dy, s->h, NULL, w2, I, D,
@@ -975,6 +1066,12 @@ void linear_backward_swiglu_grouped(RunCtx *rc, int n_groups, const int *offsets
     }
     check_inp_rows(rc, x_rows);
     profile_begin(PHASE_OTHER_GEMM);
+    if (rc->precision.mode == PRECISION_BF16) {
+        bf16_swiglu_backward(rc, n_groups, offsets, w, g, gate, dy, dy_combine, x, x_rows, dx, dx_store, unpermute,
+                             s->d_h16, D, I);
+        profile_end(PHASE_OTHER_GEMM);
+        return;
+    }
     // w2: X is h, computed in its Wgrad quantiser; d_h is left as the Dgrad's BF16 product (the only producer)
     const Operand h = swiglu_operand(SWIGLU_OUT, NULL, gate->a16, gate->b16);
     const Operand dy_w2 = dy_combine ? (Operand){.kind = OPERAND_COMBINE_GRAD, .combine = dy_combine}

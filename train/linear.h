@@ -55,6 +55,10 @@ typedef struct {
 // every GEMM kind in FP8, so a job that runs a kind in BF16 (precision.bf16_fprop / _dgrad / _wgrad) takes the
 // plain paths instead, as bf16 mode does: FP32 activations, each GEMM kind through its own mode's functions.
 int linear_fp8_fused(const RunCtx *rc);
+// Whether the SwiGLU FFNs keep their gate's inputs as the Fprops' BF16 products (SwigluGate a16, b16), w2's input
+// gradient as its Dgrad's (SwigluScratch d_h16), and can leave the routed experts' outputs as w2's BF16 product and
+// take their output gradient through the routing plan (CombineGrad): fp8 mode's fused paths and bf16 mode.
+int linear_gate_in_bf16(const RunCtx *rc);
 // Whether pc runs the forward GEMM of the block Linear named tensor_name ("layers.2.attn.wq_b.weight") in BF16:
 // precision.bf16_fprop, narrowed by bf16_fprop_only to the Linears whose names contain one of its parts.
 int linear_fprop_in_bf16(const PrecisionConfig *pc, const char *tensor_name);
@@ -119,34 +123,37 @@ void linear_backward_grouped(RunCtx *rc, int n_groups, const int *offsets, int n
                              const KeptInput *kept);
 // The SwiGLU FFN (moe.c: the dense FFN, shared and routed experts): a = x w1^T and b = x w3^T (w1, w3 (I, D)),
 // h = silu(a) * b, y = h w2^T (w2 (D, I)), per group as linear_forward_grouped, x's row r read through x_rows when
-// given. The gate's inputs a and b (rows, I), kept for the backward in a SwigluGate, are FP32 (a, b) in bf16 and fp32
-// modes; in fp8 mode they are the Fprops' BF16 products themselves (a16, b16: kernels.h fp8_gemm_fprop_grouped_bf16's
-// layout, rows + 15 rows of round_up(I, 128)), which only the SwiGLU quantisers read: half the bytes of FP32 and no
-// conversion pass, the same values. The gate's values are operands: fp8 mode computes h, and in the backward da and
-// db, inside the quantisers that read them (kernels.h fp8_quantize_swiglu_*), so they never exist in FP32; bf16 and
-// fp32 modes write them to the caller's buffers with swiglu_forward / swiglu_backward first and run the Linears
-// above. The same numbers either way.
+// given. The gate's inputs a and b (rows, I), kept for the backward in a SwigluGate, are FP32 (a, b) in fp32 mode
+// (and fp8 mode's plain paths); with linear_gate_in_bf16 (fp8 and bf16 modes) they are the Fprops' BF16 products
+// themselves (a16, b16: kernels.h fp8_gemm_fprop_grouped_bf16's layout, rows + 15 rows of round_up(I, 128)): half
+// the bytes of FP32 and no conversion pass, the same values. The gate's values are operands: fp8 mode computes h,
+// and in the backward da and db, inside the quantisers that read them (kernels.h fp8_quantize_swiglu_*), bf16 mode
+// in the passes that round them (kernels.h swiglu_*_bf16), so they never exist in FP32; fp32 mode writes them to
+// the caller's buffers with swiglu_forward / swiglu_backward first and runs the Linears above. The same numbers
+// either way.
 typedef struct {
-    real *a, *b;         // bf16, fp32
-    uint16_t *a16, *b16; // fp8
+    real *a, *b;         // fp32 (fp8 mode's plain paths)
+    uint16_t *a16, *b16; // linear_gate_in_bf16
 } SwigluGate;
-// y (rows, D); h (rows, I) is written in bf16 and fp32 modes only. x_kept, h_kept (or NULL) keep x's and h's Wgrad
-// operands (h's computed from a and b in the pass that makes its Fprop operand); x_fprop (or NULL) as
-// linear_forward_grouped's fprop. y_bf16 (fp8 mode only, else NULL; y is then NULL): y is left as w2's BF16 product
-// in y_bf16 (fp8_gemm_fprop_grouped_bf16's layout: the routed experts' outputs, which only the combine reads).
+// y (rows, D); h (rows, I) is written in fp32 mode (and fp8 mode's plain paths) only. x_kept, h_kept (or NULL) keep
+// x's and h's Wgrad operands (h's computed from a and b in the pass that makes its Fprop operand); x_fprop (or NULL)
+// as linear_forward_grouped's fprop. y_bf16 (linear_gate_in_bf16 only, else NULL; y is then NULL): y is left as w2's
+// BF16 product in y_bf16 (fp8_gemm_fprop_grouped_bf16's layout: the routed experts' outputs, which only the combine
+// reads).
 void linear_forward_swiglu_grouped(RunCtx *rc, int n_groups, const int *offsets, const FfnWeights *w, const real *x,
                                    const int *x_rows, const SwigluGate *gate, real *h, real *y, uint16_t *y_bf16,
                                    int D, int I, KeptInput *x_kept, KeptInput *h_kept, SharedFprop *x_fprop);
 // The backward of w2, then of w1 and w3, from dy (rows, D): weight gradients +=, and x's gradient dx as
 // linear_backward_grouped gives it (dx_store, x_rows and unpermute as there). Buffers (rows, I): h, d_h, d_a and d_b
-// are written in bf16 and fp32 modes, d_h16 (rows + 15 rows of round_up(I, 128)) in fp8 mode.
-// dy_combine (fp8 mode only, else NULL; dy is then NULL): dy is the routed experts' output gradient read through
-// the routing plan - row s = topk_w[t,k] * d_out[t] for slot s = slot_of[t*K + k] - the rows moe_combine_backward
-// would write, computed in w2's dY quantiser instead (kernels.h fp8_quantize_combine_grad_both_layouts_grouped).
+// are written in fp32 mode (and fp8 mode's plain paths), d_h16 (rows + 15 rows of round_up(I, 128)) with
+// linear_gate_in_bf16. dy_combine (linear_gate_in_bf16 only, else NULL; dy is then NULL): dy is the routed experts'
+// output gradient read through the routing plan - row s = topk_w[t,k] * d_out[t] for slot s = slot_of[t*K + k] -
+// the rows moe_combine_backward would write, computed in w2's dY quantiser instead (kernels.h
+// fp8_quantize_combine_grad_both_layouts_grouped; bf16 mode: rounded as computed, moe_combine_grad_bf16).
 // x_kept and h_kept (or NULL): what the forwards kept of x (linear_forward_grouped) and of h.
 typedef struct {
-    real *h, *d_h, *d_a, *d_b;  // bf16, fp32
-    uint16_t *d_h16;            // fp8: w2's Dgrad product in BF16 (kernels.h fp8_gemm_dgrad_grouped_bf16)
+    real *h, *d_h, *d_a, *d_b;  // fp32 (fp8 mode's plain paths)
+    uint16_t *d_h16;            // linear_gate_in_bf16: w2's Dgrad product in BF16 (kernels.h *_dgrad_grouped_bf16)
 } SwigluScratch;
 typedef struct {
     const real *d_out, *topk_w;

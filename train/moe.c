@@ -58,8 +58,8 @@ int moe_experts_read_tokens(const Model *m) {
     return m->cfg.precision.mode != PRECISION_FP32 && m->ep.ep_size == 1;
 }
 
-int moe_combine_grad_in_quantiser(const Model *m) {
-    return linear_fp8_fused(&m->rc) && moe_experts_read_tokens(m);
+int moe_combine_grad_in_operand(const Model *m) {
+    return linear_gate_in_bf16(&m->rc) && moe_experts_read_tokens(m);
 }
 
 // Every local expert over its segment of rows, one phase at a time: each Linear runs for all experts, the SwiGLU
@@ -119,9 +119,9 @@ void moe_forward(Model *m, const BlockWeights *w, MoeActs *a, const Dims *d, con
         }
     }
     ep_dispatch(&m->ep, a->xp, a->seg_offsets_host, D, &a->ep_buf);
-    // fp8 with one EP rank (moe_combine_grad_in_quantiser): the experts' outputs stay w2's BF16 product, which the
-    // combine reads (and its backward, for the gate weights' gradient); ep_combine is the identity there
-    const int bf16_out = moe_combine_grad_in_quantiser(m);
+    // fp8 and bf16 with one EP rank (moe_combine_grad_in_operand): the experts' outputs stay w2's BF16 product, which
+    // the combine reads (and its backward, for the gate weights' gradient); ep_combine is the identity there
+    const int bf16_out = moe_combine_grad_in_operand(m);
     experts_forward(m, &w->moe.experts, &a->experts, a->ep_buf.seg_offsets, m->ep.experts_per_rank, D, d->I,
                     direct ? x : a->ep_buf.rows, direct ? a->seg_token : NULL, bf16_out ? NULL : a->eout,
                     bf16_out ? a->eout_bf16 : NULL);
@@ -141,7 +141,7 @@ void moe_backward(Model *m, const BlockWeights *w, const BlockWeights *g, MoeAct
     // the experts read the token rows (direct), their input gradient goes straight to d_x in token order, and in
     // fp8 mode (fused) their output gradient is read through the plan by w2's dY quantiser, so d_eout is not
     // written at all (the combine backward computes d_topk_w only)
-    const int direct = moe_experts_read_tokens(m), fused = moe_combine_grad_in_quantiser(m);
+    const int direct = moe_experts_read_tokens(m), fused = moe_combine_grad_in_operand(m);
     device_memset_zero(dev, s->d_topk_w, (size_t)N * K * R);
     device_memset_zero(dev, s->d_logits, (size_t)N * E * R);
     // out = shared(x) + sum_k w_k eout[slot(t,k)]

@@ -45,3 +45,9 @@ real *cpu_bf16_rows_widened(const uint16_t *x, int64_t ld, int64_t rows, int col
         for (int c = 0; c < cols; c++) v[r * cols + c] = (real)bf16_to_float(x[r * ld + c]);
     return v;
 }
+
+// The other way: v (rows, cols) packed, rounded (RNE) into rows of x at stride ld.
+void cpu_bf16_rows_round(uint16_t *x, int64_t ld, const real *v, int64_t rows, int cols) {
+    for (int64_t r = 0; r < rows; r++)
+        for (int c = 0; c < cols; c++) x[r * ld + c] = float_to_bf16((float)v[r * cols + c]);
+}

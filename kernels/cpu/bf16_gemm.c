@@ -147,3 +147,25 @@ void cpu_bf16_gemm_wgrad(real *dw, const uint16_t *dy, const uint16_t *x, int T,
     free(dyf);
     free(xf);
 }
+
+// kernels.h's *_grouped_bf16 forms: the FP32-output GEMMs above, their (BF16-valued) results stored as BF16 bits in
+// rows of stride bf16_rows_ld.
+void cpu_bf16_gemm_fprop_grouped_bf16(uint16_t *y, const uint16_t *x, const uint16_t *const *w, int n_seg,
+                                      const int *rows0, int N, int K) {
+    const int rows = n_seg > 0 ? rows0[n_seg] : 0;
+    if (rows <= 0 || N <= 0) return;
+    real *v = cpu_values_or_die((size_t)rows * N, "BF16 Fprop output");
+    cpu_bf16_gemm_fprop_grouped(v, x, w, n_seg, rows0, N, K);
+    cpu_bf16_rows_round(y, bf16_rows_ld(N), v, rows, N);
+    free(v);
+}
+
+void cpu_bf16_gemm_dgrad_grouped_bf16(uint16_t *dx, const uint16_t *dy, const uint16_t *const *w, int n_seg,
+                                      const int *rows0, int N, int K) {
+    const int rows = n_seg > 0 ? rows0[n_seg] : 0;
+    if (rows <= 0 || K <= 0) return;
+    real *v = cpu_values_or_die((size_t)rows * K, "BF16 Dgrad output");
+    cpu_bf16_gemm_dgrad_grouped(v, GRAD_WRITE, dy, w, n_seg, rows0, N, K);
+    cpu_bf16_rows_round(dx, bf16_rows_ld(K), v, rows, K);
+    free(v);
+}

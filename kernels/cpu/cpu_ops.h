@@ -130,6 +130,7 @@ void cpu_bf16_matmul_backward_bf16(real *dinp, real *dweight, const uint16_t *do
 void cpu_bf16_round_array(uint16_t *dst, const real *src, int64_t n);
 void cpu_bf16_widen_array(real *dst, const uint16_t *src, int64_t n);
 real *cpu_bf16_rows_widened(const uint16_t *x, int64_t ld, int64_t rows, int cols);
+void cpu_bf16_rows_round(uint16_t *x, int64_t ld, const real *v, int64_t rows, int cols);
 // `count` reals (at least one) from malloc, freed by the caller, or a message naming `what` and exit (scratch.c).
 // Not inside an OpenMP parallel region: there, use cpu_region_alloc.
 real *cpu_values_or_die(size_t count, const char *what);
@@ -156,5 +157,14 @@ void cpu_bf16_round_rows(uint16_t *dst, const real *src, const int *rows, int n_
 void cpu_bf16_gemm_fprop_grouped(real *y, const uint16_t *x, const uint16_t *const *w, int n_seg, const int *rows0, int N, int K);
 void cpu_bf16_gemm_dgrad_grouped(real *dx, GradStore store, const uint16_t *dy, const uint16_t *const *w, int n_seg, const int *rows0, int N, int K);
 void cpu_bf16_gemm_wgrad(real *dw, const uint16_t *dy, const uint16_t *x, int T, int N, int K);
+void cpu_bf16_gemm_fprop_grouped_bf16(uint16_t *y, const uint16_t *x, const uint16_t *const *w, int n_seg,
+                                      const int *rows0, int N, int K);
+void cpu_bf16_gemm_dgrad_grouped_bf16(uint16_t *dx, const uint16_t *dy, const uint16_t *const *w, int n_seg,
+                                      const int *rows0, int N, int K);
+void cpu_swiglu_forward_bf16(uint16_t *h, const uint16_t *a, const uint16_t *b, int rows, int width);
+void cpu_swiglu_backward_bf16(uint16_t *h, uint16_t *da, uint16_t *db, const uint16_t *dh, const uint16_t *a,
+                              const uint16_t *b, int rows, int width);
+void cpu_moe_combine_grad_bf16(uint16_t *dy, const real *dout, const real *topk_w, const int *slot_of, int N, int K,
+                               int C);
 
 #endif

@@ -155,6 +155,37 @@ void cpu_swiglu_backward(real *da, real *db, const real *dout, const real *a, co
     }
 }
 
+// kernels.h swiglu_forward_bf16 / swiglu_backward_bf16: the ops above on the widened rows, the results rounded.
+void cpu_swiglu_forward_bf16(uint16_t *h, const uint16_t *a, const uint16_t *b, int rows, int width) {
+    const int64_t n = (int64_t)rows * width, ld = bf16_rows_ld(width);
+    if (n <= 0) return;
+    real *av = cpu_bf16_rows_widened(a, ld, rows, width), *bv = cpu_bf16_rows_widened(b, ld, rows, width);
+    real *hv = cpu_values_or_die((size_t)n, "SwiGLU h");
+    cpu_swiglu_forward(hv, av, bv, n);
+    cpu_bf16_round_array(h, hv, n);
+    free(av);
+    free(bv);
+    free(hv);
+}
+
+void cpu_swiglu_backward_bf16(uint16_t *h, uint16_t *da, uint16_t *db, const uint16_t *dh, const uint16_t *a,
+                              const uint16_t *b, int rows, int width) {
+    const int64_t n = (int64_t)rows * width, ld = bf16_rows_ld(width);
+    if (n <= 0) return;
+    if (h != NULL) cpu_swiglu_forward_bf16(h, a, b, rows, width);
+    real *av = cpu_bf16_rows_widened(a, ld, rows, width), *bv = cpu_bf16_rows_widened(b, ld, rows, width);
+    real *g = cpu_bf16_rows_widened(dh, ld, rows, width);
+    real *ga = cpu_values_or_die((size_t)n, "SwiGLU da"), *gb = cpu_values_or_die((size_t)n, "SwiGLU db");
+    cpu_swiglu_backward(ga, gb, g, av, bv, n);
+    cpu_bf16_round_array(da, ga, n);
+    cpu_bf16_round_array(db, gb, n);
+    free(av);
+    free(bv);
+    free(g);
+    free(ga);
+    free(gb);
+}
+
 // ---------------------------------------------------------------------------- RoPE
 // cos/sin table (T, D/2) for angle t * theta^(-2j/D), computed in double and rounded once to `real`.
 // Shared by every batch row and head. Caller frees both.

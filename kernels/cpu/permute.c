@@ -124,6 +124,20 @@ void cpu_moe_combine_backward(real *dexpert_out, real *dtopk_w, const real *dout
     }
 }
 
+// kernels.h moe_combine_grad_bf16: the dexpert_out rows of cpu_moe_combine_backward, rounded.
+void cpu_moe_combine_grad_bf16(uint16_t *dy, const real *dout, const real *topk_w, const int *slot_of, int N, int K,
+                               int C) {
+    #pragma omp parallel for schedule(static)
+    for (int t = 0; t < N; t++) {
+        const real *dt = dout + (size_t)t * C;
+        for (int k = 0; k < K; k++) {
+            const real w = topk_w[(size_t)t * K + k];
+            uint16_t *de = dy + (size_t)slot_of[(size_t)t * K + k] * C;
+            for (int c = 0; c < C; c++) de[c] = float_to_bf16((float)(w * dt[c]));
+        }
+    }
+}
+
 // kernels.h's *_bf16 forms: the ops above on the FP32 values of the BF16 rows (kernels.h bf16_rows_ld).
 void cpu_moe_combine_forward_bf16(real *out, const uint16_t *expert_out, const int *slot_of, const real *topk_w,
                                   const real *residual, int N, int K, int C) {

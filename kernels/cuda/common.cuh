@@ -23,6 +23,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 static inline void cuda_check_at(cudaError_t err, const char *call, const char *file, int line) {
@@ -141,6 +142,12 @@ static inline unsigned int grid_for(int64_t n, int threads) {
     if (blocks > max_blocks) blocks = max_blocks;
     if (blocks < 1) blocks = 1;
     return (unsigned int)blocks;
+}
+
+// Two floats rounded to BF16 (round to nearest even), lo in the low half: the bits of a BF16 pair in memory.
+__device__ inline uint32_t bf16x2_bits(float lo, float hi) {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // .x = lo in the low half
+    return *reinterpret_cast<const uint32_t *>(&v);
 }
 
 // A BF16 value (its 16 bits, in the low half) widened to the FP32 value it is; four of them (8 bytes) at once.

@@ -15,6 +15,9 @@ void cuda_rmsnorm_backward(real *dinp, real *dweight, const real *dout, const re
 void cuda_rmsnorm_backward_bf16(real *dinp, real *dweight, const uint16_t *dout, int64_t ld, const real *inp, const real *weight, const real *rstd, int N, int C);
 void cuda_swiglu_forward(real *out, const real *a, const real *b, int64_t n);
 void cuda_swiglu_backward(real *da, real *db, const real *dout, const real *a, const real *b, int64_t n);
+void cuda_swiglu_forward_bf16(uint16_t *h, const uint16_t *a, const uint16_t *b, int rows, int width);
+void cuda_swiglu_backward_bf16(uint16_t *h, uint16_t *da, uint16_t *db, const uint16_t *dh, const uint16_t *a,
+                               const uint16_t *b, int rows, int width);
 void cuda_crossentropy_forward(real *losses, real *probs, const real *logits, const int *targets, int N, int V);
 void cuda_crossentropy_backward(real *dlogits, const real *probs, const int *targets, real dloss, int N, int V);
 void cuda_crossentropy_forward_bf16(real *losses, real *row_max, double *row_sum, const uint16_t *logits,
@@ -84,6 +87,10 @@ void cuda_bf16_gemm_fprop_grouped(real *y, const real *residual, const uint16_t 
                                   int n_seg, const int *rows0, int N, int K);
 void cuda_bf16_gemm_dgrad_grouped(real *dx, GradStore store, const DgradUnpermute *unpermute, int n_mats, const uint16_t *const *dy,
                                   const uint16_t *const *const *w, int n_seg, const int *rows0, int N, int K);
+void cuda_bf16_gemm_fprop_grouped_bf16(uint16_t *y, const uint16_t *x, const uint16_t *const *w, int n_seg,
+                                       const int *rows0, int N, int K);
+void cuda_bf16_gemm_dgrad_grouped_bf16(uint16_t *dx, const uint16_t *dy, const uint16_t *const *w, int n_seg,
+                                       const int *rows0, int N, int K);
 void cuda_float_rows_to_bf16(uint16_t *dst, const float *src, const int *rows, int n_rows, int C);
 void cuda_bf16_to_float(float *dst, const uint16_t *src, int64_t n);
 void cuda_bf16_gemm_wgrad(real *dw, const uint16_t *dy, const uint16_t *x, int T, int N, int K);
@@ -133,6 +140,8 @@ void cuda_moe_combine_forward_bf16(real *out, const uint16_t *expert_out, const 
                                    const real *residual, int N, int K, int C);
 void cuda_moe_combine_backward_bf16(real *dtopk_w, const real *dout, const uint16_t *expert_out, const int *slot_of,
                                     const real *topk_w, int N, int K, int C);
+void cuda_moe_combine_grad_bf16(uint16_t *dy, const real *dout, const real *topk_w, const int *slot_of, int N, int K,
+                                int C);
 void cuda_moe_combine_backward(real *dexpert_out, real *dtopk_w, const real *dout, const real *expert_out, const int *slot_of, const real *topk_w, int N, int K, int C);
 
 #ifdef __cplusplus

@@ -234,11 +234,6 @@ __device__ __forceinline__ void wgmma_m64n128k32_e4m3(float *d, uint64_t da, uin
         : "l"(da), "l"(db), "r"(accumulate));
 }
 
-__device__ __forceinline__ uint32_t bf16x2_bits(float lo, float hi) {
-    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // .x = lo in the low half, round to nearest even
-    return *reinterpret_cast<const uint32_t *>(&v);
-}
-
 // Unit u of the launch -> segment g (advanced from the previous value: a CTA's units increase), row tile mb, column
 // tile nb (TN columns).
 __device__ __forceinline__ void unit_coords(const GroupedParams &p, int u, int &g, int &mb, int &nb) {

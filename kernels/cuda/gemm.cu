@@ -112,7 +112,8 @@ static const int ELEMENTWISE_THREADS = 256;
 typedef struct {
     int a_type, b_type, d_type;         // cudaDataType_t; C has D's type
     int op_a, op_b;                     // cublasOperation_t
-    int64_t m, n, k;                    // D is m x n (column-major), contraction k; operands packed
+    int64_t m, n, k;                    // D is m x n (column-major), contraction k; A and B packed
+    int64_t ldd;                        // D's leading dimension where it is not m (BF16 rows of bf16_rows_ld), else 0
     int a_scale_mode, b_scale_mode;     // cublasLtMatmulMatrixScale_t, or NO_SCALE
     int align_a, align_b, align_d;      // bytes
 } PlanKey;
@@ -127,6 +128,7 @@ static int64_t size_class(int64_t x) {
 static PlanKey class_of(const PlanKey *key) {
     PlanKey c = *key;
     c.m = size_class(key->m), c.n = size_class(key->n), c.k = size_class(key->k);
+    c.ldd = 0;  // the class's plan is asked about packed sizes; set_exact_shape gives it the call's ld
     return c;
 }
 
@@ -140,9 +142,10 @@ static void stored_b(const PlanKey *key, uint64_t *rows, uint64_t *cols) {
     *cols = (uint64_t)(key->op_b == CUBLAS_OP_N ? key->n : key->k);
 }
 
-// Gives a layout the rows, columns and (packed) leading dimension of one call.
-static void set_layout_shape(cublasLtMatrixLayout_t layout, uint64_t rows, uint64_t cols) {
-    const int64_t ld = (int64_t)rows;
+static int64_t ld_of_d(const PlanKey *key) { return key->ldd != 0 ? key->ldd : key->m; }
+
+// Gives a layout the rows, columns and leading dimension of one call.
+static void set_layout_shape(cublasLtMatrixLayout_t layout, uint64_t rows, uint64_t cols, int64_t ld) {
     LT_CHECK(cublasLtMatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_ROWS, &rows, sizeof rows));
     LT_CHECK(cublasLtMatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_COLS, &cols, sizeof cols));
     LT_CHECK(cublasLtMatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_LD, &ld, sizeof ld));
@@ -198,10 +201,10 @@ static void plan_destroy(Plan *p) {
 static void set_exact_shape(Plan *p, const PlanKey *key) {
     uint64_t rows, cols;
     stored_a(key, &rows, &cols);
-    set_layout_shape(p->a, rows, cols);
+    set_layout_shape(p->a, rows, cols, (int64_t)rows);
     stored_b(key, &rows, &cols);
-    set_layout_shape(p->b, rows, cols);
-    set_layout_shape(p->d, (uint64_t)key->m, (uint64_t)key->n);
+    set_layout_shape(p->b, rows, cols, (int64_t)rows);
+    set_layout_shape(p->d, (uint64_t)key->m, (uint64_t)key->n, ld_of_d(key));
 }
 
 // ---------------------------------------------------------------------------- algorithm choice
@@ -236,8 +239,10 @@ static int run_candidate(Plan *p, const cublasLtMatmulAlgo_t *algo, const void *
 static void tune_plan(Plan *p, const PlanKey *exact, const void *a, const void *b,
                       const cublasLtMatmulHeuristicResult_t *results, int n_results) {
     const size_t d_bytes = (size_t)exact->m * (size_t)exact->n * (exact->d_type == CUDA_R_32F ? 4 : 2);
+    // (an output with gaps between its columns, ldd, would need them cleared for the comparison: not tuned; the
+    // model's BF16 rows have none, their widths being multiples of 128)
     if (n_results < 2 || (double)exact->m * (double)exact->n * (double)exact->k < LT_TUNE_MIN_WORK ||
-        d_bytes > LT_TUNE_BYTES)
+        d_bytes > LT_TUNE_BYTES || exact->ldd != 0)
         return;
     set_exact_shape(p, exact);
     void *ref = cuda_scratch(&ctx.tune_ref, LT_TUNE_BYTES), *out = cuda_scratch(&ctx.tune_out, LT_TUNE_BYTES);
@@ -324,7 +329,7 @@ static Plan *plan_for(const PlanKey *key, const PlanKey *exact, const void *a, c
     LT_CHECK(cublasLtMatrixLayoutCreate(&p->a, (cudaDataType_t)key->a_type, a_rows, a_cols, (int64_t)a_rows));
     LT_CHECK(cublasLtMatrixLayoutCreate(&p->b, (cudaDataType_t)key->b_type, b_rows, b_cols, (int64_t)b_rows));
     LT_CHECK(cublasLtMatrixLayoutCreate(&p->d, (cudaDataType_t)key->d_type, (uint64_t)key->m, (uint64_t)key->n,
-                                        key->m));
+                                        ld_of_d(key)));
 
     cublasLtMatmulPreference_t pref;
     LT_CHECK(cublasLtMatmulPreferenceCreate(&pref));
@@ -507,11 +512,6 @@ static PlanKey fp8_key(int64_t m, int64_t n, int64_t k, cudaDataType_t d_type, i
 
 // These are memory-bound: with VEC4 each thread moves 4 elements per step (16-byte FP32, 8-byte BF16
 // accesses); the callers pick it when the sizes are multiples of 4 and the pointers aligned.
-
-__device__ inline uint32_t bf16x2_bits(float lo, float hi) {
-    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi); // .x = lo in the low half
-    return *reinterpret_cast<const uint32_t *>(&v);
-}
 
 // y (rows0[n], cols) float = (or, with ADD, +=) the valid rows of x, the BF16 output of one GEMM per segment
 // with row stride ld: row rows0[g] + r of y is row p16[g] + r of x (each segment's GEMM ran on its rows
@@ -1099,15 +1099,20 @@ extern "C" void cuda_fp8_gemm_wgrad_grouped(real *dw, const uint8_t *qdyt, const
 }
 
 // ---------------------------------------------------------------------------- BF16 GEMMs
+// C (M, N) row-major, its rows ldc elements apart (0: N).
 static void bf16_gemm_on(Lane lane, void *c, int c_fp32, float beta, const uint16_t *a, int a_trans,
-                         const uint16_t *b, int b_trans, int M, int N, int K) {
+                         const uint16_t *b, int b_trans, int M, int N, int K, int ldc = 0) {
     static const char op[] = "cuda_bf16_gemm";
     if (M <= 0 || N <= 0) return;
     if (!c_fp32 && beta != 0.0f)
         gemm_fail(__LINE__, op, "beta = %g with a BF16 output (M, N, K = %d, %d, %d) - expected beta = 0 or an FP32 "
                                 "output", (double)beta, M, N, K);
+    if (ldc != 0 && ldc < N) gemm_fail(__LINE__, op, "ldc = %d for %d columns - expected ldc >= N (or 0)", ldc, N);
+    const size_t elem = c_fp32 ? 4 : 2;
     if (K <= 0) { // empty contraction: C = beta C
-        if (beta == 0.0f) CUDA_CHECK(cudaMemsetAsync(c, 0, (size_t)M * N * (c_fp32 ? 4 : 2), lane.stream));
+        if (beta == 0.0f)
+            CUDA_CHECK(cudaMemset2DAsync(c, (size_t)(ldc ? ldc : N) * elem, 0, (size_t)N * elem, (size_t)M,
+                                         lane.stream));
         return;
     }
     // column-major view: C^T (N, M) = op(B)^T (N, K) op(A)^T (K, M); cuBLASLt's A is our B
@@ -1117,6 +1122,7 @@ static void bf16_gemm_on(Lane lane, void *c, int c_fp32, float beta, const uint1
     key.op_a = b_trans ? CUBLAS_OP_T : CUBLAS_OP_N;
     key.op_b = a_trans ? CUBLAS_OP_T : CUBLAS_OP_N;
     key.m = N, key.n = M, key.k = K;
+    key.ldd = ldc != 0 && ldc != N ? ldc : 0;
     key.a_scale_mode = NO_SCALE, key.b_scale_mode = NO_SCALE;
     lt_matmul(lane, &key, b, a, c, NULL, NULL, beta, op);
 }
@@ -1190,39 +1196,52 @@ extern "C" void cuda_bf16_matmul_backward_bf16(real *dinp, real *dweight, const 
 }
 
 // kernels.h's BF16 GEMMs on pre-rounded operands (train/linear.c's bf16 mode): segment g's rows of a[i] (packed,
-// one segment after another) through weight w[i][g], one GEMM per non-empty segment and matrix into the same
-// rows of BF16 scratch i, then ONE conversion (Dgrad with GRAD_ADD: one add) of all rows and matrices, summed in
-// order of i: the segments cover rows [0, rows0[n_seg]). The GEMM calls are those of bf16_matmul_forward /
-// _backward; only the conversions are merged.
-template <bool DGRAD>
-static void bf16_gemm_segments(const char *op, real *out, bool add, const DgradUnpermute *unpermute, int n_mats,
-                               const uint16_t *const *a, const uint16_t *const *const *w, int n_seg, const int *rows0,
-                               int N, int K, const real *residual = NULL) {
+// one segment after another) through weight w[i][g], one GEMM per non-empty segment and matrix, over the lanes, into
+// the same rows of BF16 array i (n_mats arrays per_mat elements apart, rows of bf16_rows_ld(out_cols): the layout
+// of kernels.h's *_grouped_bf16, so the FP32 forms below and the BF16 ones run the same GEMMs, the same bits). The
+// segments cover rows [0, rows0[n_seg]). The GEMM calls are those of bf16_matmul_forward / _backward.
+static int segment_rows(const char *op, int n_seg, const int *rows0) {
     for (int g = 0; g < n_seg; g++)  // any number of segments: no table reaches the GPU here
         if (rows0[0] != 0 || rows0[g + 1] < rows0[g])
             gemm_fail(__LINE__, op, "rows0[0] = %d, segment %d has rows %d..%d - expected rows0[0] = 0 and rows0 "
                                     "non-decreasing", rows0[0], g, rows0[g], rows0[g + 1]);
-    const int rows = n_seg > 0 ? rows0[n_seg] : 0, out_cols = DGRAD ? K : N, in_cols = DGRAD ? N : K;
-    if (rows == 0 || out_cols <= 0) return;
-    const int64_t per_mat = ((int64_t)rows * out_cols + 7) / 8 * 8;  // each scratch 16-byte aligned
-    ctx_init();
-    uint16_t *tmp = (uint16_t *)cuda_scratch(&ctx.out_bf16, sizeof(uint16_t) * (size_t)(per_mat * n_mats));
-    const int n_lanes = lanes_for(rows0, n_seg);  // each segment writes its own rows of tmp
+    return n_seg > 0 ? rows0[n_seg] : 0;
+}
+
+static void bf16_segment_gemms(bool dgrad, uint16_t *out, int64_t per_mat, int n_mats, const uint16_t *const *a,
+                               const uint16_t *const *const *w, int n_seg, const int *rows0, int N, int K) {
+    const int out_cols = dgrad ? K : N, in_cols = dgrad ? N : K, ld = (int)bf16_rows_ld(out_cols);
+    const int n_lanes = lanes_for(rows0, n_seg);  // each segment writes its own rows
     lanes_fork(n_lanes);
     for (int i = 0; i < n_mats; i++) {
         for (int g = 0; g < n_seg; g++) {
             const int r0 = rows0[g], n = rows0[g + 1] - rows0[g];
             if (n <= 0) continue;
-            bf16_gemm_on(lane_of(rows0, n_seg, g, n_lanes), tmp + i * per_mat + (size_t)r0 * out_cols, 0, 0.0f,
-                         a[i] + (size_t)r0 * in_cols, 0, w[i][g], DGRAD ? 0 : 1, n, out_cols, in_cols);
+            bf16_gemm_on(lane_of(rows0, n_seg, g, n_lanes), out + i * per_mat + (size_t)r0 * ld, 0, 0.0f,
+                         a[i] + (size_t)r0 * in_cols, 0, w[i][g], dgrad ? 0 : 1, n, out_cols, in_cols, ld);
         }
     }
     lanes_join(n_lanes);
+}
+
+// The FP32 forms: the GEMMs into BF16 scratch, then ONE conversion (Dgrad with GRAD_ADD: one add) of all rows and
+// matrices, summed in order of i.
+template <bool DGRAD>
+static void bf16_gemm_segments(const char *op, real *out, bool add, const DgradUnpermute *unpermute, int n_mats,
+                               const uint16_t *const *a, const uint16_t *const *const *w, int n_seg, const int *rows0,
+                               int N, int K, const real *residual = NULL) {
+    const int rows = segment_rows(op, n_seg, rows0), out_cols = DGRAD ? K : N;
+    if (rows == 0 || out_cols <= 0) return;
+    const int ld = (int)bf16_rows_ld(out_cols);
+    const int64_t per_mat = ((int64_t)rows * ld + 7) / 8 * 8;  // each scratch 16-byte aligned
+    ctx_init();
+    uint16_t *tmp = (uint16_t *)cuda_scratch(&ctx.out_bf16, sizeof(uint16_t) * (size_t)(per_mat * n_mats));
+    bf16_segment_gemms(DGRAD, tmp, per_mat, n_mats, a, w, n_seg, rows0, N, K);
     const int rows0_all[2] = {0, rows};
     const SegTable seg = seg_table(op, 1, rows0_all);
-    if (unpermute) bf16_unpermute_rows(out, add, tmp, seg, out_cols, out_cols, n_mats, per_mat, unpermute);
-    else if (add) bf16_to_float_rows<true>(out, tmp, seg, out_cols, out_cols, n_mats, per_mat);
-    else bf16_to_float_rows<false>(out, tmp, seg, out_cols, out_cols, n_mats, per_mat, residual);
+    if (unpermute) bf16_unpermute_rows(out, add, tmp, seg, out_cols, ld, n_mats, per_mat, unpermute);
+    else if (add) bf16_to_float_rows<true>(out, tmp, seg, out_cols, ld, n_mats, per_mat);
+    else bf16_to_float_rows<false>(out, tmp, seg, out_cols, ld, n_mats, per_mat, residual);
 }
 
 extern "C" void cuda_bf16_gemm_fprop_grouped(real *y, const real *residual, const uint16_t *x, const uint16_t *const *w,
@@ -1235,6 +1254,21 @@ extern "C" void cuda_bf16_gemm_dgrad_grouped(real *dx, GradStore store, const Dg
                                              const int *rows0, int N, int K) {
     bf16_gemm_segments<true>("bf16_gemm_dgrad_grouped", dx, store == GRAD_ADD, unpermute, n_mats, dy, w, n_seg, rows0,
                              N, K);
+}
+
+// The BF16 forms: straight into the caller's array, nothing converted.
+extern "C" void cuda_bf16_gemm_fprop_grouped_bf16(uint16_t *y, const uint16_t *x, const uint16_t *const *w, int n_seg,
+                                                  const int *rows0, int N, int K) {
+    if (segment_rows("bf16_gemm_fprop_grouped_bf16", n_seg, rows0) == 0 || N <= 0) return;
+    ctx_init();
+    bf16_segment_gemms(false, y, 0, 1, &x, &w, n_seg, rows0, N, K);
+}
+
+extern "C" void cuda_bf16_gemm_dgrad_grouped_bf16(uint16_t *dx, const uint16_t *dy, const uint16_t *const *w, int n_seg,
+                                                  const int *rows0, int N, int K) {
+    if (segment_rows("bf16_gemm_dgrad_grouped_bf16", n_seg, rows0) == 0 || K <= 0) return;
+    ctx_init();
+    bf16_segment_gemms(true, dx, 0, 1, &dy, &w, n_seg, rows0, N, K);
 }
 
 extern "C" void cuda_bf16_gemm_wgrad(real *dw, const uint16_t *dy, const uint16_t *x, int T, int N, int K) {

@@ -899,3 +899,40 @@ extern "C" void cuda_moe_combine_backward_bf16(real *dtopk_w, const real *dout, 
                                                const int *slot_of, const real *topk_w, int N, int K, int C) {
     combine_backward<uint16_t>(NULL, dtopk_w, dout, expert_out, bf16_rows_ld(C), slot_of, topk_w, N, K, C);
 }
+
+// kernels.h moe_combine_grad_bf16: dy row slot_of[t K + k] = bf16(scale_rn(w[t,k], dout[t])), the dexpert_out rows of
+// moe_combine_backward_kernel rounded as bf16_round_array rounds them. One block per token: dout[t] is read once
+// for its K slots. VEC4: C % 4 == 0, dout 16-byte and dy 8-byte aligned.
+template <bool VEC4>
+__global__ void __launch_bounds__(MOE_THREADS)
+moe_combine_grad_bf16_kernel(uint16_t *__restrict__ dy, const float *__restrict__ dout,
+                             const float *__restrict__ topk_w, const int *__restrict__ slot_of, int K, int C) {
+    const int64_t t = blockIdx.x;
+    const float *dt = dout + t * C;
+    for (int c = threadIdx.x * (VEC4 ? 4 : 1); c < C; c += blockDim.x * (VEC4 ? 4 : 1)) {
+        if (VEC4) {
+            const float4 d = *reinterpret_cast<const float4 *>(dt + c);
+            for (int k = 0; k < K; k++) {
+                const float4 v = scale_rn(topk_w[t * K + k], d);
+                *reinterpret_cast<uint2 *>(dy + (int64_t)slot_of[t * K + k] * C + c) =
+                    make_uint2(bf16x2_bits(v.x, v.y), bf16x2_bits(v.z, v.w));
+            }
+        } else {
+            const float d = dt[c];
+            for (int k = 0; k < K; k++)
+                dy[(int64_t)slot_of[t * K + k] * C + c] =
+                    (uint16_t)(bf16x2_bits(scale_rn(topk_w[t * K + k], d), 0.0f) & 0xFFFFu);
+        }
+    }
+}
+
+extern "C" void cuda_moe_combine_grad_bf16(uint16_t *dy, const real *dout, const real *topk_w, const int *slot_of,
+                                           int N, int K, int C) {
+    if (N <= 0 || K <= 0 || C <= 0) return;
+    const bool vec4 = C % 4 == 0 && (uintptr_t)dout % 16 == 0 && (uintptr_t)dy % 8 == 0;
+    const int units = vec4 ? C / 4 : C;
+    const int threads = units >= MOE_THREADS ? MOE_THREADS : units <= 32 ? 32 : (units + 31) / 32 * 32;
+    if (vec4) moe_combine_grad_bf16_kernel<true><<<N, threads>>>(dy, dout, topk_w, slot_of, K, C);
+    else moe_combine_grad_bf16_kernel<false><<<N, threads>>>(dy, dout, topk_w, slot_of, K, C);
+    CUDA_CHECK_LAUNCH("moe_combine_grad_bf16_kernel");
+}

@@ -97,3 +97,94 @@ extern "C" void cuda_swiglu_backward(real *da, real *db, const real *dout, const
         swiglu_backward_kernel<false><<<grid_for(n, SWIGLU_THREADS), SWIGLU_THREADS>>>(da, db, dout, a, b, n);
     CUDA_CHECK_LAUNCH("swiglu_backward_kernel");
 }
+
+// ---------------------------------------------------------------------------- BF16 operands (bf16 mode's FFNs)
+// kernels.h swiglu_forward_bf16 / swiglu_backward_bf16: a, b and dh are GEMM products in BF16 rows of stride ld
+// (bf16_rows_ld(I)), the outputs packed (rows, I) GEMM operands; each value is swiglu.cuh's on the widened inputs,
+// rounded once (the bits of swiglu_forward / swiglu_backward followed by bf16_round_array). PER = 4: I % 4 == 0 and
+// every pointer 8-byte aligned, four elements per access; else one.
+template <int PER> struct Bf16Unit;
+template <> struct Bf16Unit<4> {
+    typedef float4 Value;
+    static __device__ float4 load(const uint16_t *p) { return bf16x4_to_float4(*reinterpret_cast<const uint2 *>(p)); }
+    static __device__ void store(uint16_t *p, float4 v) {
+        *reinterpret_cast<uint2 *>(p) = make_uint2(bf16x2_bits(v.x, v.y), bf16x2_bits(v.z, v.w));
+    }
+};
+template <> struct Bf16Unit<1> {
+    typedef float Value;
+    static __device__ float load(const uint16_t *p) { return bf16_bits_to_float(*p); }
+    static __device__ void store(uint16_t *p, float v) { *p = (uint16_t)(bf16x2_bits(v, 0.0f) & 0xFFFFu); }
+};
+
+__device__ inline float swiglu_unit(float a, float b) { return swiglu_element(a, b); }
+__device__ inline float4 swiglu_unit(float4 a, float4 b) {
+    return make_float4(swiglu_element(a.x, b.x), swiglu_element(a.y, b.y), swiglu_element(a.z, b.z),
+                       swiglu_element(a.w, b.w));
+}
+__device__ inline void swiglu_backward_unit(float *da, float *db, float g, float a, float b) {
+    swiglu_backward_element(da, db, g, a, b);
+}
+__device__ inline void swiglu_backward_unit(float4 *da, float4 *db, float4 g, float4 a, float4 b) {
+    swiglu_backward_element(&da->x, &db->x, g.x, a.x, b.x);
+    swiglu_backward_element(&da->y, &db->y, g.y, a.y, b.y);
+    swiglu_backward_element(&da->z, &db->z, g.z, a.z, b.z);
+    swiglu_backward_element(&da->w, &db->w, g.w, a.w, b.w);
+}
+
+// Element (r, c) of the launch's unit i: r = i / units, c = (i % units) * PER.
+template <int PER>
+__global__ void swiglu_forward_bf16_kernel(uint16_t *h, const uint16_t *a, const uint16_t *b, int64_t ld, int64_t rows,
+                                           int width) {
+    typedef Bf16Unit<PER> U;
+    const int units = width / PER;
+    const int64_t n = rows * units;
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t r = i / units;
+        const int64_t c = (i - r * units) * PER, at = r * ld + c;
+        U::store(h + r * width + c, swiglu_unit(U::load(a + at), U::load(b + at)));
+    }
+}
+
+template <int PER>
+__global__ void swiglu_backward_bf16_kernel(uint16_t *h, uint16_t *da, uint16_t *db, const uint16_t *dh,
+                                            const uint16_t *a, const uint16_t *b, int64_t ld, int64_t rows, int width) {
+    typedef Bf16Unit<PER> U;
+    const int units = width / PER;
+    const int64_t n = rows * units;
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t r = i / units;
+        const int64_t c = (i - r * units) * PER, at = r * ld + c, out = r * width + c;
+        const typename U::Value x = U::load(a + at), y = U::load(b + at);
+        typename U::Value ga, gb;
+        swiglu_backward_unit(&ga, &gb, U::load(dh + at), x, y);
+        U::store(da + out, ga);
+        U::store(db + out, gb);
+        if (h != NULL) U::store(h + out, swiglu_unit(x, y));
+    }
+}
+
+static bool aligned8(const void *p) { return (uintptr_t)p % 8 == 0; }  // NULL counts as aligned
+
+extern "C" void cuda_swiglu_forward_bf16(uint16_t *h, const uint16_t *a, const uint16_t *b, int rows, int width) {
+    const int64_t n = (int64_t)rows * width, ld = bf16_rows_ld(width);
+    if (n <= 0) return;
+    if (width % 4 == 0 && aligned8(h) && aligned8(a) && aligned8(b))
+        swiglu_forward_bf16_kernel<4><<<grid_for(n / 4, SWIGLU_THREADS), SWIGLU_THREADS>>>(h, a, b, ld, rows, width);
+    else
+        swiglu_forward_bf16_kernel<1><<<grid_for(n, SWIGLU_THREADS), SWIGLU_THREADS>>>(h, a, b, ld, rows, width);
+    CUDA_CHECK_LAUNCH("swiglu_forward_bf16_kernel");
+}
+
+extern "C" void cuda_swiglu_backward_bf16(uint16_t *h, uint16_t *da, uint16_t *db, const uint16_t *dh,
+                                          const uint16_t *a, const uint16_t *b, int rows, int width) {
+    const int64_t n = (int64_t)rows * width, ld = bf16_rows_ld(width);
+    if (n <= 0) return;
+    if (width % 4 == 0 && aligned8(h) && aligned8(da) && aligned8(db) && aligned8(dh) && aligned8(a) && aligned8(b))
+        swiglu_backward_bf16_kernel<4><<<grid_for(n / 4, SWIGLU_THREADS), SWIGLU_THREADS>>>(h, da, db, dh, a, b, ld,
+                                                                                             rows, width);
+    else
+        swiglu_backward_bf16_kernel<1><<<grid_for(n, SWIGLU_THREADS), SWIGLU_THREADS>>>(h, da, db, dh, a, b, ld,
+                                                                                         rows, width);
+    CUDA_CHECK_LAUNCH("swiglu_backward_bf16_kernel");
+}

@@ -2018,8 +2018,135 @@ static void test_bf16_matmul(void **state) {
     assert_true(pass);
 }
 
-// ---------------------------------------------------------------------------- main
 // ---------------------------------------------------------------------------- BF16 GEMMs on rounded operands
+// bf16_gemm_fprop_grouped_bf16 / _dgrad_grouped_bf16 (bf16 mode's FFNs): each value of their BF16 rows (stride
+// bf16_rows_ld) against the FP32 forms' y (Fprop) and dx (Dgrad, GRAD_WRITE), which must hold the same BF16 values
+// (the same GEMMs), and the columns past the width and the rows after the last untouched (poisoned). Returns the
+// number of values or padding elements that differ.
+static int bf16_forms_diff(const uint16_t *xb_d, const uint16_t *dyb_d, const uint16_t *const *wg_d, int n,
+                           const int *rows0, int N, int K, const float *y, const float *dx) {
+    const int T = rows0[n];
+    int bad = 0;
+    for (int dgrad = 0; dgrad < 2; dgrad++) {
+        const int cols = dgrad ? K : N;
+        const int64_t ld = bf16_rows_ld(cols), elems = (int64_t)(T + 1) * ld;
+        uint16_t *o_d = gpu_poisoned((size_t)elems * 2);
+        if (dgrad) bf16_gemm_dgrad_grouped_bf16(DEVICE_CUDA, o_d, dyb_d, wg_d, n, rows0, N, K);
+        else bf16_gemm_fprop_grouped_bf16(DEVICE_CUDA, o_d, xb_d, wg_d, n, rows0, N, K);
+        uint16_t *o = gpucheck_to_host(o_d, (size_t)elems * 2);
+        const float *want = dgrad ? dx : y;
+        for (int64_t r = 0; r <= T; r++)
+            for (int64_t c = 0; c < ld; c++) {
+                const uint16_t v = o[r * ld + c];
+                if (r < T && c < cols) bad += bf16_to_float(v) != want[r * cols + c];
+                else bad += v != 0xFFFF;
+            }
+        free(o);
+        device_free(DEVICE_CUDA, o_d);
+    }
+    return bad;
+}
+
+// bf16 mode's SwiGLU operands (kernels.h swiglu_forward_bf16 / swiglu_backward_bf16, moe_combine_grad_bf16) on
+// random BF16 rows (stride bf16_rows_ld, the padding poisoned): each output bitwise the CUDA composition it stands for
+// (swiglu_forward / swiglu_backward / moe_combine_backward into FP32 arrays, then bf16_round_array), and against
+// the CPU op: the combine's gradient bitwise (one FP32 product, rounded), the SwiGLU values within one BF16 ulp (the
+// GPU's sigmoid may differ from the CPU's by an FP32 rounding, swiglu.cuh, which can move a rounded value by one).
+typedef struct {
+    int rows, width, topk;
+} SwigluOperandCase;
+
+static int64_t bf16_ulps_apart(uint16_t a, uint16_t b) {
+    const int32_t x = a & 0x8000 ? -(int32_t)(a & 0x7FFF) : (int32_t)a;
+    const int32_t y = b & 0x8000 ? -(int32_t)(b & 0x7FFF) : (int32_t)b;
+    return x > y ? x - y : y - x;
+}
+
+static void test_bf16_swiglu_operands(void **state) {
+    const SwigluOperandCase *sc = *state;
+    const int rows = sc->rows, W = sc->width;
+    const int64_t ld = bf16_rows_ld(W), nrow = (int64_t)(rows + 15) * ld, n = (int64_t)rows * W;
+    float *av = floats(n), *bv = floats(n), *gv = floats(n);
+    fill_log_uniform(av, n, 9301 + (uint64_t)W, -6.0, 3.0);
+    fill_log_uniform(bv, n, 9302 + (uint64_t)W, -6.0, 2.0);
+    fill_log_uniform(gv, n, 9303 + (uint64_t)W, -12.0, -2.0);
+    uint16_t *a16 = host_poisoned((size_t)nrow * 2), *b16 = host_poisoned((size_t)nrow * 2);
+    uint16_t *g16 = host_poisoned((size_t)nrow * 2);
+    for (int r = 0; r < rows; r++)
+        for (int c = 0; c < W; c++) {
+            const int64_t i = (int64_t)r * W + c, at = r * ld + c;
+            a16[at] = float_to_bf16(av[i]), b16[at] = float_to_bf16(bv[i]), g16[at] = float_to_bf16(gv[i]);
+            av[i] = bf16_to_float(a16[at]), bv[i] = bf16_to_float(b16[at]), gv[i] = bf16_to_float(g16[at]);
+        }
+    uint16_t *a_d = gpucheck_to_device(a16, (size_t)nrow * 2), *b_d = gpucheck_to_device(b16, (size_t)nrow * 2);
+    uint16_t *g_d = gpucheck_to_device(g16, (size_t)nrow * 2);
+    // the ops, on the GPU and the CPU: h (forward), and h, da, db (backward)
+    uint16_t *out_d[4], *out_g[4], *out_c[4];
+    for (int i = 0; i < 4; i++) out_d[i] = gpu_poisoned((size_t)n * 2), out_c[i] = gpucheck_malloc((size_t)n * 2);
+    swiglu_forward_bf16(DEVICE_CUDA, out_d[0], a_d, b_d, rows, W);
+    swiglu_backward_bf16(DEVICE_CUDA, out_d[1], out_d[2], out_d[3], g_d, a_d, b_d, rows, W);
+    swiglu_forward_bf16(DEVICE_CPU, out_c[0], a16, b16, rows, W);
+    swiglu_backward_bf16(DEVICE_CPU, out_c[1], out_c[2], out_c[3], g16, a16, b16, rows, W);
+    for (int i = 0; i < 4; i++) out_g[i] = gpucheck_to_host(out_d[i], (size_t)n * 2);
+    // the compositions on the GPU
+    float *af_d = gpucheck_to_device(av, (size_t)n * 4), *bf_d = gpucheck_to_device(bv, (size_t)n * 4);
+    float *gf_d = gpucheck_to_device(gv, (size_t)n * 4), *t_d[3];
+    uint16_t *want_d[3], *want[3];
+    for (int i = 0; i < 3; i++)
+        t_d[i] = device_alloc(DEVICE_CUDA, (size_t)n * 4), want_d[i] = gpu_poisoned((size_t)n * 2);
+    swiglu_forward(DEVICE_CUDA, t_d[0], af_d, bf_d, n);
+    swiglu_backward(DEVICE_CUDA, t_d[1], t_d[2], gf_d, af_d, bf_d, n);
+    for (int i = 0; i < 3; i++) {
+        bf16_round_array(DEVICE_CUDA, want_d[i], t_d[i], n);
+        want[i] = gpucheck_to_host(want_d[i], (size_t)n * 2);
+    }
+    int comp_diff = 0, cpu_far = 0;
+    for (int64_t i = 0; i < n; i++) {
+        comp_diff += (out_g[0][i] != want[0][i]) + (out_g[1][i] != want[0][i]) + (out_g[2][i] != want[1][i]) +
+                     (out_g[3][i] != want[2][i]);
+        for (int k = 0; k < 4; k++) cpu_far += bf16_ulps_apart(out_g[k][i], out_c[k][i]) > 1;
+    }
+    // the combine's gradient: tokens = rows / topk, a permutation of the slots, dout FP32
+    const int K = sc->topk, N = rows / K, C = W;
+    const int64_t nd = (int64_t)N * C, ns = (int64_t)N * K * C;
+    float *dout = floats(nd), *tw = floats((int64_t)N * K);
+    fill_log_uniform(dout, nd, 9304 + (uint64_t)W, -14.0, -4.0);
+    fill_log_uniform(tw, (int64_t)N * K, 9305 + (uint64_t)W, -3.0, 0.0);
+    int *slot_of = gpucheck_malloc(sizeof(int) * (size_t)N * K);
+    for (int s = 0; s < N * K; s++) slot_of[s] = s;
+    for (int s = N * K - 1; s > 0; s--) {  // a fixed shuffle
+        const int j = (int)(opcheck_uniform(9306, (uint64_t)s) * (s + 1)), t = slot_of[s];
+        slot_of[s] = slot_of[j], slot_of[j] = t;
+    }
+    float *dout_d = gpucheck_to_device(dout, (size_t)nd * 4), *tw_d = gpucheck_to_device(tw, (size_t)N * K * 4);
+    int *slot_d = gpucheck_to_device(slot_of, sizeof(int) * (size_t)N * K);
+    uint16_t *dy_d = gpu_poisoned((size_t)ns * 2), *dy_c = gpucheck_malloc((size_t)ns * 2);
+    uint16_t *dyw_d = gpu_poisoned((size_t)ns * 2);
+    float *de_d = device_alloc(DEVICE_CUDA, (size_t)ns * 4);
+    moe_combine_grad_bf16(DEVICE_CUDA, dy_d, dout_d, tw_d, slot_d, N, K, C);
+    moe_combine_grad_bf16(DEVICE_CPU, dy_c, dout, tw, slot_of, N, K, C);
+    moe_combine_backward(DEVICE_CUDA, de_d, NULL, dout_d, NULL, slot_d, tw_d, N, K, C);
+    bf16_round_array(DEVICE_CUDA, dyw_d, de_d, ns);
+    uint16_t *dy_g = gpucheck_to_host(dy_d, (size_t)ns * 2), *dyw = gpucheck_to_host(dyw_d, (size_t)ns * 2);
+    int comb_cpu = 0, comb_comp = 0;
+    for (int64_t i = 0; i < ns; i++) comb_cpu += dy_g[i] != dy_c[i], comb_comp += dy_g[i] != dyw[i];
+    const int ok = comp_diff == 0 && cpu_far == 0 && comb_cpu == 0 && comb_comp == 0;
+    printf("bf16 SwiGLU operands %d x %d (rows of %lld): h, da, db vs the CUDA ops + bf16_round_array: %d differing; "
+           "vs the CPU: %d more than 1 BF16 ulp apart; combine grad (%d tokens x %d) vs CPU %d, vs "
+           "moe_combine_backward + bf16_round_array %d differing  %s\n", rows, W, (long long)ld, comp_diff, cpu_far, N, K, comb_cpu,
+           comb_comp, ok ? "ok" : "FAIL");
+    for (int i = 0; i < 4; i++) device_free(DEVICE_CUDA, out_d[i]), free(out_g[i]), free(out_c[i]);
+    for (int i = 0; i < 3; i++) device_free(DEVICE_CUDA, t_d[i]), device_free(DEVICE_CUDA, want_d[i]), free(want[i]);
+    device_free(DEVICE_CUDA, a_d), device_free(DEVICE_CUDA, b_d), device_free(DEVICE_CUDA, g_d);
+    device_free(DEVICE_CUDA, af_d), device_free(DEVICE_CUDA, bf_d), device_free(DEVICE_CUDA, gf_d);
+    device_free(DEVICE_CUDA, dout_d), device_free(DEVICE_CUDA, tw_d), device_free(DEVICE_CUDA, slot_d);
+    device_free(DEVICE_CUDA, dy_d), device_free(DEVICE_CUDA, dyw_d), device_free(DEVICE_CUDA, de_d);
+    free(av), free(bv), free(gv), free(a16), free(b16), free(g16), free(dout), free(tw), free(slot_of);
+    free(dy_g), free(dy_c), free(dyw);
+    assert_true(ok);
+}
+
+// ---------------------------------------------------------------------------- main
 // bf16_gemm_fprop_grouped / _dgrad_grouped / _wgrad_grouped (train/linear.c's bf16 mode): groups of
 // random length (every fifth empty) with their own weights; each output against the CPU's grouped result
 // and a double reference with test_bf16_matmul's bounds, a second run bitwise equal (its Wgrad as one plain
@@ -2089,6 +2216,7 @@ static void test_bf16_gemm_grouped(void **state) {
         int differing = 0;
         for (int64_t i = 0; i < nx; i++) differing += !(wr[i] == zero[i]);
         const int tail_ok = memcmp(wr + nx, poison, (size_t)K * 4) == 0;
+        const int bf16_form_diff = bf16_forms_diff(xb_d, dyb_d, wg_d, n, rows0, N, K, y_g[0], wr);
         // two matrices in one call: the bits of the second single call added after the first
         const uint16_t *dyb2_d[2] = {dyb_d, dyb_d}, *const *wg2_d[2] = {wg_d, wg_d};
         bf16_gemm_dgrad_grouped(DEVICE_CUDA, wr_d, GRAD_ADD, NULL, 2, dyb2_d, wg2_d, n, rows0, N, K);
@@ -2099,11 +2227,13 @@ static void test_bf16_gemm_grouped(void **state) {
         const int unperm_diff = unpermute_diff(T, K, dx0, NULL, NULL, dyb2_d, NULL, NULL, wg2_d, n, rows0, N);
         const Bf16FpropArgs fa = {xb_d, wg_d, n, N, K, rows0};
         const int res_diff = fprop_residual_diff(bf16_fprop_with_residual, &fa, T, N, 9106 + (uint64_t)gc->seed);
-        const int ok = differing == 0 && tail_ok && !two_diff && unperm_diff == 0 && res_diff == 0;
+        const int ok = differing == 0 && tail_ok && !two_diff && unperm_diff == 0 && res_diff == 0 &&
+                       bf16_form_diff == 0;
         printf("%-16s %d groups, %d x %d x %d: Dgrad GRAD_WRITE vs GRAD_ADD onto zeros: %d differing values, last row "
                "untouched: %s; 2 matrices vs 2 calls: %s; unpermuted vs slot order + moe_unpermute_backward: %d bytes; "
-               "Fprop with a residual vs + add_inplace: %d bytes  %s\n", "bf16 grouped", n, T, N, K, differing,
-               tail_ok ? "yes" : "NO", two_diff ? "DIFFERENT" : "same bits", unperm_diff, res_diff, ok ? "ok" : "FAIL");
+               "Fprop with a residual vs + add_inplace: %d bytes; *_bf16 forms vs the FP32 forms: %d values  %s\n",
+               "bf16 grouped", n, T, N, K, differing, tail_ok ? "yes" : "NO", two_diff ? "DIFFERENT" : "same bits",
+               unperm_diff, res_diff, bf16_form_diff, ok ? "ok" : "FAIL");
         pass &= ok;
         free(wr2), free(seq2);
         device_free(DEVICE_CUDA, wr_d), device_free(DEVICE_CUDA, zero_d);
@@ -2212,6 +2342,7 @@ int main(void) {
     static Bf16Case b_a = {256, 300, 576}, b_b = {128, 512, 1024};
     static GroupedGemmCase gg_a = {5, 576, 302, 1}, gg_b = {32, 1030, 512, 2}, gg_c = {32, 256, 2048, 3};
     static GroupedGemmCase bg_a = {5, 200, 300, 4}, bg_b = {32, 256, 512, 5};
+    static SwigluOperandCase so_a = {111, 198, 3}, so_b = {240, 1024, 6};  // the scalar and the 4-wide paths
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_division_matches_ieee),
         cmocka_unit_test_prestate_setup_teardown(test_quantizer, print_quant_header, NULL, &q_a),
@@ -2277,6 +2408,8 @@ int main(void) {
         cmocka_unit_test_prestate(test_bf16_matmul, &b_b),
         cmocka_unit_test_prestate(test_bf16_gemm_grouped, &bg_a),
         cmocka_unit_test_prestate(test_bf16_gemm_grouped, &bg_b),
+        cmocka_unit_test_prestate(test_bf16_swiglu_operands, &so_a),
+        cmocka_unit_test_prestate(test_bf16_swiglu_operands, &so_b),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
