@@ -73,11 +73,11 @@ static void mla_acts_alloc(ActsArena *ar, MlaActs *a, const Dims *d, const Layer
 }
 
 // rows of x in n_groups groups (the routed experts: their local experts' segments, x read through the routing
-// plan and not kept); keep (fp8 mode): keep the Wgrad operands; gate16 (linear_gate_in_bf16): the gate's inputs in
-// BF16.
+// plan and not kept); keep (fp8 mode): keep the Wgrad operands; bf16_products (linear_bf16_products): the gate's
+// inputs in BF16.
 static void ffn_acts_alloc(ActsArena *ar, FfnActs *a, int64_t rows, int n_groups, int D, int width,
-                           const LayerScratch *s, int keep, int gate16) {
-    if (gate16) {  // the Fprops' BF16 products, with 15 rows of scratch (kernels.h fp8_gemm_fprop_grouped_bf16)
+                           const LayerScratch *s, int keep, int bf16_products) {
+    if (bf16_products) {  // the Fprops' BF16 products, with 15 rows of scratch (kernels.h fp8_gemm_fprop_grouped_bf16)
         const size_t bytes = (size_t)bf16_rows_elems(rows, width) * sizeof(uint16_t);
         a->gate.a16 = arena_alloc(ar, bytes), a->gate.b16 = arena_alloc(ar, bytes);
     } else {
@@ -89,7 +89,7 @@ static void ffn_acts_alloc(ActsArena *ar, FfnActs *a, int64_t rows, int n_groups
 }
 
 void block_acts_alloc(ActsArena *ar, BlockActs *a, const Dims *d, int is_moe, const LayerScratch *s,
-                      int keep_inputs, int gate16, int bf16_expert_outputs) {
+                      int keep_inputs, int bf16_products, int bf16_expert_outputs) {
     int N = d->N, D = d->D;
     a->xn1 = s->t_xn;
     a->rstd1 = ARENA_REALS(ar, N);
@@ -98,7 +98,7 @@ void block_acts_alloc(ActsArena *ar, BlockActs *a, const Dims *d, int is_moe, co
     a->xn2 = s->t_xn;
     a->rstd2 = ARENA_REALS(ar, N);
     if (!is_moe) {
-        ffn_acts_alloc(ar, &a->ffn, N, 1, D, d->inter, s, keep_inputs, gate16);
+        ffn_acts_alloc(ar, &a->ffn, N, 1, D, d->inter, s, keep_inputs, bf16_products);
         return;
     }
     MoeActs *e = &a->moe;
@@ -115,7 +115,7 @@ void block_acts_alloc(ActsArena *ar, BlockActs *a, const Dims *d, int is_moe, co
     e->slot_of = ARENA_INTS(ar, NK);
     e->xp = s->t_xp;
     // the local experts' rows: this rank's own N x K at ep = 1, up to the EP group's N x K x ep (d->local_rows)
-    ffn_acts_alloc(ar, &e->experts, d->local_rows, d->E, D, d->I, s, keep_inputs, gate16);
+    ffn_acts_alloc(ar, &e->experts, d->local_rows, d->E, D, d->I, s, keep_inputs, bf16_products);
     if (bf16_expert_outputs)  // read by the combine and its backward in BF16 (moe.c)
         e->eout_bf16 = arena_alloc(ar, (size_t)bf16_rows_elems(NK, D) * sizeof(uint16_t));
     else
@@ -123,7 +123,7 @@ void block_acts_alloc(ActsArena *ar, BlockActs *a, const Dims *d, int is_moe, co
     // the routed experts copy their Fprop operand's rows from the shared expert's (linear.h SharedFprop); without
     // shared experts (moe.n_shared_experts = 0: no shared FFN runs, moe.c) they quantise their rows themselves
     if (d->shared_I > 0) {
-        ffn_acts_alloc(ar, &e->shared, N, 1, D, d->shared_I, s, keep_inputs, gate16);
+        ffn_acts_alloc(ar, &e->shared, N, 1, D, d->shared_I, s, keep_inputs, bf16_products);
         e->experts.x_fprop = e->shared.x_fprop = s->t_x_fprop;
     }
 }
@@ -135,8 +135,8 @@ static uint16_t *bf16_in_grad(ActsArena *ar, real *grad, int64_t grad_elems, int
     return arena_alloc(ar, (size_t)n * sizeof(uint16_t));
 }
 
-void layer_scratch_alloc(ActsArena *ar, LayerScratch *s, const Dims *d, int has_moe, int needs_xp, int fp8_fused,
-                         int gate16, int needs_d_eout, int shares_fprop) {
+void layer_scratch_alloc(ActsArena *ar, LayerScratch *s, const Dims *d, int has_moe, int needs_xp, int bf16_products,
+                         int needs_d_eout, int shares_fprop) {
     int64_t N = d->N, NH = (int64_t)d->N * d->H, NK = (int64_t)d->N * d->K;
     s->t_xn = ARENA_REALS(ar, N * d->D);
     s->t_rstd = ARENA_REALS(ar, N);
@@ -158,11 +158,11 @@ void layer_scratch_alloc(ActsArena *ar, LayerScratch *s, const Dims *d, int has_
     // MLA's transient q and kv (mla_acts_alloc), or their BF16 products, live in the memory of their gradients. A
     // block's forward is done with them before it ends, and a chunk's backward, which writes d_qf and d_kv, never
     // runs at the same time as its forward, so each chunk keeps no extra scratch for them.
-    if (fp8_fused && d->qr > 0) {
+    if (bf16_products && d->qr > 0) {
         s->t_q16 = bf16_in_grad(ar, s->d_qf, NH * d->dqk, bf16_rows_elems(N, d->H * d->dqk));
         s->t_kv16 = bf16_in_grad(ar, s->d_kv, NH * (d->dn + d->dv), bf16_rows_elems(N, d->H * (d->dn + d->dv)));
     }
-    if (fp8_fused) {
+    if (bf16_products) {
         s->d_o16 = bf16_in_grad(ar, s->d_o, NH * d->dv, bf16_rows_elems(N, d->H * d->dv));
         s->d_ckvn16 = bf16_in_grad(ar, s->d_ckvn, N * d->kvr, bf16_rows_elems(N, d->kvr));
         if (d->qr > 0) s->d_cqn16 = bf16_in_grad(ar, s->d_cqn, N * d->qr, bf16_rows_elems(N, d->qr));
@@ -186,7 +186,7 @@ void layer_scratch_alloc(ActsArena *ar, LayerScratch *s, const Dims *d, int has_
                                          .C = d->D};
         }
     }
-    if (!gate16) {
+    if (!bf16_products) {
         s->t_h = ARENA_REALS(ar, ffn_elems);
         s->d_a = ARENA_REALS(ar, ffn_elems);
         s->d_b = ARENA_REALS(ar, ffn_elems);

@@ -120,22 +120,22 @@ typedef struct {
 typedef struct {
     real *t_xn, *t_rstd;                  // BlockActs' normalised inputs (N, D), and an rstd (N) to recompute them
     real *t_kva, *t_k_rope_raw;           // MlaActs' transients
-    uint16_t *t_q16, *t_kv16;             // and its q16 and kv16 (fp8_fused, q_lora_rank > 0): in d_qf's and d_kv's
+    uint16_t *t_q16, *t_kv16;             // and its q16 and kv16 (bf16_products, q_lora_rank > 0): in d_qf's and d_kv's
                                           // memory where they fit; NULL elsewhere
-    uint16_t *d_o16;                      // fp8_fused: d_o as W_O's Dgrad product in BF16 (linear_backward_bf16,
+    uint16_t *d_o16;                      // bf16_products: d_o as W_O's Dgrad product in BF16 (linear_backward_bf16,
                                           // kernels.h attention_backward_bf16), in d_o's memory where it fits; NULL
                                           // elsewhere
-    uint16_t *d_ckvn16, *d_cqn16;         // fp8_fused: d_ckvn and d_cqn (q_lora_rank > 0) as W_UKV's and W_UQ's
+    uint16_t *d_ckvn16, *d_cqn16;         // bf16_products: d_ckvn and d_cqn (q_lora_rank > 0) as W_UKV's and W_UQ's
                                           // Dgrad products in BF16 (kernels.h rmsnorm_backward_bf16), likewise
     real *t_h;                            // FfnActs' h, sized for the largest FFN (dense, shared, N*K x I); NULL
-                                          // with gate16, as d_a, d_b and d_h (linear.h SwigluScratch)
+                                          // with bf16_products, as d_a, d_b and d_h (linear.h SwigluScratch)
     real *t_xp;                           // MoeActs' xp (N*K, D), MoE chunks that gather it only
     real *d_xn;                           // (N, D)
     real *d_cq, *d_cqn, *d_qf;
     real *d_kva, *d_ckv, *d_ckvn, *d_k_rope, *d_k_rope_raw, *d_kv, *d_o;
     real *d_a, *d_b, *d_h;                // FFN gradients: dense / shared (N, width), all routed experts (N*K, I);
-                                          // without gate16 only
-    uint16_t *d_h16;                      // gate16: d_h in BF16 (linear.h SwigluScratch), the same rows + 15
+                                          // without bf16_products only
+    uint16_t *d_h16;                      // bf16_products: d_h in BF16 (linear.h SwigluScratch), the same rows + 15
     real *d_logits, *d_scores, *d_topk_w; // router
     real *d_xp, *d_eout;                  // routed experts, (N*K, D); d_xp only where xp is gathered, d_eout
                                           // only where the combine backward writes it
@@ -144,20 +144,20 @@ typedef struct {
 
 // The chunk's scratch first, then each block's activations, whose transients point into it. The scratch's flags:
 // has_moe, any block of the chunk is a MoE block; needs_xp, its MoE blocks gather their experts' inputs
-// (!moe_experts_read_tokens); fp8_fused, the chunk runs fp8 mode's fused paths (linear_fp8_fused): MLA keeps its
-// queries and keys/values as their projections' BF16 products (t_q16, t_kv16), and the attention output's and the
-// latents' gradients as their Dgrads' (d_o16, d_ckvn16, d_cqn16); gate16 (linear_gate_in_bf16: fp8 and bf16 modes),
-// the FFNs compute their gate's h, d_a and d_b as operands and keep d_h in BF16 (d_h16; linear.h; fp32 writes them
-// in FP32: t_h, d_a, d_b, d_h); needs_d_eout, the combine
+// (!moe_experts_read_tokens); bf16_products, the chunk's Linears leave BF16 products (linear_bf16_products: fp8
+// mode's fused paths and bf16 mode): MLA keeps its queries and keys/values as their projections' BF16 products
+// (t_q16, t_kv16), and the attention output's and the latents' gradients as their Dgrads' (d_o16, d_ckvn16,
+// d_cqn16), and the FFNs compute their gate's h, d_a and d_b as operands and keep d_h in BF16 (d_h16; linear.h;
+// fp32 writes them in FP32: t_h, d_a, d_b, d_h); needs_d_eout, the combine
 // backward writes the experts' output gradient (!moe_combine_grad_in_operand); shares_fprop, the MoE blocks'
 // experts share their input's Fprop operand (FfnActs). keep_inputs (fp8 mode): the blocks keep their Linear inputs'
-// Wgrad operands (MlaActs, FfnActs); gate16: their FFN gates' inputs in BF16 (FfnActs). bf16_expert_outputs
+// Wgrad operands (MlaActs, FfnActs); bf16_products: their FFN gates' inputs in BF16 (FfnActs). bf16_expert_outputs
 // (moe_combine_grad_in_operand): the MoE blocks keep their routed experts' outputs as w2's BF16 product (eout_bf16)
 // instead of in FP32 (eout).
 void layer_scratch_alloc(ActsArena *arena, LayerScratch *s, const Dims *d, int has_moe, int needs_xp,
-                         int fp8_fused, int gate16, int needs_d_eout, int shares_fprop);
+                         int bf16_products, int needs_d_eout, int shares_fprop);
 void block_acts_alloc(ActsArena *arena, BlockActs *a, const Dims *d, int is_moe, const LayerScratch *s,
-                      int keep_inputs, int gate16, int bf16_expert_outputs);
+                      int keep_inputs, int bf16_products, int bf16_expert_outputs);
 
 // x_out (N, D) = block(x_in); a->x_in is set to x_in.
 void block_forward(Model *m, const BlockWeights *w, BlockActs *a, const Dims *d, const real *x_in,
@@ -187,7 +187,7 @@ void ffn_backward(Model *m, const FfnWeights *w, const FfnWeights *g, FfnActs *a
 // copy xp (top-K rows per token) is never written, in the forward or the backward, nor allocated. fp32 mode,
 // and EP, gather xp.
 int moe_experts_read_tokens(const Model *m);
-// Where the experts read the token rows in fp8 and bf16 modes (linear_gate_in_bf16), their output gradient is read
+// Where the experts read the token rows in fp8 and bf16 modes (linear_bf16_products), their output gradient is read
 // through the plan too (w2's dY quantiser or rounding, linear.h CombineGrad): the combine backward's (N*K, D) d_eout
 // is neither written nor allocated.
 int moe_combine_grad_in_operand(const Model *m);

@@ -414,14 +414,16 @@ int linear_fp8_fused(const RunCtx *rc) {
     return p->mode == PRECISION_FP8 && !p->bf16_fprop && !p->bf16_dgrad && !p->bf16_wgrad;
 }
 
-int linear_gate_in_bf16(const RunCtx *rc) { return linear_fp8_fused(rc) || rc->precision.mode == PRECISION_BF16; }
+int linear_bf16_products(const RunCtx *rc) { return linear_fp8_fused(rc) || rc->precision.mode == PRECISION_BF16; }
 
 // The bf16 mode's Linears (below), which fp8 mode also runs for the GEMM kinds a job asks in BF16.
-static void bf16_forward(RunCtx *rc, int n_groups, const int *offsets, int n_out, real *const *out, const real *inp,
+static void bf16_forward(RunCtx *rc, int n_groups, const int *offsets, int n_out, real *const *out,
+                         uint16_t *const *out_bf16, const real *inp,
                          const int *inp_rows, const real *const *weight, int C, const int *OC, const real *residual);
-static void bf16_backward(RunCtx *rc, int n_groups, const int *offsets, int n_out, real *dinp, GradStore dinp_store,
-                          const DgradUnpermute *unpermute, real *const *dweight, const real *const *dout,
-                          const real *inp, const int *inp_rows, const real *const *weight, int C, int OC);
+static void bf16_backward(RunCtx *rc, int n_groups, const int *offsets, int n_out, real *dinp, uint16_t *dinp_bf16,
+                          GradStore dinp_store, const DgradUnpermute *unpermute, real *const *dweight,
+                          const real *const *dout, const real *inp, const int *inp_rows, const real *const *weight,
+                          int C, int OC);
 
 // ---------------------------------------------------------------------------- fp8 Linears
 // What the fp8 quantisers read for an activation operand (an input X or a gradient dY): an FP32 array, row r read
@@ -599,7 +601,7 @@ static void fp8_forward(RunCtx *rc, int n_groups, const int *offsets, int n_out,
         for (int i = 0; i < n_out; i++)
             n_bf16 += rc->weight_cache->entries[find_entry(rc, weight[i], OC[i], C)].fprop_bf16;
         if (n_bf16 == n_out) {
-            bf16_forward(rc, n_groups, offsets, n_out, out, inp->x, inp->rows, weight, C, OC, residual);
+            bf16_forward(rc, n_groups, offsets, n_out, out, NULL, inp->x, inp->rows, weight, C, OC, residual);
             return;
         }
         if (n_bf16 > 0) {  // some of each: Linear by Linear (the input quantised or rounded for each, the same bits)
@@ -655,7 +657,7 @@ static void fp8_backward(RunCtx *rc, int n_groups, const int *offsets, int n_out
             dys[i] = dout[i].x;
         }
         if (inp->kind != OPERAND_ARRAY || dinp_bf16 != NULL) not_plain("a backward");
-        bf16_backward(rc, n_groups, offsets, n_out, pc->bf16_dgrad ? dinp : NULL, dinp_store,
+        bf16_backward(rc, n_groups, offsets, n_out, pc->bf16_dgrad ? dinp : NULL, NULL, dinp_store,
                       pc->bf16_dgrad ? unpermute : NULL, pc->bf16_wgrad ? dweight : no_dweight, dys, inp->x,
                       inp->rows, weight, C, OC);
         if (pc->bf16_dgrad) dinp = NULL, unpermute = NULL;
@@ -715,8 +717,10 @@ static void bf16_round_input(RunCtx *rc, uint16_t *x, const real *inp, const int
     else bf16_round_array(rc->dev, x, inp, (int64_t)rows * C);
 }
 
-static void bf16_forward(RunCtx *rc, int n_groups, const int *offsets, int n_out, real *const *out, const real *inp,
-                         const int *inp_rows, const real *const *weight, int C, const int *OC, const real *residual) {
+// With out_bf16 (out NULL) the products are left in BF16 (kernels.h bf16_gemm_fprop_grouped_bf16).
+static void bf16_forward(RunCtx *rc, int n_groups, const int *offsets, int n_out, real *const *out,
+                         uint16_t *const *out_bf16, const real *inp, const int *inp_rows, const real *const *weight,
+                         int C, const int *OC, const real *residual) {
     const int rows = offsets[n_groups];
     scratch_reserve(rc, bf16_bytes(rows, C));
     size_t used = 0;
@@ -724,16 +728,20 @@ static void bf16_forward(RunCtx *rc, int n_groups, const int *offsets, int n_out
     bf16_round_input(rc, x, inp, inp_rows, rows, C);
     for (int i = 0; i < n_out; i++) {
         group_weights(rc, 0, n_groups, offsets, weight[i], OC[i], C);
-        bf16_gemm_fprop_grouped(rc->dev, out[i], residual, x, rc->weight_cache->b, n_groups, offsets, OC[i], C);
+        if (out_bf16) bf16_gemm_fprop_grouped_bf16(rc->dev, out_bf16[i], x, rc->weight_cache->b, n_groups, offsets,
+                                                   OC[i], C);
+        else bf16_gemm_fprop_grouped(rc->dev, out[i], residual, x, rc->weight_cache->b, n_groups, offsets, OC[i], C);
     }
 }
 
 // Each dY rounded once; all Dgrads one call (dinp += sum_i bf16(dY_i W_i) in order of i, all groups), then
 // Wgrad Linear by Linear, group by group; groups write disjoint rows of dinp and slices of dW, so this is the
-// order of group-by-group, Linear-by-Linear calls.
-static void bf16_backward(RunCtx *rc, int n_groups, const int *offsets, int n_out, real *dinp, GradStore dinp_store,
-                          const DgradUnpermute *unpermute, real *const *dweight, const real *const *dout,
-                          const real *inp, const int *inp_rows, const real *const *weight, int C, int OC) {
+// order of group-by-group, Linear-by-Linear calls. With dinp_bf16 instead of dinp (one Linear, written), the input
+// gradient is left as the Dgrad's BF16 product (kernels.h bf16_gemm_dgrad_grouped_bf16).
+static void bf16_backward(RunCtx *rc, int n_groups, const int *offsets, int n_out, real *dinp, uint16_t *dinp_bf16,
+                          GradStore dinp_store, const DgradUnpermute *unpermute, real *const *dweight,
+                          const real *const *dout, const real *inp, const int *inp_rows, const real *const *weight,
+                          int C, int OC) {
     const int rows = offsets[n_groups];
     scratch_reserve(rc, bf16_bytes(rows, C) + (size_t)n_out * bf16_bytes(rows, OC));
     size_t used = 0;
@@ -746,7 +754,7 @@ static void bf16_backward(RunCtx *rc, int n_groups, const int *offsets, int n_ou
     uint16_t *dy[MAX_SHARED];
     for (int i = 0; i < n_out; i++) {
         dy[i] = NULL;
-        if (dinp == NULL && dweight[i] == NULL) continue;
+        if (dinp == NULL && dinp_bf16 == NULL && dweight[i] == NULL) continue;
         dy[i] = dweight[i] ? take_wgrad_bf16(rc, &used, (size_t)rows * OC)
                            : scratch_take(rc, &used, (size_t)rows * OC * sizeof(uint16_t));
         bf16_round_array(rc->dev, dy[i], dout[i], (int64_t)rows * OC);
@@ -760,6 +768,10 @@ static void bf16_backward(RunCtx *rc, int n_groups, const int *offsets, int n_ou
         }
         bf16_gemm_dgrad_grouped(rc->dev, dinp, dinp_store, unpermute, n_out, dys, w, n_groups, offsets, OC, C);
     }
+    if (dinp_bf16) {
+        group_weights(rc, 0, n_groups, offsets, weight[0], OC, C);
+        bf16_gemm_dgrad_grouped_bf16(rc->dev, dinp_bf16, dy[0], rc->weight_cache->b, n_groups, offsets, OC, C);
+    }
     for (int i = 0; i < n_out; i++) {
         if (dweight[i] == NULL) continue;
         const WgradGemm g = {WGRAD_BF16, profile_current_phase(), dweight[i], dy[i], x, NULL, NULL, n_groups, OC, C,
@@ -769,7 +781,7 @@ static void bf16_backward(RunCtx *rc, int n_groups, const int *offsets, int n_ou
 }
 
 // ---------------------------------------------------------------------------- bf16 SwiGLU FFNs
-// bf16 mode's FFNs in the form of fp8 mode's fused paths (linear_gate_in_bf16): a and b stay their Fprops' BF16
+// bf16 mode's FFNs in the form of fp8 mode's fused paths (linear_bf16_products): a and b stay their Fprops' BF16
 // products, h, da and db are rounded in the passes that compute them (kernels.h swiglu_*_bf16), d_h stays w2's Dgrad
 // product, and the routed experts' output gradient is rounded as it is computed from the combine's (CombineGrad).
 // The GEMMs and their rounded operands are those bf16_forward / bf16_backward run on the FP32 arrays of
@@ -878,10 +890,10 @@ static void forward_grouped(RunCtx *rc, int n_groups, const int *offsets, int n_
                             uint16_t *const *out_bf16, const real *inp, const int *inp_rows, const real *const *weight,
                             int C, const int *OC, const real *residual, KeptInput *kept, SharedFprop *fprop) {
     if (n_out > MAX_SHARED) too_many_shared(n_out);
-    if (out_bf16 != NULL && (!linear_fp8_fused(rc) || residual != NULL)) {
+    if (out_bf16 != NULL && (!linear_bf16_products(rc) || residual != NULL)) {
         fprintf(stderr, "fp8moe: train/linear.c: internal error: BF16 products asked of a Linear %s (only fp8 mode's "
-                        "fused paths leave them, without a residual: linear_fp8_fused)\n",
-                residual != NULL ? "with a residual" : "outside fp8 mode's fused paths");
+                        "fused paths and bf16 mode leave them, without a residual: linear_bf16_products)\n",
+                residual != NULL ? "with a residual" : "outside linear_bf16_products");
         exit(1);
     }
     if (residual != NULL && n_out != 1) {
@@ -895,7 +907,7 @@ static void forward_grouped(RunCtx *rc, int n_groups, const int *offsets, int n_
         const Operand x = array_operand(inp, inp_rows);
         fp8_forward(rc, n_groups, offsets, n_out, out, out_bf16, &x, weight, C, OC, residual, kept, fprop);
     } else if (rc->precision.mode == PRECISION_BF16) {
-        bf16_forward(rc, n_groups, offsets, n_out, out, inp, inp_rows, weight, C, OC, residual);
+        bf16_forward(rc, n_groups, offsets, n_out, out, out_bf16, inp, inp_rows, weight, C, OC, residual);
     } else {
         for (int g = 0; g < n_groups; g++) {
             const int r0 = offsets[g], n = offsets[g + 1] - offsets[g];
@@ -936,15 +948,20 @@ void linear_backward(RunCtx *rc, real *dinp, GradStore dinp_store, real *dweight
 
 void linear_backward_bf16(RunCtx *rc, uint16_t *dinp_bf16, real *dweight, const real *dout, const real *inp,
                           const real *weight, int N, int C, int OC, const KeptInput *kept) {
-    if (!linear_fp8_fused(rc)) {
+    if (!linear_bf16_products(rc)) {
         fprintf(stderr, "fp8moe: train/linear.c: internal error: a BF16 input gradient asked of a Linear outside fp8 "
-                        "mode's fused paths (linear_fp8_fused)\n");
+                        "mode's fused paths and bf16 mode (linear_bf16_products)\n");
         exit(1);
     }
     const int offsets[2] = {0, N};
-    const Operand x = array_operand(inp, NULL), dy = array_operand(dout, NULL);
     profile_begin(PHASE_OTHER_GEMM);
-    fp8_backward(rc, 1, offsets, 1, NULL, dinp_bf16, GRAD_WRITE, NULL, &dweight, &dy, &x, &weight, C, OC, kept);
+    if (rc->precision.mode == PRECISION_BF16) {
+        bf16_backward(rc, 1, offsets, 1, NULL, dinp_bf16, GRAD_WRITE, NULL, &dweight, &dout, inp, NULL, &weight, C,
+                      OC);
+    } else {
+        const Operand x = array_operand(inp, NULL), dy = array_operand(dout, NULL);
+        fp8_backward(rc, 1, offsets, 1, NULL, dinp_bf16, GRAD_WRITE, NULL, &dweight, &dy, &x, &weight, C, OC, kept);
+    }
     profile_end(PHASE_OTHER_GEMM);
 }
 
@@ -975,8 +992,8 @@ void linear_backward_grouped(RunCtx *rc, int n_groups, const int *offsets, int n
         fp8_backward(rc, n_groups, offsets, n_out, dinp, NULL, dinp_store, unpermute, dweight, dy, &x, weight, C, OC,
                      kept);
     } else if (rc->precision.mode == PRECISION_BF16) {
-        bf16_backward(rc, n_groups, offsets, n_out, dinp, dinp_store, unpermute, dweight, dout, inp, inp_rows, weight, C,
-                      OC);
+        bf16_backward(rc, n_groups, offsets, n_out, dinp, NULL, dinp_store, unpermute, dweight, dout, inp, inp_rows,
+                      weight, C, OC);
     } else {
         // the FP32 reference matmul only accumulates: a written dinp is cleared first
         if (dinp != NULL && dinp_store == GRAD_WRITE)
@@ -1010,12 +1027,12 @@ void linear_forward_swiglu_grouped(RunCtx *rc, int n_groups, const int *offsets,
                                    const int *x_rows, const SwigluGate *gate, real *h, real *y, uint16_t *y_bf16,
                                    int D, int I, KeptInput *x_kept, KeptInput *h_kept, SharedFprop *x_fprop) {
     const real *const w13[2] = {w->w1, w->w3};
-    if ((y_bf16 != NULL) == (y != NULL) || (y_bf16 != NULL && !linear_gate_in_bf16(rc))) {
+    if ((y_bf16 != NULL) == (y != NULL) || (y_bf16 != NULL && !linear_bf16_products(rc))) {
         fprintf(stderr, "fp8moe: train/linear.c: internal error: an FFN's output goes to an FP32 array, or with its "
-                        "gate in BF16 (linear_gate_in_bf16) to a BF16 one\n");
+                        "gate in BF16 (linear_bf16_products) to a BF16 one\n");
         exit(1);
     }
-    if (!linear_gate_in_bf16(rc)) {
+    if (!linear_bf16_products(rc)) {
         real *const ab[2] = {gate->a, gate->b};
         linear_forward_grouped(rc, n_groups, offsets, 2, ab, x, x_rows, w13, D, I, x_kept, x_fprop);
         swiglu_forward(rc->dev, h, gate->a, gate->b, (int64_t)offsets[n_groups] * I);
@@ -1048,12 +1065,12 @@ void linear_backward_swiglu_grouped(RunCtx *rc, int n_groups, const int *offsets
                                     int I, const KeptInput *x_kept, const KeptInput *h_kept) {
     real *const g13[2] = {g->w1, g->w3};
     const real *const w13[2] = {w->w1, w->w3}, *const w2[1] = {w->w2};
-    if ((dy_combine != NULL) != (linear_gate_in_bf16(rc) && dy == NULL)) {
+    if ((dy_combine != NULL) != (linear_bf16_products(rc) && dy == NULL)) {
         fprintf(stderr, "fp8moe: train/linear.c: internal error: an FFN's output gradient must be an array, or with "
-                        "its gate in BF16 (linear_gate_in_bf16) the combine's gradient through the routing plan\n");
+                        "its gate in BF16 (linear_bf16_products) the combine's gradient through the routing plan\n");
         exit(1);
     }
-    if (!linear_gate_in_bf16(rc)) {
+    if (!linear_bf16_products(rc)) {
         const int64_t n = (int64_t)offsets[n_groups] * I;
         swiglu_forward(rc->dev, s->h, gate->a, gate->b, n);
         linear_backward_grouped(rc, n_groups, offsets, 1, s->d_h, GRAD_WRITE, NULL, &g->w2, &dy, s->h, NULL, w2, I, D,

@@ -55,10 +55,12 @@ typedef struct {
 // every GEMM kind in FP8, so a job that runs a kind in BF16 (precision.bf16_fprop / _dgrad / _wgrad) takes the
 // plain paths instead, as bf16 mode does: FP32 activations, each GEMM kind through its own mode's functions.
 int linear_fp8_fused(const RunCtx *rc);
-// Whether the SwiGLU FFNs keep their gate's inputs as the Fprops' BF16 products (SwigluGate a16, b16), w2's input
-// gradient as its Dgrad's (SwigluScratch d_h16), and can leave the routed experts' outputs as w2's BF16 product and
-// take their output gradient through the routing plan (CombineGrad): fp8 mode's fused paths and bf16 mode.
-int linear_gate_in_bf16(const RunCtx *rc);
+// Whether Linears can leave their products in BF16 (linear_forward_bf16, linear_backward_bf16: MLA's queries,
+// keys/values and gradients), the SwiGLU FFNs keep their gate's inputs as the Fprops' BF16 products (SwigluGate
+// a16, b16) and w2's input gradient as its Dgrad's (SwigluScratch d_h16), and can leave the routed experts' outputs
+// as w2's BF16 product and take their output gradient through the routing plan (CombineGrad): fp8 mode's fused
+// paths and bf16 mode.
+int linear_bf16_products(const RunCtx *rc);
 // Whether pc runs the forward GEMM of the block Linear named tensor_name ("layers.2.attn.wq_b.weight") in BF16:
 // precision.bf16_fprop, narrowed by bf16_fprop_only to the Linears whose names contain one of its parts.
 int linear_fprop_in_bf16(const PrecisionConfig *pc, const char *tensor_name);
@@ -69,8 +71,8 @@ int linear_check_fprop_only(const PrecisionConfig *pc, const ParamInfo *params, 
 
 // inp (N, C), weight (OC, C) -> out (N, OC) = inp @ weight^T; `kept` (or NULL) as above.
 void linear_forward(RunCtx *rc, real *out, const real *inp, const real *weight, int N, int C, int OC, KeptInput *kept);
-// linear_forward's product left in BF16, without its FP32 conversion (fp8 mode's fused paths only,
-// linear_fp8_fused): out_bf16 holds kernels.h fp8_gemm_fprop_grouped_bf16's rows, N + 15 rows of bf16_rows_ld(OC)
+// linear_forward's product left in BF16, without its FP32 conversion (linear_bf16_products only): out_bf16 holds
+// kernels.h fp8_gemm_fprop_grouped_bf16's (or bf16_gemm_fprop_grouped_bf16's) rows, N + 15 rows of bf16_rows_ld(OC)
 // (bf16_rows_elems(N, OC) values), whose values are linear_forward's out exactly (MLA's queries and keys/values,
 // which the attention core reads in BF16: kernels.h attention_forward_bf16).
 void linear_forward_bf16(RunCtx *rc, uint16_t *out_bf16, const real *inp, const real *weight, int N, int C, int OC,
@@ -84,10 +86,10 @@ void linear_forward_residual(RunCtx *rc, real *out, const real *inp, const real 
 // this Linear produces, with no memset before. Weight gradients always accumulate. `kept`: what the forward kept.
 void linear_backward(RunCtx *rc, real *dinp, GradStore dinp_store, real *dweight, const real *dout, const real *inp,
                      const real *weight, int N, int C, int OC, const KeptInput *kept);
-// linear_backward with dinp WRITTEN as the Dgrad's BF16 product, without its FP32 conversion (fp8 mode's fused paths
-// only, linear_fp8_fused): dinp_bf16 holds kernels.h fp8_gemm_dgrad_grouped_bf16's rows, N + 15 rows of
-// bf16_rows_ld(C), whose values are linear_backward's dinp exactly (MLA's output projection: the attention backward
-// reads its input gradient in BF16, kernels.h attention_backward_bf16).
+// linear_backward with dinp WRITTEN as the Dgrad's BF16 product, without its FP32 conversion (linear_bf16_products
+// only): dinp_bf16 holds kernels.h fp8_gemm_dgrad_grouped_bf16's (or bf16_gemm_dgrad_grouped_bf16's) rows, N + 15
+// rows of bf16_rows_ld(C), whose values are linear_backward's dinp exactly (MLA's output projection: the attention
+// backward reads its input gradient in BF16, kernels.h attention_backward_bf16).
 void linear_backward_bf16(RunCtx *rc, uint16_t *dinp_bf16, real *dweight, const real *dout, const real *inp,
                           const real *weight, int N, int C, int OC, const KeptInput *kept);
 // n_out Linears of the same input inp (N, C), weights (OC[i], C): out[i] = inp @ weight[i]^T, the input quantised
@@ -124,7 +126,7 @@ void linear_backward_grouped(RunCtx *rc, int n_groups, const int *offsets, int n
 // The SwiGLU FFN (moe.c: the dense FFN, shared and routed experts): a = x w1^T and b = x w3^T (w1, w3 (I, D)),
 // h = silu(a) * b, y = h w2^T (w2 (D, I)), per group as linear_forward_grouped, x's row r read through x_rows when
 // given. The gate's inputs a and b (rows, I), kept for the backward in a SwigluGate, are FP32 (a, b) in fp32 mode
-// (and fp8 mode's plain paths); with linear_gate_in_bf16 (fp8 and bf16 modes) they are the Fprops' BF16 products
+// (and fp8 mode's plain paths); with linear_bf16_products (fp8 and bf16 modes) they are the Fprops' BF16 products
 // themselves (a16, b16: kernels.h fp8_gemm_fprop_grouped_bf16's layout, rows + 15 rows of round_up(I, 128)): half
 // the bytes of FP32 and no conversion pass, the same values. The gate's values are operands: fp8 mode computes h,
 // and in the backward da and db, inside the quantisers that read them (kernels.h fp8_quantize_swiglu_*), bf16 mode
@@ -133,11 +135,11 @@ void linear_backward_grouped(RunCtx *rc, int n_groups, const int *offsets, int n
 // either way.
 typedef struct {
     real *a, *b;         // fp32 (fp8 mode's plain paths)
-    uint16_t *a16, *b16; // linear_gate_in_bf16
+    uint16_t *a16, *b16; // linear_bf16_products
 } SwigluGate;
 // y (rows, D); h (rows, I) is written in fp32 mode (and fp8 mode's plain paths) only. x_kept, h_kept (or NULL) keep
 // x's and h's Wgrad operands (h's computed from a and b in the pass that makes its Fprop operand); x_fprop (or NULL)
-// as linear_forward_grouped's fprop. y_bf16 (linear_gate_in_bf16 only, else NULL; y is then NULL): y is left as w2's
+// as linear_forward_grouped's fprop. y_bf16 (linear_bf16_products only, else NULL; y is then NULL): y is left as w2's
 // BF16 product in y_bf16 (fp8_gemm_fprop_grouped_bf16's layout: the routed experts' outputs, which only the combine
 // reads).
 void linear_forward_swiglu_grouped(RunCtx *rc, int n_groups, const int *offsets, const FfnWeights *w, const real *x,
@@ -146,14 +148,14 @@ void linear_forward_swiglu_grouped(RunCtx *rc, int n_groups, const int *offsets,
 // The backward of w2, then of w1 and w3, from dy (rows, D): weight gradients +=, and x's gradient dx as
 // linear_backward_grouped gives it (dx_store, x_rows and unpermute as there). Buffers (rows, I): h, d_h, d_a and d_b
 // are written in fp32 mode (and fp8 mode's plain paths), d_h16 (rows + 15 rows of round_up(I, 128)) with
-// linear_gate_in_bf16. dy_combine (linear_gate_in_bf16 only, else NULL; dy is then NULL): dy is the routed experts'
+// linear_bf16_products. dy_combine (linear_bf16_products only, else NULL; dy is then NULL): dy is the routed experts'
 // output gradient read through the routing plan - row s = topk_w[t,k] * d_out[t] for slot s = slot_of[t*K + k] -
 // the rows moe_combine_backward would write, computed in w2's dY quantiser instead (kernels.h
 // fp8_quantize_combine_grad_both_layouts_grouped; bf16 mode: rounded as computed, moe_combine_grad_bf16).
 // x_kept and h_kept (or NULL): what the forwards kept of x (linear_forward_grouped) and of h.
 typedef struct {
     real *h, *d_h, *d_a, *d_b;  // fp32 (fp8 mode's plain paths)
-    uint16_t *d_h16;            // linear_gate_in_bf16: w2's Dgrad product in BF16 (kernels.h *_dgrad_grouped_bf16)
+    uint16_t *d_h16;            // linear_bf16_products: w2's Dgrad product in BF16 (kernels.h *_dgrad_grouped_bf16)
 } SwigluScratch;
 typedef struct {
     const real *d_out, *topk_w;

@@ -31,9 +31,9 @@ void mla_forward(Model *m, const MlaWeights *w, MlaActs *a, const Dims *d, const
         const int widths[2] = {d->qr > 0 ? d->qr : H * dqk, kva_w};
         linear_forward_shared(&m->rc, 2, outs, xn, ws, N, d->D, widths, &a->xn_kept);
     }
-    // fp8 mode (with a query compression) leaves the up-projections' products in BF16, and the attention core reads
-    // them as they are, rotating the queries' rope parts as it stages them (kernels.h attention_forward_bf16): the
-    // bits of the FP32 path below, without its FP32 q and kv
+    // fp8 and bf16 modes (with a query compression) leave the up-projections' products in BF16, and the attention
+    // core reads them as they are, rotating the queries' rope parts as it stages them (kernels.h
+    // attention_forward_bf16): the bits of the FP32 path below, without its FP32 q and kv
     const int bf16_products = a->q16 != NULL;
     if (d->qr > 0) {
         rmsnorm_forward(dev, a->cqn, a->cq_rstd, a->cq, w->q_norm, N, d->qr);

@@ -630,14 +630,14 @@ ChunkActs *chunk_acts_create(Model *m, int chunk, int B, int T) {
         chunk_acts_free(a);
         return NULL;
     }
-    const int keep = linear_fp8_fused(&m->rc);       // the Linears' Wgrad operands (linear.h KeptInput)
-    const int gate16 = linear_gate_in_bf16(&m->rc);  // the FFNs' gates in BF16 (linear.h SwigluGate)
+    const int keep = linear_fp8_fused(&m->rc);               // the Linears' Wgrad operands (linear.h KeptInput)
+    const int bf16_products = linear_bf16_products(&m->rc);  // MLA's and the FFNs' BF16 products (linear.h)
     const int eout16 = moe_combine_grad_in_operand(m);
-    layer_scratch_alloc(ar, &a->scratch, d, has_moe, has_moe && !moe_experts_read_tokens(m), keep, gate16,
+    layer_scratch_alloc(ar, &a->scratch, d, has_moe, has_moe && !moe_experts_read_tokens(m), bf16_products,
                         has_moe && !eout16, has_moe && keep && moe_experts_read_tokens(m));
     for (int i = 0; i < cs->n_blocks; i++)
-        block_acts_alloc(ar, &a->blocks[i], d, m->w.blocks[cs->first_block + i].is_moe, &a->scratch, keep, gate16,
-                         eout16);
+        block_acts_alloc(ar, &a->blocks[i], d, m->w.blocks[cs->first_block + i].is_moe, &a->scratch, keep,
+                         bf16_products, eout16);
     a->d_cur = ARENA_REALS(ar, N * D);
     if (cs->has_head) {
         a->hn = ARENA_REALS(ar, N * D);
@@ -662,7 +662,7 @@ ChunkActs *chunk_acts_create(Model *m, int chunk, int B, int T) {
             t->cat = ARENA_REALS(ar, 2 * N * D);
             t->x0 = ARENA_REALS(ar, N * D);
             t->x1 = ARENA_REALS(ar, N * D);
-            block_acts_alloc(ar, &t->block, d, m->w.mtp[k].block.is_moe, &a->scratch, keep, gate16, eout16);
+            block_acts_alloc(ar, &t->block, d, m->w.mtp[k].block.is_moe, &a->scratch, keep, bf16_products, eout16);
             t->ho = ARENA_REALS(ar, N * D);
             t->ho_rstd = ARENA_REALS(ar, N);
             head_acts_alloc(ar, &t->head, m, N, V);

@@ -59,7 +59,7 @@ int moe_experts_read_tokens(const Model *m) {
 }
 
 int moe_combine_grad_in_operand(const Model *m) {
-    return linear_gate_in_bf16(&m->rc) && moe_experts_read_tokens(m);
+    return linear_bf16_products(&m->rc) && moe_experts_read_tokens(m);
 }
 
 // Every local expert over its segment of rows, one phase at a time: each Linear runs for all experts, the SwiGLU

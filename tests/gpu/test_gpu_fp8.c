@@ -2050,8 +2050,8 @@ static int bf16_forms_diff(const uint16_t *xb_d, const uint16_t *dyb_d, const ui
 // bf16 mode's SwiGLU operands (kernels.h swiglu_forward_bf16 / swiglu_backward_bf16, moe_combine_grad_bf16) on
 // random BF16 rows (stride bf16_rows_ld, the padding poisoned): each output bitwise the CUDA composition it stands for
 // (swiglu_forward / swiglu_backward / moe_combine_backward into FP32 arrays, then bf16_round_array), and against
-// the CPU op: the combine's gradient bitwise (one FP32 product, rounded), the SwiGLU values within one BF16 ulp (the
-// GPU's sigmoid may differ from the CPU's by an FP32 rounding, swiglu.cuh, which can move a rounded value by one).
+// the CPU op: the combine's gradient bitwise (one FP32 product, rounded), the SwiGLU values within one BF16 ulp (CUDA's
+// expf and glibc's exp differ by an ulp or two, docs/gpu.md, so a value may round to the neighbouring BF16).
 typedef struct {
     int rows, width, topk;
 } SwigluOperandCase;
