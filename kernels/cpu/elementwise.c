@@ -172,10 +172,13 @@ void cpu_swiglu_backward_bf16(uint16_t *h, uint16_t *da, uint16_t *db, const uin
                               const uint16_t *b, int rows, int width) {
     const int64_t n = (int64_t)rows * width, ld = bf16_rows_ld(width);
     if (n <= 0) return;
-    if (h != NULL) cpu_swiglu_forward_bf16(h, a, b, rows, width);
     real *av = cpu_bf16_rows_widened(a, ld, rows, width), *bv = cpu_bf16_rows_widened(b, ld, rows, width);
     real *g = cpu_bf16_rows_widened(dh, ld, rows, width);
     real *ga = cpu_values_or_die((size_t)n, "SwiGLU da"), *gb = cpu_values_or_die((size_t)n, "SwiGLU db");
+    if (h != NULL) {  // from the same widened a and b, in ga before da is written there
+        cpu_swiglu_forward(ga, av, bv, n);
+        cpu_bf16_round_array(h, ga, n);
+    }
     cpu_swiglu_backward(ga, gb, g, av, bv, n);
     cpu_bf16_round_array(da, ga, n);
     cpu_bf16_round_array(db, gb, n);

@@ -149,6 +149,8 @@ __device__ inline uint32_t bf16x2_bits(float lo, float hi) {
     const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // .x = lo in the low half
     return *reinterpret_cast<const uint32_t *>(&v);
 }
+// One float rounded to BF16: its 16 bits.
+__device__ inline uint16_t bf16_bits(float v) { return (uint16_t)(bf16x2_bits(v, 0.0f) & 0xFFFFu); }
 
 // A BF16 value (its 16 bits, in the low half) widened to the FP32 value it is; four of them (8 bytes) at once.
 __device__ inline float bf16_bits_to_float(uint32_t bits16) { return __uint_as_float(bits16 << 16); }

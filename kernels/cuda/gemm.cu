@@ -659,7 +659,7 @@ __global__ void float_to_bf16_kernel(uint16_t *y, const float *x, int64_t n) {
             const float4 v = *reinterpret_cast<const float4 *>(x + i);
             *reinterpret_cast<uint2 *>(y + i) = make_uint2(bf16x2_bits(v.x, v.y), bf16x2_bits(v.z, v.w));
         } else {
-            y[i] = (uint16_t)(bf16x2_bits(x[i], 0.0f) & 0xFFFFu);
+            y[i] = bf16_bits(x[i]);
         }
     }
 }
@@ -679,7 +679,7 @@ __global__ void float_rows_to_bf16_kernel(uint16_t *y, const float *x, const int
             const float4 v = *reinterpret_cast<const float4 *>(src);
             *reinterpret_cast<uint2 *>(dst) = make_uint2(bf16x2_bits(v.x, v.y), bf16x2_bits(v.z, v.w));
         } else {
-            *dst = (uint16_t)(bf16x2_bits(*src, 0.0f) & 0xFFFFu);
+            *dst = bf16_bits(*src);
         }
     }
 }

@@ -920,8 +920,7 @@ moe_combine_grad_bf16_kernel(uint16_t *__restrict__ dy, const float *__restrict_
         } else {
             const float d = dt[c];
             for (int k = 0; k < K; k++)
-                dy[(int64_t)slot_of[t * K + k] * C + c] =
-                    (uint16_t)(bf16x2_bits(scale_rn(topk_w[t * K + k], d), 0.0f) & 0xFFFFu);
+                dy[(int64_t)slot_of[t * K + k] * C + c] = bf16_bits(scale_rn(topk_w[t * K + k], d));
         }
     }
 }

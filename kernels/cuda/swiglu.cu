@@ -114,7 +114,7 @@ template <> struct Bf16Unit<4> {
 template <> struct Bf16Unit<1> {
     typedef float Value;
     static __device__ float load(const uint16_t *p) { return bf16_bits_to_float(*p); }
-    static __device__ void store(uint16_t *p, float v) { *p = (uint16_t)(bf16x2_bits(v, 0.0f) & 0xFFFFu); }
+    static __device__ void store(uint16_t *p, float v) { *p = bf16_bits(v); }
 };
 
 __device__ inline float swiglu_unit(float a, float b) { return swiglu_element(a, b); }
