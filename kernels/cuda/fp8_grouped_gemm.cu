@@ -68,6 +68,13 @@
  * and the promotion here multiplies the two scales first and fuses the add (a few FP32 roundings per block), so
  * results agree within that bound plus BF16 output rounding, not bit for bit (tests/gpu/test_gpu_grouped_gemm.c).
  * A wait on an mbarrier that has not completed after 10 s (a bug) traps instead of hanging the GPU.
+ *
+ * The BF16 Fprop form (BF16; cuda_bf16_grouped_gemm: bf16 mode's routed experts): the same tiles, stages and
+ * epilogue on BF16 operands. A K block is 64 BF16 values, the same 128 bytes of a row, and wgmma's m64n128k16 BF16
+ * slice is 32 bytes of K like the E4M3 k32 slice, so the boxes, the swizzle and the descriptors are unchanged. No
+ * scales: the products accumulate straight into fin over the whole K, and each block's products are issued while the
+ * previous block's run (wgmma.wait_group 1), the stage released once they are done. About 690 TFLOPS on an H100 at
+ * the expert Fprop shapes against about 630 for cuBLASLt per expert (docs/benchmarks.md, 2026-12-07).
  */
 #include <cuda.h>
 #include <cuda_bf16.h>
@@ -210,6 +217,8 @@ __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+// Waits until at most one committed group is still running (the one just committed).
+__device__ __forceinline__ void wgmma_wait_one() { asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory"); }
 // Pins n registers: the compiler may not move their reads or writes across this point.
 __device__ __forceinline__ void fence_regs(float *r, int n) {
 #pragma unroll
@@ -234,6 +243,16 @@ __device__ __forceinline__ void wgmma_m64n128k32_e4m3(float *d, uint64_t da, uin
         : "l"(da), "l"(db), "r"(accumulate));
 }
 
+// The same for BF16 operands: d (64 x 128, FP32) += A B^T over 16 BF16 values of K (32 bytes, so the descriptors
+// advance as for a k32 slice of E4M3); both operands K-major (no transposes).
+__device__ __forceinline__ void wgmma_m64n128k16_bf16(float *d, uint64_t da, uint64_t db) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "l"(da), "l"(db));
+}
+
 // Unit u of the launch -> segment g (advanced from the previous value: a CTA's units increase), row tile mb, column
 // tile nb (TN columns).
 __device__ __forceinline__ void unit_coords(const GroupedParams &p, int u, int &g, int &mb, int &nb) {
@@ -253,12 +272,15 @@ __device__ __forceinline__ void first_weight_scales(const GroupedParams &p, int 
 // ---------------------------------------------------------------------------- the kernel
 // WGRAD: the Wgrad form (file comment). TN: the output tile's columns, 128, or 256 for the wide form (two weight
 // blocks per tile: the products of each 128-column half are summed and promoted in turn into acc[64] and fin[128], so
-// its consumers take more registers with setmaxnreg).
-template <bool WGRAD, int TN>
+// its consumers take more registers with setmaxnreg). BF16: the BF16 Fprop (file comment): no scales, K blocks of 64
+// BF16 values (the same 128 bytes a row), the products accumulated straight into fin.
+template <bool WGRAD, int TN, bool BF16 = false>
 __global__ void __launch_bounds__(THREADS, 1) fp8_grouped_gemm_kernel(const __grid_constant__ GroupedParams p) {
     static_assert(TN == BN || TN == 2 * BN, "tiles of 128 or 256 columns");
+    static_assert(!(WGRAD && BF16), "no BF16 Wgrad form");
     using L = Smem<TN>;
     constexpr int STAGES = L::STAGES, HALVES = TN / BN;
+    constexpr int KE = BF16 ? BK / 2 : BK;  // elements of a K block (128 bytes of a row)
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const uint32_t raw = smem_u32(smem_raw), base = (raw + 1023u) & ~1023u;
     unsigned char *smem = smem_raw + (base - raw);
@@ -285,20 +307,23 @@ __global__ void __launch_bounds__(THREADS, 1) fp8_grouped_gemm_kernel(const __gr
             for (int u = first; u < n_units; u += step) {
                 int mb, nb;
                 unit_coords(p, u, g, mb, nb);
-                const int sa_rows = min(BM, p.sa_ld[g] - mb * BM);  // a multiple of 16 (Fprop) or 4 (Wgrad): 16-byte
-                const float *sa = p.sa[g] + mb * BM;                 // multiples
+                // A's scales: a multiple of 16 (Fprop) or 4 (Wgrad) rows, so 16-byte multiples; none in BF16
+                const int sa_rows = BF16 ? 0 : min(BM, p.sa_ld[g] - mb * BM);
+                const float *sa = BF16 ? NULL : p.sa[g] + mb * BM;
                 const int a_row = p.a_row0[g] + mb * BM;
                 const CUtensorMap *a_map = WGRAD ? &p.a[g] : &p.a[0];
                 const int sb_cols = WGRAD ? min(TN, p.out_cols - nb * TN) : 0;  // a multiple of 4
-                const float *sb = p.sb[g] + nb * TN;
+                const float *sb = WGRAD ? p.sb[g] + nb * TN : NULL;
                 for (int kb = 0; kb < p.kblocks[g]; kb++, it++) {
                     const uint32_t s = it % STAGES, phase = (it / STAGES) & 1;
                     mbar_wait(empty + 8 * s, phase ^ 1);
                     const uint32_t bar = full + 8 * s;
                     mbar_expect_tx(bar, A_BYTES + L::B_BYTES + (uint32_t)(sa_rows + sb_cols) * 4);
-                    tma_load_2d(base + L::A + s * A_BYTES, a_map, kb * BK, a_row, bar);
-                    tma_load_2d(base + L::B + s * L::B_BYTES, &p.b[g], kb * BK, nb * TN, bar);
-                    bulk_load(base + L::SA + s * SA_BYTES, sa + (size_t)kb * p.sa_ld[g], (uint32_t)sa_rows * 4, bar);
+                    tma_load_2d(base + L::A + s * A_BYTES, a_map, kb * KE, a_row, bar);
+                    tma_load_2d(base + L::B + s * L::B_BYTES, &p.b[g], kb * KE, nb * TN, bar);
+                    if constexpr (!BF16)
+                        bulk_load(base + L::SA + s * SA_BYTES, sa + (size_t)kb * p.sa_ld[g], (uint32_t)sa_rows * 4,
+                                  bar);
                     if constexpr (WGRAD)
                         bulk_load(base + L::SB + s * L::SB_BYTES, sb + (size_t)kb * p.out_cols, (uint32_t)sb_cols * 4,
                                   bar);
@@ -321,14 +346,38 @@ __global__ void __launch_bounds__(THREADS, 1) fp8_grouped_gemm_kernel(const __gr
         float sb_next[HALVES] = {};
         if (first < n_units) {
             unit_coords(p, first, g, mb, nb);
-            if constexpr (!WGRAD) first_weight_scales<HALVES>(p, g, nb, sb_next);
+            if constexpr (!WGRAD && !BF16) first_weight_scales<HALVES>(p, g, nb, sb_next);
         }
         for (int u = first; u < n_units; u += step) {
             const int tile_nb = nb, kblocks = p.kblocks[g];
-            const float *sbp = p.sb[g] + tile_nb * HALVES * p.kb4;
 #pragma unroll
             for (int i = 0; i < 64 * HALVES; i++) fin[i] = 0.0f;
-            for (int kb = 0; kb < kblocks; kb++, it++) {
+            if constexpr (BF16) {
+                // each block's products straight into fin; the next block's are issued while they run, and a
+                // block's stage is released once its products are done (at most one group in flight)
+                fence_regs(fin, 64 * HALVES);
+                for (int kb = 0; kb < kblocks; kb++, it++) {
+                    const uint32_t s = it % STAGES, phase = (it / STAGES) & 1;
+                    mbar_wait(full + 8 * s, phase);
+                    const uint32_t a_tile = base + L::A + s * A_BYTES + cw * 64 * BK,
+                                   b_tile = base + L::B + s * L::B_BYTES;
+                    wgmma_fence();
+#pragma unroll
+                    for (int h = 0; h < HALVES; h++)
+#pragma unroll
+                        for (int j = 0; j < BK / 32; j++)
+                            wgmma_m64n128k16_bf16(fin + 64 * h, sw128_desc(a_tile + 32 * j),
+                                                  sw128_desc(b_tile + h * BN * BK + 32 * j));
+                    wgmma_commit();
+                    wgmma_wait_one();
+                    if (kb > 0 && lane == 0) mbar_arrive(empty + 8 * ((it - 1) % STAGES));
+                }
+                wgmma_wait_all();
+                fence_regs(fin, 64 * HALVES);
+                if (kblocks > 0 && lane == 0) mbar_arrive(empty + 8 * ((it - 1) % STAGES));
+            }
+            const float *sbp = BF16 || WGRAD ? NULL : p.sb[g] + tile_nb * HALVES * p.kb4;
+            for (int kb = 0; kb < (BF16 ? 0 : kblocks); kb++, it++) {
                 const uint32_t s = it % STAGES, phase = (it / STAGES) & 1;
                 float sb[HALVES];
 #pragma unroll
@@ -382,7 +431,7 @@ __global__ void __launch_bounds__(THREADS, 1) fp8_grouped_gemm_kernel(const __gr
             const int tile_g = g, row_in_seg = mb * BM + cw * 64;
             if (u + step < n_units) {  // the next tile's first weight scales, in flight during the epilogue
                 unit_coords(p, u + step, g, mb, nb);
-                if constexpr (!WGRAD) first_weight_scales<HALVES>(p, g, nb, sb_next);
+                if constexpr (!WGRAD && !BF16) first_weight_scales<HALVES>(p, g, nb, sb_next);
             }
             if constexpr (WGRAD) {
                 // dW += fin through TMA reduce-adds: the warpgroup's 64 rows in passes of PW columns staged in FP32
@@ -500,6 +549,10 @@ static void runtime_init(const char *op) {
                                     Smem<2 * BN>::BYTES));
     CUDA_CHECK(cudaFuncSetAttribute(fp8_grouped_gemm_kernel<true, 2 * BN>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                     Smem<2 * BN>::BYTES));
+    CUDA_CHECK(cudaFuncSetAttribute(fp8_grouped_gemm_kernel<false, BN, true>,
+                                    cudaFuncAttributeMaxDynamicSharedMemorySize, Smem<BN>::BYTES));
+    CUDA_CHECK(cudaFuncSetAttribute(fp8_grouped_gemm_kernel<false, 2 * BN, true>,
+                                    cudaFuncAttributeMaxDynamicSharedMemorySize, Smem<2 * BN>::BYTES));
     rt.ready = 1;
 }
 
@@ -518,15 +571,17 @@ static void encode_map(CUtensorMap *map, CUtensorMapDataType type, int elem_byte
                      what, (long long)rows, (long long)cols, base, (int)r);
 }
 
-// One launch of the kernel of `form` (FP8_GROUPED_*), the Fprop/Dgrad or (wgrad) the Wgrad form: one CTA per SM, or
-// per unit when there are fewer.
-static void launch(const GroupedParams &p, int form, bool wgrad) {
+// One launch of the kernel of `form` (FP8_GROUPED_*), the Fprop/Dgrad, (wgrad) the Wgrad or (bf16) the BF16 Fprop
+// form: one CTA per SM, or per unit when there are fewer.
+static void launch(const GroupedParams &p, int form, bool wgrad, bool bf16 = false) {
     const int n_units = p.units0[p.n_groups];
     if (n_units == 0) return;
     const bool wide = form == FP8_GROUPED_WIDE;
     const dim3 grid((unsigned)(n_units < rt.sms ? n_units : rt.sms));
     const size_t smem = wide ? Smem<2 * BN>::BYTES : Smem<BN>::BYTES;
-    if (wgrad && wide) fp8_grouped_gemm_kernel<true, 2 * BN><<<grid, THREADS, smem>>>(p);
+    if (bf16 && wide) fp8_grouped_gemm_kernel<false, 2 * BN, true><<<grid, THREADS, smem>>>(p);
+    else if (bf16) fp8_grouped_gemm_kernel<false, BN, true><<<grid, THREADS, smem>>>(p);
+    else if (wgrad && wide) fp8_grouped_gemm_kernel<true, 2 * BN><<<grid, THREADS, smem>>>(p);
     else if (wgrad) fp8_grouped_gemm_kernel<true, BN><<<grid, THREADS, smem>>>(p);
     else if (wide) fp8_grouped_gemm_kernel<false, 2 * BN><<<grid, THREADS, smem>>>(p);
     else fp8_grouped_gemm_kernel<false, BN><<<grid, THREADS, smem>>>(p);
@@ -628,5 +683,45 @@ extern "C" void cuda_fp8_grouped_wgrad(float *dw, const uint8_t *qdyt, const flo
     if (n > 0) {
         p.n_groups = n;
         launch(p, form, true);
+    }
+}
+
+extern "C" void cuda_bf16_grouped_gemm(uint16_t *y, const uint16_t *x, const uint16_t *const *w, int n_seg,
+                                       const int *rows0, int N, int K) {
+    static const char op[] = "cuda_bf16_grouped_gemm";
+    if (seg_table(op, n_seg, rows0).rows0[n_seg] == 0 || N <= 0 || K <= 0) return;  // (which checks rows0)
+    runtime_init(op);
+    if (K % 8 != 0)
+        grouped_fail(__LINE__, op, "K = %d - expected a multiple of 8 (16-byte rows of x and of the weights for TMA)",
+                     K);
+    require_aligned16(y, op, "y"), require_aligned16(x, op, "x");
+    const int KB = (K + BK / 2 - 1) / (BK / 2), NB = (N + BN - 1) / BN, Np = NB * BN;
+    const int form = form_for(NB), tn = form == FP8_GROUPED_WIDE ? 2 * BN : BN;
+    static GroupedParams p;  // 27 KB: not on the stack; one host thread drives the GPU (gemm.cu's rule too)
+    memset(&p, 0, sizeof p);
+    encode_map(&p.a[0], CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, x, rows0[n_seg], K, K, BK / 2, BM, op, "x");
+    p.units_n = NB * BN / tn;
+    int n = 0;
+    for (int g = 0; g < n_seg; g++) {
+        const int rows = rows0[g + 1] - rows0[g];
+        if (rows == 0) continue;
+        if (w[g] == NULL)
+            grouped_fail(__LINE__, op, "segment %d has %d rows but w[%d] = NULL - expected its weight", g, rows, g);
+        require_aligned16(w[g], op, "w[g]");
+        encode_map(&p.b[n], CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, w[g], N, K, K, BK / 2, tn, op, "a weight w[g]");
+        // N columns of rows Np apart: TMA drops the stores past column N, so the padding columns stay untouched
+        encode_map(&p.out_map[n], CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, y + (size_t)rows0[g] * Np, rows, N, Np, 64, 64,
+                   op, "a segment's rows of y");
+        p.a_row0[n] = rows0[g], p.kblocks[n] = KB, p.rows[n] = rows;
+        p.units0[n + 1] = p.units0[n] + (rows + BM - 1) / BM * p.units_n;
+        if (++n == MAX_GROUPS) {
+            p.n_groups = n;
+            launch(p, form, false, true);
+            n = 0;
+        }
+    }
+    if (n > 0) {
+        p.n_groups = n;
+        launch(p, form, false, true);
     }
 }

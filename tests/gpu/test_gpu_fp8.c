@@ -2341,7 +2341,10 @@ int main(void) {
     static CombineGradCase cg_e = {2048, 6, 32, 202, 0, 5};
     static Bf16Case b_a = {256, 300, 576}, b_b = {128, 512, 1024};
     static GroupedGemmCase gg_a = {5, 576, 302, 1}, gg_b = {32, 1030, 512, 2}, gg_c = {32, 256, 2048, 3};
-    static GroupedGemmCase bg_a = {5, 200, 300, 4}, bg_b = {32, 256, 512, 5};
+    // bf16: a runs on cuBLASLt (K % 8 != 0), b, c, d on the own kernel's BF16 Fprop (fp8_grouped_gemm.h): b and c in
+    // its wide form (c's last 56 columns dropped by TMA, the padding untouched), d in the single form with a K tail
+    static GroupedGemmCase bg_a = {5, 200, 300, 4}, bg_b = {32, 256, 512, 5}, bg_c = {9, 200, 304, 6},
+                           bg_d = {7, 384, 136, 7};
     static SwigluOperandCase so_a = {111, 198, 3}, so_b = {240, 1024, 6};  // the scalar and the 4-wide paths
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_division_matches_ieee),
@@ -2408,6 +2411,8 @@ int main(void) {
         cmocka_unit_test_prestate(test_bf16_matmul, &b_b),
         cmocka_unit_test_prestate(test_bf16_gemm_grouped, &bg_a),
         cmocka_unit_test_prestate(test_bf16_gemm_grouped, &bg_b),
+        cmocka_unit_test_prestate(test_bf16_gemm_grouped, &bg_c),
+        cmocka_unit_test_prestate(test_bf16_gemm_grouped, &bg_d),
         cmocka_unit_test_prestate(test_bf16_swiglu_operands, &so_a),
         cmocka_unit_test_prestate(test_bf16_swiglu_operands, &so_b),
     };
