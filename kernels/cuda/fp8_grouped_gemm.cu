@@ -69,12 +69,14 @@
  * results agree within that bound plus BF16 output rounding, not bit for bit (tests/gpu/test_gpu_grouped_gemm.c).
  * A wait on an mbarrier that has not completed after 10 s (a bug) traps instead of hanging the GPU.
  *
- * The BF16 Fprop form (BF16; cuda_bf16_grouped_gemm: bf16 mode's routed experts): the same tiles, stages and
- * epilogue on BF16 operands. A K block is 64 BF16 values, the same 128 bytes of a row, and wgmma's m64n128k16 BF16
- * slice is 32 bytes of K like the E4M3 k32 slice, so the boxes, the swizzle and the descriptors are unchanged. No
- * scales: the products accumulate straight into fin over the whole K, and each block's products are issued while the
- * previous block's run (wgmma.wait_group 1), the stage released once they are done. About 690 TFLOPS on an H100 at
- * the expert Fprop shapes against about 630 for cuBLASLt per expert (docs/benchmarks.md, 2026-12-07).
+ * The BF16 forms (OPS; cuda_bf16_grouped_gemm: bf16 mode's routed experts): the same tiles, stages and epilogue on
+ * BF16 operands. A K block is 64 BF16 values, the same 128 bytes of a row, and wgmma's m64n128k16 BF16 slice is 32
+ * bytes of K like the E4M3 k32 slice, so the boxes, the swizzle and the descriptors are unchanged. No scales: the
+ * products accumulate straight into fin over the whole K, and each block's products are issued while the previous
+ * block's run (wgmma.wait_group 1), the stage released once they are done. The Dgrad form (OPS_BF16_B_MN) reads the
+ * (N, K) weight as it is, MN-major: each stage's B is TN / 64 column blocks of 64 contraction rows x 64 output
+ * columns (one TMA box each), read with wgmma's transposed B. About 690 TFLOPS on an H100 at the expert Fprop shapes
+ * against about 630 for cuBLASLt per expert (docs/benchmarks.md, 2026-12-07).
  */
 #include <cuda.h>
 #include <cuda_bf16.h>
@@ -231,6 +233,14 @@ __device__ __forceinline__ void fence_regs(float *r, int n) {
 __device__ __forceinline__ uint64_t sw128_desc(uint32_t addr) {
     return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)1 << 16) | ((uint64_t)(1024 >> 4) << 32) | (1ull << 62);
 }
+// Descriptor of an MN-major tile with 128-byte swizzle (the BF16 Dgrad's weight: the contraction runs along the
+// tile's rows): column blocks of 64 BF16 output columns, each `rows` rows of 128 bytes; a K step of 16 rows advances
+// the start by 16 x 128 bytes; LBO = the distance between column blocks, SBO 1024 (8 rows), as attention_wgmma.cu's
+// N-major descriptor.
+__device__ __forceinline__ uint64_t sw128_desc_mn(uint32_t addr, uint32_t lbo_bytes) {
+    return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)((lbo_bytes & 0x3FFFF) >> 4) << 16) |
+           ((uint64_t)(1024 >> 4) << 32) | (1ull << 62);
+}
 
 // d (64 x 128, FP32) = (accumulate ? d : 0) + A B^T over 32 E4M3 values of K; A (64 rows) and B (128 rows) K-major
 // in shared memory. Register d[4j + e] holds row (warp in group) * 16 + lane / 4 + 8 (e / 2), column 8j + 2 (lane % 4)
@@ -243,14 +253,14 @@ __device__ __forceinline__ void wgmma_m64n128k32_e4m3(float *d, uint64_t da, uin
         : "l"(da), "l"(db), "r"(accumulate));
 }
 
-// The same for BF16 operands: d (64 x 128, FP32) += A B^T over 16 BF16 values of K (32 bytes, so the descriptors
-// advance as for a k32 slice of E4M3); both operands K-major (no transposes).
-__device__ __forceinline__ void wgmma_m64n128k16_bf16(float *d, uint64_t da, uint64_t db) {
+// The same for BF16 operands: d (64 x 128, FP32) += A B^T over 16 BF16 values of K (32 bytes, so a K-major
+// descriptor advances as for a k32 slice of E4M3); A K-major, B K-major or (B_MN) MN-major (wgmma's transpose-B).
+template <bool B_MN> __device__ __forceinline__ void wgmma_m64n128k16_bf16(float *d, uint64_t da, uint64_t db) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, %66;\n}\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-        : "l"(da), "l"(db));
+        : "l"(da), "l"(db), "n"(B_MN ? 1 : 0));
 }
 
 // Unit u of the launch -> segment g (advanced from the previous value: a CTA's units increase), row tile mb, column
@@ -272,11 +282,14 @@ __device__ __forceinline__ void first_weight_scales(const GroupedParams &p, int 
 // ---------------------------------------------------------------------------- the kernel
 // WGRAD: the Wgrad form (file comment). TN: the output tile's columns, 128, or 256 for the wide form (two weight
 // blocks per tile: the products of each 128-column half are summed and promoted in turn into acc[64] and fin[128], so
-// its consumers take more registers with setmaxnreg). BF16: the BF16 Fprop (file comment): no scales, K blocks of 64
-// BF16 values (the same 128 bytes a row), the products accumulated straight into fin.
-template <bool WGRAD, int TN, bool BF16 = false>
+// its consumers take more registers with setmaxnreg). OPS: the operands (Operands), FP8 or the BF16 forms (file
+// comment): no scales, K blocks of 64 BF16 values (the same 128 bytes a row), the products accumulated straight into
+// fin.
+enum Operands { OPS_FP8 = 0, OPS_BF16 = 1, OPS_BF16_B_MN = 2 };  // BF16_B_MN: the weight read MN-major (Dgrad)
+template <bool WGRAD, int TN, int OPS = OPS_FP8>
 __global__ void __launch_bounds__(THREADS, 1) fp8_grouped_gemm_kernel(const __grid_constant__ GroupedParams p) {
     static_assert(TN == BN || TN == 2 * BN, "tiles of 128 or 256 columns");
+    constexpr bool BF16 = OPS != OPS_FP8, B_MN = OPS == OPS_BF16_B_MN;
     static_assert(!(WGRAD && BF16), "no BF16 Wgrad form");
     using L = Smem<TN>;
     constexpr int STAGES = L::STAGES, HALVES = TN / BN;
@@ -320,7 +333,14 @@ __global__ void __launch_bounds__(THREADS, 1) fp8_grouped_gemm_kernel(const __gr
                     const uint32_t bar = full + 8 * s;
                     mbar_expect_tx(bar, A_BYTES + L::B_BYTES + (uint32_t)(sa_rows + sb_cols) * 4);
                     tma_load_2d(base + L::A + s * A_BYTES, a_map, kb * KE, a_row, bar);
-                    tma_load_2d(base + L::B + s * L::B_BYTES, &p.b[g], kb * KE, nb * TN, bar);
+                    if constexpr (B_MN) {  // TN / 64 column blocks of 64 contraction rows x 64 output columns
+#pragma unroll
+                        for (int b = 0; b < TN / 64; b++)
+                            tma_load_2d(base + L::B + s * L::B_BYTES + b * (KE * 128), &p.b[g], nb * TN + 64 * b,
+                                        kb * KE, bar);
+                    } else {
+                        tma_load_2d(base + L::B + s * L::B_BYTES, &p.b[g], kb * KE, nb * TN, bar);
+                    }
                     if constexpr (!BF16)
                         bulk_load(base + L::SA + s * SA_BYTES, sa + (size_t)kb * p.sa_ld[g], (uint32_t)sa_rows * 4,
                                   bar);
@@ -365,9 +385,11 @@ __global__ void __launch_bounds__(THREADS, 1) fp8_grouped_gemm_kernel(const __gr
 #pragma unroll
                     for (int h = 0; h < HALVES; h++)
 #pragma unroll
-                        for (int j = 0; j < BK / 32; j++)
-                            wgmma_m64n128k16_bf16(fin + 64 * h, sw128_desc(a_tile + 32 * j),
-                                                  sw128_desc(b_tile + h * BN * BK + 32 * j));
+                        for (int j = 0; j < BK / 32; j++) {
+                            const uint64_t db = B_MN ? sw128_desc_mn(b_tile + h * 2 * (KE * 128) + j * 16 * 128, KE * 128)
+                                                     : sw128_desc(b_tile + h * BN * BK + 32 * j);
+                            wgmma_m64n128k16_bf16<B_MN>(fin + 64 * h, sw128_desc(a_tile + 32 * j), db);
+                        }
                     wgmma_commit();
                     wgmma_wait_one();
                     if (kb > 0 && lane == 0) mbar_arrive(empty + 8 * ((it - 1) % STAGES));
@@ -549,9 +571,13 @@ static void runtime_init(const char *op) {
                                     Smem<2 * BN>::BYTES));
     CUDA_CHECK(cudaFuncSetAttribute(fp8_grouped_gemm_kernel<true, 2 * BN>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                     Smem<2 * BN>::BYTES));
-    CUDA_CHECK(cudaFuncSetAttribute(fp8_grouped_gemm_kernel<false, BN, true>,
+    CUDA_CHECK(cudaFuncSetAttribute(fp8_grouped_gemm_kernel<false, BN, OPS_BF16>,
                                     cudaFuncAttributeMaxDynamicSharedMemorySize, Smem<BN>::BYTES));
-    CUDA_CHECK(cudaFuncSetAttribute(fp8_grouped_gemm_kernel<false, 2 * BN, true>,
+    CUDA_CHECK(cudaFuncSetAttribute(fp8_grouped_gemm_kernel<false, 2 * BN, OPS_BF16>,
+                                    cudaFuncAttributeMaxDynamicSharedMemorySize, Smem<2 * BN>::BYTES));
+    CUDA_CHECK(cudaFuncSetAttribute(fp8_grouped_gemm_kernel<false, BN, OPS_BF16_B_MN>,
+                                    cudaFuncAttributeMaxDynamicSharedMemorySize, Smem<BN>::BYTES));
+    CUDA_CHECK(cudaFuncSetAttribute(fp8_grouped_gemm_kernel<false, 2 * BN, OPS_BF16_B_MN>,
                                     cudaFuncAttributeMaxDynamicSharedMemorySize, Smem<2 * BN>::BYTES));
     rt.ready = 1;
 }
@@ -571,16 +597,18 @@ static void encode_map(CUtensorMap *map, CUtensorMapDataType type, int elem_byte
                      what, (long long)rows, (long long)cols, base, (int)r);
 }
 
-// One launch of the kernel of `form` (FP8_GROUPED_*), the Fprop/Dgrad, (wgrad) the Wgrad or (bf16) the BF16 Fprop
-// form: one CTA per SM, or per unit when there are fewer.
-static void launch(const GroupedParams &p, int form, bool wgrad, bool bf16 = false) {
+// One launch of the kernel of `form` (FP8_GROUPED_*), the Fprop/Dgrad, (wgrad) the Wgrad or (ops) a BF16 form: one CTA
+// per SM, or per unit when there are fewer.
+static void launch(const GroupedParams &p, int form, bool wgrad, int ops = OPS_FP8) {
     const int n_units = p.units0[p.n_groups];
     if (n_units == 0) return;
     const bool wide = form == FP8_GROUPED_WIDE;
     const dim3 grid((unsigned)(n_units < rt.sms ? n_units : rt.sms));
     const size_t smem = wide ? Smem<2 * BN>::BYTES : Smem<BN>::BYTES;
-    if (bf16 && wide) fp8_grouped_gemm_kernel<false, 2 * BN, true><<<grid, THREADS, smem>>>(p);
-    else if (bf16) fp8_grouped_gemm_kernel<false, BN, true><<<grid, THREADS, smem>>>(p);
+    if (ops == OPS_BF16 && wide) fp8_grouped_gemm_kernel<false, 2 * BN, OPS_BF16><<<grid, THREADS, smem>>>(p);
+    else if (ops == OPS_BF16) fp8_grouped_gemm_kernel<false, BN, OPS_BF16><<<grid, THREADS, smem>>>(p);
+    else if (ops == OPS_BF16_B_MN && wide) fp8_grouped_gemm_kernel<false, 2 * BN, OPS_BF16_B_MN><<<grid, THREADS, smem>>>(p);
+    else if (ops == OPS_BF16_B_MN) fp8_grouped_gemm_kernel<false, BN, OPS_BF16_B_MN><<<grid, THREADS, smem>>>(p);
     else if (wgrad && wide) fp8_grouped_gemm_kernel<true, 2 * BN><<<grid, THREADS, smem>>>(p);
     else if (wgrad) fp8_grouped_gemm_kernel<true, BN><<<grid, THREADS, smem>>>(p);
     else if (wide) fp8_grouped_gemm_kernel<false, 2 * BN><<<grid, THREADS, smem>>>(p);
@@ -686,20 +714,20 @@ extern "C" void cuda_fp8_grouped_wgrad(float *dw, const uint8_t *qdyt, const flo
     }
 }
 
-extern "C" void cuda_bf16_grouped_gemm(uint16_t *y, const uint16_t *x, const uint16_t *const *w, int n_seg,
+extern "C" void cuda_bf16_grouped_gemm(uint16_t *y, const uint16_t *x, const uint16_t *const *w, int w_kn, int n_seg,
                                        const int *rows0, int N, int K) {
     static const char op[] = "cuda_bf16_grouped_gemm";
     if (seg_table(op, n_seg, rows0).rows0[n_seg] == 0 || N <= 0 || K <= 0) return;  // (which checks rows0)
     runtime_init(op);
-    if (K % 8 != 0)
-        grouped_fail(__LINE__, op, "K = %d - expected a multiple of 8 (16-byte rows of x and of the weights for TMA)",
-                     K);
+    if (K % 8 != 0 || (w_kn && N % 8 != 0))
+        grouped_fail(__LINE__, op, "N = %d, K = %d - expected K%s a multiple of 8 (16-byte rows of x and of the "
+                                   "weights for TMA)", N, K, w_kn ? " and N" : "");
     require_aligned16(y, op, "y"), require_aligned16(x, op, "x");
-    const int KB = (K + BK / 2 - 1) / (BK / 2), NB = (N + BN - 1) / BN, Np = NB * BN;
+    const int KE = BK / 2, KB = (K + KE - 1) / KE, NB = (N + BN - 1) / BN, Np = NB * BN;
     const int form = form_for(NB), tn = form == FP8_GROUPED_WIDE ? 2 * BN : BN;
     static GroupedParams p;  // 27 KB: not on the stack; one host thread drives the GPU (gemm.cu's rule too)
     memset(&p, 0, sizeof p);
-    encode_map(&p.a[0], CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, x, rows0[n_seg], K, K, BK / 2, BM, op, "x");
+    encode_map(&p.a[0], CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, x, rows0[n_seg], K, K, KE, BM, op, "x");
     p.units_n = NB * BN / tn;
     int n = 0;
     for (int g = 0; g < n_seg; g++) {
@@ -708,7 +736,9 @@ extern "C" void cuda_bf16_grouped_gemm(uint16_t *y, const uint16_t *x, const uin
         if (w[g] == NULL)
             grouped_fail(__LINE__, op, "segment %d has %d rows but w[%d] = NULL - expected its weight", g, rows, g);
         require_aligned16(w[g], op, "w[g]");
-        encode_map(&p.b[n], CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, w[g], N, K, K, BK / 2, tn, op, "a weight w[g]");
+        // (N, K): boxes of 64 K x tn rows; (K, N), read MN-major: boxes of 64 output columns x 64 K rows
+        if (w_kn) encode_map(&p.b[n], CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, w[g], K, N, N, 64, KE, op, "a weight w[g]");
+        else encode_map(&p.b[n], CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, w[g], N, K, K, KE, tn, op, "a weight w[g]");
         // N columns of rows Np apart: TMA drops the stores past column N, so the padding columns stay untouched
         encode_map(&p.out_map[n], CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, y + (size_t)rows0[g] * Np, rows, N, Np, 64, 64,
                    op, "a segment's rows of y");
@@ -716,12 +746,12 @@ extern "C" void cuda_bf16_grouped_gemm(uint16_t *y, const uint16_t *x, const uin
         p.units0[n + 1] = p.units0[n] + (rows + BM - 1) / BM * p.units_n;
         if (++n == MAX_GROUPS) {
             p.n_groups = n;
-            launch(p, form, false, true);
+            launch(p, form, false, w_kn ? OPS_BF16_B_MN : OPS_BF16);
             n = 0;
         }
     }
     if (n > 0) {
         p.n_groups = n;
-        launch(p, form, false, true);
+        launch(p, form, false, w_kn ? OPS_BF16_B_MN : OPS_BF16);
     }
 }

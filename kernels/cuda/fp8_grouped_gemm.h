@@ -2,7 +2,8 @@
  * fp8_grouped_gemm.h - fp8moe's own grouped FP8 GEMM for the routed experts (kernels/cuda/fp8_grouped_gemm.cu):
  * every expert's Y_g = X_g W_g^T in one persistent Hopper kernel (wgmma, TMA), instead of one cuBLASLt GEMM per
  * expert. gemm.cu runs kernels.h's grouped Fprops (W_g the weight) and Dgrads (W_g the weight's transposed codes,
- * its scales transposed), and bf16 mode's grouped Fprops (cuda_bf16_grouped_gemm), with more than one segment on it
+ * its scales transposed), and bf16 mode's grouped Fprops and Dgrads (cuda_bf16_grouped_gemm), with more than one
+ * segment on it
  * unless FP8MOE_GROUPED_GEMM=cublaslt
  * (cuda_fp8_grouped_gemm_use_own, gemm.h); `fp8moe bench gemm`
  * times it beside cuBLASLt and tests/gpu/test_gpu_grouped_gemm.c checks both forms against the CPU reference and
@@ -53,16 +54,18 @@ void cuda_fp8_grouped_gemm_bf16(uint16_t *y, int y_rows_padded, const uint8_t *q
 void cuda_fp8_grouped_wgrad(float *dw, const uint8_t *qdyt, const float *sdyt, const uint8_t *qxt, const float *sxt,
                             int n_seg, const int *rows0, int N, int K);
 
-// The BF16 Fprop of the same kernel (bf16 mode's routed experts, kernels.h bf16_gemm_fprop_grouped*): for each segment
-// g, its rows0[g+1] - rows0[g] rows of X_g W_g^T rounded to BF16 (RNE) at row rows0[g] of y, N columns in rows of
-// round_up(N, 128) (kernels.h bf16_rows_ld: the padding columns and every other row are left alone). x (rows0[n_seg],
-// K) and each w[g] (N, K) are packed BF16 rows; w[g] may be NULL for an empty segment. Arithmetic: the tensor cores'
-// sums of BF16 products accumulated in FP32 over K blocks of 64 in order from 0, then one rounding. Deterministic
-// (one owner and order per element; the bits depend on neither the grid nor the form), but not cuBLASLt's order, so
-// not its bits. Needs K a multiple of 8 and 16-byte aligned y, x and w[g] (TMA); stops the process naming the
-// argument otherwise (gemm.cu runs a call that does not fit on cuBLASLt instead).
-void cuda_bf16_grouped_gemm(uint16_t *y, const uint16_t *x, const uint16_t *const *w, int n_seg, const int *rows0,
-                            int N, int K);
+// The BF16 forms of the same kernel (bf16 mode's routed experts, kernels.h bf16_gemm_fprop_grouped* and
+// bf16_gemm_dgrad_grouped*): for each segment g, its rows0[g+1] - rows0[g] rows of X_g W_g^T (w_kn = 0: w[g] is (N,
+// K), the Fprop) or of X_g W_g (w_kn = 1: w[g] is (K, N), read MN-major: the Dgrad, dX = dY W), rounded to BF16 (RNE),
+// at row rows0[g] of y, N columns in rows of round_up(N, 128) (kernels.h bf16_rows_ld: the padding columns and every
+// other row are left alone). x (rows0[n_seg], K) and each w[g] are packed BF16 rows; w[g] may be NULL for an empty
+// segment. Arithmetic: the tensor cores' sums of BF16 products accumulated in FP32 over K blocks of 64 in order from
+// 0, then one rounding. Deterministic (one owner and order per element; the bits depend on neither the grid nor the
+// form), but not cuBLASLt's order, so not its bits. Needs K (and with w_kn, N) a multiple of 8 and 16-byte aligned y,
+// x and w[g] (TMA); stops the process naming the argument otherwise (gemm.cu runs a call that does not fit on
+// cuBLASLt instead).
+void cuda_bf16_grouped_gemm(uint16_t *y, const uint16_t *x, const uint16_t *const *w, int w_kn, int n_seg,
+                            const int *rows0, int N, int K);
 
 // The forms of the kernel, both giving the same bits (the same products summed and promoted in the same order):
 //   FP8_GROUPED_WIDE    one CTA per 128 x 256 output tile (two weight blocks: each X tile is read once per 256 output

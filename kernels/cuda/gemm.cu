@@ -878,9 +878,10 @@ extern "C" void cuda_fp8_gemm_dgrad_bf16(uint16_t *dx, const uint8_t *qdy, const
 // step 4.2% faster on an H100 (docs/benchmarks.md, 2026-12-06).
 // One-segment calls (every other Linear) stay on cuBLASLt: on the own kernel the step was no faster (H200,
 // docs/benchmarks.md, 2026-12-06).
-// The BF16 grouped Fprops with more than one segment (bf16 mode's routed experts: bf16_gemm_fprop_grouped*) run on
-// the kernel's BF16 form under the same switch (bf16_segment_gemms); they sum in their own order, so their bits are
-// not cuBLASLt's. The BF16 Dgrads and Wgrads stay one cuBLASLt GEMM per segment.
+// The BF16 grouped Fprops and Dgrads with more than one segment (bf16 mode's routed experts:
+// bf16_gemm_fprop_grouped*, bf16_gemm_dgrad_grouped*) run on the kernel's BF16 forms under the same switch
+// (bf16_segment_gemms); they sum in their own order, so their bits are not cuBLASLt's. The BF16 Wgrads stay one
+// cuBLASLt GEMM per segment.
 static int own_grouped = -1;  // -1: not yet read from FP8MOE_GROUPED_GEMM
 
 static bool grouped_gemm_is_own(void) {
@@ -1211,11 +1212,11 @@ static int segment_rows(const char *op, int n_seg, const int *rows0) {
     return n_seg > 0 ? rows0[n_seg] : 0;
 }
 
-// Whether the own kernel can run a BF16 Fprop of several segments (fp8_grouped_gemm.h cuda_bf16_grouped_gemm: TMA
-// needs 16-byte rows and 16-byte aligned operands).
-static bool bf16_fprop_fits_own(const uint16_t *out, int64_t per_mat, int n_mats, const uint16_t *const *a,
-                                const uint16_t *const *const *w, int n_seg, const int *rows0, int K) {
-    if (n_seg < 2 || !grouped_gemm_is_own() || K % 8 != 0) return false;
+// Whether the own kernel can run a BF16 Fprop or Dgrad of several segments (fp8_grouped_gemm.h
+// cuda_bf16_grouped_gemm: TMA needs 16-byte rows and 16-byte aligned operands).
+static bool bf16_segments_fit_own(const uint16_t *out, int64_t per_mat, int n_mats, const uint16_t *const *a,
+                                  const uint16_t *const *const *w, int n_seg, const int *rows0, int N, int K) {
+    if (n_seg < 2 || !grouped_gemm_is_own() || N % 8 != 0 || K % 8 != 0) return false;
     for (int i = 0; i < n_mats; i++) {
         if (alignment_of(a[i]) < 16 || alignment_of(out + i * per_mat) < 16) return false;
         for (int g = 0; g < n_seg; g++)
@@ -1224,14 +1225,16 @@ static bool bf16_fprop_fits_own(const uint16_t *out, int64_t per_mat, int n_mats
     return true;
 }
 
-// By default a Fprop of several segments runs on the own grouped kernel (one launch for all segments, its own
-// summation order: fp8_grouped_gemm.h), everything else one cuBLASLt GEMM per segment over the lanes. Both forms of
-// kernels.h (FP32 and *_bf16) come through here, so they get the same bits.
+// By default a call of several segments runs on the own grouped kernel (one launch for all segments per matrix, its
+// own summation order: fp8_grouped_gemm.h; the Dgrad reads the (N, K) weight MN-major), everything else one cuBLASLt
+// GEMM per segment over the lanes. Both forms of kernels.h (FP32 and *_bf16) come through here, so they get the
+// same bits.
 static void bf16_segment_gemms(bool dgrad, uint16_t *out, int64_t per_mat, int n_mats, const uint16_t *const *a,
                                const uint16_t *const *const *w, int n_seg, const int *rows0, int N, int K) {
     const int out_cols = dgrad ? K : N, in_cols = dgrad ? N : K, ld = (int)bf16_rows_ld(out_cols);
-    if (!dgrad && bf16_fprop_fits_own(out, per_mat, n_mats, a, w, n_seg, rows0, K)) {
-        for (int i = 0; i < n_mats; i++) cuda_bf16_grouped_gemm(out + i * per_mat, a[i], w[i], n_seg, rows0, N, K);
+    if (bf16_segments_fit_own(out, per_mat, n_mats, a, w, n_seg, rows0, N, K)) {
+        for (int i = 0; i < n_mats; i++)
+            cuda_bf16_grouped_gemm(out + i * per_mat, a[i], w[i], dgrad, n_seg, rows0, out_cols, in_cols);
         return;
     }
     const int n_lanes = lanes_for(rows0, n_seg);  // each segment writes its own rows
