@@ -386,7 +386,8 @@ __global__ void __launch_bounds__(THREADS, 1) fp8_grouped_gemm_kernel(const __gr
                     for (int h = 0; h < HALVES; h++)
 #pragma unroll
                         for (int j = 0; j < BK / 32; j++) {
-                            const uint64_t db = B_MN ? sw128_desc_mn(b_tile + h * 2 * (KE * 128) + j * 16 * 128, KE * 128)
+                            constexpr uint32_t MN_BLOCK = KE * 128;  // bytes of a 64-column block (B_MN)
+                            const uint64_t db = B_MN ? sw128_desc_mn(b_tile + h * 2 * MN_BLOCK + j * 16 * 128, MN_BLOCK)
                                                      : sw128_desc(b_tile + h * BN * BK + 32 * j);
                             wgmma_m64n128k16_bf16<B_MN>(fin + 64 * h, sw128_desc(a_tile + 32 * j), db);
                         }
@@ -607,7 +608,8 @@ static void launch(const GroupedParams &p, int form, bool wgrad, int ops = OPS_F
     const size_t smem = wide ? Smem<2 * BN>::BYTES : Smem<BN>::BYTES;
     if (ops == OPS_BF16 && wide) fp8_grouped_gemm_kernel<false, 2 * BN, OPS_BF16><<<grid, THREADS, smem>>>(p);
     else if (ops == OPS_BF16) fp8_grouped_gemm_kernel<false, BN, OPS_BF16><<<grid, THREADS, smem>>>(p);
-    else if (ops == OPS_BF16_B_MN && wide) fp8_grouped_gemm_kernel<false, 2 * BN, OPS_BF16_B_MN><<<grid, THREADS, smem>>>(p);
+    else if (ops == OPS_BF16_B_MN && wide)
+        fp8_grouped_gemm_kernel<false, 2 * BN, OPS_BF16_B_MN><<<grid, THREADS, smem>>>(p);
     else if (ops == OPS_BF16_B_MN) fp8_grouped_gemm_kernel<false, BN, OPS_BF16_B_MN><<<grid, THREADS, smem>>>(p);
     else if (wgrad && wide) fp8_grouped_gemm_kernel<true, 2 * BN><<<grid, THREADS, smem>>>(p);
     else if (wgrad) fp8_grouped_gemm_kernel<true, BN><<<grid, THREADS, smem>>>(p);
