@@ -3,9 +3,7 @@
  * every expert's Y_g = X_g W_g^T in one persistent Hopper kernel (wgmma, TMA), instead of one cuBLASLt GEMM per
  * expert. gemm.cu runs kernels.h's grouped Fprops (W_g the weight) and Dgrads (W_g the weight's transposed codes,
  * its scales transposed), and bf16 mode's grouped Fprops and Dgrads (cuda_bf16_grouped_gemm), with more than one
- * segment on it
- * unless FP8MOE_GROUPED_GEMM=cublaslt
- * (cuda_fp8_grouped_gemm_use_own, gemm.h); `fp8moe bench gemm`
+ * segment on it unless FP8MOE_GROUPED_GEMM=cublaslt (cuda_fp8_grouped_gemm_use_own, gemm.h); `fp8moe bench gemm`
  * times it beside cuBLASLt and tests/gpu/test_gpu_grouped_gemm.c checks both forms against the CPU reference and
  * cuBLASLt. Its Wgrad form (cuda_fp8_grouped_wgrad) is run only by those two: slower than cuBLASLt so far.
  *

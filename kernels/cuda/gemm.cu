@@ -891,7 +891,7 @@ static bool grouped_gemm_is_own(void) {
     else if (!strcmp(env, "cublaslt")) own_grouped = 0;
     else {
         fprintf(stderr, "%s:%d: FP8MOE_GROUPED_GEMM = '%s' - expected own (the default) or cublaslt (which kernel runs "
-                        "the routed experts' grouped FP8 GEMMs and BF16 Fprops; docs/gpu.md)\n", __FILE__, __LINE__, env);
+                        "the routed experts' grouped FP8 and BF16 GEMMs; docs/gpu.md)\n", __FILE__, __LINE__, env);
         exit(1);
     }
     return own_grouped;

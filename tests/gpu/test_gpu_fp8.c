@@ -2341,8 +2341,9 @@ int main(void) {
     static CombineGradCase cg_e = {2048, 6, 32, 202, 0, 5};
     static Bf16Case b_a = {256, 300, 576}, b_b = {128, 512, 1024};
     static GroupedGemmCase gg_a = {5, 576, 302, 1}, gg_b = {32, 1030, 512, 2}, gg_c = {32, 256, 2048, 3};
-    // bf16: a runs on cuBLASLt (K % 8 != 0), b, c, d on the own kernel's BF16 Fprop (fp8_grouped_gemm.h): b and c in
-    // its wide form (c's last 56 columns dropped by TMA, the padding untouched), d in the single form with a K tail
+    // bf16: a runs on cuBLASLt (K % 8 != 0), b, c, d on the own kernel's BF16 Fprop and Dgrad (fp8_grouped_gemm.h):
+    // b both in the wide form; c's Fprop wide (its last 56 columns dropped by TMA, the padding untouched), its Dgrad
+    // single (304 columns); d's Fprop single with a K tail, its Dgrad wide (136 columns, a contraction of 384)
     static GroupedGemmCase bg_a = {5, 200, 300, 4}, bg_b = {32, 256, 512, 5}, bg_c = {9, 200, 304, 6},
                            bg_d = {7, 384, 136, 7};
     static SwigluOperandCase so_a = {111, 198, 3}, so_b = {240, 1024, 6};  // the scalar and the 4-wide paths
