@@ -398,55 +398,57 @@ __global__ void __launch_bounds__(THREADS, 1) fp8_grouped_gemm_kernel(const __gr
                 wgmma_wait_all();
                 fence_regs(fin, 64 * HALVES);
                 if (kblocks > 0 && lane == 0) mbar_arrive(empty + 8 * ((it - 1) % STAGES));
-            }
-            const float *sbp = BF16 || WGRAD ? NULL : p.sb[g] + tile_nb * HALVES * p.kb4;
-            for (int kb = 0; kb < (BF16 ? 0 : kblocks); kb++, it++) {
-                const uint32_t s = it % STAGES, phase = (it / STAGES) & 1;
-                float sb[HALVES];
+            } else {  // FP8: each block's products into acc, promoted into fin with the blocks' scales
+                const float *sbp = WGRAD ? NULL : p.sb[g] + tile_nb * HALVES * p.kb4;
+                for (int kb = 0; kb < kblocks; kb++, it++) {
+                    const uint32_t s = it % STAGES, phase = (it / STAGES) & 1;
+                    float sb[HALVES];
 #pragma unroll
-                for (int h = 0; h < HALVES; h++) {
-                    sb[h] = sb_next[h];
-                    if (!WGRAD && kb + 1 < kblocks) sb_next[h] = __ldg(sbp + h * p.kb4 + kb + 1);
-                }
-                mbar_wait(full + 8 * s, phase);
-                const float *sa = reinterpret_cast<const float *>(smem + L::SA + s * SA_BYTES) + cw * 64;
-                const float sa0 = sa[r0], sa1 = sa[r0 + 8];  // read before the stage is released
-                const uint32_t a_tile = base + L::A + s * A_BYTES + cw * 64 * BK, b_tile = base + L::B + s * L::B_BYTES;
+                    for (int h = 0; h < HALVES; h++) {
+                        sb[h] = sb_next[h];
+                        if (!WGRAD && kb + 1 < kblocks) sb_next[h] = __ldg(sbp + h * p.kb4 + kb + 1);
+                    }
+                    mbar_wait(full + 8 * s, phase);
+                    const float *sa = reinterpret_cast<const float *>(smem + L::SA + s * SA_BYTES) + cw * 64;
+                    const float sa0 = sa[r0], sa1 = sa[r0 + 8];  // read before the stage is released
+                    const uint32_t a_tile = base + L::A + s * A_BYTES + cw * 64 * BK,
+                                   b_tile = base + L::B + s * L::B_BYTES;
 #pragma unroll
-                for (int h = 0; h < HALVES; h++) {
-                    fence_regs(acc, 64);
-                    wgmma_fence();
+                    for (int h = 0; h < HALVES; h++) {
+                        fence_regs(acc, 64);
+                        wgmma_fence();
 #pragma unroll
-                    for (int j = 0; j < BK / 32; j++)
-                        wgmma_m64n128k32_e4m3(acc, sw128_desc(a_tile + 32 * j),
-                                              sw128_desc(b_tile + h * BN * BK + 32 * j), j > 0);
-                    wgmma_commit();
-                    wgmma_wait_all();
-                    fence_regs(acc, 64);
-                    float *f = fin + 64 * h;
-                    if constexpr (WGRAD) {
-                        // each column has its own X scale: read from the stage, which is released after the promotion
-                        const float *sbs =
-                            reinterpret_cast<const float *>(smem + L::SB + s * L::SB_BYTES) + h * BN + c0;
+                        for (int j = 0; j < BK / 32; j++)
+                            wgmma_m64n128k32_e4m3(acc, sw128_desc(a_tile + 32 * j),
+                                                  sw128_desc(b_tile + h * BN * BK + 32 * j), j > 0);
+                        wgmma_commit();
+                        wgmma_wait_all();
+                        fence_regs(acc, 64);
+                        float *f = fin + 64 * h;
+                        if constexpr (WGRAD) {
+                            // each column has its own X scale: read from the stage, released after the promotion
+                            const float *sbs =
+                                reinterpret_cast<const float *>(smem + L::SB + s * L::SB_BYTES) + h * BN + c0;
 #pragma unroll
-                        for (int j = 0; j < 16; j++) {
-                            const float2 b2 = *reinterpret_cast<const float2 *>(sbs + 8 * j);
-                            f[4 * j + 0] = fmaf(acc[4 * j + 0], sa0 * b2.x, f[4 * j + 0]);
-                            f[4 * j + 1] = fmaf(acc[4 * j + 1], sa0 * b2.y, f[4 * j + 1]);
-                            f[4 * j + 2] = fmaf(acc[4 * j + 2], sa1 * b2.x, f[4 * j + 2]);
-                            f[4 * j + 3] = fmaf(acc[4 * j + 3], sa1 * b2.y, f[4 * j + 3]);
-                        }
-                        __syncwarp();
-                        if (h == HALVES - 1 && lane == 0) mbar_arrive(empty + 8 * s);
-                    } else {
-                        if (h == HALVES - 1 && lane == 0) mbar_arrive(empty + 8 * s);  // the stage's last products
-                        const float s0 = sa0 * sb[h], s1 = sa1 * sb[h];
+                            for (int j = 0; j < 16; j++) {
+                                const float2 b2 = *reinterpret_cast<const float2 *>(sbs + 8 * j);
+                                f[4 * j + 0] = fmaf(acc[4 * j + 0], sa0 * b2.x, f[4 * j + 0]);
+                                f[4 * j + 1] = fmaf(acc[4 * j + 1], sa0 * b2.y, f[4 * j + 1]);
+                                f[4 * j + 2] = fmaf(acc[4 * j + 2], sa1 * b2.x, f[4 * j + 2]);
+                                f[4 * j + 3] = fmaf(acc[4 * j + 3], sa1 * b2.y, f[4 * j + 3]);
+                            }
+                            __syncwarp();
+                            if (h == HALVES - 1 && lane == 0) mbar_arrive(empty + 8 * s);
+                        } else {
+                            if (h == HALVES - 1 && lane == 0) mbar_arrive(empty + 8 * s);  // the stage's last products
+                            const float s0 = sa0 * sb[h], s1 = sa1 * sb[h];
 #pragma unroll
-                        for (int j = 0; j < 16; j++) {
-                            f[4 * j + 0] = fmaf(acc[4 * j + 0], s0, f[4 * j + 0]);
-                            f[4 * j + 1] = fmaf(acc[4 * j + 1], s0, f[4 * j + 1]);
-                            f[4 * j + 2] = fmaf(acc[4 * j + 2], s1, f[4 * j + 2]);
-                            f[4 * j + 3] = fmaf(acc[4 * j + 3], s1, f[4 * j + 3]);
+                            for (int j = 0; j < 16; j++) {
+                                f[4 * j + 0] = fmaf(acc[4 * j + 0], s0, f[4 * j + 0]);
+                                f[4 * j + 1] = fmaf(acc[4 * j + 1], s0, f[4 * j + 1]);
+                                f[4 * j + 2] = fmaf(acc[4 * j + 2], s1, f[4 * j + 2]);
+                                f[4 * j + 3] = fmaf(acc[4 * j + 3], s1, f[4 * j + 3]);
+                            }
                         }
                     }
                 }
@@ -547,6 +549,14 @@ static struct {
     int sms;
 } rt;
 
+// Raises the shared-memory limit of both tile forms (128 and 256 columns) of one kernel instance.
+template <bool WGRAD, int OPS> static void allow_smem() {
+    CUDA_CHECK(cudaFuncSetAttribute(fp8_grouped_gemm_kernel<WGRAD, BN, OPS>,
+                                    cudaFuncAttributeMaxDynamicSharedMemorySize, Smem<BN>::BYTES));
+    CUDA_CHECK(cudaFuncSetAttribute(fp8_grouped_gemm_kernel<WGRAD, 2 * BN, OPS>,
+                                    cudaFuncAttributeMaxDynamicSharedMemorySize, Smem<2 * BN>::BYTES));
+}
+
 static void runtime_init(const char *op) {
     if (rt.ready) return;
     int dev = 0;
@@ -564,22 +574,10 @@ static void runtime_init(const char *op) {
         grouped_fail(__LINE__, op, "the driver has no cuTensorMapEncodeTiled (query result %d) - expected a CUDA 12+ "
                                    "driver", (int)found);
     rt.encode = (EncodeTiledFn)fn;
-    CUDA_CHECK(cudaFuncSetAttribute(fp8_grouped_gemm_kernel<false, BN>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    Smem<BN>::BYTES));
-    CUDA_CHECK(cudaFuncSetAttribute(fp8_grouped_gemm_kernel<true, BN>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    Smem<BN>::BYTES));
-    CUDA_CHECK(cudaFuncSetAttribute(fp8_grouped_gemm_kernel<false, 2 * BN>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    Smem<2 * BN>::BYTES));
-    CUDA_CHECK(cudaFuncSetAttribute(fp8_grouped_gemm_kernel<true, 2 * BN>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    Smem<2 * BN>::BYTES));
-    CUDA_CHECK(cudaFuncSetAttribute(fp8_grouped_gemm_kernel<false, BN, OPS_BF16>,
-                                    cudaFuncAttributeMaxDynamicSharedMemorySize, Smem<BN>::BYTES));
-    CUDA_CHECK(cudaFuncSetAttribute(fp8_grouped_gemm_kernel<false, 2 * BN, OPS_BF16>,
-                                    cudaFuncAttributeMaxDynamicSharedMemorySize, Smem<2 * BN>::BYTES));
-    CUDA_CHECK(cudaFuncSetAttribute(fp8_grouped_gemm_kernel<false, BN, OPS_BF16_B_MN>,
-                                    cudaFuncAttributeMaxDynamicSharedMemorySize, Smem<BN>::BYTES));
-    CUDA_CHECK(cudaFuncSetAttribute(fp8_grouped_gemm_kernel<false, 2 * BN, OPS_BF16_B_MN>,
-                                    cudaFuncAttributeMaxDynamicSharedMemorySize, Smem<2 * BN>::BYTES));
+    allow_smem<false, OPS_FP8>();  // Fprop / Dgrad
+    allow_smem<true, OPS_FP8>();   // Wgrad
+    allow_smem<false, OPS_BF16>();
+    allow_smem<false, OPS_BF16_B_MN>();
     rt.ready = 1;
 }
 
@@ -598,6 +596,12 @@ static void encode_map(CUtensorMap *map, CUtensorMapDataType type, int elem_byte
                      what, (long long)rows, (long long)cols, base, (int)r);
 }
 
+// One launch of the kernel instance (WGRAD, OPS) in the tile form `wide` (128 x 256) or not (128 x 128).
+template <bool WGRAD, int OPS> static void launch_form(const GroupedParams &p, bool wide, dim3 grid) {
+    if (wide) fp8_grouped_gemm_kernel<WGRAD, 2 * BN, OPS><<<grid, THREADS, Smem<2 * BN>::BYTES>>>(p);
+    else fp8_grouped_gemm_kernel<WGRAD, BN, OPS><<<grid, THREADS, Smem<BN>::BYTES>>>(p);
+}
+
 // One launch of the kernel of `form` (FP8_GROUPED_*), the Fprop/Dgrad, (wgrad) the Wgrad or (ops) a BF16 form: one CTA
 // per SM, or per unit when there are fewer.
 static void launch(const GroupedParams &p, int form, bool wgrad, int ops = OPS_FP8) {
@@ -605,16 +609,10 @@ static void launch(const GroupedParams &p, int form, bool wgrad, int ops = OPS_F
     if (n_units == 0) return;
     const bool wide = form == FP8_GROUPED_WIDE;
     const dim3 grid((unsigned)(n_units < rt.sms ? n_units : rt.sms));
-    const size_t smem = wide ? Smem<2 * BN>::BYTES : Smem<BN>::BYTES;
-    if (ops == OPS_BF16 && wide) fp8_grouped_gemm_kernel<false, 2 * BN, OPS_BF16><<<grid, THREADS, smem>>>(p);
-    else if (ops == OPS_BF16) fp8_grouped_gemm_kernel<false, BN, OPS_BF16><<<grid, THREADS, smem>>>(p);
-    else if (ops == OPS_BF16_B_MN && wide)
-        fp8_grouped_gemm_kernel<false, 2 * BN, OPS_BF16_B_MN><<<grid, THREADS, smem>>>(p);
-    else if (ops == OPS_BF16_B_MN) fp8_grouped_gemm_kernel<false, BN, OPS_BF16_B_MN><<<grid, THREADS, smem>>>(p);
-    else if (wgrad && wide) fp8_grouped_gemm_kernel<true, 2 * BN><<<grid, THREADS, smem>>>(p);
-    else if (wgrad) fp8_grouped_gemm_kernel<true, BN><<<grid, THREADS, smem>>>(p);
-    else if (wide) fp8_grouped_gemm_kernel<false, 2 * BN><<<grid, THREADS, smem>>>(p);
-    else fp8_grouped_gemm_kernel<false, BN><<<grid, THREADS, smem>>>(p);
+    if (ops == OPS_BF16) launch_form<false, OPS_BF16>(p, wide, grid);
+    else if (ops == OPS_BF16_B_MN) launch_form<false, OPS_BF16_B_MN>(p, wide, grid);
+    else if (wgrad) launch_form<true, OPS_FP8>(p, wide, grid);
+    else launch_form<false, OPS_FP8>(p, wide, grid);
     CUDA_CHECK_LAUNCH("fp8_grouped_gemm_kernel");
 }
 
