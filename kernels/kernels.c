@@ -83,18 +83,28 @@ void rmsnorm_backward(Device dev, real *dinp, real *dweight, const real *dout, c
     cpu_rmsnorm_backward(dinp, dweight, dout, inp, weight, rstd, N, C);
 }
 
-void rmsnorm_backward_bf16(Device dev, real *dinp, real *dweight, const uint16_t *dout, int64_t ld, const real *inp,
-                           const real *weight, const real *rstd, int N, int C) {
+void rmsnorm_backward_bf16(Device dev, real *dinp, real *dweight, const uint16_t *dout, int64_t ld, int n_src,
+                           int64_t src_stride, const real *inp, const real *weight, const real *rstd, int N, int C) {
     if (ld < C) {
         fprintf(stderr, "fp8moe: rmsnorm_backward_bf16: row stride %lld - expected at least C = %d\n", (long long)ld,
                 C);
         exit(1);
     }
+    // the sources may not overlap: each holds N rows of stride ld
+    if (n_src < 1 || (n_src > 1 && N > 0 && src_stride < (int64_t)(N - 1) * ld + C)) {
+        fprintf(stderr, "fp8moe: rmsnorm_backward_bf16: %d sources %lld values apart - expected at least one, and "
+                        "sources of %d rows of stride %lld at least %lld values apart\n", n_src,
+                (long long)src_stride, N, (long long)ld, (long long)((int64_t)(N - 1) * ld + C));
+        exit(1);
+    }
 #ifdef FP8MOE_CUDA
-    if (dev == DEVICE_CUDA) { cuda_rmsnorm_backward_bf16(dinp, dweight, dout, ld, inp, weight, rstd, N, C); return; }
+    if (dev == DEVICE_CUDA) {
+        cuda_rmsnorm_backward_bf16(dinp, dweight, dout, ld, n_src, src_stride, inp, weight, rstd, N, C);
+        return;
+    }
 #endif
     if (dev != DEVICE_CPU) no_cuda_op("rmsnorm_backward_bf16");
-    cpu_rmsnorm_backward_bf16(dinp, dweight, dout, ld, inp, weight, rstd, N, C);
+    cpu_rmsnorm_backward_bf16(dinp, dweight, dout, ld, n_src, src_stride, inp, weight, rstd, N, C);
 }
 
 void rope_forward(Device dev, real *out, const real *inp, int ld, int B, int T, int H, int D, real theta) {

@@ -94,10 +94,12 @@ void rmsnorm_forward(Device dev, real *out, real *rstd, const real *inp, const r
 // dinp (N, C) += ..., dweight (C) += ...   (rstd from the forward pass)
 void rmsnorm_backward(Device dev, real *dinp, real *dweight, const real *dout, const real *inp,
                       const real *weight, const real *rstd, int N, int C);
-// rmsnorm_backward with dout as BF16 rows of stride ld >= C (a GEMM's BF16 product, bf16_rows_ld below: MLA's
-// latent gradients in fp8 mode, linear.h linear_backward_bf16): the bits of rmsnorm_backward on the widened values.
-void rmsnorm_backward_bf16(Device dev, real *dinp, real *dweight, const uint16_t *dout, int64_t ld, const real *inp,
-                           const real *weight, const real *rstd, int N, int C);
+// rmsnorm_backward with dout the sum of n_src >= 1 arrays of BF16 rows of stride ld >= C, the i-th at dout + i *
+// src_stride (GEMMs' BF16 products, bf16_rows_ld below: MLA's latent gradients, and its input's gradient from its two
+// down-projections, in the modes with BF16 products, linear.h linear_backward_bf16): the bits of rmsnorm_backward on
+// the FP32 sum of the widened values, added in order (the first source's value, + the second's, ...).
+void rmsnorm_backward_bf16(Device dev, real *dinp, real *dweight, const uint16_t *dout, int64_t ld, int n_src,
+                           int64_t src_stride, const real *inp, const real *weight, const real *rstd, int N, int C);
 
 // ---------------------------------------------------------------------------- RoPE
 // Interleaved rotary embedding (DeepSeek's reference layout): pairs (x[2j], x[2j+1]) of each vector

@@ -199,7 +199,10 @@ void layer_scratch_alloc(ActsArena *ar, LayerScratch *s, const Dims *d, int has_
         if (bf16_rows_elems(N, d->shared_I) > d_h16) d_h16 = bf16_rows_elems(N, d->shared_I);
         if (bf16_rows_elems(d->local_rows, d->I) > d_h16) d_h16 = bf16_rows_elems(d->local_rows, d->I);
     }
+    const int64_t d_xn16 = MLA_INPUT_GRAD_PARTS * bf16_rows_elems(N, d->D);
+    if (d_xn16 > d_h16) d_h16 = d_xn16;
     s->d_h16 = arena_alloc(ar, (size_t)d_h16 * sizeof(uint16_t));
+    s->d_xn16 = s->d_h16;
 }
 
 // ---------------------------------------------------------------------------- forward / backward
@@ -238,5 +241,9 @@ void block_backward(Model *m, const BlockWeights *w, const BlockWeights *g, Bloc
     // (fp8) the recomputation is skipped and xn1 holds another block's values, never read.
     if (a->mla.xn_kept.q == NULL) rmsnorm_forward(dev, a->xn1, s->t_rstd, a->x_in, w->attn_norm, N, D);
     mla_backward(m, &w->attn, &g->attn, &a->mla, d, s, a->xn1, d_x, s->d_xn);
-    rmsnorm_backward(dev, d_x, g->attn_norm, s->d_xn, a->x_in, w->attn_norm, a->rstd1, N, D);
+    if (s->d_xn16)  // MLA left its input's gradient in parts (mla_backward)
+        rmsnorm_backward_bf16(dev, d_x, g->attn_norm, s->d_xn16, bf16_rows_ld(D), MLA_INPUT_GRAD_PARTS,
+                              bf16_rows_elems(N, D), a->x_in, w->attn_norm, a->rstd1, N, D);
+    else
+        rmsnorm_backward(dev, d_x, g->attn_norm, s->d_xn, a->x_in, w->attn_norm, a->rstd1, N, D);
 }

@@ -136,6 +136,8 @@ typedef struct {
     real *d_a, *d_b, *d_h;                // FFN gradients: dense / shared (N, width), all routed experts (N*K, I);
                                           // without bf16_products only
     uint16_t *d_h16;                      // bf16_products: d_h in BF16 (linear.h SwigluScratch), the same rows + 15
+    uint16_t *d_xn16;                     // bf16_products: MLA's input gradient as its Dgrads' BF16 products
+                                          // (mla_backward), in d_h16's memory: the FFN's backward is done with it
     real *d_logits, *d_scores, *d_topk_w; // router
     real *d_xp, *d_eout;                  // routed experts, (N*K, D); d_xp only where xp is gathered, d_eout
                                           // only where the combine backward writes it
@@ -171,7 +173,11 @@ void block_backward(Model *m, const BlockWeights *w, const BlockWeights *g, Bloc
 // out = residual + MLA(xn): the block's residual is added by the output projection (linear_forward_residual).
 void mla_forward(Model *m, const MlaWeights *w, MlaActs *a, const Dims *d, const real *xn, const real *residual,
                  real *out);
-// d_xn (N, D) is written (not added to); parameter gradients are added to.
+// d_xn (N, D) is written (not added to); parameter gradients are added to. With s->d_xn16 (bf16_products) d_xn is not
+// touched: the input's gradient is left as the MLA_INPUT_GRAD_PARTS BF16 products of its Dgrads in s->d_xn16, part i
+// at d_xn16 + i bf16_rows_elems(N, D) (rows of stride bf16_rows_ld(D)), for the RMSNorm backward to add as it reads
+// them (kernels.h rmsnorm_backward_bf16): the bits of the FP32 form, without two passes over an FP32 d_xn.
+enum { MLA_INPUT_GRAD_PARTS = 2 };
 void mla_backward(Model *m, const MlaWeights *w, const MlaWeights *g, MlaActs *a, const Dims *d,
                   LayerScratch *s, const real *xn, const real *d_out, real *d_xn);
 

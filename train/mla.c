@@ -69,11 +69,22 @@ static void latent_backward(Model *m, real *d_c, real *g_norm, real *g_w, real *
                             int R, int OC, KeptInput *cn_kept) {
     if (d_cn16) {
         linear_backward_bf16(&m->rc, d_cn16, g_w, dy, cn, w, N, R, OC, cn_kept);
-        rmsnorm_backward_bf16(m->rc.dev, d_c, g_norm, d_cn16, bf16_rows_ld(R), c, norm_w, rstd, N, R);
+        rmsnorm_backward_bf16(m->rc.dev, d_c, g_norm, d_cn16, bf16_rows_ld(R), 1, 0, c, norm_w, rstd, N, R);
     } else {
         linear_backward(&m->rc, d_cn, GRAD_WRITE, g_w, dy, cn, w, N, R, OC, cn_kept);
         rmsnorm_backward(m->rc.dev, d_c, g_norm, d_cn, c, norm_w, rstd, N, R);
     }
+}
+
+// Part i of MLA's input gradient (0: W_DKV's Dgrad, 1: W_DQ's or W_Q's; MLA_INPUT_GRAD_PARTS): with bf16_products
+// the Dgrad's BF16 product, left in s->d_xn16 for the RMSNorm backward before MLA to add as it reads them, else
+// written (i = 0) or added into d_xn.
+static void input_grad_part(Model *m, const LayerScratch *s, int i, real *d_xn, real *g_w, const real *dy,
+                            const real *xn, const real *w, int N, int D, int OC, const KeptInput *kept) {
+    if (s->d_xn16)
+        linear_backward_bf16(&m->rc, s->d_xn16 + i * bf16_rows_elems(N, D), g_w, dy, xn, w, N, D, OC, kept);
+    else
+        linear_backward(&m->rc, d_xn, i == 0 ? GRAD_WRITE : GRAD_ADD, g_w, dy, xn, w, N, D, OC, kept);
 }
 
 void mla_backward(Model *m, const MlaWeights *w, const MlaWeights *g, MlaActs *a, const Dims *d,
@@ -106,7 +117,7 @@ void mla_backward(Model *m, const MlaWeights *w, const MlaWeights *g, MlaActs *a
     latent_backward(m, s->d_ckv, g->kv_norm, g->wkv_b, s->d_ckvn, s->d_ckvn16, s->d_kv, a->ckv, a->ckvn, a->ckv_rstd,
                     w->kv_norm, w->wkv_b, N, d->kvr, H * kv_w, &a->ckvn_kept);
     copy_block(dev, s->d_kva, kva_w, s->d_ckv, d->kvr, N, d->kvr, 0);
-    linear_backward(&m->rc, d_xn, GRAD_WRITE, g->wkv_a, s->d_kva, xn, w->wkv_a, N, d->D, kva_w, &a->xn_kept);
+    input_grad_part(m, s, 0, d_xn, g->wkv_a, s->d_kva, xn, w->wkv_a, N, d->D, kva_w, &a->xn_kept);
     // qf = [q_nope ; RoPE(q_rope)] per head: the rope part of d_qf is rotated back in place, and d_qf is then
     // the gradient of the projection's output q
     rope_backward(dev, s->d_qf + d->dn, s->d_qf + d->dn, dqk, d->B, d->T, H, d->dr, d->rope_theta);
@@ -114,8 +125,8 @@ void mla_backward(Model *m, const MlaWeights *w, const MlaWeights *g, MlaActs *a
         device_memset_zero(dev, s->d_cq, (size_t)N * d->qr * R);
         latent_backward(m, s->d_cq, g->q_norm, g->wq_b, s->d_cqn, s->d_cqn16, s->d_qf, a->cq, a->cqn, a->cq_rstd,
                         w->q_norm, w->wq_b, N, d->qr, H * dqk, &a->cqn_kept);
-        linear_backward(&m->rc, d_xn, GRAD_ADD, g->wq_a, s->d_cq, xn, w->wq_a, N, d->D, d->qr, &a->xn_kept);
+        input_grad_part(m, s, 1, d_xn, g->wq_a, s->d_cq, xn, w->wq_a, N, d->D, d->qr, &a->xn_kept);
     } else {
-        linear_backward(&m->rc, d_xn, GRAD_ADD, g->wq, s->d_qf, xn, w->wq, N, d->D, H * dqk, &a->xn_kept);
+        input_grad_part(m, s, 1, d_xn, g->wq, s->d_qf, xn, w->wq, N, d->D, H * dqk, &a->xn_kept);
     }
 }

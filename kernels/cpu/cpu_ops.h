@@ -12,7 +12,7 @@ void cpu_embedding_forward(real *out, const int *tokens, const real *table, int 
 void cpu_embedding_backward(real *dtable, const real *dout, const int *tokens, int N, int C);
 void cpu_rmsnorm_forward(real *out, real *rstd, const real *inp, const real *weight, int N, int C);
 void cpu_rmsnorm_backward(real *dinp, real *dweight, const real *dout, const real *inp, const real *weight, const real *rstd, int N, int C);
-void cpu_rmsnorm_backward_bf16(real *dinp, real *dweight, const uint16_t *dout, int64_t ld, const real *inp, const real *weight, const real *rstd, int N, int C);
+void cpu_rmsnorm_backward_bf16(real *dinp, real *dweight, const uint16_t *dout, int64_t ld, int n_src, int64_t src_stride, const real *inp, const real *weight, const real *rstd, int N, int C);
 void cpu_rope_forward(real *out, const real *inp, int ld, int B, int T, int H, int D, real theta);
 void cpu_rope_backward(real *dinp, const real *dout, int ld, int B, int T, int H, int D, real theta);
 int64_t cpu_attention_state_elems(int B, int T, int H, int Dn, int Dr, int Dv);

@@ -123,11 +123,16 @@ void cpu_rmsnorm_backward(real *dinp, real *dweight, const real *dout, const rea
     }
 }
 
-// dout as BF16 rows of stride ld: widened (exactly) into a scratch array, then the FP32 backward.
-void cpu_rmsnorm_backward_bf16(real *dinp, real *dweight, const uint16_t *dout, int64_t ld, const real *inp,
-                               const real *weight, const real *rstd, int N, int C) {
+// dout as n_src sources of BF16 rows of stride ld: widened (exactly) into a scratch array and added in order, then
+// the FP32 backward.
+void cpu_rmsnorm_backward_bf16(real *dinp, real *dweight, const uint16_t *dout, int64_t ld, int n_src,
+                               int64_t src_stride, const real *inp, const real *weight, const real *rstd, int N,
+                               int C) {
     if (N <= 0 || C <= 0) return;
     real *wide = cpu_bf16_rows_widened(dout, ld, N, C);
+    for (int i = 1; i < n_src; i++)
+        for (int64_t r = 0; r < N; r++)
+            for (int c = 0; c < C; c++) wide[r * C + c] += (real)bf16_to_float(dout[i * src_stride + r * ld + c]);
     cpu_rmsnorm_backward(dinp, dweight, wide, inp, weight, rstd, N, C);
     free(wide);
 }

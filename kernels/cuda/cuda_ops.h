@@ -12,7 +12,7 @@ extern "C" {
 #endif
 void cuda_rmsnorm_forward(real *out, real *rstd, const real *inp, const real *weight, int N, int C);
 void cuda_rmsnorm_backward(real *dinp, real *dweight, const real *dout, const real *inp, const real *weight, const real *rstd, int N, int C);
-void cuda_rmsnorm_backward_bf16(real *dinp, real *dweight, const uint16_t *dout, int64_t ld, const real *inp, const real *weight, const real *rstd, int N, int C);
+void cuda_rmsnorm_backward_bf16(real *dinp, real *dweight, const uint16_t *dout, int64_t ld, int n_src, int64_t src_stride, const real *inp, const real *weight, const real *rstd, int N, int C);
 void cuda_swiglu_forward(real *out, const real *a, const real *b, int64_t n);
 void cuda_swiglu_backward(real *da, real *db, const real *dout, const real *a, const real *b, int64_t n);
 void cuda_swiglu_forward_bf16(uint16_t *h, const uint16_t *a, const uint16_t *b, int rows, int width);

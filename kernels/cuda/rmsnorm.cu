@@ -99,16 +99,21 @@ extern "C" void cuda_rmsnorm_forward(real *out, real *rstd, const real *inp, con
 // separate weight-gradient kernel read dout and inp a second time: 8 of the 24 bytes per element the backward
 // moved. The loop form (PER = 0) keeps its running sums in its partial row instead of registers. Four blocks per SM
 // (at most 64 registers) for PER <= 8: at the bench model's 16,384 rows its 512 blocks are then one wave.
-// dout is FP32 or BF16 bits (rmsnorm_backward_bf16: a GEMM's BF16 product, rows of stride ld), widened exactly.
+// dout is FP32 or BF16 bits (rmsnorm_backward_bf16: GEMMs' BF16 products, rows of stride ld), widened exactly, the
+// sum in order of n_src such arrays src_stride values apart (FP32 dout: one).
 static const int RMSNORM_BWD_ROWS = 32;
 
-__device__ inline float dout_value(float v) { return v; }
-__device__ inline float dout_value(uint16_t v) { return bf16_bits_to_float(v); }
+__device__ inline float dout_at(const float *dy, int c, int, int64_t) { return dy[c]; }
+__device__ inline float dout_at(const uint16_t *dy, int c, int n_src, int64_t src_stride) {
+    float v = bf16_bits_to_float(dy[c]);
+    for (int i = 1; i < n_src; i++) v = __fadd_rn(v, bf16_bits_to_float(dy[c + i * src_stride]));
+    return v;
+}
 
 template <int PER, bool DINP, bool DWEIGHT, typename Dout>
 __global__ void __launch_bounds__(RMSNORM_THREADS, PER <= 8 ? 4 : 2)
-    rmsnorm_backward_kernel(float *dinp, float *partial, const Dout *dout, int64_t ld, const float *inp,
-                            const float *weight, const float *rstd, int N, int C) {
+    rmsnorm_backward_kernel(float *dinp, float *partial, const Dout *dout, int64_t ld, int n_src, int64_t src_stride,
+                            const float *inp, const float *weight, const float *rstd, int N, int C) {
     __shared__ float scratch[32];
     const int row0 = blockIdx.x * RMSNORM_BWD_ROWS, row1 = min(N, row0 + RMSNORM_BWD_ROWS);
     float *part = DWEIGHT ? partial + (int64_t)blockIdx.x * C : NULL;
@@ -129,7 +134,7 @@ __global__ void __launch_bounds__(RMSNORM_THREADS, PER <= 8 ? 4 : 2)
             for (int i = 0; i < PER; i++) {
                 const int c = threadIdx.x + i * RMSNORM_THREADS;
                 const bool in = c < C;
-                vx[i] = in ? x[c] : 0.0f, vdy[i] = in ? dout_value(dy[c]) : 0.0f;
+                vx[i] = in ? x[c] : 0.0f, vdy[i] = in ? dout_at(dy, c, n_src, src_stride) : 0.0f;
                 if constexpr (DINP) vdx[i] = in ? dinp[(int64_t)row * C + c] : 0.0f;
             }
             if constexpr (DWEIGHT) {
@@ -165,17 +170,18 @@ __global__ void __launch_bounds__(RMSNORM_THREADS, PER <= 8 ? 4 : 2)
             if constexpr (DWEIGHT) {
                 for (int c = threadIdx.x; c < C; c += RMSNORM_THREADS)
                     part[c] = __fadd_rn(row == row0 ? 0.0f : part[c],
-                                        __fmul_rn(dout_value(dy[c]), __fmul_rn(x[c], r)));
+                                        __fmul_rn(dout_at(dy, c, n_src, src_stride), __fmul_rn(x[c], r)));
             }
             if constexpr (DINP) {
                 float *dx = dinp + (int64_t)row * C;
                 float dot = 0.0f;
                 for (int c = threadIdx.x; c < C; c += RMSNORM_THREADS)
-                    dot = __fadd_rn(dot, __fmul_rn(__fmul_rn(dout_value(dy[c]), weight[c]), x[c]));
+                    dot = __fadd_rn(dot, __fmul_rn(__fmul_rn(dout_at(dy, c, n_src, src_stride), weight[c]), x[c]));
                 dot = block_sum(dot, scratch);
                 const float coef = __fmul_rn(__fmul_rn(r, r), __fdiv_rn(dot, (float)C));
                 for (int c = threadIdx.x; c < C; c += RMSNORM_THREADS) {
-                    const float term = __fsub_rn(__fmul_rn(dout_value(dy[c]), weight[c]), __fmul_rn(x[c], coef));
+                    const float term =
+                        __fsub_rn(__fmul_rn(dout_at(dy, c, n_src, src_stride), weight[c]), __fmul_rn(x[c], coef));
                     dx[c] = __fadd_rn(dx[c], __fmul_rn(r, term));
                 }
             }
@@ -208,38 +214,40 @@ __global__ void __launch_bounds__(FINISH_WARPS * 32)
 static Scratch dweight_scratch;
 
 template <int PER, typename Dout>
-static void launch_rmsnorm_backward(int n_chunks, float *dinp, float *partial, const Dout *dout, int64_t ld,
-                                    const float *inp, const float *weight, const float *rstd, int N, int C) {
+static void launch_rmsnorm_backward(int n_chunks, float *dinp, float *partial, const Dout *dout, int64_t ld, int n_src,
+                                    int64_t src_stride, const float *inp, const float *weight, const float *rstd, int N,
+                                    int C) {
     if (dinp != NULL && partial != NULL)
         rmsnorm_backward_kernel<PER, true, true>
-            <<<n_chunks, RMSNORM_THREADS>>>(dinp, partial, dout, ld, inp, weight, rstd, N, C);
+            <<<n_chunks, RMSNORM_THREADS>>>(dinp, partial, dout, ld, n_src, src_stride, inp, weight, rstd, N, C);
     else if (dinp != NULL)
         rmsnorm_backward_kernel<PER, true, false>
-            <<<n_chunks, RMSNORM_THREADS>>>(dinp, partial, dout, ld, inp, weight, rstd, N, C);
+            <<<n_chunks, RMSNORM_THREADS>>>(dinp, partial, dout, ld, n_src, src_stride, inp, weight, rstd, N, C);
     else
         rmsnorm_backward_kernel<PER, false, true>
-            <<<n_chunks, RMSNORM_THREADS>>>(dinp, partial, dout, ld, inp, weight, rstd, N, C);
+            <<<n_chunks, RMSNORM_THREADS>>>(dinp, partial, dout, ld, n_src, src_stride, inp, weight, rstd, N, C);
     CUDA_CHECK_LAUNCH("rmsnorm_backward_kernel");
 }
 
 template <typename Dout>
-static void rmsnorm_backward(float *dinp, float *dweight, const Dout *dout, int64_t ld, const float *inp,
-                             const float *weight, const float *rstd, int N, int C) {
+static void rmsnorm_backward(float *dinp, float *dweight, const Dout *dout, int64_t ld, int n_src, int64_t src_stride,
+                             const float *inp, const float *weight, const float *rstd, int N, int C) {
     if (N <= 0 || C <= 0 || (dinp == NULL && dweight == NULL)) return;
     const int n_chunks = (N + RMSNORM_BWD_ROWS - 1) / RMSNORM_BWD_ROWS;
     float *partial = dweight != NULL
                          ? (float *)cuda_scratch(&dweight_scratch, (size_t)n_chunks * (size_t)C * sizeof(float))
                          : NULL;
+#define RMSNORM_BACKWARD(PER) \
+    launch_rmsnorm_backward<PER>(n_chunks, dinp, partial, dout, ld, n_src, src_stride, inp, weight, rstd, N, C)
     switch (columns_per_thread(C)) {
-    case 1: launch_rmsnorm_backward<1>(n_chunks, dinp, partial, dout, ld, inp, weight, rstd, N, C); break;
-    case 2: launch_rmsnorm_backward<2>(n_chunks, dinp, partial, dout, ld, inp, weight, rstd, N, C); break;
-    case 4: launch_rmsnorm_backward<4>(n_chunks, dinp, partial, dout, ld, inp, weight, rstd, N, C); break;
-    case 8: launch_rmsnorm_backward<8>(n_chunks, dinp, partial, dout, ld, inp, weight, rstd, N, C); break;
-    case RMSNORM_MAX_PER:
-        launch_rmsnorm_backward<RMSNORM_MAX_PER>(n_chunks, dinp, partial, dout, ld, inp, weight, rstd, N, C);
-        break;
-    default: launch_rmsnorm_backward<0>(n_chunks, dinp, partial, dout, ld, inp, weight, rstd, N, C); break;
+    case 1: RMSNORM_BACKWARD(1); break;
+    case 2: RMSNORM_BACKWARD(2); break;
+    case 4: RMSNORM_BACKWARD(4); break;
+    case 8: RMSNORM_BACKWARD(8); break;
+    case RMSNORM_MAX_PER: RMSNORM_BACKWARD(RMSNORM_MAX_PER); break;
+    default: RMSNORM_BACKWARD(0); break;
     }
+#undef RMSNORM_BACKWARD
     if (dweight != NULL) {
         rmsnorm_backward_dweight_finish_kernel<<<(C + 31) / 32, FINISH_WARPS * 32>>>(dweight, partial, n_chunks, C);
         CUDA_CHECK_LAUNCH("rmsnorm_backward_dweight_finish_kernel");
@@ -248,10 +256,11 @@ static void rmsnorm_backward(float *dinp, float *dweight, const Dout *dout, int6
 
 extern "C" void cuda_rmsnorm_backward(real *dinp, real *dweight, const real *dout, const real *inp,
                                       const real *weight, const real *rstd, int N, int C) {
-    rmsnorm_backward(dinp, dweight, dout, C, inp, weight, rstd, N, C);
+    rmsnorm_backward(dinp, dweight, dout, C, 1, 0, inp, weight, rstd, N, C);
 }
 
-extern "C" void cuda_rmsnorm_backward_bf16(real *dinp, real *dweight, const uint16_t *dout, int64_t ld,
-                                           const real *inp, const real *weight, const real *rstd, int N, int C) {
-    rmsnorm_backward(dinp, dweight, dout, ld, inp, weight, rstd, N, C);
+extern "C" void cuda_rmsnorm_backward_bf16(real *dinp, real *dweight, const uint16_t *dout, int64_t ld, int n_src,
+                                           int64_t src_stride, const real *inp, const real *weight, const real *rstd,
+                                           int N, int C) {
+    rmsnorm_backward(dinp, dweight, dout, ld, n_src, src_stride, inp, weight, rstd, N, C);
 }

@@ -307,13 +307,42 @@ static void test_rmsnorm(void **state) {
     float *w_dinp = host_copy_of(d_dinp, NC), *w_dw = host_copy_of(d_dw, C);
     device_memcpy_from_host(DEVICE_CUDA, d_dinp, dinp0, (size_t)NC * 4);
     device_memcpy_from_host(DEVICE_CUDA, d_dw, dweight0, (size_t)C * 4);
-    rmsnorm_backward_bf16(DEVICE_CUDA, d_dinp, d_dw, d_dout16, ld, d_inp, d_weight, d_rstd_in, N, C);
+    rmsnorm_backward_bf16(DEVICE_CUDA, d_dinp, d_dw, d_dout16, ld, 1, 0, d_inp, d_weight, d_rstd_in, N, C);
     float *b_dinp = host_copy_of(d_dinp, NC), *b_dw = host_copy_of(d_dw, C);
     const char *widened = "rmsnorm_backward on the widened dout";
     ok &= check_bitwise_equal("rmsnorm_backward_bf16", shape, "dinp", w_dinp, b_dinp, NC, widened);
     ok &= check_bitwise_equal("rmsnorm_backward_bf16", shape, "dweight", w_dw, b_dw, C, widened);
     device_free(DEVICE_CUDA, d_dout16), device_free(DEVICE_CUDA, d_wide);
-    free(dout16), free(wide), free(w_dinp), free(w_dw), free(b_dinp), free(b_dw);
+    free(w_dinp), free(w_dw), free(b_dinp), free(b_dw);
+
+    // dout as the sum of two such arrays, 5 NaN values apart (MLA's input gradient in parts): the bits of
+    // rmsnorm_backward on the widened first + the widened second, added as FP32 here
+    const int64_t stride = N * ld + 5;
+    uint16_t *two16 = malloc(sizeof(uint16_t) * (size_t)(2 * stride));
+    assert_non_null(two16);
+    for (int64_t i = 0; i < 2 * stride; i++) two16[i] = 0x7FC0;
+    for (int64_t r = 0; r < N; r++)
+        for (int64_t c = 0; c < C; c++) {
+            two16[r * ld + c] = float_to_bf16(dout[r * C + c] * 0.75f);
+            two16[stride + r * ld + c] = float_to_bf16(dout[r * C + c] * -1.5f + (float)(c % 3));
+            wide[r * C + c] = bf16_to_float(two16[r * ld + c]) + bf16_to_float(two16[stride + r * ld + c]);
+        }
+    uint16_t *d_two16 = device_alloc(DEVICE_CUDA, sizeof(uint16_t) * (size_t)(2 * stride));
+    device_memcpy_from_host(DEVICE_CUDA, d_two16, two16, sizeof(uint16_t) * (size_t)(2 * stride));
+    d_wide = gpu_copy_of(wide, (size_t)NC * 4);
+    device_memcpy_from_host(DEVICE_CUDA, d_dinp, dinp0, (size_t)NC * 4);
+    device_memcpy_from_host(DEVICE_CUDA, d_dw, dweight0, (size_t)C * 4);
+    rmsnorm_backward(DEVICE_CUDA, d_dinp, d_dw, d_wide, d_inp, d_weight, d_rstd_in, N, C);
+    w_dinp = host_copy_of(d_dinp, NC), w_dw = host_copy_of(d_dw, C);
+    device_memcpy_from_host(DEVICE_CUDA, d_dinp, dinp0, (size_t)NC * 4);
+    device_memcpy_from_host(DEVICE_CUDA, d_dw, dweight0, (size_t)C * 4);
+    rmsnorm_backward_bf16(DEVICE_CUDA, d_dinp, d_dw, d_two16, ld, 2, stride, d_inp, d_weight, d_rstd_in, N, C);
+    b_dinp = host_copy_of(d_dinp, NC), b_dw = host_copy_of(d_dw, C);
+    const char *summed = "rmsnorm_backward on the sum of the widened douts";
+    ok &= check_bitwise_equal("rmsnorm_backward_bf16 (2 sources)", shape, "dinp", w_dinp, b_dinp, NC, summed);
+    ok &= check_bitwise_equal("rmsnorm_backward_bf16 (2 sources)", shape, "dweight", w_dw, b_dw, C, summed);
+    device_free(DEVICE_CUDA, d_two16), device_free(DEVICE_CUDA, d_wide);
+    free(dout16), free(two16), free(wide), free(w_dinp), free(w_dw), free(b_dinp), free(b_dw);
 
     float *host[] = {inp, weight, dout, dinp0, dweight0, rstd_in, c_out, c_rstd, g_out, g_rstd, c_dinp, c_dw,
                      g_dinp, g_dw, g_dinp2, g_dw2};
