@@ -340,13 +340,16 @@ void moe_combine_forward(Device dev, real *out, const real *expert_out, const in
     cpu_moe_combine_forward(out, expert_out, slot_of, topk_w, residual, N, K, C);
 }
 
-void moe_combine_forward_bf16(Device dev, real *out, const uint16_t *expert_out, const int *slot_of,
-                              const real *topk_w, const real *residual, int N, int K, int C) {
+void moe_combine_forward_bf16(Device dev, real *out, const uint16_t *base, const uint16_t *expert_out,
+                              const int *slot_of, const real *topk_w, const real *residual, int N, int K, int C) {
 #ifdef FP8MOE_CUDA
-    if (dev == DEVICE_CUDA) { cuda_moe_combine_forward_bf16(out, expert_out, slot_of, topk_w, residual, N, K, C); return; }
+    if (dev == DEVICE_CUDA) {
+        cuda_moe_combine_forward_bf16(out, base, expert_out, slot_of, topk_w, residual, N, K, C);
+        return;
+    }
 #endif
     if (dev != DEVICE_CPU) no_cuda_op("moe_combine_forward_bf16");
-    cpu_moe_combine_forward_bf16(out, expert_out, slot_of, topk_w, residual, N, K, C);
+    cpu_moe_combine_forward_bf16(out, base, expert_out, slot_of, topk_w, residual, N, K, C);
 }
 
 void moe_combine_backward_bf16(Device dev, real *dtopk_w, const real *dout, const uint16_t *expert_out,

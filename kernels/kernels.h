@@ -268,9 +268,11 @@ void moe_combine_backward(Device dev, real *dexpert_out, real *dtopk_w, const re
 // The same two ops on expert outputs left as the routed experts' w2 Fprop made them in fp8 mode: BF16 bits with row
 // stride round_up(C, 128) (fp8_gemm_fprop_grouped_bf16), read as the FP32 values they are - the bits of the ops
 // above on an FP32 array of those values, with half the bytes read and no conversion pass before. The backward
-// computes dtopk_w only (fp8 mode's w2 dY quantiser computes dexpert_out's rows itself).
-void moe_combine_forward_bf16(Device dev, real *out, const uint16_t *expert_out, const int *slot_of,
-                              const real *topk_w, const real *residual, int N, int K, int C);
+// computes dtopk_w only (fp8 mode's w2 dY quantiser computes dexpert_out's rows itself). With base (N rows of BF16
+// bits, the same stride: the shared expert's w2 product) the forward WRITES out = base's values + the same sum (+
+// residual): the bits of widening base into out first, without that pass; base NULL: out's own values, as above.
+void moe_combine_forward_bf16(Device dev, real *out, const uint16_t *base, const uint16_t *expert_out,
+                              const int *slot_of, const real *topk_w, const real *residual, int N, int K, int C);
 void moe_combine_backward_bf16(Device dev, real *dtopk_w, const real *dout, const uint16_t *expert_out,
                                const int *slot_of, const real *topk_w, int N, int K, int C);
 

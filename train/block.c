@@ -125,6 +125,7 @@ void block_acts_alloc(ActsArena *ar, BlockActs *a, const Dims *d, int is_moe, co
     if (d->shared_I > 0) {
         ffn_acts_alloc(ar, &e->shared, N, 1, D, d->shared_I, s, keep_inputs, bf16_products);
         e->experts.x_fprop = e->shared.x_fprop = s->t_x_fprop;
+        if (bf16_expert_outputs) e->shared_out16 = s->t_shared16;
     }
 }
 
@@ -167,6 +168,10 @@ void layer_scratch_alloc(ActsArena *ar, LayerScratch *s, const Dims *d, int has_
         s->d_ckvn16 = bf16_in_grad(ar, s->d_ckvn, N * d->kvr, bf16_rows_elems(N, d->kvr));
         if (d->qr > 0) s->d_cqn16 = bf16_in_grad(ar, s->d_cqn, N * d->qr, bf16_rows_elems(N, d->qr));
     }
+    // the shared expert's output as w2's BF16 product where the routed experts' stay BF16 (!needs_d_eout): a forward
+    // transient, read by the combine (moe.c)
+    if (has_moe && !needs_d_eout && d->shared_I > 0)
+        s->t_shared16 = bf16_in_grad(ar, s->d_xn, N * d->D, bf16_rows_elems(N, d->D));
     int64_t ffn_elems = N * d->inter;
     if (has_moe) {
         if (N * d->shared_I > ffn_elems) ffn_elems = N * d->shared_I;
@@ -217,7 +222,7 @@ void block_forward(Model *m, const BlockWeights *w, BlockActs *a, const Dims *d,
     if (w->is_moe) {  // the residual is added in the combine's pass
         moe_forward(m, w, &a->moe, d, a->xn2, a->x_mid, x_out);
     } else {
-        ffn_forward(m, &w->ffn, &a->ffn, N, D, d->inter, a->xn2, x_out);
+        ffn_forward(m, &w->ffn, &a->ffn, N, D, d->inter, a->xn2, x_out, NULL);
         add_inplace(dev, x_out, a->x_mid, (int64_t)N * D);
     }
 }

@@ -100,6 +100,9 @@ typedef struct {
     uint16_t *eout_bf16;      // fp8, bf16 with one EP rank: w2's BF16 product (N*K + 15 rows of round_up(D, 128))
     const real *eout_perm;    // expert outputs back in this rank's permuted order (after ep_combine)
     FfnActs shared;           // (N, shared_I)
+    uint16_t *shared_out16;   // where eout_bf16 is used, with a shared expert: its output as w2's BF16 product, which
+                              // the combine starts from (kernels.h moe_combine_forward_bf16); a forward transient
+                              // (LayerScratch t_shared16)
 } MoeActs;
 
 typedef struct {
@@ -130,6 +133,7 @@ typedef struct {
     real *t_h;                            // FfnActs' h, sized for the largest FFN (dense, shared, N*K x I); NULL
                                           // with bf16_products, as d_a, d_b and d_h (linear.h SwigluScratch)
     real *t_xp;                           // MoeActs' xp (N*K, D), MoE chunks that gather it only
+    uint16_t *t_shared16;                 // MoeActs' shared_out16, in d_xn's memory where it fits; NULL elsewhere
     real *d_xn;                           // (N, D)
     real *d_cq, *d_cqn, *d_qf;
     real *d_kva, *d_ckv, *d_ckvn, *d_k_rope, *d_k_rope_raw, *d_kv, *d_o;
@@ -181,8 +185,10 @@ enum { MLA_INPUT_GRAD_PARTS = 2 };
 void mla_backward(Model *m, const MlaWeights *w, const MlaWeights *g, MlaActs *a, const Dims *d,
                   LayerScratch *s, const real *xn, const real *d_out, real *d_xn);
 
+// out (rows, D), or with out_bf16 (linear_bf16_products; out NULL then) the output left as w2's BF16 product there
+// (rows + 15 rows of bf16_rows_ld(D)).
 void ffn_forward(Model *m, const FfnWeights *w, FfnActs *a, int rows, int D, int width, const real *x,
-                 real *out);
+                 real *out, uint16_t *out_bf16);
 // d_x (rows, D) added to or written (d_x_store); parameter gradients are added to.
 void ffn_backward(Model *m, const FfnWeights *w, const FfnWeights *g, FfnActs *a, LayerScratch *s,
                   int rows, int D, int width, const real *x, const real *d_out, real *d_x, GradStore d_x_store);

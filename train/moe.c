@@ -21,7 +21,8 @@
 // r of x read through x_rows when given. w1, w3 (I, D), w2 (D, I) per group. The gate h = silu(a) * b is w2's
 // operand, computed inside fp8's quantisers (linear_*_swiglu_grouped); bf16 and fp32 write it to a->h, a forward
 // transient (see FfnActs).
-// y_bf16 (fp8's routed experts, else NULL; y then NULL): y left as w2's BF16 product (linear.h).
+// y_bf16 (the routed experts and the shared expert where their outputs stay BF16, else NULL; y then NULL): y left as
+// w2's BF16 product (linear.h).
 static void swiglu_ffn_forward(Model *m, const FfnWeights *w, FfnActs *a, int n_groups, const int *offsets, int D,
                                int I, const real *x, const int *x_rows, real *y, uint16_t *y_bf16) {
     linear_forward_swiglu_grouped(&m->rc, n_groups, offsets, w, x, x_rows, &a->gate, a->h, y, y_bf16, D, I, &a->x_kept,
@@ -40,11 +41,11 @@ static void swiglu_ffn_backward(Model *m, const FfnWeights *w, const FfnWeights 
                                    d_x_store, unpermute, &scratch, D, I, &a->x_kept, &a->h_kept);
 }
 
-// x (rows, D) -> out (rows, D): the dense FFN and the shared expert, one group.
+// x (rows, D) -> out (rows, D) or out_bf16: the dense FFN and the shared expert, one group.
 void ffn_forward(Model *m, const FfnWeights *w, FfnActs *a, int rows, int D, int width, const real *x,
-                 real *out) {
+                 real *out, uint16_t *out_bf16) {
     const int offsets[2] = {0, rows};
-    swiglu_ffn_forward(m, w, a, 1, offsets, D, width, x, NULL, out, NULL);
+    swiglu_ffn_forward(m, w, a, 1, offsets, D, width, x, NULL, out, out_bf16);
 }
 
 void ffn_backward(Model *m, const FfnWeights *w, const FfnWeights *g, FfnActs *a, LayerScratch *s,
@@ -99,9 +100,12 @@ void moe_forward(Model *m, const BlockWeights *w, MoeActs *a, const Dims *d, con
     if (d->balance_alpha > 0)
         a->balance_loss = balance_loss_forward(dev, a->plain_topk, a->scores, d->B, d->T, E, K, d->balance_alpha,
                                                m->freeze_routing);
-    // shared expert writes out, routed experts are added on top; without shared experts (moe.n_shared_experts = 0)
+    // shared expert writes out, routed experts are added on top (where their outputs stay BF16, the shared expert's
+    // does too, shared_out16, and the combine starts from it); without shared experts (moe.n_shared_experts = 0)
     // out starts from zeros: the bits of a shared expert whose output is 0
-    if (d->shared_I > 0) ffn_forward(m, &w->moe.shared, &a->shared, N, D, d->shared_I, x, out);
+    if (d->shared_I > 0)
+        ffn_forward(m, &w->moe.shared, &a->shared, N, D, d->shared_I, x, a->shared_out16 ? NULL : out,
+                    a->shared_out16);
     else device_memset_zero(dev, out, (size_t)N * D * sizeof(real));
     profile_begin(PHASE_PERMUTE);
     moe_permute_plan_device(dev, a->seg_offsets, a->seg_token, a->slot_of, a->topk_idx, N, K, E);
@@ -127,7 +131,8 @@ void moe_forward(Model *m, const BlockWeights *w, MoeActs *a, const Dims *d, con
                     bf16_out ? a->eout_bf16 : NULL);
     if (!bf16_out) a->eout_perm = ep_combine(&m->ep, &a->ep_buf, a->eout);
     profile_begin(PHASE_PERMUTE);
-    if (bf16_out) moe_combine_forward_bf16(dev, out, a->eout_bf16, a->slot_of, a->topk_w, residual, N, K, D);
+    if (bf16_out)
+        moe_combine_forward_bf16(dev, out, a->shared_out16, a->eout_bf16, a->slot_of, a->topk_w, residual, N, K, D);
     else moe_combine_forward(dev, out, a->eout_perm, a->slot_of, a->topk_w, residual, N, K, D);
     profile_end(PHASE_PERMUTE);
 }

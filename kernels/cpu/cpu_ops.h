@@ -44,7 +44,7 @@ void cpu_balance_loss_backward(real *dscores, const int *plain_topk, const real 
 void cpu_gather_rows(real *out, const real *inp, const int *src_row, int n_rows, int C);
 void cpu_moe_unpermute_backward(real *dinp, const real *dseg, const int *slot_of, int N, int K, int C);
 void cpu_moe_combine_forward(real *out, const real *expert_out, const int *slot_of, const real *topk_w, const real *residual, int N, int K, int C);
-void cpu_moe_combine_forward_bf16(real *out, const uint16_t *expert_out, const int *slot_of, const real *topk_w,
+void cpu_moe_combine_forward_bf16(real *out, const uint16_t *base, const uint16_t *expert_out, const int *slot_of, const real *topk_w,
                                   const real *residual, int N, int K, int C);
 void cpu_moe_combine_backward_bf16(real *dtopk_w, const real *dout, const uint16_t *expert_out, const int *slot_of,
                                    const real *topk_w, int N, int K, int C);

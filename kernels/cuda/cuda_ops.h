@@ -136,7 +136,7 @@ void cuda_moe_permute_plan(int *seg_offsets, int *seg_token, int *slot_of, const
 void cuda_gather_rows(real *out, const real *inp, const int *src_row, int n_rows, int C);
 void cuda_moe_unpermute_backward(real *dinp, const real *dseg, const int *slot_of, int N, int K, int C);
 void cuda_moe_combine_forward(real *out, const real *expert_out, const int *slot_of, const real *topk_w, const real *residual, int N, int K, int C);
-void cuda_moe_combine_forward_bf16(real *out, const uint16_t *expert_out, const int *slot_of, const real *topk_w,
+void cuda_moe_combine_forward_bf16(real *out, const uint16_t *base, const uint16_t *expert_out, const int *slot_of, const real *topk_w,
                                    const real *residual, int N, int K, int C);
 void cuda_moe_combine_backward_bf16(real *dtopk_w, const real *dout, const uint16_t *expert_out, const int *slot_of,
                                     const real *topk_w, int N, int K, int C);

@@ -655,11 +655,14 @@ static const int COMBINE_QUADS = 2;
 // The combine (below) of NQ quads of 4 columns, c0, c0 + step, ...: every one in range, so that no branch stands
 // between the K slots' loads.
 template <typename E, int NQ>
-__device__ inline void combine_quads(float *out_row, const E *__restrict__ expert_out, int64_t ld, const int *slots,
-                                     const float *w, const float *res_row, int K, int c0, int step) {
+__device__ inline void combine_quads(float *out_row, const uint16_t *base_row, const E *__restrict__ expert_out,
+                                     int64_t ld, const int *slots, const float *w, const float *res_row, int K, int c0,
+                                     int step) {
     float4 acc[NQ];
 #pragma unroll
-    for (int q = 0; q < NQ; q++) acc[q] = *reinterpret_cast<const float4 *>(out_row + c0 + q * step);
+    for (int q = 0; q < NQ; q++)
+        acc[q] = base_row != NULL ? expert_values4(base_row + c0 + q * step)
+                                  : *reinterpret_cast<const float4 *>(out_row + c0 + q * step);
 #pragma unroll 4
     for (int k = 0; k < K; k++) {
         const E *row = expert_out + (int64_t)slots[k] * ld + c0;
@@ -685,7 +688,8 @@ __device__ inline void combine_quads(float *out_row, const E *__restrict__ exper
 }
 
 // expert_out (N*K rows of stride ld) permuted rows, slot_of (N*K), topk_w (N, K) ->
-// out (N, C) += sum_k topk_w[t,k] * expert_out[slot_of[t,k]], k in order, then += residual[t] when given. One
+// out (N, C) += sum_k topk_w[t,k] * expert_out[slot_of[t,k]], k in order, then += residual[t] when given (with base,
+// BF16 rows of stride bf16_rows_ld(C): out = base's values + ..., kernels.h moe_combine_forward_bf16). One
 // block per token t. VEC4 (C, ld and the pointers allow it): each thread takes COMBINE_QUADS quads of 4 columns at
 // a time, so that 8 to 16 bytes per load and all of a quad group's K loads are in flight at once; the scalar form
 // had one 2- or 4-byte load per slot in flight and reached about half the memory bandwidth (an H100 profile of the
@@ -693,9 +697,9 @@ __device__ inline void combine_quads(float *out_row, const E *__restrict__ exper
 // either way.
 template <typename E, bool VEC4>
 __global__ void __launch_bounds__(MOE_THREADS)
-    moe_combine_forward_kernel(float *__restrict__ out, const E *__restrict__ expert_out, int64_t ld,
-                               const int *slot_of, const float *topk_w, const float *__restrict__ residual, int K,
-                               int C) {
+    moe_combine_forward_kernel(float *__restrict__ out, const uint16_t *__restrict__ base, int64_t base_ld,
+                               const E *__restrict__ expert_out, int64_t ld, const int *slot_of, const float *topk_w,
+                               const float *__restrict__ residual, int K, int C) {
     extern __shared__ int combine_shared[]; // slots (K) int, then weights (K) float
     int *slots = combine_shared;
     float *w = (float *)(combine_shared + K);
@@ -707,18 +711,19 @@ __global__ void __launch_bounds__(MOE_THREADS)
     __syncthreads();
     float *out_row = out + t * C;
     const float *res_row = residual != NULL ? residual + t * C : NULL;
+    const uint16_t *base_row = base != NULL ? base + t * base_ld : NULL;
     if constexpr (VEC4) {
         const int step = 4 * (int)blockDim.x;
         for (int c0 = 4 * (int)threadIdx.x; c0 < C; c0 += COMBINE_QUADS * step) {
             if (c0 + (COMBINE_QUADS - 1) * step < C)
-                combine_quads<E, COMBINE_QUADS>(out_row, expert_out, ld, slots, w, res_row, K, c0, step);
+                combine_quads<E, COMBINE_QUADS>(out_row, base_row, expert_out, ld, slots, w, res_row, K, c0, step);
             else
                 for (int c = c0; c < C; c += step)
-                    combine_quads<E, 1>(out_row, expert_out, ld, slots, w, res_row, K, c, step);
+                    combine_quads<E, 1>(out_row, base_row, expert_out, ld, slots, w, res_row, K, c, step);
         }
     } else {
         for (int c = threadIdx.x; c < C; c += blockDim.x) {
-            float acc = out_row[c];
+            float acc = base_row != NULL ? expert_value(base_row[c]) : out_row[c];
             for (int k = 0; k < K; k++)
                 acc = __fadd_rn(acc, __fmul_rn(w[k], expert_value(expert_out[(int64_t)slots[k] * ld + c])));
             if (res_row != NULL) acc = __fadd_rn(acc, res_row[c]);
@@ -729,29 +734,30 @@ __global__ void __launch_bounds__(MOE_THREADS)
 
 // The vector form when C, ld and every row start allow 16-byte FP32 and 4-value expert loads.
 template <typename E>
-static void combine_forward(float *out, const E *expert_out, int64_t ld, const int *slot_of, const float *topk_w,
-                            const float *residual, int N, int K, int C) {
+static void combine_forward(float *out, const uint16_t *base, const E *expert_out, int64_t ld, const int *slot_of,
+                            const float *topk_w, const float *residual, int N, int K, int C) {
     if (N <= 0 || K <= 0 || C <= 0) return;
     const size_t shared = 2 * sizeof(int) * (size_t)K;
     const bool vec4 = C % 4 == 0 && ld % 4 == 0 && (uintptr_t)out % 16 == 0 && (uintptr_t)residual % 16 == 0 &&
-                      (uintptr_t)expert_out % (4 * sizeof(E)) == 0;
+                      (uintptr_t)base % 8 == 0 && (uintptr_t)expert_out % (4 * sizeof(E)) == 0;
     if (vec4)
-        moe_combine_forward_kernel<E, true><<<N, MOE_THREADS, shared>>>(out, expert_out, ld, slot_of, topk_w, residual,
-                                                                        K, C);
+        moe_combine_forward_kernel<E, true><<<N, MOE_THREADS, shared>>>(out, base, bf16_rows_ld(C), expert_out, ld,
+                                                                        slot_of, topk_w, residual, K, C);
     else
-        moe_combine_forward_kernel<E, false><<<N, MOE_THREADS, shared>>>(out, expert_out, ld, slot_of, topk_w,
-                                                                         residual, K, C);
+        moe_combine_forward_kernel<E, false><<<N, MOE_THREADS, shared>>>(out, base, bf16_rows_ld(C), expert_out, ld,
+                                                                         slot_of, topk_w, residual, K, C);
     CUDA_CHECK_LAUNCH("moe_combine_forward_kernel");
 }
 
 extern "C" void cuda_moe_combine_forward(real *out, const real *expert_out, const int *slot_of, const real *topk_w,
                                          const real *residual, int N, int K, int C) {
-    combine_forward(out, expert_out, C, slot_of, topk_w, residual, N, K, C);
+    combine_forward(out, NULL, expert_out, C, slot_of, topk_w, residual, N, K, C);
 }
 
-extern "C" void cuda_moe_combine_forward_bf16(real *out, const uint16_t *expert_out, const int *slot_of,
-                                              const real *topk_w, const real *residual, int N, int K, int C) {
-    combine_forward(out, expert_out, bf16_rows_ld(C), slot_of, topk_w, residual, N, K, C);
+extern "C" void cuda_moe_combine_forward_bf16(real *out, const uint16_t *base, const uint16_t *expert_out,
+                                              const int *slot_of, const real *topk_w, const real *residual, int N,
+                                              int K, int C) {
+    combine_forward(out, base, expert_out, bf16_rows_ld(C), slot_of, topk_w, residual, N, K, C);
 }
 
 __device__ inline double warp_sum_double(double v) {

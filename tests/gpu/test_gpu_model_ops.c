@@ -1140,9 +1140,28 @@ static void test_permute(void **state) {
     device_memcpy_from_host(DEVICE_CUDA, d_eo16, eo16, (size_t)(NK * ld + 1) * sizeof(uint16_t));
     float *d_eo_r = gpu_floats(eo_r, NKC), *d_of = gpu_floats(out0, NC), *d_ob = gpu_floats(out0, NC);
     moe_combine_forward(DEVICE_CUDA, d_of, d_eo_r, d_slot, d_w, d_res, N, K, C);
-    moe_combine_forward_bf16(DEVICE_CUDA, d_ob, d_eo16, d_slot, d_w, d_res, N, K, C);
+    moe_combine_forward_bf16(DEVICE_CUDA, d_ob, NULL, d_eo16, d_slot, d_w, d_res, N, K, C);
     ok &= check_bitwise_repeat("moe_combine_forward_bf16", shape, "out", host_floats(d_of, NC), host_floats(d_ob, NC), NC,
                                "vs FP32 op on the values");
+    // from a base of BF16 rows (the shared expert's output; padding NaN): out (NaN before) written, the bits of the
+    // FP32 op on an out holding base's values
+    uint16_t *base16 = malloc((size_t)(N * ld) * sizeof(uint16_t));
+    float *base_r = floats(NC);
+    for (int64_t r = 0; r < N; r++)
+        for (int64_t c = 0; c < ld; c++) {
+            base16[r * ld + c] = c < C ? float_to_bf16(out0[r * C + c] * 3.0f) : 0x7FC0;
+            if (c < C) base_r[r * C + c] = bf16_to_float(base16[r * ld + c]);
+        }
+    uint16_t *d_base16 = device_alloc(DEVICE_CUDA, (size_t)(N * ld) * sizeof(uint16_t));
+    device_memcpy_from_host(DEVICE_CUDA, d_base16, base16, (size_t)(N * ld) * sizeof(uint16_t));
+    gpu_set_floats(d_of, base_r, NC);
+    gpu_set_floats(d_ob, nan_floats(NC), NC);
+    moe_combine_forward(DEVICE_CUDA, d_of, d_eo_r, d_slot, d_w, d_res, N, K, C);
+    moe_combine_forward_bf16(DEVICE_CUDA, d_ob, d_base16, d_eo16, d_slot, d_w, d_res, N, K, C);
+    ok &= check_bitwise_repeat("moe_combine_forward_bf16", shape, "out", host_floats(d_of, NC), host_floats(d_ob, NC), NC,
+                               "from a BF16 base vs FP32 op on an out of its values");
+    device_free(DEVICE_CUDA, d_base16);
+    free(base16);
     float *d_wf = gpu_floats(dw0, NK), *d_wb = gpu_floats(dw0, NK);
     moe_combine_backward(DEVICE_CUDA, NULL, d_wf, d_dout, d_eo_r, d_slot, d_w, N, K, C);
     moe_combine_backward_bf16(DEVICE_CUDA, d_wb, d_dout, d_eo16, d_slot, d_w, N, K, C);

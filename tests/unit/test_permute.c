@@ -270,7 +270,18 @@ static void test_combine_bf16_rows(void **state) {
     memcpy(out_ref, out, sizeof out);
     for (int i = 0; i < N * K; i++) dw[i] = dw_ref[i] = (real)0.5;
     cpu_moe_combine_forward(out_ref, eo, slot_of, w, res, N, K, C);
-    cpu_moe_combine_forward_bf16(out, eo16, slot_of, w, res, N, K, C);
+    cpu_moe_combine_forward_bf16(out, NULL, eo16, slot_of, w, res, N, K, C);
+    assert_memory_equal(out, out_ref, sizeof out);
+    // from a base of BF16 rows (the shared expert's output): out written, the bits of widening base into out first
+    static uint16_t base16[N * LD];
+    for (int r = 0; r < N; r++)
+        for (int c = 0; c < LD; c++) {
+            base16[r * LD + c] = c < C ? float_to_bf16((float)dout[r * C + c] * 3.0f) : 0x7FC0;
+            if (c < C) out_ref[r * C + c] = bf16_to_float(base16[r * LD + c]);
+        }
+    for (int i = 0; i < N * C; i++) out[i] = (real)NAN;
+    cpu_moe_combine_forward(out_ref, eo, slot_of, w, res, N, K, C);
+    cpu_moe_combine_forward_bf16(out, base16, eo16, slot_of, w, res, N, K, C);
     assert_memory_equal(out, out_ref, sizeof out);
     cpu_moe_combine_backward(NULL, dw_ref, dout, eo, slot_of, w, N, K, C);
     cpu_moe_combine_backward_bf16(dw, dout, eo16, slot_of, w, N, K, C);
