@@ -103,10 +103,12 @@ extern "C" void cuda_rmsnorm_forward(real *out, real *rstd, const real *inp, con
 // sum in order of n_src such arrays src_stride values apart (FP32 dout: one).
 static const int RMSNORM_BWD_ROWS = 32;
 
-__device__ inline float dout_at(const float *dy, int c, int, int64_t) { return dy[c]; }
-__device__ inline float dout_at(const uint16_t *dy, int c, int n_src, int64_t src_stride) {
-    float v = bf16_bits_to_float(dy[c]);
-    for (int i = 1; i < n_src; i++) v = __fadd_rn(v, bf16_bits_to_float(dy[c + i * src_stride]));
+__device__ inline float dout_value(float v) { return v; }
+__device__ inline float dout_value(uint16_t v) { return bf16_bits_to_float(v); }
+template <typename Dout>
+__device__ inline float dout_at(const Dout *dy, int c, int n_src, int64_t src_stride) {
+    float v = dout_value(dy[c]);
+    for (int i = 1; i < n_src; i++) v = __fadd_rn(v, dout_value(dy[c + i * src_stride]));
     return v;
 }
 
@@ -134,8 +136,20 @@ __global__ void __launch_bounds__(RMSNORM_THREADS, PER <= 8 ? 4 : 2)
             for (int i = 0; i < PER; i++) {
                 const int c = threadIdx.x + i * RMSNORM_THREADS;
                 const bool in = c < C;
-                vx[i] = in ? x[c] : 0.0f, vdy[i] = in ? dout_at(dy, c, n_src, src_stride) : 0.0f;
+                vx[i] = in ? x[c] : 0.0f, vdy[i] = in ? dout_value(dy[c]) : 0.0f;
                 if constexpr (DINP) vdx[i] = in ? dinp[(int64_t)row * C + c] : 0.0f;
+            }
+            // dout's other sources, added in order: each source's PER loads in flight together (dout_at per column
+            // waited for each load before issuing the next)
+            for (int src = 1; src < n_src; src++) {
+                float more[PER];
+#pragma unroll
+                for (int i = 0; i < PER; i++) {
+                    const int c = threadIdx.x + i * RMSNORM_THREADS;
+                    more[i] = c < C ? dout_value(dy[c + src * src_stride]) : 0.0f;
+                }
+#pragma unroll
+                for (int i = 0; i < PER; i++) vdy[i] = __fadd_rn(vdy[i], more[i]);
             }
             if constexpr (DWEIGHT) {
 #pragma unroll
