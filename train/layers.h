@@ -152,14 +152,14 @@ typedef struct {
 // has_moe, any block of the chunk is a MoE block; needs_xp, its MoE blocks gather their experts' inputs
 // (!moe_experts_read_tokens); bf16_products, the chunk's Linears leave BF16 products (linear_bf16_products: fp8
 // mode's fused paths and bf16 mode): MLA keeps its queries and keys/values as their projections' BF16 products
-// (t_q16, t_kv16), and the attention output's and the latents' gradients as their Dgrads' (d_o16, d_ckvn16,
-// d_cqn16), and the FFNs compute their gate's h, d_a and d_b as operands and keep d_h in BF16 (d_h16; linear.h;
+// (t_q16, t_kv16), the attention output's and the latents' gradients as their Dgrads' (d_o16, d_ckvn16,
+// d_cqn16) and its input's as its two down-projections' (d_xn16), and the FFNs compute their gate's h, d_a and d_b as operands and keep d_h in BF16 (d_h16; linear.h;
 // fp32 writes them in FP32: t_h, d_a, d_b, d_h); needs_d_eout, the combine
 // backward writes the experts' output gradient (!moe_combine_grad_in_operand); shares_fprop, the MoE blocks'
 // experts share their input's Fprop operand (FfnActs). keep_inputs (fp8 mode): the blocks keep their Linear inputs'
 // Wgrad operands (MlaActs, FfnActs); bf16_products: their FFN gates' inputs in BF16 (FfnActs). bf16_expert_outputs
 // (moe_combine_grad_in_operand): the MoE blocks keep their routed experts' outputs as w2's BF16 product (eout_bf16)
-// instead of in FP32 (eout).
+// instead of in FP32 (eout), and their shared expert's too (shared_out16, in t_shared16).
 void layer_scratch_alloc(ActsArena *arena, LayerScratch *s, const Dims *d, int has_moe, int needs_xp,
                          int bf16_products, int needs_d_eout, int shares_fprop);
 void block_acts_alloc(ActsArena *arena, BlockActs *a, const Dims *d, int is_moe, const LayerScratch *s,
