@@ -587,8 +587,21 @@ static void check_dgrad_args(const char *op, int n_mats) {
     }
 }
 
-// The CPU's unpermuted Dgrad: the slot-order rows into a buffer, then moe_unpermute_backward (kernels.h). The
-// segments must cover the n_tok x topk slots exactly.
+// An unpermuted Dgrad's post arrays (kernels.h DgradUnpermute): at most FP8_MAX_DGRAD_MATS, given when any, and
+// apart by at least one array of n_tok rows of stride bf16_rows_ld(K). On either device (a caller's mistake).
+static void check_unpermute_post(const DgradUnpermute *u, int K, const char *op) {
+    const int64_t span = u->n_tok > 0 ? (int64_t)(u->n_tok - 1) * bf16_rows_ld(K) + K : 0;
+    if (u->n_post < 0 || u->n_post > FP8_MAX_DGRAD_MATS || (u->n_post > 0 && u->post == NULL) ||
+        (u->n_post > 1 && u->post_stride < span)) {
+        fprintf(stderr, "fp8moe: %s: %d post arrays at %p, %lld values apart - expected 0 to %d, given, and at least "
+                        "%lld values apart (%d rows of stride %lld)\n", op, u->n_post, (const void *)u->post,
+                (long long)u->post_stride, FP8_MAX_DGRAD_MATS, (long long)span, u->n_tok, (long long)bf16_rows_ld(K));
+        exit(1);
+    }
+}
+
+// The CPU's unpermuted Dgrad: the slot-order rows into a buffer, then moe_unpermute_backward and the post rows
+// (kernels.h, unpermute_finish). The segments must cover the n_tok x topk slots exactly.
 static real *unpermute_buffer(const DgradUnpermute *u, int n_seg, const int *rows0, int K, const char *op) {
     if (n_seg < 1 || rows0[n_seg] != u->n_tok * u->topk) {
         fprintf(stderr, "fp8moe: %s: the segments hold %d rows; unpermuting %d tokens x %d needs exactly %d\n", op,
@@ -603,10 +616,24 @@ static real *unpermute_buffer(const DgradUnpermute *u, int n_seg, const int *row
     return rows;
 }
 
+// dx (n_tok, K) = (GRAD_WRITE: zeros, GRAD_ADD: dx) + the unpermuted rows, then + each post array's row, in order;
+// frees rows.
+static void unpermute_finish(real *dx, GradStore store, real *rows, const DgradUnpermute *u, int K) {
+    if (store == GRAD_WRITE) memset(dx, 0, sizeof(real) * (size_t)u->n_tok * K);
+    cpu_moe_unpermute_backward(dx, rows, u->slot_of, u->n_tok, u->topk, K);
+    free(rows);
+    const int64_t ld = bf16_rows_ld(K);
+    for (int i = 0; i < u->n_post; i++)
+        for (int64_t t = 0; t < u->n_tok; t++)
+            for (int c = 0; c < K; c++)
+                dx[t * K + c] += (real)bf16_to_float(u->post[i * u->post_stride + t * ld + c]);
+}
+
 void fp8_gemm_dgrad_grouped(Device dev, real *dx, GradStore store, const DgradUnpermute *unpermute, int n_mats,
                             const uint8_t *const *qdy, const float *const *sdy, const uint8_t *const *const *qwt,
                             const float *const *const *sw, int n_seg, const int *rows0, int N, int K) {
     check_dgrad_args("fp8_gemm_dgrad_grouped", n_mats);
+    if (unpermute) check_unpermute_post(unpermute, K, "fp8_gemm_dgrad_grouped");
 #ifdef FP8MOE_CUDA
     if (dev == DEVICE_CUDA) {
         cuda_fp8_gemm_dgrad_grouped(dx, store, unpermute, n_mats, qdy, sdy, qwt, sw, n_seg, rows0, N, K);
@@ -618,11 +645,7 @@ void fp8_gemm_dgrad_grouped(Device dev, real *dx, GradStore store, const DgradUn
     for (int i = 0; i < n_mats; i++)
         cpu_fp8_gemm_dgrad_grouped(rows, i == 0 && !unpermute ? store : i == 0 ? GRAD_WRITE : GRAD_ADD, qdy[i], sdy[i],
                                    qwt[i], sw[i], n_seg, rows0, N, K);
-    if (unpermute) {  // GRAD_WRITE: added to zeros
-        if (store == GRAD_WRITE) memset(dx, 0, sizeof(real) * (size_t)unpermute->n_tok * K);
-        cpu_moe_unpermute_backward(dx, rows, unpermute->slot_of, unpermute->n_tok, unpermute->topk, K);
-        free(rows);
-    }
+    if (unpermute) unpermute_finish(dx, store, rows, unpermute, K);
 }
 
 void fp8_gemm_wgrad(Device dev, real *dw, const uint8_t *qdyt, const float *sdyt, const uint8_t *qxt, const float *sxt, int T, int N, int K) {
@@ -719,6 +742,7 @@ void bf16_gemm_dgrad_grouped(Device dev, real *dx, GradStore store, const DgradU
                              const uint16_t *const *dy, const uint16_t *const *const *w, int n_seg, const int *rows0,
                              int N, int K) {
     check_dgrad_args("bf16_gemm_dgrad_grouped", n_mats);
+    if (unpermute) check_unpermute_post(unpermute, K, "bf16_gemm_dgrad_grouped");
 #ifdef FP8MOE_CUDA
     if (dev == DEVICE_CUDA) {
         cuda_bf16_gemm_dgrad_grouped(dx, store, unpermute, n_mats, dy, w, n_seg, rows0, N, K);
@@ -730,11 +754,7 @@ void bf16_gemm_dgrad_grouped(Device dev, real *dx, GradStore store, const DgradU
     for (int i = 0; i < n_mats; i++)
         cpu_bf16_gemm_dgrad_grouped(rows, i == 0 && !unpermute ? store : i == 0 ? GRAD_WRITE : GRAD_ADD, dy[i], w[i],
                                     n_seg, rows0, N, K);
-    if (unpermute) {  // GRAD_WRITE: added to zeros
-        if (store == GRAD_WRITE) memset(dx, 0, sizeof(real) * (size_t)unpermute->n_tok * K);
-        cpu_moe_unpermute_backward(dx, rows, unpermute->slot_of, unpermute->n_tok, unpermute->topk, K);
-        free(rows);
-    }
+    if (unpermute) unpermute_finish(dx, store, rows, unpermute, K);
 }
 
 void bf16_gemm_fprop_grouped_bf16(Device dev, uint16_t *y, const uint16_t *x, const uint16_t *const *w, int n_seg,

@@ -425,10 +425,16 @@ void fp8_gemm_dgrad(Device dev, real *dx, const uint8_t *qdy, const float *sdy, 
 // reading their token rows through the routing plan): dx is (n_tok, K), and row t gets, added in order of j to
 // its old value (GRAD_ADD) or to zero (GRAD_WRITE), the summed products of rows slot_of[t * topk + j] (j < topk):
 // the bits of a GRAD_WRITE Dgrad into a (rows, K) buffer followed by moe_unpermute_backward, without that buffer.
+// Then, in the same pass, row t of each of n_post BF16 arrays (rows of stride bf16_rows_ld(K), the i-th at post + i *
+// post_stride: the shared expert's Dgrad products) is added in order: the bits of adding them after (a GRAD_ADD
+// Dgrad of those matrices), without a pass over dx.
 #define FP8_MAX_DGRAD_MATS 4
 typedef struct {
-    const int *slot_of;  // (n_tok, topk) on the device: the Dgrad row of each (token, j)
+    const int *slot_of;     // (n_tok, topk) on the device: the Dgrad row of each (token, j)
     int n_tok, topk;
+    const uint16_t *post;   // NULL, or n_post (0..FP8_MAX_DGRAD_MATS) arrays of n_tok BF16 rows added after the sum
+    int n_post;
+    int64_t post_stride;
 } DgradUnpermute;
 // residual (rows0[n_seg], N) or NULL: added to y after the product's rounding, y = bf16(product) + residual - the bits
 // of the call without it followed by add_inplace(y, residual); on CUDA in the output conversion's pass (a block's

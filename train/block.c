@@ -170,8 +170,12 @@ void layer_scratch_alloc(ActsArena *ar, LayerScratch *s, const Dims *d, int has_
     }
     // the shared expert's output as w2's BF16 product where the routed experts' stay BF16 (!needs_d_eout): a forward
     // transient, read by the combine (moe.c)
-    if (has_moe && !needs_d_eout && d->shared_I > 0)
+    if (has_moe && !needs_d_eout && d->shared_I > 0) {
         s->t_shared16 = bf16_in_grad(ar, s->d_xn, N * d->D, bf16_rows_elems(N, d->D));
+        // and its input gradient's two parts, which the routed experts' unpermute adds (moe.c); MLA's backward, which
+        // writes d_kv, comes after
+        s->d_shared16 = bf16_in_grad(ar, s->d_kv, NH * (d->dn + d->dv), 2 * bf16_rows_elems(N, d->D));
+    }
     int64_t ffn_elems = N * d->inter;
     if (has_moe) {
         if (N * d->shared_I > ffn_elems) ffn_elems = N * d->shared_I;
@@ -238,7 +242,7 @@ void block_backward(Model *m, const BlockWeights *w, const BlockWeights *g, Bloc
     if (w->is_moe)
         moe_backward(m, w, g, &a->moe, d, s, a->xn2, d_x, s->d_xn, d_balance);
     else
-        ffn_backward(m, &w->ffn, &g->ffn, &a->ffn, s, N, D, d->inter, a->xn2, d_x, s->d_xn, GRAD_WRITE);
+        ffn_backward(m, &w->ffn, &g->ffn, &a->ffn, s, N, D, d->inter, a->xn2, d_x, s->d_xn, NULL, GRAD_WRITE);
     // d_x becomes x_mid's gradient: the output's + the FFN branch's, added in place (rmsnorm_backward adds)
     rmsnorm_backward(dev, d_x, g->ffn_norm, s->d_xn, a->x_mid, w->ffn_norm, a->rstd2, N, D);
     // and x_mid = x_in + MLA(RMSNorm(x_in)): x_in's gradient is x_mid's + the MLA branch's, added in place once

@@ -134,6 +134,8 @@ typedef struct {
                                           // with bf16_products, as d_a, d_b and d_h (linear.h SwigluScratch)
     real *t_xp;                           // MoeActs' xp (N*K, D), MoE chunks that gather it only
     uint16_t *t_shared16;                 // MoeActs' shared_out16, in d_xn's memory where it fits; NULL elsewhere
+    uint16_t *d_shared16;                 // with t_shared16: the shared expert's w1 and w3 Dgrad products, which the
+                                          // routed experts' unpermute adds (moe.c), in d_kv's memory where they fit
     real *d_xn;                           // (N, D)
     real *d_cq, *d_cqn, *d_qf;
     real *d_kva, *d_ckv, *d_ckvn, *d_k_rope, *d_k_rope_raw, *d_kv, *d_o;
@@ -189,9 +191,11 @@ void mla_backward(Model *m, const MlaWeights *w, const MlaWeights *g, MlaActs *a
 // (rows + 15 rows of bf16_rows_ld(D)).
 void ffn_forward(Model *m, const FfnWeights *w, FfnActs *a, int rows, int D, int width, const real *x,
                  real *out, uint16_t *out_bf16);
-// d_x (rows, D) added to or written (d_x_store); parameter gradients are added to.
+// d_x (rows, D) added to or written (d_x_store), or with d_x_bf16 (linear_bf16_products; d_x NULL, GRAD_WRITE) left as
+// w1's and w3's BF16 Dgrad products there (linear.h linear_backward_swiglu_grouped); parameter gradients are added to.
 void ffn_backward(Model *m, const FfnWeights *w, const FfnWeights *g, FfnActs *a, LayerScratch *s,
-                  int rows, int D, int width, const real *x, const real *d_out, real *d_x, GradStore d_x_store);
+                  int rows, int D, int width, const real *x, const real *d_out, real *d_x, uint16_t *d_x_bf16,
+                  GradStore d_x_store);
 
 // out (N, D) = shared(x) + sum_k w_k expert_k(x); routing per DESIGN.md section 3.
 // In fp8 and bf16 modes with one EP rank the routed experts' quantisers (bf16: BF16 rounding) read their rows

@@ -642,8 +642,8 @@ static void fp8_forward(RunCtx *rc, int n_groups, const int *offsets, int n_out,
 // conversion on CUDA); then Wgrad dW_i += dY_i^T X group by group (dY and X written transposed so the tokens
 // are the contraction axis). Groups write disjoint rows of dinp and slices of dW, so this gives the bits of
 // group-by-group, Linear-by-Linear calls. X's Wgrad operand is the forward's (`kept`) or quantised once. With
-// dinp_bf16 instead of dinp (one Linear, written), the input gradient is left as the Dgrad's BF16 product
-// (kernels.h fp8_gemm_dgrad_grouped_bf16).
+// dinp_bf16 instead of dinp (written, in group order), the input gradient is left as the Dgrads' BF16 products
+// (kernels.h fp8_gemm_dgrad_grouped_bf16), Linear i's at dinp_bf16 + i bf16_rows_elems(rows, C).
 static void fp8_backward(RunCtx *rc, int n_groups, const int *offsets, int n_out, real *dinp, uint16_t *dinp_bf16,
                          GradStore dinp_store, const DgradUnpermute *unpermute, real *const *dweight,
                          const Operand *dout, const Operand *inp, const real *const *weight, int C, int OC,
@@ -664,8 +664,8 @@ static void fp8_backward(RunCtx *rc, int n_groups, const int *offsets, int n_out
         if (pc->bf16_wgrad) dweight = no_dweight;
     }
     const int dgrad = dinp != NULL || dinp_bf16 != NULL;
-    if (dinp_bf16 != NULL && (dinp != NULL || n_out != 1 || unpermute != NULL || dinp_store != GRAD_WRITE)) {
-        fprintf(stderr, "fp8moe: train/linear.c: internal error: a BF16 input gradient is one Linear's, written\n");
+    if (dinp_bf16 != NULL && (dinp != NULL || unpermute != NULL || dinp_store != GRAD_WRITE)) {
+        fprintf(stderr, "fp8moe: train/linear.c: internal error: a BF16 input gradient is written, in group order\n");
         exit(1);
     }
     const GroupSizes z = group_sizes(n_groups, offsets);
@@ -692,7 +692,9 @@ static void fp8_backward(RunCtx *rc, int n_groups, const int *offsets, int n_out
             qdy[i] = dy[i].q, sdy[i] = dy[i].s, qwt[i] = c->qt + i * c->max_groups, sw[i] = c->s + i * c->max_groups;
         }
         if (dinp_bf16 != NULL)
-            fp8_gemm_dgrad_grouped_bf16(rc->dev, dinp_bf16, qdy[0], sdy[0], qwt[0], sw[0], n_groups, offsets, OC, C);
+            for (int i = 0; i < n_out; i++)
+                fp8_gemm_dgrad_grouped_bf16(rc->dev, dinp_bf16 + i * bf16_rows_elems(offsets[n_groups], C), qdy[i],
+                                            sdy[i], qwt[i], sw[i], n_groups, offsets, OC, C);
         else
             fp8_gemm_dgrad_grouped(rc->dev, dinp, dinp_store, unpermute, n_out, qdy, sdy, qwt, sw, n_groups, offsets, OC,
                                    C);
@@ -808,7 +810,8 @@ static void bf16_swiglu_forward(RunCtx *rc, int n_groups, const int *offsets, co
 static void bf16_swiglu_backward(RunCtx *rc, int n_groups, const int *offsets, const FfnWeights *w,
                                  const FfnWeights *g, const SwigluGate *gate, const real *dy,
                                  const CombineGrad *dy_combine, const real *x, const int *x_rows, real *dx,
-                                 GradStore dx_store, const DgradUnpermute *unpermute, uint16_t *d_h16, int D, int I) {
+                                 uint16_t *dx_bf16, GradStore dx_store, const DgradUnpermute *unpermute,
+                                 uint16_t *d_h16, int D, int I) {
     const int rows = offsets[n_groups];
     const struct LinearWeightCache *c = rc->weight_cache;
     scratch_reserve(rc, 2 * bf16_bytes(rows, D) + 3 * bf16_bytes(rows, I));
@@ -845,13 +848,18 @@ static void bf16_swiglu_backward(RunCtx *rc, int n_groups, const int *offsets, c
         x16 = take_wgrad_bf16(rc, &used, (size_t)rows * D);
         bf16_round_input(rc, x16, x, x_rows, rows, D);
     }
-    if (dx) {
+    if (dx || dx_bf16) {
         const uint16_t *dys[2] = {d_ab[0], d_ab[1]}, *const *ws[2];
         for (int i = 0; i < 2; i++) {
             group_weights(rc, i, n_groups, offsets, w13[i], I, D);
             ws[i] = c->b + i * c->max_groups;
         }
-        bf16_gemm_dgrad_grouped(rc->dev, dx, dx_store, unpermute, 2, dys, ws, n_groups, offsets, I, D);
+        if (dx_bf16)  // each product as it is (linear.h)
+            for (int i = 0; i < 2; i++)
+                bf16_gemm_dgrad_grouped_bf16(rc->dev, dx_bf16 + i * bf16_rows_elems(rows, D), dys[i], ws[i], n_groups,
+                                             offsets, I, D);
+        else
+            bf16_gemm_dgrad_grouped(rc->dev, dx, dx_store, unpermute, 2, dys, ws, n_groups, offsets, I, D);
     }
     for (int i = 0; i < 2; i++) {
         if (g13[i] == NULL) continue;
@@ -1061,13 +1069,19 @@ void linear_forward_swiglu_grouped(RunCtx *rc, int n_groups, const int *offsets,
 void linear_backward_swiglu_grouped(RunCtx *rc, int n_groups, const int *offsets, const FfnWeights *w,
                                     const FfnWeights *g, const SwigluGate *gate, const real *dy,
                                     const CombineGrad *dy_combine, const real *x, const int *x_rows, real *dx,
-                                    GradStore dx_store, const DgradUnpermute *unpermute, const SwigluScratch *s, int D,
-                                    int I, const KeptInput *x_kept, const KeptInput *h_kept) {
+                                    uint16_t *dx_bf16, GradStore dx_store, const DgradUnpermute *unpermute,
+                                    const SwigluScratch *s, int D, int I, const KeptInput *x_kept,
+                                    const KeptInput *h_kept) {
     real *const g13[2] = {g->w1, g->w3};
     const real *const w13[2] = {w->w1, w->w3}, *const w2[1] = {w->w2};
     if ((dy_combine != NULL) != (linear_bf16_products(rc) && dy == NULL)) {
         fprintf(stderr, "fp8moe: train/linear.c: internal error: an FFN's output gradient must be an array, or with "
                         "its gate in BF16 (linear_bf16_products) the combine's gradient through the routing plan\n");
+        exit(1);
+    }
+    if (dx_bf16 != NULL && (!linear_bf16_products(rc) || dx != NULL || dx_store != GRAD_WRITE || unpermute != NULL)) {
+        fprintf(stderr, "fp8moe: train/linear.c: internal error: an FFN's input gradient left in BF16 is written, "
+                        "in token order, with its gate in BF16 (linear_bf16_products)\n");
         exit(1);
     }
     if (!linear_bf16_products(rc)) {
@@ -1084,8 +1098,8 @@ void linear_backward_swiglu_grouped(RunCtx *rc, int n_groups, const int *offsets
     check_inp_rows(rc, x_rows);
     profile_begin(PHASE_OTHER_GEMM);
     if (rc->precision.mode == PRECISION_BF16) {
-        bf16_swiglu_backward(rc, n_groups, offsets, w, g, gate, dy, dy_combine, x, x_rows, dx, dx_store, unpermute,
-                             s->d_h16, D, I);
+        bf16_swiglu_backward(rc, n_groups, offsets, w, g, gate, dy, dy_combine, x, x_rows, dx, dx_bf16, dx_store,
+                             unpermute, s->d_h16, D, I);
         profile_end(PHASE_OTHER_GEMM);
         return;
     }
@@ -1098,7 +1112,7 @@ void linear_backward_swiglu_grouped(RunCtx *rc, int n_groups, const int *offsets
     const Operand d_ab[2] = {swiglu_operand(SWIGLU_DA, s->d_h16, gate->a16, gate->b16),
                              swiglu_operand(SWIGLU_DB, s->d_h16, gate->a16, NULL)};
     const Operand xin = array_operand(x, x_rows);
-    fp8_backward(rc, n_groups, offsets, 2, dx, NULL, dx_store, unpermute, g13, d_ab, &xin, w13, D, I, x_kept);
+    fp8_backward(rc, n_groups, offsets, 2, dx, dx_bf16, dx_store, unpermute, g13, d_ab, &xin, w13, D, I, x_kept);
     profile_end(PHASE_OTHER_GEMM);
 }
 

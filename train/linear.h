@@ -146,11 +146,13 @@ void linear_forward_swiglu_grouped(RunCtx *rc, int n_groups, const int *offsets,
                                    const int *x_rows, const SwigluGate *gate, real *h, real *y, uint16_t *y_bf16,
                                    int D, int I, KeptInput *x_kept, KeptInput *h_kept, SharedFprop *x_fprop);
 // The backward of w2, then of w1 and w3, from dy (rows, D): weight gradients +=, and x's gradient dx as
-// linear_backward_grouped gives it (dx_store, x_rows and unpermute as there). Buffers (rows, I): h, d_h, d_a and d_b
-// are written in fp32 mode (and fp8 mode's plain paths), d_h16 (rows + 15 rows of round_up(I, 128)) with
+// linear_backward_grouped gives it (dx_store, x_rows and unpermute as there), or with dx_bf16 (linear_bf16_products; dx
+// NULL, GRAD_WRITE, no unpermute) left as w1's and w3's Dgrad products, w3's bf16_rows_elems(rows, D) values after w1's
+// (rows of bf16_rows_ld(D): the shared expert's, which the routed experts' unpermute adds). Buffers (rows, I): h, d_h,
+// d_a and d_b are written in fp32 mode (and fp8 mode's plain paths), d_h16 (rows + 15 rows of round_up(I, 128)) with
 // linear_bf16_products. dy_combine (linear_bf16_products only, else NULL; dy is then NULL): dy is the routed experts'
-// output gradient read through the routing plan - row s = topk_w[t,k] * d_out[t] for slot s = slot_of[t*K + k] -
-// the rows moe_combine_backward would write, computed in w2's dY quantiser instead (kernels.h
+// output gradient read through the routing plan - row s = topk_w[t,k] * d_out[t] for slot s = slot_of[t*K + k] - the
+// rows moe_combine_backward would write, computed in w2's dY quantiser instead (kernels.h
 // fp8_quantize_combine_grad_both_layouts_grouped; bf16 mode: rounded as computed, moe_combine_grad_bf16).
 // x_kept and h_kept (or NULL): what the forwards kept of x (linear_forward_grouped) and of h.
 typedef struct {
@@ -165,8 +167,9 @@ typedef struct {
 void linear_backward_swiglu_grouped(RunCtx *rc, int n_groups, const int *offsets, const FfnWeights *w,
                                     const FfnWeights *g, const SwigluGate *gate, const real *dy,
                                     const CombineGrad *dy_combine, const real *x, const int *x_rows, real *dx,
-                                    GradStore dx_store, const DgradUnpermute *unpermute, const SwigluScratch *s, int D,
-                                    int I, const KeptInput *x_kept, const KeptInput *h_kept);
+                                    uint16_t *dx_bf16, GradStore dx_store, const DgradUnpermute *unpermute,
+                                    const SwigluScratch *s, int D, int I, const KeptInput *x_kept,
+                                    const KeptInput *h_kept);
 // Builds the weight cache and sizes the Linear scratch (fp8: quantised operands, bf16: rounded ones) for
 // every block Linear of the parameter table (PARAM_BLOCK_LINEAR, PARAM_ROUTED_EXPERT) at `rows` tokens (a
 // micro-batch) and for the routed experts' grouped calls (routed_rows = rows x top-K rows over rc->max_groups

@@ -30,15 +30,16 @@ static void swiglu_ffn_forward(Model *m, const FfnWeights *w, FfnActs *a, int n_
 }
 
 // Its backward from d_y (or d_y_combine, linear.h CombineGrad): parameter gradients +=, d_x written or added to per
-// d_x_store (in token order with unpermute, linear.h). h is recomputed from a and b: the same arithmetic on the
+// d_x_store (in token order with unpermute, linear.h), or left as w1's and w3's BF16 Dgrad products in d_x_bf16
+// (linear.h linear_backward_swiglu_grouped). h is recomputed from a and b: the same arithmetic on the
 // same inputs, so the same bits. d_h, d_a and d_b are written, not cleared and added to.
 static void swiglu_ffn_backward(Model *m, const FfnWeights *w, const FfnWeights *g, FfnActs *a, LayerScratch *s,
                                 int n_groups, const int *offsets, int D, int I, const real *x, const int *x_rows,
-                                const real *d_y, const CombineGrad *d_y_combine, real *d_x, GradStore d_x_store,
-                                const DgradUnpermute *unpermute) {
+                                const real *d_y, const CombineGrad *d_y_combine, real *d_x, uint16_t *d_x_bf16,
+                                GradStore d_x_store, const DgradUnpermute *unpermute) {
     const SwigluScratch scratch = {a->h, s->d_h, s->d_a, s->d_b, s->d_h16};
     linear_backward_swiglu_grouped(&m->rc, n_groups, offsets, w, g, &a->gate, d_y, d_y_combine, x, x_rows, d_x,
-                                   d_x_store, unpermute, &scratch, D, I, &a->x_kept, &a->h_kept);
+                                   d_x_bf16, d_x_store, unpermute, &scratch, D, I, &a->x_kept, &a->h_kept);
 }
 
 // x (rows, D) -> out (rows, D) or out_bf16: the dense FFN and the shared expert, one group.
@@ -49,9 +50,10 @@ void ffn_forward(Model *m, const FfnWeights *w, FfnActs *a, int rows, int D, int
 }
 
 void ffn_backward(Model *m, const FfnWeights *w, const FfnWeights *g, FfnActs *a, LayerScratch *s,
-                  int rows, int D, int width, const real *x, const real *d_out, real *d_x, GradStore d_x_store) {
+                  int rows, int D, int width, const real *x, const real *d_out, real *d_x, uint16_t *d_x_bf16,
+                  GradStore d_x_store) {
     const int offsets[2] = {0, rows};
-    swiglu_ffn_backward(m, w, g, a, s, 1, offsets, D, width, x, NULL, d_out, NULL, d_x, d_x_store, NULL);
+    swiglu_ffn_backward(m, w, g, a, s, 1, offsets, D, width, x, NULL, d_out, NULL, d_x, d_x_bf16, d_x_store, NULL);
 }
 
 // ---------------------------------------------------------------------------- routed experts
@@ -80,8 +82,8 @@ static void experts_backward(Model *m, const FfnWeights *w, const FfnWeights *g,
                              const real *xs, const int *xs_rows, const real *d_ys, const CombineGrad *d_ys_combine,
                              real *d_xs, const DgradUnpermute *unpermute) {
     profile_begin(PHASE_EXPERT_GEMM);
-    swiglu_ffn_backward(m, w, g, a, s, n_experts, offsets, D, I, xs, xs_rows, d_ys, d_ys_combine, d_xs, GRAD_WRITE,
-                        unpermute);
+    swiglu_ffn_backward(m, w, g, a, s, n_experts, offsets, D, I, xs, xs_rows, d_ys, d_ys_combine, d_xs, NULL,
+                        GRAD_WRITE, unpermute);
     profile_end(PHASE_EXPERT_GEMM);
 }
 
@@ -165,9 +167,16 @@ void moe_backward(Model *m, const BlockWeights *w, const BlockWeights *g, MoeAct
         gather_rows(dev, a->xp, x, a->seg_token, NK, D);
         profile_end(PHASE_PERMUTE);
     }
-    // d_x is written first by the routed experts' input gradient (token order), then added to
+    // d_x is written first by the routed experts' input gradient (token order), then the shared expert's is added.
+    // fused, the shared expert's backward runs first and leaves its input gradient as w1's and w3's Dgrad products
+    // (s->d_shared16), which the routed experts' unpermute adds after their sum in its pass: the same adds in the same
+    // order, so the same bits, without a pass over d_x
+    uint16_t *shared16 = fused && d->shared_I > 0 ? s->d_shared16 : NULL;
+    if (shared16)
+        ffn_backward(m, &w->moe.shared, &g->moe.shared, &a->shared, s, N, D, d->shared_I, x, d_out, NULL, shared16,
+                     GRAD_WRITE);
     if (direct) {
-        const DgradUnpermute unpermute = {a->slot_of, N, K};
+        const DgradUnpermute unpermute = {a->slot_of, N, K, shared16, shared16 ? 2 : 0, bf16_rows_elems(N, D)};
         experts_backward(m, &w->moe.experts, &g->moe.experts, &a->experts, s, a->ep_buf.seg_offsets,
                          m->ep.experts_per_rank, D, d->I, x, a->seg_token, d_local_out, fused ? &combine : NULL, d_x,
                          &unpermute);
@@ -180,8 +189,9 @@ void moe_backward(Model *m, const BlockWeights *w, const BlockWeights *g, MoeAct
         moe_unpermute_backward(dev, d_x, d_perm, a->slot_of, N, K, D);
         profile_end(PHASE_PERMUTE);
     }
-    if (d->shared_I > 0)
-        ffn_backward(m, &w->moe.shared, &g->moe.shared, &a->shared, s, N, D, d->shared_I, x, d_out, d_x, GRAD_ADD);
+    if (d->shared_I > 0 && !shared16)
+        ffn_backward(m, &w->moe.shared, &g->moe.shared, &a->shared, s, N, D, d->shared_I, x, d_out, d_x, NULL,
+                     GRAD_ADD);
     // router: gate weights and, when the balance loss is on, its gradient through the scores
     real *d_scores = NULL;
     if (d->balance_alpha > 0 && d_balance != 0) {

@@ -525,17 +525,24 @@ static PlanKey fp8_key(int64_t m, int64_t n, int64_t k, cudaDataType_t d_type, i
 static const int CONV_ROWS_PER_BLOCK = 8;
 static const int CONV_STEPS = 4;
 
-// v + the elements at xr + c of outputs 1 .. n_src - 1 (src_stride apart), added in order; 4 or 1 of them.
-__device__ inline float4 add_sources4(float4 v, const uint16_t *xr, int n_src, int64_t src_stride, int c) {
-    for (int k = 1; k < n_src; k++) {
-        const float4 u = bf16x4_to_float4(*reinterpret_cast<const uint2 *>(xr + k * src_stride + c));
+// v + the elements at r + c of n BF16 arrays (stride apart), added in order; 4 or 1 of them.
+__device__ inline float4 add_rows4(float4 v, const uint16_t *r, int n, int64_t stride, int c) {
+    for (int k = 0; k < n; k++) {
+        const float4 u = bf16x4_to_float4(*reinterpret_cast<const uint2 *>(r + k * stride + c));
         v.x = __fadd_rn(v.x, u.x), v.y = __fadd_rn(v.y, u.y), v.z = __fadd_rn(v.z, u.z), v.w = __fadd_rn(v.w, u.w);
     }
     return v;
 }
-__device__ inline float add_sources1(float v, const uint16_t *xr, int n_src, int64_t src_stride, int c) {
-    for (int k = 1; k < n_src; k++) v = __fadd_rn(v, bf16_bits_to_float(xr[k * src_stride + c]));
+__device__ inline float add_rows1(float v, const uint16_t *r, int n, int64_t stride, int c) {
+    for (int k = 0; k < n; k++) v = __fadd_rn(v, bf16_bits_to_float(r[k * stride + c]));
     return v;
+}
+// v + the elements at xr + c of outputs 1 .. n_src - 1 (src_stride apart), added in order.
+__device__ inline float4 add_sources4(float4 v, const uint16_t *xr, int n_src, int64_t src_stride, int c) {
+    return add_rows4(v, xr + src_stride, n_src - 1, src_stride, c);
+}
+__device__ inline float add_sources1(float v, const uint16_t *xr, int n_src, int64_t src_stride, int c) {
+    return add_rows1(v, xr + src_stride, n_src - 1, src_stride, c);
 }
 
 template <bool VEC4, bool ADD>
@@ -579,12 +586,15 @@ __global__ void bf16_to_float_rows_kernel(float *__restrict__ y, const uint16_t 
 
 // The token-order form (kernels.h DgradUnpermute): y (n_tok, cols) row t += sum over j < topk, in order, of the
 // n_src outputs' sum (in order) at row slot_of[t * topk + j] of x (bf16_to_float_rows_kernel's layout): the bits
-// of that kernel writing a (rows, cols) FP32 buffer and moe_unpermute_backward reading it, without the buffer.
+// of that kernel writing a (rows, cols) FP32 buffer and moe_unpermute_backward reading it, without the buffer; then
+// + row t of each of n_post BF16 arrays (rows of stride post_ld, post_stride apart), in order.
 // One warp per token row and chunk of columns; the token's slots are looked up side by side, one lane per slot.
 template <bool VEC4, bool ADD>
 __global__ void bf16_unpermute_rows_kernel(float *__restrict__ y, const uint16_t *__restrict__ x, int n_src,
                                            int64_t src_stride, const __grid_constant__ SegTable seg, int cols, int ld,
-                                           const int *__restrict__ slot_of, int n_tok, int topk) {
+                                           const int *__restrict__ slot_of, int n_tok, int topk,
+                                           const uint16_t *__restrict__ post, int n_post, int64_t post_stride,
+                                           int64_t post_ld) {
     const int per = VEC4 ? 4 : 1;
     const int t = blockIdx.x * CONV_ROWS_PER_BLOCK + (threadIdx.x >> 5);
     if (t >= n_tok) return;
@@ -635,12 +645,18 @@ __global__ void bf16_unpermute_rows_kernel(float *__restrict__ y, const uint16_t
             }
         }
     }
+    const uint16_t *pr = post != NULL ? post + (int64_t)t * post_ld : NULL;  // read only when n_post > 0
 #pragma unroll
     for (int i = 0; i < CONV_STEPS; i++) {
         const int c = c0 + i * 32 * per;
         if (c >= cols) break;
-        if (VEC4) *reinterpret_cast<float4 *>(yr + c) = make_float4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]);
-        else yr[c] = acc[i][0];
+        if (VEC4) {
+            const float4 v = add_rows4(make_float4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]), pr, n_post,
+                                       post_stride, c);
+            *reinterpret_cast<float4 *>(yr + c) = v;
+        } else {
+            yr[c] = add_rows1(acc[i][0], pr, n_post, post_stride, c);
+        }
     }
 }
 
@@ -734,14 +750,18 @@ static void bf16_unpermute_rows(float *y, bool add, const uint16_t *x, const Seg
     if (seg.rows0[seg.n] != u->n_tok * u->topk)
         gemm_fail(__LINE__, "dgrad unpermute", "the segments hold %d rows; %d tokens x %d need exactly %d",
                   seg.rows0[seg.n], u->n_tok, u->topk, u->n_tok * u->topk);
-    const int per = vec4_ok(cols, y, x) && ld % 4 == 0 && src_stride % 4 == 0 ? 4 : 1;
+    const int64_t post_ld = bf16_rows_ld(cols);
+    const int per = vec4_ok(cols, y, x) && ld % 4 == 0 && src_stride % 4 == 0 &&
+                            (u->n_post == 0 || ((uintptr_t)u->post % 8 == 0 && u->post_stride % 4 == 0))
+                        ? 4
+                        : 1;
     const dim3 grid((unsigned)ceil_div(u->n_tok, CONV_ROWS_PER_BLOCK), (unsigned)ceil_div(cols, CONV_STEPS * 32 * per));
     if (grid.y > 65535)
         gemm_fail(__LINE__, "bf16_unpermute_rows", "%d columns - expected at most %d", cols, 65535 * CONV_STEPS * 32 * per);
     const int threads = 32 * CONV_ROWS_PER_BLOCK;
 #define UNPERMUTE_LAUNCH(V, A)                                                                                  \
     bf16_unpermute_rows_kernel<V, A><<<grid, threads>>>(y, x, n_src, src_stride, seg, cols, ld, u->slot_of, u->n_tok, \
-                                                        u->topk)
+                                                        u->topk, u->post, u->n_post, u->post_stride, post_ld)
     if (per == 4 && add) UNPERMUTE_LAUNCH(true, true);
     else if (per == 4) UNPERMUTE_LAUNCH(true, false);
     else if (add) UNPERMUTE_LAUNCH(false, true);

@@ -1648,7 +1648,9 @@ static int written_inside_only(const float *out, int T, int cols) {
 // The token-order Dgrad (kernels.h DgradUnpermute) against the slot-order Dgrad (GRAD_WRITE) followed by
 // moe_unpermute_backward, both on the GPU, for two matrices: T rows read by n_tok tokens, topk rows each (2 when T
 // is even, else 1) through a permutation; the token gradients start from `init` (its first n_tok * K values) with
-// GRAD_ADD, and from poison with GRAD_WRITE (against the unpermute onto zeros).
+// GRAD_ADD, and from poison with GRAD_WRITE (against the unpermute onto zeros); and with two BF16 post arrays (the
+// shared expert's Dgrad products: rows of bf16_rows_ld(K), padding NaN, 3 NaN values between the arrays) from
+// `init`, against the first result with the arrays' rows added on the host, in order.
 // fp8 when q* are given, else bf16 (b*). Returns the number of differing bytes (expected 0: the same sums in the
 // same order).
 static int unpermute_diff(int T, int K, const float *init, const uint8_t *const *qdy, const float *const *sdy,
@@ -1663,7 +1665,7 @@ static int unpermute_diff(int T, int K, const float *init, const uint8_t *const 
     const size_t bytes = sizeof(float) * (size_t)n_tok * K;
     float *fused_d = gpucheck_to_device(init, bytes), *ref_d = gpucheck_to_device(init, bytes);
     float *slots_d = gpu_poisoned(sizeof(float) * (size_t)T * K);
-    const DgradUnpermute u = {slot_of_d, n_tok, topk};
+    const DgradUnpermute u = {.slot_of = slot_of_d, .n_tok = n_tok, .topk = topk};
     if (qdy != NULL) {
         fp8_gemm_dgrad_grouped(DEVICE_CUDA, fused_d, GRAD_ADD, &u, 2, qdy, sdy, qwt, sw, n, rows0, N, K);
         fp8_gemm_dgrad_grouped(DEVICE_CUDA, slots_d, GRAD_WRITE, NULL, 2, qdy, sdy, qwt, sw, n, rows0, N, K);
@@ -1674,6 +1676,25 @@ static int unpermute_diff(int T, int K, const float *init, const uint8_t *const 
     moe_unpermute_backward(DEVICE_CUDA, ref_d, slots_d, slot_of_d, n_tok, topk, K);
     float *fused = gpucheck_to_host(fused_d, bytes), *ref = gpucheck_to_host(ref_d, bytes);
     int diff = count_diff(fused, ref, bytes);
+    const int64_t ld = bf16_rows_ld(K), stride = (int64_t)n_tok * ld + 3;
+    uint16_t *post = gpucheck_malloc(sizeof(uint16_t) * (size_t)(2 * stride));
+    for (int64_t k = 0; k < 2 * stride; k++) post[k] = 0x7FC0;
+    for (int i = 0; i < 2; i++)
+        for (int64_t t = 0; t < n_tok; t++)
+            for (int c = 0; c < K; c++) {
+                post[i * stride + t * ld + c] = float_to_bf16(init[t * K + c] * (i == 0 ? 0.5f : -3.0f) + 1.0f);
+                ref[t * K + c] += bf16_to_float(post[i * stride + t * ld + c]);
+            }
+    uint16_t *post_d = gpucheck_to_device(post, sizeof(uint16_t) * (size_t)(2 * stride));
+    const DgradUnpermute up = {.slot_of = slot_of_d, .n_tok = n_tok, .topk = topk, .post = post_d, .n_post = 2,
+                               .post_stride = stride};
+    device_memcpy_from_host(DEVICE_CUDA, fused_d, init, bytes);
+    if (qdy != NULL) fp8_gemm_dgrad_grouped(DEVICE_CUDA, fused_d, GRAD_ADD, &up, 2, qdy, sdy, qwt, sw, n, rows0, N, K);
+    else bf16_gemm_dgrad_grouped(DEVICE_CUDA, fused_d, GRAD_ADD, &up, 2, bdy, bw, n, rows0, N, K);
+    float *with_post = gpucheck_to_host(fused_d, bytes);
+    diff += count_diff(with_post, ref, bytes);
+    device_free(DEVICE_CUDA, post_d);
+    free(post), free(with_post);
     // GRAD_WRITE over poison: the bits of the unpermute onto a cleared buffer
     float *poison_d = gpu_poisoned(bytes);
     device_memset_zero(DEVICE_CUDA, ref_d, bytes);

@@ -415,7 +415,9 @@ static void check_grouped(const char *mode) {
     if (m.cfg.precision.mode != PRECISION_FP32) {
         // The routed experts' token-order input gradient (linear.h unpermute): NT tokens read by 2 rows each
         // through a permutation, the gradient added to the tokens' in k order - the bits of the slot-order
-        // gradient (GRAD_WRITE) followed by moe_unpermute_backward.
+        // gradient (GRAD_WRITE) followed by moe_unpermute_backward - and then two BF16 post arrays' rows in order
+        // (kernels.h DgradUnpermute: the shared expert's Dgrad products; rows of bf16_rows_ld(D), padding NaN, 3
+        // NaN values between the arrays).
         enum { TOPK = 2 };
         const int NT = R / TOPK;
         int *slot_of = malloc(sizeof(int) * R), *rows = malloc(sizeof(int) * R);
@@ -430,13 +432,25 @@ static void check_grouped(const char *mode) {
         linear_backward_grouped(&m.rc, G, offsets, 2, dx_p, GRAD_WRITE, NULL, gw, (const real *const *)dy, x, NULL, w, D,
                                 I, NULL);
         moe_unpermute_backward(DEVICE_CPU, dtok_ref, dx_p, slot_of, NT, TOPK, D);
+        const int64_t ld = bf16_rows_ld(D), stride = NT * ld + 3;
+        uint16_t *post = malloc(sizeof(uint16_t) * (size_t)(2 * stride));
+        assert_non_null(post);
+        for (int64_t k = 0; k < 2 * stride; k++) post[k] = 0x7FC0;
+        for (int i = 0; i < 2; i++)
+            for (int t = 0; t < NT; t++)
+                for (int c = 0; c < D; c++) {
+                    const float v = (float)src[(size_t)t * D + c] * (i == 0 ? 0.5f : -3.0f);
+                    post[i * stride + t * ld + c] = float_to_bf16(v);
+                    dtok_ref[(size_t)t * D + c] += (real)bf16_to_float(post[i * stride + t * ld + c]);
+                }
         for (int i = 0; i < 2; i++) memcpy(gw_p[i], gw[i], sizeof(real) * wn), memset(gw[i], 0, sizeof(real) * wn);
-        const DgradUnpermute unpermute = {slot_of, NT, TOPK};
+        const DgradUnpermute unpermute = {.slot_of = slot_of, .n_tok = NT, .topk = TOPK, .post = post, .n_post = 2,
+                                          .post_stride = stride};
         linear_backward_grouped(&m.rc, G, offsets, 2, dtok, GRAD_ADD, &unpermute, gw, (const real *const *)dy, src, rows,
                                 w, D, I, NULL);
         assert_memory_equal(dtok, dtok_ref, sizeof(real) * NT * D);
         for (int i = 0; i < 2; i++) assert_memory_equal(gw[i], gw_p[i], sizeof(real) * wn);
-        free(slot_of), free(rows), free(src), free(dtok), free(dtok_ref);
+        free(slot_of), free(rows), free(src), free(dtok), free(dtok_ref), free(post);
     }
     for (int i = 0; i < 2; i++) free(dy[i]), free(out_g[i]), free(out_p[i]), free(gw_p[i]);
     free(x), free(dx_g), free(dx_p);
