@@ -1916,8 +1916,8 @@ static void test_fp8_gemm_grouped(void **state) {
                      unperm_diff == 0 && res_diff == 0 && bf16_diff == 0 &&
                      (dw_diff == -1 || (dw_diff == 0 && (T == 0 || dw_moved > 0)));
     printf("%-16s %2d segments, %4d rows, N %-4d K %-4d differing bytes vs per-segment: Fprop %d, Dgrad %d; "
-           "Dgrad GRAD_WRITE differing values %d; 2 matrices vs 2 calls: %d bytes; unpermuted vs slot order + "
-           "moe_unpermute_backward: %d bytes; Fprop with a residual vs + add_inplace: %d bytes; BF16-output Fprop and "
+           "Dgrad GRAD_WRITE differing values %d; 2 matrices vs 2 calls: %d bytes; unpermuted (also + 2 post arrays) vs "
+           "slot order + moe_unpermute_backward: %d bytes; Fprop with a residual vs + add_inplace: %d bytes; BF16-output Fprop and "
            "Dgrad vs the converted values: %d differing; Wgrad grouped vs per segment: %d bytes (%d values changed); "
            "only the rows inside written: %s  %s\n", "fp8 grouped", n, T, N, K,
            y_diff, dx_diff, wr_diff, two_diff, unperm_diff, res_diff, bf16_diff, dw_diff, dw_moved,
@@ -2251,7 +2251,8 @@ static void test_bf16_gemm_grouped(void **state) {
         const int ok = differing == 0 && tail_ok && !two_diff && unperm_diff == 0 && res_diff == 0 &&
                        bf16_form_diff == 0;
         printf("%-16s %d groups, %d x %d x %d: Dgrad GRAD_WRITE vs GRAD_ADD onto zeros: %d differing values, last row "
-               "untouched: %s; 2 matrices vs 2 calls: %s; unpermuted vs slot order + moe_unpermute_backward: %d bytes; "
+               "untouched: %s; 2 matrices vs 2 calls: %s; unpermuted (also + 2 post arrays) vs slot order + "
+               "moe_unpermute_backward: %d bytes; "
                "Fprop with a residual vs + add_inplace: %d bytes; *_bf16 forms vs the FP32 forms: %d values  %s\n",
                "bf16 grouped", n, T, N, K, differing, tail_ok ? "yes" : "NO", two_diff ? "DIFFERENT" : "same bits",
                unperm_diff, res_diff, bf16_form_diff, ok ? "ok" : "FAIL");
