@@ -622,11 +622,8 @@ static void unpermute_finish(real *dx, GradStore store, real *rows, const DgradU
     if (store == GRAD_WRITE) memset(dx, 0, sizeof(real) * (size_t)u->n_tok * K);
     cpu_moe_unpermute_backward(dx, rows, u->slot_of, u->n_tok, u->topk, K);
     free(rows);
-    const int64_t ld = bf16_rows_ld(K);
     for (int i = 0; i < u->n_post; i++)
-        for (int64_t t = 0; t < u->n_tok; t++)
-            for (int c = 0; c < K; c++)
-                dx[t * K + c] += (real)bf16_to_float(u->post[i * u->post_stride + t * ld + c]);
+        cpu_bf16_rows_add(dx, u->post + i * u->post_stride, bf16_rows_ld(K), u->n_tok, K);
 }
 
 void fp8_gemm_dgrad_grouped(Device dev, real *dx, GradStore store, const DgradUnpermute *unpermute, int n_mats,

@@ -171,7 +171,7 @@ void moe_backward(Model *m, const BlockWeights *w, const BlockWeights *g, MoeAct
     // fused, the shared expert's backward runs first and leaves its input gradient as w1's and w3's Dgrad products
     // (s->d_shared16), which the routed experts' unpermute adds after their sum in its pass: the same adds in the same
     // order, so the same bits, without a pass over d_x
-    uint16_t *shared16 = fused && d->shared_I > 0 ? s->d_shared16 : NULL;
+    uint16_t *shared16 = s->d_shared16;  // allocated exactly there (layer_scratch_alloc)
     if (shared16)
         ffn_backward(m, &w->moe.shared, &g->moe.shared, &a->shared, s, N, D, d->shared_I, x, d_out, NULL, shared16,
                      GRAD_WRITE);

@@ -36,14 +36,25 @@ float bf16_to_float(uint16_t h) {
     return f;
 }
 
-// x (rows of `cols` BF16 values at stride ld: bf16_rows_ld(cols) for a GEMM's BF16 product, kernels.h) as a new
-// packed (rows, cols) array of the values they hold (exact), freed by the caller: the CPU reference of the ops that
-// read such rows widens them first.
-real *cpu_bf16_rows_widened(const uint16_t *x, int64_t ld, int64_t rows, int cols) {
-    real *v = cpu_values_or_die((size_t)(rows > 0 ? rows : 0) * (size_t)(cols > 0 ? cols : 0), "widened BF16 rows");
+// v (rows, cols) packed = the values (exact) of x, rows of `cols` BF16 values at stride ld (bf16_rows_ld(cols) for a
+// GEMM's BF16 product, kernels.h).
+void cpu_bf16_rows_widen(real *v, const uint16_t *x, int64_t ld, int64_t rows, int cols) {
     for (int64_t r = 0; r < rows; r++)
         for (int c = 0; c < cols; c++) v[r * cols + c] = (real)bf16_to_float(x[r * ld + c]);
+}
+
+// The same into a new array, freed by the caller: the CPU reference of the ops that read such rows widens them first.
+real *cpu_bf16_rows_widened(const uint16_t *x, int64_t ld, int64_t rows, int cols) {
+    real *v = cpu_values_or_die((size_t)(rows > 0 ? rows : 0) * (size_t)(cols > 0 ? cols : 0), "widened BF16 rows");
+    cpu_bf16_rows_widen(v, x, ld, rows, cols);
     return v;
+}
+
+// v (rows, cols) packed += the values of x (rows at stride ld, as above), one add per element: a further BF16 source
+// of an op that sums several in order (kernels.h rmsnorm_backward_bf16, DgradUnpermute's post arrays).
+void cpu_bf16_rows_add(real *v, const uint16_t *x, int64_t ld, int64_t rows, int cols) {
+    for (int64_t r = 0; r < rows; r++)
+        for (int c = 0; c < cols; c++) v[r * cols + c] += (real)bf16_to_float(x[r * ld + c]);
 }
 
 // The other way: v (rows, cols) packed, rounded (RNE) into rows of x at stride ld.

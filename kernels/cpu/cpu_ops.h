@@ -129,7 +129,9 @@ void cpu_bf16_matmul_backward_bf16(real *dinp, real *dweight, const uint16_t *do
                                    const real *weight, int N, int C, int OC);
 void cpu_bf16_round_array(uint16_t *dst, const real *src, int64_t n);
 void cpu_bf16_widen_array(real *dst, const uint16_t *src, int64_t n);
+void cpu_bf16_rows_widen(real *v, const uint16_t *x, int64_t ld, int64_t rows, int cols);
 real *cpu_bf16_rows_widened(const uint16_t *x, int64_t ld, int64_t rows, int cols);
+void cpu_bf16_rows_add(real *v, const uint16_t *x, int64_t ld, int64_t rows, int cols);
 void cpu_bf16_rows_round(uint16_t *x, int64_t ld, const real *v, int64_t rows, int cols);
 // `count` reals (at least one) from malloc, freed by the caller, or a message naming `what` and exit (scratch.c).
 // Not inside an OpenMP parallel region: there, use cpu_region_alloc.

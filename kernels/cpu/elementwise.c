@@ -130,9 +130,7 @@ void cpu_rmsnorm_backward_bf16(real *dinp, real *dweight, const uint16_t *dout, 
                                int C) {
     if (N <= 0 || C <= 0) return;
     real *wide = cpu_bf16_rows_widened(dout, ld, N, C);
-    for (int i = 1; i < n_src; i++)
-        for (int64_t r = 0; r < N; r++)
-            for (int c = 0; c < C; c++) wide[r * C + c] += (real)bf16_to_float(dout[i * src_stride + r * ld + c]);
+    for (int i = 1; i < n_src; i++) cpu_bf16_rows_add(wide, dout + i * src_stride, ld, N, C);
     cpu_rmsnorm_backward(dinp, dweight, wide, inp, weight, rstd, N, C);
     free(wide);
 }

@@ -141,11 +141,7 @@ void cpu_moe_combine_grad_bf16(uint16_t *dy, const real *dout, const real *topk_
 // kernels.h's *_bf16 forms: the ops above on the FP32 values of the BF16 rows (kernels.h bf16_rows_ld).
 void cpu_moe_combine_forward_bf16(real *out, const uint16_t *base, const uint16_t *expert_out, const int *slot_of,
                                   const real *topk_w, const real *residual, int N, int K, int C) {
-    if (base) {  // out = base's values, then the sum as above
-        real *b = cpu_bf16_rows_widened(base, bf16_rows_ld(C), N, C);
-        memcpy(out, b, sizeof(real) * (size_t)N * (size_t)C);
-        free(b);
-    }
+    if (base) cpu_bf16_rows_widen(out, base, bf16_rows_ld(C), N, C);  // out = base's values, then the sum as above
     real *eo = cpu_bf16_rows_widened(expert_out, bf16_rows_ld(C), (int64_t)N * K, C);
     cpu_moe_combine_forward(out, eo, slot_of, topk_w, residual, N, K, C);
     free(eo);

@@ -318,15 +318,7 @@ static void test_rmsnorm(void **state) {
     // dout as the sum of two such arrays, 5 NaN values apart (MLA's input gradient in parts): the bits of
     // rmsnorm_backward on the widened first + the widened second, added as FP32 here
     const int64_t stride = N * ld + 5;
-    uint16_t *two16 = malloc(sizeof(uint16_t) * (size_t)(2 * stride));
-    assert_non_null(two16);
-    for (int64_t i = 0; i < 2 * stride; i++) two16[i] = 0x7FC0;
-    for (int64_t r = 0; r < N; r++)
-        for (int64_t c = 0; c < C; c++) {
-            two16[r * ld + c] = float_to_bf16(dout[r * C + c] * 0.75f);
-            two16[stride + r * ld + c] = float_to_bf16(dout[r * C + c] * -1.5f + (float)(c % 3));
-            wide[r * C + c] = bf16_to_float(two16[r * ld + c]) + bf16_to_float(two16[stride + r * ld + c]);
-        }
+    uint16_t *two16 = opcheck_two_bf16_sources(wide, dout, N, C, ld, stride);
     uint16_t *d_two16 = device_alloc(DEVICE_CUDA, sizeof(uint16_t) * (size_t)(2 * stride));
     device_memcpy_from_host(DEVICE_CUDA, d_two16, two16, sizeof(uint16_t) * (size_t)(2 * stride));
     d_wide = gpu_copy_of(wide, (size_t)NC * 4);

@@ -160,4 +160,28 @@ static inline void opcheck_routing(int *topk_idx, int N, int K, int E, int empty
     }
 }
 
+// ---------------------------------------------------------------------------- BF16 sources
+// Two arrays of N rows of C BF16 values at row stride ld, the second `stride` values after the first: the operand of
+// an op that adds two BF16 sources in order (kernels.h rmsnorm_backward_bf16). Value (r, c) of the first is
+// BF16(0.75 x), of the second BF16(-1.5 x + c % 3), for x = src[r C + c]; the padding columns and the gap hold NaN
+// (0x7FC0), which the op must not read. sum (N, C) = the first's value + the second's, the sum the op takes. The
+// arrays are a new allocation, freed by the caller.
+static inline uint16_t *opcheck_two_bf16_sources(real *sum, const real *src, int64_t N, int C, int64_t ld,
+                                                 int64_t stride) {
+    uint16_t *two = malloc(sizeof(uint16_t) * (size_t)(2 * stride));
+    if (two == NULL) {
+        fprintf(stderr, "opcheck_two_bf16_sources: out of memory\n");
+        exit(1);
+    }
+    for (int64_t i = 0; i < 2 * stride; i++) two[i] = 0x7FC0;
+    for (int64_t r = 0; r < N; r++)
+        for (int64_t c = 0; c < C; c++) {
+            const float x = (float)src[r * C + c];
+            two[r * ld + c] = float_to_bf16(x * 0.75f);
+            two[stride + r * ld + c] = float_to_bf16(x * -1.5f + (float)(c % 3));
+            sum[r * C + c] = (real)bf16_to_float(two[r * ld + c]) + (real)bf16_to_float(two[stride + r * ld + c]);
+        }
+    return two;
+}
+
 #endif

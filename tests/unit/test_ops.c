@@ -495,16 +495,7 @@ static void check_rmsnorm(int N, int C, uint64_t seed, int finite_differences) {
     // dout as the sum of two such arrays (a gap of 5 NaN values between them, never read): the bits of the FP32
     // backward on the widened first + the widened second.
     const int64_t stride = N * ld + 5;
-    uint16_t *two16 = malloc(sizeof(uint16_t) * (size_t)(2 * stride));
-    assert_non_null(two16);
-    for (int64_t i = 0; i < 2 * stride; i++) two16[i] = 0x7FC0;
-    for (int64_t r = 0; r < N; r++)
-        for (int64_t c = 0; c < C; c++) {
-            const float x = (float)dout[r * C + c];
-            two16[r * ld + c] = float_to_bf16(x * 0.75f);
-            two16[stride + r * ld + c] = float_to_bf16(x * -1.5f + (float)(c % 3));
-            wide[r * C + c] = (real)bf16_to_float(two16[r * ld + c]) + (real)bf16_to_float(two16[stride + r * ld + c]);
-        }
+    uint16_t *two16 = opcheck_two_bf16_sources(wide, dout, N, C, ld, stride);
     memcpy(acc_inp, G_inp, n * sizeof(real)), memcpy(acc_w, G_w, C * sizeof(real));
     memcpy(acc16_inp, G_inp, n * sizeof(real)), memcpy(acc16_w, G_w, C * sizeof(real));
     cpu_rmsnorm_backward(acc_inp, acc_w, wide, inp, w, rstd, N, C);
