@@ -420,6 +420,16 @@ int fp8_quantize_both_layouts(Device dev, uint8_t *q1, float *s1, uint8_t *q2, f
     return cpu_fp8_quantize_both_layouts(q1, s1, q2, s2, x, T, C, err, err_size);
 }
 
+int fp8_quantize_rmsnorm_both_layouts(Device dev, uint8_t *q1, float *s1, uint8_t *q2, float *s2, const real *x,
+                                      const real *rstd, const real *weight, int T, int C, char *err, size_t err_size) {
+#ifdef FP8MOE_CUDA
+    if (dev == DEVICE_CUDA)
+        return cuda_fp8_quantize_rmsnorm_both_layouts(q1, s1, q2, s2, x, rstd, weight, T, C, err, err_size);
+#endif
+    if (dev != DEVICE_CPU) no_cuda_op("fp8_quantize_rmsnorm_both_layouts");
+    return cpu_fp8_quantize_rmsnorm_both_layouts(q1, s1, q2, s2, x, rstd, weight, T, C, err, err_size);
+}
+
 int fp8_quantize_1x128_grouped(Device dev, uint8_t *q, float *s, const real *x, const int *x_rows, int n_seg, const int *rows0, int K,
                                char *err, size_t err_size) {
 #ifdef FP8MOE_CUDA

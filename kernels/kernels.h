@@ -89,7 +89,8 @@ void embedding_forward(Device dev, real *out, const int *tokens, const real *tab
 void embedding_backward(Device dev, real *dtable, const real *dout, const int *tokens, int N, int C);
 
 // ---------------------------------------------------------------------------- RMSNorm
-// inp (N, C), weight (C) -> out (N, C) = inp * rstd * weight, rstd (N) = 1/sqrt(mean(inp^2) + 1e-6)
+// inp (N, C), weight (C) -> out (N, C) = inp * rstd * weight, rstd (N) = 1/sqrt(mean(inp^2) + 1e-6). out NULL:
+// rstd only (an input that fp8 mode's quantisers normalise as they read it, fp8_quantize_rmsnorm_both_layouts).
 void rmsnorm_forward(Device dev, real *out, real *rstd, const real *inp, const real *weight, int N, int C);
 // dinp (N, C) += ..., dweight (C) += ...   (rstd from the forward pass)
 void rmsnorm_backward(Device dev, real *dinp, real *dweight, const real *dout, const real *inp,
@@ -327,6 +328,11 @@ int fp8_quantize_128x1_transposed(Device dev, uint8_t *q, float *s, const real *
 // bit; the GPU reads x once instead of twice.
 int fp8_quantize_both_layouts(Device dev, uint8_t *q1, float *s1, uint8_t *q2, float *s2, const real *x, int T, int C,
                               char *err, size_t err_size);
+// Both layouts of RMSNorm(x) (T, C), the out of rmsnorm_forward(x, weight) with rstd as it wrote it, as
+// fp8_quantize_both_layouts quantises that array, bit for bit, without the array: the rows are normalised as they are
+// read (fp8 mode's Linears of a norm's output, linear.h NormInput). Non-finite values are reported as RMSNorm(x)'s.
+int fp8_quantize_rmsnorm_both_layouts(Device dev, uint8_t *q1, float *s1, uint8_t *q2, float *s2, const real *x,
+                                      const real *rstd, const real *weight, int T, int C, char *err, size_t err_size);
 // Grouped forms (the routed experts: every segment in one launch): segment g is rows [rows0[g], rows0[g+1])
 // of x (rows0 a host array of n_seg + 1 entries, rows0[0] = 0, non-decreasing; 1 <= n_seg <=
 // FP8_MAX_SEGMENTS) and gets the operand the plain quantiser would write for those rows, the segments'

@@ -52,7 +52,7 @@ static void mla_acts_alloc(ActsArena *ar, MlaActs *a, const Dims *d, const Layer
     if (d->qr > 0) {
         a->cq = ARENA_REALS(ar, (int64_t)N * d->qr);
         a->cq_rstd = ARENA_REALS(ar, N);
-        a->cqn = ARENA_REALS(ar, (int64_t)N * d->qr);
+        if (!keep) a->cqn = ARENA_REALS(ar, (int64_t)N * d->qr);
     }
     // q and kv are transient, in their gradients' memory (layer_scratch_alloc): the attention state keeps what its
     // backward reads (kernels.h)
@@ -61,7 +61,7 @@ static void mla_acts_alloc(ActsArena *ar, MlaActs *a, const Dims *d, const Layer
     a->kva = s->t_kva;
     a->ckv = ARENA_REALS(ar, (int64_t)N * d->kvr);
     a->ckv_rstd = ARENA_REALS(ar, N);
-    a->ckvn = ARENA_REALS(ar, (int64_t)N * d->kvr);
+    if (!keep) a->ckvn = ARENA_REALS(ar, (int64_t)N * d->kvr);  // keep: never written (linear.h NormInput)
     a->k_rope_raw = s->t_k_rope_raw;
     a->k_rope = ARENA_REALS(ar, (int64_t)N * d->dr);
     a->att = ARENA_REALS(ar, attention_state_elems(ar->dev, d->B, d->T, d->H, d->dn, d->dr, d->dv));
@@ -220,8 +220,8 @@ void block_forward(Model *m, const BlockWeights *w, BlockActs *a, const Dims *d,
     Device dev = m->rc.dev;
     int N = d->N, D = d->D;
     a->x_in = (real *)x_in;
-    rmsnorm_forward(dev, a->xn1, a->rstd1, x_in, w->attn_norm, N, D);
-    mla_forward(m, &w->attn, &a->mla, d, a->xn1, x_in, a->x_mid);  // x_mid = x_in + MLA(...)
+    const NormInput xn1 = {x_in, w->attn_norm, a->rstd1, a->xn1};  // (in fp8 mode xn1 is not written: linear.h)
+    mla_forward(m, &w->attn, &a->mla, d, &xn1, x_in, a->x_mid);  // x_mid = x_in + MLA(RMSNorm(x_in))
     rmsnorm_forward(dev, a->xn2, a->rstd2, a->x_mid, w->ffn_norm, N, D);
     if (w->is_moe) {  // the residual is added in the combine's pass
         moe_forward(m, w, &a->moe, d, a->xn2, a->x_mid, x_out);

@@ -44,7 +44,8 @@ Dims dims_from_config(const Config *c, int B, int T);
 // Pointers marked (transient) are needed only inside the forward pass: they point into the chunk's
 // LayerScratch (shared by all blocks), not into per-block storage (see layer_scratch_alloc).
 typedef struct {
-    real *cq, *cq_rstd, *cqn;      // (N, qr), (N), (N, qr)     q_lora_rank > 0 only
+    real *cq, *cq_rstd, *cqn;      // (N, qr), (N), (N, qr)     q_lora_rank > 0 only; cqn and ckvn NULL in fp8
+                                   // mode's fused paths, which never write them (linear.h NormInput)
     real *qf;                      // (N*H, dqk) = [q_nope ; RoPE(q_rope)] per head (the projection output, rope
                                    // part rotated in place; transient, in d_qf's memory: the attention state
                                    // keeps what the backward reads)
@@ -176,8 +177,9 @@ void block_forward(Model *m, const BlockWeights *w, BlockActs *a, const Dims *d,
 void block_backward(Model *m, const BlockWeights *w, const BlockWeights *g, BlockActs *a, const Dims *d,
                     LayerScratch *s, real *d_x, real d_balance);
 
-// out = residual + MLA(xn): the block's residual is added by the output projection (linear_forward_residual).
-void mla_forward(Model *m, const MlaWeights *w, MlaActs *a, const Dims *d, const real *xn, const real *residual,
+// out = residual + MLA(RMSNorm(x)), the norm given as xn's parts (linear.h NormInput, which computes it): the block's
+// residual is added by the output projection (linear_forward_residual).
+void mla_forward(Model *m, const MlaWeights *w, MlaActs *a, const Dims *d, const NormInput *xn, const real *residual,
                  real *out);
 // d_xn (N, D) is written (not added to); parameter gradients are added to. With s->d_xn16 (bf16_products) d_xn is not
 // touched: the input's gradient is left as the MLA_INPUT_GRAD_PARTS BF16 products of its Dgrads in s->d_xn16, part i

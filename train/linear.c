@@ -428,12 +428,14 @@ static void bf16_backward(RunCtx *rc, int n_groups, const int *offsets, int n_ou
 // ---------------------------------------------------------------------------- fp8 Linears
 // What the fp8 quantisers read for an activation operand (an input X or a gradient dY): an FP32 array, row r read
 // through `rows` when given; one of the SwiGLU gate's values computed from dout, a, b as it is read (kernels.h
-// fp8_quantize_swiglu_*); or the MoE combine's gradient through the routing plan (a dY, both layouts only). The
-// last two are never written in FP32 (linear_*_swiglu_grouped).
+// fp8_quantize_swiglu_*); the MoE combine's gradient through the routing plan (a dY, both layouts only); or
+// RMSNorm(x), normalised as it is read (an input X, both layouts only, one group: linear.h NormInput). The last three
+// are never written in FP32 (linear_*_swiglu_grouped, linear_forward_norm).
 typedef struct {
-    enum { OPERAND_ARRAY, OPERAND_SWIGLU, OPERAND_COMBINE_GRAD } kind;
+    enum { OPERAND_ARRAY, OPERAND_SWIGLU, OPERAND_COMBINE_GRAD, OPERAND_NORM } kind;
     const real *x;
     const int *rows;
+    const real *rstd, *norm_w;     // RMSNorm(x)'s rstd and weight
     SwigluValue value;
     const uint16_t *dout, *a, *b;  // the SwiGLU gate's BF16 inputs (linear.h SwigluGate) and h's BF16 gradient
     const CombineGrad *combine;
@@ -446,9 +448,11 @@ static Operand swiglu_operand(SwigluValue value, const uint16_t *dout, const uin
     return (Operand){.kind = OPERAND_SWIGLU, .value = value, .dout = dout, .a = a, .b = b};
 }
 
-_Noreturn static void unsupported_operand(const char *layout) {
-    fprintf(stderr, "fp8moe: train/linear.c: internal error: the combine's gradient is quantised in both layouts at "
-                    "once, not as a %s operand alone\n", layout);
+// The combine's gradient and a norm's output are quantised in both layouts at once, never one layout alone.
+static void check_one_layout(const Operand *x, const char *layout) {
+    if (x->kind != OPERAND_COMBINE_GRAD && x->kind != OPERAND_NORM) return;
+    fprintf(stderr, "fp8moe: train/linear.c: internal error: %s is quantised in both layouts at once, not as a %s "
+                    "operand alone\n", x->kind == OPERAND_NORM ? "a norm's output" : "the combine's gradient", layout);
     exit(1);
 }
 
@@ -456,7 +460,7 @@ _Noreturn static void unsupported_operand(const char *layout) {
 // for all groups in one call. `what` names the operand in an error.
 static void quantize_1x128(RunCtx *rc, Fp8Operand o, const Operand *x, int n_groups, const int *offsets, int C,
                            const char *what) {
-    if (x->kind == OPERAND_COMBINE_GRAD) unsupported_operand("1x128");
+    check_one_layout(x, "1x128");
     char err[256];
     profile_begin(PHASE_QUANTISE);
     const int status = x->kind == OPERAND_SWIGLU
@@ -470,7 +474,7 @@ static void quantize_1x128(RunCtx *rc, Fp8Operand o, const Operand *x, int n_gro
 
 static void quantize_128x1(RunCtx *rc, Fp8Operand o, const Operand *x, int n_groups, const int *offsets, int C,
                            const char *what) {
-    if (x->kind == OPERAND_COMBINE_GRAD) unsupported_operand("128x1");
+    check_one_layout(x, "128x1");
     char err[256];
     profile_begin(PHASE_QUANTISE);
     const int status = x->kind == OPERAND_SWIGLU
@@ -486,8 +490,9 @@ static void quantize_128x1(RunCtx *rc, Fp8Operand o, const Operand *x, int n_gro
 // routed experts' token rows are not kept, linear.h).
 static void quantize_both(RunCtx *rc, Fp8Operand o1, Fp8Operand o2, const Operand *x, int n_groups, const int *offsets,
                           int C, const char *what) {
-    if (x->kind == OPERAND_ARRAY && x->rows != NULL) {
-        fprintf(stderr, "fp8moe: train/linear.c: internal error: both layouts of %s read through a row index\n", what);
+    if ((x->kind == OPERAND_ARRAY && x->rows != NULL) || (x->kind == OPERAND_NORM && n_groups != 1)) {
+        fprintf(stderr, "fp8moe: train/linear.c: internal error: both layouts of %s read through a row index, or of a "
+                        "norm's output in %d groups (one only)\n", what, n_groups);
         exit(1);
     }
     char err[256];
@@ -496,6 +501,9 @@ static void quantize_both(RunCtx *rc, Fp8Operand o1, Fp8Operand o2, const Operan
     if (x->kind == OPERAND_SWIGLU)
         status = fp8_quantize_swiglu_both_layouts_grouped(rc->dev, o1.q, o1.s, o2.q, o2.s, x->value, x->dout, x->a, x->b,
                                                       n_groups, offsets, C, err, sizeof err);
+    else if (x->kind == OPERAND_NORM)
+        status = fp8_quantize_rmsnorm_both_layouts(rc->dev, o1.q, o1.s, o2.q, o2.s, x->x, x->rstd, x->norm_w,
+                                                   offsets[1], C, err, sizeof err);
     else if (x->kind == OPERAND_COMBINE_GRAD)
         status = fp8_quantize_combine_grad_both_layouts_grouped(rc->dev, o1.q, o1.s, o2.q, o2.s, x->combine->d_out,
                                                             x->combine->seg_token, x->combine->slot_of,
@@ -875,13 +883,24 @@ void linear_forward(RunCtx *rc, real *out, const real *inp, const real *weight, 
 }
 
 static void forward_grouped(RunCtx *rc, int n_groups, const int *offsets, int n_out, real *const *out,
-                            uint16_t *const *out_bf16, const real *inp, const int *inp_rows, const real *const *weight,
-                            int C, const int *OC, const real *residual, KeptInput *kept, SharedFprop *fprop);
+                            uint16_t *const *out_bf16, const Operand *x, const real *const *weight, int C,
+                            const int *OC, const real *residual, KeptInput *kept, SharedFprop *fprop);
 
 void linear_forward_bf16(RunCtx *rc, uint16_t *out_bf16, const real *inp, const real *weight, int N, int C, int OC,
                          KeptInput *kept) {
     const int offsets[2] = {0, N};
-    forward_grouped(rc, 1, offsets, 1, NULL, &out_bf16, inp, NULL, &weight, C, &OC, NULL, kept, NULL);
+    const Operand x = array_operand(inp, NULL);
+    forward_grouped(rc, 1, offsets, 1, NULL, &out_bf16, &x, &weight, C, &OC, NULL, kept, NULL);
+}
+
+void linear_forward_norm(RunCtx *rc, int n_out, real *const *out, uint16_t *const *out_bf16, const NormInput *in,
+                         const real *const *weight, int N, int C, const int *OC, KeptInput *kept) {
+    const int offsets[2] = {0, N};
+    const int fused = linear_fp8_fused(rc) && kept != NULL && kept->q != NULL;
+    rmsnorm_forward(rc->dev, fused ? NULL : in->xn, in->rstd, in->x, in->weight, N, C);
+    const Operand x = fused ? (Operand){.kind = OPERAND_NORM, .x = in->x, .rstd = in->rstd, .norm_w = in->weight}
+                            : array_operand(in->xn, NULL);
+    forward_grouped(rc, 1, offsets, n_out, out, out_bf16, &x, weight, C, OC, NULL, kept, NULL);
 }
 
 // inp_rows is for the FP8 quantisers and the BF16 rounding; fp32 mode gets its rows gathered by the caller.
@@ -895,9 +914,11 @@ static void check_inp_rows(const RunCtx *rc, const int *inp_rows) {
 // linear_forward_grouped with Linear i's own output width OC[i] and a residual (n_out = 1 then; else NULL) added to
 // the output (linear_forward_residual); with out_bf16 instead of out, the BF16 products (linear_forward_bf16).
 static void forward_grouped(RunCtx *rc, int n_groups, const int *offsets, int n_out, real *const *out,
-                            uint16_t *const *out_bf16, const real *inp, const int *inp_rows, const real *const *weight,
-                            int C, const int *OC, const real *residual, KeptInput *kept, SharedFprop *fprop) {
+                            uint16_t *const *out_bf16, const Operand *x, const real *const *weight, int C,
+                            const int *OC, const real *residual, KeptInput *kept, SharedFprop *fprop) {
     if (n_out > MAX_SHARED) too_many_shared(n_out);
+    const real *inp = x->x;  // (bf16 and fp32 modes: an array; only fp8 mode's fused paths make other operands)
+    const int *inp_rows = x->rows;
     if (out_bf16 != NULL && (!linear_bf16_products(rc) || residual != NULL)) {
         fprintf(stderr, "fp8moe: train/linear.c: internal error: BF16 products asked of a Linear %s (only fp8 mode's "
                         "fused paths and bf16 mode leave them, without a residual: linear_bf16_products)\n",
@@ -912,8 +933,7 @@ static void forward_grouped(RunCtx *rc, int n_groups, const int *offsets, int n_
     check_inp_rows(rc, inp_rows);
     profile_begin(PHASE_OTHER_GEMM);  // the caller may make it an expert GEMM (kernels/profile.h)
     if (rc->precision.mode == PRECISION_FP8) {
-        const Operand x = array_operand(inp, inp_rows);
-        fp8_forward(rc, n_groups, offsets, n_out, out, out_bf16, &x, weight, C, OC, residual, kept, fprop);
+        fp8_forward(rc, n_groups, offsets, n_out, out, out_bf16, x, weight, C, OC, residual, kept, fprop);
     } else if (rc->precision.mode == PRECISION_BF16) {
         bf16_forward(rc, n_groups, offsets, n_out, out, out_bf16, inp, inp_rows, weight, C, OC, residual);
     } else {
@@ -934,19 +954,22 @@ void linear_forward_grouped(RunCtx *rc, int n_groups, const int *offsets, int n_
     int widths[MAX_SHARED];
     if (n_out > MAX_SHARED) too_many_shared(n_out);
     for (int i = 0; i < n_out; i++) widths[i] = OC;
-    forward_grouped(rc, n_groups, offsets, n_out, out, NULL, inp, inp_rows, weight, C, widths, NULL, kept, fprop);
+    const Operand x = array_operand(inp, inp_rows);
+    forward_grouped(rc, n_groups, offsets, n_out, out, NULL, &x, weight, C, widths, NULL, kept, fprop);
 }
 
 void linear_forward_shared(RunCtx *rc, int n_out, real *const *out, const real *inp, const real *const *weight, int N,
                            int C, const int *OC, KeptInput *kept) {
     const int offsets[2] = {0, N};
-    forward_grouped(rc, 1, offsets, n_out, out, NULL, inp, NULL, weight, C, OC, NULL, kept, NULL);
+    const Operand x = array_operand(inp, NULL);
+    forward_grouped(rc, 1, offsets, n_out, out, NULL, &x, weight, C, OC, NULL, kept, NULL);
 }
 
 void linear_forward_residual(RunCtx *rc, real *out, const real *inp, const real *weight, const real *residual, int N,
                              int C, int OC, KeptInput *kept) {
     const int offsets[2] = {0, N};
-    forward_grouped(rc, 1, offsets, 1, &out, NULL, inp, NULL, &weight, C, &OC, residual, kept, NULL);
+    const Operand x = array_operand(inp, NULL);
+    forward_grouped(rc, 1, offsets, 1, &out, NULL, &x, &weight, C, &OC, residual, kept, NULL);
 }
 
 void linear_backward(RunCtx *rc, real *dinp, GradStore dinp_store, real *dweight, const real *dout, const real *inp,

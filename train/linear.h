@@ -77,6 +77,20 @@ void linear_forward(RunCtx *rc, real *out, const real *inp, const real *weight, 
 // which the attention core reads in BF16: kernels.h attention_forward_bf16).
 void linear_forward_bf16(RunCtx *rc, uint16_t *out_bf16, const real *inp, const real *weight, int N, int C, int OC,
                          KeptInput *kept);
+// The input RMSNorm(x) of linear_forward_norm's Linears (kernels.h rmsnorm_forward: xn = (x * rstd) * weight), by its
+// parts. rstd is written (the norm's backward reads it). In fp8 mode's fused paths, where the Linears keep their Wgrad
+// operand (`kept`), the quantisers normalise x's rows as they read them (kernels.h fp8_quantize_rmsnorm_both_layouts)
+// and xn is not written (its values are then never read: the backward reads what was kept); elsewhere rmsnorm_forward
+// writes xn and the Linears read it. The same bits either way.
+typedef struct {
+    const real *x, *weight;  // the norm's input (N, C) and weight (C)
+    real *rstd;              // (N)
+    real *xn;                // (N, C)
+} NormInput;
+// linear_forward_shared (out) or linear_forward_bf16 (out_bf16, n_out BF16 products) of RMSNorm(in->x), the norm
+// computed here: MLA's down-projections of the block input and its up-projections of the normalised latents.
+void linear_forward_norm(RunCtx *rc, int n_out, real *const *out, uint16_t *const *out_bf16, const NormInput *in,
+                         const real *const *weight, int N, int C, const int *OC, KeptInput *kept);
 // out = inp @ weight^T + residual (N, OC): the bits of linear_forward then add_inplace(out, residual); in fp8 and
 // bf16 modes the residual is added in the GEMM output's conversion pass (a block's residual branch after MLA).
 void linear_forward_residual(RunCtx *rc, real *out, const real *inp, const real *weight, const real *residual, int N,

@@ -17,7 +17,7 @@
 
 #include "kernels/profile.h"
 
-void mla_forward(Model *m, const MlaWeights *w, MlaActs *a, const Dims *d, const real *xn, const real *residual,
+void mla_forward(Model *m, const MlaWeights *w, MlaActs *a, const Dims *d, const NormInput *xn, const real *residual,
                  real *out) {
     Device dev = m->rc.dev;
     int N = d->N, H = d->H, dqk = d->dqk;
@@ -29,26 +29,33 @@ void mla_forward(Model *m, const MlaWeights *w, MlaActs *a, const Dims *d, const
         real *const outs[2] = {d->qr > 0 ? a->cq : a->qf, a->kva};
         const real *const ws[2] = {d->qr > 0 ? w->wq_a : w->wq, w->wkv_a};
         const int widths[2] = {d->qr > 0 ? d->qr : H * dqk, kva_w};
-        linear_forward_shared(&m->rc, 2, outs, xn, ws, N, d->D, widths, &a->xn_kept);
+        linear_forward_norm(&m->rc, 2, outs, NULL, xn, ws, N, d->D, widths, &a->xn_kept);
     }
     // fp8 and bf16 modes (with a query compression) leave the up-projections' products in BF16, and the attention
     // core reads them as they are, rotating the queries' rope parts as it stages them (kernels.h
     // attention_forward_bf16): the bits of the FP32 path below, without its FP32 q and kv
     const int bf16_products = a->q16 != NULL;
+    // the latents' norms: in fp8 mode their outputs are never written (linear.h NormInput)
     if (d->qr > 0) {
-        rmsnorm_forward(dev, a->cqn, a->cq_rstd, a->cq, w->q_norm, N, d->qr);
-        if (bf16_products) linear_forward_bf16(&m->rc, a->q16, a->cqn, w->wq_b, N, d->qr, H * dqk, &a->cqn_kept);
-        else linear_forward(&m->rc, a->qf, a->cqn, w->wq_b, N, d->qr, H * dqk, &a->cqn_kept);
+        const NormInput cqn = {a->cq, w->q_norm, a->cq_rstd, a->cqn};
+        const real *const wq_b[1] = {w->wq_b};
+        const int q_w = H * dqk;
+        linear_forward_norm(&m->rc, 1, bf16_products ? NULL : &a->qf, bf16_products ? &a->q16 : NULL, &cqn, wq_b, N,
+                            d->qr, &q_w, &a->cqn_kept);
     }
     if (!bf16_products) rope_forward(dev, a->qf + d->dn, a->qf + d->dn, dqk, d->B, d->T, H, d->dr, d->rope_theta);
     // keys and values through the compressed latent
     copy_block(dev, a->ckv, d->kvr, a->kva, kva_w, N, d->kvr, 0);
     copy_block(dev, a->k_rope_raw, d->dr, a->kva + d->kvr, kva_w, N, d->dr, 0);
     rope_forward(dev, a->k_rope, a->k_rope_raw, d->dr, d->B, d->T, 1, d->dr, d->rope_theta);
-    rmsnorm_forward(dev, a->ckvn, a->ckv_rstd, a->ckv, w->kv_norm, N, d->kvr);
     int kv_w = d->dn + d->dv;
-    if (bf16_products) linear_forward_bf16(&m->rc, a->kv16, a->ckvn, w->wkv_b, N, d->kvr, H * kv_w, &a->ckvn_kept);
-    else linear_forward(&m->rc, a->kv, a->ckvn, w->wkv_b, N, d->kvr, H * kv_w, &a->ckvn_kept);
+    {
+        const NormInput ckvn = {a->ckv, w->kv_norm, a->ckv_rstd, a->ckvn};
+        const real *const wkv_b[1] = {w->wkv_b};
+        const int kv_cols = H * kv_w;
+        linear_forward_norm(&m->rc, 1, bf16_products ? NULL : &a->kv, bf16_products ? &a->kv16 : NULL, &ckvn, wkv_b,
+                            N, d->kvr, &kv_cols, &a->ckvn_kept);
+    }
     // attention core (head h's key [kv's k_C ; the shared k_rope], its value kv's v, read in place) and output
     // projection
     profile_begin(PHASE_ATTENTION);

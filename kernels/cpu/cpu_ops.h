@@ -10,6 +10,9 @@ void cpu_matmul_forward(real *out, const real *inp, const real *weight, int N, i
 void cpu_matmul_backward(real *dinp, real *dweight, const real *dout, const real *inp, const real *weight, int N, int C, int OC);
 void cpu_embedding_forward(real *out, const int *tokens, const real *table, int N, int C);
 void cpu_embedding_backward(real *dtable, const real *dout, const int *tokens, int N, int C);
+// One row of RMSNorm's output (x * rstd) * weight: cpu_rmsnorm_forward's, and the rows that
+// cpu_fp8_quantize_rmsnorm_both_layouts quantises.
+void cpu_rmsnorm_row(real *out, const real *x, real rstd, const real *weight, int C);
 void cpu_rmsnorm_forward(real *out, real *rstd, const real *inp, const real *weight, int N, int C);
 void cpu_rmsnorm_backward(real *dinp, real *dweight, const real *dout, const real *inp, const real *weight, const real *rstd, int N, int C);
 void cpu_rmsnorm_backward_bf16(real *dinp, real *dweight, const uint16_t *dout, int64_t ld, int n_src, int64_t src_stride, const real *inp, const real *weight, const real *rstd, int N, int C);
@@ -59,6 +62,9 @@ int cpu_fp8_quantize_128x128(uint8_t *q, uint8_t *qt, float *s, const real *w, i
 int cpu_fp8_quantize_128x1_transposed(uint8_t *q, float *s, const real *x, int T, int C, char *err, size_t err_size);
 int cpu_fp8_quantize_both_layouts(uint8_t *q1, float *s1, uint8_t *q2, float *s2, const real *x, int T, int C, char *err,
                                   size_t err_size);
+int cpu_fp8_quantize_rmsnorm_both_layouts(uint8_t *q1, float *s1, uint8_t *q2, float *s2, const real *x,
+                                          const real *rstd, const real *weight, int T, int C, char *err,
+                                          size_t err_size);
 int cpu_fp8_quantize_1x128_grouped(uint8_t *q, float *s, const real *x, const int *x_rows, int n, const int *rows0, int K, char *err,
                                    size_t err_size);
 int cpu_fp8_quantize_128x1_transposed_grouped(uint8_t *q, float *s, const real *x, const int *x_rows, int n, const int *rows0, int C,

@@ -67,16 +67,19 @@ void cpu_embedding_backward(real *dtable, const real *dout, const int *tokens, i
 // ---------------------------------------------------------------------------- RMSNorm
 // inp (N, C), weight (C) -> out (N, C) = (inp * rstd) * weight, rstd (N) = 1 / sqrt(mean(inp^2) + eps).
 // The sum of squares runs over c in order in `real`.
+void cpu_rmsnorm_row(real *out, const real *x, real rstd, const real *weight, int C) {
+#pragma omp simd
+    for (int c = 0; c < C; c++) out[c] = (x[c] * rstd) * weight[c];
+}
+
 void cpu_rmsnorm_forward(real *out, real *rstd, const real *inp, const real *weight, int N, int C) {
 #pragma omp parallel for schedule(static) if ((int64_t)N * C >= PARALLEL_MIN_ELEMENTS)
     for (int n = 0; n < N; n++) {
         const real *x = inp + (size_t)n * C;
-        real *o = out + (size_t)n * C;
         real sumsq = 0;
         for (int c = 0; c < C; c++) sumsq += x[c] * x[c];
         const real r = (real)1 / sqrt(sumsq / (real)C + (real)RMSNORM_EPS);
-#pragma omp simd
-        for (int c = 0; c < C; c++) o[c] = (x[c] * r) * weight[c];
+        if (out) cpu_rmsnorm_row(out + (size_t)n * C, x, r, weight, C);
         rstd[n] = r;
     }
 }

@@ -517,6 +517,19 @@ int cpu_fp8_quantize_both_layouts(uint8_t *q1, float *s1, uint8_t *q2, float *s2
     return 0;
 }
 
+// kernels.h's fp8_quantize_rmsnorm_both_layouts: its definition, RMSNorm's rows (as cpu_rmsnorm_forward writes them)
+// and the both-layouts quantiser.
+int cpu_fp8_quantize_rmsnorm_both_layouts(uint8_t *q1, float *s1, uint8_t *q2, float *s2, const real *x,
+                                          const real *rstd, const real *weight, int T, int C, char *err,
+                                          size_t err_size) {
+    real *xn = cpu_values_or_die((size_t)T * C, "RMSNorm's rows");
+    for (int t = 0; t < T; t++) cpu_rmsnorm_row(xn + (size_t)t * C, x + (size_t)t * C, rstd[t], weight, C);
+    const int rc = check_finite("fp8_quantize_rmsnorm_both_layouts", xn, T, C, err, err_size);
+    if (rc == 0) quantize_1x128_rows(q1, s1, xn, T, C), quantize_128x1_rows(q2, s2, xn, T, C);
+    free(xn);
+    return rc;
+}
+
 // ---------------------------------------------------------------------------- grouped quantisers
 // kernels.h's *_grouped forms: the plain quantisers segment by segment, at the offsets kernels.h defines.
 static void check_segments(const char *op, int n, const int *rows0) {

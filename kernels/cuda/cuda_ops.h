@@ -41,6 +41,9 @@ int cuda_fp8_quantize_128x128(uint8_t *q, uint8_t *qt, float *s, const real *w, 
 int cuda_fp8_quantize_128x1_transposed(uint8_t *q, float *s, const real *x, int T, int C, char *err, size_t err_size);
 int cuda_fp8_quantize_both_layouts(uint8_t *q1, float *s1, uint8_t *q2, float *s2, const real *x, int T, int C, char *err,
                                    size_t err_size);
+int cuda_fp8_quantize_rmsnorm_both_layouts(uint8_t *q1, float *s1, uint8_t *q2, float *s2, const real *x,
+                                           const real *rstd, const real *weight, int T, int C, char *err,
+                                           size_t err_size);
 int cuda_fp8_quantize_1x128_grouped(uint8_t *q, float *s, const real *x, const int *x_rows, int n_seg, const int *rows0, int K, char *err,
                                     size_t err_size);
 int cuda_fp8_quantize_128x1_transposed_grouped(uint8_t *q, float *s, const real *x, const int *x_rows, int n_seg, const int *rows0, int C,

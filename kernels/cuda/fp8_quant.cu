@@ -193,6 +193,34 @@ struct ArrayRows {
     }
 };
 
+// RMSNorm(x)'s rows computed as they are read (kernels.h fp8_quantize_rmsnorm_both_layouts), with rmsnorm.cu's
+// arithmetic, (x * rstd) * weight: the bits rmsnorm_forward would have stored. rstd as rmsnorm_forward wrote it.
+struct NormRows {
+    const float *x, *rstd, *weight;
+    int C;
+    bool aligned16() const { return is_aligned(x, 16) && is_aligned(weight, 16); }
+    template <bool VEC4>
+    __device__ void load4(float v[4], int64_t row, int col, int len) const {
+        if (len == 0) {
+            v[0] = v[1] = v[2] = v[3] = 0.0f;
+            return;
+        }
+        float xv[4], wv[4];
+        ::load4<VEC4>(xv, x + row * C, col, len);
+        ::load4<VEC4>(wv, weight, col, len);
+        const float r = rstd[row];
+        for (int j = 0; j < 4; j++) v[j] = col + j < len ? __fmul_rn(__fmul_rn(xv[j], r), wv[j]) : 0.0f;
+    }
+    // The same for 4 columns inside the rows (the both-layouts kernel's full tiles): no padding to clear.
+    __device__ void load4_full(float v[4], int64_t row, int col) const {
+        const float4 xv = *reinterpret_cast<const float4 *>(x + row * C + col);
+        const float4 wv = *reinterpret_cast<const float4 *>(weight + col);
+        const float r = rstd[row];
+        v[0] = __fmul_rn(__fmul_rn(xv.x, r), wv.x), v[1] = __fmul_rn(__fmul_rn(xv.y, r), wv.y);
+        v[2] = __fmul_rn(__fmul_rn(xv.z, r), wv.z), v[3] = __fmul_rn(__fmul_rn(xv.w, r), wv.w);
+    }
+};
+
 // A SwiGLU value computed from its inputs as it is read (kernels.h fp8_quantize_swiglu_*), with swiglu.cuh's
 // arithmetic: the bits swiglu_forward / swiglu_backward would have stored. a, b and dout are BF16 rows of stride
 // round_up(C, 128) (the GEMMs' own outputs). A branch on `value` is the same for the whole grid.
@@ -1007,6 +1035,15 @@ extern "C" int cuda_fp8_quantize_both_layouts(uint8_t *q1, float *s1, uint8_t *q
     const int rows0[2] = {0, T};
     return quantize_both_segments("fp8_quantize_both_layouts", "x", q1, s1, q2, s2, ArrayRows{x, NULL, C}, 1, rows0, C,
                                   err, err_size);
+}
+
+extern "C" int cuda_fp8_quantize_rmsnorm_both_layouts(uint8_t *q1, float *s1, uint8_t *q2, float *s2, const real *x,
+                                                      const real *rstd, const real *weight, int T, int C, char *err,
+                                                      size_t err_size) {
+    if (T <= 0) return 0;
+    const int rows0[2] = {0, T};
+    return quantize_both_segments("fp8_quantize_rmsnorm_both_layouts", "rmsnorm(x)", q1, s1, q2, s2,
+                                  NormRows{x, rstd, weight, C}, 1, rows0, C, err, err_size);
 }
 
 extern "C" int cuda_fp8_quantize_both_layouts_grouped(uint8_t *q1, float *s1, uint8_t *q2, float *s2, const real *x,

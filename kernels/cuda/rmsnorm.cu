@@ -16,8 +16,8 @@
 #include "kernels/cuda/common.cuh"
 
 // ---------------------------------------------------------------------------- forward
-// inp (N, C), weight (C) -> out (N, C) = inp * rstd * weight, rstd (N) = 1/sqrt(mean(inp^2) + eps).
-// One block per row: the row's sum of squares is a block reduction, then the block writes the row.
+// inp (N, C), weight (C) -> out (N, C) = inp * rstd * weight, rstd (N) = 1/sqrt(mean(inp^2) + eps); out NULL: rstd
+// only (kernels.h). One block per row: the row's sum of squares is a block reduction, then the block writes the row.
 // Thread t holds the row's columns t, t + 256, ... (PER of them, PER = ceil(C / 256)) in registers: all its loads
 // are issued before the first add, so enough bytes are in flight to keep the memory busy (one load at a time per
 // thread moved about half of the bandwidth), and the row is read once. PER = 0 is the loop form for rows too long
@@ -32,7 +32,6 @@ __global__ void __launch_bounds__(RMSNORM_THREADS)
     __shared__ float scratch[32];
     const int64_t row = blockIdx.x;
     const float *x = inp + row * C;
-    float *y = out + row * C;
 
     float sum_sq = 0.0f;
     float v[PER > 0 ? PER : 1];
@@ -51,6 +50,9 @@ __global__ void __launch_bounds__(RMSNORM_THREADS)
     sum_sq = block_sum(sum_sq, scratch);
 
     const float r = __frcp_rn(__fsqrt_rn(__fadd_rn(__fdiv_rn(sum_sq, (float)C), (float)RMSNORM_EPS)));
+    if (threadIdx.x == 0) rstd[row] = r;
+    if (out == NULL) return;
+    float *y = out + row * C;
     if constexpr (PER > 0) {
 #pragma unroll
         for (int i = 0; i < PER; i++) {
@@ -60,7 +62,6 @@ __global__ void __launch_bounds__(RMSNORM_THREADS)
     } else {
         for (int c = threadIdx.x; c < C; c += RMSNORM_THREADS) y[c] = __fmul_rn(__fmul_rn(x[c], r), weight[c]);
     }
-    if (threadIdx.x == 0) rstd[row] = r;
 }
 
 // The kernels' PER for C columns on RMSNORM_THREADS threads: the smallest of {1, 2, 4, 8, 16} covering them, or 0

@@ -489,6 +489,83 @@ static void test_quantize_both(void **state) {
     free(x), free(q1), free(q2), free(s1), free(s2), free(g1), free(g2), free(gs1), free(gs2);
 }
 
+// Bytes and scales of two both-layouts outputs that differ (q1, s1, q2, s2 of L1 and L2), all four counts added.
+static int64_t both_differing(const QuantLayout *L1, const QuantLayout *L2, const uint8_t *a1, const float *as1,
+                              const uint8_t *a2, const float *as2, const uint8_t *b1, const float *bs1,
+                              const uint8_t *b2, const float *bs2) {
+    int64_t d = 0;
+    for (int64_t i = 0; i < L1->q_bytes; i++) d += a1[i] != b1[i];
+    for (int64_t i = 0; i < L2->q_bytes; i++) d += a2[i] != b2[i];
+    for (int64_t i = 0; i < L1->s_count; i++) d += memcmp(&as1[i], &bs1[i], sizeof(float)) != 0;
+    for (int64_t i = 0; i < L2->s_count; i++) d += memcmp(&as2[i], &bs2[i], sizeof(float)) != 0;
+    return d;
+}
+
+// fp8_quantize_rmsnorm_both_layouts (RMSNorm's rows normalised as the quantiser reads them, fp8 mode's MLA inputs):
+// BITWISE what its contract names, the CUDA rmsnorm_forward into an array and the CUDA both-layouts quantiser of it,
+// and what the CPU op gives for the same rstd (one FP32 product per factor, the same on both; the rstd itself is a
+// sum in another order on the CPU, so the CPU op is given the GPU's). rmsnorm_forward without out must write the
+// rstd it writes with out, bit for bit. Then a NaN at (5, 17) must be reported naming the op, row and column.
+static void test_quantize_rmsnorm(void **state) {
+    const BothCase *bc = *state;
+    const int T = bc->T, C = bc->C;
+    const int64_t n = (int64_t)T * C;
+    float *x = floats(n), *w = floats(C);
+    fill_log_uniform(x, n, 5000 + (uint64_t)T, -12.0, 3.0);
+    fill_log_uniform(w, C, 5100 + (uint64_t)C, -3.0, 1.0);
+    const QuantLayout L1 = quant_layout(Q_1X128, T, C, 0), L2 = quant_layout(Q_128X1T, T, C, 0);
+    const size_t b1 = (size_t)L1.q_bytes, b2 = (size_t)L2.q_bytes;
+    const size_t f1 = (size_t)L1.s_count * sizeof(float), f2 = (size_t)L2.s_count * sizeof(float);
+    float *x_d = gpucheck_to_device(x, (size_t)n * sizeof(float)), *w_d = gpucheck_to_device(w, C * sizeof(float));
+    float *xn_d = gpu_poisoned((size_t)n * sizeof(float));
+    float *rstd_d = gpu_poisoned((size_t)T * sizeof(float)), *rstd_out_d = gpu_poisoned((size_t)T * sizeof(float));
+    uint8_t *q1_d = gpu_poisoned(b1), *q2_d = gpu_poisoned(b2), *r1_d = gpu_poisoned(b1), *r2_d = gpu_poisoned(b2);
+    float *s1_d = gpu_poisoned(f1), *s2_d = gpu_poisoned(f2), *rs1_d = gpu_poisoned(f1), *rs2_d = gpu_poisoned(f2);
+    char err[256] = "";
+    rmsnorm_forward(DEVICE_CUDA, NULL, rstd_d, x_d, w_d, T, C);
+    rmsnorm_forward(DEVICE_CUDA, xn_d, rstd_out_d, x_d, w_d, T, C);
+    assert_int_equal(fp8_quantize_both_layouts(DEVICE_CUDA, r1_d, rs1_d, r2_d, rs2_d, xn_d, T, C, err, sizeof err), 0);
+    assert_int_equal(fp8_quantize_rmsnorm_both_layouts(DEVICE_CUDA, q1_d, s1_d, q2_d, s2_d, x_d, rstd_d, w_d, T, C, err,
+                                                       sizeof err), 0);
+    assert_int_equal(fp8_check_finite(DEVICE_CUDA, err, sizeof err), 0);
+    float *rstd = gpucheck_to_host(rstd_d, (size_t)T * sizeof(float));
+    float *rstd_out = gpucheck_to_host(rstd_out_d, (size_t)T * sizeof(float));
+    uint8_t *g1 = gpucheck_to_host(q1_d, b1), *g2 = gpucheck_to_host(q2_d, b2);
+    uint8_t *r1 = gpucheck_to_host(r1_d, b1), *r2 = gpucheck_to_host(r2_d, b2);
+    float *gs1 = gpucheck_to_host(s1_d, f1), *gs2 = gpucheck_to_host(s2_d, f2);
+    float *rs1 = gpucheck_to_host(rs1_d, f1), *rs2 = gpucheck_to_host(rs2_d, f2);
+    uint8_t *c1 = host_poisoned(b1), *c2 = host_poisoned(b2);
+    float *cs1 = host_poisoned(f1), *cs2 = host_poisoned(f2);
+    assert_int_equal(fp8_quantize_rmsnorm_both_layouts(DEVICE_CPU, c1, cs1, c2, cs2, x, rstd, w, T, C, err, sizeof err),
+                     0);
+    const int rstd_same = memcmp(rstd, rstd_out, (size_t)T * sizeof(float)) == 0;
+    const int64_t d_cuda = both_differing(&L1, &L2, g1, gs1, g2, gs2, r1, rs1, r2, rs2);
+    const int64_t d_cpu = both_differing(&L1, &L2, g1, gs1, g2, gs2, c1, cs1, c2, cs2);
+    // a NaN in x: the call returns 0 and the check names the op, row 5 and column 17
+    x[5 * C + 17] = NAN;
+    float *bad_d = gpucheck_to_device(x, (size_t)n * sizeof(float));
+    char err_gpu[256] = "";
+    const int rc_call = fp8_quantize_rmsnorm_both_layouts(DEVICE_CUDA, q1_d, s1_d, q2_d, s2_d, bad_d, rstd_d, w_d, T, C,
+                                                          err_gpu, sizeof err_gpu);
+    const int rc_gpu = fp8_check_finite(DEVICE_CUDA, err_gpu, sizeof err_gpu);
+    const int named = strstr(err_gpu, "fp8_quantize_rmsnorm_both_layouts") != NULL &&
+                      strstr(err_gpu, "row 5, column 17") != NULL;
+    const int pass_ok = rstd_same && d_cuda == 0 && d_cpu == 0 && rc_call == 0 && rc_gpu == -1 && named;
+    printf("%-18s %4d x %-5d rstd without out %s; differing bytes and scales (both layouts) from rmsnorm_forward + "
+           "quantize_both %lld, from the CPU op %lld; NaN at (5, 17): \"%s\"  %s\n", "quantize_rmsnorm", T, C,
+           rstd_same ? "bitwise equal" : "DIFFERS", (long long)d_cuda, (long long)d_cpu, err_gpu,
+           pass_ok ? "ok" : "FAIL");
+    fflush(stdout);
+    assert_true(pass_ok);
+    device_free(DEVICE_CUDA, x_d), device_free(DEVICE_CUDA, w_d), device_free(DEVICE_CUDA, xn_d);
+    device_free(DEVICE_CUDA, rstd_d), device_free(DEVICE_CUDA, rstd_out_d), device_free(DEVICE_CUDA, bad_d);
+    device_free(DEVICE_CUDA, q1_d), device_free(DEVICE_CUDA, q2_d), device_free(DEVICE_CUDA, r1_d);
+    device_free(DEVICE_CUDA, r2_d), device_free(DEVICE_CUDA, s1_d), device_free(DEVICE_CUDA, s2_d);
+    device_free(DEVICE_CUDA, rs1_d), device_free(DEVICE_CUDA, rs2_d);
+    free(x), free(w), free(rstd), free(rstd_out), free(g1), free(g2), free(r1), free(r2), free(gs1), free(gs2);
+    free(rs1), free(rs2), free(c1), free(c2), free(cs1), free(cs2);
+}
+
 // The grouped quantisers (the routed experts' segments in one launch) against the CPU's grouped ones,
 // which test_fp8 checks against the plain quantisers segment by segment: every byte and scale of the
 // 1x128, 128x1 and both-layouts outputs, padding included, bit-identical. Segment lists with empty
@@ -2341,6 +2418,8 @@ int main(void) {
     static GemmCase d_c = {G_DGRAD, 200, 640, 256, 0, 0};
     static GemmCase w_a = {G_WGRAD, 300, 576, 300, 0, 0}, w_b = {G_WGRAD, 1000, 256, 512, 0, 1};
     static BothCase both_a = {300, 576}, both_b = {45, 200}, both_c = {1000, 70}, both_d = {3072, 2048};
+    // the norm's shapes: partial blocks, a width off 4 (the scalar loads), MLA's latent and block widths
+    static BothCase norm_a = {300, 576}, norm_b = {45, 202}, norm_c = {1000, 512}, norm_d = {2048, 2048};
     static GroupedCase gr_a = {5, 300, 1}, gr_b = {32, 2048, 2}, gr_c = {32, 1024, 3}, gr_d = {7, 70, 4};
     // SwiGLU quantisers (and the joint da, db one): one segment; an empty segment, partial 128-tiles and 333 rows (off 16) at whole tiles, at a
     // partial last tile (200) and at a width off 4 (202: scalar loads); 6 segments of ~3000 rows (one empty) at
@@ -2388,6 +2467,10 @@ int main(void) {
         cmocka_unit_test_prestate(test_quantize_both, &both_b),
         cmocka_unit_test_prestate(test_quantize_both, &both_c),
         cmocka_unit_test_prestate(test_quantize_both, &both_d),
+        cmocka_unit_test_prestate(test_quantize_rmsnorm, &norm_a),
+        cmocka_unit_test_prestate(test_quantize_rmsnorm, &norm_b),
+        cmocka_unit_test_prestate(test_quantize_rmsnorm, &norm_c),
+        cmocka_unit_test_prestate(test_quantize_rmsnorm, &norm_d),
         cmocka_unit_test_prestate(test_quantize_grouped, &gr_a),
         cmocka_unit_test_prestate(test_quantize_grouped, &gr_b),
         cmocka_unit_test_prestate(test_quantize_grouped, &gr_c),

@@ -451,6 +451,38 @@ static void test_quantize_grouped(void **state) {
     tfree_all();
 }
 
+// kernels.h fp8_quantize_rmsnorm_both_layouts: exactly its definition, rmsnorm_forward's out quantised in both layouts
+// (the rstd of rmsnorm_forward without out, which must be the rstd it writes with out); and a NaN in x is reported as
+// the norm's output's, at its row and column. 345 x 300: partial row and column blocks.
+static void test_quantize_rmsnorm(void **state) {
+    (void)state;
+    enum { T = 345, C = 300, KB = 3, T16 = 352, TILES = 3 };
+    real *x = ralloc((size_t)T * C), *w = ralloc(C), *xn = ralloc((size_t)T * C), *rstd = ralloc(T), *rstd2 = ralloc(T);
+    fill_wide(x, (size_t)T * C, 26, -12, 3);
+    fill_wide(w, C, 27, -3, 1);
+    rmsnorm_forward(DEVICE_CPU, xn, rstd, x, w, T, C);
+    rmsnorm_forward(DEVICE_CPU, NULL, rstd2, x, w, T, C);
+    assert_memory_equal(rstd2, rstd, (size_t)T * sizeof(real));
+    uint8_t *q1 = balloc((size_t)T16 * KB * 128), *q2 = balloc((size_t)C * TILES * 128);
+    uint8_t *b1 = balloc((size_t)T16 * KB * 128), *b2 = balloc((size_t)C * TILES * 128);
+    float *s1 = falloc((size_t)KB * T16), *s2 = falloc((size_t)TILES * C);
+    float *bs1 = falloc((size_t)KB * T16), *bs2 = falloc((size_t)TILES * C);
+    char err[256] = "";
+    assert_int_equal(fp8_quantize_both_layouts(DEVICE_CPU, q1, s1, q2, s2, xn, T, C, err, sizeof err), 0);
+    assert_int_equal(fp8_quantize_rmsnorm_both_layouts(DEVICE_CPU, b1, bs1, b2, bs2, x, rstd, w, T, C, err, sizeof err),
+                     0);
+    assert_memory_equal(b1, q1, (size_t)T16 * KB * 128);
+    assert_memory_equal(bs1, s1, (size_t)KB * T16 * sizeof(float));
+    assert_memory_equal(b2, q2, (size_t)C * TILES * 128);
+    assert_memory_equal(bs2, s2, (size_t)TILES * C * sizeof(float));
+    x[200 * C + 7] = NAN;
+    assert_int_equal(fp8_quantize_rmsnorm_both_layouts(DEVICE_CPU, b1, bs1, b2, bs2, x, rstd, w, T, C, err, sizeof err),
+                     -1);
+    assert_non_null(strstr(err, "fp8_quantize_rmsnorm_both_layouts"));
+    assert_non_null(strstr(err, "row 200, column 7"));
+    tfree_all();
+}
+
 // NaN or Inf input: return -1, an error that names the first bad element (row-major order) by row and
 // column of the input, and no output written.
 typedef int (*QuantizeFn)(uint8_t *q, float *s, const real *x, int rows, int cols, char *err, size_t err_size);
@@ -1473,6 +1505,7 @@ int main(void) {
         cmocka_unit_test(test_quantize_128x128_batched),
         cmocka_unit_test(test_quantize_128x1_transposed),
         cmocka_unit_test(test_quantize_grouped),
+        cmocka_unit_test(test_quantize_rmsnorm),
         cmocka_unit_test(test_quantize_rejects_non_finite),
         cmocka_unit_test(test_quantize_swiglu_grouped),
         cmocka_unit_test(test_quantize_swiglu_rejects_non_finite),
