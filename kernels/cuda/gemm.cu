@@ -589,11 +589,6 @@ __global__ void bf16_to_float_rows_kernel(float *__restrict__ y, const uint16_t 
 // of that kernel writing a (rows, cols) FP32 buffer and moe_unpermute_backward reading it, without the buffer; then
 // + row t of each of n_post BF16 arrays (rows of stride post_ld, post_stride apart), in order.
 // One warp per token row and chunk of columns; the token's slots are looked up side by side, one lane per slot.
-// The first UNPERMUTE_POST_AHEAD post arrays' values are loaded before the slot sum, with nothing waiting on them
-// until it ends (loaded after it, each was a wait of its own: +2.6 ms in the bench step's expert GEMM phase); more
-// held in registers would cost more occupancy (78 registers with two, 3 blocks of 256 threads per SM; 56 without,
-// 4 blocks; held to 64, they spill).
-static const int UNPERMUTE_POST_AHEAD = 2;
 template <bool VEC4, bool ADD>
 __global__ void bf16_unpermute_rows_kernel(float *__restrict__ y, const uint16_t *__restrict__ x, int n_src,
                                            int64_t src_stride, const __grid_constant__ SegTable seg, int cols, int ld,
@@ -617,20 +612,6 @@ __global__ void bf16_unpermute_rows_kernel(float *__restrict__ y, const uint16_t
             acc[i][0] = o.x, acc[i][1] = o.y, acc[i][2] = o.z, acc[i][3] = o.w;
         } else {
             acc[i][0] = yr[c];
-        }
-    }
-    uint2 ahead4[CONV_STEPS][UNPERMUTE_POST_AHEAD];  // VEC4: 4 BF16 values each
-    uint16_t ahead1[CONV_STEPS][UNPERMUTE_POST_AHEAD];
-    const uint16_t *pr = post != NULL ? post + (int64_t)t * post_ld : NULL;  // read only when n_post > 0
-    const int n_ahead = n_post < UNPERMUTE_POST_AHEAD ? n_post : UNPERMUTE_POST_AHEAD;
-#pragma unroll
-    for (int i = 0; i < CONV_STEPS; i++) {
-        const int c = c0 + i * 32 * per;
-#pragma unroll
-        for (int k = 0; k < UNPERMUTE_POST_AHEAD; k++) {
-            if (c >= cols || k >= n_ahead) continue;
-            if (VEC4) ahead4[i][k] = *reinterpret_cast<const uint2 *>(pr + k * post_stride + c);
-            else ahead1[i][k] = pr[k * post_stride + c];
         }
     }
     // Lane l finds slot j0 + l's row of x (its slot_of entry, then its segment), so the token's slots are looked up
@@ -664,27 +645,17 @@ __global__ void bf16_unpermute_rows_kernel(float *__restrict__ y, const uint16_t
             }
         }
     }
-    // then the post arrays, in order: the loaded ones, then any further ones
+    const uint16_t *pr = post != NULL ? post + (int64_t)t * post_ld : NULL;  // read only when n_post > 0
 #pragma unroll
     for (int i = 0; i < CONV_STEPS; i++) {
         const int c = c0 + i * 32 * per;
         if (c >= cols) break;
         if (VEC4) {
-            float4 v = make_float4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]);
-#pragma unroll
-            for (int k = 0; k < UNPERMUTE_POST_AHEAD; k++) {
-                if (k >= n_ahead) break;
-                const float4 u = bf16x4_to_float4(ahead4[i][k]);
-                v.x = __fadd_rn(v.x, u.x), v.y = __fadd_rn(v.y, u.y), v.z = __fadd_rn(v.z, u.z), v.w = __fadd_rn(v.w, u.w);
-            }
-            *reinterpret_cast<float4 *>(yr + c) = add_rows4(v, pr + n_ahead * post_stride, n_post - n_ahead,
-                                                            post_stride, c);
+            const float4 v = add_rows4(make_float4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]), pr, n_post,
+                                       post_stride, c);
+            *reinterpret_cast<float4 *>(yr + c) = v;
         } else {
-            float v = acc[i][0];
-#pragma unroll
-            for (int k = 0; k < UNPERMUTE_POST_AHEAD; k++)
-                if (k < n_ahead) v = __fadd_rn(v, bf16_bits_to_float(ahead1[i][k]));
-            yr[c] = add_rows1(v, pr + n_ahead * post_stride, n_post - n_ahead, post_stride, c);
+            yr[c] = add_rows1(acc[i][0], pr, n_post, post_stride, c);
         }
     }
 }
