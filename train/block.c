@@ -236,8 +236,9 @@ void block_backward(Model *m, const BlockWeights *w, const BlockWeights *g, Bloc
     Device dev = m->rc.dev;
     int N = d->N, D = d->D;
     // forward was x_out = x_mid + FFN(RMSNorm(x_mid)); RMSNorm(x_mid) is recomputed (a forward
-    // transient, see BlockActs): the same op on the same input, so the same bits
-    rmsnorm_forward(dev, a->xn2, s->t_rstd, a->x_mid, w->ffn_norm, N, D);
+    // transient, see BlockActs): the same op on the same input, so the same bits. A dense FFN that kept its input's
+    // Wgrad operand (fp8) does not read it; the MoE's router and routed experts do.
+    if (w->is_moe || a->ffn.x_kept.q == NULL) rmsnorm_forward(dev, a->xn2, s->t_rstd, a->x_mid, w->ffn_norm, N, D);
     // d_xn is written by the FFN's / MoE's backward and then by MLA's (their first op writes, GRAD_WRITE)
     if (w->is_moe)
         moe_backward(m, w, g, &a->moe, d, s, a->xn2, d_x, s->d_xn, d_balance);
