@@ -663,12 +663,16 @@ void fp8_gemm_wgrad(Device dev, real *dw, const uint8_t *qdyt, const float *sdyt
     cpu_fp8_gemm_wgrad(dw, qdyt, sdyt, qxt, sxt, T, N, K);
 }
 
-void fp8_gemm_wgrad_grouped(Device dev, real *dw, const uint8_t *qdyt, const float *sdyt, const uint8_t *qxt,
-                            const float *sxt, int n_seg, const int *rows0, int N, int K) {
+void fp8_gemm_wgrad_grouped(Device dev, real *dw, GradStore store, const uint8_t *qdyt, const float *sdyt,
+                            const uint8_t *qxt, const float *sxt, int n_seg, const int *rows0, int N, int K) {
 #ifdef FP8MOE_CUDA
-    if (dev == DEVICE_CUDA) { cuda_fp8_gemm_wgrad_grouped(dw, qdyt, sdyt, qxt, sxt, n_seg, rows0, N, K); return; }
+    if (dev == DEVICE_CUDA) {
+        cuda_fp8_gemm_wgrad_grouped(dw, store == GRAD_WRITE, qdyt, sdyt, qxt, sxt, n_seg, rows0, N, K);
+        return;
+    }
 #endif
     if (dev != DEVICE_CPU) no_cuda_op("fp8_gemm_wgrad_grouped");
+    if (store == GRAD_WRITE) memset(dw, 0, (size_t)n_seg * N * K * sizeof(real));  // the definition
     for (int g = 0, tiles = 0; g < n_seg; g++) {
         const int T = rows0[g + 1] - rows0[g];
         if (T == 0) continue;
@@ -816,12 +820,16 @@ void bf16_gemm_wgrad(Device dev, real *dw, const uint16_t *dy, const uint16_t *x
     cpu_bf16_gemm_wgrad(dw, dy, x, T, N, K);
 }
 
-void bf16_gemm_wgrad_grouped(Device dev, real *dw, const uint16_t *dy, const uint16_t *x, int n_seg, const int *rows0,
-                             int N, int K) {
+void bf16_gemm_wgrad_grouped(Device dev, real *dw, GradStore store, const uint16_t *dy, const uint16_t *x, int n_seg,
+                             const int *rows0, int N, int K) {
 #ifdef FP8MOE_CUDA
-    if (dev == DEVICE_CUDA) { cuda_bf16_gemm_wgrad_grouped(dw, dy, x, n_seg, rows0, N, K); return; }
+    if (dev == DEVICE_CUDA) {
+        cuda_bf16_gemm_wgrad_grouped(dw, store == GRAD_WRITE, dy, x, n_seg, rows0, N, K);
+        return;
+    }
 #endif
     if (dev != DEVICE_CPU) no_cuda_op("bf16_gemm_wgrad_grouped");
+    if (store == GRAD_WRITE) memset(dw, 0, (size_t)n_seg * N * K * sizeof(real));  // the definition
     for (int g = 0; g < n_seg; g++) {
         const int r0 = rows0[g], T = rows0[g + 1] - rows0[g];
         if (T > 0) cpu_bf16_gemm_wgrad(dw + (int64_t)g * N * K, dy + (size_t)r0 * N, x + (size_t)r0 * K, T, N, K);

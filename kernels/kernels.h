@@ -477,9 +477,11 @@ void fp8_gemm_wgrad(Device dev, real *dw, const uint8_t *qdyt, const float *sdyt
 // += dY_g^T X_g, on the 128x1 operands of all segments one after another as fp8_quantize_128x1_transposed_grouped writes them
 // (segment g's from tile t_g = sum over h < g of ceil(T_h / 128): qdyt + N 128 t_g, sdyt + N t_g, qxt + K 128 t_g,
 // sxt + K t_g); empty segments skipped. The bits of fp8_gemm_wgrad per segment; on CUDA the GEMMs may run
-// concurrently (kernels/cuda/gemm.cu, lanes).
-void fp8_gemm_wgrad_grouped(Device dev, real *dw, const uint8_t *qdyt, const float *sdyt, const uint8_t *qxt,
-                            const float *sxt, int n_seg, const int *rows0, int N, int K);
+// concurrently (kernels/cuda/gemm.cu, lanes). With store = GRAD_WRITE every segment's dw is written instead, its old
+// contents never read (an empty segment's with zeros): the bits of the call on a cleared dw (a zero's sign aside:
+// 0 + -0 is +0), for a stack of gradients that the step's first Wgrad into it writes (train/wgrad_ticket.c).
+void fp8_gemm_wgrad_grouped(Device dev, real *dw, GradStore store, const uint8_t *qdyt, const float *sdyt,
+                            const uint8_t *qxt, const float *sxt, int n_seg, const int *rows0, int N, int K);
 
 // BF16 baseline GEMMs: operands rounded to BF16 (RNE), products accumulated in FP32.
 //   bf16_matmul_forward: out (N, OC) = bf16(inp) bf16(weight)^T, written rounded to BF16.
@@ -509,7 +511,8 @@ void bf16_matmul_backward_bf16(Device dev, real *dinp, real *dweight, const uint
 //                            unpermute as for fp8_gemm_dgrad_grouped.
 //   bf16_gemm_wgrad:         dw (N, K) += FP32 dy^T x over T rows.
 //   bf16_gemm_wgrad_grouped: for every non-empty segment g, bf16_gemm_wgrad(dw + g N K, rows [rows0[g], rows0[g+1])
-//                            of dy (N columns) and x (K columns)); on CUDA the GEMMs may run concurrently.
+//                            of dy (N columns) and x (K columns)); on CUDA the GEMMs may run concurrently; store as
+//                            for fp8_gemm_wgrad_grouped.
 // Bitwise the numbers of bf16_matmul_forward / _backward, group by group, on the unrounded operands.
 void bf16_round_array(Device dev, uint16_t *dst, const real *src, int64_t n);
 void bf16_widen_array(Device dev, real *dst, const uint16_t *src, int64_t n);
@@ -520,8 +523,8 @@ void bf16_gemm_dgrad_grouped(Device dev, real *dx, GradStore store, const DgradU
                              const uint16_t *const *dy,
                              const uint16_t *const *const *w, int n_seg, const int *rows0, int N, int K);
 void bf16_gemm_wgrad(Device dev, real *dw, const uint16_t *dy, const uint16_t *x, int T, int N, int K);
-void bf16_gemm_wgrad_grouped(Device dev, real *dw, const uint16_t *dy, const uint16_t *x, int n_seg, const int *rows0,
-                             int N, int K);
+void bf16_gemm_wgrad_grouped(Device dev, real *dw, GradStore store, const uint16_t *dy, const uint16_t *x, int n_seg,
+                             const int *rows0, int N, int K);
 // The bf16 mode's SwiGLU FFNs (train/linear.c) keep their BF16 products as they are, in the layout of the
 // *_grouped_bf16 GEMMs above (bf16_rows_ld: rows of round_up(cols, 128), 15 rows of scratch after the last), and
 // round each GEMM operand in the pass that computes it:

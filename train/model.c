@@ -253,6 +253,33 @@ static void add_block(TableBuilder *tb, BlockWeights *w, BlockWeights *g, const 
     }
 }
 
+// The routed experts' gradient stacks (RunCtx.grad_stacks): each starts at its first local expert's entry and holds
+// the local experts' matrices one after another. Registered only when they tile the buffer's experts' part exactly
+// (model_zero_grads_for_step leaves that part to the Wgrads, so nothing in it may lie outside a stack).
+static void register_grad_stacks(Model *m) {
+    const Placement *pl = &m->placement;
+    int n = 0;
+    for (int i = 0; i < m->n_params; i++) n += m->params[i].is_expert && m->params[i].expert == pl->expert0;
+    if (n == 0) return;
+    struct GradStack *st = calloc((size_t)n, sizeof *st);
+    if (!st) { fprintf(stderr, "fp8moe: out of host memory (train/model.c gradient stacks)\n"); exit(1); }
+    const int64_t lo = m->n_dense_elems, hi = m->n_dense_elems + m->n_expert_elems;
+    int64_t covered = 0;
+    int ok = 1;
+    for (int i = 0, k = 0; i < m->n_params; i++) {
+        const ParamInfo *p = &m->params[i];
+        if (!p->is_expert || p->expert != pl->expert0) continue;
+        st[k] = (struct GradStack){m->grads + p->offset, (int64_t)pl->n_experts * p->numel, 0};
+        ok &= p->offset >= lo && p->offset + st[k].n <= hi;
+        covered += st[k++].n;
+    }
+    if (!ok || covered != m->n_expert_elems) {  // (stacks never overlap: each expert entry is its own range)
+        free(st);
+        return;
+    }
+    m->rc.grad_stacks = st, m->rc.n_grad_stacks = n;
+}
+
 static void build_table(TableBuilder *tb, const Config *c) {
     Model *m = tb->m;
     const Placement *pl = &m->placement;
@@ -379,6 +406,7 @@ static int model_build(Model *m, const Config *cfg, Device dev, const Placement 
     }
     init_weights(m, tb.init_std);
     model_weights_changed(m);
+    register_grad_stacks(m);
     free(tb.wslots);
     free(tb.gslots);
     free(tb.init_std);
@@ -453,6 +481,7 @@ void model_weights_changed(Model *m) { m->rc.weights_version++; }
 
 void model_free(Model *m) {
     linear_free_scratch(&m->rc);
+    free(m->rc.grad_stacks);
     ep_group_free(&m->ep);
     device_free(m->rc.dev, m->weights);
     device_free(m->rc.dev, m->grads);
@@ -497,6 +526,24 @@ int model_find_router_bias(const Model *m, const char *name) {
 
 void model_zero_grads(Model *m) {
     device_memset_zero(m->rc.dev, m->grads, (size_t)model_num_params(m) * sizeof(real));
+    for (int i = 0; i < m->rc.n_grad_stacks; i++) m->rc.grad_stacks[i].fresh = 0;
+}
+
+void model_zero_grads_for_step(Model *m) {
+    if (m->rc.n_grad_stacks == 0) {
+        model_zero_grads(m);
+        return;
+    }
+    device_memset_zero(m->rc.dev, m->grads, (size_t)m->n_dense_elems * sizeof(real));
+    for (int i = 0; i < m->rc.n_grad_stacks; i++) m->rc.grad_stacks[i].fresh = 1;
+}
+
+void model_finish_step_grads(Model *m) {
+    for (int i = 0; i < m->rc.n_grad_stacks; i++) {
+        struct GradStack *st = &m->rc.grad_stacks[i];
+        if (st->fresh) device_memset_zero(m->rc.dev, st->grad, (size_t)st->n * sizeof(real));
+        st->fresh = 0;
+    }
 }
 
 void model_zero_load(Model *m) {

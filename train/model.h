@@ -207,6 +207,12 @@ const real *chunk_probs_at(ChunkActs *a, int b, int t);
 void model_mtp_tokens(int *tok, int *tgt, const int *targets, int B, int T, int k);
 
 void model_zero_grads(Model *m);
+// A training step's form of model_zero_grads: the routed experts' gradients are not cleared but left to the step's
+// first Wgrad into each stack, which writes all of it (RunCtx.grad_stacks; kernels.h GradStore), saving a pass over
+// most of the buffer and the first Wgrads' reads of it; model_finish_step_grads, after the step's backward passes,
+// clears the stacks that no Wgrad wrote. The same gradients as model_zero_grads (a zero's sign aside: 0 + -0 is +0).
+void model_zero_grads_for_step(Model *m);
+void model_finish_step_grads(Model *m);
 void model_zero_load(Model *m);
 // Sums the step's expert load counts over `group` (the ranks that route distinct tokens: dp), so that
 // every rank makes the same bias update. The identity in one process.

@@ -29,6 +29,15 @@ typedef struct {
     size_t linear_scratch_bytes;
     int64_t fp8_gemm_count;            // FP8 GEMMs run so far (precision = fp8), see train/linear.h
     struct WgradTicket *wgrad_ticket;  // while set, the block Linears' Wgrads go into it (train/wgrad_ticket.h)
+    // The routed experts' gradient stacks (one per MoE layer and matrix, n_groups x OC x C each): while one is
+    // fresh (a step's gradients are cleared by model_zero_grads_for_step, which does not clear these), the first
+    // Wgrad into it writes the whole stack instead of adding to it (train/wgrad_ticket.c).
+    struct GradStack {
+        real *grad;
+        int64_t n;
+        int fresh;
+    } *grad_stacks;
+    int n_grad_stacks;
 } RunCtx;
 
 #endif

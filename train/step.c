@@ -71,7 +71,7 @@ int train_step(TrainState *ts, StepResult *out, char *err, size_t err_size) {
             return -1;
         }
     }
-    model_zero_grads(m);
+    model_zero_grads_for_step(m);
     ep_traffic_reset(&m->ep);
     m->count_load = 1;
     // a non-finite loss skips the rest of the ops (see below), except when other ranks exchange rows or boundary
@@ -172,6 +172,7 @@ int train_step(TrainState *ts, StepResult *out, char *err, size_t err_size) {
         }
     }
     m->count_load = 0;
+    model_finish_step_grads(m);
     for (int k = 0; k < ts->plan.n_acts && (bad_mb < 0 || !may_skip); k++)
         if (awaits_w[k]) {  // the validated schedules run every I's ticket: a bug in the op list
             snprintf(err, err_size, "step %d: activation set %d still holds the weight gradients of an I at the end of "

@@ -91,17 +91,37 @@ void wgrad_ticket_add(WgradTicket *t, const WgradGemm *g) {
 
 int wgrad_ticket_pending(const WgradTicket *t) { return t->n_gemms; }
 
+// GRAD_WRITE for the step's first Wgrad into a fresh gradient stack (RunCtx.grad_stacks), which it then no longer is;
+// GRAD_ADD for any other.
+static GradStore wgrad_store(RunCtx *rc, const WgradGemm *g) {
+    for (int i = 0; i < rc->n_grad_stacks; i++) {
+        struct GradStack *st = &rc->grad_stacks[i];
+        if (st->grad != g->dw || !st->fresh) continue;  // (a test's Linear may take one expert of a stack)
+        if (st->n != (int64_t)g->n_groups * g->OC * g->C) {
+            fprintf(stderr, "fp8moe: train/wgrad_ticket.c: internal error: a Wgrad of %d x %d x %d values into a "
+                            "gradient stack of %lld\n", g->n_groups, g->OC, g->C, (long long)st->n);
+            exit(1);
+        }
+        st->fresh = 0;
+        return GRAD_WRITE;
+    }
+    return GRAD_ADD;
+}
+
 void wgrad_gemm_run(const WgradGemm *g, RunCtx *rc) {
     profile_begin(g->phase);
+    const GradStore store = wgrad_store(rc, g);
     switch (g->form) {
     case WGRAD_FP8:
-        fp8_gemm_wgrad_grouped(rc->dev, g->dw, g->dy, g->dy_s, g->x, g->x_s, g->n_groups, g->offsets, g->OC, g->C);
+        fp8_gemm_wgrad_grouped(rc->dev, g->dw, store, g->dy, g->dy_s, g->x, g->x_s, g->n_groups, g->offsets, g->OC,
+                               g->C);
         for (int k = 0; k < g->n_groups; k++) rc->fp8_gemm_count += g->offsets[k + 1] > g->offsets[k];
         break;
     case WGRAD_BF16:
-        bf16_gemm_wgrad_grouped(rc->dev, g->dw, g->dy, g->x, g->n_groups, g->offsets, g->OC, g->C);
+        bf16_gemm_wgrad_grouped(rc->dev, g->dw, store, g->dy, g->x, g->n_groups, g->offsets, g->OC, g->C);
         break;
-    case WGRAD_FP32:
+    case WGRAD_FP32:  // (a written stack: cleared, then added to)
+        if (store == GRAD_WRITE) device_memset_zero(rc->dev, g->dw, (size_t)g->n_groups * g->OC * g->C * sizeof(real));
         for (int k = 0; k < g->n_groups; k++) {
             const int r0 = g->offsets[k], n = g->offsets[k + 1] - r0;
             if (n > 0)

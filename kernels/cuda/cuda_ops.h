@@ -82,8 +82,8 @@ void cuda_fp8_gemm_dgrad_grouped(real *dx, GradStore store, const DgradUnpermute
                                  const uint8_t *const *const *qwt, const float *const *const *sw, int n_seg, const int *rows0,
                                  int N, int K);
 void cuda_fp8_gemm_wgrad(real *dw, const uint8_t *qdyt, const float *sdyt, const uint8_t *qxt, const float *sxt, int T, int N, int K);
-void cuda_fp8_gemm_wgrad_grouped(real *dw, const uint8_t *qdyt, const float *sdyt, const uint8_t *qxt, const float *sxt,
-                                 int n_seg, const int *rows0, int N, int K);
+void cuda_fp8_gemm_wgrad_grouped(real *dw, int write, const uint8_t *qdyt, const float *sdyt, const uint8_t *qxt,
+                                 const float *sxt, int n_seg, const int *rows0, int N, int K);
 void cuda_bf16_matmul_forward(real *out, const real *inp, const real *weight, int N, int C, int OC);
 void cuda_bf16_matmul_backward(real *dinp, real *dweight, const real *dout, const real *inp, const real *weight, int N, int C, int OC);
 void cuda_bf16_gemm_fprop_grouped(real *y, const real *residual, const uint16_t *x, const uint16_t *const *w,
@@ -97,8 +97,8 @@ void cuda_bf16_gemm_dgrad_grouped_bf16(uint16_t *dx, const uint16_t *dy, const u
 void cuda_float_rows_to_bf16(uint16_t *dst, const float *src, const int *rows, int n_rows, int C);
 void cuda_bf16_to_float(float *dst, const uint16_t *src, int64_t n);
 void cuda_bf16_gemm_wgrad(real *dw, const uint16_t *dy, const uint16_t *x, int T, int N, int K);
-void cuda_bf16_gemm_wgrad_grouped(real *dw, const uint16_t *dy, const uint16_t *x, int n_seg, const int *rows0, int N,
-                                  int K);
+void cuda_bf16_gemm_wgrad_grouped(real *dw, int write, const uint16_t *dy, const uint16_t *x, int n_seg,
+                                  const int *rows0, int N, int K);
 void cuda_bf16_matmul_forward_bf16(uint16_t *out, const real *inp, const real *weight, int N, int C, int OC);
 void cuda_bf16_matmul_backward_bf16(real *dinp, real *dweight, const uint16_t *dout, const real *inp,
                                     const real *weight, int N, int C, int OC);

@@ -31,9 +31,9 @@
  * grouped forms (the routed experts) run one GEMM per segment into one scratch and convert every segment in
  * one launch (the plain calls are their one-segment case);
  * gemm.h's *_bf16 functions skip it for code that keeps activations in BF16 (a later issue).
- * Wgrad writes FP32 with beta = 1 straight into the FP32 gradient (D = C = dw); when dw is not 16-byte
- * aligned (a slice of a flat buffer) it goes to a scratch buffer and is added by a kernel (same FP32 sum,
- * same bits).
+ * Wgrad writes FP32 with beta = 1 straight into the FP32 gradient (D = C = dw), or beta = 0 for a grouped Wgrad
+ * with GRAD_WRITE (the step's first into a stack of gradients: no read of it); when dw is not 16-byte aligned (a
+ * slice of a flat buffer) it goes to a scratch buffer and is added by a kernel (same FP32 sum, same bits).
  *
  * Runtime context: one per process (STYLE.md allows one): the cuBLASLt handle, a 32 MiB workspace per stream, a
  * cache of plans (descriptors, layouts and the heuristic's algorithm) and scratch buffers grown on demand.
@@ -1073,9 +1073,9 @@ extern "C" void cuda_fp8_gemm_dgrad(real *dx, const uint8_t *qdy, const float *s
 }
 
 // On `lane`; a dw that is not 16-byte aligned goes through the shared out_f32 scratch, so only the default lane
-// may be given one (cuda_fp8_gemm_wgrad_grouped checks).
-static void fp8_gemm_wgrad_on(Lane lane, real *dw, const uint8_t *qdyt, const float *sdyt, const uint8_t *qxt,
-                              const float *sxt, int T, int N, int K) {
+// may be given one (cuda_fp8_gemm_wgrad_grouped checks). beta 1: dw += the product; 0: dw = the product.
+static void fp8_gemm_wgrad_on(Lane lane, real *dw, float beta, const uint8_t *qdyt, const float *sdyt,
+                              const uint8_t *qxt, const float *sxt, int T, int N, int K) {
     static const char op[] = "fp8_gemm_wgrad";
     if (T <= 0 || N <= 0 || K <= 0) return;
     if (N % 4 != 0 || K % 4 != 0)
@@ -1087,13 +1087,14 @@ static void fp8_gemm_wgrad_on(Lane lane, real *dw, const uint8_t *qdyt, const fl
     PlanKey key = fp8_key(K, N, Tp, CUDA_R_32F, CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F,
                           CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F);
     if (alignment_of(dw) >= 16) {
-        lt_matmul(lane, &key, qxt, qdyt, dw, sxt, sdyt, 1.0f, op);
+        lt_matmul(lane, &key, qxt, qdyt, dw, sxt, sdyt, beta, op);
         return;
     }
     if (lane.stream != 0) gemm_fail(__LINE__, op, "internal error: an unaligned dw on a lane other than the default");
     const int64_t n = (int64_t)N * K;
     float *tmp = (float *)cuda_scratch(&ctx.out_f32, sizeof(float) * (size_t)n);
     lt_matmul(lane, &key, qxt, qdyt, tmp, sxt, sdyt, 0.0f, op);
+    if (beta == 0.0f) CUDA_CHECK(cudaMemsetAsync(dw, 0, sizeof(float) * (size_t)n, 0));  // then dw = 0 + product
     add_float_kernel<<<grid_for(n, ELEMENTWISE_THREADS), ELEMENTWISE_THREADS>>>(dw, tmp, n);
     CUDA_CHECK_LAUNCH("add_float_kernel");
 }
@@ -1101,21 +1102,31 @@ static void fp8_gemm_wgrad_on(Lane lane, real *dw, const uint8_t *qdyt, const fl
 extern "C" void cuda_fp8_gemm_wgrad(real *dw, const uint8_t *qdyt, const float *sdyt, const uint8_t *qxt,
                                     const float *sxt, int T, int N, int K) {
     ctx_init();
-    fp8_gemm_wgrad_on(default_lane(), dw, qdyt, sdyt, qxt, sxt, T, N, K);
+    fp8_gemm_wgrad_on(default_lane(), dw, 1.0f, qdyt, sdyt, qxt, sxt, T, N, K);
+}
+
+// write (kernels.h GRAD_WRITE): the empty segments' gradients cleared on the default stream before the lanes fork,
+// the others written by their GEMMs (beta 0).
+static void clear_empty_segments(real *dw, const int *rows0, int n_seg, int64_t seg_elems) {
+    for (int g = 0; g < n_seg; g++)
+        if (rows0[g + 1] == rows0[g])
+            CUDA_CHECK(cudaMemsetAsync(dw + (int64_t)g * seg_elems, 0, sizeof(float) * (size_t)seg_elems, 0));
 }
 
 // kernels.h fp8_gemm_wgrad_grouped: one Wgrad per non-empty segment, spread over the lanes (every segment has its
 // own gradient, dw + g N K); all on the default stream when an expert's gradient is not 16-byte aligned.
-extern "C" void cuda_fp8_gemm_wgrad_grouped(real *dw, const uint8_t *qdyt, const float *sdyt, const uint8_t *qxt,
-                                            const float *sxt, int n_seg, const int *rows0, int N, int K) {
+extern "C" void cuda_fp8_gemm_wgrad_grouped(real *dw, int write, const uint8_t *qdyt, const float *sdyt,
+                                            const uint8_t *qxt, const float *sxt, int n_seg, const int *rows0, int N,
+                                            int K) {
     const SegTable seg = seg_table("fp8_gemm_wgrad_grouped", n_seg, rows0);
     ctx_init();
     const int n_lanes = alignment_of(dw) >= 16 && ((int64_t)N * K) % 4 == 0 ? lanes_for(seg.rows0, n_seg) : 1;
+    if (write) clear_empty_segments(dw, rows0, n_seg, (int64_t)N * K);
     lanes_fork(n_lanes);
     for (int g = 0; g < n_seg; g++) {
         const int T = rows0[g + 1] - rows0[g], tiles = seg.tiles0[g];
         if (T == 0) continue;
-        fp8_gemm_wgrad_on(lane_of(seg.rows0, n_seg, g, n_lanes), dw + (int64_t)g * N * K,
+        fp8_gemm_wgrad_on(lane_of(seg.rows0, n_seg, g, n_lanes), dw + (int64_t)g * N * K, write ? 0.0f : 1.0f,
                           qdyt + (size_t)N * FP8_TILE * tiles, sdyt + (size_t)N * tiles,
                           qxt + (size_t)K * FP8_TILE * tiles, sxt + (size_t)K * tiles, T, N, K);
     }
@@ -1323,17 +1334,18 @@ extern "C" void cuda_bf16_gemm_wgrad(real *dw, const uint16_t *dy, const uint16_
 }
 
 // kernels.h bf16_gemm_wgrad_grouped: one Wgrad per non-empty segment (its own gradient dw + g N K), over the lanes.
-extern "C" void cuda_bf16_gemm_wgrad_grouped(real *dw, const uint16_t *dy, const uint16_t *x, int n_seg,
+extern "C" void cuda_bf16_gemm_wgrad_grouped(real *dw, int write, const uint16_t *dy, const uint16_t *x, int n_seg,
                                              const int *rows0, int N, int K) {
     if (N <= 0 || K <= 0) return;
     ctx_init();
     const int n_lanes = lanes_for(rows0, n_seg);
+    if (write) clear_empty_segments(dw, rows0, n_seg, (int64_t)N * K);
     lanes_fork(n_lanes);
     for (int g = 0; g < n_seg; g++) {
         const int r0 = rows0[g], T = rows0[g + 1] - rows0[g];
         if (T > 0)
-            bf16_gemm_on(lane_of(rows0, n_seg, g, n_lanes), dw + (int64_t)g * N * K, 1, 1.0f, dy + (size_t)r0 * N, 1,
-                         x + (size_t)r0 * K, 0, N, K, T);
+            bf16_gemm_on(lane_of(rows0, n_seg, g, n_lanes), dw + (int64_t)g * N * K, 1, write ? 0.0f : 1.0f,
+                         dy + (size_t)r0 * N, 1, x + (size_t)r0 * K, 0, N, K, T);
     }
     lanes_join(n_lanes);
 }

@@ -1958,7 +1958,7 @@ static void test_fp8_gemm_grouped(void **state) {
     // Wgrad per segment (fp8_gemm_wgrad_grouped, whose GEMMs may run on several streams) against one plain call per
     // segment: the same bits, into gradients that start from random values. cuBLASLt's block-scaled Wgrad needs N and
     // K multiples of 4, so the cases with other widths skip it (dw_diff -1).
-    int dw_diff = -1, dw_moved = 0;
+    int dw_diff = -1, dw_moved = 0, write_diff = -1;
     if (N % 4 == 0 && K % 4 == 0) {
         int TB = 0;  // 128-row tiles of all segments (at least one buffer's worth when every segment is empty)
         for (int g = 0; g < n; g++) TB += ceil_div(rows0[g + 1] - rows0[g], FP8_TILE);
@@ -1981,9 +1981,20 @@ static void test_fp8_gemm_grouped(void **state) {
                            N, K);
             tiles += ceil_div(rows, FP8_TILE);
     }
-    fp8_gemm_wgrad_grouped(DEVICE_CUDA, dw_grp_d, qdyt_d, sdyt_d, qxt_d, sxt_d, n, rows0, N, K);
+    fp8_gemm_wgrad_grouped(DEVICE_CUDA, dw_grp_d, GRAD_ADD, qdyt_d, sdyt_d, qxt_d, sxt_d, n, rows0, N, K);
     float *dw_seg = gpucheck_to_host(dw_seg_d, (size_t)nw * sizeof(float)), *dw_grp = gpucheck_to_host(dw_grp_d, (size_t)nw * sizeof(float));
     dw_diff = count_diff(dw_grp, dw_seg, (size_t)nw * sizeof(float));
+    // GRAD_WRITE over a poisoned dw (NaN) against GRAD_ADD onto zeros: equal values everywhere (a zero's sign may
+    // differ: 0 + -0 is +0), the empty segments' zeros included
+    float *dw_zero_d = gpucheck_malloc((size_t)nw * sizeof(float)), *dw_write_d = gpu_poisoned((size_t)nw * sizeof(float));
+    device_memset_zero(DEVICE_CUDA, dw_zero_d, (size_t)nw * sizeof(float));
+    fp8_gemm_wgrad_grouped(DEVICE_CUDA, dw_zero_d, GRAD_ADD, qdyt_d, sdyt_d, qxt_d, sxt_d, n, rows0, N, K);
+    fp8_gemm_wgrad_grouped(DEVICE_CUDA, dw_write_d, GRAD_WRITE, qdyt_d, sdyt_d, qxt_d, sxt_d, n, rows0, N, K);
+    float *dw_zero = gpucheck_to_host(dw_zero_d, (size_t)nw * sizeof(float));
+    float *dw_write = gpucheck_to_host(dw_write_d, (size_t)nw * sizeof(float));
+    write_diff = 0;
+    for (int64_t i = 0; i < nw; i++) write_diff += !(dw_write[i] == dw_zero[i]);
+    device_free(DEVICE_CUDA, dw_zero_d), device_free(DEVICE_CUDA, dw_write_d), free(dw_zero), free(dw_write);
     for (int64_t i = 0; i < nw; i++) dw_moved += dw_grp[i] != dw0[i];  // the check means something only if they moved
     device_free(DEVICE_CUDA, qxt_d), device_free(DEVICE_CUDA, qdyt_d), device_free(DEVICE_CUDA, sxt_d);
     device_free(DEVICE_CUDA, sdyt_d), device_free(DEVICE_CUDA, dw_seg_d), device_free(DEVICE_CUDA, dw_grp_d);
@@ -1991,13 +2002,14 @@ static void test_fp8_gemm_grouped(void **state) {
     }
     const int pass = y_diff == 0 && dx_diff == 0 && y_rows && dx_rows && wr_diff == 0 && wr_rows && two_diff == 0 &&
                      unperm_diff == 0 && res_diff == 0 && bf16_diff == 0 &&
-                     (dw_diff == -1 || (dw_diff == 0 && (T == 0 || dw_moved > 0)));
+                     (dw_diff == -1 || (dw_diff == 0 && write_diff == 0 && (T == 0 || dw_moved > 0)));
     printf("%-16s %2d segments, %4d rows, N %-4d K %-4d differing bytes vs per-segment: Fprop %d, Dgrad %d; "
            "Dgrad GRAD_WRITE differing values %d; 2 matrices vs 2 calls: %d bytes; unpermuted (also + 2 post arrays) vs "
            "slot order + moe_unpermute_backward: %d bytes; Fprop with a residual vs + add_inplace: %d bytes; BF16-output Fprop and "
-           "Dgrad vs the converted values: %d differing; Wgrad grouped vs per segment: %d bytes (%d values changed); "
-           "only the rows inside written: %s  %s\n", "fp8 grouped", n, T, N, K,
-           y_diff, dx_diff, wr_diff, two_diff, unperm_diff, res_diff, bf16_diff, dw_diff, dw_moved,
+           "Dgrad vs the converted values: %d differing; Wgrad grouped vs per segment: %d bytes (%d values changed), "
+           "GRAD_WRITE over NaN vs GRAD_ADD onto zeros: %d values; only the rows inside written: %s  %s\n",
+           "fp8 grouped", n, T, N, K, y_diff, dx_diff, wr_diff, two_diff, unperm_diff, res_diff, bf16_diff, dw_diff,
+           dw_moved, write_diff,
            y_rows && dx_rows && wr_rows ? "yes" : "NO", pass ? "ok" : "FAIL");
     fflush(stdout);
 
@@ -2283,7 +2295,7 @@ static void test_bf16_gemm_grouped(void **state) {
     bf16_gemm_fprop_grouped(DEVICE_CPU, y_c, NULL, xb, wg, n, rows0, N, K);
     const uint16_t *dyb1[1] = {dyb}, *const *wg1[1] = {wg}, *dyb1_d[1] = {dyb_d}, *const *wg1_d[1] = {wg_d};
     bf16_gemm_dgrad_grouped(DEVICE_CPU, dx_c, GRAD_ADD, NULL, 1, dyb1, wg1, n, rows0, N, K);
-    bf16_gemm_wgrad_grouped(DEVICE_CPU, dw_c, dyb, xb, n, rows0, N, K);
+    bf16_gemm_wgrad_grouped(DEVICE_CPU, dw_c, GRAD_ADD, dyb, xb, n, rows0, N, K);
     float *poison = host_poisoned((size_t)(N > K ? N : K) * 4);
     int pass = 1;
     for (int rep = 0; rep < 2; rep++) {
@@ -2294,7 +2306,7 @@ static void test_bf16_gemm_grouped(void **state) {
         bf16_gemm_fprop_grouped(DEVICE_CUDA, y_d, NULL, xb_d, wg_d, n, rows0, N, K);
         bf16_gemm_dgrad_grouped(DEVICE_CUDA, dx_d, GRAD_ADD, NULL, 1, dyb1_d, wg1_d, n, rows0, N, K);
         if (rep == 0) {
-            bf16_gemm_wgrad_grouped(DEVICE_CUDA, dw_d, dyb_d, xb_d, n, rows0, N, K);
+            bf16_gemm_wgrad_grouped(DEVICE_CUDA, dw_d, GRAD_ADD, dyb_d, xb_d, n, rows0, N, K);
         } else {  // one plain call per group: the grouped call's GEMMs (on several streams) must give these bits
             for (int g = 0; g < n; g++)
                 bf16_gemm_wgrad(DEVICE_CUDA, dw_d + (int64_t)g * N * K, dyb_d + (int64_t)rows0[g] * N,
@@ -2325,14 +2337,23 @@ static void test_bf16_gemm_grouped(void **state) {
         const int unperm_diff = unpermute_diff(T, K, dx0, NULL, NULL, dyb2_d, NULL, NULL, wg2_d, n, rows0, N);
         const Bf16FpropArgs fa = {xb_d, wg_d, n, N, K, rows0};
         const int res_diff = fprop_residual_diff(bf16_fprop_with_residual, &fa, T, N, 9106 + (uint64_t)gc->seed);
+        // Wgrad with GRAD_WRITE over poison (NaN): the values GRAD_ADD gives on zeros, the empty groups' zeros too
+        float *dww_d = gpu_poisoned((size_t)nw * 4), *dwz_d = gpucheck_malloc((size_t)nw * 4);
+        device_memset_zero(DEVICE_CUDA, dwz_d, (size_t)nw * 4);
+        bf16_gemm_wgrad_grouped(DEVICE_CUDA, dww_d, GRAD_WRITE, dyb_d, xb_d, n, rows0, N, K);
+        bf16_gemm_wgrad_grouped(DEVICE_CUDA, dwz_d, GRAD_ADD, dyb_d, xb_d, n, rows0, N, K);
+        float *dww = gpucheck_to_host(dww_d, (size_t)nw * 4), *dwz = gpucheck_to_host(dwz_d, (size_t)nw * 4);
+        int wgrad_write_diff = 0;
+        for (int64_t i = 0; i < nw; i++) wgrad_write_diff += !(dww[i] == dwz[i]);
+        device_free(DEVICE_CUDA, dww_d), device_free(DEVICE_CUDA, dwz_d), free(dww), free(dwz);
         const int ok = differing == 0 && tail_ok && !two_diff && unperm_diff == 0 && res_diff == 0 &&
-                       bf16_form_diff == 0;
+                       bf16_form_diff == 0 && wgrad_write_diff == 0;
         printf("%-16s %d groups, %d x %d x %d: Dgrad GRAD_WRITE vs GRAD_ADD onto zeros: %d differing values, last row "
-               "untouched: %s; 2 matrices vs 2 calls: %s; unpermuted (also + 2 post arrays) vs slot order + "
-               "moe_unpermute_backward: %d bytes; "
+               "untouched: %s; Wgrad the same: %d values; 2 matrices vs 2 calls: %s; unpermuted (also + 2 post arrays) "
+               "vs slot order + moe_unpermute_backward: %d bytes; "
                "Fprop with a residual vs + add_inplace: %d bytes; *_bf16 forms vs the FP32 forms: %d values  %s\n",
-               "bf16 grouped", n, T, N, K, differing, tail_ok ? "yes" : "NO", two_diff ? "DIFFERENT" : "same bits",
-               unperm_diff, res_diff, bf16_form_diff, ok ? "ok" : "FAIL");
+               "bf16 grouped", n, T, N, K, differing, tail_ok ? "yes" : "NO", wgrad_write_diff,
+               two_diff ? "DIFFERENT" : "same bits", unperm_diff, res_diff, bf16_form_diff, ok ? "ok" : "FAIL");
         pass &= ok;
         free(wr2), free(seq2);
         device_free(DEVICE_CUDA, wr_d), device_free(DEVICE_CUDA, zero_d);

@@ -406,7 +406,7 @@ static float *run_wgrad_gpu(const WgradOperands *o, int own) {
     const size_t bytes = o->dw_elems * sizeof(float);
     float *dw_d = gpucheck_to_device(o->dw0, bytes);
     if (own) cuda_fp8_grouped_wgrad(dw_d, o->qdy_d, o->sdy_d, o->qx_d, o->sx_d, o->n, o->rows0, o->N, o->K);
-    else fp8_gemm_wgrad_grouped(DEVICE_CUDA, dw_d, o->qdy_d, o->sdy_d, o->qx_d, o->sx_d, o->n, o->rows0, o->N, o->K);
+    else fp8_gemm_wgrad_grouped(DEVICE_CUDA, dw_d, GRAD_ADD, o->qdy_d, o->sdy_d, o->qx_d, o->sx_d, o->n, o->rows0, o->N, o->K);
     float *dw = gpucheck_to_host(dw_d, bytes);
     device_free(DEVICE_CUDA, dw_d);
     return dw;
@@ -456,11 +456,11 @@ static void test_grouped_wgrad(void **state) {
     // CPU reference, and S from the codes with their sign bits cleared onto zeros
     float *dw_cpu = gpucheck_malloc(bytes);
     memcpy(dw_cpu, o.dw0, bytes);
-    fp8_gemm_wgrad_grouped(DEVICE_CPU, dw_cpu, o.qdy, o.sdy, o.qx, o.sx, o.n, o.rows0, o.N, o.K);
+    fp8_gemm_wgrad_grouped(DEVICE_CPU, dw_cpu, GRAD_ADD, o.qdy, o.sdy, o.qx, o.sx, o.n, o.rows0, o.N, o.K);
     uint8_t *ady = abs_codes(o.qdy, o.qdy_bytes), *ax = abs_codes(o.qx, o.qx_bytes);
     float *S = gpucheck_malloc(bytes);
     memset(S, 0, bytes);
-    fp8_gemm_wgrad_grouped(DEVICE_CPU, S, ady, o.sdy, ax, o.sx, o.n, o.rows0, o.N, o.K);
+    fp8_gemm_wgrad_grouped(DEVICE_CPU, S, GRAD_ADD, ady, o.sdy, ax, o.sx, o.n, o.rows0, o.N, o.K);
     free(ady), free(ax);
 
     // the wide form twice (the default; weights with an odd number of column blocks run 128 x 128 tiles in both), the

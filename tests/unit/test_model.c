@@ -35,14 +35,13 @@ static void random_batch(int *inputs, int *targets, uint64_t seed) {
     token_batch(inputs, targets, B, T, rng_key(seed, 1, 2, 3));
 }
 
-// Runs forward + backward of one micro-batch through all chunks; returns the loss.
-static double run_step(Model *m, const int *inputs, const int *targets) {
+// Runs forward + backward of one micro-batch through all chunks, its gradients added to m's; returns the loss.
+static double forward_backward(Model *m, const int *inputs, const int *targets) {
     int D = m->cfg.model.dim;
     real *h[2] = {calloc((size_t)B * T * D, sizeof(real)), calloc((size_t)B * T * D, sizeof(real))};
     ChunkActs **acts = calloc((size_t)m->n_chunks, sizeof(ChunkActs *));
     real **hidden = calloc((size_t)m->n_chunks, sizeof(real *));
     double loss = 0;
-    model_zero_grads(m);
     for (int c = 0; c < m->n_chunks; c++) {
         acts[c] = chunk_acts_create(m, c, B, T);
         hidden[c] = calloc((size_t)B * T * D, sizeof(real));
@@ -62,6 +61,12 @@ static double run_step(Model *m, const int *inputs, const int *targets) {
     free(h[0]);
     free(h[1]);
     return loss;
+}
+
+// The same from cleared gradients.
+static double run_step(Model *m, const int *inputs, const int *targets) {
+    model_zero_grads(m);
+    return forward_backward(m, inputs, targets);
 }
 
 static void test_mtp_alignment(void **state) {
@@ -162,6 +167,48 @@ static void test_determinism_threads(void **state) {
     assert_memory_equal(g1, m.grads, bytes);
     free(g1);
     model_free(&m);
+}
+
+// A training step's gradient clearing (model_zero_grads_for_step, model_finish_step_grads): the routed experts' stacks
+// are not cleared but written by the step's first Wgrad into each (the old contents, NaN here, never read), then added
+// to; the gradients of two micro-batches must equal those from model_zero_grads in every mode (values compared, so a
+// zero's sign may differ). A step whose backward never ran leaves the stacks zero.
+static void test_step_grad_stacks(void **state) {
+    (void)state;
+    const char *modes[3] = {"fp8", "bf16", "fp32"};
+    for (int k = 0; k < 3; k++) {
+        Config cfg;
+        char err[1024], ov_mode[32];
+        snprintf(ov_mode, sizeof ov_mode, "precision.mode=%s", modes[k]);
+        const char *ov[] = {"train.seq_len=16", "train.micro_batch_size=2", ov_mode};
+        if (config_load(&cfg, "configs/tiny.ini", ov, 3, err, sizeof err) != 0) fail_msg("%s", err);
+        int in_a[B * T], tg_a[B * T], in_b[B * T], tg_b[B * T];
+        random_batch(in_a, tg_a, 21), random_batch(in_b, tg_b, 22);
+        Model m;
+        assert_int_equal(model_create(&m, &cfg, DEVICE_CPU, 1, err, sizeof err), 0);
+        assert_true(m.rc.n_grad_stacks == 3 * m.n_moe_layers && m.n_moe_layers > 0);
+        const int64_t n = model_num_params(&m);
+        real *ref = malloc((size_t)n * sizeof(real));
+        model_zero_grads(&m);
+        forward_backward(&m, in_a, tg_a), forward_backward(&m, in_b, tg_b);
+        memcpy(ref, m.grads, (size_t)n * sizeof(real));
+        for (int64_t i = 0; i < n; i++) m.grads[i] = NAN;
+        model_zero_grads_for_step(&m);
+        forward_backward(&m, in_a, tg_a), forward_backward(&m, in_b, tg_b);
+        model_finish_step_grads(&m);
+        int64_t differing = 0, expert_moved = 0;
+        for (int64_t i = 0; i < n; i++) differing += !(m.grads[i] == ref[i]);
+        for (int64_t i = m.n_dense_elems; i < n; i++) expert_moved += ref[i] != 0;
+        assert_int_equal(differing, 0);
+        assert_true(expert_moved > 0);
+        for (int64_t i = 0; i < n; i++) m.grads[i] = NAN;  // no backward at all: the stacks come out zero
+        model_zero_grads_for_step(&m);
+        model_finish_step_grads(&m);
+        for (int64_t i = 0; i < n; i++) differing += m.grads[i] != 0;
+        assert_int_equal(differing, 0);
+        free(ref);
+        model_free(&m);
+    }
 }
 
 static void test_load_counting_and_freeze(void **state) {
@@ -515,6 +562,7 @@ int main(void) {
         cmocka_unit_test(test_param_table),
         cmocka_unit_test(test_chunk_equivalence),
         cmocka_unit_test(test_determinism_threads),
+        cmocka_unit_test(test_step_grad_stacks),
         cmocka_unit_test(test_load_counting_and_freeze),
         cmocka_unit_test(test_fp8_gemm_count),
         cmocka_unit_test(test_fp8_weight_cache),
