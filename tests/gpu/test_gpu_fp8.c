@@ -1986,7 +1986,8 @@ static void test_fp8_gemm_grouped(void **state) {
     dw_diff = count_diff(dw_grp, dw_seg, (size_t)nw * sizeof(float));
     // GRAD_WRITE over a poisoned dw (NaN) against GRAD_ADD onto zeros: equal values everywhere (a zero's sign may
     // differ: 0 + -0 is +0), the empty segments' zeros included
-    float *dw_zero_d = gpucheck_malloc((size_t)nw * sizeof(float)), *dw_write_d = gpu_poisoned((size_t)nw * sizeof(float));
+    float *dw_zero_d = device_alloc(DEVICE_CUDA, (size_t)nw * sizeof(float));
+    float *dw_write_d = gpu_poisoned((size_t)nw * sizeof(float));
     device_memset_zero(DEVICE_CUDA, dw_zero_d, (size_t)nw * sizeof(float));
     fp8_gemm_wgrad_grouped(DEVICE_CUDA, dw_zero_d, GRAD_ADD, qdyt_d, sdyt_d, qxt_d, sxt_d, n, rows0, N, K);
     fp8_gemm_wgrad_grouped(DEVICE_CUDA, dw_write_d, GRAD_WRITE, qdyt_d, sdyt_d, qxt_d, sxt_d, n, rows0, N, K);
@@ -2338,7 +2339,7 @@ static void test_bf16_gemm_grouped(void **state) {
         const Bf16FpropArgs fa = {xb_d, wg_d, n, N, K, rows0};
         const int res_diff = fprop_residual_diff(bf16_fprop_with_residual, &fa, T, N, 9106 + (uint64_t)gc->seed);
         // Wgrad with GRAD_WRITE over poison (NaN): the values GRAD_ADD gives on zeros, the empty groups' zeros too
-        float *dww_d = gpu_poisoned((size_t)nw * 4), *dwz_d = gpucheck_malloc((size_t)nw * 4);
+        float *dww_d = gpu_poisoned((size_t)nw * 4), *dwz_d = device_alloc(DEVICE_CUDA, (size_t)nw * 4);
         device_memset_zero(DEVICE_CUDA, dwz_d, (size_t)nw * 4);
         bf16_gemm_wgrad_grouped(DEVICE_CUDA, dww_d, GRAD_WRITE, dyb_d, xb_d, n, rows0, N, K);
         bf16_gemm_wgrad_grouped(DEVICE_CUDA, dwz_d, GRAD_ADD, dyb_d, xb_d, n, rows0, N, K);
