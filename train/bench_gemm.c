@@ -359,7 +359,8 @@ static void grouped_call(const GroupedRun *g, int own) {
     if (g->wgrad && own)
         cuda_fp8_grouped_wgrad(g->dw, g->qdyt, g->sdyt, g->qxt, g->sxt, g->n_seg, g->rows0, g->N, g->K);
     else if (g->wgrad)
-        fp8_gemm_wgrad_grouped(DEVICE_CUDA, g->dw, GRAD_ADD, g->qdyt, g->sdyt, g->qxt, g->sxt, g->n_seg, g->rows0, g->N, g->K);
+        fp8_gemm_wgrad_grouped(DEVICE_CUDA, g->dw, GRAD_ADD, g->qdyt, g->sdyt, g->qxt, g->sxt, g->n_seg, g->rows0, g->N,
+                               g->K);
     else if (g->dgrad)
         fp8_gemm_dgrad_grouped_bf16(DEVICE_CUDA, g->y, g->qx, g->sx, g->qw, g->sw, g->n_seg, g->rows0, g->N, g->K);
     else fp8_gemm_fprop_grouped_bf16(DEVICE_CUDA, g->y, g->qx, g->sx, g->qw, g->sw, g->n_seg, g->rows0, g->N, g->K);

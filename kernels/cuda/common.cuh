@@ -159,6 +159,12 @@ __device__ inline float4 bf16x4_to_float4(uint2 raw) {
                        bf16_bits_to_float(raw.y & 0xFFFFu), bf16_bits_to_float(raw.y >> 16));
 }
 
+// One element of RMSNorm's output, (x * rstd) * weight, two roundings: rmsnorm_forward's, and the values the
+// quantisers of a norm's output compute as they read its input (fp8_quant.cu NormRows), so the two agree bit for bit.
+__device__ inline float rmsnorm_element(float x, float rstd, float weight) {
+    return __fmul_rn(__fmul_rn(x, rstd), weight);
+}
+
 // Butterfly reductions inside a warp. Every lane ends with the same value, bit for bit (float
 // addition is commutative, and every lane combines the same pairs at each level).
 __device__ inline float warp_sum(float v) {

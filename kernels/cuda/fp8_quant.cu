@@ -194,7 +194,8 @@ struct ArrayRows {
 };
 
 // RMSNorm(x)'s rows computed as they are read (kernels.h fp8_quantize_rmsnorm_both_layouts), with rmsnorm.cu's
-// arithmetic, (x * rstd) * weight: the bits rmsnorm_forward would have stored. rstd as rmsnorm_forward wrote it.
+// arithmetic (common.cuh rmsnorm_element): the bits rmsnorm_forward would have stored. rstd as rmsnorm_forward
+// wrote it.
 struct NormRows {
     const float *x, *rstd, *weight;
     int C;
@@ -209,15 +210,15 @@ struct NormRows {
         ::load4<VEC4>(xv, x + row * C, col, len);
         ::load4<VEC4>(wv, weight, col, len);
         const float r = rstd[row];
-        for (int j = 0; j < 4; j++) v[j] = col + j < len ? __fmul_rn(__fmul_rn(xv[j], r), wv[j]) : 0.0f;
+        for (int j = 0; j < 4; j++) v[j] = col + j < len ? rmsnorm_element(xv[j], r, wv[j]) : 0.0f;
     }
     // The same for 4 columns inside the rows (the both-layouts kernel's full tiles): no padding to clear.
     __device__ void load4_full(float v[4], int64_t row, int col) const {
         const float4 xv = *reinterpret_cast<const float4 *>(x + row * C + col);
         const float4 wv = *reinterpret_cast<const float4 *>(weight + col);
         const float r = rstd[row];
-        v[0] = __fmul_rn(__fmul_rn(xv.x, r), wv.x), v[1] = __fmul_rn(__fmul_rn(xv.y, r), wv.y);
-        v[2] = __fmul_rn(__fmul_rn(xv.z, r), wv.z), v[3] = __fmul_rn(__fmul_rn(xv.w, r), wv.w);
+        v[0] = rmsnorm_element(xv.x, r, wv.x), v[1] = rmsnorm_element(xv.y, r, wv.y);
+        v[2] = rmsnorm_element(xv.z, r, wv.z), v[3] = rmsnorm_element(xv.w, r, wv.w);
     }
 };
 

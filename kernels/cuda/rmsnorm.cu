@@ -57,10 +57,10 @@ __global__ void __launch_bounds__(RMSNORM_THREADS)
 #pragma unroll
         for (int i = 0; i < PER; i++) {
             const int c = threadIdx.x + i * RMSNORM_THREADS;
-            if (c < C) y[c] = __fmul_rn(__fmul_rn(v[i], r), weight[c]);
+            if (c < C) y[c] = rmsnorm_element(v[i], r, weight[c]);
         }
     } else {
-        for (int c = threadIdx.x; c < C; c += RMSNORM_THREADS) y[c] = __fmul_rn(__fmul_rn(x[c], r), weight[c]);
+        for (int c = threadIdx.x; c < C; c += RMSNORM_THREADS) y[c] = rmsnorm_element(x[c], r, weight[c]);
     }
 }
 

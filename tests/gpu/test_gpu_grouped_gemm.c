@@ -406,7 +406,8 @@ static float *run_wgrad_gpu(const WgradOperands *o, int own) {
     const size_t bytes = o->dw_elems * sizeof(float);
     float *dw_d = gpucheck_to_device(o->dw0, bytes);
     if (own) cuda_fp8_grouped_wgrad(dw_d, o->qdy_d, o->sdy_d, o->qx_d, o->sx_d, o->n, o->rows0, o->N, o->K);
-    else fp8_gemm_wgrad_grouped(DEVICE_CUDA, dw_d, GRAD_ADD, o->qdy_d, o->sdy_d, o->qx_d, o->sx_d, o->n, o->rows0, o->N, o->K);
+    else fp8_gemm_wgrad_grouped(DEVICE_CUDA, dw_d, GRAD_ADD, o->qdy_d, o->sdy_d, o->qx_d, o->sx_d, o->n, o->rows0, o->N,
+                                o->K);
     float *dw = gpucheck_to_host(dw_d, bytes);
     device_free(DEVICE_CUDA, dw_d);
     return dw;
