@@ -76,6 +76,12 @@ static void *gpu_poisoned(size_t bytes) {
     free(h);
     return d;
 }
+// A device buffer of zeros: what GRAD_ADD adds onto, to compare GRAD_WRITE's output with.
+static void *gpu_zeros(size_t bytes) {
+    void *d = device_alloc(DEVICE_CUDA, bytes);
+    device_memset_zero(DEVICE_CUDA, d, bytes);
+    return d;
+}
 
 // x (n): random sign, |x| = 2^e with e uniform in [lo_exp, hi_exp): non-zero, many binades.
 static void fill_log_uniform(float *x, int64_t n, uint64_t seed, double lo_exp, double hi_exp) {
@@ -1986,9 +1992,7 @@ static void test_fp8_gemm_grouped(void **state) {
     dw_diff = count_diff(dw_grp, dw_seg, (size_t)nw * sizeof(float));
     // GRAD_WRITE over a poisoned dw (NaN) against GRAD_ADD onto zeros: equal values everywhere (a zero's sign may
     // differ: 0 + -0 is +0), the empty segments' zeros included
-    float *dw_zero_d = device_alloc(DEVICE_CUDA, (size_t)nw * sizeof(float));
-    float *dw_write_d = gpu_poisoned((size_t)nw * sizeof(float));
-    device_memset_zero(DEVICE_CUDA, dw_zero_d, (size_t)nw * sizeof(float));
+    float *dw_zero_d = gpu_zeros((size_t)nw * sizeof(float)), *dw_write_d = gpu_poisoned((size_t)nw * sizeof(float));
     fp8_gemm_wgrad_grouped(DEVICE_CUDA, dw_zero_d, GRAD_ADD, qdyt_d, sdyt_d, qxt_d, sxt_d, n, rows0, N, K);
     fp8_gemm_wgrad_grouped(DEVICE_CUDA, dw_write_d, GRAD_WRITE, qdyt_d, sdyt_d, qxt_d, sxt_d, n, rows0, N, K);
     float *dw_zero = gpucheck_to_host(dw_zero_d, (size_t)nw * sizeof(float));
@@ -2339,8 +2343,7 @@ static void test_bf16_gemm_grouped(void **state) {
         const Bf16FpropArgs fa = {xb_d, wg_d, n, N, K, rows0};
         const int res_diff = fprop_residual_diff(bf16_fprop_with_residual, &fa, T, N, 9106 + (uint64_t)gc->seed);
         // Wgrad with GRAD_WRITE over poison (NaN): the values GRAD_ADD gives on zeros, the empty groups' zeros too
-        float *dww_d = gpu_poisoned((size_t)nw * 4), *dwz_d = device_alloc(DEVICE_CUDA, (size_t)nw * 4);
-        device_memset_zero(DEVICE_CUDA, dwz_d, (size_t)nw * 4);
+        float *dww_d = gpu_poisoned((size_t)nw * 4), *dwz_d = gpu_zeros((size_t)nw * 4);
         bf16_gemm_wgrad_grouped(DEVICE_CUDA, dww_d, GRAD_WRITE, dyb_d, xb_d, n, rows0, N, K);
         bf16_gemm_wgrad_grouped(DEVICE_CUDA, dwz_d, GRAD_ADD, dyb_d, xb_d, n, rows0, N, K);
         float *dww = gpucheck_to_host(dww_d, (size_t)nw * 4), *dwz = gpucheck_to_host(dwz_d, (size_t)nw * 4);
