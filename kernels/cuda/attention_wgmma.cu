@@ -179,7 +179,7 @@ __global__ void __launch_bounds__(THREADS, 1)
     const uint32_t Qs = smem_base_1024(smem), Ks = Qs + F_BM * DQ * 2, Vs = Ks + 2 * F_BN * DQ * 2;
     constexpr uint32_t K_BUF = F_BN * DQ * 2, V_BUF = F_BN * DV * 2;
 
-    const int h = blockIdx.x, b = blockIdx.y, qt = gridDim.z - 1 - blockIdx.z;
+    const int qt = gridDim.x - 1 - blockIdx.x, h = blockIdx.y, b = blockIdx.z;  // grid_order below
     const int q0 = qt * F_BM;
     const int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31, g = lane >> 2,
               t = lane & 3;
@@ -283,7 +283,7 @@ __global__ void __launch_bounds__(THREADS, 1)
                    Vs = Ks + 2 * Q_BN * DQ * 2;
     constexpr uint32_t K_BUF = Q_BN * DQ * 2, V_BUF = Q_BN * DV * 2;
 
-    const int h = blockIdx.x, b = blockIdx.y, qt = gridDim.z - 1 - blockIdx.z;
+    const int qt = gridDim.x - 1 - blockIdx.x, h = blockIdx.y, b = blockIdx.z;  // grid_order below
     const int q0 = qt * Q_BM;
     const int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31, g = lane >> 2,
               t = lane & 3;
@@ -374,7 +374,7 @@ __global__ void __launch_bounds__(THREADS, 1)
     unsigned char *tail = smem + (dOs + 2 * DO_BUF - smem_addr(smem));
     float *Ps = reinterpret_cast<float *>(tail), *lse_s = Ps + 32 * 128, *D_s = lse_s + 2 * KT;
 
-    const int h = blockIdx.x, b = blockIdx.y, kt = blockIdx.z;
+    const int kt = blockIdx.x, h = blockIdx.y, b = blockIdx.z;  // grid_order below
     const int k0 = kt * KV_BK;
     const int n_iter = (T + KT - 1) / KT - kt * (KV_BK / KT);  // query tiles from the diagonal on
     // the warpgroup index read through a shuffle is warp-uniform to the compiler, so the branches on it below are
@@ -502,11 +502,26 @@ bool attention_wgmma_supported(int DQP, int DVP) {
     return cc == 90 && (DQP == 128 || DQP == 192) && DVP == 128;
 }
 
+// Every kernel's grid: its row tiles of one head (x: the tiles, heaviest first, the kernel maps blockIdx.x so), then
+// the heads (y), then the batch (z). Blocks start in that order, so the blocks resident at a time are the tiles of a
+// few heads, and the key and value (dkv: query and output-gradient) tiles every block of a head streams come from L2
+// after the first block's reads. With the heads first, the resident blocks were the same row tile of 128 different
+// heads, each reading its own head's tiles: about 1.6 GB per forward at B = 8, from DRAM at 89% of its bandwidth
+// (ncu, docs/benchmarks.md 2026-12-07 seventh session).
+static dim3 grid_order(int tiles, int H, int B) {
+    if (H > 65535 || B > 65535) {
+        fprintf(stderr, "fp8moe: kernels/cuda/attention_wgmma.cu: %d heads x %d sequences - expected at most 65535 of "
+                        "each (a grid's y and z)\n", H, B);
+        exit(1);
+    }
+    return dim3((unsigned)tiles, (unsigned)H, (unsigned)B);
+}
+
 template <int DQ, int DV>
 static void launch_forward(float *out, float *lse, const Staged *s, int B, int T, int H, int Dqk, int Dv) {
     const size_t smem = 1024 + 2 * ((size_t)F_BM * DQ + 2 * (size_t)F_BN * (DQ + DV));
     allow_smem(attention_forward_wgmma_kernel<DQ, DV>, smem, "attention_forward_wgmma_kernel");
-    const dim3 grid((unsigned)H, (unsigned)B, (unsigned)((T + F_BM - 1) / F_BM));
+    const dim3 grid = grid_order((T + F_BM - 1) / F_BM, H, B);
     const float scale = 1.0f / sqrtf((float)Dqk);
     attention_forward_wgmma_kernel<DQ, DV><<<grid, THREADS, smem>>>(out, lse, s->q, s->k, s->v, T, s->Tpad, H, Dv,
                                                                     scale * LOG2E);
@@ -516,7 +531,7 @@ static void launch_forward(float *out, float *lse, const Staged *s, int B, int T
 template <int DQ, int DV> static void launch_dq(float *dq, const Staged *s, int B, int T, int H, int Dqk) {
     const size_t smem = 1024 + 2 * ((size_t)Q_BM * (DQ + DV) + 2 * (size_t)Q_BN * (DQ + DV));
     allow_smem(attention_dq_wgmma_kernel<DQ, DV>, smem, "attention_dq_wgmma_kernel");
-    const dim3 grid((unsigned)H, (unsigned)B, (unsigned)((T + Q_BM - 1) / Q_BM));
+    const dim3 grid = grid_order((T + Q_BM - 1) / Q_BM, H, B);
     const float scale = 1.0f / sqrtf((float)Dqk);
     attention_dq_wgmma_kernel<DQ, DV><<<grid, THREADS, smem>>>(dq, s->D, s->lse2, s->q, s->k, s->v, s->dout, T,
                                                                s->Tpad, H, Dqk, scale, scale * LOG2E);
@@ -528,7 +543,7 @@ static void launch_dkv(const DkvOut *o, const Staged *s, int B, int T, int H, in
     const size_t smem = 1024 + 2 * ((size_t)KV_BK * (DQ + DV) + 2 * (size_t)KT * (DQ + DV)) +
                         sizeof(float) * (32 * 128 + 4 * KT);
     allow_smem(attention_dkv_wgmma_kernel<DQ, DV>, smem, "attention_dkv_wgmma_kernel");
-    const dim3 grid((unsigned)H, (unsigned)B, (unsigned)((T + KV_BK - 1) / KV_BK));
+    const dim3 grid = grid_order((T + KV_BK - 1) / KV_BK, H, B);
     const float scale = 1.0f / sqrtf((float)(Dn + Dr));
     attention_dkv_wgmma_kernel<DQ, DV><<<grid, THREADS, smem>>>(o->dk_nope, o->dk_rope, o->dv, s->D, s->lse2, s->q,
                                                                 s->k, s->v, s->dout, T, s->Tpad, H, Dn, Dr, Dv, scale,
