@@ -377,6 +377,19 @@ void adamw_update(Device dev, real *param, const real *grad, uint16_t *m, uint16
     cpu_adamw_update(param, grad, m, v, n, lr, beta1, beta2, eps, weight_decay, grad_scale, t);
 }
 
+void adamw_update_bf16_copy(Device dev, real *param, const real *grad, uint16_t *m, uint16_t *v, uint16_t *b, int64_t n,
+                            float lr, float beta1, float beta2, float eps, float weight_decay, float grad_scale, int t) {
+#ifdef FP8MOE_CUDA
+    if (dev == DEVICE_CUDA) {
+        cuda_adamw_update_bf16_copy(param, grad, m, v, b, n, lr, beta1, beta2, eps, weight_decay, grad_scale, t);
+        return;
+    }
+#endif
+    if (dev != DEVICE_CPU) no_cuda_op("adamw_update_bf16_copy");
+    cpu_adamw_update(param, grad, m, v, n, lr, beta1, beta2, eps, weight_decay, grad_scale, t);
+    cpu_bf16_round_array(b, param, n);
+}
+
 int fp8_check_finite(Device dev, char *err, size_t err_size) {
 #ifdef FP8MOE_CUDA
     if (dev == DEVICE_CUDA) return cuda_fp8_check_finite(err, err_size);

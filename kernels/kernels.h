@@ -559,6 +559,10 @@ void moe_combine_grad_bf16(Device dev, uint16_t *dy, const real *dout, const rea
 // grad_scale multiplies g first (global-norm clipping factor).
 void adamw_update(Device dev, real *param, const real *grad, uint16_t *m, uint16_t *v, int64_t n, float lr,
                   float beta1, float beta2, float eps, float weight_decay, float grad_scale, int t);
+// The same update, then b (n) = the updated param rounded to BF16 (bf16_round_array's bits): bf16 mode's cached
+// weight copies made in the update's pass (train/linear.h linear_bf16_copy_ranges says why).
+void adamw_update_bf16_copy(Device dev, real *param, const real *grad, uint16_t *m, uint16_t *v, uint16_t *b, int64_t n,
+                            float lr, float beta1, float beta2, float eps, float weight_decay, float grad_scale, int t);
 
 // Fault injection for the gradient check's negative control: scales the gradients the named backward
 // op writes by (1 + rel), on the CPU device. NULL switches it off. Only "swiglu_backward" is supported;

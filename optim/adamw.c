@@ -55,18 +55,51 @@ static void check_groups(const AdamW *opt, const ParamGroup *groups, int n_group
     }
 }
 
+// Stops with a message naming the first copy range that is out of order or not inside one group.
+static void check_copies(const ParamGroup *groups, int n_groups, const AdamwCopyRange *copies, int n_copies) {
+    int g = 0;
+    int64_t prev_end = 0;
+    for (int i = 0; i < n_copies; i++) {
+        const AdamwCopyRange *c = &copies[i];
+        while (g < n_groups && groups[g].offset + groups[g].count <= c->offset) g++;
+        if (c->offset < prev_end || c->n < 1 || g == n_groups || c->offset < groups[g].offset ||
+            c->offset + c->n > groups[g].offset + groups[g].count) {
+            fprintf(stderr, "fp8moe: adamw_step (optim/adamw.c): copy range %d (offset %lld, %lld elements) is not "
+                            "inside one parameter group after the previous range (which ends at %lld)\n", i,
+                    (long long)c->offset, (long long)c->n, (long long)prev_end);
+            exit(1);
+        }
+        prev_end = c->offset + c->n;
+    }
+}
+
 void adamw_step(AdamW *opt, real *params, const real *grads, const ParamGroup *groups, int n_groups,
-                float lr, float grad_scale, int t) {
+                const AdamwCopyRange *copies, int n_copies, float lr, float grad_scale, int t) {
     if (t < 1) {
         fprintf(stderr, "fp8moe: adamw_step (optim/adamw.c): step t = %d, expected t >= 1\n", t);
         exit(1);
     }
     check_groups(opt, groups, n_groups);
+    check_copies(groups, n_groups, copies, n_copies);
+    int k = 0;  // the next copy range
     for (int i = 0; i < n_groups; i++) {
         const ParamGroup *gr = &groups[i];
-        if (gr->count == 0) continue;
-        float wd = gr->apply_weight_decay ? opt->weight_decay : 0.0f;
-        adamw_update(opt->dev, params + gr->offset, grads + gr->offset, opt->m + gr->offset,
-                     opt->v + gr->offset, gr->count, lr, opt->beta1, opt->beta2, opt->eps, wd, grad_scale, t);
+        const float wd = gr->apply_weight_decay ? opt->weight_decay : 0.0f;
+        // the group's elements in order: plain runs between its copy ranges, each range with its copy
+        int64_t at = gr->offset;
+        const int64_t end = gr->offset + gr->count;
+        while (at < end) {
+            const AdamwCopyRange *c = k < n_copies && copies[k].offset < end ? &copies[k] : NULL;
+            const int64_t run_end = c ? c->offset : end;
+            if (run_end > at)
+                adamw_update(opt->dev, params + at, grads + at, opt->m + at, opt->v + at, run_end - at, lr, opt->beta1,
+                             opt->beta2, opt->eps, wd, grad_scale, t);
+            if (c == NULL) break;
+            adamw_update_bf16_copy(opt->dev, params + c->offset, grads + c->offset, opt->m + c->offset,
+                                   opt->v + c->offset, c->b, c->n, lr, opt->beta1, opt->beta2, opt->eps, wd, grad_scale,
+                                   t);
+            at = c->offset + c->n;
+            k++;
+        }
     }
 }

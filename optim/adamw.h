@@ -36,6 +36,14 @@ typedef struct {
     int apply_weight_decay;
 } ParamGroup;
 
+// Elements [offset, offset + n) of the buffer whose BF16 copy b (n) adamw_step writes as it updates them
+// (kernels.h adamw_update_bf16_copy): bf16 mode's cached block Linear weights (train/linear.h
+// linear_bf16_copy_ranges).
+typedef struct {
+    int64_t offset, n;
+    uint16_t *b;
+} AdamwCopyRange;
+
 // n >= 0 elements on dev; hyperparameters from cfg (beta1, beta2, eps, weight_decay).
 void adamw_init(AdamW *opt, Device dev, int64_t n, const OptimConfig *cfg);
 void adamw_free(AdamW *opt);
@@ -47,7 +55,9 @@ void adamw_free(AdamW *opt);
 //   opt->weight_decay in groups with apply_weight_decay and 0 elsewhere.
 // groups (n_groups) must tile [0, n) in order: groups[0].offset = 0, each group starts where the
 // previous one ends, the last ends at n, every count >= 0. So every parameter is updated exactly once.
+// copies (n_copies, sorted by offset, disjoint, each inside one group; NULL when 0): ranges whose BF16 copy is made
+// in the same pass (AdamwCopyRange); the weights get the same bits either way.
 void adamw_step(AdamW *opt, real *params, const real *grads, const ParamGroup *groups, int n_groups,
-                float lr, float grad_scale, int t);
+                const AdamwCopyRange *copies, int n_copies, float lr, float grad_scale, int t);
 
 #endif

@@ -2,7 +2,8 @@
  * linear.c - block Linear layers in the precision mode of the job (see linear.h). A weight's fp8 128x128
  * quantisation (q, its transpose and the scales) is a pure function of the FP32 master weight, so it is kept in a
  * cache and recomputed only when the weights changed (model_weights_changed): once per Linear per optimizer step
- * instead of twice per micro-batch, with the same bits. Activation operands are quantised once per call for every
+ * instead of twice per micro-batch, with the same bits; bf16 mode's copies are made by the optimizer step in its own
+ * pass where it can (linear_bf16_copy_ranges). Activation operands are quantised once per call for every
  * Linear that shares the input (MLA's down-projections, the SwiGLU FFN's w1 and w3: linear_*_shared) and every
  * group of rows (the routed experts: linear_*_grouped, one launch for all experts' segments, kernels.h's *_grouped
  * layouts), and the Fprop and Dgrad of all groups of a weight are one grouped GEMM call (on CUDA one output
@@ -79,6 +80,7 @@ struct LinearWeightCache {
     const uint8_t **q, **qt;
     const float **s;
     const uint16_t **b;
+    AdamwCopyRange *ranges;  // (n) linear_bf16_copy_ranges' answer
 };
 
 // The block Linears, as the parameter table records them: every Linear inside a block or MTP module, the
@@ -103,8 +105,9 @@ static void weight_cache_create(RunCtx *rc, const ParamInfo *params, int n_param
         const size_t slots = groups * MAX_SHARED;
         c->q = calloc(slots, sizeof *c->q), c->qt = calloc(slots, sizeof *c->qt);
         c->s = calloc(slots, sizeof *c->s), c->b = calloc(slots, sizeof *c->b);
+        c->ranges = calloc((size_t)(n ? n : 1), sizeof *c->ranges);
     }
-    if (!c || !c->entries || !c->q || !c->qt || !c->s || !c->b) {
+    if (!c || !c->entries || !c->q || !c->qt || !c->s || !c->b || !c->ranges) {
         fprintf(stderr, "fp8moe: train/linear.c: out of host memory for the Linear weight cache\n");
         exit(1);
     }
@@ -215,6 +218,32 @@ static int stacked_stale_entries(const RunCtx *rc, int i0, int n, int OC, int C)
     return 1;
 }
 
+const AdamwCopyRange *linear_bf16_copy_ranges(RunCtx *rc, int64_t lo, int64_t n, int *count) {
+    struct LinearWeightCache *c = rc->weight_cache;
+    *count = 0;
+    if (c == NULL) return NULL;
+    for (int i = 0; i < c->n; i++) {
+        const CachedWeight *e = &c->entries[i];
+        const int64_t size = (int64_t)e->OC * e->C;
+        if (e->b == NULL || e->q != NULL || size == 0 || e->offset < lo || e->offset + size > lo + n) continue;
+        AdamwCopyRange *last = *count > 0 ? &c->ranges[*count - 1] : NULL;
+        if (last != NULL && lo + last->offset + last->n == e->offset && last->b + last->n == e->b)
+            last->n += size;  // the next weight and the next copy: one range (the update is elementwise)
+        else c->ranges[(*count)++] = (AdamwCopyRange){.offset = e->offset - lo, .n = size, .b = e->b};
+    }
+    return c->ranges;
+}
+
+void linear_bf16_copies_written(RunCtx *rc, int64_t lo, const AdamwCopyRange *ranges, int n) {
+    struct LinearWeightCache *c = rc->weight_cache;
+    int i = 0;  // entries and ranges are both in offset order
+    for (int k = 0; k < n; k++) {
+        const int64_t from = lo + ranges[k].offset, to = from + ranges[k].n;
+        while (i < c->n && c->entries[i].offset < from) i++;
+        for (; i < c->n && c->entries[i].offset < to; i++) c->entries[i].version = rc->weights_version;
+    }
+}
+
 // The cached quantisation (bf16: BF16 copy) of `weight` (OC, C), brought up to date with the weights first.
 static const CachedWeight *cached_weight(RunCtx *rc, const real *weight, int OC, int C) {
     const int i = find_entry(rc, weight, OC, C);
@@ -234,7 +263,7 @@ static void weight_cache_free(RunCtx *rc) {
     if (rc->weight_cache == NULL) return;
     struct LinearWeightCache *c = rc->weight_cache;
     device_free(rc->dev, c->buf);
-    free(c->entries), free(c->q), free(c->qt), free(c->s), free(c->b);
+    free(c->entries), free(c->q), free(c->qt), free(c->s), free(c->b), free(c->ranges);
     free(c);
     rc->weight_cache = NULL;
 }

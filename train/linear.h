@@ -17,6 +17,7 @@
 #define FP8MOE_LINEAR_H
 
 #include "kernels/kernels.h"
+#include "optim/adamw.h"
 #include "train/params.h"
 #include "train/run_ctx.h"
 
@@ -190,6 +191,17 @@ void linear_backward_swiglu_grouped(RunCtx *rc, int n_groups, const int *offsets
 // local experts), so no step allocates device memory; a no-op in fp32 mode. The table's offsets are into
 // rc->weights.
 void linear_reserve_scratch(RunCtx *rc, const ParamInfo *params, int n_params, int rows, int routed_rows);
+// bf16 mode's cached BF16 copies of the block Linear weights that lie wholly inside elements [lo, lo + n) of the
+// flat weights, as adamw_step's copy ranges (offsets relative to lo; neighbouring weights with neighbouring copies
+// one range), *count of them; NULL and 0 before the cache exists. Why: the cache makes each copy from the FP32
+// weights at its first use after an update, which reads every weight once more per step (10.4 GB on
+// configs/bench-1gpu.ini); made by the update itself (kernels.h adamw_update_bf16_copy), a copy costs only its
+// writes. (fp8 mode's 128x128 quantisation made in the update's pass was measured slower than the two passes:
+// docs/benchmarks.md, 2026-12-07 seventh session.) The answer lives in the cache until the next call.
+const AdamwCopyRange *linear_bf16_copy_ranges(RunCtx *rc, int64_t lo, int64_t n, int *count);
+// Marks the weights of those ranges current (rc->weights_version), their copies written by adamw_step: so bump the
+// version (model_weights_changed) before the update, not after.
+void linear_bf16_copies_written(RunCtx *rc, int64_t lo, const AdamwCopyRange *ranges, int n);
 void linear_free_scratch(RunCtx *rc);
 
 #endif

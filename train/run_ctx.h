@@ -6,7 +6,8 @@
  *
  * The weight cache is keyed by a weight's offset in the flat master weights `weights`
  * (n_weights elements) and is valid for one weights_version: whoever writes the weights bumps it
- * (model_weights_changed) and the cache converts each weight again at its next use.
+ * (model_weights_changed) and the cache converts each weight again at its next use, unless the writer made its
+ * converted forms itself (bf16 mode's optimizer step: train/linear.h linear_bf16_copy_ranges).
  */
 #ifndef FP8MOE_RUN_CTX_H
 #define FP8MOE_RUN_CTX_H

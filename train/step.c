@@ -253,16 +253,23 @@ int train_step(TrainState *ts, StepResult *out, char *err, size_t err_size) {
     }
     const float scale = clip_scale(gnorm, cfg->optim.grad_clip);
     const double lr = lr_at(&cfg->optim, ts->step, ts->total_steps);
+    // The weights change below: the new version first, since in bf16 mode the update writes the cached BF16 copies
+    // of the block Linear weights of its region (linear_bf16_copy_ranges) for it. With ZeRO-1 a rank updates a shard
+    // and gathers the rest, so the cache makes those copies at their next use instead.
+    model_weights_changed(m);
     for (int k = 0; k < 2; k++) {  // AdamW is elementwise: the two regions give the bits of one call over both
         TrainedRegion *r = &ts->regions[k];
-        adamw_step(&r->opt, m->weights + r->lo, m->grads + r->lo, r->groups, r->n_groups, (float)lr, scale, s);
+        int n_copies = 0;
+        const AdamwCopyRange *copies = ts->zero1 ? NULL : linear_bf16_copy_ranges(&m->rc, r->lo, r->n, &n_copies);
+        adamw_step(&r->opt, m->weights + r->lo, m->grads + r->lo, r->groups, r->n_groups, copies, n_copies, (float)lr,
+                   scale, s);
+        linear_bf16_copies_written(&m->rc, r->lo, copies, n_copies);
         if (ts->zero1) {
             profile_begin(PHASE_GRAD_SYNC);
             comm_allgather_real(r->group, m->weights + r->lo, m->weights + r->part_lo, r->shard_n);
             profile_end(PHASE_GRAD_SYNC);
         }
     }
-    model_weights_changed(m);
     profile_end(PHASE_OPTIMIZER);
     // every rank that routed distinct tokens adds its counts (each stage those of its own layers, the others'
     // counts being zero), so every rank applies the same bias update to every layer

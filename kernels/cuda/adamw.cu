@@ -46,12 +46,14 @@ __device__ inline void adamw_element(float &p, float grad, uint16_t &m, uint16_t
     v = __bfloat16_as_ushort(__float2bfloat16_rn(v_new));
 }
 
-// param, grad (n) FP32; m, v (n) BF16 bit patterns. With VEC4 each thread moves 4 consecutive elements per
-// step (16-byte FP32 and 8-byte BF16 accesses): four times the bytes in flight per thread, which the
+// param, grad (n) FP32; m, v (n) BF16 bit patterns; b (n), when not NULL, the updated param rounded to BF16 (RNE,
+// bf16_round_array's bits: kernels.h adamw_update_bf16_copy). With VEC4 each thread moves 4 consecutive elements
+// per step (16-byte FP32 and 8-byte BF16 accesses): four times the bytes in flight per thread, which the
 // scalar loop lacked to reach the memory bandwidth (its divisions and square root sit between the loads of
 // one element and the next). The callers pick it when n is a multiple of 4 and the pointers are aligned.
 template <bool VEC4>
-__global__ void adamw_kernel(float *param, const float *grad, uint16_t *m, uint16_t *v, int64_t n, const AdamwArgs a) {
+__global__ void adamw_kernel(float *param, const float *grad, uint16_t *m, uint16_t *v, uint16_t *b, int64_t n,
+                             const AdamwArgs a) {
     const int per = VEC4 ? 4 : 1;
     for (int64_t i = (blockIdx.x * (int64_t)blockDim.x + threadIdx.x) * per; i < n;
          i += (int64_t)gridDim.x * blockDim.x * per) {
@@ -65,14 +67,17 @@ __global__ void adamw_kernel(float *param, const float *grad, uint16_t *m, uint1
             adamw_element(p.w, g.w, mm.w, vv.w, a);
             *reinterpret_cast<float4 *>(param + i) = p;
             *reinterpret_cast<ushort4 *>(m + i) = mm, *reinterpret_cast<ushort4 *>(v + i) = vv;
+            if (b != NULL) *reinterpret_cast<uint2 *>(b + i) = make_uint2(bf16x2_bits(p.x, p.y), bf16x2_bits(p.z, p.w));
         } else {
             adamw_element(param[i], grad[i], m[i], v[i], a);
+            if (b != NULL) b[i] = bf16_bits(param[i]);
         }
     }
 }
 
-extern "C" void cuda_adamw_update(real *param, const real *grad, uint16_t *m, uint16_t *v, int64_t n, float lr,
-                                  float beta1, float beta2, float eps, float weight_decay, float grad_scale, int t) {
+// kernels.h adamw_update (b NULL) and adamw_update_bf16_copy: one launch.
+static void launch_adamw(real *param, const real *grad, uint16_t *m, uint16_t *v, uint16_t *b, int64_t n, float lr,
+                         float beta1, float beta2, float eps, float weight_decay, float grad_scale, int t) {
     if (n <= 0) return;
     if (t < 1) {
         fprintf(stderr, "%s:%d: cuda_adamw_update got step t = %d; expected t >= 1 (bias correction)\n", __FILE__,
@@ -85,8 +90,19 @@ extern "C" void cuda_adamw_update(real *param, const real *grad, uint16_t *m, ui
     const AdamwArgs a = {lr, beta1, 1.0f - beta1, beta2, 1.0f - beta2, bias_correction1, bias_correction2, eps,
                          weight_decay, grad_scale};
     const int vec4 = n % 4 == 0 && (uintptr_t)param % 16 == 0 && (uintptr_t)grad % 16 == 0 && (uintptr_t)m % 8 == 0 &&
-                     (uintptr_t)v % 8 == 0;
-    if (vec4) adamw_kernel<true><<<grid_for(n / 4, ADAMW_THREADS), ADAMW_THREADS>>>(param, grad, m, v, n, a);
-    else adamw_kernel<false><<<grid_for(n, ADAMW_THREADS), ADAMW_THREADS>>>(param, grad, m, v, n, a);
+                     (uintptr_t)v % 8 == 0 && (uintptr_t)b % 8 == 0;
+    if (vec4) adamw_kernel<true><<<grid_for(n / 4, ADAMW_THREADS), ADAMW_THREADS>>>(param, grad, m, v, b, n, a);
+    else adamw_kernel<false><<<grid_for(n, ADAMW_THREADS), ADAMW_THREADS>>>(param, grad, m, v, b, n, a);
     CUDA_CHECK_LAUNCH("adamw_kernel");
+}
+
+extern "C" void cuda_adamw_update(real *param, const real *grad, uint16_t *m, uint16_t *v, int64_t n, float lr,
+                                  float beta1, float beta2, float eps, float weight_decay, float grad_scale, int t) {
+    launch_adamw(param, grad, m, v, NULL, n, lr, beta1, beta2, eps, weight_decay, grad_scale, t);
+}
+
+extern "C" void cuda_adamw_update_bf16_copy(real *param, const real *grad, uint16_t *m, uint16_t *v, uint16_t *b,
+                                            int64_t n, float lr, float beta1, float beta2, float eps,
+                                            float weight_decay, float grad_scale, int t) {
+    launch_adamw(param, grad, m, v, b, n, lr, beta1, beta2, eps, weight_decay, grad_scale, t);
 }

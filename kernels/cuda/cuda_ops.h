@@ -27,6 +27,9 @@ void cuda_crossentropy_backward_bf16(uint16_t *dlogits, const uint16_t *logits, 
 void cuda_crossentropy_probs_bf16(real *probs, const uint16_t *logits, const real *row_max, const double *row_sum,
                                   int N, int V);
 void cuda_adamw_update(real *param, const real *grad, uint16_t *m, uint16_t *v, int64_t n, float lr, float beta1, float beta2, float eps, float weight_decay, float grad_scale, int t);
+void cuda_adamw_update_bf16_copy(real *param, const real *grad, uint16_t *m, uint16_t *v, uint16_t *b, int64_t n,
+                                 float lr, float beta1, float beta2, float eps, float weight_decay, float grad_scale,
+                                 int t);
 
 // FP8 block scaling and the BF16 baseline GEMMs (kernels/cuda/fp8_quant.cu, kernels/cuda/gemm.cu).
 int cuda_fp8_check_finite(char *err, size_t err_size);

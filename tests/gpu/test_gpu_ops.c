@@ -806,6 +806,79 @@ static void test_crossentropy_bf16(void **state) {
     assert_true(ok);
 }
 
+// adamw_update_bf16_copy: the CUDA op against the same inputs through adamw_update then bf16_round_array, and
+// against the CPU op: weights, moments and copy bitwise equal to both. Tolerance 0: the op's contract is those
+// calls' bits, and each of them is the CPU's function (test_adamw; the BF16 rounding); the copy is rounded from the
+// same FP32 value in the same way. n a multiple of 4 (the 4-wide path) and not, and a start one element off
+// alignment (a weight's offset in the flat buffer need not be a multiple of 4).
+typedef struct {
+    int64_t n;
+    int shift;
+} AdamwCopyCase;
+
+static int differing_bytes(const void *a, const void *b, size_t n) {
+    int d = 0;
+    for (size_t i = 0; i < n; i++) d += ((const uint8_t *)a)[i] != ((const uint8_t *)b)[i];
+    return d;
+}
+
+static void test_adamw_bf16_copy(void **state) {
+    const AdamwCopyCase *tc = (const AdamwCopyCase *)*state;
+    const int64_t n = tc->n, at = tc->shift, all = at + n;
+    const float lr = 3e-4f, beta1 = 0.9f, beta2 = 0.95f, eps = 1e-8f, wd = 0.1f, grad_scale = 0.7f;
+    const int t = 3;
+    const uint64_t seed = 9100u + (uint64_t)n + (uint64_t)tc->shift;
+    float *param = floats(all), *grad = floats(all), *tmp = floats(all);
+    uint16_t *m0 = xmalloc((size_t)all * 2), *v0 = xmalloc((size_t)all * 2);
+    opcheck_fill_nonzero(param, (size_t)all, seed + 1, 0.01, 1.0);
+    opcheck_fill_nonzero(grad, (size_t)all, seed + 2, 1e-4, 0.1);
+    opcheck_fill_nonzero(tmp, (size_t)all, seed + 3, 1e-4, 0.05);
+    for (int64_t i = 0; i < all; i++) m0[i] = ref_bf16_rne(tmp[i]);
+    opcheck_fill_nonzero(tmp, (size_t)all, seed + 4, 1e-6, 1e-2);
+    for (int64_t i = 0; i < all; i++) v0[i] = ref_bf16_rne(fabsf(tmp[i]));
+
+    // [0]: the CUDA op, [1]: the CUDA ops it stands for, [2]: the CPU op; every output copied to host[k][o]
+    float *d_g = gpu_copy_of(grad, (size_t)all * 4);
+    void *host[3][4];
+    const size_t bytes[4] = {(size_t)all * 4, (size_t)all * 2, (size_t)all * 2, (size_t)n * 2};
+    for (int k = 0; k < 3; k++) {
+        const Device dev = k < 2 ? DEVICE_CUDA : DEVICE_CPU;
+        float *p = device_alloc(dev, bytes[0]);
+        uint16_t *m = device_alloc(dev, bytes[1]), *v = device_alloc(dev, bytes[2]), *b = device_alloc(dev, bytes[3]);
+        device_memcpy_from_host(dev, p, param, bytes[0]);
+        device_memcpy_from_host(dev, m, m0, bytes[1]);
+        device_memcpy_from_host(dev, v, v0, bytes[2]);
+        const float *g = k < 2 ? d_g : grad;
+        if (k == 1) {
+            adamw_update(dev, p + at, g + at, m + at, v + at, n, lr, beta1, beta2, eps, wd, grad_scale, t);
+            bf16_round_array(dev, b, p + at, n);
+        } else {
+            adamw_update_bf16_copy(dev, p + at, g + at, m + at, v + at, b, n, lr, beta1, beta2, eps, wd, grad_scale, t);
+        }
+        void *src[4] = {p, m, v, b};
+        for (int o = 0; o < 4; o++) {
+            host[k][o] = xmalloc(bytes[o]);
+            device_memcpy_to_host(dev, host[k][o], src[o], bytes[o]);
+            device_free(dev, src[o]);
+        }
+    }
+    const char *names[4] = {"param", "m", "v", "copy"};
+    int ok = 1;
+    for (int o = 0; o < 4; o++) {
+        const int d01 = differing_bytes(host[0][o], host[1][o], bytes[o]);
+        const int d02 = differing_bytes(host[0][o], host[2][o], bytes[o]);
+        printf("adamw_update_bf16_copy n=%lld +%d %-6s differing bytes: vs CUDA ops %d, vs CPU op %d  %s\n",
+               (long long)n, tc->shift, names[o], d01, d02, d01 == 0 && d02 == 0 ? "ok" : "FAIL");
+        ok &= d01 == 0 && d02 == 0;
+    }
+    fflush(stdout);
+    for (int k = 0; k < 3; k++)
+        for (int o = 0; o < 4; o++) free(host[k][o]);
+    device_free(DEVICE_CUDA, d_g);
+    free(param), free(grad), free(tmp), free(m0), free(v0);
+    assert_true(ok);
+}
+
 // Rows up to 64 x 512 elements are held in registers (kernels/cuda/crossentropy.cu), longer ones take three passes:
 // tiny and mid (5000) and the bench's vocabulary (32768, the largest register row) take the first path.
 static CrossentropyCase ce_gpt2 = {37, 50257}, ce_dsv3 = {4, 129280}, ce_tiny = {64, 3}, ce_mid = {9, 5000},
@@ -817,6 +890,7 @@ static AdamwCase adamw_bf16 = {4099, 1, 1e-3f, 0.0f, 0.0f, 1e-8f, 0.1f, 1.0f, 1}
 // n a multiple of 4 (aligned buffers): the kernel's 4-wide path; the cases above take the scalar one
 static AdamwCase adamw_vec4 = {1000000, 5, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 0.8f, 0};
 static AdamwCase adamw_vec4_bf16 = {4096, 1, 1e-3f, 0.0f, 0.0f, 1e-8f, 0.1f, 1.0f, 1};
+static AdamwCopyCase copy_vec4 = {1000000, 0}, copy_odd = {4099, 0}, copy_shifted = {65536, 1};
 
 int main(void) {
     const int n_gpu = gpucheck_devices("test_gpu_ops");
@@ -853,6 +927,9 @@ int main(void) {
         cmocka_unit_test_prestate(test_adamw, &adamw_bf16),
         cmocka_unit_test_prestate(test_adamw, &adamw_vec4),
         cmocka_unit_test_prestate(test_adamw, &adamw_vec4_bf16),
+        cmocka_unit_test_prestate(test_adamw_bf16_copy, &copy_vec4),
+        cmocka_unit_test_prestate(test_adamw_bf16_copy, &copy_odd),
+        cmocka_unit_test_prestate(test_adamw_bf16_copy, &copy_shifted),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

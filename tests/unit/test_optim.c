@@ -212,7 +212,7 @@ static void test_adamw_matches_reference(void **state) {
         float grad_scale = t % 3 == 0 ? 1.0f : 0.37f;
         double grad_mag = (t % 5 == 0) ? 1e-3 : 1.0;  // some steps much smaller: v decays across them
         for (int i = 0; i < N; i++) grads[i] = (real)rng_signed(0.01 * grad_mag, grad_mag);
-        adamw_step(&opt, params, grads, groups, 3, lr, grad_scale, t);
+        adamw_step(&opt, params, grads, groups, 3, NULL, 0, lr, grad_scale, t);
         for (int i = 0; i < N; i++) {
             double wd = (i >= 300 && i < 350) ? 0.0 : (double)(float)cfg.weight_decay;
             ref_adamw(&ref_p[i], &ref_m[i], &ref_v[i], (float)grads[i], lr, wd, grad_scale, t, &h);
@@ -241,7 +241,7 @@ static void test_adamw_first_step_by_hand(void **state) {
     ParamGroup groups[2] = {{0, 2, 0}, {2, 2, 1}};
     real params[4] = {1.0f, -0.5f, 1.0f, -0.5f};
     real grads[4] = {0.5f, -2.0f, 0.25f, 3.0f};
-    adamw_step(&opt, params, grads, groups, 2, 0.01f, 1.0f, 1);
+    adamw_step(&opt, params, grads, groups, 2, NULL, 0, 0.01f, 1.0f, 1);
     // no decay: 1 - 0.01 = 0.99;  -0.5 + 0.01 = -0.49
     assert_float_equal(params[0], 0.99, 1e-7);
     assert_float_equal(params[1], -0.49, 1e-7);
@@ -272,7 +272,7 @@ static void test_adamw_zero_grad_only_decay(void **state) {
         grads[i] = 0;
     }
     for (int t = 1; t <= 3; t++) {
-        adamw_step(&opt, params, grads, groups, 2, 0.01f, 1.0f, t);
+        adamw_step(&opt, params, grads, groups, 2, NULL, 0, 0.01f, 1.0f, t);
         for (int i = 0; i < 32; i++) before[i] -= (double)0.01f * ((double)0.1f * before[i]);
     }
     for (int i = 0; i < 32; i++) assert_float_equal(params[i], before[i], 1e-7 * fabs(before[i]));
@@ -298,12 +298,47 @@ static void test_adamw_grad_scale_is_first(void **state) {
             ga[i] = (real)rng_signed(0.01, 1.0);
             gb[i] = (real)((float)ga[i] * 0.25f);
         }
-        adamw_step(&a, pa, ga, &group, 1, 0.01f, 0.25f, t);
-        adamw_step(&b, pb, gb, &group, 1, 0.01f, 1.0f, t);
+        adamw_step(&a, pa, ga, &group, 1, NULL, 0, 0.01f, 0.25f, t);
+        adamw_step(&b, pb, gb, &group, 1, NULL, 0, 0.01f, 1.0f, t);
     }
     assert_memory_equal(pa, pb, sizeof pa);
     assert_memory_equal(a.m, b.m, N * sizeof(uint16_t));
     assert_memory_equal(a.v, b.v, N * sizeof(uint16_t));
+    adamw_free(&a);
+    adamw_free(&b);
+}
+
+// Copy ranges (train/linear.h linear_bf16_copy_ranges): the update that writes a range's BF16 copy in its pass
+// (kernels.h adamw_update_bf16_copy) gives the weights and moments of the plain update bit for bit, and the copy is
+// what bf16_round_array makes of the updated weights afterwards. The ranges lie in the two decayed groups, with plain
+// runs beside and between them and an undecayed group in between, one of them at the start of its group.
+static void test_adamw_copy_ranges(void **state) {
+    (void)state;
+    OptimConfig cfg = test_optim_config();
+    enum { N = 40000 };
+    ParamGroup groups[3] = {{0, 30000, 1}, {30000, 50, 0}, {30050, N - 30050, 1}};
+    AdamwCopyRange r[3] = {{.offset = 100, .n = 18201}, {.offset = 18301, .n = 4000}, {.offset = 30050, .n = 8192}};
+    for (int k = 0; k < 3; k++) r[k].b = malloc((size_t)r[k].n * sizeof(uint16_t));
+    AdamW a, b;
+    adamw_init(&a, DEVICE_CPU, N, &cfg);
+    adamw_init(&b, DEVICE_CPU, N, &cfg);
+    real *pa = malloc(N * sizeof *pa), *pb = malloc(N * sizeof *pb), *g = malloc(N * sizeof *g);
+    uint16_t *copy = malloc(N * sizeof *copy);
+    for (int i = 0; i < N; i++) pa[i] = pb[i] = (real)rng_signed(0.01, 1.5);
+    for (int t = 1; t <= 3; t++) {
+        for (int i = 0; i < N; i++) g[i] = (real)rng_signed(1e-4, 1.0);
+        adamw_step(&a, pa, g, groups, 3, r, 3, 0.01f, 0.5f, t);
+        adamw_step(&b, pb, g, groups, 3, NULL, 0, 0.01f, 0.5f, t);
+        assert_memory_equal(pa, pb, N * sizeof *pa);
+        assert_memory_equal(a.m, b.m, N * sizeof(uint16_t));
+        assert_memory_equal(a.v, b.v, N * sizeof(uint16_t));
+        for (int k = 0; k < 3; k++) {
+            bf16_round_array(DEVICE_CPU, copy, pb + r[k].offset, r[k].n);
+            assert_memory_equal(r[k].b, copy, (size_t)r[k].n * sizeof *copy);
+        }
+    }
+    for (int k = 0; k < 3; k++) free(r[k].b);
+    free(pa), free(pb), free(g), free(copy);
     adamw_free(&a);
     adamw_free(&b);
 }
@@ -447,6 +482,7 @@ int main(void) {
         cmocka_unit_test(test_adamw_first_step_by_hand),
         cmocka_unit_test(test_adamw_zero_grad_only_decay),
         cmocka_unit_test(test_adamw_grad_scale_is_first),
+        cmocka_unit_test(test_adamw_copy_ranges),
         cmocka_unit_test(test_lr_cosine),
         cmocka_unit_test(test_lr_wsd),
         cmocka_unit_test(test_clip),
