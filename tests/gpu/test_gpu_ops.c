@@ -614,6 +614,20 @@ static int check_moment(const char *shape, const char *output, const uint16_t *g
     return pass;
 }
 
+// An AdamW step's n random inputs (never zero) from seed: weights, gradients, BF16 moments m0 and v0 (v0 >= 0), and
+// tmp, a scratch array of n floats the caller may reuse.
+static void adamw_inputs(int64_t n, uint64_t seed, float **param, float **grad, float **tmp, uint16_t **m0,
+                         uint16_t **v0) {
+    *param = floats(n), *grad = floats(n), *tmp = floats(n);
+    *m0 = xmalloc((size_t)n * 2), *v0 = xmalloc((size_t)n * 2);
+    opcheck_fill_nonzero(*param, (size_t)n, seed + 1, 0.01, 1.0);
+    opcheck_fill_nonzero(*grad, (size_t)n, seed + 2, 1e-4, 0.1);
+    opcheck_fill_nonzero(*tmp, (size_t)n, seed + 3, 1e-4, 0.05);
+    for (int64_t i = 0; i < n; i++) (*m0)[i] = ref_bf16_rne((*tmp)[i]);
+    opcheck_fill_nonzero(*tmp, (size_t)n, seed + 4, 1e-6, 1e-2);
+    for (int64_t i = 0; i < n; i++) (*v0)[i] = ref_bf16_rne(fabsf((*tmp)[i]));
+}
+
 // Params: p - lr * upd. The scale is |p| + lr * (size of upd), where the size of upd counts the
 // magnitudes that m is computed from (|beta1 m| + |(1-beta1) g|, which may cancel) over the same
 // denominator, plus |wd p|. About ten roundings inside upd, one for the product with lr and one for
@@ -626,14 +640,9 @@ static void test_adamw(void **state) {
     const uint64_t seed = 4000u + (uint64_t)n + 101u * (uint64_t)tc->t + 7u * (uint64_t)tc->rounding_probe;
     int ok = 1;
 
-    float *param = floats(n), *grad = floats(n), *tmp = floats(n);
-    uint16_t *m0 = xmalloc((size_t)n * 2), *v0 = xmalloc((size_t)n * 2);
-    opcheck_fill_nonzero(param, (size_t)n, seed + 1, 0.01, 1.0);
-    opcheck_fill_nonzero(grad, (size_t)n, seed + 2, 1e-4, 0.1);
-    opcheck_fill_nonzero(tmp, (size_t)n, seed + 3, 1e-4, 0.05);
-    for (int64_t i = 0; i < n; i++) m0[i] = ref_bf16_rne(tmp[i]);
-    opcheck_fill_nonzero(tmp, (size_t)n, seed + 4, 1e-6, 1e-2);
-    for (int64_t i = 0; i < n; i++) v0[i] = ref_bf16_rne(fabsf(tmp[i]));
+    float *param, *grad, *tmp;
+    uint16_t *m0, *v0;
+    adamw_inputs(n, seed, &param, &grad, &tmp, &m0, &v0);
     if (tc->rounding_probe) {
         // gradients whose BF16 rounding is a tie (dropped 16 bits = 0x8000, odd and even kept part),
         // one off a tie either way, subnormal, and near the top of the range (rounds up to infinity:
@@ -828,14 +837,9 @@ static void test_adamw_bf16_copy(void **state) {
     const float lr = 3e-4f, beta1 = 0.9f, beta2 = 0.95f, eps = 1e-8f, wd = 0.1f, grad_scale = 0.7f;
     const int t = 3;
     const uint64_t seed = 9100u + (uint64_t)n + (uint64_t)tc->shift;
-    float *param = floats(all), *grad = floats(all), *tmp = floats(all);
-    uint16_t *m0 = xmalloc((size_t)all * 2), *v0 = xmalloc((size_t)all * 2);
-    opcheck_fill_nonzero(param, (size_t)all, seed + 1, 0.01, 1.0);
-    opcheck_fill_nonzero(grad, (size_t)all, seed + 2, 1e-4, 0.1);
-    opcheck_fill_nonzero(tmp, (size_t)all, seed + 3, 1e-4, 0.05);
-    for (int64_t i = 0; i < all; i++) m0[i] = ref_bf16_rne(tmp[i]);
-    opcheck_fill_nonzero(tmp, (size_t)all, seed + 4, 1e-6, 1e-2);
-    for (int64_t i = 0; i < all; i++) v0[i] = ref_bf16_rne(fabsf(tmp[i]));
+    float *param, *grad, *tmp;
+    uint16_t *m0, *v0;
+    adamw_inputs(all, seed, &param, &grad, &tmp, &m0, &v0);
 
     // [0]: the CUDA op, [1]: the CUDA ops it stands for, [2]: the CPU op; every output copied to host[k][o]
     float *d_g = gpu_copy_of(grad, (size_t)all * 4);
