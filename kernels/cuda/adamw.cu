@@ -76,12 +76,11 @@ __global__ void adamw_kernel(float *param, const float *grad, uint16_t *m, uint1
 }
 
 // kernels.h adamw_update (b NULL) and adamw_update_bf16_copy: one launch.
-static void launch_adamw(real *param, const real *grad, uint16_t *m, uint16_t *v, uint16_t *b, int64_t n, float lr,
-                         float beta1, float beta2, float eps, float weight_decay, float grad_scale, int t) {
+static void launch_adamw(const char *op, real *param, const real *grad, uint16_t *m, uint16_t *v, uint16_t *b,
+                         int64_t n, float lr, float beta1, float beta2, float eps, float weight_decay, float grad_scale, int t) {
     if (n <= 0) return;
     if (t < 1) {
-        fprintf(stderr, "%s:%d: cuda_adamw_update got step t = %d; expected t >= 1 (bias correction)\n", __FILE__,
-                __LINE__, t);
+        fprintf(stderr, "%s:%d: %s got step t = %d; expected t >= 1 (bias correction)\n", __FILE__, __LINE__, op, t);
         exit(1);
     }
     // In double, rounded once to float, exactly as cpu_adamw_update does.
@@ -98,11 +97,12 @@ static void launch_adamw(real *param, const real *grad, uint16_t *m, uint16_t *v
 
 extern "C" void cuda_adamw_update(real *param, const real *grad, uint16_t *m, uint16_t *v, int64_t n, float lr,
                                   float beta1, float beta2, float eps, float weight_decay, float grad_scale, int t) {
-    launch_adamw(param, grad, m, v, NULL, n, lr, beta1, beta2, eps, weight_decay, grad_scale, t);
+    launch_adamw("cuda_adamw_update", param, grad, m, v, NULL, n, lr, beta1, beta2, eps, weight_decay, grad_scale, t);
 }
 
 extern "C" void cuda_adamw_update_bf16_copy(real *param, const real *grad, uint16_t *m, uint16_t *v, uint16_t *b,
                                             int64_t n, float lr, float beta1, float beta2, float eps,
                                             float weight_decay, float grad_scale, int t) {
-    launch_adamw(param, grad, m, v, b, n, lr, beta1, beta2, eps, weight_decay, grad_scale, t);
+    launch_adamw("cuda_adamw_update_bf16_copy", param, grad, m, v, b, n, lr, beta1, beta2, eps, weight_decay, grad_scale,
+                 t);
 }
