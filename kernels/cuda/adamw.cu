@@ -77,7 +77,8 @@ __global__ void adamw_kernel(float *param, const float *grad, uint16_t *m, uint1
 
 // kernels.h adamw_update (b NULL) and adamw_update_bf16_copy: one launch.
 static void launch_adamw(const char *op, real *param, const real *grad, uint16_t *m, uint16_t *v, uint16_t *b,
-                         int64_t n, float lr, float beta1, float beta2, float eps, float weight_decay, float grad_scale, int t) {
+                         int64_t n, float lr, float beta1, float beta2, float eps, float weight_decay, float grad_scale,
+                         int t) {
     if (n <= 0) return;
     if (t < 1) {
         fprintf(stderr, "%s:%d: %s got step t = %d; expected t >= 1 (bias correction)\n", __FILE__, __LINE__, op, t);
