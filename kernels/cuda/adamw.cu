@@ -104,6 +104,6 @@ extern "C" void cuda_adamw_update(real *param, const real *grad, uint16_t *m, ui
 extern "C" void cuda_adamw_update_bf16_copy(real *param, const real *grad, uint16_t *m, uint16_t *v, uint16_t *b,
                                             int64_t n, float lr, float beta1, float beta2, float eps,
                                             float weight_decay, float grad_scale, int t) {
-    launch_adamw("cuda_adamw_update_bf16_copy", param, grad, m, v, b, n, lr, beta1, beta2, eps, weight_decay, grad_scale,
-                 t);
+    launch_adamw("cuda_adamw_update_bf16_copy", param, grad, m, v, b, n, lr, beta1, beta2, eps, weight_decay,
+                 grad_scale, t);
 }
