@@ -13,8 +13,11 @@
  * comes from shared memory (Q, dO, K, V tiles) or from registers (P, dS: the accumulator of the first product,
  * repacked to BF16 as in attention.cu, whose per-warp fragment layout is the same). On an H200 at the benchmark
  * model's shape these kernels take 0.161 ms forward and 0.454 ms backward against the mma.sync kernels' 0.336 and
- * 1.086 (docs/benchmarks.md, eighth session). Not done yet: the two warpgroups meet at one barrier per tile, so
- * their softmax phases coincide instead of overlapping the other's products, and tiles are copied by cp.async
+ * 1.086 (docs/benchmarks.md, eighth session). Each warpgroup overlaps its own softmax (or dS) work with a product:
+ * it issues the first product of tile j together with the last product of tile j - 1, whose A operand it computed
+ * in iteration j - 1, and works on tile j's scores while that product runs (FlashAttention-3's intra-warpgroup
+ * pipelining; the accumulators see the same products in the same order, so the bits are those of one tile at a
+ * time). Not done yet: the two warpgroups still meet at one barrier per tile, and tiles are copied by cp.async
  * rather than the tensor memory accelerator.
  *
  * Served head dims (attention_wgmma_supported): padded Dqk of 128 or 192 and padded Dv of 128 on a compute
@@ -33,19 +36,23 @@
  * the generic proxy only after fence.proxy.async, issued by every thread before the barrier that publishes a tile.
  *
  * Kernels (256 threads = 2 warpgroups, one block per SM by shared memory):
- *   forward  128 query rows per block (64 per warpgroup), key tiles of 128 double-buffered: S = Q K^T (m64n128,
- *            over Dqk), the online softmax of attention.cu in registers, O += P V (m64nDv, A = P from registers).
- *   dq       128 query rows per block, key tiles of 64 double-buffered: S = Q K^T and dP = dO V^T (m64n64), dS =
- *            P (dP - D) scale, dq += dS K (m64nDqk, A = dS from registers).
- *   dkv      64 keys per block, query tiles of 64 double-buffered, the two groups of attention.cu as warpgroups:
+ *   forward  128 query rows per block (64 per warpgroup), key tiles of 128 double-buffered (V one tile behind K):
+ *            S = Q K^T (m64n128, over Dqk), the online softmax of attention.cu in registers, O += P V (m64nDv, A =
+ *            P from registers).
+ *   dq       128 query rows per block, key tiles of 64 (K in three buffers, V in two): S = Q K^T and dP = dO V^T
+ *            (m64n64), dS = P (dP - D) scale, dq += dS K (m64nDqk, A = dS from registers).
+ *   dkv      64 keys per block, query tiles of 64 in three buffers, the two groups of attention.cu as warpgroups:
  *              value warpgroup: S^T = K Q^T, P^T = exp2(S^T scale log2(e) - lse2) -> shared, dv += P^T dO
  *              key warpgroup:   dP^T = V dO^T, reads P^T, dS^T = P^T (dP^T - D) scale, dk += dS^T Q
  *            P^T passes through shared memory in the accumulator's own register order (each key-warpgroup thread
  *            reads the 32 values its value-warpgroup twin wrote), in FP32 as in attention.cu.
- * Each wgmma batch is: wgmma.fence (after the registers it reads were last written), the wgmmas, commit, wait 0;
- * operand fences around it keep the compiler from moving accumulator reads or writes across the asynchronous
- * products.
+ * Each wgmma batch is: wgmma.fence (after the registers it reads were last written), the wgmmas, commit, and a
+ * wait for the group whose results are read next; operand fences around it keep the compiler from moving
+ * accumulator reads or writes across the asynchronous products. Branches around wgmma batches are on
+ * warp-uniform values (the warpgroup index read through a shuffle), or ptxas serialises the products (C7520).
  */
+#include <type_traits>
+
 #include "kernels/cuda/attention.cuh"
 
 namespace {
@@ -56,12 +63,18 @@ constexpr int THREADS = 256;
 // ---------------------------------------------------------------------------- wgmma wrappers
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+// Waits until at most N committed wgmma groups of this warpgroup are still running.
+template <int N> __device__ __forceinline__ void wgmma_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
 // Pins n registers: the compiler may not move their reads or writes across this point.
 __device__ __forceinline__ void fence_regs(float *r, int n) {
 #pragma unroll
     for (int i = 0; i < n; i++) asm volatile("" : "+f"(r[i])::"memory");
 }
+// __syncthreads for code where the two warpgroups reach the barrier from different paths (each its own copy of a
+// loop): bar.sync counts arriving warps, whatever instruction they are at.
+__device__ __forceinline__ void block_barrier() { asm volatile("bar.sync 0;\n" ::: "memory"); }
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
 // Descriptor of a 128-byte-swizzled tile (file comment) at shared address addr.
@@ -181,8 +194,9 @@ __global__ void __launch_bounds__(THREADS, 1)
 
     const int qt = gridDim.x - 1 - blockIdx.x, h = blockIdx.y, b = blockIdx.z;  // grid_order below
     const int q0 = qt * F_BM;
-    const int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31, g = lane >> 2,
-              t = lane & 3;
+    // warp-uniform to the compiler (a shuffle's result), so the branches on it are not divergent paths (dkv)
+    const int wg = __shfl_sync(0xffffffffu, (int)threadIdx.x >> 7, 0);
+    const int warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int wq0 = q0 + wg * 64;  // this warpgroup's first query row
     const int row0 = wq0 + warp * 16 + g, row1 = row0 + 8;
     const size_t bh = (size_t)b * H + h;
@@ -191,32 +205,48 @@ __global__ void __launch_bounds__(THREADS, 1)
 
     load_tile_sw128<DQ, F_BM>(Qs, qs + (bh * Tpad + q0) * DQ);
     load_tile_sw128<DQ, F_BN>(Ks, kg);
-    load_tile_sw128<DV, F_BN>(Vs, vg);
     cp_async_commit();
 
     float o[DV / 8][4];
     zero<DV / 8>(o);
     float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;
+    uint32_t p[F_BN / 16][4];  // the previous tile's probabilities, the A operand of its O += P V
+    bool p_ready = false;      // p holds a tile this warpgroup has not yet multiplied into O
+    auto add_pv = [&](int tile) {  // O += P V of a tile whose V is in shared memory, waited for
+        fence_regs(&o[0][0], DV / 2);
+        wgmma_fence();
+        product_n_major<DV, F_BN>(&o[0][0], p, Vs + (tile & 1) * V_BUF);
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_regs(&o[0][0], DV / 2);
+    };
 
+    // Iteration kt has K tile kt and V tile kt - 1 in shared memory and loads K tile kt + 1 and V tile kt; it issues
+    // S = Q K^T of tile kt and O += P V of tile kt - 1 together, takes tile kt's softmax while the second product
+    // runs, and rescales O once that product is done. O sees the same rescales and products in the same order as
+    // one tile at a time, so the results are those bits.
     for (int kt = 0; kt < n_kt; kt++) {
         cp_async_wait_all();
         fence_proxy_async();
-        __syncthreads();  // tile kt is in; every warp is done with tile kt - 1, whose buffers are refilled now
-        if (kt + 1 < n_kt) {
-            const int nb = (kt + 1) & 1;
-            load_tile_sw128<DQ, F_BN>(Ks + nb * K_BUF, kg + (size_t)(kt + 1) * F_BN * DQ);
-            load_tile_sw128<DV, F_BN>(Vs + nb * V_BUF, vg + (size_t)(kt + 1) * F_BN * DV);
-        }
+        __syncthreads();  // K tile kt and V tile kt - 1 are in; every warp is done with K tile kt - 1, V tile kt - 2
+        if (kt + 1 < n_kt) load_tile_sw128<DQ, F_BN>(Ks + ((kt + 1) & 1) * K_BUF, kg + (size_t)(kt + 1) * F_BN * DQ);
+        load_tile_sw128<DV, F_BN>(Vs + (kt & 1) * V_BUF, vg + (size_t)kt * F_BN * DV);
         cp_async_commit();
         const int k0 = kt * F_BN;
-        if (k0 > wq0 + 63 || wq0 >= T) continue;  // every key of the tile is after every row of the warpgroup
-        const uint32_t kb = Ks + (kt & 1) * K_BUF, vb = Vs + (kt & 1) * V_BUF;
+        if (k0 > wq0 + 63 || wq0 >= T) {  // every key of the tile is after every row of the warpgroup
+            if (p_ready) add_pv(kt - 1);
+            p_ready = false;
+            continue;
+        }
 
         float s[F_BN / 8][4];
+        fence_regs(&o[0][0], DV / 2);
         wgmma_fence();
-        product_k_major<F_BN, DQ>(&s[0][0], Qs, F_BM, wg * 64, kb);
+        product_k_major<F_BN, DQ>(&s[0][0], Qs, F_BM, wg * 64, Ks + (kt & 1) * K_BUF);
         wgmma_commit();
-        wgmma_wait_all();
+        if (p_ready) product_n_major<DV, F_BN>(&o[0][0], p, Vs + ((kt - 1) & 1) * V_BUF);
+        wgmma_commit();
+        wgmma_wait<1>();
         fence_regs(&s[0][0], F_BN / 2);
 
         // in raw score units (scale_log2 > 0 keeps the order): the max, then p = 2^(s c - m c) in one FFMA
@@ -252,17 +282,17 @@ __global__ void __launch_bounds__(THREADS, 1)
         l1 = l1 * alpha1 + quad_sum(sum1);
         m0 = mn0;
         m1 = mn1;
+        wgmma_wait<0>();  // the previous tile's O += P V has read p and written o
+        fence_regs(&o[0][0], DV / 2);
         scale_rows<DV / 8>(o, alpha0, alpha1);
-        uint32_t p[F_BN / 16][4];
 #pragma unroll
         for (int j = 0; j < F_BN / 16; j++) pack_a_from_c(p[j], s[2 * j], s[2 * j + 1]);
-        fence_regs(&o[0][0], DV / 2);
-        wgmma_fence();
-        product_n_major<DV, F_BN>(&o[0][0], p, vb);
-        wgmma_commit();
-        wgmma_wait_all();
-        fence_regs(&o[0][0], DV / 2);
+        p_ready = true;
     }
+    cp_async_wait_all();
+    fence_proxy_async();
+    __syncthreads();  // the last V tile is in
+    if (p_ready) add_pv(n_kt - 1);  // the last tile's product
 
     store_rows<DV, true>(out + ((size_t)b * T * H + h) * Dv, (size_t)H * Dv, row0, T, 0, Dv, o, l0, l1, t);
     if (t == 0 && row0 < T) lse[bh * T + row0] = (m0 * scale_log2 + log2f(l0)) * LN2;
@@ -280,13 +310,14 @@ __global__ void __launch_bounds__(THREADS, 1)
                               float scale_log2) {
     extern __shared__ __align__(1024) unsigned char smem[];
     const uint32_t Qs = smem_base_1024(smem), dOs = Qs + Q_BM * DQ * 2, Ks = dOs + Q_BM * DV * 2,
-                   Vs = Ks + 2 * Q_BN * DQ * 2;
+                   Vs = Ks + 3 * Q_BN * DQ * 2;
     constexpr uint32_t K_BUF = Q_BN * DQ * 2, V_BUF = Q_BN * DV * 2;
 
     const int qt = gridDim.x - 1 - blockIdx.x, h = blockIdx.y, b = blockIdx.z;  // grid_order below
     const int q0 = qt * Q_BM;
-    const int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31, g = lane >> 2,
-              t = lane & 3;
+    // warp-uniform to the compiler (a shuffle's result), so the branches on it are not divergent paths (dkv)
+    const int wg = __shfl_sync(0xffffffffu, (int)threadIdx.x >> 7, 0);
+    const int warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int wq0 = q0 + wg * 64;
     const int row0 = wq0 + warp * 16 + g, row1 = row0 + 8;
     const size_t bh = (size_t)b * H + h;
@@ -303,27 +334,46 @@ __global__ void __launch_bounds__(THREADS, 1)
 
     float acc[DQ / 8][4];
     zero<DQ / 8>(acc);
+    uint32_t ds[Q_BN / 16][4];  // the previous tile's scale * dS, the A operand of its dq += dS K
+    bool ds_ready = false;      // ds holds a tile this warpgroup has not yet multiplied into dq
+    auto add_ds_k = [&](int tile) {  // dq += (scale dS) K of a tile whose K is still in shared memory, waited for
+        fence_regs(&acc[0][0], DQ / 2);
+        wgmma_fence();
+        product_n_major<DQ, Q_BN>(&acc[0][0], ds, Ks + (tile % 3) * K_BUF);
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_regs(&acc[0][0], DQ / 2);
+    };
 
+    // Iteration kt issues S and dP of key tile kt and dq += dS K of tile kt - 1 together, and takes tile kt's dS
+    // while the last product runs: K tiles stay in shared memory for two iterations (three buffers), V tiles for
+    // one. dq sees the same products in the same order as one tile at a time, so the results are those bits.
     for (int kt = 0; kt < n_kt; kt++) {
         cp_async_wait_all();
         fence_proxy_async();
-        __syncthreads();
+        __syncthreads();  // tile kt is in; every warp is done with K tile kt - 2 and V tile kt - 1
         if (kt + 1 < n_kt) {
-            const int nb = (kt + 1) & 1;
-            load_tile_sw128<DQ, Q_BN>(Ks + nb * K_BUF, kg + (size_t)(kt + 1) * Q_BN * DQ);
-            load_tile_sw128<DV, Q_BN>(Vs + nb * V_BUF, vg + (size_t)(kt + 1) * Q_BN * DV);
+            load_tile_sw128<DQ, Q_BN>(Ks + ((kt + 1) % 3) * K_BUF, kg + (size_t)(kt + 1) * Q_BN * DQ);
+            load_tile_sw128<DV, Q_BN>(Vs + ((kt + 1) & 1) * V_BUF, vg + (size_t)(kt + 1) * Q_BN * DV);
         }
         cp_async_commit();
         const int k0 = kt * Q_BN;
-        if (k0 > wq0 + 63 || wq0 >= T) continue;
-        const uint32_t kb = Ks + (kt & 1) * K_BUF, vb = Vs + (kt & 1) * V_BUF;
+        if (k0 > wq0 + 63 || wq0 >= T) {  // every key of the tile is after every row of the warpgroup
+            if (ds_ready) add_ds_k(kt - 1);
+            ds_ready = false;
+            continue;
+        }
+        const uint32_t kb = Ks + (kt % 3) * K_BUF, vb = Vs + (kt & 1) * V_BUF;
 
         float s[Q_BN / 8][4], dp[Q_BN / 8][4];
+        fence_regs(&acc[0][0], DQ / 2);
         wgmma_fence();
         product_k_major<Q_BN, DQ>(&s[0][0], Qs, Q_BM, wg * 64, kb);    // S = Q K^T
         product_k_major<Q_BN, DV>(&dp[0][0], dOs, Q_BM, wg * 64, vb);  // dP = dO V^T
         wgmma_commit();
-        wgmma_wait_all();
+        if (ds_ready) product_n_major<DQ, Q_BN>(&acc[0][0], ds, Ks + ((kt + 2) % 3) * K_BUF);  // dq += dS K, tile kt - 1
+        wgmma_commit();
+        wgmma_wait<1>();
         fence_regs(&s[0][0], Q_BN / 2);
         fence_regs(&dp[0][0], Q_BN / 2);
 
@@ -343,16 +393,13 @@ __global__ void __launch_bounds__(THREADS, 1)
                 for (int e = 0; e < 4; e++)
                     if (k0 + nt * 8 + 2 * t + (e & 1) > (e < 2 ? row0 : row1)) s[nt][e] = 0.0f;
         }
-        uint32_t ds[Q_BN / 16][4];
+        wgmma_wait<0>();  // the previous tile's product has read ds
+        fence_regs(&acc[0][0], DQ / 2);
 #pragma unroll
         for (int j = 0; j < Q_BN / 16; j++) pack_a_from_c(ds[j], s[2 * j], s[2 * j + 1]);
-        fence_regs(&acc[0][0], DQ / 2);
-        wgmma_fence();
-        product_n_major<DQ, Q_BN>(&acc[0][0], ds, kb);  // dq += (scale dS) K
-        wgmma_commit();
-        wgmma_wait_all();
-        fence_regs(&acc[0][0], DQ / 2);
+        ds_ready = true;
     }
+    if (ds_ready) add_ds_k(n_kt - 1);  // the last tile's product (its K tile is still in)
 
     store_rows<DQ, false>(dq + ((size_t)b * T * H + h) * Dqk, (size_t)H * Dqk, row0, T, 0, Dqk, acc, 0.0f, 0.0f, t);
 }
@@ -368,10 +415,10 @@ __global__ void __launch_bounds__(THREADS, 1)
                                int Dn, int Dr, int Dv, float scale, float scale_log2) {
     extern __shared__ __align__(1024) unsigned char smem[];
     const uint32_t Ks = smem_base_1024(smem), Vs = Ks + KV_BK * DQ * 2, Qs = Vs + KV_BK * DV * 2,
-                   dOs = Qs + 2 * KT * DQ * 2;
+                   dOs = Qs + 3 * KT * DQ * 2;
     constexpr uint32_t Q_BUF = KT * DQ * 2, DO_BUF = KT * DV * 2;
     // after the tiles: P^T (32 floats per value-warpgroup thread, [i][thread]), then lse2 and D, two buffers each
-    unsigned char *tail = smem + (dOs + 2 * DO_BUF - smem_addr(smem));
+    unsigned char *tail = smem + (dOs + 3 * DO_BUF - smem_addr(smem));
     float *Ps = reinterpret_cast<float *>(tail), *lse_s = Ps + 32 * 128, *D_s = lse_s + 2 * KT;
 
     const int kt = blockIdx.x, h = blockIdx.y, b = blockIdx.z;  // grid_order below
@@ -397,40 +444,39 @@ __global__ void __launch_bounds__(THREADS, 1)
     cp_async_commit();
 
     const bool want_dk = dk_nope != NULL || dk_rope != NULL;
-    const bool first_product = key_group ? want_dk : true;  // the value group's P^T feeds dk too
     const bool second_product = key_group ? want_dk : dv != NULL;
 
     constexpr int ACC = DQ > DV ? DQ : DV;
     float acc[ACC / 8][4];
     zero<ACC / 8>(acc);
-
-    for (int it = 0; it < n_iter; it++) {
-        cp_async_wait_all();
-        fence_proxy_async();
-        __syncthreads();  // tile it is in; every warp is done with tile it - 1 (its buffers and Ps)
-        if (it + 1 < n_iter) {
-            const int qn = k0 + (it + 1) * KT, nb = (it + 1) & 1;
-            load_tile_sw128<DQ, KT>(Qs + nb * Q_BUF, qg + (size_t)qn * DQ);
-            load_tile_sw128<DV, KT>(dOs + nb * DO_BUF, dog + (size_t)qn * DV);
-            load_row_stats_async(lse_s + nb * KT, lse2g + qn, 0);
-            load_row_stats_async(D_s + nb * KT, Dgh + qn, 32);
-        }
-        cp_async_commit();
-        const int q0 = k0 + it * KT, buf = it & 1;
-        const uint32_t qb = Qs + buf * Q_BUF, dob = dOs + buf * DO_BUF;
-        const bool need_mask = it == 0 || q0 + KT > T;  // the diagonal tile, or rows beyond T in the last tile
-
-        float x[KT / 8][4];  // element (key warp*16 + g or +8, query 8 nt + 2t + e%2 of the tile)
-        if (first_product) {
+    uint32_t a[KT / 16][4];  // the previous tile's P^T (value group) or scale dS^T (key group), A of its 2nd product
+    bool a_ready = false;    // a holds a tile this warpgroup has not yet multiplied into its accumulator
+    // The second product of a query tile still in shared memory: dv += P^T dO or dk += (scale dS^T) Q. Branches on
+    // the warpgroup's role are compile-time (KEY), so every wgmma batch lies in one path (no injected arrives).
+    // (Issued inside a batch whose wgmma_fence follows the last write of acc and a.)
+    auto second = [&](auto key_c, int tile) {
+        if constexpr (decltype(key_c)::value) product_n_major<DQ, KT>(&acc[0][0], a, Qs + (tile % 3) * Q_BUF);
+        else product_n_major<DV, KT>(&acc[0][0], a, dOs + (tile % 3) * DO_BUF);
+    };
+    // Iteration it, before the exchange of P^T: the first product of query tile it (the value group's S^T = K Q^T,
+    // the key group's dP^T = V dO^T) and the second product of tile it - 1 issued together; then the value group's
+    // P^T into shared memory while the second product runs.
+    auto before_exchange = [&](auto key_c, float (*x)[4], int it, bool need_mask) {
+        constexpr bool KEY = decltype(key_c)::value;
+        const int q0 = k0 + it * KT, buf = it % 3;
+        if (!KEY || want_dk) {
+            fence_regs(&acc[0][0], ACC / 2);
             wgmma_fence();
-            if (key_group) product_k_major<KT, DV>(&x[0][0], Vs, KV_BK, 0, dob);  // dP^T = V dO^T
-            else product_k_major<KT, DQ>(&x[0][0], Ks, KV_BK, 0, qb);             // S^T = K Q^T
+            if constexpr (KEY) product_k_major<KT, DV>(&x[0][0], Vs, KV_BK, 0, dOs + buf * DO_BUF);  // dP^T = V dO^T
+            else product_k_major<KT, DQ>(&x[0][0], Ks, KV_BK, 0, Qs + buf * Q_BUF);                // S^T = K Q^T
             wgmma_commit();
-            wgmma_wait_all();
+            if (a_ready) second(key_c, it - 1);
+            wgmma_commit();
+            wgmma_wait<1>();
             fence_regs(&x[0][0], KT / 2);
         }
-        if (!key_group) {
-            const float *ls = lse_s + buf * KT;
+        if constexpr (!KEY) {
+            const float *ls = lse_s + (it & 1) * KT;
 #pragma unroll
             for (int nt = 0; nt < KT / 8; nt++) {
                 const float2 l = *reinterpret_cast<const float2 *>(ls + nt * 8 + 2 * t);
@@ -453,10 +499,12 @@ __global__ void __launch_bounds__(THREADS, 1)
 #pragma unroll
                 for (int e = 0; e < 4; e++) Ps[(nt * 4 + e) * 128 + slot] = x[nt][e];
         }
-        __syncthreads();  // Ps complete
-        if (!second_product) continue;
-        if (key_group) {
-            const float *Ds = D_s + buf * KT;
+    };
+    // After the exchange: the key group's scale dS^T from P^T; then, once the second product of tile it - 1 is
+    // done, this tile's A operand of its own.
+    auto after_exchange = [&](auto key_c, float (*x)[4], int it) {
+        if constexpr (decltype(key_c)::value) {
+            const float *Ds = D_s + (it & 1) * KT;
 #pragma unroll
             for (int nt = 0; nt < KT / 8; nt++) {
                 const float2 d = *reinterpret_cast<const float2 *>(Ds + nt * 8 + 2 * t);
@@ -465,17 +513,47 @@ __global__ void __launch_bounds__(THREADS, 1)
                     x[nt][e] = Ps[(nt * 4 + e) * 128 + slot] * (x[nt][e] - (e & 1 ? d.y : d.x)) * scale;  // scale dS^T
             }
         }
-        uint32_t a[KT / 16][4];
+        wgmma_wait<0>();  // the previous tile's second product has read a and written acc
+        fence_regs(&acc[0][0], ACC / 2);
 #pragma unroll
         for (int j = 0; j < KT / 16; j++) pack_a_from_c(a[j], x[2 * j], x[2 * j + 1]);
-        fence_regs(&acc[0][0], ACC / 2);
-        wgmma_fence();
-        if (key_group) product_n_major<DQ, KT>(&acc[0][0], a, qb);  // dk += (scale dS^T) Q
-        else product_n_major<DV, KT>(&acc[0][0], a, dob);           // dv += P^T dO
-        wgmma_commit();
-        wgmma_wait_all();
-        fence_regs(&acc[0][0], ACC / 2);
-    }
+        a_ready = true;
+    };
+    // Query tiles stay in shared memory for two iterations (three buffers): the second product of tile it - 1 runs
+    // in iteration it. Each accumulator sees the same products in the same order as one tile at a time. Each role
+    // runs the loop in its own copy (run below), so no wgmma batch spans a branch on the role; the two copies meet
+    // at the same block barriers.
+    auto run = [&](auto key_c) {
+        for (int it = 0; it < n_iter; it++) {
+            cp_async_wait_all();
+            fence_proxy_async();
+            block_barrier();  // tile it is in; every warp is done with query tile it - 2, statistics it - 1 and Ps
+            if (it + 1 < n_iter) {
+                const int qn = k0 + (it + 1) * KT, nb = (it + 1) % 3, sb = (it + 1) & 1;
+                load_tile_sw128<DQ, KT>(Qs + nb * Q_BUF, qg + (size_t)qn * DQ);
+                load_tile_sw128<DV, KT>(dOs + nb * DO_BUF, dog + (size_t)qn * DV);
+                load_row_stats_async(lse_s + sb * KT, lse2g + qn, 0);
+                load_row_stats_async(D_s + sb * KT, Dgh + qn, 32);
+            }
+            cp_async_commit();
+            const bool need_mask = it == 0 || k0 + it * KT + KT > T;  // the diagonal tile, or rows beyond T
+
+            float x[KT / 8][4];  // element (key warp*16 + g or +8, query 8 nt + 2t + e%2 of the tile)
+            before_exchange(key_c, x, it, need_mask);
+            block_barrier();  // Ps complete
+            if (second_product) after_exchange(key_c, x, it);
+        }
+        if (a_ready) {  // the last tile's second product (its query tile is still in)
+            fence_regs(&acc[0][0], ACC / 2);
+            wgmma_fence();
+            second(key_c, n_iter - 1);
+            wgmma_commit();
+            wgmma_wait<0>();
+            fence_regs(&acc[0][0], ACC / 2);
+        }
+    };
+    if (key_group) run(std::true_type{});
+    else run(std::false_type{});
 
     const size_t ld = (size_t)Dn + Dv, head0 = (size_t)b * T * H + h;  // row (b, 0, h) of a (B, T, H, .) tensor
     if (key_group) {
@@ -529,7 +607,7 @@ static void launch_forward(float *out, float *lse, const Staged *s, int B, int T
 }
 
 template <int DQ, int DV> static void launch_dq(float *dq, const Staged *s, int B, int T, int H, int Dqk) {
-    const size_t smem = 1024 + 2 * ((size_t)Q_BM * (DQ + DV) + 2 * (size_t)Q_BN * (DQ + DV));
+    const size_t smem = 1024 + 2 * ((size_t)Q_BM * (DQ + DV) + (size_t)Q_BN * (3 * DQ + 2 * DV));
     allow_smem(attention_dq_wgmma_kernel<DQ, DV>, smem, "attention_dq_wgmma_kernel");
     const dim3 grid = grid_order((T + Q_BM - 1) / Q_BM, H, B);
     const float scale = 1.0f / sqrtf((float)Dqk);
@@ -540,7 +618,7 @@ template <int DQ, int DV> static void launch_dq(float *dq, const Staged *s, int 
 
 template <int DQ, int DV>
 static void launch_dkv(const DkvOut *o, const Staged *s, int B, int T, int H, int Dn, int Dr, int Dv) {
-    const size_t smem = 1024 + 2 * ((size_t)KV_BK * (DQ + DV) + 2 * (size_t)KT * (DQ + DV)) +
+    const size_t smem = 1024 + 2 * ((size_t)KV_BK * (DQ + DV) + 3 * (size_t)KT * (DQ + DV)) +
                         sizeof(float) * (32 * 128 + 4 * KT);
     allow_smem(attention_dkv_wgmma_kernel<DQ, DV>, smem, "attention_dkv_wgmma_kernel");
     const dim3 grid = grid_order((T + KV_BK - 1) / KV_BK, H, B);
