@@ -371,7 +371,7 @@ __global__ void __launch_bounds__(THREADS, 1)
         product_k_major<Q_BN, DQ>(&s[0][0], Qs, Q_BM, wg * 64, kb);    // S = Q K^T
         product_k_major<Q_BN, DV>(&dp[0][0], dOs, Q_BM, wg * 64, vb);  // dP = dO V^T
         wgmma_commit();
-        if (ds_ready) product_n_major<DQ, Q_BN>(&acc[0][0], ds, Ks + ((kt + 2) % 3) * K_BUF);  // dq += dS K, tile kt - 1
+        if (ds_ready) product_n_major<DQ, Q_BN>(&acc[0][0], ds, Ks + ((kt + 2) % 3) * K_BUF);  // dq += dS K, kt - 1
         wgmma_commit();
         wgmma_wait<1>();
         fence_regs(&s[0][0], Q_BN / 2);
