@@ -533,8 +533,8 @@ static void grouped_fail(int line, const char *op, const char *fmt, ...) {
 
 static void require_aligned16(const void *p, const char *op, const char *name) {
     if ((uintptr_t)p % 16 != 0)
-        grouped_fail(__LINE__, op, "%s = %p is not 16-byte aligned - expected a 16-byte aligned device pointer (TMA and "
-                                   "the 16-byte output stores need it)", name, p);
+        grouped_fail(__LINE__, op, "%s = %p is not 16-byte aligned - expected a 16-byte aligned device pointer (TMA "
+                                   "and the 16-byte output stores need it)", name, p);
 }
 
 typedef CUresult (*EncodeTiledFn)(CUtensorMap *, CUtensorMapDataType, cuuint32_t, void *, const cuuint64_t *,
@@ -592,8 +592,8 @@ static void encode_map(CUtensorMap *map, CUtensorMapDataType type, int elem_byte
                                  CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
                                  CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
     if (r != CUDA_SUCCESS)
-        grouped_fail(__LINE__, op, "cuTensorMapEncodeTiled for %s (%lld rows x %lld elements at %p) failed with CUresult %d",
-                     what, (long long)rows, (long long)cols, base, (int)r);
+        grouped_fail(__LINE__, op, "cuTensorMapEncodeTiled for %s (%lld rows x %lld elements at %p) failed with "
+                                   "CUresult %d", what, (long long)rows, (long long)cols, base, (int)r);
 }
 
 // One launch of the kernel instance (WGRAD, OPS) in the tile form `wide` (128 x 256) or not (128 x 128).
@@ -651,8 +651,8 @@ extern "C" void cuda_fp8_grouped_gemm_bf16(uint16_t *y, int y_rows_padded, const
         const int rows = rows0[g + 1] - rows0[g];
         if (rows == 0) continue;
         if (qw[g] == NULL || sw[g] == NULL)
-            grouped_fail(__LINE__, op, "segment %d has %d rows but qw[%d] = %p, sw[%d] = %p - expected its weight", g, rows,
-                         g, (const void *)qw[g], g, (const void *)sw[g]);
+            grouped_fail(__LINE__, op, "segment %d has %d rows but qw[%d] = %p, sw[%d] = %p - expected its weight", g,
+                         rows, g, (const void *)qw[g], g, (const void *)sw[g]);
         require_aligned16(qw[g], op, "qw[g]");
         encode_map(&p.b[n], CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, qw[g], Np, Kp, Kp, BK, tn, op, "a weight qw[g]");
         const int y_row = y_rows_padded ? seg.p16[g] : rows0[g];
